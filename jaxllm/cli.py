@@ -1,0 +1,173 @@
+"""The ``jaxllm`` command line: ``generate``, ``chat`` (and ``serve`` / ``bench`` where installed).
+
+Flags follow vLLM's names.  A user error (bad flag value, missing checkpoint, prompt too
+long) prints one line naming the problem and exits with status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from jaxllm.config import EngineConfig, parse_size
+from jaxllm.errors import JaxllmError
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    g = p.add_argument_group("engine")
+    if model_positional:
+        g.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+                       help="HF folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer folder, when it differs from the model's")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
+    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most requests per step (CPU default 32)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step, prefill chunks and decodes together (CPU default 512)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory_bytes", default=None,
+                   help="budget for the whole KV cache across all layers, e.g. 1073741824 or 1GiB")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
+    g.add_argument("--seed", type=int, default=0, help="seed for the seeds of unseeded requests")
+    g.add_argument("--attention-backend", default="auto", help="auto | xla | pallas")
+    g.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=None,
+                   help="run layers under lax.scan (default on accelerators)")
+    g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+                   help="unroll the layers (default on CPU: faster decode, slower compile)")
+    g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
+    g.add_argument("--compile-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/jaxllm/xla)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    model = getattr(args, "model_pos", None) or args.model
+    kv_bytes = None if args.kv_cache_memory_bytes is None else parse_size(
+        args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+    return EngineConfig.from_kwargs(
+        model=model, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        kv_cache_memory_bytes=kv_bytes, num_blocks_override=args.num_gpu_blocks_override,
+        attention_backend=args.attention_backend, scan_layers=args.scan_layers,
+        max_logprobs=args.max_logprobs, compile_cache_dir=args.compile_cache_dir)
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="seed of the draw")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def sampling_params_from_args(args):
+    from jaxllm.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop)
+
+
+def cmd_generate(args) -> int:
+    sp = sampling_params_from_args(args)  # validate before the (slow) engine start
+    llm = _make_llm(args)
+    prompts = args.prompt or [sys.stdin.read()]
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    for o in outs:
+        print(o.outputs[0].text if args.chat else (o.prompt or "") + o.outputs[0].text)
+        if len(outs) > 1:
+            print("-" * 40)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    import itertools
+
+    from jaxllm.engine.output_processor import OutputKind
+    from jaxllm.engine.tokenizer import encode, render_chat
+    sp = sampling_params_from_args(args)
+    llm = _make_llm(args)
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    ids = itertools.count()
+    print("Type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            return 0
+        messages.append({"role": "user", "content": line})
+        text = render_chat(tok, messages)
+        rid = f"chat-{next(ids)}"
+        engine.add_request(rid, {"prompt": text, "prompt_token_ids": encode(tok, text, add_special_tokens=False)},
+                           sp, kind=OutputKind.DELTA)
+        reply = []
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    piece = out.outputs[0].text
+                    reply.append(piece)
+                    print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            engine.abort_request(rid)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _make_llm(args):
+    from jaxllm.llm import LLM
+    return LLM.from_engine_config(engine_config_from_args(args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxllm", description="LLM inference compiled by XLA")
+    parser.add_argument("--log-level", default=os.environ.get("JAXLLM_LOG_LEVEL", "WARNING"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete prompts and print the results")
+    g.add_argument("prompt", nargs="*", help="prompts (default: read one from stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    add_engine_args(g)
+    add_sampling_args(g, max_tokens=64)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat that streams tokens")
+    c.add_argument("--system", default=None, help="system prompt")
+    add_engine_args(c)
+    add_sampling_args(c, max_tokens=512)
+    c.set_defaults(func=cmd_chat)
+
+    for name, module in (("serve", "serve.cli"), ("bench", "bench.cli")):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except (JaxllmError, ValueError) as e:
+        logging.getLogger("jaxllm").debug("user error", exc_info=True)
+        print(f"jaxllm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""Engine configuration: a few frozen dataclasses, each field documented and validated.
+
+Every user-settable field is checked in ``__post_init__`` and a bad value raises a
+``ValueError`` that names the CLI flag, so the CLI, the offline ``LLM`` and the server
+all report the same message.  Values that depend on the checkpoint (``max_model_len``,
+``dtype="auto"``) are resolved once by :func:`resolve_engine_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "ki": 1024, "kib": 1024,
+    "m": 1000**2, "mb": 1000**2, "mi": 1024**2, "mib": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gi": 1024**3, "gib": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "ti": 1024**4, "tib": 1024**4,
+}
+
+
+def parse_size(value: str | int, flag: str) -> int:
+    """Parses a byte count such as ``1073741824``, ``512MiB`` or ``2GB``."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2) is not None and m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{flag}: cannot read {value!r} as a size (examples: 1073741824, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+
+
+def default_cache_dir() -> str:
+    """Where compiled programs and converted tokenizers persist between runs."""
+    root = os.environ.get("JAXLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxllm")
+    return root
+
+
+def _positive(name: str, flag: str, value, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache sizing."""
+
+    block_size: int = 16
+    """Tokens per KV block (``--block-size``)."""
+    kv_cache_memory_bytes: int | None = None
+    """Budget in bytes for the whole KV cache across all layers (``--kv-cache-memory-bytes``).
+    None: enough for ``max_num_seqs`` full-length sequences, capped at a quarter of the
+    memory available to the process."""
+    num_blocks_override: int | None = None
+    """Exact number of blocks per layer; wins over the byte budget (``--num-gpu-blocks-override``)."""
+
+    def __post_init__(self):
+        _positive("block_size", "--block-size", self.block_size, allow_none=False)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        _positive("kv_cache_memory_bytes", "--kv-cache-memory-bytes", self.kv_cache_memory_bytes)
+        _positive("num_blocks_override", "--num-gpu-blocks-override", self.num_blocks_override)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits."""
+
+    max_num_seqs: int | None = None
+    """Most requests in one step (``--max-num-seqs``). None: 32 on CPU, 256 on an accelerator."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step, prefill chunks and decodes together (``--max-num-batched-tokens``).
+    None: 512 on CPU, 2048 on an accelerator."""
+    max_model_len: int | None = None
+    """Longest sequence, prompt plus output (``--max-model-len``). None: the checkpoint's."""
+
+    def __post_init__(self):
+        _positive("max_num_seqs", "--max-num-seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", "--max-num-batched-tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", "--max-model-len", self.max_model_len)
+        if (self.max_num_seqs and self.max_num_batched_tokens
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                f"--max-num-seqs ({self.max_num_seqs}): every running request needs a token per step")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How the model step is compiled and run."""
+
+    dtype: str = "auto"
+    """Weight and activation dtype (``--dtype``): auto = float32 on CPU, bfloat16 elsewhere."""
+    attention_backend: str = "auto"
+    """``--attention-backend``: auto (pallas on GPU, xla elsewhere), xla or pallas."""
+    scan_layers: bool | None = None
+    """Run layers under ``lax.scan`` over stacked weights (``--scan-layers``/``--no-scan-layers``).
+    None: scan on accelerators; unrolled on CPU, where XLA copies each sliced layer's
+    weights before its matmuls (3x the weight traffic, measured in docs/architecture.md)."""
+    max_logprobs: int = 20
+    """Most top logprobs a request may ask for (``--max-logprobs``); fixed in the compiled step."""
+    compile_cache_dir: str | None = None
+    """Persistent XLA compilation cache (``--compile-cache-dir``). None: ~/.cache/jaxllm/xla."""
+    strict_compile_guard: bool = False
+    """Raise instead of warn when a step traces or compiles after warm-up (tests set it)."""
+    show_progress: bool = True
+    """Progress bar while the buckets compile."""
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"--max-logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; built from CLI flags or ``LLM(...)`` keyword arguments."""
+
+    model: str | None = None
+    """Checkpoint: an HF folder, a .gguf file, or None for the built-in SmolLM2-135M-Instruct."""
+    tokenizer: str | None = None
+    """Tokenizer folder when it differs from the model's (``--tokenizer``)."""
+    skip_tokenizer_init: bool = False
+    """Run without a tokenizer: prompts must be token ids and outputs carry no text."""
+    seed: int = 0
+    """Seed for the random seeds of unseeded requests (``--seed``)."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+
+    def __post_init__(self):
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"--seed must be an integer, got {self.seed!r}")
+
+    @staticmethod
+    def from_kwargs(**kwargs) -> "EngineConfig":
+        """Builds a config from flat keyword arguments (``LLM(max_num_seqs=4, ...)``)."""
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}
+        part_kwargs: dict[str, dict] = {k: {} for k in parts}
+        top: dict = {}
+        top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - set(parts)
+        for key, value in kwargs.items():
+            if key in top_fields:
+                top[key] = value
+                continue
+            for part, cls in parts.items():
+                if key in {f.name for f in dataclasses.fields(cls)}:
+                    if key == "kv_cache_memory_bytes" and value is not None:
+                        value = parse_size(value, "--kv-cache-memory-bytes")
+                    part_kwargs[part][key] = value
+                    break
+            else:
+                raise ValueError(f"unknown engine argument {key!r}")
+        return EngineConfig(**top, **{p: cls(**part_kwargs[p]) for p, cls in parts.items()})
+
+
+def platform_defaults(platform: str) -> dict:
+    """Defaults that differ between CPU and accelerators."""
+    if platform == "cpu":
+        return {"max_num_seqs": 32, "max_num_batched_tokens": 512, "dtype": "float32", "scan_layers": False}
+    return {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "dtype": "bfloat16", "scan_layers": True}

@@ -1,0 +1,1 @@
+"""The engine: the step loop, its sync and async drivers, and output processing."""

@@ -1,0 +1,115 @@
+"""EngineCore: the step loop's body.  scheduler -> runner -> scheduler, once per ``step()``.
+
+It also resolves the configuration against the checkpoint and the platform (dtype,
+max_model_len, KV blocks, buckets) and warms the runner up, so that once it exists
+serving never compiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import jax
+
+from jaxllm.config import EngineConfig, default_cache_dir, platform_defaults
+from jaxllm.core.kv_budget import KVPlan, plan_kv_cache
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.models.loader import LoadedModel
+from jaxllm.outputs import EngineCoreOutput
+from jaxllm.request import Request
+from jaxllm.runner import compile as cc
+from jaxllm.runner.model_runner import ModelRunner
+
+log = logging.getLogger("jaxllm.engine")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The numbers the engine actually runs with."""
+
+    dtype: str
+    attention_backend: str
+    scan_layers: bool
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv: KVPlan
+    compile_cache_dir: str
+
+
+def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
+    platform = jax.default_backend()
+    defaults = platform_defaults(platform)
+    rc, sc, cache = config.runner, config.scheduler, config.cache
+    dtype = defaults["dtype"] if rc.dtype == "auto" else rc.dtype
+    backend = rc.attention_backend
+    if backend == "auto":
+        backend = "xla"
+    if backend == "pallas":
+        raise ValueError("--attention-backend pallas: the Pallas kernels are not available in this build; "
+                         "use --attention-backend xla")
+    scan = defaults["scan_layers"] if rc.scan_layers is None else rc.scan_layers
+    model_len = model.arch.max_position_embeddings
+    max_model_len = sc.max_model_len or model_len
+    if max_model_len > model_len:
+        raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context "
+                         f"length ({model_len})")
+    max_num_seqs = sc.max_num_seqs or defaults["max_num_seqs"]
+    max_tokens = sc.max_num_batched_tokens or max(defaults["max_num_batched_tokens"], max_num_seqs)
+    if max_tokens < max_num_seqs:
+        raise ValueError(f"--max-num-batched-tokens ({max_tokens}) must be at least --max-num-seqs ({max_num_seqs})")
+    a = model.arch
+    import numpy as np
+    itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
+    kv = plan_kv_cache(num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                       itemsize=itemsize, block_size=cache.block_size, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, budget_bytes=cache.kv_cache_memory_bytes,
+                       num_blocks_override=cache.num_blocks_override)
+    cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
+    return ResolvedConfig(dtype=dtype, attention_backend=backend, scan_layers=scan, max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, kv=kv,
+                          compile_cache_dir=cache_dir)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: LoadedModel):
+        self.config = config
+        self.resolved = r = resolve_config(config, model)
+        cc.enable_persistent_cache(r.compile_cache_dir)
+        cc.install_listeners()
+        log.info(r.kv.describe(r.max_model_len))
+        self.kv_manager = KVCacheManager(r.kv.num_blocks, r.kv.block_size)
+        self.scheduler = Scheduler(self.kv_manager, max_num_seqs=r.max_num_seqs,
+                                   max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len)
+        self.runner = ModelRunner(
+            model, dtype=r.dtype, scan_layers=r.scan_layers, num_blocks=r.kv.num_blocks,
+            block_size=r.kv.block_size, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
+            max_num_batched_tokens=r.max_num_batched_tokens, max_logprobs=config.runner.max_logprobs,
+            strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress)
+        self.runner.warmup()
+        self._seed_rng = random.Random(config.seed)
+
+    def new_seed(self) -> int:
+        """A 64-bit seed for an unseeded request (reproducible from ``--seed``)."""
+        return self._seed_rng.getrandbits(64)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            # Still deliver finished ids so the runner drops their state.
+            self.runner.execute(so)
+            return []
+        result = self.runner.execute(so)
+        return self.scheduler.update_from_output(so, result)

@@ -1,0 +1,68 @@
+"""LLMEngine: the synchronous engine behind the offline ``LLM`` class and the CLI.
+
+Loads the checkpoint and tokenizer, builds the engine core (which compiles every step
+bucket), and turns prompts into requests and engine-core outputs into ``RequestOutput``s.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jaxllm.config import EngineConfig, default_cache_dir
+from jaxllm.engine.core import EngineCore
+from jaxllm.engine.output_processor import OutputKind, OutputProcessor
+from jaxllm.engine.processor import InputProcessor, PromptType
+from jaxllm.engine.tokenizer import eos_token_ids, load_tokenizer
+from jaxllm.models.loader import TokenizerSource, load_model
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+log = logging.getLogger("jaxllm.engine")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model = load_model(config.model)
+        self.model_name = model.name
+        self.arch = model.arch
+        self.generation_config = dict(model.generation_config)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            src = TokenizerSource(config.tokenizer) if config.tokenizer else model.tokenizer
+            self.tokenizer = load_tokenizer(src, default_cache_dir())
+        self.core = EngineCore(config, model)
+        del model  # host copies of the weights are no longer needed
+        self.max_model_len = self.core.resolved.max_model_len
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.generation_config)
+        self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
+                                              self.eos_token_ids, config.runner.max_logprobs)
+        self.output_processor = OutputProcessor(self.tokenizer)
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
+                    kind: OutputKind = OutputKind.CUMULATIVE, priority: int = 0) -> None:
+        params = params or SamplingParams()
+        text, ids = self.input_processor.tokenize(prompt)
+        self.input_processor.check_params(params)
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        child_ids = self.output_processor.add_request(request_id, text, ids, params, kind)
+        for i, cid in enumerate(child_ids):
+            seed = self.core.new_seed() if params.seed is None else params.seed + i
+            self.core.add_request(self.input_processor.make_request(cid, ids, params, seed, priority))
+
+    def abort_request(self, request_ids) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            self.core.abort_requests(self.output_processor.child_ids(rid))
+            self.output_processor.abort(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        outputs, to_abort = self.output_processor.process(self.core.step())
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outputs

@@ -1,0 +1,74 @@
+"""Input processing: prompts (text, token ids, or vLLM's prompt dicts) -> validated engine requests."""
+
+from __future__ import annotations
+
+from jaxllm.engine.tokenizer import encode
+from jaxllm.request import Request
+from jaxllm.sampling_params import SamplingParams
+
+PromptType = str | dict | list
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: tuple[int, ...],
+                 max_logprobs: int):
+        self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Returns (prompt text or None, prompt token ids), validated."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError("prompt must be a string")
+            if self.tokenizer is None:
+                raise ValueError("this engine runs without a tokenizer (skip_tokenizer_init): pass prompt_token_ids")
+            ids = encode(self.tokenizer, text)
+        ids = list(ids)
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is out of vocabulary (size {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
+                             f"of {self.max_model_len}.")
+        return text, ids
+
+    def check_params(self, params: SamplingParams) -> None:
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary (size {self.vocab_size})")
+        if params.logprobs is not None and params.logprobs > self.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} is more than the engine's max_logprobs="
+                             f"{self.max_logprobs} (--max-logprobs)")
+        unsupported = [name for name, default in _NOT_YET.items() if getattr(params, name) != default]
+        if unsupported:
+            raise ValueError(f"{unsupported[0]} is not supported by this engine yet")
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                     priority: int = 0, arrival_time: float | None = None) -> Request:
+        room = max(self.max_model_len - len(prompt_token_ids), 1)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, seed=seed,
+                       arrival_time=arrival_time, priority=priority, max_tokens=max_tokens)
+
+
+# Parameters validated by SamplingParams but not yet applied by the sampler (issue [3/7]).
+_NOT_YET = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+            "logit_bias": None, "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None}

@@ -1,0 +1,1 @@
+"""Building blocks of the model forward: norms, rotary embeddings, linear maps, attention."""

@@ -1,0 +1,103 @@
+"""Paged attention over a ragged batch, and the metadata that describes that batch.
+
+One step computes a flat token array mixing prefill chunks and decodes.  Each token
+knows its sequence row and its position; its K/V are written into the paged cache first,
+then the token attends over positions ``[0, position]`` (or the sliding window) of its own
+sequence, read through that sequence's block table.  This one rule covers whole prompts,
+prefill chunks that resume from cached KV, and single-token decodes.
+
+``paged_attention_xla`` is the plain-XLA path, which runs everywhere and is the oracle
+for the Pallas kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+KVCache = tuple[jax.Array, jax.Array]
+"""(K, V), each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+_MASK_VALUE = -1e30  # finite, so a fully masked chunk cannot turn the running max into NaN
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    positions: jax.Array       # [T] int32, position of each token in its sequence
+    slot_mapping: jax.Array    # [T] int32, flat cache slot (block * block_size + offset); padding -> out of range
+    token_seq: jax.Array       # [T] int32, row of each token's sequence
+    block_tables: jax.Array    # [S, max_blocks] int32
+    seq_lens: jax.Array        # [S] int32, KV length of each sequence after this step (0 for padding rows)
+    query_start_loc: jax.Array  # [S + 1] int32, offsets of each sequence's tokens in the flat array
+
+
+def write_kv(kv: KVCache, layer, slot_mapping: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Scatters this step's K/V (``[T, Hkv, Dh]``) into the cache of ``layer``, in place."""
+    k_cache, v_cache = kv
+    BS = k_cache.shape[2]
+    # Indexing the 5-D cache directly (no reshape to flat slots) keeps the update a plain
+    # in-place scatter; through a reshape XLA:CPU rewrote the whole cache every layer.
+    # Padding tokens carry slot num_blocks * block_size: block index out of range, dropped.
+    blk, off = slot_mapping // BS, slot_mapping % BS
+    k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
+
+
+def kv_chunk_tokens(num_tokens: int, block_size: int) -> int:
+    """KV positions visited per loop iteration: large for decode-sized batches, smaller for
+    big prefills so the gathered K/V of one iteration stays around 32 Ki token-positions."""
+    chunk = 256
+    while chunk > block_size and num_tokens * chunk > 32768:
+        chunk //= 2
+    return max(chunk, block_size)
+
+
+def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata, *, scale: float,
+                        sliding_window: int | None = None) -> jax.Array:
+    """Plain-XLA paged attention with an online softmax over KV chunks.
+
+    q [T, Hq, Dh] -> [T, Hq, Dh].  Loops only as far as the longest sequence in the batch,
+    so the cost follows the real context, not ``max_model_len``.
+    """
+    k_cache, v_cache = kv
+    T, Hq, Dh = q.shape
+    _, _, BS, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    chunk = kv_chunk_tokens(T, BS)
+    cb = chunk // BS                                        # blocks per chunk
+    tables = md.block_tables[md.token_seq]                   # [T, MB]
+    pad = (-tables.shape[1]) % cb
+    if pad:
+        tables = jnp.pad(tables, ((0, 0), (0, pad)))
+    qg = (q.astype(jnp.float32) * scale).reshape(T, Hkv, G, Dh)
+    kv_len = md.positions + 1                                # [T]
+    lo = jnp.zeros_like(kv_len) if sliding_window is None else kv_len - sliding_window
+    n_chunks = (jnp.max(kv_len) + chunk - 1) // chunk
+
+    def body(j, carry):
+        m, l, acc = carry                                    # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,Dh]
+        blocks = jax.lax.dynamic_slice_in_dim(tables, j * cb, cb, axis=1)  # [T, cb]
+        k = k_cache[layer, blocks].reshape(T, chunk, Hkv, Dh)  # [T, C, Hkv, Dh]
+        v = v_cache[layer, blocks].reshape(T, chunk, Hkv, Dh)
+        s = jnp.einsum("thgd,tchd->thgc", qg.astype(k.dtype), k,
+                       preferred_element_type=jnp.float32)   # [T, Hkv, G, C]
+        kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
+        valid = (kpos[None, :] < kv_len[:, None]) & (kpos[None, :] >= lo[:, None])  # [T, C]
+        s = jnp.where(valid[:, None, None, :], s, _MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("thgc,tchd->thgd", p.astype(v.dtype), v,
+                                                 preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((T, Hkv, G), _MASK_VALUE, jnp.float32), jnp.zeros((T, Hkv, G), jnp.float32),
+            jnp.zeros((T, Hkv, G, Dh), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    out = acc / l[..., None]
+    return out.reshape(T, Hq, Dh).astype(q.dtype)

@@ -1,0 +1,53 @@
+"""Rotary position embeddings: inverse frequencies (with llama3 / linear scaling) and their application.
+
+The inverse frequencies are computed once on the host in float32 exactly as transformers
+computes them, and enter the compiled step as an argument, not a constant.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.models.config import RopeScaling
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling,
+                    freq_factors: np.ndarray | None = None) -> np.ndarray:
+    """[head_dim // 2] float32."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    if freq_factors is not None:
+        # llama.cpp stores llama3-style scaling as per-frequency divisors (rope_freqs.weight).
+        return (inv / freq_factors.astype(np.float32)).astype(np.float32)
+    if scaling.rope_type == "linear":
+        inv = inv / np.float32(scaling.factor)
+    elif scaling.rope_type == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # positions [T], inv_freq [Dh/2] -> cos, sin [T, Dh/2] float32
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(freqs), jnp.sin(freqs)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    # x [T, H, Dh] in the "rotate half" layout of transformers; cos, sin [T, Dh/2]
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)

@@ -1,0 +1,98 @@
+"""The offline API for scripts and notebooks, shaped like vLLM's ``LLM`` class.
+
+    from jaxllm import LLM, SamplingParams
+    llm = LLM()                                   # the built-in SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from jaxllm.config import EngineConfig
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.output_processor import OutputKind
+from jaxllm.engine.tokenizer import encode, render_chat
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine in this process.  Keyword arguments are the engine arguments (``max_num_seqs``,
+    ``max_model_len``, ``dtype``, ``kv_cache_memory_bytes``, ``block_size``, ...)."""
+
+    def __init__(self, model: str | None = None, **engine_args):
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        llm._ids = itertools.count()
+        return llm
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion (continuously batched); outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        engine = self.llm_engine
+        try:
+            for p, sp in zip(prompts, params):
+                rid = str(next(self._ids))
+                engine.add_request(rid, p, sp, kind=OutputKind.FINAL_ONLY)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several (a list of lists), via the chat template."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer (the engine was built with skip_tokenizer_init)")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            text = render_chat(tok, conv, add_generation_prompt=add_generation_prompt,
+                               chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+            # The template already placed any BOS; vLLM encodes it without adding special tokens.
+            prompts.append({"prompt": text, "prompt_token_ids": encode(tok, text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
+        try:
+            while len(done) < len(ids) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]

@@ -1,0 +1,162 @@
+"""ArchConfig: the architecture hyperparameters of a decoder checkpoint, however it was stored.
+
+Built from an HF ``config.json`` (read through transformers' own config classes, which
+know every historical spelling) or from GGUF metadata.  Frozen and hashable: it is part
+of what identifies a compiled step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxllm.errors import ModelLoadError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2; Llama and Qwen3 with ``attention_bias``)."""
+    o_bias: bool = False
+    """The output projection carries a bias (Llama and Qwen3 with ``attention_bias``)."""
+    qk_norm: bool = False
+    """RMSNorm over each head of q and k before RoPE (Qwen3)."""
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                                 f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        per_layer = (self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+                     + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size)
+        if self.qkv_bias:
+            per_layer += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            per_layer += self.hidden_size
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        total = self.num_layers * per_layer + self.vocab_size * self.hidden_size + self.hidden_size
+        if not self.tie_word_embeddings:
+            total += self.vocab_size * self.hidden_size
+        return total
+
+
+def rope_scaling_from_dict(d: dict | None, where: str) -> RopeScaling:
+    """Reads an HF ``rope_scaling`` / ``rope_parameters`` dict; refuses types we do not implement."""
+    if not d:
+        return RopeScaling()
+    rope_type = d.get("rope_type") or d.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"{where}: rope scaling type {rope_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return RopeScaling()
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(d.get("factor", 1.0)),
+        low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _eos_tuple(eos) -> tuple[int, ...]:
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(int(e) for e in eos)
+
+
+def arch_config_from_hf(hf, where: str) -> ArchConfig:
+    """Maps a transformers ``PretrainedConfig`` to an ArchConfig."""
+    arch = (getattr(hf, "architectures", None) or [None])[0]
+    if arch is None:
+        raise ModelLoadError(f"{where}: config.json names no architecture")
+
+    def get(*names, default=None):
+        for n in names:
+            v = getattr(hf, n, None)
+            if v is not None:
+                return v
+        return default
+
+    # transformers 5 moves rope_theta and the scaling dict into rope_parameters.
+    rope_params = get("rope_parameters")
+    if isinstance(rope_params, dict) and "rope_theta" not in rope_params and rope_params:
+        # Per-layer-type nesting ({"full_attention": {...}}) is not used by these architectures.
+        first = next(iter(rope_params.values()))
+        rope_params = first if isinstance(first, dict) else rope_params
+    rope_theta = (rope_params or {}).get("rope_theta") if isinstance(rope_params, dict) else None
+    if rope_theta is None:
+        rope_theta = get("rope_theta", default=10000.0)
+    scaling = get("rope_scaling")
+    if scaling is None and isinstance(rope_params, dict):
+        scaling = rope_params
+    hidden = int(get("hidden_size"))
+    heads = int(get("num_attention_heads"))
+    head_dim = get("head_dim") or hidden // heads
+    # Qwen2 always has q/k/v biases and never an output bias; Llama and Qwen3 put
+    # ``attention_bias`` on all four projections; Mistral has none.
+    bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(get("attention_bias", default=False))
+    sliding = None
+    if get("use_sliding_window", default=True) and get("sliding_window") is not None:
+        sliding = int(get("sliding_window"))
+    return ArchConfig(
+        architecture=arch,
+        vocab_size=int(get("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(get("intermediate_size")),
+        num_layers=int(get("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(get("num_key_value_heads", default=heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(get("rms_norm_eps", default=1e-6)),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling_from_dict(scaling, where),
+        max_position_embeddings=int(get("max_position_embeddings", default=4096)),
+        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
+        qkv_bias=arch == "Qwen2ForCausalLM" or bias,
+        o_bias=bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=sliding,
+        bos_token_id=get("bos_token_id"),
+        eos_token_ids=_eos_tuple(get("eos_token_id")),
+    )

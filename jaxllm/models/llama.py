@@ -1,0 +1,91 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) as a pure function of its weights.
+
+The four architectures differ only in flags of ``ArchConfig``: q/k/v (and o) biases,
+per-head q/k RMSNorm, tied embeddings, rope scaling, sliding window.  Weights keep
+transformers' ``[out, in]`` layout.  ``params["layers"]`` is either a dict of arrays
+stacked over layers (run under ``lax.scan``: compile time independent of depth) or a list
+of per-layer dicts (unrolled: on XLA:CPU a scanned layer's weights are copied out of the
+stack before every matmul).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.layers.attention import AttentionMetadata, KVCache, paged_attention_xla, write_kv
+from jaxllm.layers.linear import linear
+from jaxllm.layers.norm import rms_norm
+from jaxllm.layers.rotary import apply_rope, cos_sin
+from jaxllm.models.config import ArchConfig
+
+Params = dict
+
+
+def layer_param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one layer's weights, by our internal name."""
+    D, F, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {
+        "input_norm": (D,), "q": (cfg.q_size, D), "k": (cfg.kv_size, D), "v": (cfg.kv_size, D),
+        "o": (D, cfg.q_size), "post_norm": (D,), "gate": (F, D), "up": (F, D), "down": (D, F),
+    }
+    if cfg.qkv_bias:
+        shapes.update(q_bias=(cfg.q_size,), k_bias=(cfg.kv_size,), v_bias=(cfg.kv_size,))
+    if cfg.o_bias:
+        shapes["o_bias"] = (D,)
+    if cfg.qk_norm:
+        shapes.update(q_norm=(Dh,), k_norm=(Dh,))
+    return shapes
+
+
+def global_param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
+    shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
+    return shapes
+
+
+def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, cos, sin):
+    # x [T, D]
+    T = x.shape[0]
+    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+    q = linear(h, lp["q"], lp.get("q_bias")).reshape(T, cfg.num_heads, cfg.head_dim)
+    k = linear(h, lp["k"], lp.get("k_bias")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(h, lp["v"], lp.get("v_bias")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    kv = write_kv(kv, layer, md.slot_mapping, k, v)
+    o = paged_attention_xla(q, kv, layer, md, scale=cfg.head_dim ** -0.5,
+                            sliding_window=cfg.sliding_window)          # [T, Hq, Dh]
+    x = x + linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"))
+    h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
+    x = x + linear(jax.nn.silu(linear(h, lp["gate"])) * linear(h, lp["up"]), lp["down"])
+    return x, kv
+
+
+def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
+            md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+    """input_ids [T] -> final hidden states [T, D] and the updated cache."""
+    x = params["embed"][input_ids]                                        # [T, D]
+    cos, sin = cos_sin(md.positions, params["rope_inv_freq"])             # [T, Dh/2]
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        for i, lp in enumerate(layers):
+            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin)
+    else:
+        def body(carry, xs):
+            x, kv = carry
+            lp, i = xs
+            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin)
+            return (x, kv), None
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+
+
+def compute_logits(cfg: ArchConfig, params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [S, D] -> float32 logits [S, V]."""
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return jax.lax.dot_general(hidden.astype(w.dtype), w, (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32)

@@ -1,0 +1,310 @@
+"""Checkpoint loading: HF folders (config.json + *.safetensors) and GGUF files.
+
+Whatever the format, the result is a ``LoadedModel``: an ``ArchConfig`` and host (numpy)
+weights under our internal names.  Every tensor in the files must be consumed and every
+parameter filled with the right shape, or loading fails with a ``ModelLoadError`` that
+names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+from jaxllm.errors import ModelLoadError
+from jaxllm.models.config import ArchConfig, arch_config_from_hf
+from jaxllm.models.llama import global_param_shapes, layer_param_shapes
+from jaxllm.models.registry import get_model_module
+from jaxllm.layers.rotary import inv_frequencies
+
+
+@dataclass
+class TokenizerSource:
+    """Where the tokenizer lives: an HF folder, or a GGUF file whose metadata holds it."""
+
+    path: str
+    gguf_file: str | None = None
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    arch: ArchConfig
+    layers: list[dict[str, np.ndarray]]
+    globals: dict[str, np.ndarray]
+    rope_inv_freq: np.ndarray
+    tokenizer: TokenizerSource | None
+    generation_config: dict = field(default_factory=dict)
+
+    def weight_bytes(self) -> int:
+        return sum(a.nbytes for a in self.globals.values()) + sum(a.nbytes for lp in self.layers for a in lp.values())
+
+
+# ------------------------------------------------------------------ safetensors
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Memory-maps every tensor of a .safetensors file (bf16 included, via ml_dtypes)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({e})") from None
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ModelLoadError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        out[name] = data[start:end].view(dtype).reshape(info["shape"])
+    return out
+
+
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o", "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias", "self_attn.o_proj.bias": "o_bias",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
+}
+_HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
+                    "lm_head.weight": "lm_head"}
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+
+
+def load_hf_folder(path: str) -> LoadedModel:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{path}: no config.json (expected an HF model folder or a .gguf file)")
+    raw = _read_json(cfg_path)
+    archs = raw.get("architectures") or []
+    if not archs:
+        raise ModelLoadError(f"{cfg_path}: names no architecture")
+    get_model_module(archs[0])  # refuses unknown architectures by name before anything else
+    from transformers import AutoConfig
+    try:
+        hf = AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a bad config
+        raise ModelLoadError(f"{cfg_path}: transformers cannot read it ({e})") from None
+    arch = arch_config_from_hf(hf, cfg_path)
+
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    for fname in files:
+        for name, arr in read_safetensors(os.path.join(path, fname)).items():
+            tensors[name] = (arr, fname)
+
+    def map_name(name: str):
+        if name in _HF_GLOBAL_NAMES:
+            return None, _HF_GLOBAL_NAMES[name]
+        m = _HF_LAYER_RE.match(name)
+        if m and m.group(2) in _HF_LAYER_NAMES:
+            return int(m.group(1)), _HF_LAYER_NAMES[m.group(2)]
+        return None, None
+
+    def skip(name: str) -> bool:
+        # Non-persistent rotary buffers some old checkpoints saved, and a tied head saved anyway.
+        return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and arch.tie_word_embeddings)
+
+    layers, globals_ = _assemble(arch, tensors, map_name, skip, where=path)
+    gen_path = os.path.join(path, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+    return LoadedModel(
+        name=path, arch=arch, layers=layers, globals=globals_,
+        rope_inv_freq=inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling),
+        tokenizer=TokenizerSource(path), generation_config=gen)
+
+
+def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], map_name, skip, where: str,
+              transform=None):
+    """Places every tensor, checking that none is left over and none is missing."""
+    want_layer = layer_param_shapes(arch)
+    want_global = global_param_shapes(arch)
+    layers: list[dict[str, np.ndarray]] = [{} for _ in range(arch.num_layers)]
+    globals_: dict[str, np.ndarray] = {}
+    for name, (arr, fname) in tensors.items():
+        if skip(name):
+            continue
+        layer, ours = map_name(name)
+        if ours is None or (layer is None and ours not in want_global) or (
+                layer is not None and (ours not in want_layer or layer >= arch.num_layers)):
+            raise ModelLoadError(f"{where}: unexpected tensor {name!r} in {fname} "
+                                 f"(not a parameter of {arch.architecture} with this config)")
+        want = want_global[ours] if layer is None else want_layer[ours]
+        if transform is not None:
+            arr = transform(name, layer, ours, arr)
+        if tuple(arr.shape) != tuple(want):
+            raise ModelLoadError(f"{where}: tensor {name!r} in {fname} has shape {tuple(arr.shape)}, "
+                                 f"expected {tuple(want)}")
+        (globals_ if layer is None else layers[layer])[ours] = arr
+    for ours in want_global:
+        if ours not in globals_:
+            raise ModelLoadError(f"{where}: missing tensor for {ours!r} ({_hf_name(None, ours)})")
+    for i, lp in enumerate(layers):
+        for ours in want_layer:
+            if ours not in lp:
+                raise ModelLoadError(f"{where}: missing tensor {_hf_name(i, ours)!r}")
+    return layers, globals_
+
+
+def _hf_name(layer, ours):
+    if layer is None:
+        return {v: k for k, v in _HF_GLOBAL_NAMES.items()}[ours]
+    return f"model.layers.{layer}." + {v: k for k, v in _HF_LAYER_NAMES.items()}[ours]
+
+
+# ------------------------------------------------------------------ GGUF
+
+_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_norm", "ffn_norm.weight": "post_norm",
+    "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
+    "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias", "attn_output.bias": "o_bias",
+    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's conversion permute of Q/K rows (interleaved -> rotate-half RoPE)."""
+    out = w.shape[0]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str, name: str | None = None) -> LoadedModel:
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from None
+
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    gguf_arch = field("general.architecture")
+    from jaxllm.models.registry import GGUF_ARCHITECTURES
+    if gguf_arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {gguf_arch!r} is not supported; "
+                             f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+    hf_arch = GGUF_ARCHITECTURES[gguf_arch]
+    names = {t.name for t in reader.tensors}
+    a = gguf_arch
+    heads = int(field(f"{a}.attention.head_count"))
+    kv_heads = int(field(f"{a}.attention.head_count_kv", heads))
+    hidden = int(field(f"{a}.embedding_length"))
+    head_dim = int(field(f"{a}.attention.key_length", hidden // heads))
+    tokens = field("tokenizer.ggml.tokens") or []
+    eos = field("tokenizer.ggml.eos_token_id")
+    from jaxllm.models.config import RopeScaling
+    scaling_type = field(f"{a}.rope.scaling.type")
+    scaling = RopeScaling()
+    if scaling_type == "linear":
+        scaling = RopeScaling(rope_type="linear", factor=float(field(f"{a}.rope.scaling.factor", 1.0)))
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"{path}: GGUF rope scaling type {scaling_type!r} is not supported")
+    arch = ArchConfig(
+        architecture=hf_arch,
+        vocab_size=int(field(f"{a}.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{a}.feed_forward_length")),
+        num_layers=int(field(f"{a}.block_count")),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(field(f"{a}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        sliding_window=None,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+    # llama.cpp permutes Q/K rows only for the architectures it runs with interleaved RoPE.
+    permuted = gguf_arch in ("llama", "mistral")
+
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    freq_factors = None
+    base = os.path.basename(path)
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            freq_factors = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+            continue
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} uses quantization {t.tensor_type.name}, "
+                                 f"which the gguf package cannot dequantize ({e})") from None
+        tensors[t.name] = (np.asarray(arr, dtype=np.float32), base)
+
+    def map_name(n: str):
+        if n in _GGUF_GLOBAL_NAMES:
+            return None, _GGUF_GLOBAL_NAMES[n]
+        m = _GGUF_LAYER_RE.match(n)
+        if m and m.group(2) in _GGUF_LAYER_NAMES:
+            return int(m.group(1)), _GGUF_LAYER_NAMES[m.group(2)]
+        return None, None
+
+    def transform(n, layer, ours, arr):
+        if permuted and ours == "q":
+            return _unpermute_rope_rows(arr, heads)
+        if permuted and ours == "k":
+            return _unpermute_rope_rows(arr, kv_heads)
+        return arr
+
+    layers, globals_ = _assemble(arch, tensors, map_name, lambda n: False, where=path, transform=transform)
+    return LoadedModel(
+        name=name or path, arch=arch, layers=layers, globals=globals_,
+        rope_inv_freq=inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, freq_factors),
+        tokenizer=TokenizerSource(os.path.dirname(os.path.abspath(path)), gguf_file=base),
+        generation_config={})
+
+
+# ------------------------------------------------------------------ entry point
+
+def load_model(model: str | None) -> LoadedModel:
+    """Loads ``model`` (an HF folder, a .gguf file, or None for the built-in model)."""
+    if model is None:
+        from jaxllm.models.builtin import builtin_gguf_path, BUILTIN_MODEL_NAME
+        return load_gguf(builtin_gguf_path(), name=BUILTIN_MODEL_NAME)
+    if not os.path.exists(model):
+        raise ModelLoadError(f"model path {model!r} does not exist (hub downloads are not supported: "
+                             f"pass a local HF folder or .gguf file, or omit it for the built-in model)")
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ModelLoadError(f"{model}: a model file must be a .gguf (or pass an HF folder)")
+        return load_gguf(model)
+    ggufs = [f for f in os.listdir(model) if f.endswith(".gguf")]
+    if not os.path.isfile(os.path.join(model, "config.json")) and len(ggufs) == 1:
+        return load_gguf(os.path.join(model, ggufs[0]), name=model)
+    return load_hf_folder(model)

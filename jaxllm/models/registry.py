@@ -1,0 +1,40 @@
+"""Architecture registry, keyed by the HF architecture name in ``config.json``.
+
+Each entry names the module that implements the forward; architectures that differ only
+in ``ArchConfig`` flags share one module.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from jaxllm.errors import ModelLoadError
+from jaxllm.models import llama
+
+_REGISTRY: dict[str, ModuleType] = {
+    "LlamaForCausalLM": llama,
+    "MistralForCausalLM": llama,
+    "Qwen2ForCausalLM": llama,
+    "Qwen3ForCausalLM": llama,
+}
+
+# GGUF's general.architecture -> HF architecture name.
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_model_module(architecture: str) -> ModuleType:
+    try:
+        return _REGISTRY[architecture]
+    except KeyError:
+        raise ModelLoadError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
+        ) from None

@@ -1,0 +1,129 @@
+"""Boundary types: the only objects that cross from one layer of the engine to the next.
+
+scheduler -> runner:           ``SchedulerOutput`` (new requests in full, then per-step diffs)
+runner -> scheduler:           ``RunnerOutput`` (plain Python lists, keyed by request id)
+engine core -> output proc.:   ``EngineCoreOutput``
+engine -> API layer / user:    ``RequestOutput`` with ``CompletionOutput`` (vLLM's shape)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxllm.sampling_params import SamplingParams
+
+
+# ---------------------------------------------------------------- scheduler -> runner
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen (or sees again after preemption): sent in full."""
+
+    req_id: str
+    token_ids: list[int]
+    """Prompt plus any tokens already sampled (a resumed request recomputes them)."""
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    """The request's resolved 64-bit seed."""
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """Per-step diffs for requests the runner already holds."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    """Tokens each request computes this step (a prefill chunk, or 1 for a decode)."""
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    """Requests that ended (finished, aborted or preempted) since the last step: the runner drops them."""
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+# ---------------------------------------------------------------- runner -> scheduler
+
+@dataclass(frozen=True)
+class SampleLogprobs:
+    """Raw logprobs of one sampled position: the sampled token first, then the top ones."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+    """1-based rank of the sampled token in the raw distribution."""
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    """Per request, in ``req_ids`` order; empty for a prefill chunk that is not the last."""
+    logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    """Only for requests that asked for logprobs."""
+
+
+EMPTY_RUNNER_OUTPUT = RunnerOutput(req_ids=[], sampled_token_ids=[])
+
+
+# ---------------------------------------------------------------- engine core -> output processor
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[SampleLogprobs] | None = None
+    finish_reason: str | None = None
+    """'stop', 'length' or 'abort' once the request has ended."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended it, None for EOS or length."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+# ---------------------------------------------------------------- what users see (vLLM's shape)
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0

@@ -1,0 +1,1 @@
+"""On-device sampling inside the compiled step: per-request parameters as arrays."""
