@@ -1,11 +1,23 @@
 """jaxllm: an LLM inference engine whose hot path is compiled by XLA.
 
     from jaxllm import LLM, SamplingParams
-"""
 
-from jaxllm.llm import LLM
-from jaxllm.outputs import CompletionOutput, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+The public names are imported lazily, so that the pure-Python parts (``jaxllm.core``,
+``jaxllm.sampling_params``) can be used and tested without importing JAX.
+"""
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from jaxllm.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from jaxllm.sampling_params import SamplingParams
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from jaxllm import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KVPlan:
     num_blocks: int
+    """Blocks allocated per layer, including the null block that padding writes into."""
     block_size: int
     bytes_per_block: int
     budget_bytes: int | None
@@ -23,14 +24,14 @@ class KVPlan:
         return self.num_blocks * self.bytes_per_block
 
     @property
-    def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+    def num_usable_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
 
     def describe(self, max_model_len: int) -> str:
-        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens, "
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens (1 reserved), "
                 f"{self.bytes_per_block} bytes per block across all layers, "
-                f"{self.total_bytes / 2**20:.1f} MiB, {self.num_tokens} tokens, "
-                f"{self.num_tokens / max_model_len:.2f} sequences of max_model_len={max_model_len}")
+                f"{self.total_bytes / 2**20:.1f} MiB, {self.num_usable_tokens} tokens, "
+                f"{self.num_usable_tokens / max_model_len:.2f} sequences of max_model_len={max_model_len}")
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -47,28 +48,27 @@ def available_memory_bytes() -> int:
 def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, block_size: int,
                   max_model_len: int, max_num_seqs: int, budget_bytes: int | None,
                   num_blocks_override: int | None) -> KVPlan:
+    """Blocks to allocate: one null block plus the usable ones, never more bytes than the budget."""
     per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, itemsize)
-    blocks_per_seq = -(-max_model_len // block_size)
+    need = -(-max_model_len // block_size) + 1        # one full sequence plus the null block
     if num_blocks_override is not None:
-        num_blocks = num_blocks_override
-        if num_blocks < blocks_per_seq:
+        if num_blocks_override < need:
             raise ValueError(
-                f"--num-gpu-blocks-override={num_blocks} blocks hold {num_blocks * block_size} tokens, fewer than "
-                f"one sequence of max_model_len={max_model_len} ({blocks_per_seq} blocks); raise it or lower "
-                f"--max-model-len")
-        return KVPlan(num_blocks, block_size, per_block, budget_bytes)
+                f"--num-gpu-blocks-override={num_blocks_override} holds {(num_blocks_override - 1) * block_size} "
+                f"tokens (one block is reserved), fewer than one sequence of max_model_len={max_model_len}; "
+                f"it needs at least {need}, or lower --max-model-len")
+        return KVPlan(num_blocks_override, block_size, per_block, budget_bytes)
     if budget_bytes is None:
-        want = blocks_per_seq * max_num_seqs * per_block
-        budget_bytes = min(want, available_memory_bytes() // 4)
-        budget_bytes = max(budget_bytes, blocks_per_seq * per_block)
-        num_blocks = budget_bytes // per_block
+        # Room for max_num_seqs full-length sequences, within a quarter of free memory.
+        want = (need - 1) * max_num_seqs + 1
+        num_blocks = max(need, min(want, available_memory_bytes() // 4 // per_block))
         return KVPlan(num_blocks, block_size, per_block, None)
     num_blocks = budget_bytes // per_block
-    if num_blocks < blocks_per_seq:
-        fits = num_blocks * block_size
+    if num_blocks < need:
+        fits = max(num_blocks - 1, 0) * block_size
         raise ValueError(
-            f"--kv-cache-memory-bytes={budget_bytes} holds {num_blocks} blocks = {fits} tokens "
-            f"({per_block} bytes per block across all layers), fewer than one sequence of "
-            f"max_model_len={max_model_len}; it needs at least {blocks_per_seq * per_block} bytes, "
-            f"or use --max-model-len {max(fits, 0)} or less")
+            f"--kv-cache-memory-bytes={budget_bytes} holds {num_blocks} blocks ({per_block} bytes per block "
+            f"across all layers, one reserved) = {fits} tokens, fewer than one sequence of "
+            f"max_model_len={max_model_len}; it needs at least {need * per_block} bytes, "
+            f"or use --max-model-len {fits} or less")
     return KVPlan(num_blocks, block_size, per_block, budget_bytes)

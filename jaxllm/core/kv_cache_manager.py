@@ -12,13 +12,13 @@ from collections import deque
 
 
 class BlockPool:
-    """Fixed set of block ids with a free list and reference counts."""
+    """Block ids ``first .. num_blocks - 1`` with a free list and reference counts."""
 
-    def __init__(self, num_blocks: int):
-        if num_blocks <= 0:
-            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+    def __init__(self, num_blocks: int, first: int = 0):
+        if num_blocks <= first:
+            raise ValueError(f"the KV cache needs at least {first + 1} blocks, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(first, num_blocks))
         self._ref_cnt = [0] * num_blocks
 
     @property
@@ -42,17 +42,23 @@ class BlockPool:
                 self._free.append(b)
 
 
+NULL_BLOCK = 0
+"""Never handed out: padding tokens write their K/V here, so every cache write in the
+compiled step is in bounds and stays an in-place update."""
+
+
 class KVCacheManager:
     """Grows and frees each request's block table; keyed by request id."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, first=NULL_BLOCK + 1)
         self._blocks: dict[str, list[int]] = {}
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can use (the null block excluded)."""
+        return self.pool.num_blocks - 1
 
     @property
     def num_free_blocks(self) -> int:

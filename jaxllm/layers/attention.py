@@ -17,8 +17,17 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-KVCache = tuple[jax.Array, jax.Array]
-"""(K, V), each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``."""
+KVCache = tuple
+"""(K, V).  Stacked: each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``
+(layers under ``lax.scan``).  Unrolled: each a list of per-layer ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` arrays: with one stacked buffer, XLA:CPU copied the whole cache
+whenever a layer read it between two in-place writes (measured: 66 ms -> 442 ms per
+decode step going from 32 to 256 blocks), per-layer buffers have no such conflict."""
+
+
+def _at(layer, *index):
+    """Index into a stacked cache (``layer`` given) or a per-layer one (``layer`` None)."""
+    return index if layer is None else (layer, *index)
 
 _MASK_VALUE = -1e30  # finite, so a fully masked chunk cannot turn the running max into NaN
 
@@ -27,7 +36,7 @@ _MASK_VALUE = -1e30  # finite, so a fully masked chunk cannot turn the running m
 @dataclass(frozen=True)
 class AttentionMetadata:
     positions: jax.Array       # [T] int32, position of each token in its sequence
-    slot_mapping: jax.Array    # [T] int32, flat cache slot (block * block_size + offset); padding -> out of range
+    slot_mapping: jax.Array    # [T] int32, flat cache slot (block * block_size + offset); padding -> null block 0
     token_seq: jax.Array       # [T] int32, row of each token's sequence
     block_tables: jax.Array    # [S, max_blocks] int32
     seq_lens: jax.Array        # [S] int32, KV length of each sequence after this step (0 for padding rows)
@@ -35,15 +44,17 @@ class AttentionMetadata:
 
 
 def write_kv(kv: KVCache, layer, slot_mapping: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    """Scatters this step's K/V (``[T, Hkv, Dh]``) into the cache of ``layer``, in place."""
+    """Scatters this step's K/V (``[T, Hkv, Dh]``) into the cache of ``layer``, in place.
+
+    ``kv`` is one layer's (K, V) when ``layer`` is None, else the stacked cache."""
     k_cache, v_cache = kv
-    BS = k_cache.shape[2]
-    # Indexing the 5-D cache directly (no reshape to flat slots) keeps the update a plain
-    # in-place scatter; through a reshape XLA:CPU rewrote the whole cache every layer.
-    # Padding tokens carry slot num_blocks * block_size: block index out of range, dropped.
+    BS = k_cache.shape[-3]
+    # Every index is in bounds (padding tokens write to the null block), and saying so keeps
+    # the update an in-place scatter: with mode="drop" XLA:CPU guarded it with a select over
+    # the whole cache, and through a reshape to flat slots it rewrote the cache every layer.
     blk, off = slot_mapping // BS, slot_mapping % BS
-    k_cache = k_cache.at[layer, blk, off].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[layer, blk, off].set(v.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[_at(layer, blk, off)].set(k.astype(k_cache.dtype), mode="promise_in_bounds")
+    v_cache = v_cache.at[_at(layer, blk, off)].set(v.astype(v_cache.dtype), mode="promise_in_bounds")
     return k_cache, v_cache
 
 
@@ -65,12 +76,15 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
     """
     k_cache, v_cache = kv
     T, Hq, Dh = q.shape
-    _, _, BS, Hkv, _ = k_cache.shape
+    BS, Hkv = k_cache.shape[-3], k_cache.shape[-2]
     G = Hq // Hkv
     chunk = kv_chunk_tokens(T, BS)
     cb = chunk // BS                                        # blocks per chunk
     tables = md.block_tables[md.token_seq]                   # [T, MB]
-    pad = (-tables.shape[1]) % cb
+    # At least two chunks of columns: with one, the chunk's gather is loop-invariant, XLA
+    # hoists it out of the loop and fuses it with the cache write, which then stops being
+    # in place (a copy of the layer's whole cache per step, measured).
+    pad = max(2 * cb, -(-tables.shape[1] // cb) * cb) - tables.shape[1]
     if pad:
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     qg = (q.astype(jnp.float32) * scale).reshape(T, Hkv, G, Dh)
@@ -81,8 +95,8 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
     def body(j, carry):
         m, l, acc = carry                                    # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,Dh]
         blocks = jax.lax.dynamic_slice_in_dim(tables, j * cb, cb, axis=1)  # [T, cb]
-        k = k_cache[layer, blocks].reshape(T, chunk, Hkv, Dh)  # [T, C, Hkv, Dh]
-        v = v_cache[layer, blocks].reshape(T, chunk, Hkv, Dh)
+        k = k_cache[_at(layer, blocks)].reshape(T, chunk, Hkv, Dh)  # [T, C, Hkv, Dh]
+        v = v_cache[_at(layer, blocks)].reshape(T, chunk, Hkv, Dh)
         s = jnp.einsum("thgd,tchd->thgc", qg.astype(k.dtype), k,
                        preferred_element_type=jnp.float32)   # [T, Hkv, G, C]
         kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]

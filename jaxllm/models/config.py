@@ -130,6 +130,11 @@ def arch_config_from_hf(hf, where: str) -> ArchConfig:
     scaling = get("rope_scaling")
     if scaling is None and isinstance(rope_params, dict):
         scaling = rope_params
+    act = get("hidden_act", default="silu")
+    if act not in ("silu", "swish"):
+        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
+    if get("mlp_bias", default=False):
+        raise ModelLoadError(f"{where}: mlp_bias=true is not supported")
     hidden = int(get("hidden_size"))
     heads = int(get("num_attention_heads"))
     head_dim = get("head_dim") or hidden // heads

@@ -5,7 +5,8 @@ per-head q/k RMSNorm, tied embeddings, rope scaling, sliding window.  Weights ke
 transformers' ``[out, in]`` layout.  ``params["layers"]`` is either a dict of arrays
 stacked over layers (run under ``lax.scan``: compile time independent of depth) or a list
 of per-layer dicts (unrolled: on XLA:CPU a scanned layer's weights are copied out of the
-stack before every matmul).
+stack before every matmul).  The KV cache has the matching layout (see
+``layers/attention.py``).
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
     cos, sin = cos_sin(md.positions, params["rope_inv_freq"])             # [T, Dh/2]
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
+        ks, vs = list(kv[0]), list(kv[1])
         for i, lp in enumerate(layers):
-            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin)
+            x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin)
+        kv = (ks, vs)
     else:
         def body(carry, xs):
             x, kv = carry

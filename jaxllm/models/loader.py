@@ -141,7 +141,7 @@ def load_hf_folder(path: str) -> LoadedModel:
 
 
 def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], map_name, skip, where: str,
-              transform=None):
+              transform=None, file_name=None):
     """Places every tensor, checking that none is left over and none is missing."""
     want_layer = layer_param_shapes(arch)
     want_global = global_param_shapes(arch)
@@ -162,13 +162,14 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], map_
             raise ModelLoadError(f"{where}: tensor {name!r} in {fname} has shape {tuple(arr.shape)}, "
                                  f"expected {tuple(want)}")
         (globals_ if layer is None else layers[layer])[ours] = arr
+    file_name = file_name or _hf_name
     for ours in want_global:
         if ours not in globals_:
-            raise ModelLoadError(f"{where}: missing tensor for {ours!r} ({_hf_name(None, ours)})")
+            raise ModelLoadError(f"{where}: missing tensor {file_name(None, ours)!r}")
     for i, lp in enumerate(layers):
         for ours in want_layer:
             if ours not in lp:
-                raise ModelLoadError(f"{where}: missing tensor {_hf_name(i, ours)!r}")
+                raise ModelLoadError(f"{where}: missing tensor {file_name(i, ours)!r}")
     return layers, globals_
 
 
@@ -176,6 +177,12 @@ def _hf_name(layer, ours):
     if layer is None:
         return {v: k for k, v in _HF_GLOBAL_NAMES.items()}[ours]
     return f"model.layers.{layer}." + {v: k for k, v in _HF_LAYER_NAMES.items()}[ours]
+
+
+def _gguf_name(layer, ours):
+    if layer is None:
+        return {v: k for k, v in _GGUF_GLOBAL_NAMES.items()}[ours]
+    return f"blk.{layer}." + {v: k for k, v in _GGUF_LAYER_NAMES.items()}[ours]
 
 
 # ------------------------------------------------------------------ GGUF
@@ -282,7 +289,8 @@ def load_gguf(path: str, name: str | None = None) -> LoadedModel:
             return _unpermute_rope_rows(arr, kv_heads)
         return arr
 
-    layers, globals_ = _assemble(arch, tensors, map_name, lambda n: False, where=path, transform=transform)
+    layers, globals_ = _assemble(arch, tensors, map_name, lambda n: False, where=path, transform=transform,
+                                 file_name=_gguf_name)
     return LoadedModel(
         name=name or path, arch=arch, layers=layers, globals=globals_,
         rope_inv_freq=inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, freq_factors),

@@ -74,6 +74,14 @@ def _to_device_params(model: LoadedModel, dtype, scan_layers: bool) -> dict:
     return params
 
 
+def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, stacked: bool):
+    """Zeroed (K, V): stacked over layers for the scanned model, per-layer lists for the unrolled one."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if stacked:
+        return tuple(jnp.zeros((num_layers, *shape), dtype) for _ in range(2))
+    return tuple([jnp.zeros(shape, dtype) for _ in range(num_layers)] for _ in range(2))
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, *, dtype: str, scan_layers: bool, num_blocks: int,
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
@@ -92,8 +100,8 @@ class ModelRunner:
 
         self.params = _to_device_params(model, self.dtype, scan_layers)
         a = self.arch
-        shape = (a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim)
-        self.kv = (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype))
+        self.kv = allocate_kv_cache(a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim,
+                                    self.dtype, stacked=scan_layers)
         self._step_fn = make_step(self.arch, self.model_module, max_logprobs)
         self._compiled: dict[tuple[int, int], object] = {}
         self._states: dict[str, _ReqState] = {}
@@ -106,7 +114,7 @@ class ModelRunner:
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV arrays actually occupy on the device."""
-        return sum(int(a.nbytes) for a in self.kv)
+        return sum(int(a.nbytes) for a in jax.tree.leaves(self.kv))
 
     def weight_bytes(self) -> int:
         return sum(int(a.nbytes) for a in jax.tree.leaves(self.params))
@@ -179,7 +187,7 @@ class ModelRunner:
         BS = self.block_size
         input_ids = np.zeros(Tb, np.int32)
         positions = np.zeros(Tb, np.int32)
-        slots = np.full(Tb, self.num_blocks * BS, np.int32)   # padding: one past the end (dropped)
+        slots = np.zeros(Tb, np.int32)   # padding tokens write into the null block 0
         token_seq = np.zeros(Tb, np.int32)
         tables = np.zeros((Sb, self.max_blocks_per_seq), np.int32)
         seq_lens = np.zeros(Sb, np.int32)

