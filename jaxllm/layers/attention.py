@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxllm.layers import storage
+
 KVCache = tuple
 """(K, V).  Stacked: each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``
 (layers under ``lax.scan``).  Unrolled: each a list of per-layer ``[num_blocks, block_size,
@@ -53,8 +55,8 @@ def write_kv(kv: KVCache, layer, slot_mapping: jax.Array, k: jax.Array, v: jax.A
     # the update an in-place scatter: with mode="drop" XLA:CPU guarded it with a select over
     # the whole cache, and through a reshape to flat slots it rewrote the cache every layer.
     blk, off = slot_mapping // BS, slot_mapping % BS
-    k_cache = k_cache.at[_at(layer, blk, off)].set(k.astype(k_cache.dtype), mode="promise_in_bounds")
-    v_cache = v_cache.at[_at(layer, blk, off)].set(v.astype(v_cache.dtype), mode="promise_in_bounds")
+    k_cache = k_cache.at[_at(layer, blk, off)].set(storage.store(k, k_cache.dtype), mode="promise_in_bounds")
+    v_cache = v_cache.at[_at(layer, blk, off)].set(storage.store(v, v_cache.dtype), mode="promise_in_bounds")
     return k_cache, v_cache
 
 
@@ -95,10 +97,11 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
     def body(j, carry):
         m, l, acc = carry                                    # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,Dh]
         blocks = jax.lax.dynamic_slice_in_dim(tables, j * cb, cb, axis=1)  # [T, cb]
-        k = k_cache[_at(layer, blocks)].reshape(T, chunk, Hkv, Dh)  # [T, C, Hkv, Dh]
-        v = v_cache[_at(layer, blocks)].reshape(T, chunk, Hkv, Dh)
-        s = jnp.einsum("thgd,tchd->thgc", qg.astype(k.dtype), k,
-                       preferred_element_type=jnp.float32)   # [T, Hkv, G, C]
+        # The gathered chunk is small: computing on it in float32 keeps a bf16 cache off
+        # XLA:CPU's slow bf16 dot paths.
+        k = storage.load(k_cache[_at(layer, blocks)]).reshape(T, chunk, Hkv, Dh)  # [T, C, Hkv, Dh]
+        v = storage.load(v_cache[_at(layer, blocks)]).reshape(T, chunk, Hkv, Dh)
+        s = jnp.einsum("thgd,tchd->thgc", qg, k)                # [T, Hkv, G, C]
         kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
         valid = (kpos[None, :] < kv_len[:, None]) & (kpos[None, :] >= lo[:, None])  # [T, C]
         s = jnp.where(valid[:, None, None, :], s, _MASK_VALUE)
@@ -106,8 +109,7 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("thgc,tchd->thgd", p.astype(v.dtype), v,
-                                                 preferred_element_type=jnp.float32)
+        acc = acc * corr[..., None] + jnp.einsum("thgc,tchd->thgd", p, v)
         return m_new, l, acc
 
     init = (jnp.full((T, Hkv, G), _MASK_VALUE, jnp.float32), jnp.zeros((T, Hkv, G), jnp.float32),

@@ -14,8 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.layers import storage
 from jaxllm.layers.attention import AttentionMetadata, KVCache, paged_attention_xla, write_kv
-from jaxllm.layers.linear import linear
+from jaxllm.layers.linear import linear, matmul
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
 from jaxllm.models.config import ArchConfig
@@ -46,13 +47,13 @@ def global_param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, cos, sin):
+def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, cos, sin, mm: str):
     # x [T, D]
     T = x.shape[0]
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-    q = linear(h, lp["q"], lp.get("q_bias")).reshape(T, cfg.num_heads, cfg.head_dim)
-    k = linear(h, lp["k"], lp.get("k_bias")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(h, lp["v"], lp.get("v_bias")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    q = linear(h, lp["q"], lp.get("q_bias"), mm).reshape(T, cfg.num_heads, cfg.head_dim)
+    k = linear(h, lp["k"], lp.get("k_bias"), mm).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(h, lp["v"], lp.get("v_bias"), mm).reshape(T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -60,35 +61,41 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     kv = write_kv(kv, layer, md.slot_mapping, k, v)
     o = paged_attention_xla(q, kv, layer, md, scale=cfg.head_dim ** -0.5,
                             sliding_window=cfg.sliding_window)          # [T, Hq, Dh]
-    x = x + linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"))
+    x = x + linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm)
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
-    x = x + linear(jax.nn.silu(linear(h, lp["gate"])) * linear(h, lp["up"]), lp["down"])
+    x = x + linear(jax.nn.silu(linear(h, lp["gate"], backend=mm)) * linear(h, lp["up"], backend=mm), lp["down"],
+                   backend=mm)
     return x, kv
 
 
 def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
-            md: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-    """input_ids [T] -> final hidden states [T, D] and the updated cache."""
+            md: AttentionMetadata, matmul_backend: str = "xla") -> tuple[jax.Array, KVCache]:
+    """input_ids [T] -> final hidden states [T, D] and the updated cache.
+
+    ``matmul_backend``: "xla" (dot_general) or "native" (the CPU kernel in jaxllm/cpu)."""
     x = params["embed"][input_ids]                                        # [T, D]
+    if x.dtype == storage.PACKED_BF16 or matmul_backend == "native":
+        # On CPU activations stay float32 whatever the weight dtype: bf16 weights then
+        # cost half the bytes without bf16 arithmetic anywhere.
+        x = storage.load(x)
     cos, sin = cos_sin(md.positions, params["rope_inv_freq"])             # [T, Dh/2]
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         ks, vs = list(kv[0]), list(kv[1])
         for i, lp in enumerate(layers):
-            x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin)
+            x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin, matmul_backend)
         kv = (ks, vs)
     else:
         def body(carry, xs):
             x, kv = carry
             lp, i = xs
-            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin)
+            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin, matmul_backend)
             return (x, kv), None
         (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 
-def compute_logits(cfg: ArchConfig, params: Params, hidden: jax.Array) -> jax.Array:
+def compute_logits(cfg: ArchConfig, params: Params, hidden: jax.Array, matmul_backend: str = "xla") -> jax.Array:
     """hidden [S, D] -> float32 logits [S, V]."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return jax.lax.dot_general(hidden.astype(w.dtype), w, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+    return matmul(hidden, w, matmul_backend)

@@ -26,19 +26,20 @@ from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
 BLOCK = 16
 
 
-def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int) -> np.ndarray:
+def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmul: str = "xla",
+                 bf16: bool = False) -> np.ndarray:
     """Logits of every prompt position, computed in two chunks [0, split) and [split, T)
     through a paged cache whose block table is deliberately not in order."""
     model = load_model(path)
     arch = model.arch
-    params = _to_device_params(model, jnp.float32, scan_layers)
+    params = _to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16)
     T = len(ids)
     n_blocks = -(-T // BLOCK)
     num_blocks = n_blocks + 5
     table = np.random.default_rng(0).permutation(num_blocks)[:n_blocks].astype(np.int32)
-    kv = allocate_kv_cache(arch.num_layers, num_blocks, BLOCK, arch.num_kv_heads, arch.head_dim, jnp.float32,
-                           stacked=scan_layers)
-    fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md))
+    kv = allocate_kv_cache(arch.num_layers, num_blocks, BLOCK, arch.num_kv_heads, arch.head_dim,
+                           jnp.uint16 if bf16 else jnp.float32, stacked=scan_layers)
+    fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md, matmul))
     out = []
     for lo, hi in ((0, split), (split, T)):
         pos = np.arange(lo, hi, dtype=np.int32)
@@ -47,7 +48,7 @@ def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int) -> np
             token_seq=np.zeros(hi - lo, np.int32), block_tables=table[None, :],
             seq_lens=np.array([hi], np.int32), query_start_loc=np.array([0, hi - lo], np.int32))
         hidden, kv = fwd(params, kv, np.asarray(ids[lo:hi], np.int32), md)
-        out.append(np.asarray(llama.compute_logits(arch, params, hidden)))
+        out.append(np.asarray(llama.compute_logits(arch, params, hidden, matmul)))
     return np.concatenate(out)
 
 
@@ -60,15 +61,35 @@ def hf_models(tiny_checkpoints):
     return {name: load_hf(path) for name, path in tiny_checkpoints.items()}
 
 
+def matmul_backends():
+    from jaxllm.cpu import native
+    return ["xla", "native"] if native.available() else ["xla"]
+
+
+@pytest.mark.parametrize("matmul", matmul_backends())
 @pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_prompt_logits_match_transformers(variant, scan_layers, tiny_checkpoints, hf_models):
+def test_prompt_logits_match_transformers(variant, scan_layers, matmul, tiny_checkpoints, hf_models):
     ids = prompt_ids(40, seed=1)
-    ours = paged_logits(tiny_checkpoints[variant], ids, scan_layers, split=23)
+    ours = paged_logits(tiny_checkpoints[variant], ids, scan_layers, split=23, matmul=matmul)
     with torch.no_grad():
         ref = hf_models[variant](torch.tensor([ids])).logits[0].numpy()
     rel = np.abs(ours - ref).max() / np.abs(ref).max()
     assert rel < 1e-4, f"{variant}: max relative logit error {rel:.2e}"
+
+
+@pytest.mark.parametrize("matmul", matmul_backends())
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+def test_bf16_weights_and_cache_stay_close(scan_layers, matmul, tiny_checkpoints, hf_models):
+    # bf16 on CPU is stored as uint16 bit patterns (layers/storage.py); the result must still
+    # be the model's function, to bf16 precision.
+    variant = "qwen3_qk_norm"
+    ids = prompt_ids(40, seed=2)
+    ours = paged_logits(tiny_checkpoints[variant], ids, scan_layers, split=17, matmul=matmul, bf16=True)
+    with torch.no_grad():
+        ref = hf_models[variant](torch.tensor([ids])).logits[0].numpy()
+    rel = np.abs(ours - ref).max() / np.abs(ref).max()
+    assert rel < 3e-2, f"bf16 max relative logit error {rel:.2e}"
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -1,0 +1,1 @@
+"""Native CPU kernels called from compiled steps through XLA's FFI (see linear.cc)."""

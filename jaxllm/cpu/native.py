@@ -1,0 +1,99 @@
+"""Builds, loads and registers the native CPU matmul (linear.cc) as an XLA FFI target.
+
+The shared library is compiled once per source/compiler/flags combination with the
+system C++ compiler and cached under ``~/.cache/jaxllm/kernels``.  ``available()`` is
+False (and the XLA dot is used instead) when the CPU lacks AVX2/FMA, no compiler is
+found, or the build fails; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import default_cache_dir
+
+log = logging.getLogger("jaxllm.cpu")
+
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear.cc")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_TARGETS = {jnp.dtype(jnp.float32): "jaxllm_linear_f32", jnp.dtype(jnp.uint16): "jaxllm_linear_bf16"}
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_supports() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _build() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++) found")
+    include = jax.ffi.include_dir()
+    with open(_SRC, "rb") as f:
+        src = f.read()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    key = hashlib.sha1(src + " ".join(_FLAGS + [version, include]).encode()).hexdigest()[:16]
+    out_dir = os.path.join(default_cache_dir(), "kernels")
+    lib = os.path.join(out_dir, f"libjaxllm_linear_{key}.so")
+    if os.path.isfile(lib):
+        return lib
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    r = subprocess.run([cxx, *_FLAGS, f"-I{include}", _SRC, "-o", tmp], capture_output=True, text=True)
+    if r.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"compiling {_SRC} failed: {r.stderr.strip()[-2000:]}")
+    os.replace(tmp, lib)
+    return lib
+
+
+def available() -> bool:
+    """Builds and registers the kernels on first call; True when they can be used."""
+    with _lock:
+        if "ok" in _state:
+            return _state["ok"]
+        ok = False
+        if jax.default_backend() != "cpu":
+            reason = "not a CPU backend"
+        elif not _cpu_supports():
+            reason = "the CPU lacks AVX2/FMA"
+        else:
+            try:
+                lib = ctypes.cdll.LoadLibrary(_build())
+                jax.ffi.register_ffi_target("jaxllm_linear_f32", jax.ffi.pycapsule(lib.JaxllmLinearF32), platform="cpu")
+                jax.ffi.register_ffi_target("jaxllm_linear_bf16", jax.ffi.pycapsule(lib.JaxllmLinearBF16), platform="cpu")
+                _state["lib"] = lib
+                ok, reason = True, ""
+            except (RuntimeError, OSError) as e:
+                reason = str(e)
+        if not ok:
+            log.warning("native CPU matmul unavailable (%s); using XLA's dot", reason)
+        _state["ok"] = ok
+        return ok
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] (any float dtype), w [N, K] float32, bfloat16, or bfloat16 bits as uint16
+    (how bf16 weights are stored on CPU, see layers/storage.py) -> [M, N] float32."""
+    if w.dtype == jnp.bfloat16:
+        w = jax.lax.bitcast_convert_type(w, jnp.uint16)
+    target = _TARGETS[jnp.dtype(w.dtype)]
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w)
