@@ -38,6 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                    help="unroll the layers (default on CPU: faster decode, slower compile)")
     g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
+    g.add_argument("--cpu-matmul", default="auto",
+                   help="auto | native | xla: the native AVX2 matmul kernel or XLA's dot on CPU")
     g.add_argument("--compile-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/jaxllm/xla)")
 
 
@@ -51,7 +53,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes, num_blocks_override=args.num_gpu_blocks_override,
         attention_backend=args.attention_backend, scan_layers=args.scan_layers,
-        max_logprobs=args.max_logprobs, compile_cache_dir=args.compile_cache_dir)
+        max_logprobs=args.max_logprobs, cpu_matmul=args.cpu_matmul, compile_cache_dir=args.compile_cache_dir)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -149,8 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, module in (("serve", "serve.cli"), ("bench", "bench.cli")):
         try:
             mod = __import__(module, fromlist=["register"])
-        except ImportError:
-            continue
+        except ModuleNotFoundError as e:
+            if e.name in (module, module.split(".")[0]):
+                continue  # that part is not installed; a broken import inside it still raises
+            raise
         mod.register(sub)
     return parser
 

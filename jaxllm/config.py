@@ -14,7 +14,9 @@ import re
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+CPU_MATMULS = ("auto", "native", "xla")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -106,8 +108,16 @@ class RunnerConfig:
     """Run layers under ``lax.scan`` over stacked weights (``--scan-layers``/``--no-scan-layers``).
     None: scan on accelerators; unrolled on CPU, where XLA copies each sliced layer's
     weights before its matmuls (3x the weight traffic, measured in docs/architecture.md)."""
+    cpu_matmul: str = "auto"
+    """``--cpu-matmul``: auto (the native kernel when the CPU and compiler allow), native, or
+    xla (XLA's dot).  Ignored on accelerators."""
     max_logprobs: int = 20
     """Most top logprobs a request may ask for (``--max-logprobs``); fixed in the compiled step."""
+    logprobs_mode: str = "raw_logprobs"
+    """What logprobs report (``--logprobs-mode``, vLLM's): raw_logprobs (default), raw_logits,
+    processed_logprobs or processed_logits (after penalties, temperature and truncation)."""
+    use_fp64_gumbel: bool = False
+    """Draw with float64 Gumbel noise (53-bit uniforms) instead of float32 (``--use-fp64-gumbel``)."""
     compile_cache_dir: str | None = None
     """Persistent XLA compilation cache (``--compile-cache-dir``). None: ~/.cache/jaxllm/xla."""
     strict_compile_guard: bool = False
@@ -121,8 +131,12 @@ class RunnerConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.cpu_matmul not in CPU_MATMULS:
+            raise ValueError(f"--cpu-matmul must be one of {', '.join(CPU_MATMULS)}, got {self.cpu_matmul!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"--max-logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
 
 @dataclass(frozen=True)
@@ -172,3 +186,65 @@ def platform_defaults(platform: str) -> dict:
     if platform == "cpu":
         return {"max_num_seqs": 32, "max_num_batched_tokens": 512, "dtype": "float32", "scan_layers": False}
     return {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "dtype": "bfloat16", "scan_layers": True}
+
+
+GENERATION_CONFIG_KEYS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature",
+                          "top_k", "top_p", "min_p", "max_new_tokens")
+"""The generation_config.json keys the server reads as sampling defaults (vLLM's list)."""
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The OpenAI-compatible server (``jaxllm serve``)."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on (``--host``); 0.0.0.0 listens on every interface."""
+    port: int = 8000
+    """TCP port (``--port``); 0 picks a free one."""
+    api_key: str | None = None
+    """When set, every ``/v1/*`` request needs ``Authorization: Bearer <key>`` (``--api-key``,
+    or the ``JAXLLM_API_KEY`` environment variable)."""
+    served_model_names: tuple[str, ...] = ()
+    """Names the API accepts in ``model`` (``--served-model-name``); the first is the one
+    reported.  Empty: the ``--model`` argument (or the built-in model's name)."""
+    generation_config: str = "auto"
+    """Sampling defaults (``--generation-config``): ``auto`` reads the checkpoint's
+    generation_config.json, ``vllm`` ignores it, a folder reads that folder's file."""
+    override_generation_config: dict = field(default_factory=dict)
+    """Defaults merged over the ones above (``--override-generation-config '{json}'``)."""
+    sse_keep_alive_interval: float = 0.0
+    """Seconds of silence after which a stream carries a ``: keep-alive`` comment
+    (``--sse-keep-alive-interval``); 0 turns it off."""
+    chat_template: str | None = None
+    """A Jinja chat template (text, or a path to a file) replacing the tokenizer's (``--chat-template``)."""
+    response_role: str = "assistant"
+    """Role of the generated chat message when ``add_generation_prompt`` is true (``--response-role``)."""
+    graceful_timeout: float = 5.0
+    """Seconds in-flight requests get to finish after SIGTERM before connections are closed."""
+
+    def __post_init__(self):
+        if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be an integer in [0, 65535], got {self.port!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"--host must be an address, got {self.host!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("--api-key must be a non-empty string")
+        for name in self.served_model_names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"--served-model-name: names must be non-empty strings, got {name!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("--generation-config must be auto, vllm or a folder holding generation_config.json")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(f"--generation-config {self.generation_config!r}: not auto, vllm, or a folder")
+        if not isinstance(self.override_generation_config, dict):
+            raise ValueError("--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
+        for key in self.override_generation_config:
+            if key not in GENERATION_CONFIG_KEYS:
+                raise ValueError(f"--override-generation-config: unknown key {key!r}; the server reads "
+                                 f"{', '.join(GENERATION_CONFIG_KEYS)}")
+        for name, value in (("--sse-keep-alive-interval", self.sse_keep_alive_interval),
+                            ("graceful_timeout", self.graceful_timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError("--response-role must be a non-empty string")

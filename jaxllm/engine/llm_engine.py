@@ -7,6 +7,7 @@ bucket), and turns prompts into requests and engine-core outputs into ``RequestO
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from jaxllm.config import EngineConfig, default_cache_dir
 from jaxllm.engine.core import EngineCore
@@ -18,6 +19,24 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxllm.engine")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the scheduler and the KV pool, for metrics and queue-time accounting."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    """Blocks requests can use (the null block excluded)."""
+    num_preemptions: int
+    running_request_ids: frozenset[str]
+    """Ids (as given to ``add_request``) of the requests that hold KV blocks now."""
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
 class LLMEngine:
@@ -51,15 +70,29 @@ class LLMEngine:
             seed = self.core.new_seed() if params.seed is None else params.seed + i
             self.core.add_request(self.input_processor.make_request(cid, ids, params, seed, priority))
 
-    def abort_request(self, request_ids) -> None:
+    def abort_request(self, request_ids) -> list[RequestOutput]:
+        """Ends requests now (their KV blocks return to the pool); returns their final outputs,
+        finish_reason "abort", for the requests that were still running."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        finals = []
         for rid in request_ids:
             self.core.abort_requests(self.output_processor.child_ids(rid))
-            self.output_processor.abort(rid)
+            final = self.output_processor.abort(rid)
+            if final is not None:
+                finals.append(final)
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        sched, kv = self.core.scheduler, self.core.kv_manager
+        parent = self.output_processor.parent_id
+        return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                           num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
+                           num_preemptions=sched.num_preemptions,
+                           running_request_ids=frozenset(parent(r.request_id) for r in sched.running))
 
     def step(self) -> list[RequestOutput]:
         outputs, to_abort = self.output_processor.process(self.core.step())

@@ -47,6 +47,9 @@ class _ReqState:
     params: SamplingParams
     kind: OutputKind
     seqs: list[_Seq]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """vLLM's shape: None for the first prompt token, then one dict per prompt token."""
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -86,6 +89,11 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._reqs
 
+    def parent_id(self, child_id: str) -> str:
+        """The id the request was added with (a child of an n > 1 request maps to its parent)."""
+        parent = self._child_to_parent.get(child_id)
+        return child_id if parent is None else parent[0]
+
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs to deliver and the child ids the core must abort."""
         touched: dict[str, _ReqState] = {}
@@ -111,19 +119,25 @@ class OutputProcessor:
                 self._drop(st)
         return results, to_abort
 
+    def _entry(self, slp) -> dict[int, Logprob]:
+        """One position's logprobs: the chosen token (its own rank) first, then the top ones."""
+        entry: dict[int, Logprob] = {}
+        for rank_i, (tid, lpv) in enumerate(zip(slp.token_ids, slp.logprobs)):
+            if tid in entry:
+                continue
+            rank = slp.sampled_rank if rank_i == 0 else rank_i
+            entry[tid] = Logprob(lpv, rank, self._decode_one(tid))
+        return entry
+
     def _append(self, st: _ReqState, seq: _Seq, out: EngineCoreOutput) -> None:
         p = st.params
+        if out.prompt_logprobs is not None and st.prompt_logprobs is None:
+            st.prompt_logprobs = [None] + [self._entry(slp) for slp in out.prompt_logprobs]
         for j, tok in enumerate(out.new_token_ids):
             seq.token_ids.append(tok)
             if seq.logprobs is not None and out.new_logprobs and j < len(out.new_logprobs):
                 slp = out.new_logprobs[j]
-                entry: dict[int, Logprob] = {}
-                for rank_i, (tid, lpv) in enumerate(zip(slp.token_ids, slp.logprobs)):
-                    if tid in entry:
-                        continue
-                    rank = slp.sampled_rank if rank_i == 0 else rank_i
-                    entry[tid] = Logprob(lpv, rank, self._decode_one(tid))
-                seq.logprobs.append(entry)
+                seq.logprobs.append(self._entry(slp))
                 seq.cumulative_logprob += slp.logprobs[0]
             if seq.detok is not None:
                 # vLLM leaves a stop token's text out unless include_stop_str_in_output.
@@ -173,7 +187,12 @@ class OutputProcessor:
             seq.sent_finish = done
         if not comps:
             return None
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, None, comps, st.finished)
+        prompt_lps = st.prompt_logprobs
+        if st.kind == OutputKind.DELTA:
+            # Streaming sends them once, with the first output (as vLLM does).
+            prompt_lps = None if st.sent_prompt_logprobs else prompt_lps
+            st.sent_prompt_logprobs = st.sent_prompt_logprobs or prompt_lps is not None
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, prompt_lps, comps, st.finished)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request from outside (client gone, user abort); returns its final output."""

@@ -1,0 +1,238 @@
+"""The Quart application of ``jaxllm serve`` and the hypercorn loop that runs it.
+
+Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``.
+Every error, including a 404 route or a 405 method, is answered in OpenAI's shape
+``{"error": {"message", "type", "param", "code"}}``.  With an API key, ``/v1/*`` needs
+``Authorization: Bearer <key>`` (401 otherwise); ``/health``, ``/metrics`` and the rest stay open.
+
+The app does not own the engine (several apps may share one): whoever built the
+:class:`AsyncEngine` shuts it down.  ``run_server`` serves until its stop event is set
+(SIGTERM or SIGINT in the CLI), then refuses new requests, aborts this app's requests in
+flight (each stream ends with finish_reason "abort" and ``[DONE]``) and lets hypercorn
+close within ``graceful_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+from http import HTTPStatus
+from typing import Callable
+
+import pydantic_core
+from pydantic import BaseModel, ValidationError
+from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
+
+import jaxllm
+from jaxllm.config import ServingConfig
+from jaxllm.engine.async_engine import AsyncEngine
+from jaxllm.engine.tokenizer import encode
+from jaxllm.errors import EngineDeadError
+from serve import chat, completions
+from serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from serve.metrics import Metrics
+from serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                            DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
+                            TokenizeCompletionRequest, TokenizeResponse, bad_request, error_body, validation_error)
+from serve.state import ServerState
+
+log = logging.getLogger("jaxllm.serve")
+
+
+def json_response(obj, status: int = 200) -> Response:
+    if isinstance(obj, BaseModel):
+        body = obj.model_dump_json()  # a NaN logprob becomes null rather than invalid JSON
+    else:
+        body = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return Response(body, status=status, mimetype="application/json")
+
+
+def error_response(e: APIError) -> Response:
+    return json_response(e.body(), e.status)
+
+
+async def _json_body():
+    body = await request.get_data(cache=True)
+    if not body:
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        # Standard JSON only: NaN and Infinity are not JSON, wherever they appear.
+        return pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def _validate(model: type[BaseModel], obj):
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+async def _parse(model: type[BaseModel]):
+    return _validate(model, await _json_body())
+
+
+def build_app(engine: AsyncEngine, config: ServingConfig | None = None) -> Quart:
+    config = config or ServingConfig()
+    metrics = engine.stats_sink if isinstance(engine.stats_sink, Metrics) else None
+    state = ServerState.create(engine, config, metrics)
+    if engine.stats_sink is None:
+        engine.stats_sink = state.metrics
+
+    app = Quart("jaxllm.serve")
+    app.extensions["jaxllm"] = state
+    app.config["MAX_CONTENT_LENGTH"] = 16 * 1024 * 1024
+
+    @app.before_request
+    async def _read_body():
+        # The whole body is read before any answer, early ones (401, 404, 405) included: hypercorn
+        # closes a keep-alive connection whose request body was not fully received when the
+        # response ended, and the client's next request on it would then fail.
+        await request.get_data(cache=True)
+
+    @app.before_request
+    async def _authenticate():
+        if config.api_key is None or not request.path.startswith("/v1") or request.method == "OPTIONS":
+            return None
+        header = request.headers.get("Authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            return json_response(error_body(HTTPStatus.UNAUTHORIZED, "Unauthorized: a valid API key is required "
+                                            "(Authorization: Bearer <key>)"), HTTPStatus.UNAUTHORIZED)
+        return None
+
+    @app.errorhandler(APIError)
+    async def _api_error(e: APIError):
+        return error_response(e)
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(e: HTTPException):
+        status = e.code or 500
+        return json_response(error_body(status, e.description or HTTPStatus(status).phrase), status)
+
+    @app.errorhandler(EngineDeadError)
+    async def _engine_dead(e: EngineDeadError):
+        return json_response(error_body(HTTPStatus.SERVICE_UNAVAILABLE, str(e)), HTTPStatus.SERVICE_UNAVAILABLE)
+
+    @app.errorhandler(Exception)
+    async def _unexpected(e: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_response(error_body(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {e}"),
+                             HTTPStatus.INTERNAL_SERVER_ERROR)
+
+    def _reply(result):
+        return result if isinstance(result, Response) else json_response(result)
+
+    @app.post("/v1/completions")
+    async def _completions():
+        req = await _parse(CompletionRequest)
+        return _reply(await completions.create_completion(state, req))
+
+    @app.post("/v1/chat/completions")
+    async def _chat():
+        req = await _parse(ChatCompletionRequest)
+        return _reply(await chat.create_chat_completion(state, req))
+
+    @app.get("/v1/models")
+    async def _models():
+        cards = [ModelCard(id=name, created=state.created, root=engine.model_name,
+                           max_model_len=state.max_model_len) for name in state.served_names]
+        return json_response(ModelList(data=cards))
+
+    @app.get("/health")
+    async def _health():
+        engine.check_health()  # EngineDeadError -> 503
+        if not state.accepting:
+            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
+        return Response("", status=200)
+
+    @app.get("/version")
+    async def _version():
+        return json_response({"version": jaxllm.__version__})
+
+    @app.get("/metrics")
+    async def _metrics():
+        state.metrics.update_engine(engine.stats())
+        return Response(state.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
+
+    @app.post("/tokenize")
+    async def _tokenize():
+        obj = await _json_body()
+        # vLLM's two request shapes: {"prompt": ...} or {"messages": [...]}.
+        has_messages = isinstance(obj, dict) and "messages" in obj
+        req = _validate(TokenizeChatRequest if has_messages else TokenizeCompletionRequest, obj)
+        state.check_model(req.model)
+        tok = state.require_tokenizer("/tokenize")
+        if isinstance(req, TokenizeChatRequest):
+            _, ids = chat.render_messages(
+                state, req.messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs, tools=req.tools,
+                add_special_tokens=req.add_special_tokens)
+        else:
+            ids = encode(tok, req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return json_response(TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
+                                              token_strs=strs))
+
+    @app.post("/detokenize")
+    async def _detokenize():
+        req = await _parse(DetokenizeRequest)
+        state.check_model(req.model)
+        tok = state.require_tokenizer("/detokenize")
+        bad = [t for t in req.tokens if t >= state.engine.vocab_size]
+        if bad:
+            raise bad_request(f"token id {bad[0]} is out of vocabulary (size {state.engine.vocab_size})", "tokens")
+        return json_response(DetokenizeResponse(prompt=tok.decode(req.tokens)))
+
+    return app
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket; ValueError (naming the address) when it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+async def run_server(engine: AsyncEngine, config: ServingConfig, stop: asyncio.Event, *,
+                     sock: socket.socket | None = None,
+                     on_ready: Callable[[str, int], None] | None = None) -> None:
+    """Serves ``engine`` over HTTP until ``stop`` is set, then shuts the server down gracefully.
+
+    ``sock``: an already listening socket (the CLI binds before the slow engine start, so a
+    busy port fails at once); by default one is opened on ``config.host:config.port``."""
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config as HypercornConfig
+
+    app = build_app(engine, config)
+    if sock is None:
+        sock = listen(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    hc = HypercornConfig()
+    # Hypercorn takes over the listening socket (it closes it when it stops).
+    hc.bind = [f"fd://{sock.detach()}"]
+    hc.graceful_timeout = config.graceful_timeout
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+
+    state: ServerState = app.extensions["jaxllm"]
+
+    async def shutdown_trigger():
+        await stop.wait()
+        n = state.begin_shutdown()
+        log.info("shutting down: refusing new requests, aborted %d in flight", n)
+
+    shown = f"[{host}]" if ":" in host else host
+    log.info("serving %s on http://%s:%d", state.model_name, shown, port)
+    if on_ready is not None:
+        on_ready(host, port)
+    await hypercorn_serve(app, hc, shutdown_trigger=shutdown_trigger)

@@ -1,0 +1,99 @@
+"""``jaxllm serve [MODEL]``: the OpenAI-compatible server, with vLLM's flag names.
+
+With no model it serves the built-in SmolLM2-135M-Instruct.  Flags are checked before the
+(slow) engine start, so a typo fails in a second, not after compiling.  SIGTERM or Ctrl-C
+stops it gracefully: new requests are refused, streams in flight end with finish_reason
+"abort" and ``[DONE]``, and the process exits within a few seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+
+from jaxllm.cli import add_engine_args, engine_config_from_args
+from jaxllm.config import ServingConfig
+
+log = logging.getLogger("jaxllm.serve")
+
+
+def register(subparsers) -> None:
+    s = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (completions, chat, SSE streaming)",
+        description="Serve a model over vLLM's dialect of the OpenAI API.")
+    add_engine_args(s, model_positional=True)
+    g = s.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $JAXLLM_API_KEY, else none)")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names the API answers to; the first is reported (default: the model argument)")
+    g.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: auto (default: the checkpoint's generation_config.json), vllm "
+                        "(none), or a folder holding a generation_config.json")
+    g.add_argument("--override-generation-config", default=None,
+                   help="JSON object merged over the generation config, e.g. '{\"temperature\": 0.5}'")
+    g.add_argument("--sse-keep-alive-interval", type=float, default=0.0,
+                   help="send ': keep-alive' after this many seconds of stream silence (0: off)")
+    g.add_argument("--chat-template", default=None, help="Jinja chat template (file or text) replacing the model's")
+    g.add_argument("--response-role", default="assistant", help="role of generated chat messages")
+    s.set_defaults(func=cmd_serve)
+
+
+def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
+    override = {}
+    if args.override_generation_config:
+        try:
+            override = json.loads(args.override_generation_config)
+        except ValueError as e:
+            raise ValueError(f"--override-generation-config is not valid JSON ({e})") from None
+    api_key = args.api_key if args.api_key is not None else (os.environ.get("JAXLLM_API_KEY") or None)
+    return ServingConfig(
+        host=args.host, port=args.port, api_key=api_key,
+        served_model_names=tuple(args.served_model_name or ()), generation_config=args.generation_config,
+        override_generation_config=override, sse_keep_alive_interval=args.sse_keep_alive_interval,
+        chat_template=args.chat_template, response_role=args.response_role)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxllm.engine.async_engine import AsyncEngine
+    from jaxllm.engine.llm_engine import LLMEngine
+    from serve.app import listen
+    from serve.state import resolve_chat_template
+
+    if args.model_pos and args.model and args.model_pos != args.model:
+        raise ValueError(f"the model is given twice ({args.model_pos!r} and --model {args.model!r}); give it once")
+    serving = serving_config_from_args(args)
+    resolve_chat_template(serving.chat_template)
+    engine_config = engine_config_from_args(args)
+    # The address and the sampling defaults are worth seeing at the default log level.
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    sock = listen(serving.host, serving.port)  # a busy port fails now, not after compiling
+    try:
+        engine = AsyncEngine(LLMEngine(engine_config))
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        asyncio.run(_serve(engine, serving, sock))
+    finally:
+        engine.shutdown()
+    return 0
+
+
+async def _serve(engine, serving: ServingConfig, sock) -> None:
+    from serve.app import run_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await run_server(engine, serving, stop, sock=sock)
+    log.info("server stopped")

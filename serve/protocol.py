@@ -1,0 +1,457 @@
+"""Typed request and response bodies of the OpenAI API (vLLM's dialect), and the error shape.
+
+Requests are parsed strictly from JSON (a string is not a number, 1.0 is not an integer,
+NaN and Infinity are refused) so that a malformed body is a 400 naming the field rather
+than something the engine trips over later.  Unknown fields are accepted and ignored, as
+vLLM does.  The vLLM extensions the engine supports are typed here too (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
+skip_special_tokens, echo, add_generation_prompt, chat_template_kwargs, priority, seed,
+return_token_ids); parameters the sampler does not apply yet are passed through to
+``SamplingParams`` and refused there with a ValueError that names them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from http import HTTPStatus
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxllm.sampling_params import SamplingParams
+
+# Integers that reach the engine are bounded so that none can overflow a device array.
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+MAX_N = 128
+"""OpenAI's limit on ``n``; also keeps one request from flooding the scheduler."""
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    """An error answered with an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, err_type: str | None = None):
+        super().__init__(message)
+        self.status = int(status)
+        self.message = message
+        self.param = param
+        self.err_type = err_type or error_type(status)
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.err_type)
+
+
+def error_type(status: int) -> str:
+    """vLLM's names: 400 -> BadRequestError, 404 -> NotFoundError, 500 -> InternalServerError."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+    name = "".join(w[:1].upper() + w[1:] for w in re.split(r"[\s-]+", phrase))
+    return name if name.endswith("Error") else name + "Error"
+
+
+def error_body(status: int, message: str, param: str | None = None, err_type: str | None = None) -> dict:
+    return {"error": {"message": message, "type": err_type or error_type(status), "param": param,
+                      "code": int(status)}}
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, param)
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A pydantic error as a 400 whose ``param`` is the offending top-level field."""
+    errs = e.errors(include_url=False)
+    if not errs:
+        return bad_request("invalid request body")
+    first = errs[0]
+    loc = [str(x) for x in first.get("loc", ())]
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    msg = f"{where}: {first.get('msg', 'invalid value')}"
+    if first.get("type") == "model_type" and not loc:
+        msg = "the request body must be a JSON object"
+    if len(errs) > 1:
+        msg += f" (and {len(errs) - 1} more problem{'s' if len(errs) > 2 else ''})"
+    return bad_request(msg, param)
+
+
+_LEADING_NAME = re.compile(r"^\s*`?([A-Za-z_][A-Za-z0-9_]*)`?\b")
+
+
+def param_from_message(message: str, fields: set[str], aliases: dict[str, str] | None = None) -> str | None:
+    """SamplingParams' messages start with the parameter's name: recover it for ``param``."""
+    m = _LEADING_NAME.match(message)
+    if not m:
+        return None
+    name = m.group(1)
+    if aliases and name in aliases:
+        return aliases[name]
+    return name if name in fields else None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def to_template_dict(self) -> dict:
+        """The message as the chat template sees it; text parts are joined with newlines (vLLM)."""
+        d: dict[str, Any] = {"role": self.role}
+        if isinstance(self.content, list):
+            d["content"] = "\n".join(p.text for p in self.content)
+        else:
+            d["content"] = self.content
+        for key in ("name", "tool_calls", "tool_call_id"):
+            v = getattr(self, key)
+            if v is not None:
+                d[key] = v
+        return d
+
+
+class _SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: Int64 | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    min_tokens: Int64 = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Int64 | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: Int64 = 0
+    return_token_ids: bool | None = False
+    """vLLM extension: add the token ids (and, once, the prompt's) to each choice."""
+    echo: bool | None = False
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+
+    def include_usage(self) -> tuple[bool, bool]:
+        """(final usage chunk, usage in every chunk) for a streaming request."""
+        so = self.stream_options
+        if so is None:
+            return False, False
+        inc = bool(so.include_usage)
+        return inc, inc and bool(so.continuous_usage_stats)
+
+    def _sampling_kwargs(self, max_tokens: int, defaults: dict, vocab_size: int) -> dict:
+        def pick(value, key, fallback):
+            return value if value is not None else defaults.get(key, fallback)
+
+        top_k = pick(self.top_k, "top_k", 0)
+        if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= vocab_size:
+            top_k = 0  # keeping the whole vocabulary is no truncation at all
+        logit_bias = None
+        if self.logit_bias is not None:
+            # vLLM clamps biases to [-100, 100].
+            logit_bias = {k: min(max(v, -100.0), 100.0) for k, v in self.logit_bias.items()}
+        return dict(
+            n=self.n, temperature=pick(self.temperature, "temperature", 1.0),
+            top_p=pick(self.top_p, "top_p", 1.0), top_k=top_k, min_p=pick(self.min_p, "min_p", 0.0),
+            presence_penalty=pick(self.presence_penalty, "presence_penalty", 0.0),
+            frequency_penalty=pick(self.frequency_penalty, "frequency_penalty", 0.0),
+            repetition_penalty=pick(self.repetition_penalty, "repetition_penalty", 1.0),
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, prompt_logprobs=self.prompt_logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=logit_bias,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
+    suffix: str | None = None
+    best_of: Int64 | None = None
+    add_special_tokens: bool = True
+
+    def to_sampling_params(self, max_tokens: int, defaults: dict, vocab_size: int) -> SamplingParams:
+        kw = self._sampling_kwargs(max_tokens, defaults, vocab_size)
+        kw["logprobs"] = self.logprobs
+        if self.echo and self.logprobs is not None and kw["prompt_logprobs"] is None:
+            kw["prompt_logprobs"] = self.logprobs  # echo with logprobs scores the prompt too (vLLM)
+        return SamplingParams(**kw)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool | None = False
+    top_logprobs: Int64 | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int, defaults: dict, vocab_size: int) -> SamplingParams:
+        kw = self._sampling_kwargs(max_tokens, defaults, vocab_size)
+        if self.logprobs:
+            kw["logprobs"] = self.top_logprobs or 0
+        return SamplingParams(**kw)
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(OpenAIModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def prompt_logprobs_json(plp) -> list | None:
+    """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}."""
+    if plp is None:
+        return None
+    out = []
+    for step in plp:
+        if step is None:
+            out.append(None)
+        else:
+            out.append({str(k): {"logprob": max(v.logprob, -9999.0), "rank": v.rank, "decoded_token": v.decoded_token}
+                        for k, v in step.items()})
+    return out
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class _StreamChunk(BaseModel):
+    """Chunks are dumped with only the fields that were set; ``object`` always counts as set."""
+
+    def model_post_init(self, context: Any) -> None:
+        self.model_fields_set.add("object")
+
+
+class CompletionStreamResponse(_StreamChunk):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(_StreamChunk):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "jaxllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
