@@ -73,6 +73,9 @@ class RunnerOutput:
     """Per request, in ``req_ids`` order; empty for a prefill chunk that is not the last."""
     logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
     """Only for requests that asked for logprobs."""
+    prompt_logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    """Only for requests that asked for prompt_logprobs, with their first sampled token: one
+    entry per prompt token after the first (the token itself first, then the top ones)."""
 
 
 EMPTY_RUNNER_OUTPUT = RunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -89,6 +92,8 @@ class EngineCoreOutput:
     """'stop', 'length' or 'abort' once the request has ended."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended it, None for EOS or length."""
+    prompt_logprobs: list[SampleLogprobs] | None = None
+    """With the first output of a request that asked for prompt_logprobs."""
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ naming the parameter; the server turns that into an HTTP 400.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -62,6 +63,11 @@ class SamplingParams:
         if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation parameters cannot change an argmax.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        # Resolved by the engine at admission (vLLM's private fields of the same names):
+        # stop ids that min_tokens suppresses (stop_token_ids plus the model's EOS ids), and
+        # bad_words as token-id sequences.
+        self._all_stop_token_ids: set[int] = set(self.stop_token_ids)
+        self._bad_words_token_ids: list[list[int]] | None = None
 
     def _verify(self) -> None:
         def num(name):
@@ -128,6 +134,8 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be token ids, got {k!r}") from None
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise ValueError(f"logit_bias values must be numbers, got {v!r}")
+                if not math.isfinite(v):
+                    raise ValueError(f"logit_bias values must be finite, got {v!r} for token {tok}")
                 clean[tok] = float(v)
             self.logit_bias = clean
         if self.bad_words is not None:
@@ -141,6 +149,36 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """stop_token_ids plus the model's EOS ids once the engine has resolved them: the ids
+        min_tokens keeps from being sampled (EOS included even with ignore_eos, as in vLLM)."""
+        return self._all_stop_token_ids
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        """bad_words as token-id sequences, after :meth:`update_from_tokenizer`."""
+        return self._bad_words_token_ids
+
+    def update_from_eos(self, eos_token_ids) -> None:
+        """Adds the model's EOS ids to :attr:`all_stop_token_ids` (vLLM's update_from_generation_config)."""
+        self._all_stop_token_ids = set(self.stop_token_ids) | set(eos_token_ids)
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenizes bad_words as vLLM does: each word alone and after a space (when the space
+        makes it a different token sequence of the same length), without special tokens."""
+        if not self.bad_words:
+            return
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            for prefix_space in (False, True):
+                ids = tokenizer.encode(("" if not prefix_space else " ") + word.lstrip(), add_special_tokens=False)
+                if not ids:
+                    raise ValueError(f"bad_words: {word!r} encodes to no tokens")
+                if not prefix_space or (ids[0] != seqs[-1][0] and len(ids) == len(seqs[-1])):
+                    seqs.append(list(ids))
+        self._bad_words_token_ids = seqs
 
     def clone(self) -> "SamplingParams":
         return copy.deepcopy(self)

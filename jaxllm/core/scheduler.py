@@ -155,7 +155,8 @@ class Scheduler:
                     break
             outs.append(EngineCoreOutput(
                 rid, accepted, new_logprobs=logprobs[:len(accepted)] if logprobs else None,
-                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason))
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                prompt_logprobs=result.prompt_logprobs.get(rid)))
             if req.is_finished:
                 self._finish(req, req.status)
         return outs

@@ -33,6 +33,7 @@ class ResolvedConfig:
     dtype: str
     attention_backend: str
     scan_layers: bool
+    matmul_backend: str
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -52,6 +53,14 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
         raise ValueError("--attention-backend pallas: the Pallas kernels are not available in this build; "
                          "use --attention-backend xla")
     scan = defaults["scan_layers"] if rc.scan_layers is None else rc.scan_layers
+    matmul = "xla"
+    if platform == "cpu" and rc.cpu_matmul != "xla":
+        from jaxllm.cpu import native
+        if native.available():
+            matmul = "native"
+        elif rc.cpu_matmul == "native":
+            raise ValueError("--cpu-matmul native: the native CPU kernel is unavailable on this machine "
+                             "(see the warning above); use --cpu-matmul xla")
     model_len = model.arch.max_position_embeddings
     max_model_len = sc.max_model_len or model_len
     if max_model_len > model_len:
@@ -69,7 +78,8 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
                        max_num_seqs=max_num_seqs, budget_bytes=cache.kv_cache_memory_bytes,
                        num_blocks_override=cache.num_blocks_override)
     cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
-    return ResolvedConfig(dtype=dtype, attention_backend=backend, scan_layers=scan, max_model_len=max_model_len,
+    return ResolvedConfig(dtype=dtype, attention_backend=backend, scan_layers=scan, matmul_backend=matmul,
+                          max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, kv=kv,
                           compile_cache_dir=cache_dir)
 
@@ -85,10 +95,12 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_manager, max_num_seqs=r.max_num_seqs,
                                    max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len)
         self.runner = ModelRunner(
-            model, dtype=r.dtype, scan_layers=r.scan_layers, num_blocks=r.kv.num_blocks,
+            model, dtype=r.dtype, scan_layers=r.scan_layers, matmul_backend=r.matmul_backend,
+            num_blocks=r.kv.num_blocks,
             block_size=r.kv.block_size, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens, max_logprobs=config.runner.max_logprobs,
-            strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress)
+            strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
+            logprobs_mode=config.runner.logprobs_mode, use_fp64_gumbel=config.runner.use_fp64_gumbel)
         self.runner.warmup()
         self._seed_rng = random.Random(config.seed)
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 from jaxllm.engine.tokenizer import encode
 from jaxllm.request import Request
+from jaxllm.sample.metadata import suppress_capacity_error
 from jaxllm.sampling_params import SamplingParams
 
 PromptType = str | dict | list
@@ -51,24 +54,57 @@ class InputProcessor:
         return text, ids
 
     def check_params(self, params: SamplingParams) -> None:
+        """Engine-dependent checks (vocabulary, --max-logprobs, the tokenizer for bad_words); the
+        parameter-only checks are SamplingParams' own.  Raises ValueError naming the parameter."""
+        V = self.vocab_size
         for t in params.stop_token_ids:
-            if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary (size {self.vocab_size})")
+            if t >= V:
+                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary (size {V})")
         if params.logprobs is not None and params.logprobs > self.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than the engine's max_logprobs="
                              f"{self.max_logprobs} (--max-logprobs)")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
+            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} is more than the engine's max_logprobs="
+                             f"{self.max_logprobs} (--max-logprobs)")
+        if params.logit_bias:
+            bad = sorted(t for t in params.logit_bias if not 0 <= t < V)
+            if bad:
+                raise ValueError(f"logit_bias: token id(s) {bad} are out of vocabulary (size {V})")
+        if params.allowed_token_ids is not None:
+            bad = sorted({t for t in params.allowed_token_ids if t >= V})
+            if bad:
+                raise ValueError(f"allowed_token_ids: token id(s) {bad} are out of vocabulary (size {V})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer (this engine runs with skip_tokenizer_init)")
+        resolved = self.resolve(params)
+        for seq in resolved.bad_words_token_ids or []:
+            bad = [t for t in seq if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"bad_words: token id(s) {bad} are out of vocabulary (size {V})")
+        err = suppress_capacity_error(resolved)
+        if err:
+            raise ValueError(err)
         unsupported = [name for name, default in _NOT_YET.items() if getattr(params, name) != default]
         if unsupported:
             raise ValueError(f"{unsupported[0]} is not supported by this engine yet")
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """A copy of ``params`` with the engine's EOS ids and the bad words' token ids filled in
+        (the user's object is never changed: it may be shared by many prompts)."""
+        params = copy.copy(params)
+        params.update_from_eos(self.eos_token_ids)
+        if params.bad_words and self.tokenizer is not None:
+            params.update_from_tokenizer(self.tokenizer)
+        return params
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                      priority: int = 0, arrival_time: float | None = None) -> Request:
         room = max(self.max_model_len - len(prompt_token_ids), 1)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, seed=seed,
+        return Request(request_id, prompt_token_ids, self.resolve(params), eos_token_ids=self.eos_token_ids, seed=seed,
                        arrival_time=arrival_time, priority=priority, max_tokens=max_tokens)
 
 
-# Parameters validated by SamplingParams but not yet applied by the sampler (issue [3/7]).
-_NOT_YET = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-            "logit_bias": None, "allowed_token_ids": None, "bad_words": None, "prompt_logprobs": None}
+# Parameters validated by SamplingParams but not yet applied by the sampler (none since [3/7];
+# kept so a parameter added later can be refused until it is implemented).
+_NOT_YET: dict[str, object] = {}

@@ -1,15 +1,17 @@
 """ModelRunner: the only component that touches device arrays.
 
 It keeps per-request host state keyed by request id (tokens, block table, sampling
-parameters), turns each ``SchedulerOutput`` into padded numpy arrays, picks the compiled
-step of the (T, S) bucket, runs it with the KV cache donated, and returns the sampled
-tokens as plain Python lists.  Every bucket is compiled at start-up from
+parameters, the request's row of the sampler's device state), turns each
+``SchedulerOutput`` into padded numpy arrays, picks the compiled step of the (T, S) bucket,
+runs it with the KV cache and the sampler state donated, and returns the sampled tokens as
+plain Python lists.  Every bucket is compiled at start-up from
 ``ShapeDtypeStruct``s; afterwards a step that traces or compiles is a bug, reported by the
 compile guard (fatal in tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -28,8 +30,8 @@ from jaxllm.outputs import EMPTY_RUNNER_OUTPUT, NewRequestData, RunnerOutput, Sa
 from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner.step import StepInputs, make_step
-from jaxllm.sample.gumbel import split_seed
-from jaxllm.sample.sampler import SamplingMetadata
+from jaxllm.sample import metadata as smd
+from jaxllm.sample.sampler import LOGPROBS_MODES, init_state, write_bias_row
 
 log = logging.getLogger("jaxllm.runner")
 
@@ -40,36 +42,51 @@ class _ReqState:
     num_prompt_tokens: int
     block_ids: list[int]
     num_computed_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed_lo: int
-    seed_hi: int
-    num_logprobs: int
+    sampling: smd.RowParams
+    slot: int
+    """The request's row of the sampler's device state (penalty counts, bias row)."""
+    fresh: bool = True
+    """The slot still holds a previous request's counts: the first step resets them."""
+    prompt_lps: list[SampleLogprobs] | None = None
+    """prompt_logprobs gathered chunk by chunk, delivered with the first sampled token."""
 
     @classmethod
-    def from_new(cls, nr: NewRequestData) -> "_ReqState":
-        sp = nr.sampling_params
-        lo, hi = split_seed(nr.seed)
+    def from_new(cls, nr: NewRequestData, vocab_size: int, slot: int) -> "_ReqState":
+        # Prefix caching ([6/7]) will admit requests with num_computed_tokens > 0: the cached
+        # tokens never pass through a step, so their penalty counts must then be added too.
+        p = smd.RowParams.from_sampling_params(nr.sampling_params, nr.seed, vocab_size)
+        # A request resumed after preemption has delivered its prompt logprobs already.
+        wants_plp = p.num_prompt_logprobs >= 0 and len(nr.token_ids) == nr.num_prompt_tokens
         return cls(token_ids=list(nr.token_ids), num_prompt_tokens=nr.num_prompt_tokens,
                    block_ids=list(nr.block_ids), num_computed_tokens=nr.num_computed_tokens,
-                   temperature=0.0 if sp.greedy else float(sp.temperature), top_k=int(sp.top_k),
-                   top_p=float(sp.top_p), min_p=float(sp.min_p), seed_lo=lo, seed_hi=hi,
-                   num_logprobs=-1 if sp.logprobs is None else int(sp.logprobs))
+                   sampling=p, slot=slot, prompt_lps=[] if wants_plp else None)
+
+    @property
+    def num_logprobs(self) -> int:
+        return self.sampling.num_logprobs
 
 
-def _to_device_params(model: LoadedModel, dtype, scan_layers: bool) -> dict:
+MATRICES = frozenset({"embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down"})
+
+
+def _to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False) -> dict:
+    """Host weights -> device arrays.  ``packed_bf16``: matrices as bf16 bit patterns in
+    uint16 and vectors (norms, biases) as float32 (see layers/storage.py)."""
     np_dtype = jnp.dtype(dtype)
 
-    def conv(a):
-        return jax.device_put(np.asarray(a, dtype=np_dtype))
+    def conv(name, a):
+        a = np.asarray(a)
+        if packed_bf16:
+            if name in MATRICES:
+                return jax.device_put(a.astype(jnp.bfloat16).view(np.uint16))
+            return jax.device_put(a.astype(np.float32))
+        return jax.device_put(a.astype(np_dtype))
 
-    params = {k: conv(v) for k, v in model.globals.items()}
+    params = {k: conv(k, v) for k, v in model.globals.items()}
     if scan_layers:
-        params["layers"] = {k: conv(np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
+        params["layers"] = {k: conv(k, np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
     else:
-        params["layers"] = [{k: conv(v) for k, v in lp.items()} for lp in model.layers]
+        params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in model.layers]
     params["rope_inv_freq"] = jax.device_put(model.rope_inv_freq.astype(np.float32))
     return params
 
@@ -84,8 +101,12 @@ def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, *, dtype: str, scan_layers: bool, num_blocks: int,
+                 matmul_backend: str = "xla",
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_logprobs: int, strict_compile_guard: bool = False, show_progress: bool = True):
+                 max_logprobs: int, strict_compile_guard: bool = False, show_progress: bool = True,
+                 logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.arch = model.arch
         self.model_module = get_model_module(model.arch.architecture)
         self.dtype = jnp.dtype(dtype)
@@ -98,11 +119,24 @@ class ModelRunner:
         self.show_progress = show_progress
         self.buckets = bk.step_buckets(max_num_batched_tokens, max_num_seqs)
 
-        self.params = _to_device_params(model, self.dtype, scan_layers)
+        # XLA:CPU has no bf16 scatter/gather/update kernels: keep bf16 as uint16 bits there.
+        self.packed_bf16 = self.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
+        self.params = _to_device_params(model, self.dtype, scan_layers, self.packed_bf16)
         a = self.arch
         self.kv = allocate_kv_cache(a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                                    self.dtype, stacked=scan_layers)
-        self._step_fn = make_step(self.arch, self.model_module, max_logprobs)
+                                    jnp.uint16 if self.packed_bf16 else self.dtype, stacked=scan_layers)
+        self.matmul_backend = matmul_backend
+        self._step_fn = make_step(self.arch, self.model_module, max_logprobs, matmul_backend,
+                                  logprobs_mode=logprobs_mode, use_fp64_gumbel=use_fp64_gumbel)
+        # The sampler's per-request device state: one row per running request (assigned by
+        # request id, reused once freed) and a last scratch row for padding rows.
+        self.vocab_size = a.vocab_size
+        self.sstate = init_state(max_num_seqs + 1, a.vocab_size)
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._write_bias = None
+        self._bias_writes: list[tuple[int, np.ndarray]] = []
+        self._plp_plan: list[tuple[str, int, int]] = []
+        self._last_prompt_targets = None
         self._compiled: dict[tuple[int, int], object] = {}
         self._states: dict[str, _ReqState] = {}
         self.warm = False
@@ -122,7 +156,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ AOT warm-up
 
     def _input_spec(self, T: int, S: int) -> StepInputs:
-        i32, f32, u32 = jnp.int32, jnp.float32, jnp.uint32
+        i32 = jnp.int32
 
         def sds(shape, dt):
             return jax.ShapeDtypeStruct(shape, dt)
@@ -134,9 +168,8 @@ class ModelRunner:
                                    block_tables=sds((S, self.max_blocks_per_seq), i32),
                                    seq_lens=sds((S,), i32), query_start_loc=sds((S + 1,), i32)),
             logits_indices=sds((S,), i32),
-            sampling=SamplingMetadata(temperature=sds((S,), f32), top_k=sds((S,), i32), top_p=sds((S,), f32),
-                                      min_p=sds((S,), f32), seed_lo=sds((S,), u32), seed_hi=sds((S,), u32),
-                                      out_pos=sds((S,), i32), num_logprobs=sds((S,), i32)))
+            sampling=smd.to_metadata({k: sds(v.shape, v.dtype) for k, v in smd.empty_metadata(S).items()}),
+            prompt_targets=sds((T,), i32))
 
     def warmup(self) -> None:
         """Compiles the step for every bucket (through the persistent cache)."""
@@ -144,7 +177,11 @@ class ModelRunner:
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         params_spec = jax.tree.map(spec, self.params)
         kv_spec = jax.tree.map(spec, self.kv)
-        jitted = jax.jit(self._step_fn, donate_argnums=(1,))
+        sstate_spec = jax.tree.map(spec, self.sstate)
+        jitted = jax.jit(self._step_fn, donate_argnums=(1, 2))
+        bias = self.sstate.bias
+        self._write_bias = jax.jit(write_bias_row, donate_argnums=(0,)).lower(
+            spec(bias), jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((bias.shape[1],), jnp.float32)).compile()
         t0 = time.perf_counter()
         bar = None
         if self.show_progress:
@@ -153,7 +190,7 @@ class ModelRunner:
 
         def build(bucket):
             T, S = bucket
-            compiled = jitted.lower(params_spec, kv_spec, self._input_spec(T, S)).compile()
+            compiled = jitted.lower(params_spec, kv_spec, sstate_spec, self._input_spec(T, S)).compile()
             if bar is not None:
                 bar.update(1)
             return bucket, compiled
@@ -171,9 +208,14 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
-            self._states.pop(rid, None)
+            st = self._states.pop(rid, None)
+            if st is not None:
+                self._free_slots.append(st.slot)
         for nr in so.scheduled_new_reqs:
-            self._states[nr.req_id] = _ReqState.from_new(nr)
+            old = self._states.pop(nr.req_id, None)
+            if old is not None:
+                self._free_slots.append(old.slot)
+            self._states[nr.req_id] = _ReqState.from_new(nr, self.vocab_size, self._free_slots.pop())
         c = so.scheduled_cached_reqs
         for rid, blocks, n in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             st = self._states[rid]
@@ -193,15 +235,12 @@ class ModelRunner:
         seq_lens = np.zeros(Sb, np.int32)
         qsl = np.zeros(Sb + 1, np.int32)
         logits_idx = np.zeros(Sb, np.int32)
-        temp = np.zeros(Sb, np.float32)
-        top_k = np.zeros(Sb, np.int32)
-        top_p = np.ones(Sb, np.float32)
-        min_p = np.zeros(Sb, np.float32)
-        seed_lo = np.zeros(Sb, np.uint32)
-        seed_hi = np.zeros(Sb, np.uint32)
-        out_pos = np.zeros(Sb, np.int32)
-        n_lp = np.full(Sb, -1, np.int32)
+        prompt_targets = np.full(Tb, -1, np.int32)
+        md = smd.empty_metadata(Sb)
+        md["slot"][:] = self.sstate.counts.shape[0] - 1     # padding rows: the scratch row
         samples = []
+        self._plp_plan = []       # (request id, first flat token, number of prompt logprobs)
+        self._bias_writes = []    # (slot, row): bias rows to write before the step
         off = 0
         for i, (rid, n) in enumerate(rows):
             st = self._states[rid]
@@ -214,22 +253,31 @@ class ModelRunner:
             token_seq[off:off + n] = i
             tables[i, :len(blocks)] = blocks
             seq_lens[i] = c + n
+            if st.prompt_lps is not None and c < st.num_prompt_tokens - 1:
+                m = min(c + n, st.num_prompt_tokens - 1) - c   # positions whose next token is a prompt token
+                prompt_targets[off:off + m] = st.token_ids[c + 1:c + 1 + m]
+                self._plp_plan.append((rid, off, m))
             off += n
             qsl[i + 1] = off
             logits_idx[i] = off - 1
             samples.append(c + n == len(st.token_ids))
-            temp[i], top_k[i], top_p[i], min_p[i] = st.temperature, st.top_k, st.top_p, st.min_p
-            seed_lo[i], seed_hi[i] = st.seed_lo, st.seed_hi
-            out_pos[i] = len(st.token_ids) - st.num_prompt_tokens
-            n_lp[i] = st.num_logprobs if samples[-1] else -1
+            p = st.sampling
+            outputs = st.token_ids[st.num_prompt_tokens:]
+            smd.fill_row(md, i, p, slot=st.slot, out_pos=len(outputs), num_prompt=st.num_prompt_tokens,
+                         reset=st.fresh and p.uses_penalties,
+                         suppress=p.suppressed(outputs) if samples[-1] else [],
+                         num_logprobs=p.num_logprobs if samples[-1] else -1)
+            if st.fresh and p.bias_row is not None:
+                self._bias_writes.append((st.slot, p.bias_row))
+            st.fresh = False
         qsl[S + 1:] = off
         inputs = StepInputs(
             input_ids=input_ids,
             attn=AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
                                    block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl),
             logits_indices=logits_idx,
-            sampling=SamplingMetadata(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                                      seed_lo=seed_lo, seed_hi=seed_hi, out_pos=out_pos, num_logprobs=n_lp))
+            sampling=smd.to_metadata(md),
+            prompt_targets=prompt_targets)
         return inputs, [r for r, _ in rows], samples, (Tb, Sb)
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
@@ -254,9 +302,12 @@ class ModelRunner:
             if self.strict:
                 raise CompileGuardError(msg)
             log.warning(msg)
-        tokens, lp, rank, top_ids, top_lp = out
+        (tokens, lp, rank, top_ids, top_lp), plp = out
+        if plp is not None:
+            self._gather_prompt_logprobs(plp)
         sampled: list[list[int]] = []
         logprobs: dict[str, list[SampleLogprobs]] = {}
+        prompt_out: dict[str, list[SampleLogprobs]] = {}
         for i, rid in enumerate(req_ids):
             if not samples[i]:
                 sampled.append([])
@@ -270,9 +321,32 @@ class ModelRunner:
                 logprobs[rid] = [SampleLogprobs(
                     token_ids=[tok] + top_ids[i, :k].tolist(), logprobs=[float(lp[i])] + top_lp[i, :k].tolist(),
                     sampled_rank=int(rank[i]))]
-        return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+            if st.prompt_lps is not None and len(st.token_ids) == st.num_prompt_tokens + 1:
+                prompt_out[rid] = st.prompt_lps
+                st.prompt_lps = None
+        return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
+                            prompt_logprobs=prompt_out)
+
+    def _gather_prompt_logprobs(self, plp) -> None:
+        """Appends this step's prompt logprobs to each asking request's list."""
+        lp, rank, top_ids, top_lp = plp
+        for rid, start, count in self._plp_plan:
+            st = self._states[rid]
+            k = st.sampling.num_prompt_logprobs
+            for t in range(start, start + count):
+                target = int(self._last_prompt_targets[t])
+                st.prompt_lps.append(SampleLogprobs(
+                    token_ids=[target] + top_ids[t, :k].tolist(), logprobs=[float(lp[t])] + top_lp[t, :k].tolist(),
+                    sampled_rank=int(rank[t])))
 
     def _run(self, bucket, inputs: StepInputs):
+        """Device part of a step: pending bias rows, then the compiled step; returns host arrays."""
+        for slot, row in self._bias_writes:
+            bias = self._write_bias(self.sstate.bias, np.int32(slot), row)
+            self.sstate = dataclasses.replace(self.sstate, bias=bias)
+        self._bias_writes = []
+        self._last_prompt_targets = inputs.prompt_targets
         dev_inputs = jax.device_put(inputs)
-        self.kv, out = self._compiled[bucket](self.params, self.kv, dev_inputs)
-        return jax.device_get((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs))
+        self.kv, self.sstate, out, plp = self._compiled[bucket](self.params, self.kv, self.sstate, dev_inputs)
+        host = jax.device_get((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs))
+        return host, (jax.device_get(plp) if self._plp_plan else None)

@@ -1,7 +1,8 @@
 """The whole step as one pure function: forward, logits of the sampled rows, sampling.
 
-``step(params, kv, inputs) -> (kv, SamplerOutput)`` is what gets compiled per bucket; the
-KV cache argument is donated, so the cache is updated in place.
+``step(params, kv, sampler_state, inputs) -> (kv, sampler_state, SamplerOutput, prompt
+logprobs)`` is what gets compiled per bucket; the KV cache and the sampler's per-request
+state (penalty counts, bias rows) are donated, so both are updated in place.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import jax
+import jax.numpy as jnp
 
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.models.config import ArchConfig
-from jaxllm.sample.sampler import SamplingMetadata, sample
+from jaxllm.sample.sampler import SamplerState, SamplingMetadata, prompt_logprobs, sample, update_state
 
 
 @jax.tree_util.register_dataclass
@@ -23,11 +25,31 @@ class StepInputs:
     attn: AttentionMetadata
     logits_indices: jax.Array   # [S] int32, the flat index of each row's last token
     sampling: SamplingMetadata
+    prompt_targets: jax.Array   # [T] int32, next prompt token for prompt_logprobs, -1: not asked
 
 
-def make_step(arch: ArchConfig, model: ModuleType, max_logprobs: int):
-    def step(params, kv, inputs: StepInputs):
-        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn)   # [T, D]
-        logits = model.compute_logits(arch, params, hidden[inputs.logits_indices])   # [S, V]
-        return kv, sample(logits, inputs.sampling, max_logprobs)
+def make_step(arch: ArchConfig, model: ModuleType, max_logprobs: int, matmul_backend: str = "xla", *,
+              logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False):
+    K = max(max_logprobs, 1)
+
+    def step(params, kv, sstate: SamplerState, inputs: StepInputs):
+        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, matmul_backend)   # [T, D]
+        logits = model.compute_logits(arch, params, hidden[inputs.logits_indices], matmul_backend)   # [S, V]
+        attn = inputs.attn
+        sstate = update_state(sstate, inputs.sampling, inputs.input_ids, attn.token_seq, attn.positions,
+                              attn.query_start_loc[-1])
+        out = sample(logits, inputs.sampling, sstate, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode,
+                     fp64=use_fp64_gumbel)
+        T = inputs.input_ids.shape[0]
+
+        def with_prompt_logprobs():
+            return prompt_logprobs(lambda h: model.compute_logits(arch, params, h, matmul_backend), hidden,
+                                   inputs.prompt_targets, K)
+
+        def without():
+            return (jnp.zeros((T,), jnp.float32), jnp.zeros((T,), jnp.int32), jnp.zeros((T, K), jnp.int32),
+                    jnp.zeros((T, K), jnp.float32))
+
+        plp = jax.lax.cond(jnp.any(inputs.prompt_targets >= 0), with_prompt_logprobs, without)
+        return kv, sstate, out, plp
     return step

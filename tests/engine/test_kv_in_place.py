@@ -27,8 +27,9 @@ def test_step_hlo_has_no_cache_copies(tiny_llama, scan_layers, max_model_len):
     shape = f"f32[{a.num_layers},{layer_shape}]" if scan_layers else f"f32[{layer_shape}]"
     spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     for T, S in runner.buckets:
-        hlo = jax.jit(runner._step_fn, donate_argnums=(1,)).lower(
-            jax.tree.map(spec, runner.params), jax.tree.map(spec, runner.kv), runner._input_spec(T, S)).compile().as_text()
+        hlo = jax.jit(runner._step_fn, donate_argnums=(1, 2)).lower(
+            jax.tree.map(spec, runner.params), jax.tree.map(spec, runner.kv), jax.tree.map(spec, runner.sstate),
+            runner._input_spec(T, S)).compile().as_text()
         copies = [ln for ln in hlo.splitlines()
                   if re.search(r"= " + re.escape(shape) + r"\{[0-9,]*\} copy\(", ln)]
         assert not copies, f"bucket {(T, S)} copies the KV cache:\n" + "\n".join(copies[:3])

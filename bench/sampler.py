@@ -1,0 +1,158 @@
+"""Sampler micro-benchmark, and the sampler's share of a decode step of the built-in model.
+
+    python bench/sampler.py                      # the table: batch 1/8/32/256 x 151,936 vocab
+    python bench/sampler.py --share              # + share of a batch-32 decode step (SmolLM2)
+    python bench/sampler.py --batches 1 8 --vocab 49152 --repeat 10
+
+Every cell is the median wall time of one compiled call of ``sampler.sample`` (penalty
+state included, logprobs off) on random logits, after a warm-up call.  Columns:
+
+* greedy:            every row temperature 0 (the random path is skipped by ``lax.cond``)
+* random:            temperature 1, no truncation (blocked Gumbel-argmax over the vocabulary)
+* top-k/p threshold: temperature 0.8, top_k 50, top_p 0.95 with the candidate/threshold search
+* top-k/p sort:      the same parameters with a full sort (the baseline the threshold replaces)
+* flat top-p:        temperature 1, top_p 0.999 on flat logits: the nucleus overflows the
+                     candidates and the bitwise threshold search runs over the whole vocabulary
+
+``--share`` runs 32 concurrent requests on the built-in SmolLM2-135M-Instruct (float32,
+49,152 vocabulary), captures the inputs of a step where all 32 rows decode, and times the
+compiled step against the same step compiled without the sampler (argmax of the logits):
+the share is (with - without) / with.  "sampler alone" is the table's cell at batch 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.sample import metadata as smd
+from jaxllm.sample import sampler as sm
+
+CONFIGS = {
+    "greedy": dict(temperature=0.0),
+    "random": dict(temperature=1.0),
+    "top-k/p threshold": dict(temperature=0.8, top_k=50, top_p=0.95),
+    "top-k/p sort": dict(temperature=0.8, top_k=50, top_p=0.95),
+    "flat top-p": dict(temperature=1.0, top_p=0.999),
+}
+
+
+def _inputs(S: int, V: int, cfg: dict, seed: int = 0, flat: bool = False):
+    rng = np.random.default_rng(seed)
+    scale = 0.05 if flat else 3.0
+    logits = jnp.asarray((rng.standard_normal((S, V)) * scale).astype(np.float32))
+    a = smd.empty_metadata(S)
+    for i in range(S):
+        smd.fill_row(a, i, smd.RowParams(seed=int(rng.integers(1 << 62)), **cfg), slot=i, out_pos=7,
+                     num_prompt=0, reset=False, suppress=[], num_logprobs=-1)
+    return logits, jax.device_put(smd.to_metadata(a)), sm.init_state(S + 1, V)
+
+
+def time_sampler(S: int, V: int, cfg: dict, impl: str = "threshold", repeat: int = 20, flat: bool = False,
+                 budget_s: float = 60.0) -> float:
+    """Median seconds of one compiled sampler call."""
+    logits, md, st = _inputs(S, V, cfg, flat=flat)
+    f = jax.jit(lambda l, m, s: sm.sample(l, m, s, max_logprobs=0, impl=impl).token_ids)
+    f(logits, md, st).block_until_ready()
+    times, t_start = [], time.perf_counter()
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        f(logits, md, st).block_until_ready()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - t_start > budget_s and len(times) >= 3:
+            break
+    return statistics.median(times)
+
+
+def table(batches, V: int, repeat: int) -> None:
+    cols = list(CONFIGS)
+    print(f"sampler, vocab {V}, median ms per call ({jax.devices()[0].platform}, {jax.device_count()} device)")
+    print("| batch | " + " | ".join(cols) + " |")
+    print("|---:|" + "---:|" * len(cols))
+    for S in batches:
+        cells = []
+        for name in cols:
+            impl = "sort" if "sort" in name else "threshold"
+            t = time_sampler(S, V, CONFIGS[name], impl=impl, repeat=repeat if impl != "sort" else 3,
+                             flat=name.startswith("flat"))
+            cells.append(f"{t * 1e3:.2f}")
+        print(f"| {S} | " + " | ".join(cells) + " |", flush=True)
+
+
+def decode_share(steps: int = 12, repeat: int = 15) -> None:
+    """The sampler's share of a batch-32 decode step of the built-in model: the compiled step
+    (forward + logits + sampler) against the same step compiled without the sampler
+    (forward + logits + argmax), on the same captured decode inputs."""
+    from jaxllm import LLM, SamplingParams
+    llm = LLM(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=256, dtype="float32", show_progress=False)
+    runner = llm.llm_engine.core.runner
+    arch, mod, mm = runner.arch, runner.model_module, runner.matmul_backend
+    V = runner.vocab_size
+
+    def no_sampler(params, kv, inputs):
+        hidden, kv = mod.forward(arch, params, kv, inputs.input_ids, inputs.attn, mm)
+        logits = mod.compute_logits(arch, params, hidden[inputs.logits_indices], mm)
+        return kv, jnp.argmax(logits, axis=-1)
+
+    run = runner._run
+    captured = {}
+
+    def capture(bucket, inputs):
+        if bucket == (32, 32):
+            captured.setdefault("inputs", inputs)
+        return run(bucket, inputs)
+
+    runner._run = capture
+    prompts = [{"prompt_token_ids": [1 + i, 2 + i]} for i in range(32)]
+    print(f"\nbuilt-in model ({llm.llm_engine.model_name}), batch-32 decode step, vocab {V}, median ms")
+    print("| parameters | step without sampler | step with sampler | sampler share | sampler alone |")
+    print("|---|---:|---:|---:|---:|")
+    bare = None
+    for name in ("greedy", "random", "top-k/p threshold", "flat top-p"):
+        cfg = CONFIGS[name]
+        captured.clear()
+        llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True, seed=1, **cfg), use_tqdm=False)
+        inputs = jax.device_put(captured["inputs"])
+        step = runner._compiled[(32, 32)]
+        if bare is None:
+            bare = jax.jit(no_sampler, donate_argnums=(1,)).lower(runner.params, runner.kv, inputs).compile()
+        t_with, t_without = [], []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            runner.kv, runner.sstate, out, _ = step(runner.params, runner.kv, runner.sstate, inputs)
+            out.token_ids.block_until_ready()
+            t_with.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            runner.kv, tok = bare(runner.params, runner.kv, inputs)
+            tok.block_until_ready()
+            t_without.append(time.perf_counter() - t0)
+        w, wo = statistics.median(t_with), statistics.median(t_without)
+        alone = time_sampler(32, V, cfg, flat=name.startswith("flat"))
+        print(f"| {name} | {wo * 1e3:.1f} | {w * 1e3:.1f} | {100 * (w - wo) / w:.1f}% | {alone * 1e3:.2f} |",
+              flush=True)
+    runner._run = run
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 256])
+    p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--share", action="store_true", help="also measure the share of a built-in model decode step")
+    p.add_argument("--no-table", action="store_true")
+    args = p.parse_args(argv)
+    if not args.no_table:
+        table(args.batches, args.vocab, args.repeat)
+    if args.share:
+        decode_share()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The serial host reference of the sampler (numpy), the oracle of the order gate.
+
+It processes one row as the device does (same float32 operations in the same order, from
+``numerics.py``) but without any of the device's shortcuts: top-k and top-p from a plain
+sort with the masses accumulated token by token in descending order (exact int64 running
+sums), and the draw as an explicit loop over the vocabulary that keeps the first maximum.  The parallel sampler must
+return exactly this token for every row, whatever the batch layout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm.sample import numerics as nx
+from jaxllm.sample.gumbel import gumbel_noise_np
+from jaxllm.sample.metadata import RowParams, log_min_p
+
+_F = np.float32
+
+
+def process_row(logits: np.ndarray, p: RowParams, counts: np.ndarray | None = None,
+                prompt_mask: np.ndarray | None = None, suppress: list[int] = ()) -> np.ndarray:
+    """Allowed / bad tokens, min_tokens, logit_bias, penalties: [V] float32 -> [V] float32."""
+    x = np.array(logits, dtype=np.float32)
+    V = x.shape[0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        if p.bias_row is not None:
+            x = x + p.bias_row
+        for t in suppress:
+            x[t] = -np.inf
+        if p.uses_penalties:
+            c = np.zeros(V, np.int64) if counts is None else np.asarray(counts, np.int64)
+            pm = np.zeros(V, bool) if prompt_mask is None else np.asarray(prompt_mask, bool)
+            out = c > 0
+            occurred = pm | out
+            rep = _F(p.repetition_penalty)
+            xr = np.where(occurred, np.where(x > 0, x / rep, x * rep), x)
+            xf = xr - _F(p.frequency_penalty) * c.astype(np.float32)
+            x = np.where(out, xf - _F(p.presence_penalty), xf).astype(np.float32)
+    return x
+
+
+def first_argmax(y) -> int:
+    """The lowest index of the maximum, one element at a time."""
+    best, arg = -np.inf, 0
+    for i, v in enumerate(y.tolist()):
+        if v > best:
+            best, arg = v, i
+    return arg
+
+
+def truncate_row(x1: np.ndarray, p: RowParams) -> np.ndarray:
+    """Temperature-scaled [V] -> the entries min_p, top-k and top-p keep (others -inf)."""
+    V = x1.shape[0]
+    x1 = np.where(x1 == 0, _F(0.0), x1).astype(np.float32)
+    m = x1.max()
+    with np.errstate(invalid="ignore"):
+        x1 = np.where(x1 - m < log_min_p(p.min_p), _F(-np.inf), x1).astype(np.float32)
+    keys = nx.float_key(x1, np)
+    tau = np.uint32(0)
+    desc = np.sort(x1)[::-1]
+    if p.top_k > 0:
+        tau = nx.float_key(desc[min(p.top_k, V) - 1:min(p.top_k, V)], np)[0]
+    if p.top_p < 1.0:
+        kept = keys >= tau
+        with np.errstate(invalid="ignore", over="ignore"):
+            e = nx.exp_nonpos(np.where(kept, x1, _F(-np.inf)) - m, np)
+        total = nx.combine(*(np.uint32(int(a.astype(np.int64).sum())) for a in nx.limbs(e, np)), xp=np)
+        target = _F(p.top_p) * total
+        dk = desc[nx.float_key(desc, np) >= tau]
+        with np.errstate(invalid="ignore", over="ignore"):
+            limbs = nx.limbs(nx.exp_nonpos(dk - m, np), np)
+        # Running sums in descending order (exact int64), each turned into a mass.
+        cum = [np.cumsum(a.astype(np.int64)).astype(np.uint32) for a in limbs]
+        j = int(np.argmax(nx.combine(*cum, xp=np) >= target))          # first token reaching it
+        tau = max(tau, nx.float_key(dk[j:j + 1], np)[0])
+    return np.where(keys >= tau, x1, _F(-np.inf)).astype(np.float32)
+
+
+def sample_row(logits: np.ndarray, p: RowParams, out_pos: int, counts=None, prompt_mask=None,
+               suppress: list[int] = (), fp64: bool = False) -> int:
+    """The token the sampler draws for one row (greedy when ``p.temperature`` is 0)."""
+    x = process_row(logits, p, counts, prompt_mask, suppress)
+    if p.temperature <= 0.0:
+        return first_argmax(x)
+    xf = truncate_row(x / _F(p.temperature), p)
+    g = gumbel_noise_np(p.seed, out_pos, x.shape[0], fp64)
+    y = xf.astype(g.dtype) + g
+    return first_argmax(y)

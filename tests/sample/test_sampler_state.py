@@ -1,0 +1,89 @@
+"""The sampler's per-request device state: rows keyed by request id, counts updated inside the
+step and never rebuilt from the host, buffers donated and updated in place; and the
+logprobs modes."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import SamplingParams
+from jaxllm.engine.output_processor import OutputKind
+from jaxllm.sample import metadata as smd
+from jaxllm.sample import sampler as sm
+
+
+def test_step_updates_the_state_in_place(tiny_llm):
+    runner = tiny_llm.llm_engine.core.runner
+    R, V = runner.sstate.counts.shape
+    for bucket, compiled in runner._compiled.items():
+        hlo = compiled.as_text()
+        for dt in ("s32", "pred", "f32"):
+            copies = [ln for ln in hlo.splitlines() if re.search(rf"= {dt}\[{R},{V}\]\{{[0-9,]*\}} copy\(", ln)]
+            assert not copies, f"bucket {bucket} copies a sampler state buffer:\n" + "\n".join(copies[:2])
+        # Every KV buffer and the three state buffers are donated: aliased to an output.
+        header = hlo.splitlines()[0]
+        n_alias = len(re.findall(r"(may|must)-alias\)", header))
+        assert n_alias == len(jax.tree.leaves(runner.kv)) + 3, header[:300]
+
+
+def test_counts_live_on_the_device_keyed_by_request_id(tiny_llm):
+    engine = tiny_llm.llm_engine
+    runner = engine.core.runner
+    sp = SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True, frequency_penalty=0.4)
+    prompt = [5, 9, 9, 40, 41, 42, 9, 7]
+    engine.add_request("state-a", {"prompt_token_ids": prompt}, sp, kind=OutputKind.CUMULATIVE)
+    engine.add_request("state-b", {"prompt_token_ids": [3, 4]}, sp.replace(seed=12), kind=OutputKind.CUMULATIVE)
+    outs = {}
+    for _ in range(6):
+        for o in engine.step():
+            outs[o.request_id] = o.outputs[0].token_ids
+    st = runner._states["state-a"]
+    counts = np.asarray(runner.sstate.counts[st.slot])
+    pmask = np.asarray(runner.sstate.prompt_mask[st.slot])
+    out = outs["state-a"]
+    # Every output token but the newest has been fed back through a step and counted there.
+    assert np.array_equal(counts, np.bincount(out[:-1], minlength=counts.shape[0]))
+    assert set(np.flatnonzero(pmask).tolist()) == set(prompt)
+    slot_b = runner._states["state-b"].slot
+    assert slot_b != st.slot
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()                     # delivers the finished ids: the runner frees their rows
+    assert "state-a" not in runner._states
+    # A new request reuses a freed row (which held a's or b's counts), and starts from zero.
+    engine.add_request("state-c", {"prompt_token_ids": [8]}, sp.replace(seed=13), kind=OutputKind.CUMULATIVE)
+    engine.step()
+    c = runner._states["state-c"]
+    assert c.slot in (st.slot, slot_b)
+    assert int(np.asarray(runner.sstate.counts[c.slot]).sum()) == 0
+    assert set(np.flatnonzero(np.asarray(runner.sstate.prompt_mask[c.slot])).tolist()) == {8}
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def _one_row(V, p, logits):
+    a = smd.empty_metadata(1)
+    smd.fill_row(a, 0, p, slot=0, out_pos=0, num_prompt=0, reset=False, suppress=[], num_logprobs=3)
+    return jnp.asarray(logits[None]), smd.to_metadata(a), sm.init_state(2, V)
+
+
+def test_logprobs_modes():
+    V = 50
+    logits = np.linspace(-2, 3, V).astype(np.float32)[::-1].copy()
+    p = smd.RowParams(temperature=2.0, top_k=4, seed=1)
+    args = _one_row(V, p, logits)
+    # raw_logprobs is the engine default, checked against transformers in tests/test_llm_api.py.
+    outs = {mode: jax.jit(lambda l, m, s, mode=mode: sm.sample(l, m, s, max_logprobs=3, logprobs_mode=mode))(*args)
+            for mode in ("raw_logits", "processed_logprobs")}
+    tok = int(outs["raw_logits"].token_ids[0])
+    assert tok < 4 and int(outs["processed_logprobs"].token_ids[0]) == tok
+    assert np.allclose(outs["raw_logits"].top_logprobs[0], logits[:3])
+    assert np.isclose(outs["raw_logits"].sampled_logprob[0], logits[tok])
+    assert int(outs["raw_logits"].sampled_rank[0]) == tok + 1
+    proc = jax.nn.log_softmax(logits[:4] / 2.0)          # temperature, then only the top 4 remain
+    assert np.allclose(outs["processed_logprobs"].top_logprobs[0], proc[:3], atol=1e-6)
+    assert np.isclose(outs["processed_logprobs"].sampled_logprob[0], proc[tok], atol=1e-6)
