@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from jaxllm.config import EngineConfig, parse_size
+from jaxllm.config import LOGPROBS_MODES, EngineConfig, parse_size
 from jaxllm.errors import JaxllmError
 
 
@@ -41,6 +41,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     g.add_argument("--cpu-matmul", default="auto",
                    help="auto | native | xla: the native AVX2 matmul kernel or XLA's dot on CPU")
     g.add_argument("--compile-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/jaxllm/xla)")
+    g.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+                   help="what logprobs report: the raw model output (default) or the processed one, as logprobs or logits")
+    g.add_argument("--use-fp64-gumbel", action="store_true",
+                   help="draw with float64 Gumbel noise (53-bit uniforms) instead of float32")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -53,7 +57,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes, num_blocks_override=args.num_gpu_blocks_override,
         attention_backend=args.attention_backend, scan_layers=args.scan_layers,
-        max_logprobs=args.max_logprobs, cpu_matmul=args.cpu_matmul, compile_cache_dir=args.compile_cache_dir)
+        max_logprobs=args.max_logprobs, cpu_matmul=args.cpu_matmul, compile_cache_dir=args.compile_cache_dir,
+        logprobs_mode=args.logprobs_mode, use_fp64_gumbel=args.use_fp64_gumbel)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

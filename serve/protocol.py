@@ -6,8 +6,9 @@ than something the engine trips over later.  Unknown fields are accepted and ign
 vLLM does.  The vLLM extensions the engine supports are typed here too (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, echo, add_generation_prompt, chat_template_kwargs, priority, seed,
-return_token_ids); parameters the sampler does not apply yet are passed through to
-``SamplingParams`` and refused there with a ValueError that names them.
+return_token_ids, allowed_token_ids, bad_words, prompt_logprobs); range checks that need
+the model (vocabulary, --max-logprobs) happen in the engine's input processor, whose
+ValueError names the parameter and becomes a 400.
 """
 
 from __future__ import annotations

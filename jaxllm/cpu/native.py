@@ -25,7 +25,7 @@ from jaxllm.config import default_cache_dir
 log = logging.getLogger("jaxllm.cpu")
 
 _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear.cc")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
 _TARGETS = {jnp.dtype(jnp.float32): "jaxllm_linear_f32", jnp.dtype(jnp.uint16): "jaxllm_linear_bf16"}
 _lock = threading.Lock()
 _state: dict = {}

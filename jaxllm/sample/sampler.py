@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.config import LOGPROBS_MODES  # noqa: F401  (re-exported)
 from jaxllm.sample import numerics as nx
 from jaxllm.sample.gumbel import element_bits, noise_at, noise_upper_bound, row_keys, runtime_zero
 
@@ -62,7 +63,6 @@ DRAW_BLOCKS = 16
 SUPPRESS_WIDTH = 128
 """Ids one row may suppress in one step (min_tokens stop ids + multi-token bad words), like
 vLLM's MAX_NUM_STOP_TOKEN_IDS."""
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 _NEG_INF = -np.inf
 
