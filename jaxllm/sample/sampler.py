@@ -292,9 +292,11 @@ def _mass(limbs, keep):
 def truncation_threshold(x: jax.Array, m: jax.Array, md: SamplingMetadata, zero: jax.Array,
                          impl: str = "threshold"):
     """Top-k then top-p over x [S, V] (temperature-scaled, min_p applied, no -0.0); m [S] the
-    row maximum.  Returns ``(tau, open, target)``: keep the entries whose ``float_key`` >= tau
-    [S] u32; for the rows where ``open`` [S] is set, tau is top-k's only and top-p is left to
-    the draw (see :func:`gumbel_argmax`), with ``target`` [S] its mass (top_p * total).
+    row maximum.  Returns ``(tau, open, target, cands)``: keep the entries whose ``float_key``
+    >= tau [S] u32; for the rows where ``open`` [S] is set, tau is top-k's only and top-p is
+    left to the draw (see :func:`gumbel_argmax`), with ``target`` [S] its mass (top_p *
+    total).  ``cands`` (None for ``sort``): the candidates' values and indices [S, C] and
+    ``inside`` [S], set where every kept entry is among them (see :func:`draw_candidates`).
 
     Top-k keeps every entry >= the k-th largest value; top-p keeps every entry >= the value
     at which the descending cumulative mass first reaches ``top_p`` of the total (vLLM's
@@ -323,7 +325,7 @@ def truncation_threshold(x: jax.Array, m: jax.Array, md: SamplingMetadata, zero:
         row_k = jnp.take_along_axis(sv, (k_eff - 1)[:, None], axis=1)[:, 0]
         tau_k = jnp.where(md.top_k > 0, nx.float_key(row_k), u0)
     else:
-        cand, _, outside = _candidates(x, TRUNC_BLOCKS)                  # [S, C], [S]
+        cand, cidx, outside = _candidates(x, TRUNC_BLOCKS)               # [S, C], [S, C], [S]
         ckeys = nx.float_key(cand)
         out_key = nx.float_key(outside)
         tau_c = _search(lambda t: _count_at_least(ckeys, t) >= k_eff, S)
@@ -359,7 +361,13 @@ def truncation_threshold(x: jax.Array, m: jax.Array, md: SamplingMetadata, zero:
         tau_p = jnp.where(md.top_p < 1.0, tau_c, u0)
         return jnp.where(ok_p, jnp.maximum(tau_k, tau_p), tau_k), ~ok_p, target
 
-    return jax.lax.cond(jnp.any(md.top_p < 1.0), top_p, lambda: (tau_k, no_open, jnp.zeros((S,), jnp.float32)))
+    tau, open_p, target = jax.lax.cond(jnp.any(md.top_p < 1.0), top_p,
+                                       lambda: (tau_k, no_open, jnp.zeros((S,), jnp.float32)))
+    if impl == "sort":
+        return tau, open_p, target, None
+    # Every entry kept lies among the candidates when tau is above every other block's maximum.
+    inside = ~open_p & ((tau > out_key) | (outside == _NEG_INF))
+    return tau, open_p, target, (cand, cidx, inside)
 
 
 def topp_full_search(x: jax.Array, m: jax.Array, target: jax.Array, zero: jax.Array) -> jax.Array:
@@ -468,6 +476,19 @@ def gumbel_argmax(x: jax.Array, md: SamplingMetadata, fp64: bool = False, only: 
     return jax.lax.cond(jnp.all(ok), lambda: win, full).astype(jnp.int32)
 
 
+def draw_candidates(x: jax.Array, idx: jax.Array, tau: jax.Array, md: SamplingMetadata, fp64: bool = False) -> jax.Array:
+    """The draw of :func:`gumbel_argmax` when every kept entry is among the candidates x
+    [S, C] (indices ``idx`` [S, C]): the same exact scores at the same indices, the rest of
+    the row being -inf, so the same token, for C entries per row instead of V."""
+    keys = row_keys(md.seed_lo, md.seed_hi, md.out_pos)                  # [S]
+    zero = runtime_zero(md.out_pos)
+    dt = jnp.float64 if fp64 else jnp.float32
+    xc = jnp.where(nx.float_key(x) >= tau[:, None], x, _NEG_INF)        # [S, C]
+    sc = xc.astype(dt) + noise_at(keys, idx, zero, fp64)                 # [S, C]
+    best = sc.max(axis=-1)
+    return _first_index(sc == best[:, None], idx, jnp.iinfo(jnp.int32).max).astype(jnp.int32)
+
+
 # ---------------------------------------------------------------- the whole sampler
 
 def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, *, max_logprobs: int,
@@ -487,15 +508,36 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, *, max_
         m = x1.max(axis=-1)                                              # [S]
         x1 = jnp.where(x1 - m[:, None] < md.log_min_p[:, None], _NEG_INF, x1)   # min_p
         trunc = is_random & ((md.top_k > 0) | (md.top_p < 1.0))
-        tau, open_p, target = jax.lax.cond(
-            jnp.any(trunc), lambda: truncation_threshold(x1, m, md, zero, impl),
-            lambda: (jnp.zeros((S,), jnp.uint32), jnp.zeros((S,), jnp.bool_), jnp.zeros((S,), jnp.float32)))
+        C = TRUNC_BLOCKS * CAND_BLOCK
+        none = (jnp.zeros((S,), jnp.uint32), jnp.zeros((S,), jnp.bool_), jnp.zeros((S,), jnp.float32))
+        if impl == "sort" or V <= C:
+            tau, open_p, target = jax.lax.cond(
+                jnp.any(trunc), lambda: truncation_threshold(x1, m, md, zero, impl)[:3], lambda: none)
+            cands = None
+        else:
+            tau, open_p, target, cands = jax.lax.cond(
+                jnp.any(trunc), lambda: truncation_threshold(x1, m, md, zero, impl),
+                lambda: (*none, (jnp.zeros((S, C), jnp.float32), jnp.zeros((S, C), jnp.int32),
+                                 jnp.zeros((S,), jnp.bool_))))
         xf = jnp.where(nx.float_key(x1) >= tau[:, None], x1, _NEG_INF)
+
+        def full_draw():
+            return gumbel_argmax(xf, md, fp64, is_random, open_p, target, m)
+
+        def draw():
+            if cands is None:
+                return full_draw()
+            # Typical top-k / top-p: every random row's survivors are among the threshold
+            # search's candidates, so the noise is needed for those only, not the whole row.
+            cand, cidx, inside = cands
+            closed = ~is_random | (trunc & inside)
+            return jax.lax.cond(jnp.all(closed), lambda: draw_candidates(cand, cidx, tau, md, fp64), full_draw)
+
         if fp64:
             with jax.enable_x64(True):
-                drawn = gumbel_argmax(xf, md, True, is_random, open_p, target, m)
+                drawn = draw()
         else:
-            drawn = gumbel_argmax(xf, md, False, is_random, open_p, target, m)
+            drawn = draw()
         tokens = jnp.where(is_random, drawn, greedy)
         if not processed_mode:
             return tokens

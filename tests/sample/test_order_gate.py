@@ -14,6 +14,8 @@ sides would agree on the wrong distribution.  That is the formula gate's job
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -137,3 +139,39 @@ def test_order_gate_sees_a_tie_break_the_formula_gate_cannot(monkeypatch):
 def _last_index(mask, index, big):
     import jax.numpy as jnp
     return jnp.max(jnp.where(mask, index, -1), axis=-1)
+
+
+def truncated_rows(V: int, seed: int) -> list[Row]:
+    """Batches whose random rows all use top-k / top-p with a narrow nucleus: the sampler then
+    draws from the threshold search's candidates only (``draw_candidates``), not the row."""
+    base = gate_rows(V, seed)
+    rows = [r for r in base if r.params.temperature == 0.0 or r.params.top_k in (7, 40)]
+    # Top-p over peaked logits (as a language model's are): a nucleus of a few entries.
+    rng = np.random.default_rng(seed)
+    for p in (0.8, 0.95):
+        peaked = (rng.standard_normal(V) * 12.0).astype(np.float32)
+        rows.append(Row(peaked, RowParams(temperature=1.0, top_p=p, seed=int(rng.integers(2**62))), out_pos=4))
+    tie = base[-1]
+    if np.isfinite(tie.params.bias_row).sum() == 2:
+        # The exact tie, with top-k keeping both entries: the lower index must win here too.
+        rows.append(Row(tie.logits, dataclasses.replace(tie.params, top_k=2), out_pos=tie.out_pos))
+    return rows
+
+
+@pytest.mark.parametrize("V", [4099, 49152, 151936, 248320])
+def test_candidate_draw_equals_the_serial_reference(V):
+    for seed in (0, 1, 2):
+        rows = truncated_rows(V, seed)
+        assert sum(r.params.temperature > 0 for r in rows) >= 4
+        assert device_tokens(rows) == reference_tokens(rows), f"V={V} seed={seed}"
+        assert device_tokens(rows[::-1]) == reference_tokens(rows)[::-1]
+
+
+def test_candidate_draw_resolves_ties_to_the_lowest_index(monkeypatch):
+    rows = truncated_rows(4099, 0)
+    tie = rows[-1]
+    assert tie.params.top_k == 2 and np.isfinite(tie.params.bias_row).sum() == 2, "no tie row was built"
+    lo = int(np.flatnonzero(np.isfinite(tie.params.bias_row))[0])
+    assert device_tokens([tie]) == reference_tokens([tie]) == [lo]
+    monkeypatch.setattr(sm, "_first_index", _last_index)
+    assert device_tokens([tie], fresh=True) != [lo]
