@@ -28,7 +28,7 @@ from serve.protocol import (APIError, ChatCompletionLogProb, ChatCompletionLogPr
                             DeltaMessage, UsageInfo, bad_request, now_s, prompt_logprobs_json,
                             random_id)
 from serve.sse import DONE, error_frame, frame, sse_response
-from serve.state import ServerState
+from serve.state import Choices, ServerState
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -223,11 +223,7 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
 async def _full(c: _ChatCtx) -> ChatCompletionResponse:
     req, state = c.req, c.state
     n = req.n
-    texts = [[] for _ in range(n)]
-    token_ids: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list] = [[] for _ in range(n)]
-    finish = [None] * n
-    stop_reason = [None] * n
+    ch = Choices(n)
     prompt_logprobs = None
     try:
         async with c.stream:
@@ -235,26 +231,21 @@ async def _full(c: _ChatCtx) -> ChatCompletionResponse:
                 if ro.prompt_logprobs is not None:
                     prompt_logprobs = ro.prompt_logprobs
                 for out in ro.outputs:
-                    i = out.index
-                    texts[i].append(out.text)
-                    token_ids[i].extend(out.token_ids)
-                    if out.logprobs is not None:
-                        logprobs[i].extend(out.logprobs)
-                    if out.finish_reason is not None:
-                        finish[i], stop_reason[i] = out.finish_reason, out.stop_reason
+                    ch.add(out.index, out)
     except EngineDeadError as e:
         raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(e)) from None
     except ValueError as e:
         raise APIError(HTTPStatus.BAD_REQUEST, str(e)) from None
     choices = []
     for i in range(n):
-        lp = _chat_logprobs(state.tokenizer, token_ids[i], logprobs[i], req.top_logprobs or 0) if req.logprobs else None
+        lp = (_chat_logprobs(state.tokenizer, ch.token_ids[i], ch.logprobs[i], req.top_logprobs or 0)
+              if req.logprobs else None)
         choice = ChatCompletionResponseChoice(
-            index=i, message=ChatResponseMessage(role=c.role, content=c.echo_text + "".join(texts[i])), logprobs=lp,
-            finish_reason=finish[i], stop_reason=stop_reason[i],
-            token_ids=token_ids[i] if req.return_token_ids else None)
+            index=i, message=ChatResponseMessage(role=c.role, content=c.echo_text + ch.text(i)), logprobs=lp,
+            finish_reason=ch.finish[i], stop_reason=ch.stop_reason[i],
+            token_ids=ch.token_ids[i] if req.return_token_ids else None)
         choices.append(choice)
-    completion = sum(len(t) for t in token_ids)
+    completion = ch.num_tokens
     num_prompt = len(c.prompt_ids)
     resp = ChatCompletionResponse(
         id=c.request_id, created=c.created, model=state.model_name, choices=choices,

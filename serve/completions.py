@@ -25,7 +25,7 @@ from serve.protocol import (APIError, CompletionLogProbs, CompletionRequest, Com
                             CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
                             UsageInfo, bad_request, now_s, prompt_logprobs_json, random_id)
 from serve.sse import DONE, error_frame, frame, sse_response
-from serve.state import ServerState
+from serve.state import Choices, ServerState
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -252,11 +252,7 @@ async def _full(c: _Ctx) -> CompletionResponse:
     req, state = c.req, c.state
     n = req.n
     num = len(c.prompts) * n
-    texts = [[] for _ in range(num)]
-    token_ids: list[list[int]] = [[] for _ in range(num)]
-    logprobs: list[list] = [[] for _ in range(num)]
-    finish = [None] * num
-    stop_reason = [None] * num
+    ch = Choices(num)
     prompt_logprobs: list = [None] * len(c.prompts)
     merged = _merged(c.streams)
     try:
@@ -264,13 +260,7 @@ async def _full(c: _Ctx) -> CompletionResponse:
             if ro.prompt_logprobs is not None:
                 prompt_logprobs[p_idx] = ro.prompt_logprobs
             for out in ro.outputs:
-                i = p_idx * n + out.index
-                texts[i].append(out.text)
-                token_ids[i].extend(out.token_ids)
-                if out.logprobs is not None:
-                    logprobs[i].extend(out.logprobs)
-                if out.finish_reason is not None:
-                    finish[i], stop_reason[i] = out.finish_reason, out.stop_reason
+                ch.add(p_idx * n + out.index, out)
     except EngineDeadError as e:
         raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(e)) from None
     except ValueError as e:
@@ -280,7 +270,7 @@ async def _full(c: _Ctx) -> CompletionResponse:
     choices = []
     for i in range(num):
         prompt = c.prompts[i // n]
-        text, ids, lps = "".join(texts[i]), token_ids[i], logprobs[i]
+        text, ids, lps = ch.text(i), ch.token_ids[i], ch.logprobs[i]
         if req.echo:
             text = (prompt.text or "") + text
             plp = prompt_logprobs[i // n]
@@ -288,13 +278,13 @@ async def _full(c: _Ctx) -> CompletionResponse:
             ids = prompt.ids + ids
         lp = _completion_logprobs(state.tokenizer, ids, lps, req.logprobs, 0) if req.logprobs is not None else None
         choices.append(CompletionResponseChoice(
-            index=i, text=text, logprobs=lp, finish_reason=finish[i], stop_reason=stop_reason[i],
-            token_ids=token_ids[i] if req.return_token_ids else None,
+            index=i, text=text, logprobs=lp, finish_reason=ch.finish[i], stop_reason=ch.stop_reason[i],
+            token_ids=ch.token_ids[i] if req.return_token_ids else None,
             prompt_token_ids=prompt.ids if req.return_token_ids else None,
             prompt_logprobs=(prompt_logprobs_json(prompt_logprobs[i // n]) if req.prompt_logprobs is not None
                              else None)))
     pt = sum(len(p.ids) for p in c.prompts)
-    ct = sum(len(t) for t in token_ids)
+    ct = ch.num_tokens
     resp = CompletionResponse(id=c.request_id, created=c.created, model=state.model_name, choices=choices,
                               usage=UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct))
     return resp

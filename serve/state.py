@@ -174,3 +174,31 @@ class ServerState:
     def value_error(self, e: ValueError, fields: set[str], aliases: dict[str, str] | None = None) -> APIError:
         msg = str(e)
         return bad_request(msg, param_from_message(msg, fields, aliases))
+
+
+class Choices:
+    """A non-streaming response's choices, each the sum of its DELTA outputs (text pieces, token
+    ids, logprobs, and the finish reason once it ends)."""
+
+    def __init__(self, num: int):
+        self.texts: list[list[str]] = [[] for _ in range(num)]
+        self.token_ids: list[list[int]] = [[] for _ in range(num)]
+        self.logprobs: list[list] = [[] for _ in range(num)]
+        self.finish: list[str | None] = [None] * num
+        self.stop_reason: list[int | str | None] = [None] * num
+
+    def add(self, i: int, out) -> None:
+        """Adds one ``CompletionOutput`` delta to choice ``i``."""
+        self.texts[i].append(out.text)
+        self.token_ids[i].extend(out.token_ids)
+        if out.logprobs is not None:
+            self.logprobs[i].extend(out.logprobs)
+        if out.finish_reason is not None:
+            self.finish[i], self.stop_reason[i] = out.finish_reason, out.stop_reason
+
+    def text(self, i: int) -> str:
+        return "".join(self.texts[i])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)

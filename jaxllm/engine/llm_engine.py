@@ -62,13 +62,13 @@ class LLMEngine:
                     kind: OutputKind = OutputKind.CUMULATIVE, priority: int = 0) -> None:
         params = params or SamplingParams()
         text, ids = self.input_processor.tokenize(prompt)
-        self.input_processor.check_params(params)
+        resolved = self.input_processor.check_params(params)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         child_ids = self.output_processor.add_request(request_id, text, ids, params, kind)
         for i, cid in enumerate(child_ids):
             seed = self.core.new_seed() if params.seed is None else params.seed + i
-            self.core.add_request(self.input_processor.make_request(cid, ids, params, seed, priority))
+            self.core.add_request(self.input_processor.make_request(cid, ids, resolved, seed, priority))
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Ends requests now (their KV blocks return to the pool); returns their final outputs,

@@ -53,9 +53,10 @@ class InputProcessor:
                              f"of {self.max_model_len}.")
         return text, ids
 
-    def check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams) -> SamplingParams:
         """Engine-dependent checks (vocabulary, --max-logprobs, the tokenizer for bad_words); the
-        parameter-only checks are SamplingParams' own.  Raises ValueError naming the parameter."""
+        parameter-only checks are SamplingParams' own.  Raises ValueError naming the parameter.
+        Returns the resolved copy of ``params`` (see :meth:`resolve`) that requests are made of."""
         V = self.vocab_size
         for t in params.stop_token_ids:
             if t >= V:
@@ -84,9 +85,7 @@ class InputProcessor:
         err = suppress_capacity_error(resolved)
         if err:
             raise ValueError(err)
-        unsupported = [name for name, default in _NOT_YET.items() if getattr(params, name) != default]
-        if unsupported:
-            raise ValueError(f"{unsupported[0]} is not supported by this engine yet")
+        return resolved
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """A copy of ``params`` with the engine's EOS ids and the bad words' token ids filled in
@@ -99,12 +98,10 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                      priority: int = 0, arrival_time: float | None = None) -> Request:
+        """``params``: as returned by :meth:`check_params` (resolved, shared read-only by the
+        children of an n > 1 request)."""
         room = max(self.max_model_len - len(prompt_token_ids), 1)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return Request(request_id, prompt_token_ids, self.resolve(params), eos_token_ids=self.eos_token_ids, seed=seed,
+        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, seed=seed,
                        arrival_time=arrival_time, priority=priority, max_tokens=max_tokens)
 
-
-# Parameters validated by SamplingParams but not yet applied by the sampler (none since [3/7];
-# kept so a parameter added later can be refused until it is implemented).
-_NOT_YET: dict[str, object] = {}

@@ -262,10 +262,12 @@ class ModelRunner:
             logits_idx[i] = off - 1
             samples.append(c + n == len(st.token_ids))
             p = st.sampling
-            outputs = st.token_ids[st.num_prompt_tokens:]
-            smd.fill_row(md, i, p, slot=st.slot, out_pos=len(outputs), num_prompt=st.num_prompt_tokens,
+            num_out = len(st.token_ids) - st.num_prompt_tokens
+            # Only min_tokens and multi-token bad words look at the outputs: no per-step copy otherwise.
+            needs_outputs = samples[-1] and (p.min_tokens > 0 or p.bad_word_seqs)
+            smd.fill_row(md, i, p, slot=st.slot, out_pos=num_out, num_prompt=st.num_prompt_tokens,
                          reset=st.fresh and p.uses_penalties,
-                         suppress=p.suppressed(outputs) if samples[-1] else [],
+                         suppress=p.suppressed(st.token_ids[st.num_prompt_tokens:]) if needs_outputs else [],
                          num_logprobs=p.num_logprobs if samples[-1] else -1)
             if st.fresh and p.bias_row is not None:
                 self._bias_writes.append((st.slot, p.bias_row))

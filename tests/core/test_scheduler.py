@@ -134,7 +134,7 @@ def test_preemption_frees_blocks_and_recomputes_later():
             assert "new" not in so.num_scheduled_tokens
         if not s.has_unfinished_requests():
             break
-    assert preempted_at is not None
+    assert preempted_at is not None, "precondition: the small pool never forced a preemption"
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == 6
 

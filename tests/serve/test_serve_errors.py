@@ -21,7 +21,6 @@ pytest.register_assert_rewrite("serve_helpers")  # before its import, so its ass
 from serve_helpers import ServerThread, assert_error_shape  # noqa: E402
 
 from jaxllm.config import ServingConfig  # noqa: E402
-from jaxllm.engine import processor as engine_processor  # noqa: E402
 
 # The shared engine and server fixtures (serve_engine, server, http, idle_engine).
 pytest_plugins = ["serve_helpers"]
@@ -128,18 +127,31 @@ def test_max_tokens_beyond_the_context_is_clamped(http):
     assert r.json()["usage"]["completion_tokens"] == 1
 
 
-@pytest.mark.parametrize("name, value", [
-    ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.2),
-    ("logit_bias", {"5": 3.0}), ("allowed_token_ids", [5, 6, 7]), ("bad_words", ["the"]), ("prompt_logprobs", 1)])
-def test_sampler_parameters_pass_through_to_the_engine(http, name, value):
-    """Parameters the sampler applies are served; ones it does not apply yet are 400s naming them."""
+SAMPLER_FIELDS = [
+    ("presence_penalty", 0.5, 0.5), ("frequency_penalty", 0.5, 0.5), ("repetition_penalty", 1.2, 1.2),
+    ("logit_bias", {"5": 3.0}, {5: 3.0}), ("allowed_token_ids", [5, 6, 7], [5, 6, 7]),
+    ("bad_words", ["the"], ["the"]), ("prompt_logprobs", 1, 1), ("min_tokens", 2, 2)]
+
+
+@pytest.mark.parametrize("name, value, expect", SAMPLER_FIELDS)
+def test_sampler_parameters_reach_the_engine(http, name, value, expect):
+    """Each sampler field of a request body becomes the same SamplingParams field (completions and
+    chat), and a request using it is served."""
+    from serve.protocol import ChatCompletionRequest, CompletionRequest
+    comp = CompletionRequest.model_validate({"prompt": "Hello", name: value})
+    chat = ChatCompletionRequest.model_validate({"messages": MSGS, name: value})
+    for req in (comp, chat):
+        assert getattr(req.to_sampling_params(8, {}, 49152), name) == expect
     r = _post(http, COMPL, {"prompt": "Hello", "max_tokens": 2, name: value})
-    if name in engine_processor._NOT_YET:
-        assert r.status_code == 400, r.text
-        err = assert_error_shape(r.json(), 400, name)
-        assert name in err["message"]
-    else:
-        assert r.status_code == 200, r.text
+    assert r.status_code == 200, r.text
+
+
+def test_logit_bias_over_http_forces_the_token(http):
+    """The clamped +100 bias reaches the device sampler: every greedy token is the biased one."""
+    r = _post(http, COMPL, {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                            "logit_bias": {"1000": 500}, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == [1000] * 4
 
 
 def test_huge_but_valid_values_are_served(http, serve_engine):

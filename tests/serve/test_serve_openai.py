@@ -261,9 +261,6 @@ def test_raw_sse_framing(http):
 
 
 def test_prompt_logprobs_and_echo_with_logprobs(http):
-    from jaxllm.engine.processor import _NOT_YET
-    if "prompt_logprobs" in _NOT_YET:
-        pytest.skip("the engine does not score prompts yet (tests/serve/test_serve_errors.py covers the 400)")
     r = http.post("/v1/completions", json={"prompt": "Hello world again", "max_tokens": 2, "temperature": 0,
                                           "prompt_logprobs": 1}).json()
     plp = r["choices"][0]["prompt_logprobs"]
