@@ -32,7 +32,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="budget for the whole KV cache across all layers, e.g. 1073741824 or 1GiB")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
     g.add_argument("--seed", type=int, default=0, help="seed for the seeds of unseeded requests")
-    g.add_argument("--attention-backend", default="auto", help="auto | xla | pallas")
+    g.add_argument("--attention-backend", default="auto",
+                   help="auto | xla | pallas: paged attention (auto: the Pallas kernel on GPU, XLA elsewhere)")
+    g.add_argument("--sampler-backend", default="auto",
+                   help="auto | xla | pallas: the sampler's vocabulary reduction (auto: Pallas on GPU)")
     g.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=None,
                    help="run layers under lax.scan (default on accelerators)")
     g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
@@ -56,7 +59,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes, num_blocks_override=args.num_gpu_blocks_override,
-        attention_backend=args.attention_backend, scan_layers=args.scan_layers,
+        attention_backend=args.attention_backend,
+        sampler_backend=args.sampler_backend, scan_layers=args.scan_layers,
         max_logprobs=args.max_logprobs, cpu_matmul=args.cpu_matmul, compile_cache_dir=args.compile_cache_dir,
         logprobs_mode=args.logprobs_mode, use_fp64_gumbel=args.use_fp64_gumbel)
 

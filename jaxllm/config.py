@@ -103,7 +103,11 @@ class RunnerConfig:
     dtype: str = "auto"
     """Weight and activation dtype (``--dtype``): auto = float32 on CPU, bfloat16 elsewhere."""
     attention_backend: str = "auto"
-    """``--attention-backend``: auto (pallas on GPU, xla elsewhere), xla or pallas."""
+    """``--attention-backend``: auto (pallas on GPU, xla elsewhere), xla or pallas (on CPU the
+    Pallas kernel runs in interpret mode: for tests, not speed)."""
+    sampler_backend: str = "auto"
+    """``--sampler-backend``: the sampler's vocabulary reduction, auto (pallas on GPU unless
+    ``--use-fp64-gumbel``, xla elsewhere), xla or pallas."""
     scan_layers: bool | None = None
     """Run layers under ``lax.scan`` over stacked weights (``--scan-layers``/``--no-scan-layers``).
     None: scan on accelerators; unrolled on CPU, where XLA copies each sliced layer's
@@ -131,6 +135,9 @@ class RunnerConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.sampler_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--sampler-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.sampler_backend!r}")
         if self.cpu_matmul not in CPU_MATMULS:
             raise ValueError(f"--cpu-matmul must be one of {', '.join(CPU_MATMULS)}, got {self.cpu_matmul!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

@@ -32,6 +32,7 @@ class ResolvedConfig:
 
     dtype: str
     attention_backend: str
+    sampler_backend: str
     scan_layers: bool
     matmul_backend: str
     max_model_len: int
@@ -46,12 +47,19 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     defaults = platform_defaults(platform)
     rc, sc, cache = config.runner, config.scheduler, config.cache
     dtype = defaults["dtype"] if rc.dtype == "auto" else rc.dtype
+    on_gpu = platform in ("gpu", "cuda", "rocm")
     backend = rc.attention_backend
     if backend == "auto":
-        backend = "xla"
-    if backend == "pallas":
-        raise ValueError("--attention-backend pallas: the Pallas kernels are not available in this build; "
-                         "use --attention-backend xla")
+        backend = "pallas" if on_gpu else "xla"
+    sampler = rc.sampler_backend
+    if sampler == "auto":
+        sampler = "pallas" if on_gpu and not rc.use_fp64_gumbel else "xla"
+    if sampler == "pallas" and rc.use_fp64_gumbel:
+        raise ValueError("--use-fp64-gumbel needs --sampler-backend xla (the Pallas reduction draws "
+                         "float32 noise)")
+    if platform == "cpu" and dtype == "bfloat16" and "pallas" in (backend, sampler):
+        raise ValueError("--attention-backend/--sampler-backend pallas on CPU runs the kernels in interpret "
+                         "mode, which does not take the CPU's packed bfloat16 cache; use --dtype float32")
     scan = defaults["scan_layers"] if rc.scan_layers is None else rc.scan_layers
     matmul = "xla"
     if platform == "cpu" and rc.cpu_matmul != "xla":
@@ -78,7 +86,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
                        max_num_seqs=max_num_seqs, budget_bytes=cache.kv_cache_memory_bytes,
                        num_blocks_override=cache.num_blocks_override)
     cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
-    return ResolvedConfig(dtype=dtype, attention_backend=backend, scan_layers=scan, matmul_backend=matmul,
+    return ResolvedConfig(dtype=dtype, attention_backend=backend, sampler_backend=sampler, scan_layers=scan, matmul_backend=matmul,
                           max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, kv=kv,
                           compile_cache_dir=cache_dir)
@@ -96,6 +104,7 @@ class EngineCore:
                                    max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len)
         self.runner = ModelRunner(
             model, dtype=r.dtype, scan_layers=r.scan_layers, matmul_backend=r.matmul_backend,
+            attention_backend=r.attention_backend, sampler_backend=r.sampler_backend,
             num_blocks=r.kv.num_blocks,
             block_size=r.kv.block_size, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens, max_logprobs=config.runner.max_logprobs,

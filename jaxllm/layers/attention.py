@@ -7,7 +7,8 @@ sequence, read through that sequence's block table.  This one rule covers whole 
 prefill chunks that resume from cached KV, and single-token decodes.
 
 ``paged_attention_xla`` is the plain-XLA path, which runs everywhere and is the oracle
-for the Pallas kernels.
+for the Pallas kernel (``jaxllm/pallas/ragged_paged_attention.py``); :func:`attend` picks
+one of the two (``--attention-backend``).
 """
 
 from __future__ import annotations
@@ -119,3 +120,26 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     out = acc / l[..., None]
     return out.reshape(T, Hq, Dh).astype(q.dtype)
+
+
+ATTENTION_IMPLS = ("xla", "pallas")
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: AttentionMetadata, *,
+           scale: float, sliding_window: int | None, backend: str = "xla") -> tuple[jax.Array, KVCache]:
+    """Writes this step's K/V ``[T, Hkv, Dh]`` into the cache and attends: q [T, Hq, Dh] ->
+    ([T, Hq, Dh], cache).  ``backend``: "xla" (scatter + :func:`paged_attention_xla`) or
+    "pallas" (one kernel that does both; interpret mode on CPU)."""
+    if backend == "pallas":
+        from jaxllm.pallas.ragged_paged_attention import default_kv_splits, ragged_paged_attention
+        k_cache, v_cache = kv
+        splits = default_kv_splits(q.shape[0], md.seq_lens.shape[0], q.shape[1] // k.shape[1], k.shape[1],
+                                   md.block_tables.shape[1] * k_cache.shape[-3])
+        o, k_cache, v_cache = ragged_paged_attention(
+            q, k, v, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, layer=layer,
+            sm_scale=scale, sliding_window=sliding_window, kv_splits=splits)
+        return o, (k_cache, v_cache)
+    if backend != "xla":
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_IMPLS)}, got {backend!r}")
+    kv = write_kv(kv, layer, md.slot_mapping, k, v)
+    return paged_attention_xla(q, kv, layer, md, scale=scale, sliding_window=sliding_window), kv

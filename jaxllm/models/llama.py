@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.layers import storage
-from jaxllm.layers.attention import AttentionMetadata, KVCache, paged_attention_xla, write_kv
+from jaxllm.layers.attention import AttentionMetadata, KVCache, attend
 from jaxllm.layers.linear import linear, matmul
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
@@ -47,7 +47,7 @@ def global_param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, cos, sin, mm: str):
+def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, cos, sin, mm: str, attn: str):
     # x [T, D]
     T = x.shape[0]
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
@@ -58,9 +58,8 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    kv = write_kv(kv, layer, md.slot_mapping, k, v)
-    o = paged_attention_xla(q, kv, layer, md, scale=cfg.head_dim ** -0.5,
-                            sliding_window=cfg.sliding_window)          # [T, Hq, Dh]
+    o, kv = attend(q, k, v, kv, layer, md, scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
+                   backend=attn)                                        # [T, Hq, Dh]
     x = x + linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm)
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
     x = x + linear(jax.nn.silu(linear(h, lp["gate"], backend=mm)) * linear(h, lp["up"], backend=mm), lp["down"],
@@ -69,10 +68,12 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
 
 
 def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
-            md: AttentionMetadata, matmul_backend: str = "xla") -> tuple[jax.Array, KVCache]:
+            md: AttentionMetadata, matmul_backend: str = "xla",
+            attention_backend: str = "xla") -> tuple[jax.Array, KVCache]:
     """input_ids [T] -> final hidden states [T, D] and the updated cache.
 
-    ``matmul_backend``: "xla" (dot_general) or "native" (the CPU kernel in jaxllm/cpu)."""
+    ``matmul_backend``: "xla" (dot_general) or "native" (the CPU kernel in jaxllm/cpu);
+    ``attention_backend``: "xla" or "pallas" (see ``layers.attention.attend``)."""
     x = params["embed"][input_ids]                                        # [T, D]
     if x.dtype == storage.PACKED_BF16 or matmul_backend == "native":
         # On CPU activations stay float32 whatever the weight dtype: bf16 weights then
@@ -83,13 +84,14 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
     if isinstance(layers, (list, tuple)):
         ks, vs = list(kv[0]), list(kv[1])
         for i, lp in enumerate(layers):
-            x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin, matmul_backend)
+            x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin, matmul_backend,
+                                        attention_backend)
         kv = (ks, vs)
     else:
         def body(carry, xs):
             x, kv = carry
             lp, i = xs
-            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin, matmul_backend)
+            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin, matmul_backend, attention_backend)
             return (x, kv), None
         (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv

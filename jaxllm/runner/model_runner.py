@@ -101,7 +101,7 @@ def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, *, dtype: str, scan_layers: bool, num_blocks: int,
-                 matmul_backend: str = "xla",
+                 matmul_backend: str = "xla", attention_backend: str = "xla", sampler_backend: str = "xla",
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_logprobs: int, strict_compile_guard: bool = False, show_progress: bool = True,
                  logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False):
@@ -126,7 +126,10 @@ class ModelRunner:
         self.kv = allocate_kv_cache(a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim,
                                     jnp.uint16 if self.packed_bf16 else self.dtype, stacked=scan_layers)
         self.matmul_backend = matmul_backend
+        self.attention_backend = attention_backend
+        self.sampler_backend = sampler_backend
         self._step_fn = make_step(self.arch, self.model_module, max_logprobs, matmul_backend,
+                                  attention_backend=attention_backend, sampler_backend=sampler_backend,
                                   logprobs_mode=logprobs_mode, use_fp64_gumbel=use_fp64_gumbel)
         # The sampler's per-request device state: one row per running request (assigned by
         # request id, reused once freed) and a last scratch row for padding rows.

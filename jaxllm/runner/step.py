@@ -29,17 +29,20 @@ class StepInputs:
 
 
 def make_step(arch: ArchConfig, model: ModuleType, max_logprobs: int, matmul_backend: str = "xla", *,
+              attention_backend: str = "xla", sampler_backend: str = "xla",
               logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False):
     K = max(max_logprobs, 1)
+    kernels = {} if sampler_backend == "xla" else {"kernel_backend": sampler_backend}
 
     def step(params, kv, sstate: SamplerState, inputs: StepInputs):
-        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, matmul_backend)   # [T, D]
+        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, matmul_backend,
+                                   attention_backend)   # [T, D]
         logits = model.compute_logits(arch, params, hidden[inputs.logits_indices], matmul_backend)   # [S, V]
         attn = inputs.attn
         sstate = update_state(sstate, inputs.sampling, inputs.input_ids, attn.token_seq, attn.positions,
                               attn.query_start_loc[-1])
         out = sample(logits, inputs.sampling, sstate, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode,
-                     fp64=use_fp64_gumbel)
+                     fp64=use_fp64_gumbel, **kernels)
         T = inputs.input_ids.shape[0]
 
         def with_prompt_logprobs():

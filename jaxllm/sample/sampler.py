@@ -491,9 +491,72 @@ def draw_candidates(x: jax.Array, idx: jax.Array, tau: jax.Array, md: SamplingMe
 
 # ---------------------------------------------------------------- the whole sampler
 
+KERNEL_BACKENDS = ("xla", "pallas")
+"""Where the draw runs: ``xla`` (:func:`gumbel_argmax` and friends above) or ``pallas``
+(``jaxllm/pallas/gumbel_argmax.py``, one fused pass over the vocabulary, see :func:`pallas_draw`)."""
+
+
+def pallas_draw(x: jax.Array, md: SamplingMetadata, zero: jax.Array, processed_mode: bool, impl: str = "threshold"):
+    """Every row's token (greedy and random) by the Pallas kernel: x [S, V] processed logits.
+
+    The thresholds are computed here as on the XLA path (``truncation_threshold``), and for the
+    rows whose nucleus is too wide for the candidate search (``open``) the exact top-p key by
+    the whole-row search (what ``gumbel_argmax``'s ``full()`` does), so one key threshold per
+    row holds all of top-k and top-p; the kernel applies it with temperature, min_p and the
+    noise, and reduces over the vocabulary.  Returns ``tokens`` [S], or ``(tokens,
+    processed)`` in the processed-logprobs modes (processed [S, V]: random rows' truncated
+    logits, greedy rows' x, as on the XLA path)."""
+    from jaxllm.pallas.gumbel_argmax import gumbel_argmax as pallas_gumbel_argmax
+
+    S, V = x.shape
+    is_random = md.temperature > 0.0
+    u0 = jnp.zeros((S,), jnp.uint32)
+
+    def thresholds():
+        temp = jnp.where(is_random, md.temperature, 1.0)
+        x1 = x / temp[:, None]
+        x1 = jnp.where(x1 == 0.0, 0.0, x1)                               # no -0.0 for the integer keys
+        m = x1.max(axis=-1)                                              # [S]
+        x1 = jnp.where(x1 - m[:, None] < md.log_min_p[:, None], _NEG_INF, x1)   # min_p
+        trunc = is_random & ((md.top_k > 0) | (md.top_p < 1.0))
+        none = (u0, jnp.zeros((S,), jnp.bool_), jnp.zeros((S,), jnp.float32))
+        tau, open_p, target = jax.lax.cond(
+            jnp.any(trunc), lambda: truncation_threshold(x1, m, md, zero, impl)[:3], lambda: none)
+        open_p = open_p & is_random
+        # Open rows: tau is top-k's only; the exact top-p key over the top-k-masked row (masked
+        # inside the branch: a value captured by a lax.cond branch is computed even if unused).
+        tau_p = jax.lax.cond(
+            jnp.any(open_p),
+            lambda: topp_full_search(jnp.where(nx.float_key(x1) >= tau[:, None], x1, _NEG_INF), m, target, zero),
+            lambda: u0)
+        tau = jnp.where(open_p, jnp.maximum(tau, tau_p), tau)             # [S] the whole truncation
+        if not processed_mode:
+            return tau, m
+        xf = jnp.where(nx.float_key(x1) >= tau[:, None], x1, _NEG_INF)
+        return tau, m, jnp.where(is_random[:, None], xf, x)
+
+    def greedy_only():
+        out = (u0, jnp.zeros((S,), jnp.float32))
+        return out + (x,) if processed_mode else out
+
+    out = jax.lax.cond(jnp.any(is_random), thresholds, greedy_only)
+    tau, m = out[0], out[1]
+    tokens = pallas_gumbel_argmax(x, md.temperature, tau, md.log_min_p, m, md.seed_lo, md.seed_hi, md.out_pos)
+    return (tokens, out[2]) if processed_mode else tokens
+
+
 def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, *, max_logprobs: int,
-           logprobs_mode: str = "raw_logprobs", fp64: bool = False, impl: str = "threshold") -> SamplerOutput:
-    """logits [S, V] float32 -> SamplerOutput (the state is read, not changed: see update_state)."""
+           logprobs_mode: str = "raw_logprobs", fp64: bool = False, impl: str = "threshold",
+           kernel_backend: str = "xla") -> SamplerOutput:
+    """logits [S, V] float32 -> SamplerOutput (the state is read, not changed: see update_state).
+
+    ``kernel_backend``: ``xla`` (default) or ``pallas`` (the draw by the Pallas kernel, float32
+    noise only; same tokens, see :func:`pallas_draw`)."""
+    if kernel_backend not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel_backend={kernel_backend!r}: expected one of {KERNEL_BACKENDS}")
+    if kernel_backend == "pallas" and fp64:
+        raise ValueError("kernel_backend='pallas' draws with float32 noise only; "
+                         "fp64 Gumbel needs kernel_backend='xla'")
     S, V = logits.shape
     zero = runtime_zero(md.out_pos)                                      # [S, 1]
     x = process_logits(logits, md, state, zero)                          # [S, V]
@@ -547,7 +610,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, *, max_
         xf = jnp.where(open_p[:, None] & (nx.float_key(xf) < tau_p[:, None]), _NEG_INF, xf)
         return tokens, jnp.where(is_random[:, None], xf, x)
 
-    if processed_mode:
+    if kernel_backend == "pallas":
+        drawn = pallas_draw(x, md, zero, processed_mode, impl)
+        tokens, processed = drawn if processed_mode else (drawn, None)
+    elif processed_mode:
         tokens, processed = jax.lax.cond(jnp.any(is_random), random_rows, lambda: (greedy, x))
     else:
         tokens, processed = jax.lax.cond(jnp.any(is_random), random_rows, lambda: greedy), None

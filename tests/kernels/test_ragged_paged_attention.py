@@ -1,0 +1,192 @@
+"""The ragged paged attention kernel against its plain-jnp reference, and the reference
+against the engine's XLA path.
+
+On CPU the kernel runs with ``interpret=True``; on a GPU (the device check runs this file
+there too) the same tests run the compiled kernel.  Interpret mode fills every output
+buffer with NaN before the kernel runs, so an output element the kernel forgot to write
+shows up as a NaN (and as a mismatch).  Inputs are random, never zeros; the cache is
+random too, so a write to a wrong slot or a read of a stale one cannot go unnoticed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.layers.attention import AttentionMetadata, paged_attention_xla, write_kv
+from jaxllm.pallas.ragged_paged_attention import (default_kv_splits, ragged_paged_attention,
+                                                  ragged_paged_attention_reference)
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def make_batch(seed, q_lens, ctx_lens, *, Hq, Hkv, D, page, dtype=jnp.float32, pad_tokens=3, pad_rows=1,
+               stacked_layers=None, spare_pages=5):
+    """A ragged batch: sequence i has ctx_lens[i] cached tokens and q_lens[i] new ones; pages
+    handed out in a random permutation; ``pad_tokens`` / ``pad_rows`` of bucket padding."""
+    rng = np.random.default_rng(seed)
+    S = len(q_lens) + pad_rows
+    kv_lens = np.zeros(S, np.int32)
+    kv_lens[:len(q_lens)] = np.asarray(ctx_lens) + np.asarray(q_lens)
+    n_pages = [-(-int(n) // page) for n in kv_lens]
+    P = max(max(n_pages), 1) + 1                    # a spare column, as the engine's tables have
+    NB = sum(n_pages) + spare_pages
+    perm = rng.permutation(np.arange(1, NB))        # page 0 is the engine's null block
+    pt = np.zeros((S, P), np.int32)
+    k = 0
+    for s, n in enumerate(n_pages):
+        pt[s, :n] = perm[k:k + n]
+        k += n
+    cu = np.zeros(S + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = cu[len(q_lens)]
+    T = int(cu[-1]) + pad_tokens
+
+    def rand(*shape):
+        return jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+
+    cache_shape = (NB, page, Hkv, D) if stacked_layers is None else (stacked_layers, NB, page, Hkv, D)
+    return dict(q=rand(T, Hq, D), k_new=rand(T, Hkv, D), v_new=rand(T, Hkv, D),
+                k_cache=rand(*cache_shape), v_cache=rand(*cache_shape),
+                kv_lens=jnp.asarray(kv_lens), page_table=jnp.asarray(pt), cu_q_lens=jnp.asarray(cu))
+
+
+_kernel = jax.jit(ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_splits",
+                                                          "block_q", "interpret", "num_warps", "num_stages"))
+_reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
+
+
+def check(batch, dtype=jnp.float32, layer=None, **kw):
+    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap")}
+    out, kc, vc = _kernel(**batch, layer=layer, **kw)
+    r_out, r_kc, r_vc = _reference(**batch, layer=layer, **ref_kw)
+    out, r_out = np.asarray(out, np.float32), np.asarray(r_out, np.float32)
+    assert not np.isnan(out).any(), "an output element was never written (NaN poison survived)"
+    err = np.abs(out - r_out).max() / np.abs(r_out).max()
+    assert err <= TOL[dtype], f"max relative error {err:.3g} > {TOL[dtype]}"
+    # Padding tokens get zeros; the cache holds exactly the reference's writes, nothing else moved.
+    assert (out[int(batch["cu_q_lens"][-1]):] == 0).all()
+    np.testing.assert_array_equal(np.asarray(kc, np.float32), np.asarray(r_kc, np.float32))
+    np.testing.assert_array_equal(np.asarray(vc, np.float32), np.asarray(r_vc, np.float32))
+    return out
+
+
+# Lengths on and off page boundaries: decodes at 1 and right after a boundary, a prefill
+# from nothing that ends on a boundary, a prefill chunk that resumes mid-page and straddles
+# two boundaries, and a long decode context.
+MIXED = dict(q_lens=[1, 1, 32, 21, 1, 5], ctx_lens=[0, 16, 0, 11, 70, 27])
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page", [16, 32])
+def test_mixed_batch_matches_reference(group, head_dim, page):
+    Hkv = 2
+    check(make_batch(group * 10 + head_dim + page, **MIXED, Hq=Hkv * group, Hkv=Hkv, D=head_dim, page=page))
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens", [
+    ([1], [0]),                       # a one-token sequence
+    ([16], [0]), ([1], [15]), ([1], [16]), ([1], [17]),        # around one page boundary (page 16)
+    ([3], [14]), ([40], [9]),         # chunks straddling one and several boundaries
+    ([1] * 7, [3, 15, 16, 31, 32, 33, 100]),                   # a decode-only batch
+], ids=["len1", "prefill-page", "decode-to-page", "decode-after-page", "decode-17", "straddle", "straddle-many",
+        "decodes"])
+def test_lengths_around_page_boundaries(q_lens, ctx_lens):
+    check(make_batch(len(q_lens) + sum(ctx_lens), q_lens, ctx_lens, Hq=6, Hkv=2, D=64, page=16))
+
+
+def test_odd_gqa_ratio_and_mha():
+    # SmolLM2-135M is 9 query heads over 3 KV heads: G = 3 fills M = 5 * 3 rows of 16.
+    check(make_batch(1, **MIXED, Hq=9, Hkv=3, D=64, page=16))
+    check(make_batch(2, **MIXED, Hq=4, Hkv=4, D=64, page=16))
+
+
+def test_head_dim_256():
+    check(make_batch(3, q_lens=[1, 9], ctx_lens=[20, 3], Hq=4, Hkv=2, D=256, page=16))
+
+
+@pytest.mark.parametrize("group,page", [(1, 16), (4, 32), (3, 16)])
+def test_bfloat16(group, page):
+    check(make_batch(4 + group, **MIXED, Hq=2 * group, Hkv=2, D=128, page=page, dtype=jnp.bfloat16), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_flash_decoding_splits(splits):
+    # More splits than some sequences have pages: empty splits must merge with weight 0.
+    check(make_batch(5, **MIXED, Hq=8, Hkv=2, D=64, page=16), kv_splits=splits)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_sliding_window(window):
+    check(make_batch(6, **MIXED, Hq=4, Hkv=2, D=64, page=16), sliding_window=window, kv_splits=2)
+
+
+def test_soft_cap_and_scale():
+    check(make_batch(7, **MIXED, Hq=4, Hkv=2, D=64, page=16), soft_cap=3.0, sm_scale=0.3)
+
+
+def test_block_q_choices():
+    batch = make_batch(8, **MIXED, Hq=8, Hkv=2, D=64, page=16)
+    for bq in (1, 3, 16):
+        check(batch, block_q=bq)
+
+
+def test_stacked_cache_writes_only_its_layer():
+    batch = make_batch(9, **MIXED, Hq=4, Hkv=2, D=64, page=16, stacked_layers=3)
+    check(batch, layer=jnp.int32(1))
+
+
+def test_reference_equals_the_engine_xla_path():
+    """The oracle computes the engine's function: scatter + paged_attention_xla on the same batch."""
+    b = make_batch(10, **MIXED, Hq=6, Hkv=2, D=64, page=16)
+    cu, kv_lens, pt = (np.asarray(b[k]) for k in ("cu_q_lens", "kv_lens", "page_table"))
+    T, S, page = b["q"].shape[0], kv_lens.shape[0], b["k_cache"].shape[1]
+    seq = np.zeros(T, np.int32)
+    pos = np.zeros(T, np.int32)
+    slots = np.zeros(T, np.int32)
+    for s in range(S):
+        n = cu[s + 1] - cu[s]
+        p = np.arange(kv_lens[s] - n, kv_lens[s])
+        seq[cu[s]:cu[s + 1]], pos[cu[s]:cu[s + 1]] = s, p
+        slots[cu[s]:cu[s + 1]] = pt[s, p // page] * page + p % page
+    md = AttentionMetadata(positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots), token_seq=jnp.asarray(seq),
+                           block_tables=b["page_table"], seq_lens=b["kv_lens"], query_start_loc=b["cu_q_lens"])
+    kv = write_kv((b["k_cache"], b["v_cache"]), None, md.slot_mapping, b["k_new"], b["v_new"])
+    xla = np.asarray(paged_attention_xla(b["q"], kv, None, md, scale=64 ** -0.5))
+    ref, _, _ = ragged_paged_attention_reference(**b)
+    real = int(cu[-1])
+    np.testing.assert_allclose(np.asarray(ref)[:real], xla[:real], rtol=1e-5, atol=1e-5)
+
+
+def test_kv_splits_heuristic():
+    # A few long decodes on a GPU-sized bucket split; a big batch or a short context does not.
+    assert default_kv_splits(4, 4, 8, 8, 32768) > 1
+    assert default_kv_splits(256, 256, 8, 8, 32768) == 1
+    assert default_kv_splits(4, 4, 8, 8, 256) == 1
+
+
+def test_bad_arguments_are_refused():
+    b = make_batch(11, [1], [3], Hq=4, Hkv=2, D=64, page=16)
+    with pytest.raises(ValueError, match="kv_splits"):
+        ragged_paged_attention(**b, kv_splits=0)
+    with pytest.raises(ValueError, match="layer"):
+        ragged_paged_attention(**b, layer=0)
+    with pytest.raises(ValueError, match="multiple"):
+        ragged_paged_attention(**{**b, "q": b["q"][:, :3]})
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [dict(Hq=8, Hkv=2, D=128, page=16), dict(Hq=9, Hkv=3, D=64, page=32),
+                                   dict(Hq=4, Hkv=4, D=256, page=16)], ids=["gqa4-d128", "gqa3-d64-p32", "mha-d256"])
+def test_lowers_for_the_gpu(dtype, shape):
+    """Lowered for CUDA from this CPU: the Pallas -> Triton IR step runs here and refuses what
+    the GPU backend cannot take (non-power-of-two blocks, unsupported squeezes, literal loop
+    carries: a write loop returning a Python 0 failed exactly here)."""
+    b = make_batch(12, **MIXED, **shape, dtype=dtype)
+    f = jax.jit(lambda **a: ragged_paged_attention(**a, interpret=False, kv_splits=2, sliding_window=8,
+                                                   soft_cap=4.0))
+    text = f.trace(**b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
