@@ -228,6 +228,9 @@ class ServingConfig:
     """Role of the generated chat message when ``add_generation_prompt`` is true (``--response-role``)."""
     graceful_timeout: float = 5.0
     """Seconds in-flight requests get to finish after SIGTERM before connections are closed."""
+    profiler_dir: str | None = None
+    """Enables ``POST /start_profile`` and ``POST /stop_profile`` (``--profiler-dir``): XLA traces
+    (jax.profiler) are written under this folder.  None: those routes answer 404."""
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -255,3 +258,8 @@ class ServingConfig:
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError("--response-role must be a non-empty string")
+        if self.profiler_dir is not None:
+            if not isinstance(self.profiler_dir, str) or not self.profiler_dir:
+                raise ValueError("--profiler-dir must be a folder path")
+            if os.path.exists(self.profiler_dir) and not os.path.isdir(self.profiler_dir):
+                raise ValueError(f"--profiler-dir {self.profiler_dir}: exists and is not a directory")

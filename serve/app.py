@@ -1,7 +1,9 @@
 """The Quart application of ``jaxllm serve`` and the hypercorn loop that runs it.
 
 Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``.
+``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, and
+with ``--profiler-dir DIR`` ``POST /start_profile`` / ``POST /stop_profile`` (an XLA trace of
+whatever the engine runs in between, written under DIR; see ``jaxllm/profiling.py``).
 Every error, including a 404 route or a 405 method, is answered in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``.  With an API key, ``/v1/*`` needs
 ``Authorization: Bearer <key>`` (401 otherwise); ``/health``, ``/metrics`` and the rest stay open.
@@ -29,6 +31,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 import jaxllm
+from jaxllm import profiling
 from jaxllm.config import ServingConfig
 from jaxllm.engine.async_engine import AsyncEngine
 from jaxllm.engine.tokenizer import encode
@@ -191,7 +194,53 @@ def build_app(engine: AsyncEngine, config: ServingConfig | None = None) -> Quart
             raise bad_request(f"token id {bad[0]} is out of vocabulary (size {state.engine.vocab_size})", "tokens")
         return json_response(DetokenizeResponse(prompt=tok.decode(req.tokens)))
 
+    if config.profiler_dir is not None:
+        _add_profiler_routes(app, config.profiler_dir)
     return app
+
+
+class _ProfilingState:
+    profiling: bool = False
+
+
+def _add_profiler_routes(app: Quart, profiler_dir: str) -> None:
+    """vLLM's ``POST /start_profile`` and ``POST /stop_profile``; without ``--profiler-dir`` the
+    routes do not exist (404).  Starting twice or stopping without a start is a 400."""
+    # Whether this app started the trace that runs now (jax allows one per process).
+    state = app.extensions["jaxllm.profiling"] = _ProfilingState()
+
+    @app.post("/start_profile")
+    async def _start_profile():
+        try:
+            await asyncio.to_thread(profiling.start, profiler_dir)
+        except profiling.ProfilerError as e:
+            raise bad_request(str(e)) from None
+        state.profiling = True
+        log.info("profiling started: XLA trace into %s", profiler_dir)
+        return json_response({"status": "started", "profiler_dir": profiler_dir})
+
+    @app.post("/stop_profile")
+    async def _stop_profile():
+        if not state.profiling:
+            raise bad_request("no profile is running; POST /start_profile first")
+        try:
+            trace = await asyncio.to_thread(profiling.stop)
+        except profiling.ProfilerError as e:
+            raise bad_request(str(e)) from None
+        finally:
+            state.profiling = False
+        body = {"status": "stopped", "trace": trace.to_json()}
+        try:
+            ops = await asyncio.to_thread(profiling.top_ops, trace)
+        except profiling.ProfilerError as e:
+            body["top_ops_error"] = str(e)
+            table = f"top-ops table unavailable: {e}"
+        else:
+            body["top_ops"] = [{"op": o.name, "module": o.module, "calls": o.count, "self_ms": o.self_ns / 1e6}
+                               for o in ops[:20]]
+            table = profiling.format_top_ops(ops)
+        log.info("profiling stopped.\n%s\n%s", trace.describe(), table)
+        return json_response(body)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -230,6 +279,14 @@ async def run_server(engine: AsyncEngine, config: ServingConfig, stop: asyncio.E
         await stop.wait()
         n = state.begin_shutdown()
         log.info("shutting down: refusing new requests, aborted %d in flight", n)
+        prof = app.extensions.get("jaxllm.profiling")
+        if prof is not None and prof.profiling:  # a profile left running: write it rather than lose it
+            prof.profiling = False
+            try:
+                trace = await asyncio.to_thread(profiling.stop)
+                log.info("stopped the running profile.\n%s", trace.describe())
+            except profiling.ProfilerError as e:
+                log.warning("could not stop the running profile: %s", e)
 
     shown = f"[{host}]" if ":" in host else host
     log.info("serving %s on http://%s:%d", state.model_name, shown, port)

@@ -43,6 +43,9 @@ def register(subparsers) -> None:
                    help="send ': keep-alive' after this many seconds of stream silence (0: off)")
     g.add_argument("--chat-template", default=None, help="Jinja chat template (file or text) replacing the model's")
     g.add_argument("--response-role", default="assistant", help="role of generated chat messages")
+    g.add_argument("--profiler-dir", default=None, metavar="DIR",
+                   help="enable POST /start_profile and /stop_profile, which record XLA traces into DIR "
+                        "(open them with Perfetto, TensorBoard or xprof)")
     s.set_defaults(func=cmd_serve)
 
 
@@ -58,7 +61,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         host=args.host, port=args.port, api_key=api_key,
         served_model_names=tuple(args.served_model_name or ()), generation_config=args.generation_config,
         override_generation_config=override, sse_keep_alive_interval=args.sse_keep_alive_interval,
-        chat_template=args.chat_template, response_role=args.response_role)
+        chat_template=args.chat_template, response_role=args.response_role,
+        profiler_dir=None if args.profiler_dir is None else os.path.abspath(args.profiler_dir))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

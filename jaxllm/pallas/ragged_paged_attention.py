@@ -41,6 +41,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 _MASK = -1e30   # finite: a split with no visible key keeps a finite max (weight exp(-huge) = 0)
+# Pallas' GPU lowering runs a default-precision float32 dot in TF32 (10-bit mantissas): far
+# outside 1e-5.  HIGHEST makes float32 dots IEEE there; bf16 dots are unaffected.
+_EXACT = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -69,7 +72,7 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
     # takes expand-dims but not every squeeze.
     def update(carry, k, v, visible):
         acc, m, l = carry                                           # [M, D], [M], [M]
-        sc = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale   # [M, N]
+        sc = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=_EXACT) * scale   # [M, N]
         if soft_cap is not None:
             sc = soft_cap * jnp.tanh(sc / soft_cap)
         sc = jnp.where(visible, sc, _MASK)
@@ -77,7 +80,8 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
         p = jnp.where(visible, jnp.exp(sc - m_new[:, None]), 0.0)   # [M, N]
         corr = jnp.exp(m - m_new)
         l = l * corr + p.sum(axis=1)
-        acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc = acc * corr[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                                            precision=_EXACT)
         return acc, m_new, l
 
     carry = (jnp.zeros((M, D), jnp.float32), jnp.full((M,), _MASK, jnp.float32), jnp.zeros((M,), jnp.float32))

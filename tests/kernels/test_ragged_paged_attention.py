@@ -181,12 +181,19 @@ def test_bad_arguments_are_refused():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [dict(Hq=8, Hkv=2, D=128, page=16), dict(Hq=9, Hkv=3, D=64, page=32),
                                    dict(Hq=4, Hkv=4, D=256, page=16)], ids=["gqa4-d128", "gqa3-d64-p32", "mha-d256"])
-def test_lowers_for_the_gpu(dtype, shape):
+def test_lowers_for_the_gpu(dtype, shape, monkeypatch, capsys):
     """Lowered for CUDA from this CPU: the Pallas -> Triton IR step runs here and refuses what
     the GPU backend cannot take (non-power-of-two blocks, unsupported squeezes, literal loop
-    carries: a write loop returning a Python 0 failed exactly here)."""
+    carries: a write loop returning a Python 0 failed exactly here).  The printed Triton
+    module also shows the dots' input precision: a default-precision float32 dot is TF32
+    there, far outside the 1e-5 the f32 tests hold the kernel to."""
+    from jax.experimental import pallas as pl
+    call = pl.pallas_call
+    monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: call(*a, **{**k, "debug": True}))
     b = make_batch(12, **MIXED, **shape, dtype=dtype)
     f = jax.jit(lambda **a: ragged_paged_attention(**a, interpret=False, kv_splits=2, sliding_window=8,
                                                    soft_cap=4.0))
     text = f.trace(**b).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+    triton = capsys.readouterr().out
+    assert triton.count("tt.dot") >= 4 and "tf32" not in triton

@@ -1,0 +1,11 @@
+"""``jaxllm bench ...``: the subcommands live in their own modules, each with ``register``."""
+
+from __future__ import annotations
+
+
+def register(subparsers) -> None:
+    b = subparsers.add_parser("bench", help="benchmarks: serve (HTTP client), throughput, latency")
+    sub = b.add_subparsers(dest="bench_command", required=True)
+    from bench import offline, serve_client
+    serve_client.register(sub)
+    offline.register(sub)

@@ -1,0 +1,129 @@
+"""The model as a plain function, for notebooks and research: no engine, no paged cache.
+
+    from jaxllm import functional
+    params, forward = functional.load()                 # built-in SmolLM2-135M-Instruct, float32
+    logits = forward(params, tokens)                    # tokens [B, L] int32 -> logits [B, L, V] float32
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+
+``forward`` is ``jax.jit`` of a pure function of ``(params, tokens)``: differentiate it,
+``vmap`` it, lower it (``forward.lower(params, tokens).as_text()``), or swap weights in
+``params`` and call it again.  Each row of ``tokens`` is one sequence starting at position 0
+(no padding, no cache), attended densely and causally (with the checkpoint's sliding window,
+if any); the result is the full-sequence forward the engine computes chunk by chunk through
+its paged KV cache, and equals transformers' logits (tests/models/test_functional.py).
+
+``params`` has the engine's layout (``jaxllm/runner/model_runner.py``, unrolled): a dict with
+``embed``, ``final_norm``, ``lm_head`` (untied checkpoints), ``rope_inv_freq`` and ``layers``,
+a list of per-layer dicts (``input_norm``, ``q``, ``k``, ``v``, ``o``, ``post_norm``, ``gate``,
+``up``, ``down``, and the architecture's biases / q-k norms), matrices in transformers'
+``[out, in]`` layout.  ``forward.arch`` is the ``ArchConfig``; ``forward.name`` the model name.
+
+The layer is built from the same pieces as ``jaxllm/models/llama.py`` (``rms_norm``,
+``linear``, ``apply_rope``, ``cos_sin``); only the attention differs (dense instead of paged).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.layers import storage
+from jaxllm.layers.linear import linear, matmul
+from jaxllm.layers.norm import rms_norm
+from jaxllm.layers.rotary import apply_rope, cos_sin
+from jaxllm.models.config import ArchConfig
+
+_MASK_VALUE = -1e30
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+                    sliding_window: int | None = None) -> jax.Array:
+    """Causal attention of whole sequences: q [B, L, Hq, Dh], k/v [B, L, Hkv, Dh] -> [B, L, Hq, Dh].
+
+    Grouped-query heads share their K/V head (query head h reads K/V head h // (Hq // Hkv)),
+    scores and softmax in float32."""
+    B, L, Hq, Dh = q.shape
+    Hkv = k.shape[2]
+    qg = (q.astype(jnp.float32) * scale).reshape(B, L, Hkv, Hq // Hkv, Dh)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32))           # [B, Hkv, G, L, L]
+    qpos = jnp.arange(L)[:, None]
+    kpos = jnp.arange(L)[None, :]
+    allowed = kpos <= qpos
+    if sliding_window is not None:
+        allowed &= qpos - kpos < sliding_window
+    s = jnp.where(allowed, s, _MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32))
+    return o.reshape(B, L, Hq, Dh).astype(q.dtype)
+
+
+def _layer(cfg: ArchConfig, x, lp, cos, sin, B: int, L: int):
+    # x [B*L, D]; cos, sin [B*L, Dh/2]
+    T = x.shape[0]
+    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+    q = linear(h, lp["q"], lp.get("q_bias")).reshape(T, cfg.num_heads, cfg.head_dim)
+    k = linear(h, lp["k"], lp.get("k_bias")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(h, lp["v"], lp.get("v_bias")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o = dense_attention(q.reshape(B, L, *q.shape[1:]), k.reshape(B, L, *k.shape[1:]), v.reshape(B, L, *v.shape[1:]),
+                        scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+    x = x + linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"))
+    h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
+    return x + linear(jax.nn.silu(linear(h, lp["gate"])) * linear(h, lp["up"]), lp["down"])
+
+
+def hidden_states(cfg: ArchConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """tokens [B, L] int -> final (normed) hidden states [B, L, D]."""
+    B, L = tokens.shape
+    x = params["embed"][tokens.reshape(-1)]                                      # [B*L, D]
+    if x.dtype == storage.PACKED_BF16:
+        x = storage.load(x)
+    positions = jnp.tile(jnp.arange(L, dtype=jnp.int32), B)
+    cos, sin = cos_sin(positions, params["rope_inv_freq"])
+    layers = params["layers"]
+    if isinstance(layers, dict):  # stacked over layers (the engine's scanned layout)
+        layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.num_layers)]
+    for lp in layers:
+        x = _layer(cfg, x, lp, cos, sin, B, L)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps).reshape(B, L, -1)
+
+
+def logits(cfg: ArchConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """tokens [B, L] int -> float32 logits [B, L, V] (not jitted; see :func:`make_forward`)."""
+    h = hidden_states(cfg, params, tokens)
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    B, L, D = h.shape
+    return matmul(h.reshape(B * L, D), w).reshape(B, L, -1)
+
+
+def make_forward(cfg: ArchConfig):
+    """``jax.jit``-ed ``forward(params, tokens [B, L]) -> logits [B, L, V]`` for one architecture."""
+    def forward(params, tokens):
+        return logits(cfg, params, jnp.asarray(tokens, jnp.int32))
+
+    fwd = jax.jit(forward)
+    fwd.arch = cfg
+    return fwd
+
+
+def load(model: str | None = None, dtype: str = "float32"):
+    """Loads a checkpoint (an HF folder, a .gguf, or None for the built-in model) to device arrays.
+
+    Returns ``(params, forward)``; ``forward(params, tokens)`` takes int32 ``[B, L]`` token ids
+    and returns float32 logits ``[B, L, V]``.  ``dtype``: "float32" or "bfloat16" (on CPU bf16
+    matrices are kept as their uint16 bit patterns and activations stay float32, as in the
+    engine)."""
+    from jaxllm.models.loader import load_model
+    from jaxllm.runner.model_runner import _to_device_params
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
+    loaded = load_model(model)
+    packed = dtype == "bfloat16" and jax.default_backend() == "cpu"
+    params = _to_device_params(loaded, jnp.dtype(dtype), scan_layers=False, packed_bf16=packed)
+    forward = make_forward(loaded.arch)
+    forward.name = loaded.name
+    return params, forward

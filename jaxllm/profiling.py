@@ -1,0 +1,332 @@
+"""XLA profiles: record a trace, say where it is and how to open it, summarise the device ops.
+
+    from jaxllm import profiling
+    profiling.start("/tmp/prof")           # jax.profiler.start_trace, plus a Perfetto JSON at stop
+    ...                                      # run steps
+    trace = profiling.stop()                 # Trace: the run folder and its files
+    print(trace.describe())                  # where the files are, how to open them
+    print(profiling.format_top_ops(profiling.top_ops(trace)))
+
+One trace at a time per process (JAX's rule); :func:`start` raises ``ProfilerError`` when one is
+running, :func:`stop` when none is.  ``jaxllm bench throughput|latency --profile DIR``, the
+server's ``POST /start_profile`` / ``POST /stop_profile`` (``jaxllm serve --profiler-dir DIR``)
+and the quickstart notebook all go through here.
+
+The op table reads the ``.xplane.pb`` with ``jax.profiler.ProfileData`` (part of jaxlib, so it
+is always there; no TensorFlow or xprof needed) and falls back to the ``.trace.json.gz`` JAX
+writes beside it.  An XLA op is an event carrying an ``hlo_op`` stat: on a GPU these sit on
+the ``/device:GPU:N`` planes; on the CPU "device" XLA runs ops on its own host threads, so they
+are taken from the ``/host:CPU`` plane.  Times are self times (an op that contains others, a
+``while`` or a ``cond``, is charged only for what its children do not cover), summed over calls.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+import threading
+from dataclasses import dataclass
+
+PERFETTO_FILE = "perfetto_trace.json.gz"
+
+
+class ProfilerError(RuntimeError):
+    """Starting a trace while one runs, or stopping when none does."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What one trace wrote: ``log_dir/plugins/profile/<run>/{<host>.xplane.pb, <host>.trace.json.gz,
+    perfetto_trace.json.gz}``."""
+
+    log_dir: str
+    run_dir: str
+    xplane: str | None
+    trace_json: str | None
+    perfetto: str | None
+
+    def files(self) -> list[str]:
+        return [p for p in (self.xplane, self.trace_json, self.perfetto) if p]
+
+    def describe(self) -> str:
+        """Where the trace is and how to open it, for people."""
+        lines = [f"XLA trace written to {self.run_dir}"]
+        lines += [f"  {p}  ({os.path.getsize(p) / 1e6:.1f} MB)" for p in self.files()]
+        lines.append("open it with one of:")
+        if self.perfetto:
+            lines.append("  Perfetto:    https://ui.perfetto.dev -> 'Open trace file' -> "
+                         + os.path.basename(self.perfetto))
+        lines.append(f"  TensorBoard: pip install tensorboard tensorboard-plugin-profile && "
+                     f"tensorboard --logdir {self.log_dir}   (the Profile tab)")
+        lines.append(f"  xprof:       pip install xprof && xprof --port 8791 {self.log_dir}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {"log_dir": self.log_dir, "run_dir": self.run_dir, "xplane": self.xplane,
+                "trace_json": self.trace_json, "perfetto": self.perfetto}
+
+
+_lock = threading.Lock()
+_active: dict | None = None
+
+
+def is_active() -> bool:
+    return _active is not None
+
+
+def start(log_dir: str, *, perfetto: bool = True, python: bool = False) -> None:
+    """Starts an XLA trace that :func:`stop` writes under ``log_dir`` (created if missing).
+
+    ``perfetto``: also write ``perfetto_trace.json.gz`` at stop (one file ui.perfetto.dev opens).
+    ``python``: also record every Python function call (JAX's Python tracer): the call tree of
+    the host side, at the price of ~10x more events and a much slower host while it records."""
+    global _active
+    import jax
+    log_dir = os.path.abspath(log_dir)
+    if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+        raise ProfilerError(f"{log_dir} exists and is not a directory")
+    with _lock:
+        if _active is not None:
+            raise ProfilerError(f"a profile is already running (started into {_active['log_dir']}); stop it first")
+        os.makedirs(log_dir, exist_ok=True)
+        before = set(_run_dirs(log_dir))
+        try:
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 1 if python else 0
+            jax.profiler.start_trace(log_dir, create_perfetto_trace=perfetto, profiler_options=options)
+        except RuntimeError as e:  # a trace started elsewhere with jax.profiler directly
+            raise ProfilerError(f"cannot start a profile: {e}") from None
+        _active = {"log_dir": log_dir, "before": before}
+
+
+def stop() -> Trace:
+    """Stops the trace :func:`start` began, writes its files and returns where they are."""
+    global _active
+    import jax
+    with _lock:
+        if _active is None:
+            raise ProfilerError("no profile is running; start one first")
+        state, _active = _active, None
+        jax.profiler.stop_trace()
+    log_dir = state["log_dir"]
+    new = [d for d in _run_dirs(log_dir) if d not in state["before"]] or _run_dirs(log_dir)
+    if not new:
+        raise ProfilerError(f"the profiler wrote no trace under {log_dir}")
+    return find_trace(max(new, key=os.path.getmtime), log_dir)
+
+
+def _run_dirs(log_dir: str) -> list[str]:
+    return [d for d in glob.glob(os.path.join(log_dir, "plugins", "profile", "*")) if os.path.isdir(d)]
+
+
+def find_trace(run_dir: str, log_dir: str | None = None) -> Trace:
+    """The files of one run folder (``.../plugins/profile/<run>``)."""
+    def one(pattern):
+        hits = sorted(glob.glob(os.path.join(run_dir, pattern)))
+        return hits[0] if hits else None
+
+    perfetto = os.path.join(run_dir, PERFETTO_FILE)
+    return Trace(log_dir=log_dir or os.path.dirname(os.path.dirname(os.path.dirname(run_dir))), run_dir=run_dir,
+                 xplane=one("*.xplane.pb"), trace_json=one("*.trace.json.gz"),
+                 perfetto=perfetto if os.path.isfile(perfetto) else None)
+
+
+def latest_trace(log_dir: str) -> Trace:
+    """The newest run under ``log_dir`` (for traces taken with ``jax.profiler`` directly)."""
+    runs = _run_dirs(os.path.abspath(log_dir))
+    if not runs:
+        raise ProfilerError(f"no trace under {log_dir} (expected {log_dir}/plugins/profile/<run>/)")
+    return find_trace(max(runs, key=os.path.getmtime), os.path.abspath(log_dir))
+
+
+# ---------------------------------------------------------------------------- reading it back
+
+
+@dataclass(frozen=True)
+class OpEvent:
+    """One execution of one XLA op."""
+
+    name: str         # the HLO instruction, e.g. "fusion.12", "while.87", "ffi_call.3"
+    module: str       # the HLO module, e.g. "jit_step"
+    plane: str        # "/host:CPU", "/device:GPU:0", ...
+    thread: str
+    start_ns: float
+    duration_ns: float
+    program: str = ""  # the compiled program's id: one module name (jit_step) has one program per bucket
+
+
+@dataclass(frozen=True)
+class OpStat:
+    name: str
+    module: str
+    """The HLO module; ``jit_step#2`` when several compiled programs of one module name ran
+    (the engine compiles the step once per bucket, and op names are only unique within one)."""
+    count: int
+    self_ns: float
+    total_ns: float
+
+    @property
+    def kind(self) -> str:
+        """The op without XLA's numeric suffix: ``fusion.12`` -> ``fusion``."""
+        return op_kind(self.name)
+
+
+def op_kind(name: str) -> str:
+    return re.sub(r"(\.\d+)+(\.clone)?$|\.clone$", "", name)
+
+
+def device_op_events(trace: Trace | str) -> tuple[list[OpEvent], str]:
+    """Every XLA op event of the trace, and which file they came from.
+
+    Accepts a :class:`Trace` or a path to an ``.xplane.pb`` / ``.trace.json.gz``.  Raises
+    ``ProfilerError`` (saying why) when neither file can be read."""
+    if isinstance(trace, str):
+        path = trace
+        trace = Trace(log_dir="", run_dir=os.path.dirname(path),
+                      xplane=path if path.endswith(".xplane.pb") else None,
+                      trace_json=path if path.endswith(".json.gz") else None, perfetto=None)
+    errors = []
+    if trace.xplane:
+        try:
+            return _events_from_xplane(trace.xplane), trace.xplane
+        except Exception as e:  # noqa: BLE001 - a jaxlib without ProfileData, a truncated file
+            errors.append(f"{os.path.basename(trace.xplane)}: {type(e).__name__}: {e}")
+    if trace.trace_json:
+        try:
+            return _events_from_trace_json(trace.trace_json), trace.trace_json
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{os.path.basename(trace.trace_json)}: {type(e).__name__}: {e}")
+    if not errors:
+        errors.append(f"no .xplane.pb or .trace.json.gz in {trace.run_dir}")
+    raise ProfilerError("cannot read the trace: " + "; ".join(errors))
+
+
+def _prefer_device(events: list[OpEvent]) -> list[OpEvent]:
+    """Device-plane ops when there are any, else the host's (the CPU backend).  Where a device
+    plane has xprof's derived "XLA Ops" line, only that line: its stream lines hold the same ops
+    again as kernels.  (Not checked on a GPU here: no device was available.)"""
+    on_device = [e for e in events if e.plane.startswith("/device:")]
+    if not on_device:
+        return events
+    derived = {e.plane for e in on_device if e.thread == "XLA Ops"}
+    return [e for e in on_device if e.plane not in derived or e.thread == "XLA Ops"]
+
+
+def _events_from_xplane(path: str) -> list[OpEvent]:
+    from jax.profiler import ProfileData
+    data = ProfileData.from_file(path)
+    out = []
+    for plane in data.planes:
+        for line in plane.lines:
+            for e in line.events:
+                stats = dict(e.stats)
+                op = stats.get("hlo_op")
+                if op is None:
+                    continue
+                out.append(OpEvent(name=str(op), module=str(stats.get("hlo_module", "")), plane=plane.name,
+                                   thread=line.name, start_ns=float(e.start_ns), duration_ns=float(e.duration_ns),
+                                   program=str(stats.get("program_id", ""))))
+    return _prefer_device(out)
+
+
+def _events_from_trace_json(path: str) -> list[OpEvent]:
+    with gzip.open(path, "rb") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    procs, threads = {}, {}
+    for ev in events:
+        if ev.get("ph") == "M" and ev.get("name") == "process_name":
+            procs[ev.get("pid")] = ev.get("args", {}).get("name", "")
+        elif ev.get("ph") == "M" and ev.get("name") == "thread_name":
+            threads[(ev.get("pid"), ev.get("tid"))] = ev.get("args", {}).get("name", "")
+    out = []
+    for ev in events:
+        args = ev.get("args") or {}
+        if ev.get("ph") != "X" or "hlo_op" not in args:
+            continue
+        pid, tid = ev.get("pid"), ev.get("tid")
+        out.append(OpEvent(name=str(args["hlo_op"]), module=str(args.get("hlo_module", "")),
+                           plane=procs.get(pid, str(pid)), thread=threads.get((pid, tid), str(tid)),
+                           start_ns=float(ev["ts"]) * 1e3, duration_ns=float(ev.get("dur", 0)) * 1e3))
+    return _prefer_device(out)
+
+
+def _self_times(events: list[OpEvent]) -> list[float]:
+    """Each event's duration minus what the events nested inside it on the same thread cover."""
+    selfs = [e.duration_ns for e in events]
+    by_thread: dict[tuple[str, str], list[int]] = {}
+    for i, e in enumerate(events):
+        by_thread.setdefault((e.plane, e.thread), []).append(i)
+    for idx in by_thread.values():
+        idx.sort(key=lambda i: (events[i].start_ns, -events[i].duration_ns))
+        stack: list[int] = []
+        for i in idx:
+            e = events[i]
+            while stack and events[stack[-1]].start_ns + events[stack[-1]].duration_ns <= e.start_ns:
+                stack.pop()
+            if stack:
+                selfs[stack[-1]] -= e.duration_ns
+            stack.append(i)
+    return [max(s, 0.0) for s in selfs]
+
+
+def top_ops(trace: Trace | str | list[OpEvent], n: int | None = None) -> list[OpStat]:
+    """XLA ops by total self time, largest first (all of them when ``n`` is None)."""
+    events = trace if isinstance(trace, list) else device_op_events(trace)[0]
+    acc: dict[tuple[str, str, str], list[float]] = {}
+    for e, s in zip(events, _self_times(events)):
+        a = acc.setdefault((e.module, e.program, e.name), [0, 0.0, 0.0])
+        a[0] += 1
+        a[1] += s
+        a[2] += e.duration_ns
+    # Programs sharing a module name are numbered by their total time, largest first.
+    per_program: dict[tuple[str, str], float] = {}
+    for (module, program, _), (_, s, _) in acc.items():
+        per_program[(module, program)] = per_program.get((module, program), 0.0) + s
+    label = {}
+    for module in {m for m, _ in per_program}:
+        progs = sorted((p for m, p in per_program if m == module), key=lambda p: -per_program[(module, p)])
+        for i, p in enumerate(progs, 1):
+            label[(module, p)] = module if len(progs) == 1 else f"{module}#{i}"
+    stats = [OpStat(name=name, module=label[(module, program)], count=int(c), self_ns=s, total_ns=t)
+             for (module, program, name), (c, s, t) in acc.items()]
+    stats.sort(key=lambda o: -o.self_ns)
+    return stats if n is None else stats[:n]
+
+
+def format_top_ops(stats: list[OpStat], n: int = 15, kinds: int = 8) -> str:
+    """A short table of the top ``n`` ops and a one-line breakdown by op kind."""
+    if not stats:
+        return "no XLA op events in the trace (was anything compiled run while it recorded?)"
+    total = sum(o.self_ns for o in stats) or 1.0
+    rows = [("self ms", "%", "calls", "avg us", "op", "module")]
+    for o in stats[:n]:
+        rows.append((f"{o.self_ns / 1e6:.3f}", f"{100 * o.self_ns / total:.1f}", str(o.count),
+                     f"{o.self_ns / o.count / 1e3:.1f}", o.name, o.module))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [f"top XLA ops by self time ({len(stats)} ops, {total / 1e6:.2f} ms of op time in all):"]
+    for j, r in enumerate(rows):
+        cells = [c.rjust(w) if i < 4 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  " + "  ".join(cells).rstrip())
+    by_kind: dict[str, float] = {}
+    for o in stats:
+        by_kind[o.kind] = by_kind.get(o.kind, 0.0) + o.self_ns
+    top = sorted(by_kind.items(), key=lambda kv: -kv[1])[:kinds]
+    lines.append("  by kind: " + ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in top))
+    numbered = sorted({o.module for o in stats if "#" in o.module})
+    if numbered:
+        lines.append(f"  ({', '.join(numbered)}: different compiled programs of one function, e.g. the engine's "
+                     f"step buckets; #1 took the most time)")
+    return "\n".join(lines)
+
+
+def summarize(trace: Trace, n: int = 15) -> str:
+    """``format_top_ops`` of the trace, or one line saying why the table cannot be made."""
+    try:
+        events, source = device_op_events(trace)
+    except ProfilerError as e:
+        return f"top-ops table unavailable: {e}"
+    return format_top_ops(top_ops(events), n=n) + f"\n  (read from {os.path.basename(source)})"
