@@ -15,8 +15,11 @@ Offline: output tokens/s of one ``generate`` call per batch size, median of ``--
 llama.cpp's ``Llama`` (one sequence per call: batch 1 only).
 
 Serving: each engine's OpenAI-compatible server (``jaxllm serve``; llama-cpp-python's
-``llama_cpp.server``), measured by ``jaxllm bench serve`` (random dataset, the same seed)
-at each ``--concurrency``: request and output-token throughput, median TTFT, TPOT, ITL.
+``llama_cpp.server``, which serves one request at a time: no parallel slots in its Python
+server, so concurrent requests queue), measured by ``jaxllm bench serve`` (random dataset,
+the same seed, one warm-up request) at each ``--concurrency``: completed and failed
+requests, request and output-token throughput, median TTFT, TPOT, ITL.  llama-cpp-python
+sends no usage in streams: its output tokens are counted from chunks (one token each).
 
 Peers that are not installed are reported as skipped, with the reason, never dropped.
 Ratios are jaxllm / peer (above 1: jaxllm is faster; for latencies: peer / jaxllm).
@@ -107,9 +110,10 @@ def server(kind: str, max_concurrency: int, log_path: str):
         cmd = [sys.executable, "-m", "jaxllm.cli", "serve", "--port", str(port),
                "--max-num-seqs", str(max(16, max_concurrency)), "--max-model-len", "2048"]
     else:
-        # One slot per concurrent request where the server supports parallel slots.
+        # llama-cpp-python's server runs one request at a time; by default a new request
+        # interrupts the running one (its stream is cut), so concurrent requests must queue.
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", _gguf(), "--port", str(port),
-               "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096"]
+               "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096", "--interrupt_requests", "False"]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
@@ -131,7 +135,7 @@ def bench_serve(url: str, concurrency: int, args, result_dir: str, label: str) -
     cmd = [sys.executable, "-m", "jaxllm.cli", "bench", "serve", "--base-url", url, "--backend", "openai",
            "--dataset-name", "random", "--random-input-len", str(args.serve_input_len),
            "--random-output-len", str(args.serve_output_len), "--num-prompts", str(max(4, 2 * concurrency)),
-           "--max-concurrency", str(concurrency), "--seed", str(args.seed), "--save-result",
+           "--max-concurrency", str(concurrency), "--seed", str(args.seed), "--num-warmups", "1", "--save-result",
            "--result-dir", result_dir, "--result-filename", name, "--percentile-metrics", "ttft,tpot,itl,e2el"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
@@ -140,7 +144,7 @@ def bench_serve(url: str, concurrency: int, args, result_dir: str, label: str) -
         return json.load(f)
 
 
-SERVE_KEYS = [("request_throughput", "req/s", True), ("output_throughput", "out tok/s", True),
+SERVE_KEYS = [("completed", "completed", True), ("failed", "failed", False), ("request_throughput", "req/s", True), ("output_throughput", "out tok/s", True),
               ("median_ttft_ms", "median TTFT ms", False), ("median_tpot_ms", "median TPOT ms", False),
               ("median_itl_ms", "median ITL ms", False), ("p99_ttft_ms", "P99 TTFT ms", False)]
 
@@ -153,8 +157,8 @@ def _ratio(ours, theirs, higher_is_better=True):
     return f"{(ours / theirs if higher_is_better else theirs / ours):.2f}x"
 
 
-def _fmt(v):
-    return "n/a" if v is None else f"{v:.1f}"
+def _fmt(v, count=False):
+    return "n/a" if v is None else (f"{v:d}" if count else f"{v:.1f}")
 
 
 def render(res: dict) -> str:
@@ -184,10 +188,11 @@ def render(res: dict) -> str:
         for c in res["args"]["concurrency"]:
             ours = srv["jaxllm"].get(str(c), {})
             for key, label, higher in SERVE_KEYS:
-                cells = [f"{c}", label, _fmt(ours.get(key))]
+                count = key in ("completed", "failed")
+                cells = [f"{c}", label, _fmt(ours.get(key), count)]
                 for p in peers:
                     theirs = srv[p].get(str(c), {}).get(key)
-                    cells += [_fmt(theirs), _ratio(ours.get(key), theirs, higher)]
+                    cells += [_fmt(theirs, count), "" if count else _ratio(ours.get(key), theirs, higher)]
                 lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     if res["skipped"]:

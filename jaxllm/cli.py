@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from jaxllm.config import LOGPROBS_MODES, EngineConfig, parse_size
+from jaxllm.config import LOGPROBS_MODES, SCHEDULING_POLICIES, EngineConfig, parse_size
 from jaxllm.errors import JaxllmError
 
 
@@ -31,6 +31,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     g.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory_bytes", default=None,
                    help="budget for the whole KV cache across all layers, e.g. 1073741824 or 1GiB")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the memory left after weights and activations (CPU: of the memory "
+                        "available to the process) for the KV cache, when --kv-cache-memory-bytes is not given")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of shared prompt prefixes (default on; --no-enable-prefix-caching turns it off)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                   help="fcfs (arrival order), priority (lowest request priority first) or lpm "
+                        "(longest cached prefix first)")
     g.add_argument("--seed", type=int, default=0, help="seed for the seeds of unseeded requests")
     g.add_argument("--attention-backend", default="auto",
                    help="auto | xla | pallas: paged attention (auto: the Pallas kernel on GPU, XLA elsewhere)")
@@ -59,6 +67,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes, num_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
         sampler_backend=args.sampler_backend, scan_layers=args.scan_layers,
         max_logprobs=args.max_logprobs, cpu_matmul=args.cpu_matmul, compile_cache_dir=args.compile_cache_dir,

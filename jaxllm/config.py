@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_MATMULS = ("auto", "native", "xla")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -64,6 +65,14 @@ class CacheConfig:
     memory available to the process."""
     num_blocks_override: int | None = None
     """Exact number of blocks per layer; wins over the byte budget (``--num-gpu-blocks-override``)."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of the memory left for the KV cache (``--gpu-memory-utilization``): on an
+    accelerator, of the device memory left after the weights and the largest step's
+    activations (as compiled); on CPU, of the memory available to the process (MemAvailable,
+    within any cgroup limit).  Used only when ``kv_cache_memory_bytes`` is not given."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of cached full blocks of shared prefixes (``--enable-prefix-caching`` /
+    ``--no-enable-prefix-caching``; on by default, as in vLLM)."""
 
     def __post_init__(self):
         _positive("block_size", "--block-size", self.block_size, allow_none=False)
@@ -71,6 +80,11 @@ class CacheConfig:
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         _positive("kv_cache_memory_bytes", "--kv-cache-memory-bytes", self.kv_cache_memory_bytes)
         _positive("num_blocks_override", "--num-gpu-blocks-override", self.num_blocks_override)
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {u!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"--enable-prefix-caching must be true or false, got {self.enable_prefix_caching!r}")
 
 
 @dataclass(frozen=True)
@@ -84,8 +98,19 @@ class SchedulerConfig:
     None: 512 on CPU, 2048 on an accelerator."""
     max_model_len: int | None = None
     """Longest sequence, prompt plus output (``--max-model-len``). None: the checkpoint's."""
+    scheduling_policy: str = "fcfs"
+    """``--scheduling-policy``: fcfs (arrival order), priority (lowest ``priority`` value
+    first, ties by arrival; preemption evicts the highest value) or lpm (the waiting request
+    with the longest cached prefix first)."""
+    starvation_steps: int = 1000
+    """A request in the scheduler this many steps goes ahead of every policy's order and is
+    not preempted while a younger one runs, so no request waits forever."""
 
     def __post_init__(self):
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
+        _positive("starvation_steps", "starvation_steps", self.starvation_steps, allow_none=False)
         _positive("max_num_seqs", "--max-num-seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", "--max-num-batched-tokens", self.max_num_batched_tokens)
         _positive("max_model_len", "--max-model-len", self.max_model_len)

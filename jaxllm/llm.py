@@ -37,8 +37,13 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Runs every prompt to completion (continuously batched); outputs come back in prompt order."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion (continuously batched); outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or a dict with ``prompt`` or
+        ``prompt_token_ids`` and optionally ``cache_salt`` (only prompts with the same salt
+        share cached prefix KV).  ``priority``: one per prompt, for ``scheduling_policy="priority"``
+        (lower runs first)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -47,12 +52,15 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = []
         engine = self.llm_engine
         try:
-            for p, sp in zip(prompts, params):
+            for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
-                engine.add_request(rid, p, sp, kind=OutputKind.FINAL_ONLY)
+                engine.add_request(rid, p, sp, kind=OutputKind.FINAL_ONLY,
+                                   priority=0 if priority is None else priority[i])
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

@@ -94,6 +94,8 @@ class EngineCoreOutput:
     """The stop token id or stop string that ended it, None for EOS or length."""
     prompt_logprobs: list[SampleLogprobs] | None = None
     """With the first output of a request that asked for prompt_logprobs."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache when the request was first scheduled."""
 
     @property
     def finished(self) -> bool:
@@ -132,3 +134,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (vLLM's field); for n > 1, the most any
+    of the samples got."""

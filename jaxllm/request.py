@@ -36,7 +36,7 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), seed: int = 0, arrival_time: float | None = None,
-                 priority: int = 0, max_tokens: int = 16):
+                 priority: int = 0, max_tokens: int = 16, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -45,6 +45,9 @@ class Request:
         """The resolved 64-bit seed of the draw (the request's own or a random one)."""
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        """Scheduling priority under ``--scheduling-policy priority``: lower runs first (vLLM's)."""
+        self.cache_salt = cache_salt
+        """Mixed into the prefix-cache hashes: only requests with the same salt share cached KV."""
         self.max_tokens = max_tokens
         """The resolved output cap (``max_tokens``, or what is left of ``max_model_len``)."""
         self.output_token_ids: list[int] = []
@@ -53,6 +56,14 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.num_cached_tokens: int | None = None
+        """Prompt tokens served from the prefix cache when first scheduled (None before)."""
+        self.block_hashes: list[bytes] = []
+        """Chained prefix-cache hashes of the full blocks hashed so far (the KV manager's memo)."""
+        self.arrival_seq = 0
+        """Order of arrival at the scheduler (ties of every policy go to the earlier one)."""
+        self.arrival_step = 0
+        """The scheduler step at which it arrived (for the starvation guard)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,6 +76,12 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """A request that still has to deliver prompt logprobs computes its whole prompt
+        (vLLM skips the cache for them too: cached positions produce no logits)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

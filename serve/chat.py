@@ -95,6 +95,7 @@ def _token_str(tokenizer, tid: int, lp: Logprob | None) -> str:
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest) -> Response | BaseModel:
     state.check_model(req.model)
     req.check_stream_options()
+    req.check_cache_salt()
     if req.tool_choice not in (None, "none"):
         raise bad_request("tool calling is not supported by this server: tool_choice must be \"none\" or absent",
                           "tool_choice")
@@ -120,7 +121,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         raise state.value_error(e, CHAT_FIELDS, aliases) from None
     request_id = random_id("chatcmpl")
     try:
-        stream = state.add_request(request_id, {"prompt": text, "prompt_token_ids": ids}, params, req.priority)
+        stream = state.add_request(request_id, req.engine_prompt(text, ids), params, req.priority)
     except EngineDeadError as e:
         raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(e)) from None
     except ValueError as e:
@@ -170,12 +171,14 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
     def usage_for(i) -> UsageInfo | None:
         if not continuous:
             return None
-        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=counts[i], total_tokens=num_prompt + counts[i])
+        return state.usage(num_prompt, counts[i])
 
     first = True
+    cached = 0
     try:
         async with c.stream:
             async for ro in c.stream:
+                cached = max(cached, ro.num_cached_tokens)
                 if first:
                     # The engine has produced this request's first result: only now does the
                     # client learn the role (vLLM sends it per choice).
@@ -207,8 +210,7 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
         if include_usage:
             total = sum(counts)
             resp = ChatCompletionStreamResponse(id=c.request_id, created=c.created, model=model, choices=[],
-                                                usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=total,
-                                                                total_tokens=num_prompt + total))
+                                                usage=state.usage(num_prompt, total, cached))
             yield frame(resp)
     except EngineDeadError as e:
         yield error_frame(HTTPStatus.INTERNAL_SERVER_ERROR, str(e))
@@ -225,9 +227,11 @@ async def _full(c: _ChatCtx) -> ChatCompletionResponse:
     n = req.n
     ch = Choices(n)
     prompt_logprobs = None
+    cached = 0
     try:
         async with c.stream:
             async for ro in c.stream:
+                cached = max(cached, ro.num_cached_tokens)
                 if ro.prompt_logprobs is not None:
                     prompt_logprobs = ro.prompt_logprobs
                 for out in ro.outputs:
@@ -249,7 +253,7 @@ async def _full(c: _ChatCtx) -> ChatCompletionResponse:
     num_prompt = len(c.prompt_ids)
     resp = ChatCompletionResponse(
         id=c.request_id, created=c.created, model=state.model_name, choices=choices,
-        usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion, total_tokens=num_prompt + completion),
+        usage=state.usage(num_prompt, completion, cached),
         prompt_logprobs=prompt_logprobs_json(prompt_logprobs) if req.prompt_logprobs is not None else None,
         prompt_token_ids=c.prompt_ids if req.return_token_ids else None)
     return resp

@@ -76,9 +76,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serving = serving_config_from_args(args)
     resolve_chat_template(serving.chat_template)
     engine_config = engine_config_from_args(args)
-    # The address and the sampling defaults are worth seeing at the default log level.
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO)
+    # The address, the sampling defaults and the engine's start-up line (KV cache size, prefix
+    # caching, policy) are worth seeing at the default log level.
+    for logger in (log, logging.getLogger("jaxllm.engine")):
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
     sock = listen(serving.host, serving.port)  # a busy port fails now, not after compiling
     try:
         engine = AsyncEngine(LLMEngine(engine_config))

@@ -23,7 +23,7 @@ from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import Logprob, RequestOutput
 from serve.protocol import (APIError, CompletionLogProbs, CompletionRequest, CompletionResponse,
                             CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
-                            UsageInfo, bad_request, now_s, prompt_logprobs_json, random_id)
+                            bad_request, now_s, prompt_logprobs_json, random_id)
 from serve.sse import DONE, error_frame, frame, sse_response
 from serve.state import Choices, ServerState
 
@@ -100,6 +100,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
 async def create_completion(state: ServerState, req: CompletionRequest) -> Response | BaseModel:
     state.check_model(req.model)
     req.check_stream_options()
+    req.check_cache_salt()
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -116,8 +117,8 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Respo
     streams: list[RequestStream] = []
     try:
         for i, (pr, sp) in enumerate(zip(prompts, params)):
-            streams.append(state.add_request(f"{request_id}-{i}", {"prompt": pr.text, "prompt_token_ids": pr.ids},
-                                             sp, req.priority))
+            streams.append(state.add_request(f"{request_id}-{i}", req.engine_prompt(pr.text, pr.ids), sp,
+                                             req.priority))
     except (EngineDeadError, ValueError, APIError) as e:
         for s in streams:
             s.abort()
@@ -195,10 +196,12 @@ async def _stream(c: _Ctx) -> AsyncIterator[str]:
     counts = [0] * num
     offsets = [0] * num
     echoed = [False] * num
+    cached = [0] * len(c.prompts)
     merged = _merged(c.streams)
     try:
         async for p_idx, ro in merged:
             prompt = c.prompts[p_idx]
+            cached[p_idx] = max(cached[p_idx], ro.num_cached_tokens)
             for out in ro.outputs:
                 i = p_idx * n + out.index
                 text, ids, lps = out.text, list(out.token_ids), out.logprobs
@@ -227,15 +230,12 @@ async def _stream(c: _Ctx) -> AsyncIterator[str]:
                         choice.prompt_token_ids = prompt_ids
                 chunk = CompletionStreamResponse(id=c.request_id, created=c.created, model=model, choices=[choice])
                 if continuous:
-                    pt = len(prompt.ids)
-                    chunk.usage = UsageInfo(prompt_tokens=pt, completion_tokens=counts[i], total_tokens=pt + counts[i])
+                    chunk.usage = state.usage(len(prompt.ids), counts[i])
                 yield frame(chunk)
         if include_usage:
             pt = sum(len(p.ids) for p in c.prompts)
-            ct = sum(counts)
             yield frame(CompletionStreamResponse(id=c.request_id, created=c.created, model=model, choices=[],
-                                                 usage=UsageInfo(prompt_tokens=pt, completion_tokens=ct,
-                                                                 total_tokens=pt + ct)))
+                                                 usage=state.usage(pt, sum(counts), sum(cached))))
     except EngineDeadError as e:
         yield error_frame(HTTPStatus.INTERNAL_SERVER_ERROR, str(e))
     except ValueError as e:
@@ -254,9 +254,11 @@ async def _full(c: _Ctx) -> CompletionResponse:
     num = len(c.prompts) * n
     ch = Choices(num)
     prompt_logprobs: list = [None] * len(c.prompts)
+    cached = [0] * len(c.prompts)
     merged = _merged(c.streams)
     try:
         async for p_idx, ro in merged:
+            cached[p_idx] = max(cached[p_idx], ro.num_cached_tokens)
             if ro.prompt_logprobs is not None:
                 prompt_logprobs[p_idx] = ro.prompt_logprobs
             for out in ro.outputs:
@@ -284,7 +286,6 @@ async def _full(c: _Ctx) -> CompletionResponse:
             prompt_logprobs=(prompt_logprobs_json(prompt_logprobs[i // n]) if req.prompt_logprobs is not None
                              else None)))
     pt = sum(len(p.ids) for p in c.prompts)
-    ct = ch.num_tokens
     resp = CompletionResponse(id=c.request_id, created=c.created, model=state.model_name, choices=choices,
-                              usage=UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct))
+                              usage=state.usage(pt, ch.num_tokens, sum(cached)))
     return resp

@@ -37,6 +37,14 @@ class Metrics:
                               labels, registry=r).labels(model_name)
         self.preemptions = Gauge("jaxllm:num_preemptions", "Preemptions since start.",
                                  labels, registry=r).labels(model_name)
+        self.prefix_cache_queries = Counter(
+            "jaxllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.",
+            labels, registry=r).labels(model_name)
+        self.prefix_cache_hits = Counter(
+            "jaxllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens served from the cache.",
+            labels, registry=r).labels(model_name)
+        self._seen_queries = 0
+        self._seen_hits = 0
         self.prompt_tokens = Counter("jaxllm:prompt_tokens", "Prompt tokens prefilled.",
                                      labels, registry=r).labels(model_name)
         self.generation_tokens = Counter("jaxllm:generation_tokens", "Tokens generated.",
@@ -60,6 +68,13 @@ class Metrics:
         self.waiting.set(s.num_waiting)
         self.kv_usage.set(s.kv_cache_usage)
         self.preemptions.set(s.num_preemptions)
+        # The engine keeps running totals; the counters advance by what is new.
+        if s.prefix_cache_queries > self._seen_queries:
+            self.prefix_cache_queries.inc(s.prefix_cache_queries - self._seen_queries)
+            self._seen_queries = s.prefix_cache_queries
+        if s.prefix_cache_hits > self._seen_hits:
+            self.prefix_cache_hits.inc(s.prefix_cache_hits - self._seen_hits)
+            self._seen_hits = s.prefix_cache_hits
 
     def record(self, stats: IterationStats) -> None:
         """The AsyncEngine's stats sink (called from the engine thread)."""

@@ -5,7 +5,7 @@ NaN and Infinity are refused) so that a malformed body is a 400 naming the field
 than something the engine trips over later.  Unknown fields are accepted and ignored, as
 vLLM does.  The vLLM extensions the engine supports are typed here too (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-skip_special_tokens, echo, add_generation_prompt, chat_template_kwargs, priority, seed,
+skip_special_tokens, echo, add_generation_prompt, chat_template_kwargs, priority, cache_salt, seed,
 return_token_ids, allowed_token_ids, bad_words, prompt_logprobs); range checks that need
 the model (vocabulary, --max-logprobs) happen in the engine's input processor, whose
 ValueError names the parameter and becomes a 400.
@@ -174,9 +174,22 @@ class _SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Int64 = 0
+    cache_salt: str | None = None
+    """vLLM extension: only requests with the same salt share cached prefix KV (tenant isolation)."""
     return_token_ids: bool | None = False
     """vLLM extension: add the token ids (and, once, the prompt's) to each choice."""
     echo: bool | None = False
+
+    def check_cache_salt(self) -> None:
+        if self.cache_salt is not None and not self.cache_salt:
+            raise bad_request("cache_salt must be a non-empty string if provided", "cache_salt")
+
+    def engine_prompt(self, text: str | None, ids: list[int]) -> dict:
+        """The prompt as the engine takes it (with the cache salt when there is one)."""
+        prompt = {"prompt": text, "prompt_token_ids": ids}
+        if self.cache_salt is not None:
+            prompt["cache_salt"] = self.cache_salt
+        return prompt
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -306,10 +319,16 @@ def now_s() -> int:
     return int(time.time())
 
 
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+    """Set (with the prompt tokens served from the prefix cache) when prefix caching is on."""
 
 
 class CompletionLogProbs(BaseModel):

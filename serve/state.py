@@ -19,7 +19,7 @@ from jaxllm.config import GENERATION_CONFIG_KEYS, ServingConfig
 from jaxllm.engine.async_engine import AsyncEngine, RequestStream
 from jaxllm.sampling_params import SamplingParams
 from serve.metrics import Metrics
-from serve.protocol import APIError, bad_request, now_s, param_from_message
+from serve.protocol import APIError, PromptTokenUsageInfo, UsageInfo, bad_request, now_s, param_from_message
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -170,6 +170,19 @@ class ServerState:
         the generation config's max_new_tokens."""
         vals = [self.max_model_len - prompt_len, requested, self.defaults.get("max_tokens")]
         return min(v for v in vals if v is not None)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.engine.engine.config.cache.enable_prefix_caching
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when prefix caching is on and
+        ``cached_tokens`` is given (vLLM reports it in final usage, not in per-chunk usage)."""
+        u = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=prompt_tokens + completion_tokens)
+        if cached_tokens is not None and self.prefix_caching:
+            u.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+        return u
 
     def value_error(self, e: ValueError, fields: set[str], aliases: dict[str, str] | None = None) -> APIError:
         msg = str(e)

@@ -38,17 +38,68 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
     return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
-def available_memory_bytes() -> int:
+def _read_int(path: str) -> int | None:
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 8 * 2**30
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cgroup_room_bytes(root: str = "/sys/fs/cgroup") -> int | None:
+    """What the process's memory cgroup still allows (limit minus usage), None without a limit.
+    cgroup v2 (``memory.max``, ``memory.current``), else v1 (``memory/memory.limit_in_bytes``)."""
+    for limit_name, usage_name in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        limit = _read_int(os.path.join(root, limit_name))
+        if limit is None or limit >= 2**60:       # "max" (v2) or the v1 "no limit" value
+            continue
+        usage = _read_int(os.path.join(root, usage_name)) or 0
+        return max(limit - usage, 0)
+    return None
+
+
+def available_memory_bytes() -> int:
+    """Memory this process may still take: MemAvailable, within the cgroup's remaining room."""
+    avail = _meminfo_available()
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = 8 * 2**30
+    room = cgroup_room_bytes()
+    return avail if room is None else min(avail, room)
+
+
+def utilization_budget(utilization: float, free_bytes: int, activation_bytes: int = 0) -> int:
+    """``--gpu-memory-utilization``: that fraction of the memory left once the weights are
+    loaded (``free_bytes``) and the largest step's activations are set aside."""
+    left = free_bytes - activation_bytes
+    if left <= 0:
+        raise ValueError(f"--gpu-memory-utilization={utilization}: no memory left for the KV cache "
+                         f"({free_bytes} bytes free after the weights, {activation_bytes} bytes of activations); "
+                         f"use --kv-cache-memory-bytes or --num-gpu-blocks-override")
+    return int(utilization * left)
 
 
 def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, block_size: int,
                   max_model_len: int, max_num_seqs: int, budget_bytes: int | None,
-                  num_blocks_override: int | None) -> KVPlan:
-    """Blocks to allocate: one null block plus the usable ones, never more bytes than the budget."""
+                  num_blocks_override: int | None, budget_flag: str | None = None) -> KVPlan:
+    """Blocks to allocate: one null block plus the usable ones, never more bytes than the budget.
+    ``budget_flag``: how the budget was given, for the refusal message (default:
+    ``--kv-cache-memory-bytes=<budget>``)."""
     per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, itemsize)
     need = -(-max_model_len // block_size) + 1        # one full sequence plus the null block
     if num_blocks_override is not None:
@@ -67,7 +118,7 @@ def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize
     if num_blocks < need:
         fits = max(num_blocks - 1, 0) * block_size
         raise ValueError(
-            f"--kv-cache-memory-bytes={budget_bytes} holds {num_blocks} blocks ({per_block} bytes per block "
+            f"{budget_flag or f'--kv-cache-memory-bytes={budget_bytes}'} holds {num_blocks} blocks ({per_block} bytes per block "
             f"across all layers, one reserved) = {fits} tokens, fewer than one sequence of "
             f"max_model_len={max_model_len}; it needs at least {need * per_block} bytes, "
             f"or use --max-model-len {fits} or less")

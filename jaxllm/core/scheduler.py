@@ -2,26 +2,50 @@
 
 There is no prefill or decode phase (vLLM v1's design): each request has
 ``num_computed_tokens`` and a target of ``num_tokens`` (prompt plus sampled tokens), and one
-token budget per step is shared.  Running requests are served first, in arrival order; a
-long prompt is split into chunks; when the block pool runs dry the newest running request
-is preempted (its blocks freed, recomputed later).  Pure Python: tested without a device
-by feeding hand-made ``RunnerOutput``s.
+token budget per step is shared.  Running requests are served first, in admission order; a
+long prompt is split into chunks; when the block pool runs dry a running request is
+preempted (its blocks freed, recomputed later; blocks already in the prefix cache stay
+reusable).  Waiting requests are admitted by policy:
+
+- ``fcfs``: arrival order; a preempted request goes back to the front.  Victim: the newest.
+- ``priority``: lowest ``priority`` value first (vLLM's convention), ties by arrival.
+  Victim: the running request with the highest value (the latest to arrive among equals).
+- ``lpm``: longest cached prefix first (the most tokens served from the prefix cache),
+  ties by arrival.  Victim: the newest.
+
+No request starves: once a request has been in the scheduler for ``starvation_steps``
+steps it is admitted ahead of every request that has not (oldest first), and under
+``priority`` it is never the victim while a request that is not starving runs (under
+fcfs and lpm the victim is the most recently admitted request, which is never it while
+later arrivals run).  A newly admitted request first
+takes the longest cached prefix of its tokens (see ``kv_cache_manager``) and computes only
+the rest.  Pure Python: tested without a device by feeding hand-made ``RunnerOutput``s.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from jaxllm.config import SCHEDULING_POLICIES
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
                             SchedulerOutput)
 from jaxllm.request import Request, RequestStatus
 
 
+POLICIES = SCHEDULING_POLICIES
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, policy: str = "fcfs", starvation_steps: int = 1000):
+        if policy not in POLICIES:
+            raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.kv = kv
+        self.policy = policy
+        self.starvation_steps = starvation_steps
+        self._step = 0
+        self._num_arrivals = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -43,6 +67,9 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens, "
                              f"more than max_model_len={self.max_model_len}")
         self.requests[request.request_id] = request
+        request.arrival_seq = self._num_arrivals
+        request.arrival_step = self._step
+        self._num_arrivals += 1
         self.waiting.append(request)
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
@@ -66,12 +93,13 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
+        self._step += 1
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
         preempted_now = False
 
-        # 1. Running requests, oldest first; preempt from the back when blocks run out.
+        # 1. Running requests in admission order; preempt by policy when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -83,13 +111,20 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
                 if blocks is not None:
                     break
-                victim = self.running.pop()
+                victim = self._pick_victim()
+                vi = self.running.index(victim)
+                del self.running[vi]
+                if victim.request_id in num_scheduled:      # scheduled earlier in this step: undo
+                    budget += num_scheduled.pop(victim.request_id)
+                    new_blocks.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted_now = True
                 if victim is req:
                     break
+                if vi < i:
+                    i -= 1
             if blocks is None:
-                break  # req itself was preempted; everything after it already was too
+                continue  # req itself was preempted; running[i] is now the next one
             num_scheduled[req.request_id] = n
             new_blocks[req.request_id] = blocks
             budget -= n
@@ -98,12 +133,18 @@ class Scheduler:
         # 2. Waiting requests (new or preempted), unless this step had to preempt.
         if not preempted_now:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
+                req, hit = self._next_waiting()
+                num_hit = len(hit) * self.kv.block_size
+                n = min(req.num_tokens - num_hit, budget)
+                blocks = self.kv.allocate_slots(req.request_id, num_hit + n, hit)
                 if blocks is None:
                     break
-                self.waiting.popleft()
+                self.waiting.remove(req)
+                if req.num_cached_tokens is None:            # first admission
+                    req.num_cached_tokens = num_hit
+                    if self.kv.enable_prefix_caching and not req.skip_prefix_cache:
+                        self.kv.count_query(req.num_tokens, num_hit)
+                req.num_computed_tokens = num_hit
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 num_scheduled[req.request_id] = n
@@ -143,6 +184,7 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
+            self.kv.cache_computed_blocks(req)
             new_tokens = sampled.get(rid) or []
             if req.num_computed_tokens < req.num_tokens or not new_tokens:
                 continue  # a prefill chunk that is not the last samples nothing
@@ -156,10 +198,51 @@ class Scheduler:
             outs.append(EngineCoreOutput(
                 rid, accepted, new_logprobs=logprobs[:len(accepted)] if logprobs else None,
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-                prompt_logprobs=result.prompt_logprobs.get(rid)))
+                prompt_logprobs=result.prompt_logprobs.get(rid), num_cached_tokens=req.num_cached_tokens or 0))
             if req.is_finished:
                 self._finish(req, req.status)
         return outs
+
+    # ------------------------------------------------------------------ policies
+
+    def _starving(self, req: Request) -> bool:
+        return self._step - req.arrival_step >= self.starvation_steps
+
+    def _rank(self, req: Request, num_hit_blocks: int = 0) -> tuple:
+        """Admission order (smallest first); the preemption victim is the largest."""
+        if self._starving(req):
+            return (0, req.arrival_seq)
+        if self.policy == "priority":
+            return (1, req.priority, req.arrival_seq)
+        if self.policy == "lpm":
+            return (1, -num_hit_blocks, req.arrival_seq)
+        return (1, req.arrival_seq)
+
+    def _next_waiting(self) -> tuple[Request, list[int]]:
+        """The waiting request to admit next and its prefix-cache hit (blocks)."""
+        if self.policy == "fcfs":
+            # The deque is in order already (preempted requests were put back in front), and
+            # a starving request has been waiting longest, so it is at the front too.
+            req = self.waiting[0]
+            return req, self.kv.find_cached_prefix(req)
+        if self.policy == "priority":
+            req = min(self.waiting, key=self._rank)
+            return req, self.kv.find_cached_prefix(req)
+        best = None
+        for req in self.waiting:
+            hit = self.kv.find_cached_prefix(req)
+            key = self._rank(req, len(hit))
+            if best is None or key < best[0]:
+                best = (key, req, hit)
+        return best[1], best[2]
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=self._rank)
+        # fcfs / lpm: the most recently admitted.  A starving request is admitted before any
+        # other waiting one, so whatever is admitted after it is preempted first; only the
+        # finitely many requests admitted before it can push it out, and they finish.
+        return self.running[-1]
 
     # ------------------------------------------------------------------ helpers
 

@@ -256,11 +256,14 @@ class AsyncEngine:
         # Validation happens here, in the caller, so a bad request is the caller's error
         # (an HTTP 400) rather than something the stream reports later.
         text, ids = self.engine.input_processor.tokenize(prompt)
+        salt = self.engine.input_processor.cache_salt(prompt)
         self.engine.input_processor.check_params(params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        self._submit(_Add(request_id, {"prompt": text, "prompt_token_ids": ids}, params, priority, q, loop,
-                          time.monotonic(), len(ids)))
+        resolved = {"prompt": text, "prompt_token_ids": ids}
+        if salt is not None:
+            resolved["cache_salt"] = salt
+        self._submit(_Add(request_id, resolved, params, priority, q, loop, time.monotonic(), len(ids)))
         return RequestStream(self, request_id, q)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,

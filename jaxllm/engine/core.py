@@ -7,6 +7,8 @@ serving never compiles.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import random
 from dataclasses import dataclass
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import jax
 
 from jaxllm.config import EngineConfig, default_cache_dir, platform_defaults
-from jaxllm.core.kv_budget import KVPlan, plan_kv_cache
+from jaxllm.core.kv_budget import KVPlan, available_memory_bytes, plan_kv_cache, utilization_budget
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.models.loader import LoadedModel
@@ -39,6 +41,8 @@ class ResolvedConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     kv: KVPlan
+    """(On an accelerator with --gpu-memory-utilization, a function of the budget until the
+    engine core has measured the device.)"""
     compile_cache_dir: str
 
 
@@ -81,10 +85,23 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     a = model.arch
     import numpy as np
     itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
-    kv = plan_kv_cache(num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                       itemsize=itemsize, block_size=cache.block_size, max_model_len=max_model_len,
-                       max_num_seqs=max_num_seqs, budget_bytes=cache.kv_cache_memory_bytes,
-                       num_blocks_override=cache.num_blocks_override)
+    plan = functools.partial(
+        plan_kv_cache, num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+        itemsize=itemsize, block_size=cache.block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        num_blocks_override=cache.num_blocks_override)
+    util = cache.gpu_memory_utilization
+    if util is not None and cache.kv_cache_memory_bytes is None and cache.num_blocks_override is None:
+        if platform == "cpu":
+            free = available_memory_bytes()
+            budget = utilization_budget(util, free)
+            kv = plan(budget_bytes=budget, budget_flag=(
+                f"--gpu-memory-utilization={util} ({budget} bytes of the {free} available)"))
+        else:
+            # Sized by EngineCore once the weights are on the device and the step's
+            # activations are known (see size_kv_from_device).
+            kv = plan
+    else:
+        kv = plan(budget_bytes=cache.kv_cache_memory_bytes)
     cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
     return ResolvedConfig(dtype=dtype, attention_backend=backend, sampler_backend=sampler, scan_layers=scan, matmul_backend=matmul,
                           max_model_len=max_model_len,
@@ -98,20 +115,47 @@ class EngineCore:
         self.resolved = r = resolve_config(config, model)
         cc.enable_persistent_cache(r.compile_cache_dir)
         cc.install_listeners()
-        log.info(r.kv.describe(r.max_model_len))
-        self.kv_manager = KVCacheManager(r.kv.num_blocks, r.kv.block_size)
-        self.scheduler = Scheduler(self.kv_manager, max_num_seqs=r.max_num_seqs,
-                                   max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len)
+        deferred = not isinstance(r.kv, KVPlan)
         self.runner = ModelRunner(
             model, dtype=r.dtype, scan_layers=r.scan_layers, matmul_backend=r.matmul_backend,
             attention_backend=r.attention_backend, sampler_backend=r.sampler_backend,
-            num_blocks=r.kv.num_blocks,
-            block_size=r.kv.block_size, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
+            num_blocks=None if deferred else r.kv.num_blocks,
+            block_size=config.cache.block_size, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens, max_logprobs=config.runner.max_logprobs,
             strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
             logprobs_mode=config.runner.logprobs_mode, use_fp64_gumbel=config.runner.use_fp64_gumbel)
+        if deferred:
+            self.resolved = r = dataclasses.replace(r, kv=self._size_kv_from_device(r.kv))
+            self.runner.allocate_kv(r.kv.num_blocks)
+        log.info("%s; prefix caching %s; scheduling policy %s", r.kv.describe(r.max_model_len),
+                 "on" if config.cache.enable_prefix_caching else "off", config.scheduler.scheduling_policy)
+        self.kv_manager = KVCacheManager(r.kv.num_blocks, r.kv.block_size,
+                                         enable_prefix_caching=config.cache.enable_prefix_caching)
+        sc = config.scheduler
+        self.scheduler = Scheduler(self.kv_manager, max_num_seqs=r.max_num_seqs,
+                                   max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
+                                   policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps)
         self.runner.warmup()
         self._seed_rng = random.Random(config.seed)
+
+    def _size_kv_from_device(self, plan) -> KVPlan:
+        """--gpu-memory-utilization on an accelerator: the weights are on the device now; the
+        budget is that fraction of what the device has left, less the largest step's
+        activations (as compiled)."""
+        util = self.config.cache.gpu_memory_utilization
+        stats = jax.devices()[0].memory_stats() or {}
+        limit, in_use = stats.get("bytes_limit"), stats.get("bytes_in_use")
+        if limit is None or in_use is None:
+            raise ValueError("--gpu-memory-utilization: this device reports no memory statistics; "
+                             "use --kv-cache-memory-bytes")
+        act = self.runner.activation_bytes()
+        free = limit - in_use
+        budget = utilization_budget(util, free, act)
+        log.info("--gpu-memory-utilization=%s: %d bytes free after the weights, %d of activations, "
+                 "KV budget %d bytes", util, free, act, budget)
+        return plan(budget_bytes=budget, budget_flag=(
+            f"--gpu-memory-utilization={util} ({budget} bytes: {free} free after the weights, "
+            f"{act} for activations)"))
 
     def new_seed(self) -> int:
         """A 64-bit seed for an unseeded request (reproducible from ``--seed``)."""

@@ -33,6 +33,10 @@ class EngineStats:
     num_preemptions: int
     running_request_ids: frozenset[str]
     """Ids (as given to ``add_request``) of the requests that hold KV blocks now."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache since start (newly admitted requests)."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens served from the cache."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -62,13 +66,15 @@ class LLMEngine:
                     kind: OutputKind = OutputKind.CUMULATIVE, priority: int = 0) -> None:
         params = params or SamplingParams()
         text, ids = self.input_processor.tokenize(prompt)
+        salt = self.input_processor.cache_salt(prompt)
         resolved = self.input_processor.check_params(params)
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         child_ids = self.output_processor.add_request(request_id, text, ids, params, kind)
         for i, cid in enumerate(child_ids):
             seed = self.core.new_seed() if params.seed is None else params.seed + i
-            self.core.add_request(self.input_processor.make_request(cid, ids, resolved, seed, priority))
+            self.core.add_request(self.input_processor.make_request(cid, ids, resolved, seed, priority,
+                                                                    cache_salt=salt))
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Ends requests now (their KV blocks return to the pool); returns their final outputs,
@@ -92,6 +98,7 @@ class LLMEngine:
         return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
                            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
                            num_preemptions=sched.num_preemptions,
+                           prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                            running_request_ids=frozenset(parent(r.request_id) for r in sched.running))
 
     def step(self) -> list[RequestOutput]:

@@ -50,6 +50,7 @@ class _ReqState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """vLLM's shape: None for the first prompt token, then one dict per prompt token."""
     sent_prompt_logprobs: bool = False
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -131,6 +132,7 @@ class OutputProcessor:
 
     def _append(self, st: _ReqState, seq: _Seq, out: EngineCoreOutput) -> None:
         p = st.params
+        st.num_cached_tokens = max(st.num_cached_tokens, out.num_cached_tokens)
         if out.prompt_logprobs is not None and st.prompt_logprobs is None:
             st.prompt_logprobs = [None] + [self._entry(slp) for slp in out.prompt_logprobs]
         for j, tok in enumerate(out.new_token_ids):
@@ -192,7 +194,8 @@ class OutputProcessor:
             # Streaming sends them once, with the first output (as vLLM does).
             prompt_lps = None if st.sent_prompt_logprobs else prompt_lps
             st.sent_prompt_logprobs = st.sent_prompt_logprobs or prompt_lps is not None
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, prompt_lps, comps, st.finished)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, prompt_lps, comps, st.finished,
+                             num_cached_tokens=st.num_cached_tokens)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Ends a request from outside (client gone, user abort); returns its final output."""

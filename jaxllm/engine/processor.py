@@ -53,6 +53,17 @@ class InputProcessor:
                              f"of {self.max_model_len}.")
         return text, ids
 
+    @staticmethod
+    def cache_salt(prompt: PromptType) -> str | None:
+        """A dict prompt's ``cache_salt`` (vLLM's): requests share cached prefix KV only with
+        requests of the same salt.  None when absent; a non-empty string otherwise."""
+        if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
+            return None
+        salt = prompt["cache_salt"]
+        if not isinstance(salt, str) or not salt:
+            raise ValueError("cache_salt must be a non-empty string if provided")
+        return salt
+
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """Engine-dependent checks (vocabulary, --max-logprobs, the tokenizer for bad_words); the
         parameter-only checks are SamplingParams' own.  Raises ValueError naming the parameter.
@@ -97,11 +108,11 @@ class InputProcessor:
         return params
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                     priority: int = 0, arrival_time: float | None = None) -> Request:
+                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
         """``params``: as returned by :meth:`check_params` (resolved, shared read-only by the
         children of an n > 1 request)."""
         room = max(self.max_model_len - len(prompt_token_ids), 1)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, seed=seed,
-                       arrival_time=arrival_time, priority=priority, max_tokens=max_tokens)
+                       arrival_time=arrival_time, priority=priority, max_tokens=max_tokens, cache_salt=cache_salt)
 

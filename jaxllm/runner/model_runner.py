@@ -31,7 +31,7 @@ from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner.step import StepInputs, make_step
 from jaxllm.sample import metadata as smd
-from jaxllm.sample.sampler import LOGPROBS_MODES, init_state, write_bias_row
+from jaxllm.sample.sampler import LOGPROBS_MODES, init_state, write_bias_row, write_penalty_row
 
 log = logging.getLogger("jaxllm.runner")
 
@@ -52,8 +52,9 @@ class _ReqState:
 
     @classmethod
     def from_new(cls, nr: NewRequestData, vocab_size: int, slot: int) -> "_ReqState":
-        # Prefix caching ([6/7]) will admit requests with num_computed_tokens > 0: the cached
-        # tokens never pass through a step, so their penalty counts must then be added too.
+        # A prefix-cache hit admits a request with num_computed_tokens > 0: the cached tokens
+        # never pass through a step, so _prepare writes their penalty counts (prompt mask,
+        # output counts) into the request's row before its first step.
         p = smd.RowParams.from_sampling_params(nr.sampling_params, nr.seed, vocab_size)
         # A request resumed after preemption has delivered its prompt logprobs already.
         wants_plp = p.num_prompt_logprobs >= 0 and len(nr.token_ids) == nr.num_prompt_tokens
@@ -91,16 +92,18 @@ def _to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16:
     return params
 
 
-def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, stacked: bool):
-    """Zeroed (K, V): stacked over layers for the scanned model, per-layer lists for the unrolled one."""
+def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, stacked: bool,
+                      make=jnp.zeros):
+    """Zeroed (K, V): stacked over layers for the scanned model, per-layer lists for the unrolled one.
+    ``make=jax.ShapeDtypeStruct`` gives the shapes without allocating."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if stacked:
-        return tuple(jnp.zeros((num_layers, *shape), dtype) for _ in range(2))
-    return tuple([jnp.zeros(shape, dtype) for _ in range(num_layers)] for _ in range(2))
+        return tuple(make((num_layers, *shape), dtype) for _ in range(2))
+    return tuple([make(shape, dtype) for _ in range(num_layers)] for _ in range(2))
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, *, dtype: str, scan_layers: bool, num_blocks: int,
+    def __init__(self, model: LoadedModel, *, dtype: str, scan_layers: bool, num_blocks: int | None,
                  matmul_backend: str = "xla", attention_backend: str = "xla", sampler_backend: str = "xla",
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_logprobs: int, strict_compile_guard: bool = False, show_progress: bool = True,
@@ -122,9 +125,11 @@ class ModelRunner:
         # XLA:CPU has no bf16 scatter/gather/update kernels: keep bf16 as uint16 bits there.
         self.packed_bf16 = self.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
         self.params = _to_device_params(model, self.dtype, scan_layers, self.packed_bf16)
+        self.scan_layers = scan_layers
+        self.kv = None
+        if num_blocks is not None:
+            self.allocate_kv(num_blocks)
         a = self.arch
-        self.kv = allocate_kv_cache(a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                                    jnp.uint16 if self.packed_bf16 else self.dtype, stacked=scan_layers)
         self.matmul_backend = matmul_backend
         self.attention_backend = attention_backend
         self.sampler_backend = sampler_backend
@@ -138,6 +143,8 @@ class ModelRunner:
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._write_bias = None
         self._bias_writes: list[tuple[int, np.ndarray]] = []
+        self._write_penalty = None
+        self._penalty_writes: list[tuple[int, np.ndarray, np.ndarray]] = []
         self._plp_plan: list[tuple[str, int, int]] = []
         self._last_prompt_targets = None
         self._compiled: dict[tuple[int, int], object] = {}
@@ -148,6 +155,27 @@ class ModelRunner:
         self.before_step_hook = None
 
     # ------------------------------------------------------------------ sizes
+
+    def _kv_arrays(self, num_blocks: int, make=jnp.zeros):
+        a = self.arch
+        return allocate_kv_cache(a.num_layers, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+                                 jnp.uint16 if self.packed_bf16 else self.dtype, stacked=self.scan_layers, make=make)
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        """Allocates the KV cache (a runner built with ``num_blocks=None`` waits for its size)."""
+        self.num_blocks = num_blocks
+        self.kv = self._kv_arrays(num_blocks)
+
+    def activation_bytes(self) -> int:
+        """The largest step's temporary memory as XLA compiled it (the KV cache, donated and
+        updated in place, is not part of it): what ``--gpu-memory-utilization`` sets aside."""
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        kv_spec = self._kv_arrays(2, make=jax.ShapeDtypeStruct)
+        T, S = max(self.buckets)
+        lowered = jax.jit(self._step_fn, donate_argnums=(1, 2)).lower(
+            jax.tree.map(spec, self.params), kv_spec, jax.tree.map(spec, self.sstate), self._input_spec(T, S))
+        analysis = lowered.compile().memory_analysis()
+        return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV arrays actually occupy on the device."""
@@ -185,6 +213,10 @@ class ModelRunner:
         bias = self.sstate.bias
         self._write_bias = jax.jit(write_bias_row, donate_argnums=(0,)).lower(
             spec(bias), jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((bias.shape[1],), jnp.float32)).compile()
+        V = self.sstate.counts.shape[1]
+        self._write_penalty = jax.jit(write_penalty_row, donate_argnums=(0, 1)).lower(
+            spec(self.sstate.counts), spec(self.sstate.prompt_mask), jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((V,), jnp.int32), jax.ShapeDtypeStruct((V,), jnp.bool_)).compile()
         t0 = time.perf_counter()
         bar = None
         if self.show_progress:
@@ -244,6 +276,7 @@ class ModelRunner:
         samples = []
         self._plp_plan = []       # (request id, first flat token, number of prompt logprobs)
         self._bias_writes = []    # (slot, row): bias rows to write before the step
+        self._penalty_writes = []  # (slot, counts row, prompt-mask row): cached tokens' counts
         off = 0
         for i, (rid, n) in enumerate(rows):
             st = self._states[rid]
@@ -268,8 +301,14 @@ class ModelRunner:
             num_out = len(st.token_ids) - st.num_prompt_tokens
             # Only min_tokens and multi-token bad words look at the outputs: no per-step copy otherwise.
             needs_outputs = samples[-1] and (p.min_tokens > 0 or p.bad_word_seqs)
+            reset = st.fresh and p.uses_penalties
+            if reset and c > 0:
+                # Tokens before c came from the prefix cache: write their counts into the row
+                # (replacing whatever it held), and do not zero it inside the step.
+                self._penalty_writes.append((st.slot, *self._penalty_row(st, c)))
+                reset = False
             smd.fill_row(md, i, p, slot=st.slot, out_pos=num_out, num_prompt=st.num_prompt_tokens,
-                         reset=st.fresh and p.uses_penalties,
+                         reset=reset,
                          suppress=p.suppressed(st.token_ids[st.num_prompt_tokens:]) if needs_outputs else [],
                          num_logprobs=p.num_logprobs if samples[-1] else -1)
             if st.fresh and p.bias_row is not None:
@@ -332,6 +371,16 @@ class ModelRunner:
         return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                             prompt_logprobs=prompt_out)
 
+    def _penalty_row(self, st: _ReqState, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """The penalty state of a request's first ``c`` tokens, as ``update_state`` would have
+        counted them: prompt tokens into the mask, later ones (outputs) into the counts."""
+        V = self.vocab_size
+        P = min(c, st.num_prompt_tokens)
+        mask = np.zeros(V, np.bool_)
+        mask[np.asarray(st.token_ids[:P], np.int64)] = True
+        counts = np.bincount(np.asarray(st.token_ids[P:c], np.int64), minlength=V).astype(np.int32)
+        return counts, mask
+
     def _gather_prompt_logprobs(self, plp) -> None:
         """Appends this step's prompt logprobs to each asking request's list."""
         lp, rank, top_ids, top_lp = plp
@@ -350,6 +399,11 @@ class ModelRunner:
             bias = self._write_bias(self.sstate.bias, np.int32(slot), row)
             self.sstate = dataclasses.replace(self.sstate, bias=bias)
         self._bias_writes = []
+        for slot, counts_row, mask_row in self._penalty_writes:
+            counts, mask = self._write_penalty(self.sstate.counts, self.sstate.prompt_mask, np.int32(slot),
+                                               counts_row, mask_row)
+            self.sstate = dataclasses.replace(self.sstate, counts=counts, prompt_mask=mask)
+        self._penalty_writes = []
         self._last_prompt_targets = inputs.prompt_targets
         dev_inputs = jax.device_put(inputs)
         self.kv, self.sstate, out, plp = self._compiled[bucket](self.params, self.kv, self.sstate, dev_inputs)

@@ -129,6 +129,13 @@ def write_bias_row(bias: jax.Array, slot: jax.Array, row: jax.Array) -> jax.Arra
     return bias.at[slot].set(row)
 
 
+def write_penalty_row(counts: jax.Array, prompt_mask: jax.Array, slot: jax.Array, counts_row: jax.Array,
+                      mask_row: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Replaces row ``slot`` of the penalty state (both donated): the counts and prompt mask of
+    tokens that never pass through a step (a prefix served from the KV cache)."""
+    return counts.at[slot].set(counts_row), prompt_mask.at[slot].set(mask_row)
+
+
 # ---------------------------------------------------------------- penalty state
 
 def update_state(state: SamplerState, md: SamplingMetadata, input_ids: jax.Array, token_row: jax.Array,

@@ -79,9 +79,13 @@ def check(batch, dtype=jnp.float32, layer=None, **kw):
 MIXED = dict(q_lens=[1, 1, 32, 21, 1, 5], ctx_lens=[0, 16, 0, 11, 70, 27])
 
 
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("page", [16, 32])
+# Pairwise: every GQA ratio meets both head dims and both page sizes, and every head dim
+# meets every page size (8 cases instead of the 16 of the full product).
+PAIRWISE = [(1, 64, 16), (1, 128, 32), (2, 64, 32), (2, 128, 16), (4, 64, 16), (4, 128, 32), (8, 64, 32),
+            (8, 128, 16)]
+
+
+@pytest.mark.parametrize("group,head_dim,page", PAIRWISE)
 def test_mixed_batch_matches_reference(group, head_dim, page):
     Hkv = 2
     check(make_batch(group * 10 + head_dim + page, **MIXED, Hq=Hkv * group, Hkv=Hkv, D=head_dim, page=page))

@@ -1,0 +1,59 @@
+"""KV-cache sizing arithmetic and the memory the process may use (no device)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxllm.core import kv_budget
+from jaxllm.core.kv_budget import bytes_per_block, cgroup_room_bytes, plan_kv_cache, utilization_budget
+
+ARCH = dict(num_layers=3, num_kv_heads=2, head_dim=32, itemsize=4, block_size=16)
+
+
+def test_bytes_per_block_counts_k_and_v_of_every_layer():
+    assert bytes_per_block(num_layers=3, block_size=16, num_kv_heads=2, head_dim=32, itemsize=4) == 2 * 3 * 16 * 2 * 32 * 4
+
+
+def test_budget_is_never_exceeded_and_a_too_small_one_says_what_fits():
+    per = bytes_per_block(**{k: ARCH[k] for k in ("num_layers", "block_size", "num_kv_heads", "head_dim", "itemsize")})
+    plan = plan_kv_cache(**ARCH, max_model_len=256, max_num_seqs=4, budget_bytes=100 * per + 7, num_blocks_override=None)
+    assert plan.num_blocks == 100 and plan.total_bytes <= 100 * per + 7
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization=0.1 \(x\) holds 3 blocks.*--max-model-len 32"):
+        plan_kv_cache(**ARCH, max_model_len=256, max_num_seqs=4, budget_bytes=3 * per, num_blocks_override=None,
+                      budget_flag="--gpu-memory-utilization=0.1 (x)")
+
+
+def test_utilization_budget():
+    assert utilization_budget(0.5, free_bytes=1000, activation_bytes=200) == 400
+    with pytest.raises(ValueError, match="--gpu-memory-utilization=0.9: no memory left"):
+        utilization_budget(0.9, free_bytes=100, activation_bytes=200)
+
+
+def test_cgroup_room(tmp_path):
+    assert cgroup_room_bytes(str(tmp_path)) is None                       # no cgroup files
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_room_bytes(str(tmp_path)) is None                       # v2 without a limit
+    (tmp_path / "memory.max").write_text("1000000\n")
+    (tmp_path / "memory.current").write_text("250000\n")
+    assert cgroup_room_bytes(str(tmp_path)) == 750000
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")   # v1's "unlimited"
+    assert cgroup_room_bytes(str(v1)) is None
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("5000\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text("6000\n")
+    assert cgroup_room_bytes(str(v1)) == 0
+
+
+def test_available_memory_is_capped_by_the_cgroup(monkeypatch):
+    monkeypatch.setattr(kv_budget, "_meminfo_available", lambda: 8 * 2**30)
+    monkeypatch.setattr(kv_budget, "cgroup_room_bytes", lambda: None)
+    assert kv_budget.available_memory_bytes() == 8 * 2**30
+    monkeypatch.setattr(kv_budget, "cgroup_room_bytes", lambda: 2**30)
+    assert kv_budget.available_memory_bytes() == 2**30
+
+
+def test_meminfo_is_read(tmp_path):
+    (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemFree: 10 kB\nMemAvailable:   4096 kB\n")
+    assert kv_budget._meminfo_available(str(tmp_path / "meminfo")) == 4096 * 1024
+    assert kv_budget._meminfo_available(str(tmp_path / "missing")) is None

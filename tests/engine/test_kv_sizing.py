@@ -1,0 +1,80 @@
+"""The KV cache the runner actually allocates stays within the budget (read back from the
+device arrays, for a model with several layers and GQA), and ``--gpu-memory-utilization``
+on CPU sizes it from the memory available to the process.  No step is compiled here."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxllm.config import EngineConfig
+from jaxllm.engine import core as engine_core
+from jaxllm.engine.core import resolve_config
+from jaxllm.models.loader import load_model
+from jaxllm.runner.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    m = load_model(tiny_llama)
+    assert m.arch.num_layers > 1 and m.arch.num_kv_heads < m.arch.num_heads, "precondition: layers and GQA"
+    return m
+
+
+def allocated(model, cfg, scan_layers):
+    r = resolve_config(cfg, model)
+    runner = ModelRunner(model, dtype=r.dtype, scan_layers=scan_layers, num_blocks=r.kv.num_blocks,
+                         block_size=r.kv.block_size, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
+                         max_num_batched_tokens=r.max_num_batched_tokens, max_logprobs=2, show_progress=False)
+    return r, runner.kv_cache_bytes()
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+@pytest.mark.parametrize("budget", [1 << 20, 3 * (1 << 20) + 12345])
+def test_allocated_kv_bytes_stay_within_the_budget(model, scan_layers, budget):
+    cfg = EngineConfig.from_kwargs(kv_cache_memory_bytes=budget, max_model_len=256, dtype="float32")
+    r, nbytes = allocated(model, cfg, scan_layers)
+    assert nbytes == r.kv.total_bytes
+    assert nbytes <= budget
+    assert budget - nbytes < r.kv.bytes_per_block          # and the budget is used, not wasted
+
+
+def test_gpu_memory_utilization_on_cpu_is_a_fraction_of_available_memory(model, monkeypatch):
+    monkeypatch.setattr(engine_core, "available_memory_bytes", lambda: 100 * 2**20)
+    cfg = EngineConfig.from_kwargs(gpu_memory_utilization=0.05, max_model_len=256, dtype="float32")
+    r, nbytes = allocated(model, cfg, scan_layers=False)
+    budget = int(0.05 * 100 * 2**20)
+    assert r.kv.budget_bytes == budget
+    assert r.kv.num_blocks == budget // r.kv.bytes_per_block
+    assert nbytes <= budget
+    # An explicit byte budget wins over the fraction.
+    cfg = EngineConfig.from_kwargs(gpu_memory_utilization=0.05, kv_cache_memory_bytes=1 << 20, max_model_len=256,
+                                   dtype="float32")
+    assert resolve_config(cfg, model).kv.budget_bytes == 1 << 20
+    # Too small a fraction is refused, naming the flag and what would fit.
+    cfg = EngineConfig.from_kwargs(gpu_memory_utilization=0.0005, max_model_len=256, dtype="float32")
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization=0.0005 .* fewer than one sequence .*"
+                                         r"--max-model-len \d+ or less"):
+        resolve_config(cfg, model)
+
+
+def test_flag_validation():
+    for kwargs, needle in ((dict(gpu_memory_utilization=0), "--gpu-memory-utilization"),
+                           (dict(gpu_memory_utilization=1.5), "--gpu-memory-utilization"),
+                           (dict(scheduling_policy="sjf"), "--scheduling-policy"),
+                           (dict(enable_prefix_caching="yes"), "--enable-prefix-caching")):
+        with pytest.raises(ValueError, match=needle):
+            EngineConfig.from_kwargs(**kwargs)
+    cfg = EngineConfig.from_kwargs(enable_prefix_caching=False, scheduling_policy="lpm")
+    assert cfg.cache.enable_prefix_caching is False and cfg.scheduler.scheduling_policy == "lpm"
+    assert EngineConfig().cache.enable_prefix_caching is True       # on by default, as in vLLM
+
+
+def test_cli_flags_reach_the_config():
+    from jaxllm.cli import build_parser, engine_config_from_args
+    args = build_parser().parse_args(["generate", "hi", "--no-enable-prefix-caching", "--scheduling-policy",
+                                      "priority", "--gpu-memory-utilization", "0.5"])
+    cfg = engine_config_from_args(args)
+    assert cfg.cache.enable_prefix_caching is False and cfg.cache.gpu_memory_utilization == 0.5
+    assert cfg.scheduler.scheduling_policy == "priority"
+    cfg = engine_config_from_args(build_parser().parse_args(["generate", "hi", "--enable-prefix-caching"]))
+    assert cfg.cache.enable_prefix_caching is True and cfg.scheduler.scheduling_policy == "fcfs"
