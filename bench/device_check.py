@@ -772,6 +772,24 @@ SAMPLER_PARAMS = (("random t=1.0", dict(temperature=1.0)),
                   ("top-k 50 / top-p 0.95, t=0.8", dict(temperature=0.8, top_k=50, top_p=0.95)))
 
 
+
+def _time_token_pair(row: dict, calls: dict, nbytes: int, p: dict, peak, mismatch: str) -> None:
+    """Times ``calls['pallas']`` and ``calls['xla']`` (each returns [S] tokens) into ``row``: compile
+    time, median ms, bandwidth columns, the speed-up, and whether both give the same tokens."""
+    toks = {}
+    for backend, call in calls.items():
+        t0 = time.monotonic()
+        toks[backend] = np.asarray(call()).tolist()
+        row[f"{backend}_compile_s"] = round(time.monotonic() - t0, 2)
+        t = bench(call, warmup=p["warmup"], reps=p["reps"], inner=p["inner"])
+        row[f"{backend}_ms"] = t["median_s"] * 1e3
+        row.update({f"{backend}_{k}": v for k, v in bandwidth_cols(nbytes, t["median_s"], peak).items()})
+    row["speedup"] = row["xla_ms"] / row["pallas_ms"]
+    row["tokens_identical"] = toks["pallas"] == toks["xla"]
+    row["status"] = "ok" if row["tokens_identical"] else "failed"
+    if not row["tokens_identical"]:
+        row["error"] = mismatch
+
 def sampler_section(sec: dict, p: dict, budget: Budget, peak: float | None) -> None:
     import jax
     import jax.numpy as jnp
@@ -790,20 +808,8 @@ def sampler_section(sec: dict, p: dict, budget: Budget, peak: float | None) -> N
                 continue
             try:
                 logits, md, st = _sampler_inputs(S, V, params=params, seed=S + V)
-                toks = {}
-                for backend, f in fns.items():
-                    call = lambda f=f: f(logits, md, st)  # noqa: E731
-                    t0 = time.monotonic()
-                    toks[backend] = np.asarray(call()).tolist()
-                    row[f"{backend}_compile_s"] = round(time.monotonic() - t0, 2)
-                    t = bench(call, warmup=p["warmup"], reps=p["reps"], inner=p["inner"])
-                    row[f"{backend}_ms"] = t["median_s"] * 1e3
-                    row.update({f"{backend}_{k}": v for k, v in bandwidth_cols(nbytes, t["median_s"], peak).items()})
-                row["speedup"] = row["xla_ms"] / row["pallas_ms"]
-                row["tokens_identical"] = toks["pallas"] == toks["xla"]
-                row["status"] = "ok" if row["tokens_identical"] else "failed"
-                if not row["tokens_identical"]:
-                    row["error"] = "pallas and xla sampler tokens differ"
+                _time_token_pair(row, {k: (lambda f=f: f(logits, md, st)) for k, f in fns.items()}, nbytes, p, peak,
+                                 "pallas and xla sampler tokens differ")
             except Exception as e:
                 row_failed(row, e)
             log(f"  {row['name']} [{S}, {V}]: {row.get('status')}")
@@ -821,20 +827,9 @@ def sampler_section(sec: dict, p: dict, budget: Budget, peak: float | None) -> N
                     jnp.max(x, axis=1), jnp.asarray(rng.integers(0, 2**32, S, dtype=np.uint64).astype(np.uint32)),
                     jnp.asarray(rng.integers(0, 2**32, S, dtype=np.uint64).astype(np.uint32)),
                     jnp.full(S, 3, jnp.int32)]
-            toks = {}
-            for backend, f in (("pallas", gumbel_argmax), ("xla", jax.jit(gumbel_argmax_reference))):
-                call = lambda f=f: f(*args)  # noqa: E731
-                t0 = time.monotonic()
-                toks[backend] = np.asarray(call()).tolist()
-                row[f"{backend}_compile_s"] = round(time.monotonic() - t0, 2)
-                t = bench(call, warmup=p["warmup"], reps=p["reps"], inner=p["inner"])
-                row[f"{backend}_ms"] = t["median_s"] * 1e3
-                row.update({f"{backend}_{k}": v for k, v in bandwidth_cols(nbytes, t["median_s"], peak).items()})
-            row["speedup"] = row["xla_ms"] / row["pallas_ms"]
-            row["tokens_identical"] = toks["pallas"] == toks["xla"]
-            row["status"] = "ok" if row["tokens_identical"] else "failed"
-            if not row["tokens_identical"]:
-                row["error"] = "kernel and reference tokens differ"
+            ref = jax.jit(gumbel_argmax_reference)
+            _time_token_pair(row, {"pallas": lambda: gumbel_argmax(*args), "xla": lambda: ref(*args)}, nbytes, p, peak,
+                             "kernel and reference tokens differ")
         except Exception as e:
             row_failed(row, e)
         log(f"  {row['name']} [{S}, {V}]: {row.get('status')}")

@@ -503,6 +503,16 @@ KERNEL_BACKENDS = ("xla", "pallas")
 (``jaxllm/pallas/gumbel_argmax.py``, one fused pass over the vocabulary, see :func:`pallas_draw`)."""
 
 
+def scaled_logits(x: jax.Array, md: SamplingMetadata, is_random: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Temperature-scaled logits with min_p applied, and their row maximum before min_p:
+    x [S, V] -> (x1 [S, V], m [S]).  Greedy rows are scaled by 1."""
+    temp = jnp.where(is_random, md.temperature, 1.0)
+    x1 = x / temp[:, None]
+    x1 = jnp.where(x1 == 0.0, 0.0, x1)                                   # no -0.0 for the integer keys
+    m = x1.max(axis=-1)                                                  # [S]
+    return jnp.where(x1 - m[:, None] < md.log_min_p[:, None], _NEG_INF, x1), m   # min_p
+
+
 def pallas_draw(x: jax.Array, md: SamplingMetadata, zero: jax.Array, processed_mode: bool, impl: str = "threshold"):
     """Every row's token (greedy and random) by the Pallas kernel: x [S, V] processed logits.
 
@@ -520,11 +530,7 @@ def pallas_draw(x: jax.Array, md: SamplingMetadata, zero: jax.Array, processed_m
     u0 = jnp.zeros((S,), jnp.uint32)
 
     def thresholds():
-        temp = jnp.where(is_random, md.temperature, 1.0)
-        x1 = x / temp[:, None]
-        x1 = jnp.where(x1 == 0.0, 0.0, x1)                               # no -0.0 for the integer keys
-        m = x1.max(axis=-1)                                              # [S]
-        x1 = jnp.where(x1 - m[:, None] < md.log_min_p[:, None], _NEG_INF, x1)   # min_p
+        x1, m = scaled_logits(x, md, is_random)
         trunc = is_random & ((md.top_k > 0) | (md.top_p < 1.0))
         none = (u0, jnp.zeros((S,), jnp.bool_), jnp.zeros((S,), jnp.float32))
         tau, open_p, target = jax.lax.cond(
@@ -572,11 +578,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, *, max_
     processed_mode = logprobs_mode.startswith("processed") and max_logprobs > 0
 
     def random_rows():
-        temp = jnp.where(is_random, md.temperature, 1.0)
-        x1 = x / temp[:, None]
-        x1 = jnp.where(x1 == 0.0, 0.0, x1)                               # no -0.0 for the integer keys
-        m = x1.max(axis=-1)                                              # [S]
-        x1 = jnp.where(x1 - m[:, None] < md.log_min_p[:, None], _NEG_INF, x1)   # min_p
+        x1, m = scaled_logits(x, md, is_random)
         trunc = is_random & ((md.top_k > 0) | (md.top_p < 1.0))
         C = TRUNC_BLOCKS * CAND_BLOCK
         none = (jnp.zeros((S,), jnp.uint32), jnp.zeros((S,), jnp.bool_), jnp.zeros((S,), jnp.float32))
