@@ -194,7 +194,7 @@ def test_preempted_request_resumes_from_its_cached_blocks():
         resent = next((nr for nr in so.scheduled_new_reqs if nr.req_id == "new"), None)
         if resent:
             break
-    assert resent is not None
+    assert resent is not None, "the preempted request was never re-admitted within 100 steps"
     assert resent.token_ids == expected
     assert resent.num_computed_tokens > 0 and resent.num_computed_tokens % BS == 0
     assert so.num_scheduled_tokens["new"] == len(expected) - resent.num_computed_tokens
