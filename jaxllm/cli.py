@@ -56,6 +56,18 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="what logprobs report: the raw model output (default) or the processed one, as logprobs or logits")
     g.add_argument("--use-fp64-gumbel", action="store_true",
                    help="draw with float64 Gumbel noise (53-bit uniforms) instead of float32")
+    g = p.add_argument_group("parallelism (docs/scale-out.md)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices one model replica is split over (heads, MLP width, vocabulary)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas behind one server; requests go to the least-loaded one")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: spread the experts over the tensor-parallel devices")
+    g.add_argument("--distributed-coordinator", default=None,
+                   help="host:port of host 0's JAX coordination service (multi-host)")
+    g.add_argument("--num-hosts", type=int, default=1, help="processes (hosts) running one engine together")
+    g.add_argument("--host-index", type=int, default=None,
+                   help="this host's index; host 0 schedules and serves, the others follow its steps")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -72,7 +84,21 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         sampler_backend=args.sampler_backend, scan_layers=args.scan_layers,
         max_logprobs=args.max_logprobs, cpu_matmul=args.cpu_matmul, compile_cache_dir=args.compile_cache_dir,
-        logprobs_mode=args.logprobs_mode, use_fp64_gumbel=args.use_fp64_gumbel)
+        logprobs_mode=args.logprobs_mode, use_fp64_gumbel=args.use_fp64_gumbel,
+        tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel, distributed_coordinator=args.distributed_coordinator,
+        num_hosts=args.num_hosts, host_index=args.host_index)
+
+
+def simulate_cpu_devices(args: argparse.Namespace) -> None:
+    """On a CPU-only machine, ``-tp``/``-dp`` > 1 need that many XLA host devices, which must
+    be requested before JAX starts its backend.  Harmless on accelerators (the flag only
+    shapes the host platform) and a no-op when the user already set it."""
+    per_host = getattr(args, "tensor_parallel_size", 1) * getattr(args, "data_parallel_size", 1)
+    per_host = -(-per_host // max(1, getattr(args, "num_hosts", 1) or 1))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if per_host > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={per_host}".strip()
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -95,6 +121,9 @@ def sampling_params_from_args(args):
 def cmd_generate(args) -> int:
     sp = sampling_params_from_args(args)  # validate before the (slow) engine start
     llm = _make_llm(args)
+    if llm.llm_engine.core.is_follower:
+        llm.follow()   # multi-host: host 0 prints the results
+        return 0
     prompts = args.prompt or [sys.stdin.read()]
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp, use_tqdm=False)
@@ -182,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    simulate_cpu_devices(args)
     try:
         return args.func(args) or 0
     except (JaxllmError, ValueError) as e:

@@ -172,6 +172,50 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine spreads over devices and hosts (docs/scale-out.md)."""
+
+    tensor_parallel_size: int = 1
+    """Devices one model replica is split over (``--tensor-parallel-size``, ``-tp``): attention
+    heads, MLP width and the vocabulary are sharded over them (parallel/sharding.py)."""
+    data_parallel_size: int = 1
+    """Engine replicas behind one server (``--data-parallel-size``, ``-dp``), each on its own
+    ``tensor_parallel_size`` devices; a new request goes to the least-loaded replica."""
+    enable_expert_parallel: bool = False
+    """Spread a mixture-of-experts model's experts over the tensor-parallel devices instead
+    of splitting every expert's width (``--enable-expert-parallel``)."""
+    distributed_coordinator: str | None = None
+    """``host:port`` of host 0's JAX coordination service (``--distributed-coordinator``);
+    set on every host of a multi-host engine (or leave it to the environment JAX reads)."""
+    num_hosts: int = 1
+    """Processes (hosts) that together run one engine (``--num-hosts``)."""
+    host_index: int | None = None
+    """This host's index in ``[0, num_hosts)`` (``--host-index``); host 0 schedules and serves HTTP."""
+
+    def __post_init__(self):
+        _positive("tensor_parallel_size", "--tensor-parallel-size", self.tensor_parallel_size, allow_none=False)
+        _positive("data_parallel_size", "--data-parallel-size", self.data_parallel_size, allow_none=False)
+        _positive("num_hosts", "--num-hosts", self.num_hosts, allow_none=False)
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"--enable-expert-parallel must be true or false, got {self.enable_expert_parallel!r}")
+        if self.host_index is not None and (not isinstance(self.host_index, int) or isinstance(self.host_index, bool)
+                                            or not 0 <= self.host_index < self.num_hosts):
+            raise ValueError(f"--host-index must be an integer in [0, --num-hosts={self.num_hosts}), "
+                             f"got {self.host_index!r}")
+        if self.num_hosts > 1 and self.data_parallel_size > 1:
+            raise ValueError("--data-parallel-size > 1 with --num-hosts > 1 is not supported: "
+                             "run one multi-host engine, or data-parallel replicas on one host")
+        if self.distributed_coordinator is not None:
+            host, _, port = str(self.distributed_coordinator).rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--distributed-coordinator must be host:port, got {self.distributed_coordinator!r}")
+
+    @property
+    def multi_host(self) -> bool:
+        return self.num_hosts > 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; built from CLI flags or ``LLM(...)`` keyword arguments."""
 
@@ -186,6 +230,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self):
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -194,7 +239,8 @@ class EngineConfig:
     @staticmethod
     def from_kwargs(**kwargs) -> "EngineConfig":
         """Builds a config from flat keyword arguments (``LLM(max_num_seqs=4, ...)``)."""
-        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig}
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,
+                 "parallel": ParallelConfig}
         part_kwargs: dict[str, dict] = {k: {} for k in parts}
         top: dict = {}
         top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - set(parts)

@@ -15,8 +15,9 @@ its paged KV cache, and equals transformers' logits (tests/models/test_functiona
 ``params`` has the engine's layout (``jaxllm/runner/model_runner.py``, unrolled): a dict with
 ``embed``, ``final_norm``, ``lm_head`` (untied checkpoints), ``rope_inv_freq`` and ``layers``,
 a list of per-layer dicts (``input_norm``, ``q``, ``k``, ``v``, ``o``, ``post_norm``, ``gate``,
-``up``, ``down``, and the architecture's biases / q-k norms), matrices in transformers'
-``[out, in]`` layout.  ``forward.arch`` is the ``ArchConfig``; ``forward.name`` the model name.
+``up``, ``down`` (MoE checkpoints: ``router``, ``experts_gate``, ``experts_up``, ``experts_down``),
+and the architecture's biases / q-k norms), matrices in transformers' ``[out, in]`` layout.
+``forward.arch`` is the ``ArchConfig``; ``forward.name`` the model name.
 
 The layer is built from the same pieces as ``jaxllm/models/llama.py`` (``rms_norm``,
 ``linear``, ``apply_rope``, ``cos_sin``); only the attention differs (dense instead of paged).
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxllm.layers import storage
 from jaxllm.layers.linear import linear, matmul
+from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
 from jaxllm.models.config import ArchConfig
@@ -72,6 +74,11 @@ def _layer(cfg: ArchConfig, x, lp, cos, sin, B: int, L: int):
                         scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
     x = x + linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"))
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
+    if cfg.is_moe:
+        # Qwen3-MoE, Mixtral.  The dense expert path (the same function) stays differentiable:
+        # the engine's grouped one loops with data-dependent trip counts, which jax.grad refuses.
+        return x + moe_mlp(h, lp["router"], lp["experts_gate"], lp["experts_up"], lp["experts_down"],
+                           cfg.num_experts_per_tok, cfg.norm_topk_prob, impl="dense")
     return x + linear(jax.nn.silu(linear(h, lp["gate"])) * linear(h, lp["up"]), lp["down"])
 
 

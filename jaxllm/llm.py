@@ -18,16 +18,26 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 
+def _refuse_data_parallel(config: EngineConfig) -> None:
+    if config.parallel.data_parallel_size > 1:
+        raise ValueError(f"data_parallel_size={config.parallel.data_parallel_size}: data parallelism is a server "
+                         f"feature (`jaxllm serve -dp N`); the offline LLM runs one engine "
+                         f"(tensor_parallel_size spreads it over devices)")
+
+
 class LLM:
     """An engine in this process.  Keyword arguments are the engine arguments (``max_num_seqs``,
     ``max_model_len``, ``dtype``, ``kv_cache_memory_bytes``, ``block_size``, ...)."""
 
     def __init__(self, model: str | None = None, **engine_args):
-        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        _refuse_data_parallel(config)
+        self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        _refuse_data_parallel(config)
         llm = cls.__new__(cls)
         llm.llm_engine = LLMEngine(config)
         llm._ids = itertools.count()
@@ -56,6 +66,9 @@ class LLM:
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         ids = []
         engine = self.llm_engine
+        if engine.core.is_follower:
+            raise ValueError("this host (--host-index > 0) follows host 0's steps: call llm.follow() here and "
+                             "generate on host 0 (docs/scale-out.md)")
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
@@ -82,6 +95,15 @@ class LLM:
             # The template already placed any BOS; vLLM encodes it without adding special tokens.
             prompts.append({"prompt": text, "prompt_token_ids": encode(tok, text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def follow(self) -> None:
+        """Multi-host, on every host but 0: run host 0's steps; returns once host 0 calls
+        :meth:`shutdown` (or exits)."""
+        self.llm_engine.follow()
+
+    def shutdown(self) -> None:
+        """Multi-host, on host 0: release the other hosts from :meth:`follow`.  A no-op on one host."""
+        self.llm_engine.shutdown()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

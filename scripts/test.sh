@@ -4,4 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 . .venv/bin/activate
-exec python -m pytest "$@"
+# Two workers, whole files per worker (module fixtures such as a shared engine stay in one
+# process): most tests wait on single-threaded XLA compiles, so two cores run two at once.
+# JAXLLM_TEST_WORKERS=0 runs in one process.
+exec python -m pytest -n "${JAXLLM_TEST_WORKERS:-2}" --dist loadfile "$@"

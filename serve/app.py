@@ -34,6 +34,7 @@ import jaxllm
 from jaxllm import profiling
 from jaxllm.config import ServingConfig
 from jaxllm.engine.async_engine import AsyncEngine
+from jaxllm.engine.dp_engine import DataParallelEngine
 from jaxllm.engine.tokenizer import encode
 from jaxllm.errors import EngineDeadError
 from serve import chat, completions
@@ -161,7 +162,9 @@ def build_app(engine: AsyncEngine, config: ServingConfig | None = None) -> Quart
 
     @app.get("/metrics")
     async def _metrics():
-        state.metrics.update_engine(engine.stats())
+        per_engine = engine.replica_stats() if isinstance(engine, DataParallelEngine) else [engine.stats()]
+        for i, stats in enumerate(per_engine):
+            state.metrics.update_engine(stats, engine=i)
         return Response(state.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
     @app.post("/tokenize")

@@ -67,6 +67,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxllm.engine.async_engine import AsyncEngine
+    from jaxllm.engine.dp_engine import DataParallelEngine
     from jaxllm.engine.llm_engine import LLMEngine
     from serve.app import listen
     from serve.state import resolve_chat_template
@@ -81,9 +82,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for logger in (log, logging.getLogger("jaxllm.engine")):
         if logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
+    pc = engine_config.parallel
+    if pc.multi_host and pc.host_index not in (None, 0):
+        # Host 0 schedules and serves HTTP; this host runs its steps on its own devices.
+        log.info("host %d of %d: following host 0's steps (host 0 serves HTTP)", pc.host_index, pc.num_hosts)
+        LLMEngine(engine_config).follow()
+        log.info("host 0 stopped; exiting")
+        return 0
     sock = listen(serving.host, serving.port)  # a busy port fails now, not after compiling
     try:
-        engine = AsyncEngine(LLMEngine(engine_config))
+        if pc.data_parallel_size > 1:
+            engine = DataParallelEngine.from_config(engine_config)
+        else:
+            engine = AsyncEngine(LLMEngine(engine_config))
     except BaseException:
         sock.close()
         raise

@@ -2,11 +2,14 @@
 
 The engine thread measures (see ``jaxllm.engine.async_engine.IterationStats``) and this
 module only records: it is the AsyncEngine's ``stats_sink``.  prometheus_client's metrics
-are thread-safe, so recording happens directly in the engine thread.  Each server has its
-own registry, so several servers can live in one process (the tests run a few).
+are thread-safe, so recording happens directly in the engine thread (with ``-dp N``, in N
+engine threads, each under its own ``engine`` label).  Each server has its own registry, so
+several servers can live in one process (the tests run a few).
 """
 
 from __future__ import annotations
+
+import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -24,79 +27,117 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+class _EngineMetrics:
+    """The children of every metric for one engine (a data-parallel replica; 0 without -dp)."""
+
+    def __init__(self, m: "Metrics", engine: int):
+        lv = (m._model, str(engine))
+        self.labels = lv
+        self.running = m._running.labels(*lv)
+        self.waiting = m._waiting.labels(*lv)
+        self.kv_usage = m._kv_usage.labels(*lv)
+        self.preemptions = m._preemptions.labels(*lv)
+        self.prefix_cache_queries = m._prefix_cache_queries.labels(*lv)
+        self.prefix_cache_hits = m._prefix_cache_hits.labels(*lv)
+        self.seen_queries = 0
+        self.seen_hits = 0
+        self.prompt_tokens = m._prompt_tokens.labels(*lv)
+        self.generation_tokens = m._generation_tokens.labels(*lv)
+        self.ttft = m._ttft.labels(*lv)
+        self.itl = m._itl.labels(*lv)
+        self.e2e = m._e2e.labels(*lv)
+        self.queue_time = m._queue_time.labels(*lv)
+        # Every finish reason is exported from the start, at 0.
+        self.success = {reason: m._success.labels(*lv, reason) for reason in ("stop", "length", "abort")}
+
+
 class Metrics:
+    """Every metric carries vLLM's labels ``model_name`` and ``engine`` (the data-parallel
+    replica, ``"0"`` with one engine): with ``-dp N`` each replica's engine thread records its
+    own series, and a dashboard sums over ``engine`` for the server's totals."""
+
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
         self._model = model_name
-        self.running = Gauge("jaxllm:num_requests_running", "Requests holding KV blocks (in the running batch).",
-                             labels, registry=r).labels(model_name)
-        self.waiting = Gauge("jaxllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                             labels, registry=r).labels(model_name)
-        self.kv_usage = Gauge("jaxllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
-                              labels, registry=r).labels(model_name)
-        self.preemptions = Gauge("jaxllm:num_preemptions", "Preemptions since start.",
-                                 labels, registry=r).labels(model_name)
-        self.prefix_cache_queries = Counter(
-            "jaxllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.",
-            labels, registry=r).labels(model_name)
-        self.prefix_cache_hits = Counter(
+        self._lock = threading.Lock()
+        self._engines: dict[int, _EngineMetrics] = {}
+        self._running = Gauge("jaxllm:num_requests_running", "Requests holding KV blocks (in the running batch).",
+                              labels, registry=r)
+        self._waiting = Gauge("jaxllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                              labels, registry=r)
+        self._kv_usage = Gauge("jaxllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                               labels, registry=r)
+        self._preemptions = Gauge("jaxllm:num_preemptions", "Preemptions since start.", labels, registry=r)
+        self._prefix_cache_queries = Counter(
+            "jaxllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up.", labels, registry=r)
+        self._prefix_cache_hits = Counter(
             "jaxllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens served from the cache.",
-            labels, registry=r).labels(model_name)
-        self._seen_queries = 0
-        self._seen_hits = 0
-        self.prompt_tokens = Counter("jaxllm:prompt_tokens", "Prompt tokens prefilled.",
-                                     labels, registry=r).labels(model_name)
-        self.generation_tokens = Counter("jaxllm:generation_tokens", "Tokens generated.",
-                                         labels, registry=r).labels(model_name)
+            labels, registry=r)
+        self._prompt_tokens = Counter("jaxllm:prompt_tokens", "Prompt tokens prefilled.", labels, registry=r)
+        self._generation_tokens = Counter("jaxllm:generation_tokens", "Tokens generated.", labels, registry=r)
         self._success = Counter("jaxllm:request_success", "Finished requests, by finish reason.",
                                 labels + ["finished_reason"], registry=r)
-        self.ttft = Histogram("jaxllm:time_to_first_token_seconds", "Time to first token.",
-                              labels, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("jaxllm:inter_token_latency_seconds", "Time between consecutive outputs.",
-                             labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("jaxllm:e2e_request_latency_seconds", "Arrival to finish.",
-                             labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.queue_time = Histogram("jaxllm:request_queue_time_seconds", "Arrival to first scheduled.",
-                                    labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        # Every finish reason is exported from the start, at 0.
-        for reason in ("stop", "length", "abort"):
-            self._success.labels(model_name, reason)
+        self._ttft = Histogram("jaxllm:time_to_first_token_seconds", "Time to first token.",
+                               labels, buckets=_TTFT_BUCKETS, registry=r)
+        self._itl = Histogram("jaxllm:inter_token_latency_seconds", "Time between consecutive outputs.",
+                              labels, buckets=_ITL_BUCKETS, registry=r)
+        self._e2e = Histogram("jaxllm:e2e_request_latency_seconds", "Arrival to finish.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self._queue_time = Histogram("jaxllm:request_queue_time_seconds", "Arrival to first scheduled.",
+                                     labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self._for(0)
 
-    def update_engine(self, s: EngineStats) -> None:
-        self.running.set(s.num_running)
-        self.waiting.set(s.num_waiting)
-        self.kv_usage.set(s.kv_cache_usage)
-        self.preemptions.set(s.num_preemptions)
-        # The engine keeps running totals; the counters advance by what is new.
-        if s.prefix_cache_queries > self._seen_queries:
-            self.prefix_cache_queries.inc(s.prefix_cache_queries - self._seen_queries)
-            self._seen_queries = s.prefix_cache_queries
-        if s.prefix_cache_hits > self._seen_hits:
-            self.prefix_cache_hits.inc(s.prefix_cache_hits - self._seen_hits)
-            self._seen_hits = s.prefix_cache_hits
+    def _for(self, engine: int) -> _EngineMetrics:
+        m = self._engines.get(engine)
+        if m is None:
+            with self._lock:
+                m = self._engines.get(engine)
+                if m is None:
+                    m = self._engines[engine] = _EngineMetrics(self, engine)
+        return m
 
-    def record(self, stats: IterationStats) -> None:
-        """The AsyncEngine's stats sink (called from the engine thread)."""
-        self.update_engine(stats.engine)
+    def update_engine(self, s: EngineStats, engine: int = 0) -> None:
+        """Called from engine ``engine``'s thread and from the event loop (``GET /metrics``)."""
+        m = self._for(engine)
+        with self._lock:  # the counters' check-then-advance must not interleave
+            m.running.set(s.num_running)
+            m.waiting.set(s.num_waiting)
+            m.kv_usage.set(s.kv_cache_usage)
+            m.preemptions.set(s.num_preemptions)
+            # The engine keeps running totals; the counters advance by what is new.
+            if s.prefix_cache_queries > m.seen_queries:
+                m.prefix_cache_queries.inc(s.prefix_cache_queries - m.seen_queries)
+                m.seen_queries = s.prefix_cache_queries
+            if s.prefix_cache_hits > m.seen_hits:
+                m.prefix_cache_hits.inc(s.prefix_cache_hits - m.seen_hits)
+                m.seen_hits = s.prefix_cache_hits
+
+    def record(self, stats: IterationStats, engine: int = 0) -> None:
+        """The AsyncEngine's stats sink (called from engine ``engine``'s thread)."""
+        self.update_engine(stats.engine, engine)
+        m = self._for(engine)
         if stats.num_prompt_tokens:
-            self.prompt_tokens.inc(stats.num_prompt_tokens)
+            m.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
-            self.generation_tokens.inc(stats.num_generation_tokens)
+            m.generation_tokens.inc(stats.num_generation_tokens)
         for v in stats.time_to_first_token:
-            self.ttft.observe(v)
+            m.ttft.observe(v)
         for v in stats.inter_token_latency:
-            self.itl.observe(v)
+            m.itl.observe(v)
         for f in stats.finished:
-            self._success.labels(self._model, f.finish_reason).inc()
-            self.e2e.observe(f.e2e_latency)
+            (m.success.get(f.finish_reason) or self._success.labels(*m.labels, f.finish_reason)).inc()
+            m.e2e.observe(f.e2e_latency)
             if f.queue_time is not None:
-                self.queue_time.observe(f.queue_time)
+                m.queue_time.observe(f.queue_time)
 
-    def finished_count(self, reason: str) -> float:
-        v = self.registry.get_sample_value("jaxllm:request_success_total",
-                                           {"model_name": self._model, "finished_reason": reason})
-        return v or 0.0
+    def finished_count(self, reason: str, engine: int | None = None) -> float:
+        """Requests finished with ``reason``: by engine ``engine``, or by all of them (None)."""
+        with self._lock:
+            engines = list(self._engines) if engine is None else [engine]
+        return sum(self.registry.get_sample_value(
+            "jaxllm:request_success_total",
+            {"model_name": self._model, "engine": str(e), "finished_reason": reason}) or 0.0 for e in engines)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

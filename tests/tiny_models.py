@@ -1,7 +1,8 @@
 """Tiny random-weight checkpoints of every registered architecture, built with transformers.
 
 Each variant exercises one architectural feature (GQA, q/k/v bias, q/k norm, tied and
-untied heads, llama3 / linear rope scaling, sliding window).  Weights are drawn with a
+untied heads, llama3 / linear rope scaling, sliding window, mixture-of-experts MLPs with and
+without renormalised routing weights).  Weights are drawn with a
 larger-than-default spread so that greedy decoding has clear winners instead of near-ties.
 """
 
@@ -30,7 +31,16 @@ VARIANTS = {
     "mistral_sliding": ("MistralConfig", dict(sliding_window=16, tie_word_embeddings=False)),
     "qwen2_qkv_bias": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3_qk_norm": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False, num_key_value_heads=2)),
+    # 8 experts, top-2, routing weights not renormalised (Qwen3-MoE's norm_topk_prob=false).
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=False, head_dim=32, num_hidden_layers=2,
+                                         tie_word_embeddings=False)),
+    # 4 experts, top-2, always renormalised; the saved config has "head_dim": null.
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48,
+                                      num_hidden_layers=2, tie_word_embeddings=False)),
 }
+
+MOE_VARIANTS = ("qwen3_moe", "mixtral")
 
 
 def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, seed: int = 0) -> str:
@@ -65,6 +75,8 @@ def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, see
 def load_hf(path: str):
     import torch
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # MoE experts: the eager per-expert loop, not transformers 5's default grouped_mm kernel.
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              experts_implementation="eager")
     model.eval()
     return model

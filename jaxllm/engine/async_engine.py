@@ -292,6 +292,7 @@ class AsyncEngine:
         self._submit(_STOP)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+        self.engine.shutdown()   # multi-host: releases the other hosts
 
     def _submit(self, cmd) -> None:
         self._inbox.put(cmd)

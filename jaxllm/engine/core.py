@@ -21,6 +21,8 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.models.loader import LoadedModel
 from jaxllm.outputs import EngineCoreOutput
+from jaxllm.parallel import distributed
+from jaxllm.parallel.mesh import replica_devices
 from jaxllm.request import Request
 from jaxllm.runner import compile as cc
 from jaxllm.runner.model_runner import ModelRunner
@@ -52,6 +54,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     rc, sc, cache = config.runner, config.scheduler, config.cache
     dtype = defaults["dtype"] if rc.dtype == "auto" else rc.dtype
     on_gpu = platform in ("gpu", "cuda", "rocm")
+    tp = config.parallel.tensor_parallel_size
     backend = rc.attention_backend
     if backend == "auto":
         backend = "pallas" if on_gpu else "xla"
@@ -64,9 +67,17 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     if platform == "cpu" and dtype == "bfloat16" and "pallas" in (backend, sampler):
         raise ValueError("--attention-backend/--sampler-backend pallas on CPU runs the kernels in interpret "
                          "mode, which does not take the CPU's packed bfloat16 cache; use --dtype float32")
+    if tp > 1 and backend == "pallas" and model.arch.num_kv_heads % tp:
+        raise ValueError(f"--attention-backend pallas with --tensor-parallel-size {tp} needs the KV heads "
+                         f"({model.arch.num_kv_heads}) to split evenly; use --attention-backend xla")
     scan = defaults["scan_layers"] if rc.scan_layers is None else rc.scan_layers
     matmul = "xla"
-    if platform == "cpu" and rc.cpu_matmul != "xla":
+    if tp > 1 and rc.cpu_matmul == "native":
+        # The native kernel is an opaque custom call: XLA's partitioner would gather every
+        # weight onto each device to run it.
+        raise ValueError("--cpu-matmul native does not shard; with --tensor-parallel-size > 1 use "
+                         "--cpu-matmul xla (auto picks it)")
+    if platform == "cpu" and rc.cpu_matmul != "xla" and tp == 1:
         from jaxllm.cpu import native
         if native.available():
             matmul = "native"
@@ -110,8 +121,11 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: LoadedModel):
+    def __init__(self, config: EngineConfig, model: LoadedModel, replica: int = 0):
+        """``replica``: which data-parallel replica this is (it runs on that slice of the devices)."""
         self.config = config
+        pc = config.parallel
+        devices = replica_devices(pc.tensor_parallel_size, pc.data_parallel_size, replica)
         self.resolved = r = resolve_config(config, model)
         cc.enable_persistent_cache(r.compile_cache_dir)
         cc.install_listeners()
@@ -123,7 +137,8 @@ class EngineCore:
             block_size=config.cache.block_size, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
             max_num_batched_tokens=r.max_num_batched_tokens, max_logprobs=config.runner.max_logprobs,
             strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
-            logprobs_mode=config.runner.logprobs_mode, use_fp64_gumbel=config.runner.use_fp64_gumbel)
+            logprobs_mode=config.runner.logprobs_mode, use_fp64_gumbel=config.runner.use_fp64_gumbel,
+            devices=devices, expert_parallel=pc.enable_expert_parallel)
         if deferred:
             self.resolved = r = dataclasses.replace(r, kv=self._size_kv_from_device(r.kv))
             self.runner.allocate_kv(r.kv.num_blocks)
@@ -136,14 +151,36 @@ class EngineCore:
                                    max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
                                    policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps)
         self.runner.warmup()
-        self._seed_rng = random.Random(config.seed)
+        # Data-parallel replicas must not hand their unseeded requests the same seeds.
+        self._seed_rng = random.Random(config.seed if replica == 0 else f"{config.seed}/replica{replica}")
+        # Multi-host: host 0 schedules and publishes each step; the others follow (follow()).
+        self.channel = distributed.StepChannel() if pc.multi_host else None
+
+    @property
+    def is_follower(self) -> bool:
+        return self.channel is not None and not self.channel.is_leader
+
+    def follow(self) -> None:
+        """A host other than 0: runs host 0's steps until host 0 stops (shutdown or exit)."""
+        if not self.is_follower:
+            raise ValueError("follow() is for hosts other than host 0 (--host-index > 0)")
+        while True:
+            so = self.channel.receive()
+            if distributed.is_stop(so):
+                return
+            self.runner.execute(so)
+
+    def shutdown(self) -> None:
+        """Host 0 of a multi-host engine: releases the other hosts from follow()."""
+        if self.channel is not None:
+            self.channel.close()
 
     def _size_kv_from_device(self, plan) -> KVPlan:
         """--gpu-memory-utilization on an accelerator: the weights are on the device now; the
         budget is that fraction of what the device has left, less the largest step's
         activations (as compiled)."""
         util = self.config.cache.gpu_memory_utilization
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = self.runner.mesh.devices.flat[0].memory_stats() or {}
         limit, in_use = stats.get("bytes_limit"), stats.get("bytes_in_use")
         if limit is None or in_use is None:
             raise ValueError("--gpu-memory-utilization: this device reports no memory statistics; "
@@ -171,7 +208,11 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.is_follower:
+            raise ValueError(f"host {self.channel.host} follows host 0's steps: call follow() there")
         so = self.scheduler.schedule()
+        if self.channel is not None:
+            self.channel.publish(so)
         if so.is_empty:
             # Still deliver finished ids so the runner drops their state.
             self.runner.execute(so)

@@ -16,6 +16,7 @@ from jaxllm.engine.processor import InputProcessor, PromptType
 from jaxllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from jaxllm.models.loader import TokenizerSource, load_model
 from jaxllm.outputs import RequestOutput
+from jaxllm.parallel import distributed
 from jaxllm.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxllm.engine")
@@ -44,8 +45,10 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, replica: int = 0):
+        """``replica``: the data-parallel replica this engine is (it runs on that slice of the devices)."""
         self.config = config
+        distributed.initialize(config.parallel)   # before anything touches a device
         model = load_model(config.model)
         self.model_name = model.name
         self.arch = model.arch
@@ -54,7 +57,7 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             src = TokenizerSource(config.tokenizer) if config.tokenizer else model.tokenizer
             self.tokenizer = load_tokenizer(src, default_cache_dir())
-        self.core = EngineCore(config, model)
+        self.core = EngineCore(config, model, replica=replica)
         del model  # host copies of the weights are no longer needed
         self.max_model_len = self.core.resolved.max_model_len
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.generation_config)
@@ -106,3 +109,11 @@ class LLMEngine:
         if to_abort:
             self.core.abort_requests(to_abort)
         return outputs
+
+    def follow(self) -> None:
+        """On a host other than 0 of a multi-host engine: run host 0's steps until it stops."""
+        self.core.follow()
+
+    def shutdown(self) -> None:
+        """Host 0 of a multi-host engine: release the other hosts (also done at exit)."""
+        self.core.shutdown()

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import PartitionSpec as P
+
 from jaxllm.layers import storage
+from jaxllm.parallel.mesh import TP, tp_size
+from jaxllm.parallel.sharding import kv_heads_axis
 
 KVCache = tuple
 """(K, V).  Stacked: each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``
@@ -125,21 +129,49 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
 ATTENTION_IMPLS = ("xla", "pallas")
 
 
+def _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window):
+    from jaxllm.pallas.ragged_paged_attention import default_kv_splits, ragged_paged_attention
+    k_cache, v_cache = kv
+    splits = default_kv_splits(q.shape[0], md.seq_lens.shape[0], q.shape[1] // k.shape[1], k.shape[1],
+                               md.block_tables.shape[1] * k_cache.shape[-3])
+    o, k_cache, v_cache = ragged_paged_attention(
+        q, k, v, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, layer=layer,
+        sm_scale=scale, sliding_window=sliding_window, kv_splits=splits)
+    return o, (k_cache, v_cache)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: AttentionMetadata, *,
            scale: float, sliding_window: int | None, backend: str = "xla") -> tuple[jax.Array, KVCache]:
     """Writes this step's K/V ``[T, Hkv, Dh]`` into the cache and attends: q [T, Hq, Dh] ->
     ([T, Hq, Dh], cache).  ``backend``: "xla" (scatter + :func:`paged_attention_xla`) or
     "pallas" (one kernel that does both; interpret mode on CPU)."""
     if backend == "pallas":
-        from jaxllm.pallas.ragged_paged_attention import default_kv_splits, ragged_paged_attention
-        k_cache, v_cache = kv
-        splits = default_kv_splits(q.shape[0], md.seq_lens.shape[0], q.shape[1] // k.shape[1], k.shape[1],
-                                   md.block_tables.shape[1] * k_cache.shape[-3])
-        o, k_cache, v_cache = ragged_paged_attention(
-            q, k, v, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, layer=layer,
-            sm_scale=scale, sliding_window=sliding_window, kv_splits=splits)
-        return o, (k_cache, v_cache)
+        tp = tp_size()
+        if tp > 1:
+            # The kernel is opaque to XLA's partitioner: run it per device on that device's
+            # heads (tensor parallelism splits q heads and KV heads alike).
+            heads = P(None, TP, None)                               # [T, H, Dh]
+            cache = P(*([None] * (kv[0].ndim - 2)), TP, None)        # [(L,) NB, BS, Hkv, Dh]
+            layer_arg = () if layer is None else (layer,)           # a scanned layer's index is traced
+            fn = jax.shard_map(
+                lambda q, k, v, kv, md, *li: _pallas_attend(q, k, v, kv, li[0] if li else None, md, scale,
+                                                            sliding_window),
+                in_specs=(heads, heads, heads, (cache, cache), P(), *(P() for _ in layer_arg)),
+                out_specs=(heads, (cache, cache)), check_vma=False)
+            return fn(q, k, v, kv, md, *layer_arg)
+        return _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window)
     if backend != "xla":
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_IMPLS)}, got {backend!r}")
+    tp = tp_size()
+    if tp > 1:
+        # Pin the new K/V and the cache to the cache's layout: left to itself, the partitioner
+        # may split replicated KV heads like the query heads they serve and then gather the
+        # whole cache back every step to match the donated layout.
+        axis = kv_heads_axis(k.shape[1], tp)
+        k, v = (jax.lax.with_sharding_constraint(a, P(None, axis, None)) for a in (k, v))   # [T, Hkv, Dh]
+        kv = write_kv(kv, layer, md.slot_mapping, k, v)
+        cache = P(*([None] * (kv[0].ndim - 2)), axis, None)
+        kv = tuple(jax.lax.with_sharding_constraint(c, cache) for c in kv)
+        return paged_attention_xla(q, kv, layer, md, scale=scale, sliding_window=sliding_window), kv
     kv = write_kv(kv, layer, md.slot_mapping, k, v)
     return paged_attention_xla(q, kv, layer, md, scale=scale, sliding_window=sliding_window), kv

@@ -13,6 +13,8 @@ from jaxllm.errors import ModelLoadError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -47,6 +49,16 @@ class ArchConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    num_experts: int = 0
+    """Routed experts per layer; 0: a dense SwiGLU MLP of ``intermediate_size`` in every layer.
+    Otherwise every layer's MLP is a sparse MoE block (``layers/moe.py``)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k of the router's softmax)."""
+    moe_intermediate_size: int = 0
+    """Hidden width F of each expert (Qwen3-MoE's ``moe_intermediate_size``; Mixtral's
+    ``intermediate_size``)."""
+    norm_topk_prob: bool = False
+    """Renormalise the k routing weights to sum to 1 (Qwen3-MoE's flag; Mixtral: always)."""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -54,6 +66,11 @@ class ArchConfig:
                                  f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                                 f"num_experts ({self.num_experts})")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ModelLoadError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
 
     @property
     def q_size(self) -> int:
@@ -63,9 +80,18 @@ class ArchConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
     def num_params(self) -> int:
+        """All parameters (for MoE: every expert, not only the k a token activates)."""
+        if self.is_moe:
+            mlp = self.num_experts * (self.hidden_size + 3 * self.hidden_size * self.moe_intermediate_size)
+        else:
+            mlp = 3 * self.hidden_size * self.intermediate_size
         per_layer = (self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-                     + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size)
+                     + mlp + 2 * self.hidden_size)
         if self.qkv_bias:
             per_layer += self.q_size + 2 * self.kv_size
         if self.o_bias:
@@ -140,10 +166,12 @@ def arch_config_from_hf(hf, where: str) -> ArchConfig:
     head_dim = get("head_dim") or hidden // heads
     # Qwen2 always has q/k/v biases and never an output bias; Llama and Qwen3 put
     # ``attention_bias`` on all four projections; Mistral has none.
-    bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and bool(get("attention_bias", default=False))
+    bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and bool(
+        get("attention_bias", default=False))
     sliding = None
     if get("use_sliding_window", default=True) and get("sliding_window") is not None:
         sliding = int(get("sliding_window"))
+    moe = _moe_fields(arch, get, where) if arch in MOE_ARCHITECTURES else {}
     return ArchConfig(
         architecture=arch,
         vocab_size=int(get("vocab_size")),
@@ -160,8 +188,49 @@ def arch_config_from_hf(hf, where: str) -> ArchConfig:
         tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
         qkv_bias=arch == "Qwen2ForCausalLM" or bias,
         o_bias=bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_window=sliding,
         bos_token_id=get("bos_token_id"),
         eos_token_ids=_eos_tuple(get("eos_token_id")),
+        **moe,
     )
+
+
+def _moe_fields(arch: str, get, where: str) -> dict:
+    """The MoE fields of a Qwen3-MoE or Mixtral config; refuses variants we do not implement.
+
+    transformers 5 saves ``num_local_experts`` for both (``num_experts`` is an alias on
+    Qwen3-MoE's config class, and older Qwen3-MoE configs spell it so)."""
+    num_experts = int(get("num_local_experts", "num_experts", default=0))
+    top_k = int(get("num_experts_per_tok", default=0))
+    unsupported = {
+        # field: (value, what the implementation assumes)
+        "shared_expert_intermediate_size": (get("shared_expert_intermediate_size", default=0), 0),
+        "n_shared_experts": (get("n_shared_experts", default=0), 0),
+        "num_shared_experts": (get("num_shared_experts", default=0), 0),
+        "first_k_dense_replace": (get("first_k_dense_replace", default=0), 0),
+        "moe_layer_freq": (get("moe_layer_freq", default=1), 1),
+        "routed_scaling_factor": (get("routed_scaling_factor", default=1.0), 1.0),
+        "scoring_func": (get("scoring_func", default="softmax"), "softmax"),
+        "topk_method": (get("topk_method", default="greedy"), "greedy"),
+        "n_group": (get("n_group", default=1), 1),
+        "topk_group": (get("topk_group", default=1), 1),
+    }
+    if arch == "Qwen3MoeForCausalLM":
+        if num_experts == 0:
+            return {}   # transformers then builds a dense MLP in every layer: the dense path
+        unsupported["decoder_sparse_step"] = (get("decoder_sparse_step", default=1), 1)
+        unsupported["mlp_only_layers"] = (list(get("mlp_only_layers", default=[]) or []), [])
+        inter = int(get("moe_intermediate_size", default=0))
+        renorm = bool(get("norm_topk_prob", default=False))
+    else:
+        if num_experts == 0:
+            raise ModelLoadError(f"{where}: num_local_experts must be positive for {arch}")
+        inter = int(get("intermediate_size"))
+        renorm = True   # MixtralTopKRouter always renormalises the top-k weights
+    for name, (value, supported) in unsupported.items():
+        if value != supported:
+            raise ModelLoadError(f"{where}: {name}={value!r} is not supported for {arch} "
+                                 f"(only {supported!r}: every layer a routed-experts block, softmax top-k routing)")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
+                norm_topk_prob=renorm)

@@ -87,6 +87,95 @@ _HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "
                     "lm_head.weight": "lm_head"}
 
 
+# Mixture-of-experts MLPs.  Checkpoints on the Hub (and transformers 5.24's save_pretrained,
+# which converts back on save) hold one 2-D tensor per expert; transformers 5 models hold
+# fused 3-D ones in memory (``mlp.experts.gate_up_proj`` [E, 2F, D] with gate rows first,
+# ``mlp.experts.down_proj`` [E, D, F]), which other writers may save as such.  Both load.
+_HF_EXPERT_KINDS = {
+    # architecture: (router tensor suffixes, per-expert regex, {projection: our name})
+    "Qwen3MoeForCausalLM": (
+        ("mlp.gate.weight",),
+        re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"),
+        {"gate_proj": "experts_gate", "up_proj": "experts_up", "down_proj": "experts_down"}),
+    "MixtralForCausalLM": (
+        ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
+        re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2)\.weight$"),
+        {"w1": "experts_gate", "w3": "experts_up", "w2": "experts_down"}),
+}
+_HF_FUSED_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+def _hf_expert_name(arch: ArchConfig, layer: int, ours: str, expert: int = 0) -> str:
+    """The per-expert tensor name a Hub checkpoint of ``arch`` uses."""
+    if ours == "router":
+        return f"model.layers.{layer}." + _HF_EXPERT_KINDS[arch.architecture][0][0]
+    proj = {v: k for k, v in _HF_EXPERT_KINDS[arch.architecture][2].items()}[ours]
+    prefix = "block_sparse_moe" if arch.architecture == "MixtralForCausalLM" else "mlp"
+    return f"model.layers.{layer}.{prefix}.experts.{expert}.{proj}.weight"
+
+
+def _gather_hf_experts(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], where: str):
+    """Takes the router and expert tensors out of ``tensors`` and stacks them per layer.
+
+    Returns ``{(layer, ours): (array, source name)}`` for ``router`` and ``experts_*``.  A
+    tensor for an expert, layer or projection that does not exist, a wrong shape, a tensor
+    given twice (per-expert and fused) or an expert missing from a layer fails, naming it."""
+    routers, per_expert, projections = _HF_EXPERT_KINDS[arch.architecture]
+    want = layer_param_shapes(arch)
+    E, F = arch.num_experts, arch.moe_intermediate_size
+    out: dict[tuple[int, str], tuple[np.ndarray, str]] = {}
+    experts: dict[tuple[int, str], dict[int, tuple[np.ndarray, str]]] = {}
+
+    def place(layer, ours, arr, name, fname):
+        if (layer, ours) in out:
+            raise ModelLoadError(f"{where}: tensor {name!r} in {fname} gives {ours} of layer {layer} a second "
+                                 f"time (also from {out[layer, ours][1]!r})")
+        out[layer, ours] = (arr, name)
+
+    def check_shape(name, fname, arr, shape):
+        if tuple(arr.shape) != tuple(shape):
+            raise ModelLoadError(f"{where}: tensor {name!r} in {fname} has shape {tuple(arr.shape)}, "
+                                 f"expected {tuple(shape)}")
+
+    for name in list(tensors):
+        m = _HF_LAYER_RE.match(name)
+        if not m:
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        pe, fu = per_expert.match(rest), _HF_FUSED_EXPERTS.match(rest)
+        if rest not in routers and not pe and not fu:
+            continue
+        arr, fname = tensors.pop(name)
+        if layer >= arch.num_layers or (pe and int(pe.group(1)) >= E):
+            raise ModelLoadError(f"{where}: unexpected tensor {name!r} in {fname} (not a parameter of "
+                                 f"{arch.architecture} with {arch.num_layers} layers of {E} experts)")
+        if rest in routers:
+            check_shape(name, fname, arr, want["router"])
+            place(layer, "router", arr, name, fname)
+        elif pe:
+            ours = projections[pe.group(2)]
+            check_shape(name, fname, arr, want[ours][1:])
+            slot = experts.setdefault((layer, ours), {})
+            slot[int(pe.group(1))] = (arr, name)
+        elif fu.group(1) == "gate_up_proj":
+            check_shape(name, fname, arr, (E, 2 * F, arch.hidden_size))
+            place(layer, "experts_gate", arr[:, :F], name, fname)   # transformers: gate, up = chunk(2)
+            place(layer, "experts_up", arr[:, F:], name, fname)
+        else:
+            check_shape(name, fname, arr, want["experts_down"])
+            place(layer, "experts_down", arr, name, fname)
+    for (layer, ours), got in sorted(experts.items()):
+        missing = [e for e in range(E) if e not in got]
+        if missing:
+            raise ModelLoadError(f"{where}: missing tensor {_hf_expert_name(arch, layer, ours, missing[0])!r} "
+                                 f"(layer {layer} has {len(got)} of {E} experts' {ours.split('_')[1]} projections)")
+        if (layer, ours) in out:
+            raise ModelLoadError(f"{where}: tensor {got[0][1]!r} gives {ours} of layer {layer} a second time "
+                                 f"(also from {out[layer, ours][1]!r})")
+        out[layer, ours] = (np.stack([got[e][0] for e in range(E)]), got[0][1])
+    return out
+
+
 def _read_json(path: str) -> dict:
     try:
         with open(path) as f:
@@ -131,7 +220,14 @@ def load_hf_folder(path: str) -> LoadedModel:
         # Non-persistent rotary buffers some old checkpoints saved, and a tied head saved anyway.
         return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and arch.tie_word_embeddings)
 
-    layers, globals_ = _assemble(arch, tensors, map_name, skip, where=path)
+    def file_name(layer, ours):
+        if layer is not None and (ours == "router" or ours.startswith("experts_")):
+            return _hf_expert_name(arch, layer, ours)
+        return _hf_name(layer, ours)
+
+    preplaced = _gather_hf_experts(arch, tensors, path) if arch.is_moe else None
+    layers, globals_ = _assemble(arch, tensors, map_name, skip, where=path, file_name=file_name,
+                                 preplaced=preplaced)
     gen_path = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     return LoadedModel(
@@ -141,12 +237,20 @@ def load_hf_folder(path: str) -> LoadedModel:
 
 
 def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], map_name, skip, where: str,
-              transform=None, file_name=None):
-    """Places every tensor, checking that none is left over and none is missing."""
+              transform=None, file_name=None, preplaced=None):
+    """Places every tensor, checking that none is left over and none is missing.
+
+    ``preplaced``: ``{(layer, ours): (array, source)}`` already assembled (stacked experts),
+    shape-checked here like the rest."""
     want_layer = layer_param_shapes(arch)
     want_global = global_param_shapes(arch)
     layers: list[dict[str, np.ndarray]] = [{} for _ in range(arch.num_layers)]
     globals_: dict[str, np.ndarray] = {}
+    for (layer, ours), (arr, source) in (preplaced or {}).items():
+        if ours not in want_layer or tuple(arr.shape) != tuple(want_layer[ours]):
+            raise ModelLoadError(f"{where}: {ours} of layer {layer} (from {source!r}) has shape "
+                                 f"{tuple(arr.shape)}, expected {want_layer.get(ours)}")
+        layers[layer][ours] = arr
     for name, (arr, fname) in tensors.items():
         if skip(name):
             continue

@@ -1,7 +1,7 @@
 """Architecture registry, keyed by the HF architecture name in ``config.json``.
 
 Each entry names the module that implements the forward; architectures that differ only
-in ``ArchConfig`` flags share one module.
+in ``ArchConfig`` flags share one module.  GGUF loading covers the dense architectures only.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ _REGISTRY: dict[str, ModuleType] = {
     "MistralForCausalLM": llama,
     "Qwen2ForCausalLM": llama,
     "Qwen3ForCausalLM": llama,
+    "Qwen3MoeForCausalLM": llama,   # sparse MoE MLP: layers/moe.py
+    "MixtralForCausalLM": llama,
 }
 
 # GGUF's general.architecture -> HF architecture name.

@@ -1,1 +1,1 @@
-"""parallel."""
+"""Scale-out: the device mesh, logical-axis sharding rules, multi-host start-up."""

@@ -12,6 +12,7 @@ compile guard (fatal in tests).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -21,12 +22,15 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from jaxllm.errors import CompileGuardError
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.models.loader import LoadedModel
 from jaxllm.models.registry import get_model_module
 from jaxllm.outputs import EMPTY_RUNNER_OUTPUT, NewRequestData, RunnerOutput, SampleLogprobs, SchedulerOutput
+from jaxllm.parallel import mesh as pmesh
+from jaxllm.parallel import sharding as psh
 from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner.step import StepInputs, make_step
@@ -67,29 +71,39 @@ class _ReqState:
         return self.sampling.num_logprobs
 
 
-MATRICES = frozenset({"embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down"})
+MATRICES = frozenset({"embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down",
+                      "router", "experts_gate", "experts_up", "experts_down"})
 
 
-def _to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False) -> dict:
-    """Host weights -> device arrays.  ``packed_bf16``: matrices as bf16 bit patterns in
-    uint16 and vectors (norms, biases) as float32 (see layers/storage.py)."""
+def _host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool) -> dict:
+    """Host weights in the device dtype and layout.  ``packed_bf16``: matrices as bf16 bit
+    patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py)."""
     np_dtype = jnp.dtype(dtype)
 
     def conv(name, a):
         a = np.asarray(a)
         if packed_bf16:
-            if name in MATRICES:
-                return jax.device_put(a.astype(jnp.bfloat16).view(np.uint16))
-            return jax.device_put(a.astype(np.float32))
-        return jax.device_put(a.astype(np_dtype))
+            return a.astype(jnp.bfloat16).view(np.uint16) if name in MATRICES else a.astype(np.float32)
+        return a.astype(np_dtype)
 
     params = {k: conv(k, v) for k, v in model.globals.items()}
     if scan_layers:
         params["layers"] = {k: conv(k, np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
     else:
         params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in model.layers]
-    params["rope_inv_freq"] = jax.device_put(model.rope_inv_freq.astype(np.float32))
+    params["rope_inv_freq"] = model.rope_inv_freq.astype(np.float32)
     return params
+
+
+def _to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False,
+                      mesh=None, rules: dict | None = None) -> dict:
+    """Host weights -> device arrays, on ``mesh`` laid out by the sharding ``rules``
+    (parallel/sharding.py); without a mesh, on the default device."""
+    host = _host_params(model, dtype, scan_layers, packed_bf16)
+    if mesh is None:
+        return jax.tree.map(jax.device_put, host)
+    shardings = psh.named(mesh, psh.param_specs(host, rules or {}))
+    return jax.tree.map(pmesh.place, host, shardings)
 
 
 def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, stacked: bool,
@@ -107,7 +121,8 @@ class ModelRunner:
                  matmul_backend: str = "xla", attention_backend: str = "xla", sampler_backend: str = "xla",
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_logprobs: int, strict_compile_guard: bool = False, show_progress: bool = True,
-                 logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False):
+                 logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False,
+                 devices: list | None = None, expert_parallel: bool = False):
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.arch = model.arch
@@ -124,7 +139,13 @@ class ModelRunner:
 
         # XLA:CPU has no bf16 scatter/gather/update kernels: keep bf16 as uint16 bits there.
         self.packed_bf16 = self.dtype == jnp.bfloat16 and jax.default_backend() == "cpu"
-        self.params = _to_device_params(model, self.dtype, scan_layers, self.packed_bf16)
+        # Every array lives on this replica's mesh, laid out by the logical-axis rules; the
+        # steps are compiled (and run) with exactly these shardings.
+        self.mesh = pmesh.make_mesh(devices or jax.devices()[:1])
+        self.tp = self.mesh.devices.size
+        self.rules = psh.rules_for(model.arch, self.tp, expert_parallel)
+        self._rep = pmesh.replicated(self.mesh)
+        self.params = _to_device_params(model, self.dtype, scan_layers, self.packed_bf16, self.mesh, self.rules)
         self.scan_layers = scan_layers
         self.kv = None
         if num_blocks is not None:
@@ -135,11 +156,13 @@ class ModelRunner:
         self.sampler_backend = sampler_backend
         self._step_fn = make_step(self.arch, self.model_module, max_logprobs, matmul_backend,
                                   attention_backend=attention_backend, sampler_backend=sampler_backend,
-                                  logprobs_mode=logprobs_mode, use_fp64_gumbel=use_fp64_gumbel)
+                                  logprobs_mode=logprobs_mode, use_fp64_gumbel=use_fp64_gumbel,
+                                  moe_impl="expert_parallel" if expert_parallel else None)
         # The sampler's per-request device state: one row per running request (assigned by
         # request id, reused once freed) and a last scratch row for padding rows.
         self.vocab_size = a.vocab_size
-        self.sstate = init_state(max_num_seqs + 1, a.vocab_size)
+        self.sstate = jax.tree.map(lambda x: pmesh.place(np.asarray(x), self._rep),
+                                   init_state(max_num_seqs + 1, a.vocab_size))
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._write_bias = None
         self._bias_writes: list[tuple[int, np.ndarray]] = []
@@ -156,10 +179,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sizes
 
-    def _kv_arrays(self, num_blocks: int, make=jnp.zeros):
+    def _kv_arrays(self, num_blocks: int, shapes_only: bool = False):
+        """The (K, V) cache laid out over the mesh (``kv_heads`` split when the rules say so);
+        ``shapes_only``: ShapeDtypeStructs carrying the shardings, nothing allocated."""
         a = self.arch
-        return allocate_kv_cache(a.num_layers, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                                 jnp.uint16 if self.packed_bf16 else self.dtype, stacked=self.scan_layers, make=make)
+        sharding = NamedSharding(self.mesh, psh.kv_spec(self.rules, self.scan_layers))
+        specs = allocate_kv_cache(a.num_layers, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+                                  jnp.uint16 if self.packed_bf16 else self.dtype, stacked=self.scan_layers,
+                                  make=functools.partial(jax.ShapeDtypeStruct, sharding=sharding))
+        if shapes_only:
+            return specs
+        # One program zeroes every layer's K and V; each device allocates only its own shards.
+        return jax.jit(lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), specs),
+                       out_shardings=jax.tree.map(lambda s: s.sharding, specs))()
 
     def allocate_kv(self, num_blocks: int) -> None:
         """Allocates the KV cache (a runner built with ``num_blocks=None`` waits for its size)."""
@@ -169,12 +201,8 @@ class ModelRunner:
     def activation_bytes(self) -> int:
         """The largest step's temporary memory as XLA compiled it (the KV cache, donated and
         updated in place, is not part of it): what ``--gpu-memory-utilization`` sets aside."""
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        kv_spec = self._kv_arrays(2, make=jax.ShapeDtypeStruct)
         T, S = max(self.buckets)
-        lowered = jax.jit(self._step_fn, donate_argnums=(1, 2)).lower(
-            jax.tree.map(spec, self.params), kv_spec, jax.tree.map(spec, self.sstate), self._input_spec(T, S))
-        analysis = lowered.compile().memory_analysis()
+        analysis = self._lower(self._kv_arrays(2, shapes_only=True), T, S).compile().memory_analysis()
         return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
 
     def kv_cache_bytes(self) -> int:
@@ -186,11 +214,24 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ AOT warm-up
 
+    def _lower(self, kv_spec, T: int, S: int):
+        """The step of bucket (T, S), traced under this replica's mesh and lowered with the
+        shardings serving uses: the cache and sampler state keep theirs (donated, in place),
+        everything else is replicated."""
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        kv_shardings = jax.tree.map(lambda x: x.sharding, kv_spec)
+        sstate_spec = jax.tree.map(spec, self.sstate)
+        jitted = jax.jit(self._step_fn, donate_argnums=(1, 2),
+                         out_shardings=(kv_shardings, jax.tree.map(lambda x: x.sharding, sstate_spec),
+                                        self._rep, self._rep))
+        with jax.set_mesh(self.mesh):
+            return jitted.lower(jax.tree.map(spec, self.params), kv_spec, sstate_spec, self._input_spec(T, S))
+
     def _input_spec(self, T: int, S: int) -> StepInputs:
         i32 = jnp.int32
 
         def sds(shape, dt):
-            return jax.ShapeDtypeStruct(shape, dt)
+            return jax.ShapeDtypeStruct(shape, dt, sharding=self._rep)
 
         return StepInputs(
             input_ids=sds((T,), i32),
@@ -206,17 +247,15 @@ class ModelRunner:
         """Compiles the step for every bucket (through the persistent cache)."""
         cc.install_listeners()
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        params_spec = jax.tree.map(spec, self.params)
         kv_spec = jax.tree.map(spec, self.kv)
-        sstate_spec = jax.tree.map(spec, self.sstate)
-        jitted = jax.jit(self._step_fn, donate_argnums=(1, 2))
+        rep = functools.partial(jax.ShapeDtypeStruct, sharding=self._rep)
         bias = self.sstate.bias
-        self._write_bias = jax.jit(write_bias_row, donate_argnums=(0,)).lower(
-            spec(bias), jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((bias.shape[1],), jnp.float32)).compile()
+        self._write_bias = jax.jit(write_bias_row, donate_argnums=(0,), out_shardings=self._rep).lower(
+            spec(bias), rep((), jnp.int32), rep((bias.shape[1],), jnp.float32)).compile()
         V = self.sstate.counts.shape[1]
-        self._write_penalty = jax.jit(write_penalty_row, donate_argnums=(0, 1)).lower(
-            spec(self.sstate.counts), spec(self.sstate.prompt_mask), jax.ShapeDtypeStruct((), jnp.int32),
-            jax.ShapeDtypeStruct((V,), jnp.int32), jax.ShapeDtypeStruct((V,), jnp.bool_)).compile()
+        self._write_penalty = jax.jit(write_penalty_row, donate_argnums=(0, 1), out_shardings=self._rep).lower(
+            spec(self.sstate.counts), spec(self.sstate.prompt_mask), rep((), jnp.int32),
+            rep((V,), jnp.int32), rep((V,), jnp.bool_)).compile()
         t0 = time.perf_counter()
         bar = None
         if self.show_progress:
@@ -225,7 +264,7 @@ class ModelRunner:
 
         def build(bucket):
             T, S = bucket
-            compiled = jitted.lower(params_spec, kv_spec, sstate_spec, self._input_spec(T, S)).compile()
+            compiled = self._lower(kv_spec, T, S).compile()
             if bar is not None:
                 bar.update(1)
             return bucket, compiled
@@ -395,17 +434,22 @@ class ModelRunner:
 
     def _run(self, bucket, inputs: StepInputs):
         """Device part of a step: pending bias rows, then the compiled step; returns host arrays."""
+        put = self._put
         for slot, row in self._bias_writes:
-            bias = self._write_bias(self.sstate.bias, np.int32(slot), row)
+            bias = self._write_bias(self.sstate.bias, put(np.int32(slot)), put(row))
             self.sstate = dataclasses.replace(self.sstate, bias=bias)
         self._bias_writes = []
         for slot, counts_row, mask_row in self._penalty_writes:
-            counts, mask = self._write_penalty(self.sstate.counts, self.sstate.prompt_mask, np.int32(slot),
-                                               counts_row, mask_row)
+            counts, mask = self._write_penalty(self.sstate.counts, self.sstate.prompt_mask, put(np.int32(slot)),
+                                               put(counts_row), put(mask_row))
             self.sstate = dataclasses.replace(self.sstate, counts=counts, prompt_mask=mask)
         self._penalty_writes = []
         self._last_prompt_targets = inputs.prompt_targets
-        dev_inputs = jax.device_put(inputs)
+        dev_inputs = pmesh.place_tree(inputs, self._rep)
         self.kv, self.sstate, out, plp = self._compiled[bucket](self.params, self.kv, self.sstate, dev_inputs)
-        host = jax.device_get((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs))
-        return host, (jax.device_get(plp) if self._plp_plan else None)
+        host = jax.tree.map(pmesh.to_host, (out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids,
+                                            out.top_logprobs))
+        return host, (jax.tree.map(pmesh.to_host, plp) if self._plp_plan else None)
+
+    def _put(self, host) -> jax.Array:
+        return pmesh.place(host, self._rep)

@@ -12,9 +12,11 @@ from types import ModuleType
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.models.config import ArchConfig
+from jaxllm.parallel.mesh import tp_size
 from jaxllm.sample.sampler import SamplerState, SamplingMetadata, prompt_logprobs, sample, update_state
 
 
@@ -30,14 +32,18 @@ class StepInputs:
 
 def make_step(arch: ArchConfig, model: ModuleType, max_logprobs: int, matmul_backend: str = "xla", *,
               attention_backend: str = "xla", sampler_backend: str = "xla",
-              logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False):
+              logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False, moe_impl: str | None = None):
     K = max(max_logprobs, 1)
     kernels = {} if sampler_backend == "xla" else {"kernel_backend": sampler_backend}
 
     def step(params, kv, sstate: SamplerState, inputs: StepInputs):
         hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, matmul_backend,
-                                   attention_backend)   # [T, D]
+                                   attention_backend, moe_impl=moe_impl)   # [T, D]
         logits = model.compute_logits(arch, params, hidden[inputs.logits_indices], matmul_backend)   # [S, V]
+        if tp_size() > 1:
+            # Vocabulary-parallel LM head: gather the (small) logits so the sampler, and its
+            # Pallas reduction, run on whole rows on every device.
+            logits = jax.lax.with_sharding_constraint(logits, P())
         attn = inputs.attn
         sstate = update_state(sstate, inputs.sampling, inputs.input_ids, attn.token_seq, attn.positions,
                               attn.query_start_loc[-1])

@@ -1,0 +1,110 @@
+"""Logical axis names of every parameter and cache array, and the rules that map them to the mesh.
+
+Arrays are described by what their dimensions mean (``q_heads``, ``mlp``, ``vocab`` ...),
+never by mesh axes; :func:`rules_for` decides, per model and parallel configuration,
+which logical axes are split over the ``tp`` mesh axis.  The layout is Megatron's:
+q/k/v, gate/up split by output rows (heads, MLP width) and o/down by input columns, so each
+device computes its heads and its slice of the MLP and one all-reduce per block joins them
+(XLA's SPMD partitioner inserts it).  The embedding and LM head are split over the
+vocabulary; the sampler sees the logits gathered.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxllm.models.config import ArchConfig
+from jaxllm.parallel.mesh import TP
+
+log = logging.getLogger("jaxllm.parallel")
+
+# Parameter name -> logical axes of its dimensions (weights in transformers' [out, in] layout).
+PARAM_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"), "lm_head": ("vocab", "embed"), "final_norm": ("embed",),
+    "rope_inv_freq": ("rotary",),
+    "input_norm": ("embed",), "post_norm": ("embed",),
+    "q": ("q_heads", "embed"), "k": ("kv_heads", "embed"), "v": ("kv_heads", "embed"), "o": ("embed", "q_heads"),
+    "q_bias": ("q_heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",), "o_bias": ("embed",),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
+    "gate": ("mlp", "embed"), "up": ("mlp", "embed"), "down": ("embed", "mlp"),
+    "router": ("expert_logits", "embed"),
+    "experts_gate": ("expert", "moe_mlp", "embed"), "experts_up": ("expert", "moe_mlp", "embed"),
+    "experts_down": ("expert", "embed", "moe_mlp"),
+}
+KV_AXES = ("kv_blocks", "block", "kv_heads", "head_dim")   # one layer's K or V
+LAYERS = "layers"
+
+
+def kv_heads_axis(num_kv_heads: int, tp: int) -> str | None:
+    """KV heads are split when they divide evenly, else replicated: every device keeps all
+    of them (fewer KV heads than devices; vLLM's rule)."""
+    return TP if num_kv_heads % tp == 0 else None
+
+
+def rules_for(arch: ArchConfig, tp: int, expert_parallel: bool = False) -> dict[str, str | None]:
+    """Logical axis -> mesh axis (or None: replicated) for ``arch`` on a ``tp``-way mesh.
+
+    Heads must divide evenly; KV heads are replicated when there are fewer of them than
+    shards (vLLM's rule); the vocabulary and MLP width are replicated, with a log line,
+    when ``tp`` does not divide them."""
+    if tp == 1:
+        return {}
+    flag = "--tensor-parallel-size"
+    if arch.num_heads % tp:
+        raise ValueError(f"{flag} {tp} must divide the number of attention heads ({arch.num_heads})")
+    rules: dict[str, str | None] = {"q_heads": TP}
+    if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
+        raise ValueError(f"{flag} {tp} and the number of KV heads ({arch.num_kv_heads}) must divide one another")
+    rules["kv_heads"] = kv_heads_axis(arch.num_kv_heads, tp)
+    for axis, size in (("vocab", arch.vocab_size), ("mlp", arch.intermediate_size)):
+        rules[axis] = TP if size % tp == 0 else None
+        if size % tp:
+            log.info("%s (%d) is not a multiple of %s %d: replicated", axis, size, flag, tp)
+    num_experts = getattr(arch, "num_experts", 0)
+    if num_experts:
+        moe_f = getattr(arch, "moe_intermediate_size", 0) or arch.intermediate_size
+        if expert_parallel:
+            if num_experts % tp:
+                raise ValueError(f"--enable-expert-parallel: {flag} {tp} must divide the number of experts "
+                                 f"({num_experts})")
+            rules["expert"] = TP
+        else:
+            rules["moe_mlp"] = TP if moe_f % tp == 0 else None
+    elif expert_parallel:
+        raise ValueError(f"--enable-expert-parallel: {arch.architecture} has no experts")
+    return rules
+
+
+def spec(axes: tuple[str, ...], rules: dict[str, str | None]) -> P:
+    return P(*(rules.get(a) for a in axes))
+
+
+def param_specs(params: dict, rules: dict[str, str | None]) -> dict:
+    """A PartitionSpec for every leaf of a params tree (globals, and layers stacked or listed)."""
+    def one(name: str, ndim: int, stacked: bool) -> P:
+        if name not in PARAM_AXES:
+            raise KeyError(f"no logical axes for parameter {name!r} (add it to parallel/sharding.py)")
+        axes = ((LAYERS,) if stacked else ()) + PARAM_AXES[name]
+        if len(axes) != ndim:
+            raise ValueError(f"parameter {name!r}: {ndim} dims, logical axes {axes}")
+        return spec(axes, rules)
+
+    out = {k: one(k, v.ndim, False) for k, v in params.items() if k != "layers"}
+    layers = params["layers"]
+    if isinstance(layers, dict):
+        out["layers"] = {k: one(k, v.ndim, True) for k, v in layers.items()}
+    else:
+        out["layers"] = [{k: one(k, v.ndim, False) for k, v in lp.items()} for lp in layers]
+    return out
+
+
+def kv_spec(rules: dict[str, str | None], stacked: bool) -> P:
+    return spec(((LAYERS,) if stacked else ()) + KV_AXES, rules)
+
+
+def named(mesh: Mesh, specs):
+    """PartitionSpec tree -> NamedSharding tree."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))

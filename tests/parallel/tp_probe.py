@@ -1,0 +1,140 @@
+"""Runs every tiny checkpoint sharded over 1, 2 and 4 simulated CPU devices; writes what it saw.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tp_probe.py CKPT_ROOT OUT.npz
+
+Run in its own process by test_tensor_parallel.py: the device count must be set before
+JAX starts, and the rest of the suite runs on one device.  For each variant and mesh size
+(and expert parallelism for MoE checkpoints): the prompt's logits through the paged cache
+32 greedy tokens decoded one step at a time, the shard shapes the
+weights and cache really have, and whether the compiled forward communicates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxllm.layers.attention import AttentionMetadata
+from jaxllm.models import llama
+from jaxllm.models.loader import load_model
+from jaxllm.parallel import mesh as pmesh
+from jaxllm.parallel import sharding as psh
+from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
+
+BLOCK = 8
+PROMPT = np.random.default_rng(1).integers(3, 5000, size=24).astype(np.int32)
+STEPS = 32
+
+
+def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = "xla") -> dict:
+    model = load_model(path)
+    arch = model.arch
+    mesh = pmesh.make_mesh(jax.devices()[:tp])
+    rules = psh.rules_for(arch, tp, expert_parallel)
+    params = _to_device_params(model, jnp.float32, scan, False, mesh, rules)
+    total = len(PROMPT) + STEPS
+    nb = -(-total // BLOCK)
+    table = np.random.default_rng(0).permutation(nb + 3)[:nb].astype(np.int32)   # pages out of order
+    kv_sh = NamedSharding(mesh, psh.kv_spec(rules, scan))
+    kv = allocate_kv_cache(arch.num_layers, nb + 3, BLOCK, arch.num_kv_heads, arch.head_dim, jnp.float32, scan,
+                           make=lambda s, d: jax.device_put(jnp.zeros(s, d), kv_sh))
+
+    def fwd(p, kv, ids, md):
+        hidden, kv = llama.forward(arch, p, kv, ids, md, attention_backend=attention,
+                                   moe_impl="expert_parallel" if expert_parallel else None)
+        return llama.compute_logits(arch, p, hidden), kv
+
+    rep = pmesh.replicated(mesh)
+    jitted = jax.jit(fwd, donate_argnums=(1,), out_shardings=(rep, jax.tree.map(lambda a: a.sharding, kv)))
+
+    def call(kv, lo, hi, ids):
+        pos = np.arange(lo, hi, dtype=np.int32)
+        md = AttentionMetadata(
+            positions=pos, slot_mapping=(table[pos // BLOCK] * BLOCK + pos % BLOCK).astype(np.int32),
+            token_seq=np.zeros(hi - lo, np.int32), block_tables=table[None, :],
+            seq_lens=np.array([hi], np.int32), query_start_loc=np.array([0, hi - lo], np.int32))
+        args = pmesh.place_tree((np.asarray(ids, np.int32), md), rep)
+        with jax.set_mesh(mesh):
+            return jitted(params, kv, *args)
+
+    # One token per call, prompt included: one compiled shape per run keeps the probe cheap
+    # (chunked prefill under tensor parallelism is what the engine runs below exercise).
+    logits = []
+    for i in range(len(PROMPT)):
+        lg, kv = call(kv, i, i + 1, PROMPT[i:i + 1])
+        logits.append(np.asarray(lg))
+    logits = np.concatenate(logits)
+    tokens = [int(logits[-1].argmax())]
+    for i in range(STEPS - 1):
+        n = len(PROMPT) + i
+        lg, kv = call(kv, n, n + 1, [tokens[-1]])
+        tokens.append(int(np.asarray(lg)[0].argmax()))
+    hlo = ""
+    with jax.set_mesh(mesh):
+        hlo = "" if tp == 1 else jitted.lower(params, kv, *pmesh.place_tree((np.zeros(1, np.int32), AttentionMetadata(
+            positions=np.zeros(1, np.int32), slot_mapping=np.zeros(1, np.int32), token_seq=np.zeros(1, np.int32),
+            block_tables=table[None, :], seq_lens=np.ones(1, np.int32),
+            query_start_loc=np.array([0, 1], np.int32))), rep)).compile().as_text()
+    layers = params["layers"]
+    lp = {k: v for k, v in (layers.items() if isinstance(layers, dict) else layers[0].items())}
+    shards = {k: list(v.addressable_shards[0].data.shape) for k, v in lp.items()}
+    shards["embed"] = list(params["embed"].addressable_shards[0].data.shape)
+    shards["kv"] = list(jax.tree.leaves(kv)[0].addressable_shards[0].data.shape)
+    # Result shapes of every all-gather: what the partitioner had to assemble whole.
+    gathered = sorted({m.group(1) for m in re.finditer(r"= \w+\[([\d,]*)\][^=]*? all-gather\(", hlo)})
+    return {"logits": logits, "tokens": tokens, "shards": shards,
+            "all_reduce": "all-reduce" in hlo, "all_gathers": [[int(d) for d in g.split(",") if d] for g in gathered]}
+
+
+def engine_tokens(path: str, tp: int, ep: bool = False) -> list[int]:
+    """The whole serving path (sharded AOT warm-up, donated sharded cache, sampler) at ``tp``."""
+    from jaxllm import LLM, SamplingParams
+    llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=tp, enable_expert_parallel=ep, max_num_seqs=1, max_num_batched_tokens=4,
+              max_model_len=64, dtype="float32", scan_layers=True, strict_compile_guard=True, show_progress=False)
+    out = llm.generate([{"prompt_token_ids": PROMPT.tolist()}],
+                       SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def main():
+    from jaxllm.config import default_cache_dir
+    from jaxllm.runner import compile as cc
+    cc.enable_persistent_cache(os.path.join(default_cache_dir(), "xla"))
+    root, out = sys.argv[1], sys.argv[2]
+    arrays, meta = {}, {}
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        moe = "num_experts" in json.load(open(os.path.join(path, "config.json"))) or \
+            "num_local_experts" in json.load(open(os.path.join(path, "config.json")))
+        runs = [(tp, False) for tp in (1, 2, 4)] + ([(2, True), (4, True)] if moe else [])
+        for tp, ep in runs:
+            key = f"{name}/tp{tp}{'/ep' if ep else ''}"
+            try:
+                r = run(path, tp, ep, scan=name != "llama_gqa_untied")
+            except ValueError as e:       # a configuration the rules refuse, reported as such
+                meta[key] = {"error": str(e)}
+                continue
+            arrays[key] = r.pop("logits")
+            meta[key] = r
+            print(key, r["tokens"][:6], r["shards"].get("q"), flush=True)
+    r = run(os.path.join(root, "llama_gqa_untied"), 2, False, scan=True, attention="pallas")
+    arrays["llama_gqa_untied/tp2/pallas"] = r.pop("logits")
+    meta["llama_gqa_untied/tp2/pallas"] = r
+    for name, tp, ep in (("llama_gqa_untied", 2, False), ("llama3_rope_tied", 4, False), ("qwen3_moe", 2, True)):
+        key = f"engine/{name}/tp{tp}{'/ep' if ep else ''}"
+        meta[key] = {"tokens": engine_tokens(os.path.join(root, name), tp, ep)}
+        print(key, meta[key]["tokens"][:6], flush=True)
+    np.savez(out, **arrays)
+    with open(out + ".json", "w") as f:
+        json.dump(meta, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,314 @@
+"""``jaxllm serve --data-parallel-size N``: N engine replicas behind one server.
+
+The routing rule (least unfinished requests, ties to the lowest index, every request's slot
+given back however it ends) is tested on the real ``DataParallelEngine`` over fake replicas,
+without a device.  The end-to-end test starts ``jaxllm serve -dp 2`` as a user would, sends
+concurrent greedy completions, checks each equals the single engine's output and that both
+replicas served (``jaxllm:request_success_total{engine="0"|"1"}`` in /metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from jaxllm.engine.async_engine import FinishedRequestStats, IterationStats, RequestStream, _Abort
+from jaxllm.engine.dp_engine import DataParallelEngine
+from jaxllm.engine.llm_engine import EngineStats
+from jaxllm.errors import EngineDeadError
+from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ---------------------------------------------------------------------------- fake replicas
+
+
+class FakeReplica:
+    """What DataParallelEngine uses of an AsyncEngine; the test drives each request's queue."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.stats_sink = None
+        self.dead: str | None = None
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.aborted: list[str] = []
+        """Ids aborted through the engine (``abort``)."""
+        self.stream_aborted: list[str] = []
+        """Ids aborted through their stream (``RequestStream.abort``)."""
+        self.aborted_all = 0
+
+    def check_health(self):
+        if self.dead:
+            raise EngineDeadError(self.dead)
+
+    @property
+    def error(self):
+        return RuntimeError(self.dead) if self.dead else None
+
+    def add_request(self, request_id, prompt, params, *, priority=0):
+        if prompt == "bad":
+            raise ValueError("bad prompt")
+        q = self.queues[request_id] = asyncio.Queue()
+        return RequestStream(self, request_id, q)
+
+    def _submit(self, cmd):  # RequestStream.abort
+        assert isinstance(cmd, _Abort)
+        self.stream_aborted.append(cmd.request_id)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def abort_all(self):
+        self.aborted_all += 1
+
+    def stats(self):
+        i = self.index
+        return EngineStats(num_running=i, num_waiting=2 * i, num_free_blocks=10 + i, num_blocks=20,
+                           num_preemptions=i, running_request_ids=frozenset({f"r{i}"}),
+                           prefix_cache_queries=100 * i, prefix_cache_hits=10 * i)
+
+    def send(self, request_id, item):
+        self.queues[request_id].put_nowait(item)
+
+
+def output(request_id: str, finished: bool) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt="p", prompt_token_ids=[1], prompt_logprobs=None,
+                         outputs=[CompletionOutput(index=0, text="x", token_ids=[7], cumulative_logprob=None,
+                                                   logprobs=None, finish_reason="length" if finished else None)],
+                         finished=finished)
+
+
+def make_dp(n: int = 3):
+    replicas = [FakeReplica(i) for i in range(n)]
+    return DataParallelEngine(replicas), replicas
+
+
+def owner(replicas, request_id) -> int:
+    return next(r.index for r in replicas if request_id in r.queues)
+
+
+def test_least_loaded_routing_and_every_way_a_request_ends():
+    async def main():
+        dp, reps = make_dp(3)
+        sp = SamplingParams(max_tokens=4)
+        s = {rid: dp.add_request(rid, "p", sp) for rid in ("a", "b", "c", "d")}
+        # Empty replicas fill from the lowest index; on a tie the lowest index wins again.
+        assert [owner(reps, rid) for rid in "abcd"] == [0, 1, 2, 0]
+        assert dp.loads() == [2, 1, 1]
+
+        # Finish: the slot is free once the stream has delivered its final output.
+        reps[1].send("b", output("b", finished=False))
+        reps[1].send("b", output("b", finished=True))
+        assert [o.finished async for o in s["b"]] == [False, True]
+        assert dp.loads() == [2, 0, 1]
+        s["e"] = dp.add_request("e", "p", sp)
+        assert owner(reps, "e") == 1 and dp.loads() == [2, 1, 1]
+
+        # Abort through the server (begin_shutdown): the owning replica gets it, the slot is free
+        # at once, and the stream's own abort afterwards releases nothing twice.
+        dp.abort("a")
+        assert reps[0].aborted == ["a"] and dp.loads() == [1, 1, 1]
+        s["a"].abort()
+        dp.abort("a")  # ended already: a no-op
+        assert reps[0].aborted == ["a"] and dp.loads() == [1, 1, 1]
+
+        # Abort through the stream (what `async with` does when a handler leaves early).
+        s["c"].abort()
+        assert reps[2].stream_aborted == ["c"] and dp.loads() == [1, 1, 0]
+
+        # Client disconnect: the handler's task is cancelled while it awaits the next output.
+        async def consume(stream):
+            async with stream:
+                async for _ in stream:
+                    pass
+
+        task = asyncio.ensure_future(consume(s["d"]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert reps[0].stream_aborted == ["a", "d"] and dp.loads() == [0, 1, 0]
+
+        # Engine error: the stream raises it and the slot is free.
+        reps[1].send("e", EngineDeadError("boom"))
+        with pytest.raises(EngineDeadError):
+            await s["e"].__anext__()
+        assert dp.loads() == [0, 0, 0]
+
+        # A stream dropped without being closed gives its slot back too.
+        f = dp.add_request("f", "p", sp)
+        assert dp.loads() == [1, 0, 0]
+        del f
+        gc.collect()
+        assert dp.loads() == [0, 0, 0] and reps[0].stream_aborted[-1] == "f"
+
+        # A request the replica refuses holds no slot; ids are unique across replicas while open.
+        with pytest.raises(ValueError, match="bad prompt"):
+            dp.add_request("g", "bad", sp)
+        g = dp.add_request("g", "p", sp)
+        with pytest.raises(ValueError, match="already in use"):
+            dp.add_request("g", "p", sp)
+        assert dp.loads() == [1, 0, 0]
+        reps[0].send("g", output("g", finished=True))
+        assert [o.finished async for o in g] == [True]
+        g2 = dp.add_request("g", "p", sp)  # free again once finished
+        g.abort()  # the old stream cannot release the new request's slot
+        assert dp.loads() == [1, 0, 0]
+
+        dp.abort_all()
+        assert dp.loads() == [0, 0, 0] and all(r.aborted_all == 1 for r in reps)
+        g2.abort()
+        assert dp.loads() == [0, 0, 0]
+
+    asyncio.run(main())
+
+
+def test_health_stats_and_per_replica_metrics():
+    from serve.metrics import Metrics
+
+    dp, reps = make_dp(3)
+    s = dp.stats()
+    assert (s.num_running, s.num_waiting, s.num_free_blocks, s.num_blocks, s.num_preemptions) == (3, 6, 33, 60, 3)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (300, 30)
+    assert s.running_request_ids == {"r0", "r1", "r2"}
+    assert [x.num_running for x in dp.replica_stats()] == [0, 1, 2]
+
+    dp.check_health()
+    reps[1].dead = "the engine failed and stopped: boom"
+    with pytest.raises(EngineDeadError, match="replica 1 of 3.*boom"):
+        dp.check_health()
+    with pytest.raises(EngineDeadError, match="replica 1 of 3"):
+        asyncio.run(_add(dp))
+    assert dp.loads() == [0, 0, 0] and str(dp.error) == reps[1].dead
+
+    # The sink set on the DP engine reaches every replica, each recording under its own label.
+    metrics = Metrics("m")
+    dp.stats_sink = metrics
+    assert dp.stats_sink is metrics
+    fin = FinishedRequestStats("x", "length", 3, 4, 0.5, 0.1)
+    for i in (1, 2, 2):
+        reps[i].stats_sink.record(IterationStats(engine=reps[i].stats(), num_prompt_tokens=3,
+                                                 num_generation_tokens=4, time_to_first_token=(0.1,),
+                                                 inter_token_latency=(), finished=(fin,)))
+    assert [metrics.finished_count("length", engine=i) for i in range(3)] == [0, 1, 2]
+    assert metrics.finished_count("length") == 3
+    text = metrics.render().decode()
+    assert 'jaxllm:num_requests_running{engine="2",model_name="m"} 2.0' in text
+    assert 'jaxllm:prefix_cache_queries_total{engine="1",model_name="m"} 100.0' in text
+    dp.stats_sink = None
+    assert all(r.stats_sink is None for r in reps)
+
+
+async def _add(dp):
+    return dp.add_request("z", "p", SamplingParams())
+
+
+def test_offline_llm_refuses_data_parallel():
+    from jaxllm import LLM
+    with pytest.raises(ValueError, match=r"jaxllm serve -dp"):
+        LLM(data_parallel_size=2)
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SERVE_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256",
+               "--dtype", "float32"]  # = tests/conftest.py SMALL_ENGINE, as the tiny_llm reference uses
+
+
+def test_bad_data_parallel_size_exits_2(tiny_llama):
+    r = subprocess.run([sys.executable, "-m", "jaxllm.cli", "serve", tiny_llama, "-dp", "0"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "--data-parallel-size" in r.stderr
+
+
+def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, tiny_llm):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "jaxllm.cli", "serve", tiny_llama, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "tiny", "--data-parallel-size", "2", *SERVE_FLAGS]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    base = f"http://127.0.0.1:{port}"
+
+    # The reference, computed while the server starts: the single shared engine, greedy.
+    n = 8
+    prompts = [[11 + i, 40 + 3 * i, 7, 300 + i] * (1 + i % 3) for i in range(n)]
+    max_tokens = 48  # long enough that the concurrent requests overlap
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
+                                                             use_tqdm=False)]
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, "".join(lines)
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up:\n" + "".join(lines)
+            time.sleep(0.2)
+
+        results: list = [None] * n
+        barrier = threading.Barrier(n)
+
+        def one(i):
+            with httpx.Client(base_url=base, timeout=120) as c:
+                barrier.wait()
+                r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompts[i], "max_tokens": max_tokens,
+                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+                results[i] = r
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        for i, r in enumerate(results):
+            assert r is not None and r.status_code == 200, (i, r and r.text)
+            assert r.json()["choices"][0]["token_ids"] == ref[i], f"prompt {i} differs from the single engine"
+
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        served = {}
+        for m in re.finditer(r'^jaxllm:request_success_total\{(.*)\} (\S+)$', metrics, re.M):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+            if labels["finished_reason"] == "length":
+                served[labels["engine"]] = float(m.group(2))
+        assert sum(served.values()) == n, metrics
+        assert served.get("0", 0) > 0 and served.get("1", 0) > 0, f"requests per replica: {served}"
+        for g in ("jaxllm:num_requests_running", "jaxllm:num_requests_waiting"):
+            vals = re.findall(rf'^{g}\{{.*\}} (\S+)$', metrics, re.M)
+            assert len(vals) == 2 and all(float(v) == 0 for v in vals), (g, vals)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        reader.join(5)
+    log = "".join(lines)
+    assert "data parallel: 2 replicas" in log, log
+    assert proc.returncode == 0, log
