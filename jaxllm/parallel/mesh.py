@@ -65,7 +65,10 @@ def place_tree(tree, sharding):
     return jax.tree.map(lambda a: place(a, sharding), tree)
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """A replicated device array -> numpy, from this process's own copy (works across hosts,
-    where ``jax.device_get`` refuses arrays that span other processes' devices)."""
-    return np.asarray(x.addressable_data(0))
+def to_host(tree):
+    """Replicated device arrays (a pytree) -> numpy.  Across hosts each process reads its own
+    copy (``jax.device_get`` refuses arrays that span other processes' devices); on one host,
+    one batched ``device_get``."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), tree)

@@ -447,9 +447,8 @@ class ModelRunner:
         self._last_prompt_targets = inputs.prompt_targets
         dev_inputs = pmesh.place_tree(inputs, self._rep)
         self.kv, self.sstate, out, plp = self._compiled[bucket](self.params, self.kv, self.sstate, dev_inputs)
-        host = jax.tree.map(pmesh.to_host, (out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids,
-                                            out.top_logprobs))
-        return host, (jax.tree.map(pmesh.to_host, plp) if self._plp_plan else None)
+        host = pmesh.to_host((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs))
+        return host, (pmesh.to_host(plp) if self._plp_plan else None)
 
     def _put(self, host) -> jax.Array:
         return pmesh.place(host, self._rep)
