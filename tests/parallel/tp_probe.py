@@ -116,8 +116,8 @@ def main():
         if name in NOT_SWEPT:
             continue
         path = os.path.join(root, name)
-        moe = "num_experts" in json.load(open(os.path.join(path, "config.json"))) or \
-            "num_local_experts" in json.load(open(os.path.join(path, "config.json")))
+        with open(os.path.join(path, "config.json")) as f:
+            moe = bool({"num_experts", "num_local_experts"} & set(json.load(f)))
         runs = [(tp, False) for tp in (1, 2, 4)] + ([(2, True), (4, True)] if moe else [])
         for tp, ep in runs:
             key = f"{name}/tp{tp}{'/ep' if ep else ''}"

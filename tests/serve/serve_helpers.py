@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -82,6 +84,27 @@ def make_engine(path, **overrides):
     from jaxllm.engine.llm_engine import LLMEngine
 
     return AsyncEngine(LLMEngine(EngineConfig.from_kwargs(model=path, **{**SERVE_ENGINE, **overrides})))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(proc, base: str, lines: list[str], timeout: float) -> None:
+    """Polls ``base``/health until the server subprocess ``proc`` answers 200; fails with its
+    output (``lines``, filled by a reader thread) if it exits or ``timeout`` s pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, "".join(lines)
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up:\n" + "".join(lines)
+        time.sleep(0.2)
 
 
 def wait_until(cond, timeout: float = 20.0, what: str = "condition"):

@@ -13,11 +13,9 @@ import asyncio
 import gc
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -28,6 +26,9 @@ from jaxllm.engine.llm_engine import EngineStats
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
+
+pytest.register_assert_rewrite("serve_helpers")  # before its import, so its asserts show values
+from serve_helpers import free_port, wait_for_health  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -224,11 +225,6 @@ def test_offline_llm_refuses_data_parallel():
 # ---------------------------------------------------------------------------- end to end
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # Fewer buckets than the tiny_llm reference's SMALL_ENGINE (each replica compiles its own):
 # greedy outputs do not depend on batching (tests/engine/test_batching.py).
@@ -244,7 +240,7 @@ def test_bad_data_parallel_size_exits_2(tiny_llama):
 
 
 def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, tiny_llm):
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "jaxllm.cli", "serve", tiny_llama, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "tiny", "--data-parallel-size", "2", *SERVE_FLAGS]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -261,16 +257,7 @@ def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, 
     ref = [o.outputs[0].token_ids for o in tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                                              use_tqdm=False)]
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, "".join(lines)
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up:\n" + "".join(lines)
-            time.sleep(0.2)
+        wait_for_health(proc, base, lines, timeout=240)
 
         results: list = [None] * n
         barrier = threading.Barrier(n)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ import pytest
 
 pytest.register_assert_rewrite("serve_helpers")  # before its import, so its asserts show values
 
-from serve_helpers import parse_sse  # noqa: E402
+from serve_helpers import free_port, parse_sse, wait_for_health  # noqa: E402
 
 from jaxllm.sampling_params import SamplingParams  # noqa: E402
 from serve.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
@@ -68,11 +67,6 @@ def test_generation_defaults_follow_vllms_precedence(tmp_path):
     assert validate_defaults({"repetition_penalty": 1.1, "temperature": 0.7}, refuse_penalties) == {"temperature": 0.7}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_cli_serve_defaults_api_key_and_graceful_sigterm(tiny_llama, tmp_path):
     ckpt = tmp_path / "ckpt"
@@ -82,7 +76,7 @@ def test_cli_serve_defaults_api_key_and_graceful_sigterm(tiny_llama, tmp_path):
             os.symlink(os.path.join(tiny_llama, f), ckpt / f)
     (ckpt / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.0, "max_new_tokens": 200}))
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "JAXLLM_API_KEY": "k3y"}
     cmd = [sys.executable, "-m", "jaxllm.cli", "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "cli-model", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
@@ -94,16 +88,7 @@ def test_cli_serve_defaults_api_key_and_graceful_sigterm(tiny_llama, tmp_path):
     base = f"http://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer k3y"}
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, "".join(lines)
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up:\n" + "".join(lines)
-            time.sleep(0.2)
+        wait_for_health(proc, base, lines, timeout=180)
         with httpx.Client(base_url=base, timeout=60) as c:
             assert c.get("/v1/models").status_code == 401
             assert [m["id"] for m in c.get("/v1/models", headers=auth).json()["data"]] == ["cli-model"]
