@@ -1,7 +1,8 @@
-"""Builds, loads and registers the native CPU matmul (linear.cc) as an XLA FFI target.
+"""Builds, loads and registers the native CPU kernels (``*.cc`` here) as XLA FFI targets.
 
-The shared library is compiled once per source/compiler/flags combination with the
-system C++ compiler and cached under ``~/.cache/jaxllm/kernels``.  ``available()`` is
+Each source is compiled once per source/compiler/flags combination with the system C++
+compiler into its own shared library, cached under ``~/.cache/jaxllm/kernels``.  A source
+is listed in ``_KERNELS`` with the FFI targets it exports.  ``available()`` is
 False (and the XLA dot is used instead) when the CPU lacks AVX2/FMA, no compiler is
 found, or the build fails; the reason is logged once.
 """
@@ -24,7 +25,11 @@ from jaxllm.config import default_cache_dir
 
 log = logging.getLogger("jaxllm.cpu")
 
-_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "linear.cc")
+_DIR = os.path.dirname(os.path.abspath(__file__))
+_KERNELS = {
+    # source: {FFI target name: exported handler symbol}
+    "linear.cc": {"jaxllm_linear_f32": "JaxllmLinearF32", "jaxllm_linear_bf16": "JaxllmLinearBF16"},
+}
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
 _TARGETS = {jnp.dtype(jnp.float32): "jaxllm_linear_f32", jnp.dtype(jnp.uint16): "jaxllm_linear_bf16"}
 _lock = threading.Lock()
@@ -40,26 +45,28 @@ def _cpu_supports() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
-def _build() -> str:
+def _build(source: str) -> str:
+    """Compiles ``source`` (a file name in this folder) once; the path of its shared library."""
+    src_path = os.path.join(_DIR, source)
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) found")
     include = jax.ffi.include_dir()
-    with open(_SRC, "rb") as f:
+    with open(src_path, "rb") as f:
         src = f.read()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     key = hashlib.sha1(src + " ".join(_FLAGS + [version, include]).encode()).hexdigest()[:16]
     out_dir = os.path.join(default_cache_dir(), "kernels")
-    lib = os.path.join(out_dir, f"libjaxllm_linear_{key}.so")
+    lib = os.path.join(out_dir, f"libjaxllm_{os.path.splitext(source)[0]}_{key}.so")
     if os.path.isfile(lib):
         return lib
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    r = subprocess.run([cxx, *_FLAGS, f"-I{include}", _SRC, "-o", tmp], capture_output=True, text=True)
+    r = subprocess.run([cxx, *_FLAGS, f"-I{include}", src_path, "-o", tmp], capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"compiling {_SRC} failed: {r.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"compiling {src_path} failed: {r.stderr.strip()[-2000:]}")
     os.replace(tmp, lib)
     return lib
 
@@ -76,10 +83,13 @@ def available() -> bool:
             reason = "the CPU lacks AVX2/FMA"
         else:
             try:
-                lib = ctypes.cdll.LoadLibrary(_build())
-                jax.ffi.register_ffi_target("jaxllm_linear_f32", jax.ffi.pycapsule(lib.JaxllmLinearF32), platform="cpu")
-                jax.ffi.register_ffi_target("jaxllm_linear_bf16", jax.ffi.pycapsule(lib.JaxllmLinearBF16), platform="cpu")
-                _state["lib"] = lib
+                libs = []
+                for source, targets in _KERNELS.items():
+                    lib = ctypes.cdll.LoadLibrary(_build(source))
+                    for name, symbol in targets.items():
+                        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                    libs.append(lib)
+                _state["libs"] = libs   # kept alive: XLA holds raw pointers into them
                 ok, reason = True, ""
             except (RuntimeError, OSError) as e:
                 reason = str(e)
