@@ -41,7 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "(longest cached prefix first)")
     g.add_argument("--seed", type=int, default=0, help="seed for the seeds of unseeded requests")
     g.add_argument("--attention-backend", default="auto",
-                   help="auto | xla | pallas: paged attention (auto: the Pallas kernel on GPU, XLA elsewhere)")
+                   help="auto | xla | pallas | native: paged attention (auto: the Pallas kernel on GPU; on CPU "
+                        "the native AVX2 kernel when it builds, on one device with unrolled layers; else XLA)")
     g.add_argument("--sampler-backend", default="auto",
                    help="auto | xla | pallas: the sampler's vocabulary reduction (auto: Pallas on GPU)")
     g.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=None,

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_MATMULS = ("auto", "native", "xla")
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas", "native")
+SAMPLER_BACKENDS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
@@ -128,8 +129,9 @@ class RunnerConfig:
     dtype: str = "auto"
     """Weight and activation dtype (``--dtype``): auto = float32 on CPU, bfloat16 elsewhere."""
     attention_backend: str = "auto"
-    """``--attention-backend``: auto (pallas on GPU, xla elsewhere), xla or pallas (on CPU the
-    Pallas kernel runs in interpret mode: for tests, not speed)."""
+    """``--attention-backend``: auto (pallas on GPU; on CPU native when the kernel builds, one
+    device and unrolled layers; xla otherwise), xla, pallas (on CPU the Pallas kernel runs in
+    interpret mode: for tests, not speed) or native (the AVX2 CPU kernel, jaxllm/cpu/attention.cc)."""
     sampler_backend: str = "auto"
     """``--sampler-backend``: the sampler's vocabulary reduction, auto (pallas on GPU unless
     ``--use-fp64-gumbel``, xla elsewhere), xla or pallas."""
@@ -160,9 +162,9 @@ class RunnerConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
-        if self.sampler_backend not in ATTENTION_BACKENDS:
+        if self.sampler_backend not in SAMPLER_BACKENDS:
             raise ValueError(
-                f"--sampler-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.sampler_backend!r}")
+                f"--sampler-backend must be one of {', '.join(SAMPLER_BACKENDS)}, got {self.sampler_backend!r}")
         if self.cpu_matmul not in CPU_MATMULS:
             raise ValueError(f"--cpu-matmul must be one of {', '.join(CPU_MATMULS)}, got {self.cpu_matmul!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

@@ -29,6 +29,8 @@ _DIR = os.path.dirname(os.path.abspath(__file__))
 _KERNELS = {
     # source: {FFI target name: exported handler symbol}
     "linear.cc": {"jaxllm_linear_f32": "JaxllmLinearF32", "jaxllm_linear_bf16": "JaxllmLinearBF16"},
+    "attention.cc": {"jaxllm_paged_attention_f32": "JaxllmPagedAttentionF32",
+                     "jaxllm_paged_attention_bf16": "JaxllmPagedAttentionBF16"},
 }
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
 _TARGETS = {jnp.dtype(jnp.float32): "jaxllm_linear_f32", jnp.dtype(jnp.uint16): "jaxllm_linear_bf16"}
@@ -94,7 +96,7 @@ def available() -> bool:
             except (RuntimeError, OSError) as e:
                 reason = str(e)
         if not ok:
-            log.warning("native CPU matmul unavailable (%s); using XLA's dot", reason)
+            log.warning("native CPU kernels unavailable (%s); using XLA's dot and attention", reason)
         _state["ok"] = ok
         return ok
 

@@ -48,6 +48,37 @@ class ResolvedConfig:
     compile_cache_dir: str
 
 
+def _attention_backend(asked: str, platform: str, dtype: str, tp: int, scan: bool) -> str:
+    """``--attention-backend`` resolved: auto is pallas on a GPU; on CPU the native kernel
+    when it builds, on one device (an opaque custom call does not shard) with unrolled
+    layers (the measured CPU default; a stacked cache works but is not auto-picked) and a
+    float32 or bfloat16 cache; xla otherwise.  An explicit "native" that cannot run is refused."""
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    if asked == "auto":
+        if on_gpu:
+            return "pallas"
+        if platform == "cpu" and tp == 1 and not scan and dtype in ("float32", "bfloat16"):
+            from jaxllm.cpu import native
+            if native.available():
+                return "native"
+        return "xla"
+    if asked == "native":
+        if platform != "cpu":
+            raise ValueError(f"--attention-backend native is a CPU kernel; on {platform} use --attention-backend "
+                             "pallas or xla (auto picks)")
+        if tp > 1:
+            raise ValueError("--attention-backend native does not shard; with --tensor-parallel-size > 1 use "
+                             "--attention-backend xla (auto picks it)")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--attention-backend native takes a float32 or bfloat16 KV cache, not --dtype {dtype}; "
+                             "use --attention-backend xla")
+        from jaxllm.cpu import native
+        if not native.available():
+            raise ValueError("--attention-backend native: the native CPU kernel is unavailable on this machine "
+                             "(see the warning above); use --attention-backend xla")
+    return asked
+
+
 def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     platform = jax.default_backend()
     defaults = platform_defaults(platform)
@@ -55,9 +86,8 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     dtype = defaults["dtype"] if rc.dtype == "auto" else rc.dtype
     on_gpu = platform in ("gpu", "cuda", "rocm")
     tp = config.parallel.tensor_parallel_size
-    backend = rc.attention_backend
-    if backend == "auto":
-        backend = "pallas" if on_gpu else "xla"
+    scan = defaults["scan_layers"] if rc.scan_layers is None else rc.scan_layers
+    backend = _attention_backend(rc.attention_backend, platform, dtype, tp, scan)
     sampler = rc.sampler_backend
     if sampler == "auto":
         sampler = "pallas" if on_gpu and not rc.use_fp64_gumbel else "xla"
@@ -70,7 +100,6 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     if tp > 1 and backend == "pallas" and model.arch.num_kv_heads % tp:
         raise ValueError(f"--attention-backend pallas with --tensor-parallel-size {tp} needs the KV heads "
                          f"({model.arch.num_kv_heads}) to split evenly; use --attention-backend xla")
-    scan = defaults["scan_layers"] if rc.scan_layers is None else rc.scan_layers
     matmul = "xla"
     if tp > 1 and rc.cpu_matmul == "native":
         # The native kernel is an opaque custom call: XLA's partitioner would gather every

@@ -7,8 +7,9 @@ sequence, read through that sequence's block table.  This one rule covers whole 
 prefill chunks that resume from cached KV, and single-token decodes.
 
 ``paged_attention_xla`` is the plain-XLA path, which runs everywhere and is the oracle
-for the Pallas kernel (``jaxllm/pallas/ragged_paged_attention.py``); :func:`attend` picks
-one of the two (``--attention-backend``).
+for the Pallas kernel (``jaxllm/pallas/ragged_paged_attention.py``) and the native CPU
+kernel (``jaxllm/cpu/attention.cc``); :func:`attend` picks one of the three
+(``--attention-backend``).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
     return out.reshape(T, Hq, Dh).astype(q.dtype)
 
 
-ATTENTION_IMPLS = ("xla", "pallas")
+ATTENTION_IMPLS = ("xla", "pallas", "native")
 
 
 def _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window):
@@ -143,8 +144,9 @@ def _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window):
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: AttentionMetadata, *,
            scale: float, sliding_window: int | None, backend: str = "xla") -> tuple[jax.Array, KVCache]:
     """Writes this step's K/V ``[T, Hkv, Dh]`` into the cache and attends: q [T, Hq, Dh] ->
-    ([T, Hq, Dh], cache).  ``backend``: "xla" (scatter + :func:`paged_attention_xla`) or
-    "pallas" (one kernel that does both; interpret mode on CPU)."""
+    ([T, Hq, Dh], cache).  ``backend``: "xla" (scatter + :func:`paged_attention_xla`),
+    "pallas" (one kernel that does both; interpret mode on CPU) or "native" (scatter + the
+    CPU kernel of ``jaxllm/cpu/attention.py``, one device only)."""
     if backend == "pallas":
         tp = tp_size()
         if tp > 1:
@@ -160,6 +162,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
                 out_specs=(heads, (cache, cache)), check_vma=False)
             return fn(q, k, v, kv, md, *layer_arg)
         return _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window)
+    if backend == "native":
+        if tp_size() > 1:
+            # An opaque custom call: the partitioner would gather the whole cache to run it.
+            raise ValueError("--attention-backend native does not shard; with --tensor-parallel-size > 1 use "
+                             "--attention-backend xla")
+        from jaxllm.cpu.attention import paged_attention_native
+        kv = write_kv(kv, layer, md.slot_mapping, k, v)
+        return paged_attention_native(q, kv, layer, md, scale=scale, sliding_window=sliding_window), kv
     if backend != "xla":
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_IMPLS)}, got {backend!r}")
     tp = tp_size()

@@ -68,9 +68,16 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     # (the layer's own are in ``lp``)
     T = x.shape[0]
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-    q = linear(h, lp["q"], lp.get("q_bias"), mm).reshape(T, cfg.num_heads, cfg.head_dim)
-    k = linear(h, lp["k"], lp.get("k_bias"), mm).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(h, lp["v"], lp.get("v_bias"), mm).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    if "qkv" in lp:   # fused projections (runner/model_runner.fuse_projections)
+        qkv = linear(h, lp["qkv"], lp.get("qkv_bias"), mm)              # [T, q_size + 2 * kv_size]
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    else:
+        q = linear(h, lp["q"], lp.get("q_bias"), mm)
+        k = linear(h, lp["k"], lp.get("k_bias"), mm)
+        v = linear(h, lp["v"], lp.get("v_bias"), mm)
+    q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
@@ -86,6 +93,9 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
         x = x + moe_mlp(h, lp["router"], w["experts_gate"], w["experts_up"], w["experts_down"],
                         cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl,
                         layer=layer if experts is not None else None, num_tokens=md.query_start_loc[-1])
+    elif "gate_up" in lp:
+        gate, up = jnp.split(linear(h, lp["gate_up"], backend=mm), 2, axis=-1)   # [T, F] each
+        x = x + linear(jax.nn.silu(gate) * up, lp["down"], backend=mm)
     else:
         x = x + linear(jax.nn.silu(linear(h, lp["gate"], backend=mm)) * linear(h, lp["up"], backend=mm),
                        lp["down"], backend=mm)
@@ -98,7 +108,7 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
     """input_ids [T] -> final hidden states [T, D] and the updated cache.
 
     ``matmul_backend``: "xla" (dot_general) or "native" (the CPU kernel in jaxllm/cpu);
-    ``attention_backend``: "xla" or "pallas" (see ``layers.attention.attend``);
+    ``attention_backend``: "xla", "pallas" or "native" (see ``layers.attention.attend``);
     ``moe_impl``: "grouped" or "dense" for MoE checkpoints (default ``MOE_IMPL``)."""
     moe_impl = moe_impl or MOE_IMPL
     x = params["embed"][input_ids]                                        # [T, D]

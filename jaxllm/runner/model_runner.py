@@ -72,12 +72,28 @@ class _ReqState:
 
 
 MATRICES = frozenset({"embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down",
-                      "router", "experts_gate", "experts_up", "experts_down"})
+                      "router", "experts_gate", "experts_up", "experts_down", "qkv", "gate_up"})
 
 
-def _host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool) -> dict:
+def fuse_projections(layer: dict) -> dict:
+    """One layer's q, k, v (and biases) as one ``qkv`` matrix and gate, up as one ``gate_up``
+    (rows concatenated, ``[out, in]`` layout kept; models/llama.py splits the products).
+
+    For the native CPU matmul: 4 calls per layer instead of 7, each a longer stream of rows
+    (every call pays a thread-pool round trip and a cold start of the prefetcher)."""
+    out = dict(layer)
+    out["qkv"] = np.concatenate([out.pop("q"), out.pop("k"), out.pop("v")])
+    if "q_bias" in out:
+        out["qkv_bias"] = np.concatenate([out.pop("q_bias"), out.pop("k_bias"), out.pop("v_bias")])
+    if "gate" in out:
+        out["gate_up"] = np.concatenate([out.pop("gate"), out.pop("up")])
+    return out
+
+
+def _host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, fuse: bool = False) -> dict:
     """Host weights in the device dtype and layout.  ``packed_bf16``: matrices as bf16 bit
-    patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py)."""
+    patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py);
+    ``fuse``: unrolled layers with fused projections (:func:`fuse_projections`)."""
     np_dtype = jnp.dtype(dtype)
 
     def conv(name, a):
@@ -90,16 +106,17 @@ def _host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool
     if scan_layers:
         params["layers"] = {k: conv(k, np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
     else:
-        params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in model.layers]
+        layers = [fuse_projections(lp) for lp in model.layers] if fuse else model.layers
+        params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in layers]
     params["rope_inv_freq"] = model.rope_inv_freq.astype(np.float32)
     return params
 
 
 def _to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False,
-                      mesh=None, rules: dict | None = None) -> dict:
+                      mesh=None, rules: dict | None = None, fuse: bool = False) -> dict:
     """Host weights -> device arrays, on ``mesh`` laid out by the sharding ``rules``
     (parallel/sharding.py); without a mesh, on the default device."""
-    host = _host_params(model, dtype, scan_layers, packed_bf16)
+    host = _host_params(model, dtype, scan_layers, packed_bf16, fuse)
     if mesh is None:
         return jax.tree.map(jax.device_put, host)
     shardings = psh.named(mesh, psh.param_specs(host, rules or {}))
@@ -145,7 +162,12 @@ class ModelRunner:
         self.tp = self.mesh.devices.size
         self.rules = psh.rules_for(model.arch, self.tp, expert_parallel)
         self._rep = pmesh.replicated(self.mesh)
-        self.params = _to_device_params(model, self.dtype, scan_layers, self.packed_bf16, self.mesh, self.rules)
+        # The native CPU matmul runs unsharded on unrolled layers; fused projections cut its
+        # calls from 7 to 4 per layer.  Elsewhere XLA's dot and the partitioner see the
+        # checkpoint's layout.
+        fuse = matmul_backend == "native" and not scan_layers and self.tp == 1
+        self.params = _to_device_params(model, self.dtype, scan_layers, self.packed_bf16, self.mesh, self.rules,
+                                        fuse)
         self.scan_layers = scan_layers
         self.kv = None
         if num_blocks is not None:

@@ -32,7 +32,9 @@ def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmu
     through a paged cache whose block table is deliberately not in order."""
     model = load_model(path)
     arch = model.arch
-    params = _to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16)
+    # Laid out as the engine lays them out: the native matmul runs fused projections.
+    params = _to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,
+                               fuse=matmul == "native" and not scan_layers)
     T = len(ids)
     n_blocks = -(-T // BLOCK)
     num_blocks = n_blocks + 5

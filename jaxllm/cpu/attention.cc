@@ -1,0 +1,467 @@
+// Native CPU paged attention for XLA: the function of paged_attention_xla
+// (jaxllm/layers/attention.py), reading a paged KV cache that write_kv has already updated.
+//
+// XLA:CPU runs the plain-XLA path as gathers of whole 128-position K/V chunks per token
+// (transpose copies) and tiny batched einsums: at batch 32 with ~100-token contexts that
+// is ~4 ms per layer for ~1.2 MB of cache and ~7 MFLOP.  Here each (token, KV head) work
+// item walks exactly the positions it may see through its sequence's block table, reads
+// each K/V row once for all G = Hq / Hkv query heads of that KV head, and keeps an online
+// softmax in float32 registers and a small scratch.  Items are spread over XLA's intra-op
+// thread pool like jaxllm/cpu/linear.cc.  Called from jaxllm/cpu/attention.py via XLA's FFI.
+//
+//   q            [T, Hq, Dh]              float32
+//   k/v cache    [NB, BS, Hkv, Dh]        float32 or uint16 (bfloat16 bits, see layers/storage.py),
+//                or [L, NB, BS, Hkv, Dh]  stacked over layers, read at layer[]
+//   block_tables [S, MB] int32, token_seq [T] int32, positions [T] int32, layer [] int32
+//   attrs        scale (f32), sliding_window (i64; <= 0: none)
+//   out          [T, Hq, Dh]              float32
+//
+// Token t of sequence s = token_seq[t] attends over positions [lo, positions[t]] with
+// lo = max(0, positions[t] + 1 - sliding_window) (or 0), position p living in block
+// block_tables[s, p / BS] at offset p % BS.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// KV positions per softmax step: one running-max update and one rescale of the
+// accumulators per tile instead of per position; 32 rows of row pointers and G x 32
+// scores stay in L1.
+constexpr int64_t kTile = 32;
+// Query heads handled per pass over a tile: 4 heads x 2 rows (scores) or 4 heads x 2
+// column vectors (values) of accumulators, plus operands, fit in the 16 AVX registers.
+constexpr int kHeads = 4;
+
+// 8 cache values as float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float to_f32(float v) { return v; }
+inline float to_f32(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// Both horizontal sums at once: one shuffle tree for two rows' dot products.
+inline void hsum2(__m256 a, __m256 b, float* x, float* y) {
+  const __m256 h = _mm256_hadd_ps(a, b);   // a01 a23 b01 b23 | a45 a67 b45 b67
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_hadd_ps(s, s);                   // a b a b
+  *x = _mm_cvtss_f32(s);
+  *y = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
+}
+
+inline float hmax(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_max_ps(lo, hi);
+  lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+// exp of 8 lanes (Cephes' expf: x = n ln2 + r, degree-5 polynomial in r), relative error
+// about 1e-7 where the result is a normal float; inputs below -88.37 (and -inf) give 0.
+// A scalar expf per score cost as much as the dot products it normalises.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+  x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  // r = x - n ln2, with ln2 split in two so that n ln2 is exact enough.
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x);
+  y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+  // 2^n from the exponent bits; n = -127 (the clamp's floor) gives +0.
+  __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+}
+
+// Everything one call reads and writes; KV is float or uint16_t (bf16 bits).
+template <typename KV>
+struct Problem {
+  const float* q;          // [T, Hq, Dh]
+  const KV* k;             // [NB, BS, Hkv, Dh], this layer's
+  const KV* v;
+  const int32_t* tables;   // [S, MB]
+  const int32_t* seq;      // [T]
+  const int32_t* pos;      // [T]
+  float* out;              // [T, Hq, Dh]
+  int64_t T, Hq, Hkv, G, Dh, NB, BS, S, MB;
+  float scale;
+  int64_t window;          // <= 0: no sliding window
+
+  // Visible positions [lo, hi) of token t.  Defensive for padding and bad input: hi is
+  // capped at what a block table row can address, and an empty range gives zeros.
+  void range(int64_t t, int64_t* lo, int64_t* hi) const {
+    const int64_t len = std::min<int64_t>(static_cast<int64_t>(pos[t]) + 1, MB * BS);
+    *hi = std::max<int64_t>(len, 0);
+    *lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+  }
+};
+
+// Scratch of one worker thread, sized for the call's G and Dh.
+template <typename KV>
+struct Scratch {
+  std::vector<float> qs, acc, s, m, l;   // [G, Dh], [G, Dh], [G, kTile], [G], [G]
+  std::vector<const KV*> krow, vrow;     // [kTile] row pointers into the cache
+  void resize(int64_t G, int64_t Dh) {
+    qs.resize(G * Dh);
+    acc.resize(G * Dh);
+    s.resize(G * kTile);
+    m.resize(G);
+    l.resize(G);
+    krow.resize(kTile);
+    vrow.resize(kTile);
+  }
+};
+
+// Scores s[g, j] = q_g . k_j for heads g0 .. g0 + NH and rows j < n, two rows at a time.
+template <int NH, typename KV>
+inline void scores(const float* qs, const KV* const* krow, float* s, int64_t n, int64_t Dh, int64_t g0) {
+  const float* qh = qs + g0 * Dh;
+  const int64_t d8 = Dh / 8 * 8;
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    __m256 a0[NH], a1[NH];
+    for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < d8; d += 8) {
+      const __m256 k0 = load8(krow[j] + d), k1 = load8(krow[j + 1] + d);
+      for (int i = 0; i < NH; ++i) {
+        const __m256 qv = _mm256_loadu_ps(qh + i * Dh + d);
+        a0[i] = _mm256_fmadd_ps(qv, k0, a0[i]);
+        a1[i] = _mm256_fmadd_ps(qv, k1, a1[i]);
+      }
+    }
+    for (int i = 0; i < NH; ++i) {
+      float x0, x1;
+      hsum2(a0[i], a1[i], &x0, &x1);
+      for (int64_t d = d8; d < Dh; ++d) {
+        x0 += qh[i * Dh + d] * to_f32(krow[j][d]);
+        x1 += qh[i * Dh + d] * to_f32(krow[j + 1][d]);
+      }
+      s[(g0 + i) * kTile + j] = x0;
+      s[(g0 + i) * kTile + j + 1] = x1;
+    }
+  }
+  for (; j < n; ++j) {
+    __m256 a[NH];
+    for (int i = 0; i < NH; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < d8; d += 8) {
+      const __m256 kv = load8(krow[j] + d);
+      for (int i = 0; i < NH; ++i) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * Dh + d), kv, a[i]);
+    }
+    for (int i = 0; i < NH; ++i) {
+      float x = hsum(a[i]);
+      for (int64_t d = d8; d < Dh; ++d) x += qh[i * Dh + d] * to_f32(krow[j][d]);
+      s[(g0 + i) * kTile + j] = x;
+    }
+  }
+}
+
+// acc[g, :] = acc[g, :] * corr[g] + sum_j p[g, j] v_j for heads g0 .. g0 + NH, where p sits
+// where the scores were.  Columns outermost: the sum over the tile's rows stays in
+// registers and the accumulators in memory are touched once per tile.
+template <int NH, typename KV>
+inline void values(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t n, int64_t Dh,
+                   int64_t g0) {
+  const float* ph = p + g0 * kTile;
+  float* ah = acc + g0 * Dh;
+  int64_t d = 0;
+  for (; d + 16 <= Dh; d += 16) {
+    __m256 a0[NH], a1[NH];
+    for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 v0 = load8(vrow[j] + d), v1 = load8(vrow[j] + d + 8);
+      for (int i = 0; i < NH; ++i) {
+        const __m256 pj = _mm256_broadcast_ss(ph + i * kTile + j);
+        a0[i] = _mm256_fmadd_ps(pj, v0, a0[i]);
+        a1[i] = _mm256_fmadd_ps(pj, v1, a1[i]);
+      }
+    }
+    for (int i = 0; i < NH; ++i) {
+      const __m256 c = _mm256_set1_ps(corr[g0 + i]);
+      float* o = ah + i * Dh + d;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_loadu_ps(o), c, a0[i]));
+      _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_loadu_ps(o + 8), c, a1[i]));
+    }
+  }
+  for (; d + 8 <= Dh; d += 8) {
+    __m256 a[NH];
+    for (int i = 0; i < NH; ++i) a[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 vv = load8(vrow[j] + d);
+      for (int i = 0; i < NH; ++i) a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + i * kTile + j), vv, a[i]);
+    }
+    for (int i = 0; i < NH; ++i) {
+      float* o = ah + i * Dh + d;
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(corr[g0 + i]), a[i]));
+    }
+  }
+  for (; d < Dh; ++d) {   // head dims that are not a multiple of 8
+    for (int i = 0; i < NH; ++i) {
+      float x = 0.f;
+      for (int64_t j = 0; j < n; ++j) x += ph[i * kTile + j] * to_f32(vrow[j][d]);
+      ah[i * Dh + d] = ah[i * Dh + d] * corr[g0 + i] + x;
+    }
+  }
+}
+
+// Heads of a KV head's group in passes of at most kHeads (any G).
+template <typename KV>
+void scores_all(const float* qs, const KV* const* krow, float* s, int64_t n, int64_t Dh, int64_t G) {
+  int64_t g = 0;
+  for (; g + kHeads <= G; g += kHeads) scores<kHeads>(qs, krow, s, n, Dh, g);
+  switch (G - g) {
+    case 3: scores<3>(qs, krow, s, n, Dh, g); break;
+    case 2: scores<2>(qs, krow, s, n, Dh, g); break;
+    case 1: scores<1>(qs, krow, s, n, Dh, g); break;
+    default: break;
+  }
+}
+
+template <typename KV>
+void values_all(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t n, int64_t Dh,
+                int64_t G) {
+  int64_t g = 0;
+  for (; g + kHeads <= G; g += kHeads) values<kHeads>(p, vrow, acc, corr, n, Dh, g);
+  switch (G - g) {
+    case 3: values<3>(p, vrow, acc, corr, n, Dh, g); break;
+    case 2: values<2>(p, vrow, acc, corr, n, Dh, g); break;
+    case 1: values<1>(p, vrow, acc, corr, n, Dh, g); break;
+    default: break;
+  }
+}
+
+// Work item (t, h): out[t, h*G : (h+1)*G, :] from the visible positions of token t.
+template <typename KV>
+void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
+  const int64_t G = P.G, Dh = P.Dh;
+  int64_t lo, hi;
+  P.range(t, &lo, &hi);
+  float* out = P.out + (t * P.Hq + h * G) * Dh;   // [G, Dh], the group's heads are adjacent
+  if (lo >= hi) {
+    std::fill(out, out + G * Dh, 0.f);
+    return;
+  }
+  // Queries scaled before the dot, as the XLA path does (q * scale, then q . k).
+  const float* q = P.q + (t * P.Hq + h * G) * Dh;
+  for (int64_t i = 0; i < G * Dh; ++i) w.qs[i] = q[i] * P.scale;
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.m.begin(), w.m.end(), -INFINITY);
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  // Clamped so that a padding token (or a bad index) reads some row of the cache instead
+  // of outside it; its output is not used.
+  const int64_t seq = std::clamp<int64_t>(P.seq[t], 0, P.S - 1);
+  const int32_t* table = P.tables + seq * P.MB;
+  const KV** krow = w.krow.data();
+  const KV** vrow = w.vrow.data();
+  float corr[64];   // G <= 64 (checked by the handler)
+  for (int64_t j0 = lo; j0 < hi; j0 += kTile) {
+    const int64_t n = std::min(kTile, hi - j0);
+    // Block column and offset stepped along: one integer division per tile, not per position.
+    int64_t col = j0 / P.BS, off = j0 % P.BS;
+    int64_t blk = std::clamp<int64_t>(table[col], 0, P.NB - 1);
+    for (int64_t j = 0; j < n; ++j, ++off) {
+      if (off == P.BS) {
+        off = 0;
+        blk = std::clamp<int64_t>(table[++col], 0, P.NB - 1);
+      }
+      const int64_t row = ((blk * P.BS + off) * P.Hkv + h) * Dh;
+      krow[j] = P.k + row;
+      vrow[j] = P.v + row;
+    }
+    // The rows are scattered over blocks and cold (a layer's cache was last read a whole
+    // step ago): ask for all of the tile's lines at once rather than one miss at a time
+    // (15-20% off a cold-cache batch-32 decode; prefetching a tile ahead gained nothing).
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t b = 0; b < Dh * static_cast<int64_t>(sizeof(KV)); b += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(krow[j]) + b, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T0);
+      }
+    scores_all<KV>(w.qs.data(), krow, w.s.data(), n, Dh, G);
+    // Online softmax: new running max per head, scores -> exp(s - max) in place (rows past
+    // n set to -inf give 0), accumulators rescaled by exp(old max - new max).
+    for (int64_t g = 0; g < G; ++g) {
+      float* s = w.s.data() + g * kTile;
+      std::fill(s + n, s + kTile, -INFINITY);
+      __m256 mx = _mm256_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < kTile; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+      const float m_new = std::max(w.m[g], hmax(mx));
+      const __m256 mv = _mm256_set1_ps(m_new);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < kTile; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      corr[g] = std::exp(w.m[g] - m_new);   // 0 on the first tile (m = -inf)
+      w.l[g] = w.l[g] * corr[g] + hsum(sum);
+      w.m[g] = m_new;
+    }
+    values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, n, Dh, G);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = 1.f / w.l[g];   // l >= 1: the maximum's own term is exp(0)
+    for (int64_t d = 0; d < Dh; ++d) out[g * Dh + d] = w.acc[g * Dh + d] * inv;
+  }
+}
+
+// Work shared between the calling thread and XLA's intra-op pool, as in linear.cc: items
+// are claimed with an atomic counter, so the caller never waits for a task that has not
+// started (it claims the items itself; a task that starts late finds none and returns),
+// and the state is reference-counted because such a task may outlive the call.
+template <typename KV>
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t items = 0;
+  Problem<KV> p;
+  void work() {
+    Scratch<KV> w;
+    bool ready = false;
+    for (int64_t i; (i = next.fetch_add(1)) < items;) {
+      if (!ready) {
+        w.resize(p.G, p.Dh);
+        ready = true;
+      }
+      // Items are (token, KV head), token-major: a token's heads, and a sequence's tokens,
+      // are claimed close together and share cache rows.
+      attend_item<KV>(p, i / p.Hkv, i % p.Hkv, w);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+template <typename KV>
+void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
+  const int64_t items = P.T * P.Hkv;
+  if (items == 0) return;
+  // Helpers only when the call is worth waking them: a task costs microseconds to start,
+  // a decode of a short context is less than that.
+  int64_t cost = 0;   // multiply-adds of q . k over the batch
+  for (int64_t t = 0; t < P.T; ++t) {
+    int64_t lo, hi;
+    P.range(t, &lo, &hi);
+    cost += std::max<int64_t>(hi - lo, 0) * P.Hq * P.Dh;
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = std::min({threads, items - 1, cost / 32768});
+  auto sh = std::make_shared<Shared<KV>>();
+  sh->items = items;
+  sh->p = P;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([sh] { sh->work(); });
+  sh->work();
+  while (sh->done.load(std::memory_order_acquire) < items) _mm_pause();
+}
+
+ffi::Error invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jaxllm_paged_attention: " + what);
+}
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+template <ffi::DataType KT>
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KT> k_cache,
+                              ffi::Buffer<KT> v_cache, ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
+                              ffi::Buffer<ffi::S32> layer, float scale, int64_t sliding_window,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
+  auto bd = block_tables.dimensions(), od = out->dimensions();
+  if (qd.size() != 3) return invalid("q must be [T, Hq, Dh], got " + dims_str(qd));
+  if (kd.size() != 4 && kd.size() != 5)
+    return invalid("k_cache must be [NB, BS, Hkv, Dh] or [L, NB, BS, Hkv, Dh], got " + dims_str(kd));
+  if (!std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
+    return invalid("k_cache " + dims_str(kd) + " and v_cache " + dims_str(vd) + " differ");
+  const size_t o = kd.size() - 4;   // 1 for a stacked cache
+  const int64_t T = qd[0], Hq = qd[1], Dh = qd[2];
+  const int64_t L = o ? kd[0] : 1, NB = kd[o], BS = kd[o + 1], Hkv = kd[o + 2];
+  if (kd[o + 3] != Dh) return invalid("head_dim of q " + dims_str(qd) + " and the cache " + dims_str(kd) + " differ");
+  if (Hkv <= 0 || Hq % Hkv) return invalid("query heads (" + std::to_string(Hq) + ") must be a multiple of KV heads (" +
+                                           std::to_string(Hkv) + ")");
+  if (Hq / Hkv > 64) return invalid("at most 64 query heads per KV head, got " + std::to_string(Hq / Hkv));
+  if (bd.size() != 2) return invalid("block_tables must be [S, MB], got " + dims_str(bd));
+  if (token_seq.dimensions().size() != 1 || token_seq.dimensions()[0] != T)
+    return invalid("token_seq must be [T] with T = " + std::to_string(T) + ", got " + dims_str(token_seq.dimensions()));
+  if (positions.dimensions().size() != 1 || positions.dimensions()[0] != T)
+    return invalid("positions must be [T] with T = " + std::to_string(T) + ", got " + dims_str(positions.dimensions()));
+  if (layer.element_count() != 1) return invalid("layer must be a scalar, got " + dims_str(layer.dimensions()));
+  if (!std::equal(qd.begin(), qd.end(), od.begin(), od.end()))
+    return invalid("out " + dims_str(od) + " must have q's shape " + dims_str(qd));
+  if (T > 0 && (bd[0] <= 0 || bd[1] <= 0 || NB <= 0 || BS <= 0))
+    return invalid("empty block_tables " + dims_str(bd) + " or cache " + dims_str(kd));
+  if (T == 0 || Dh == 0) return ffi::Error::Success();
+  // U16 caches are bfloat16 bit patterns (see layers/storage.py).
+  using KV = std::conditional_t<KT == ffi::DataType::F32, float, uint16_t>;
+  const int64_t li = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  const int64_t layer_elems = NB * BS * Hkv * Dh;
+  Problem<KV> P;
+  P.q = q.typed_data();
+  P.k = reinterpret_cast<const KV*>(k_cache.untyped_data()) + li * layer_elems;
+  P.v = reinterpret_cast<const KV*>(v_cache.untyped_data()) + li * layer_elems;
+  P.tables = block_tables.typed_data();
+  P.seq = token_seq.typed_data();
+  P.pos = positions.typed_data();
+  P.out = out->typed_data();
+  P.T = T, P.Hq = Hq, P.Hkv = Hkv, P.G = Hq / Hkv, P.Dh = Dh, P.NB = NB, P.BS = BS, P.S = bd[0], P.MB = bd[1];
+  P.scale = scale;
+  P.window = sliding_window;
+  paged_attention<KV>(pool, P);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define JAXLLM_PAGED_ATTENTION_BINDING(KT)          \
+  ffi::Ffi::Bind()                                  \
+      .Ctx<ffi::ThreadPool>()                       \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* q */        \
+      .Arg<ffi::Buffer<KT>>()        /* k_cache */  \
+      .Arg<ffi::Buffer<KT>>()        /* v_cache */  \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* tables */   \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* token_seq */\
+      .Arg<ffi::Buffer<ffi::S32>>()  /* positions */\
+      .Arg<ffi::Buffer<ffi::S32>>()  /* layer */    \
+      .Attr<float>("scale")                         \
+      .Attr<int64_t>("sliding_window")              \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionF32, PagedAttentionImpl<ffi::DataType::F32>,
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::F32));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionBF16, PagedAttentionImpl<ffi::DataType::U16>,
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U16));

@@ -1,0 +1,50 @@
+"""Paged attention through the native CPU kernel (``attention.cc``, built by ``native.py``).
+
+:func:`paged_attention_native` computes :func:`jaxllm.layers.attention.paged_attention_xla`'s
+function, with its signature, as one XLA custom call: each (token, KV head) walks only the
+positions it may see through its block table, instead of XLA gathering whole KV chunks
+per token.  It only reads the cache: the step's K/V are scattered by ``write_kv`` first.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.cpu import native
+from jaxllm.layers import storage
+
+_TARGETS = {jnp.dtype(jnp.float32): "jaxllm_paged_attention_f32",
+            storage.PACKED_BF16: "jaxllm_paged_attention_bf16"}
+
+
+def paged_attention_native(q: jax.Array, kv, layer, md, *, scale: float,
+                           sliding_window: int | None = None) -> jax.Array:
+    """q [T, Hq, Dh] -> [T, Hq, Dh] (q's dtype), computed in float32.
+
+    ``kv``: one layer's (K, V), each ``[NB, BS, Hkv, Dh]``, with ``layer`` None; or the
+    stacked cache ``[L, NB, BS, Hkv, Dh]`` with ``layer`` the (possibly traced) index, which
+    the kernel reads at that layer's offset: no slice of the cache is made.  The cache is
+    float32 or bf16 (as bf16, or as its uint16 bits, see ``layers/storage.py``)."""
+    if not native.available():
+        raise ValueError("--attention-backend native: the native CPU kernels are unavailable on this machine "
+                         "(see the warning above); use --attention-backend xla")
+    k_cache, v_cache = kv
+    if k_cache.dtype == jnp.bfloat16:
+        # The kernel takes bf16 as its bit pattern; the bitcast is free.
+        k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint16) for c in (k_cache, v_cache))
+    target = _TARGETS.get(jnp.dtype(k_cache.dtype))
+    if target is None:
+        raise ValueError(f"--attention-backend native takes a float32 or bfloat16 KV cache, not {k_cache.dtype}; "
+                         "use --attention-backend xla")
+    want = 4 if layer is None else 5
+    if k_cache.ndim != want:
+        raise ValueError(f"paged_attention_native: a {'per-layer' if layer is None else 'stacked'} cache must be "
+                         f"{want}-D, got {k_cache.shape}")
+    layer_idx = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(())
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k_cache, v_cache, md.block_tables.astype(jnp.int32), md.token_seq.astype(jnp.int32),
+        md.positions.astype(jnp.int32), layer_idx,
+        scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0))
+    return out.astype(q.dtype)

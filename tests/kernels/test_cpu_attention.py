@@ -1,0 +1,316 @@
+"""The native CPU paged attention (jaxllm/cpu/attention.cc) against the engine's XLA path.
+
+Every batch is built the way the runner builds one: sequences with cached context and new
+tokens, blocks handed out in a shuffled order, bucket padding (tokens at position 0 of a
+padding row whose table is all null block 0, and padding rows).  The cache is random, not
+zeros, and this step's K/V are scattered by ``write_kv`` first, so a read of a wrong slot,
+of a position past the token or outside its window cannot go unnoticed.  Both paths read
+the same stored values (for bf16 the same uint16 bits) and compute in float32, so bf16 is
+held to the float32 tolerance too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import SMALL_ENGINE
+
+from jaxllm.cpu import native
+from jaxllm.layers import storage
+from jaxllm.layers.attention import AttentionMetadata, attend, paged_attention_xla, write_kv
+
+pytestmark = pytest.mark.skipif(not native.available(),
+                                reason="native CPU kernel unavailable here (no AVX2/FMA or no C++ compiler)")
+
+TOL = 1e-5
+
+
+def make_batch(seed, q_lens, ctx_lens, *, Hq, Hkv, D, BS=16, cache="float32", pad_tokens=3, pad_rows=1,
+               spare_blocks=7, layers=None):
+    """Sequence i has ctx_lens[i] cached tokens and q_lens[i] new ones.  Returns (q, k, v,
+    (k_cache, v_cache), md) as the runner would pass them to one layer's attention."""
+    rng = np.random.default_rng(seed)
+    n_seq = len(q_lens)
+    S = n_seq + pad_rows
+    kv_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    n_blocks = [-(-n // BS) for n in kv_lens]
+    MB = max(n_blocks) + 1                          # a spare column, as the engine's tables have
+    NB = sum(n_blocks) + spare_blocks + 1
+    perm = rng.permutation(np.arange(1, NB))        # block 0 is the engine's null block
+    tables = np.zeros((S, MB), np.int32)            # padding rows: all null block
+    k = 0
+    for s, n in enumerate(n_blocks):
+        tables[s, :n] = perm[k:k + n]
+        k += n
+    seq, pos, slots = [], [], []
+    for s, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        p = np.arange(c, c + n)
+        seq += [s] * n
+        pos += p.tolist()
+        slots += (tables[s, p // BS] * BS + p % BS).tolist()
+    pad_row = n_seq if pad_rows else 0
+    seq += [pad_row] * pad_tokens
+    pos += [0] * pad_tokens
+    slots += [0] * pad_tokens                       # padding tokens write into the null block
+    T = len(seq)
+    qsl = np.zeros(S + 1, np.int32)
+    qsl[1:n_seq + 1] = np.cumsum(q_lens)
+    qsl[n_seq + 1:] = qsl[n_seq]
+    seq_lens = np.zeros(S, np.int32)
+    seq_lens[:n_seq] = kv_lens
+    md = AttentionMetadata(positions=jnp.asarray(pos, jnp.int32), slot_mapping=jnp.asarray(slots, jnp.int32),
+                           token_seq=jnp.asarray(seq, jnp.int32), block_tables=jnp.asarray(tables),
+                           seq_lens=jnp.asarray(seq_lens), query_start_loc=jnp.asarray(qsl))
+
+    def rand(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    dtype = storage.PACKED_BF16 if cache == "bfloat16" else jnp.float32
+    shape = (NB, BS, Hkv, D) if layers is None else (layers, NB, BS, Hkv, D)
+    kv = tuple(storage.store(jnp.asarray(rand(*shape)), dtype) for _ in range(2))
+    return jnp.asarray(rand(T, Hq, D)), jnp.asarray(rand(T, Hkv, D)), jnp.asarray(rand(T, Hkv, D)), kv, md
+
+
+def _attend(backend, layer=None, **kw):
+    def f(q, k, v, kv, md, *li):
+        return attend(q, k, v, kv, li[0] if li else None, md, backend=backend, **kw)
+    return jax.jit(f)
+
+
+def check(batch, *, sliding_window=None, layer=None, scale=None):
+    """Both backends on the same batch (write_kv + attention); real tokens must agree and
+    the kernel's output must be finite everywhere, padding included."""
+    q, k, v, kv, md = batch
+    kw = dict(scale=scale or q.shape[-1] ** -0.5, sliding_window=sliding_window)
+    li = () if layer is None else (jnp.int32(layer),)
+    want, kv_x = _attend("xla", **kw)(q, k, v, kv, md, *li)
+    got, kv_n = _attend("native", **kw)(q, k, v, kv, md, *li)
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == np.float32
+    assert np.isfinite(got).all()
+    real = int(md.query_start_loc[-1])              # padding tokens' outputs are not used
+    err = np.abs(got[:real] - want[:real]).max() / np.abs(want[:real]).max()
+    assert err < TOL, f"max relative error {err:.3g}"
+    for a, b in zip(kv_n, kv_x):                    # the same write
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return got
+
+
+# Decodes around block boundaries and past one 128-position chunk; a ragged prefill batch
+# (a prompt from nothing, chunks resuming mid-block, a chunk straddling 128) with decodes.
+DECODE = dict(q_lens=[1] * 8, ctx_lens=[0, 15, 16, 17, 31, 100, 127, 300])
+MIXED = dict(q_lens=[1, 33, 7, 20, 1, 64], ctx_lens=[0, 0, 5, 120, 140, 70])
+
+# (Hq, Hkv, D): SmolLM2-135M (9 over 3 heads of 64), MHA, head dims that are not a
+# multiple of 8 (with a 16-wide part and without), groups wider than one 4-head pass.
+SHAPES = [(9, 3, 64), (4, 4, 32), (4, 2, 40), (6, 3, 20), (2, 1, 12), (5, 1, 64), (16, 2, 128), (3, 3, 4)]
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+@pytest.mark.parametrize("Hq,Hkv,D", SHAPES, ids=[f"hq{a}-hkv{b}-d{c}" for a, b, c in SHAPES])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_matches_xla_path(kind, Hq, Hkv, D, cache):
+    lens = DECODE if kind == "decode" else MIXED
+    check(make_batch(Hq * 100 + D + len(kind), **lens, Hq=Hq, Hkv=Hkv, D=D, cache=cache))
+
+
+def test_decode_batch_of_32_like_smollm2():
+    # The shape the kernel was built for: 32 decodes of ~100-token contexts, packed bf16.
+    rng = np.random.default_rng(7)
+    check(make_batch(7, [1] * 32, rng.integers(60, 160, 32).tolist(), Hq=9, Hkv=3, D=64, cache="bfloat16",
+                     pad_tokens=0))
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40, 200])
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_sliding_window(window, cache):
+    check(make_batch(20 + window, **MIXED, Hq=6, Hkv=2, D=64, cache=cache), sliding_window=window)
+    check(make_batch(30 + window, **DECODE, Hq=9, Hkv=3, D=64, cache=cache), sliding_window=window)
+
+
+@pytest.mark.parametrize("BS", [8, 32])
+def test_other_block_sizes(BS):
+    check(make_batch(40 + BS, **MIXED, Hq=6, Hkv=2, D=64, BS=BS))
+
+
+def test_scale():
+    check(make_batch(50, **MIXED, Hq=4, Hkv=2, D=64), scale=0.3)
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_stacked_cache_reads_its_layer(layer):
+    # The stacked cache (layers under lax.scan) is read at the traced layer's offset.
+    check(make_batch(60 + layer, **MIXED, Hq=6, Hkv=2, D=64, layers=3), layer=layer)
+
+
+def test_bfloat16_dtype_cache_is_taken_as_its_bits():
+    q, k, v, (kc, vc), md = make_batch(70, **DECODE, Hq=4, Hkv=2, D=64, cache="bfloat16")
+    as_bf16 = tuple(jax.lax.bitcast_convert_type(c, jnp.bfloat16) for c in (kc, vc))
+    from jaxllm.cpu.attention import paged_attention_native
+    a = paged_attention_native(q, (kc, vc), None, md, scale=0.125)
+    b = paged_attention_native(q, as_bf16, None, md, scale=0.125)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    want = paged_attention_xla(q, as_bf16, None, md, scale=0.125)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(want), rtol=TOL, atol=TOL)
+
+
+def test_output_dtype_follows_q():
+    from jaxllm.cpu.attention import paged_attention_native
+    q, k, v, kv, md = make_batch(71, **DECODE, Hq=4, Hkv=2, D=64)
+    out = paged_attention_native(q.astype(jnp.bfloat16), kv, None, md, scale=0.125)
+    assert out.dtype == jnp.bfloat16
+
+
+def test_bad_indices_stay_in_bounds():
+    """Padding (and anything malformed) must not read outside the cache: out-of-range
+    sequence rows, block ids and positions are clamped, a negative position reads nothing."""
+    from jaxllm.cpu.attention import paged_attention_native
+    q, k, v, kv, md = make_batch(72, **DECODE, Hq=4, Hkv=2, D=64)
+    T = q.shape[0]
+    NB = kv[0].shape[0]
+    bad = AttentionMetadata(
+        positions=jnp.asarray(np.resize([-5, 0, 10**6, 3], T), jnp.int32), slot_mapping=md.slot_mapping,
+        token_seq=jnp.asarray(np.resize([-1, 99, 0, 2], T), jnp.int32),
+        block_tables=md.block_tables.at[0].set(NB + 1000).at[1].set(-7), seq_lens=md.seq_lens,
+        query_start_loc=md.query_start_loc)
+    out = np.asarray(jax.jit(lambda q, kv, md: paged_attention_native(q, kv, None, md, scale=0.1))(q, kv, bad))
+    assert np.isfinite(out).all()
+    assert (out[0] == 0).all()                      # position -5: no visible key
+
+
+def test_wrapper_refuses_what_the_kernel_cannot_take():
+    from jaxllm.cpu.attention import paged_attention_native
+    q, k, v, (kc, vc), md = make_batch(73, [1], [3], Hq=4, Hkv=2, D=64)
+    with pytest.raises(ValueError, match="--attention-backend xla"):
+        paged_attention_native(q, (kc.astype(jnp.float16), vc.astype(jnp.float16)), None, md, scale=0.1)
+    with pytest.raises(ValueError, match="stacked"):
+        paged_attention_native(q, (kc, vc), 0, md, scale=0.1)
+
+
+@pytest.mark.parametrize("what", ["head_dim", "heads", "token_seq", "v_cache"])
+def test_kernel_rejects_mismatched_shapes(what):
+    q, k, v, (kc, vc), md = make_batch(74, [1, 2], [3, 4], Hq=4, Hkv=2, D=64)
+    args = dict(q=q, k=kc, v=vc, tables=md.block_tables, seq=md.token_seq, pos=md.positions)
+    if what == "head_dim":
+        args["q"] = q[..., :32]
+    elif what == "heads":
+        args["q"] = q[:, :3]
+    elif what == "token_seq":
+        args["seq"] = md.token_seq[:-1]
+    else:
+        args["v"] = vc[:-1]
+    call = jax.ffi.ffi_call("jaxllm_paged_attention_f32", jax.ShapeDtypeStruct(args["q"].shape, jnp.float32))
+    with pytest.raises(Exception, match="jaxllm_paged_attention"):
+        np.asarray(call(*args.values(), jnp.int32(0), scale=np.float32(0.1), sliding_window=np.int64(0)))
+
+
+def test_resolution_of_the_attention_backend(monkeypatch):
+    from jaxllm.engine.core import _attention_backend
+    assert _attention_backend("auto", "cpu", "float32", 1, False) == "native"
+    assert _attention_backend("auto", "cpu", "bfloat16", 1, False) == "native"
+    assert _attention_backend("auto", "cpu", "float32", 2, False) == "xla"     # tensor parallel
+    assert _attention_backend("auto", "cpu", "float32", 1, True) == "xla"      # --scan-layers
+    assert _attention_backend("auto", "cpu", "float16", 1, False) == "xla"
+    assert _attention_backend("auto", "cuda", "bfloat16", 1, True) == "pallas"
+    assert _attention_backend("native", "cpu", "float32", 1, True) == "native"
+    for args in [("cuda", "bfloat16", 1, True), ("cpu", "float32", 2, False), ("cpu", "float16", 1, False)]:
+        with pytest.raises(ValueError, match="--attention-backend"):
+            _attention_backend("native", *args)
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert _attention_backend("auto", "cpu", "float32", 1, False) == "xla"
+    with pytest.raises(ValueError, match="--attention-backend xla"):
+        _attention_backend("native", "cpu", "float32", 1, False)
+
+
+def _prompt_logits(path, ids, attention, scan_layers, split=23, BS=16):
+    """Logits of every prompt position in two prefill chunks through a shuffled block table."""
+    from jaxllm.models import llama
+    from jaxllm.models.loader import load_model
+    from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
+    model = load_model(path)
+    arch = model.arch
+    params = _to_device_params(model, jnp.float32, scan_layers)
+    T = len(ids)
+    n = -(-T // BS)
+    table = np.random.default_rng(0).permutation(n + 5)[:n].astype(np.int32)
+    kv = allocate_kv_cache(arch.num_layers, n + 5, BS, arch.num_kv_heads, arch.head_dim, jnp.float32,
+                           stacked=scan_layers)
+    fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md, attention_backend=attention))
+    out = []
+    for lo, hi in ((0, split), (split, T)):
+        pos = np.arange(lo, hi, dtype=np.int32)
+        md = AttentionMetadata(
+            positions=pos, slot_mapping=(table[pos // BS] * BS + pos % BS).astype(np.int32),
+            token_seq=np.zeros(hi - lo, np.int32), block_tables=table[None, :],
+            seq_lens=np.array([hi], np.int32), query_start_loc=np.array([0, hi - lo], np.int32))
+        hidden, kv = fwd(params, kv, np.asarray(ids[lo:hi], np.int32), md)
+        out.append(np.asarray(llama.compute_logits(arch, params, hidden)))
+    return np.concatenate(out)
+
+
+def _variants():
+    from tiny_models import VARIANTS
+    return sorted(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", _variants())
+def test_every_architecture_equals_the_xla_path(variant, tiny_checkpoints):
+    """Each tiny checkpoint (GQA, MHA, one KV head, head_dim 32, Mistral's sliding window of
+    16 under a 60-token prompt, MoE) gives the XLA path's logits with the native attention;
+    the XLA path itself is held to transformers by tests/models/test_hf_parity.py."""
+    ids = np.random.default_rng(1).integers(3, 5000, size=60).tolist()
+    scan = variant == "llama_gqa_untied"             # one run of the stacked cache through lax.scan
+    want = _prompt_logits(tiny_checkpoints[variant], ids, "xla", scan)
+    got = _prompt_logits(tiny_checkpoints[variant], ids, "native", scan)
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel < 1e-5, f"{variant}: max relative logit error {rel:.2e}"
+
+
+def test_engine_uses_the_native_attention_on_cpu(tiny_llm):
+    # The default (--attention-backend auto) must pick the kernel on CPU; a silent fallback
+    # to the XLA path would only show up as a slow benchmark.
+    assert tiny_llm.llm_engine.core.resolved.attention_backend == "native"
+    text = tiny_llm.llm_engine.core.runner._compiled[(1, 1)].as_text()
+    arch = tiny_llm.llm_engine.core.runner.arch
+    assert text.count("jaxllm_paged_attention") >= arch.num_layers
+
+
+def test_engine_native_equals_the_xla_engine(tiny_llama, tiny_llm):
+    """Greedy outputs of the default (native) engine equal the XLA-path engine's on a
+    workload that batches prefill chunks with decodes and grows contexts past 128."""
+    from jaxllm import LLM, SamplingParams
+    xla_llm = LLM(tiny_llama, **SMALL_ENGINE, attention_backend="xla")
+    assert xla_llm.llm_engine.core.resolved.attention_backend == "xla"
+    rng = np.random.default_rng(5)
+    prompts = [{"prompt_token_ids": rng.integers(3, 5000, size=int(n)).tolist()} for n in [3, 40, 70, 120, 9, 25]]
+    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in [40, 20, 70, 30, 8, 15]]
+    want = [o.outputs[0].token_ids for o in xla_llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+def test_step_hlo_has_no_cache_copies(tiny_llama, scan_layers):
+    """The custom call reads the cache buffer write_kv updated in place: no copy of it (see
+    tests/engine/test_kv_in_place.py for the XLA path)."""
+    import re
+    from jaxllm.models.loader import load_model
+    from jaxllm.runner.model_runner import ModelRunner
+    model = load_model(tiny_llama)
+    runner = ModelRunner(model, dtype="float32", scan_layers=scan_layers, num_blocks=61, block_size=16,
+                         max_model_len=256, max_num_seqs=4, max_num_batched_tokens=8, max_logprobs=2,
+                         attention_backend="native", show_progress=False)
+    a = model.arch
+    layer_shape = f"61,16,{a.num_kv_heads},{a.head_dim}"
+    shape = f"f32[{a.num_layers},{layer_shape}]" if scan_layers else f"f32[{layer_shape}]"
+    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    T, S = runner.buckets[-1]
+    hlo = jax.jit(runner._step_fn, donate_argnums=(1, 2)).lower(
+        jax.tree.map(spec, runner.params), jax.tree.map(spec, runner.kv), jax.tree.map(spec, runner.sstate),
+        runner._input_spec(T, S)).compile().as_text()
+    assert "jaxllm_paged_attention" in hlo
+    copies = [ln for ln in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\{[0-9,]*\} copy\(", ln)]
+    assert not copies, "the step copies the KV cache:\n" + "\n".join(copies[:3])
