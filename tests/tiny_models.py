@@ -80,3 +80,40 @@ def load_hf(path: str):
                                                               experts_implementation="eager")
     model.eval()
     return model
+
+
+def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmul: str = "xla",
+                 bf16: bool = False, attention: str = "xla", block: int = 16) -> np.ndarray:
+    """Logits of every prompt position of the checkpoint at ``path``, computed in two chunks
+    [0, split) and [split, T) through a paged cache whose block table is deliberately not in
+    order, with the given matmul and attention backends."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxllm.layers.attention import AttentionMetadata
+    from jaxllm.models import llama
+    from jaxllm.models.loader import load_model
+    from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
+
+    model = load_model(path)
+    arch = model.arch
+    # Laid out as the engine lays them out: the native matmul runs fused projections.
+    params = _to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,
+                               fuse=matmul == "native" and not scan_layers)
+    T = len(ids)
+    n_blocks = -(-T // block)
+    num_blocks = n_blocks + 5
+    table = np.random.default_rng(0).permutation(num_blocks)[:n_blocks].astype(np.int32)
+    kv = allocate_kv_cache(arch.num_layers, num_blocks, block, arch.num_kv_heads, arch.head_dim,
+                           jnp.uint16 if bf16 else jnp.float32, stacked=scan_layers)
+    fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md, matmul, attention))
+    out = []
+    for lo, hi in ((0, split), (split, T)):
+        pos = np.arange(lo, hi, dtype=np.int32)
+        md = AttentionMetadata(
+            positions=pos, slot_mapping=(table[pos // block] * block + pos % block).astype(np.int32),
+            token_seq=np.zeros(hi - lo, np.int32), block_tables=table[None, :],
+            seq_lens=np.array([hi], np.int32), query_start_loc=np.array([0, hi - lo], np.int32))
+        hidden, kv = fwd(params, kv, np.asarray(ids[lo:hi], np.int32), md)
+        out.append(np.asarray(llama.compute_logits(arch, params, hidden, matmul)))
+    return np.concatenate(out)

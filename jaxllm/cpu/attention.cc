@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -44,27 +45,9 @@ constexpr int64_t kTile = 32;
 // column vectors (values) of accumulators, plus operands, fit in the 16 AVX registers.
 constexpr int kHeads = 4;
 
-// 8 cache values as float32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float to_f32(float v) { return v; }
-inline float to_f32(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
+using jaxllm_simd::hsum;
+using jaxllm_simd::load8;
+using jaxllm_simd::to_f32;
 
 // Both horizontal sums at once: one shuffle tree for two rows' dot products.
 inline void hsum2(__m256 a, __m256 b, float* x, float* y) {

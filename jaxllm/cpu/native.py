@@ -32,6 +32,7 @@ _KERNELS = {
     "attention.cc": {"jaxllm_paged_attention_f32": "JaxllmPagedAttentionF32",
                      "jaxllm_paged_attention_bf16": "JaxllmPagedAttentionBF16"},
 }
+_HEADERS = [os.path.join(_DIR, "simd.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
 _TARGETS = {jnp.dtype(jnp.float32): "jaxllm_linear_f32", jnp.dtype(jnp.uint16): "jaxllm_linear_bf16"}
 _lock = threading.Lock()
@@ -54,8 +55,10 @@ def _build(source: str) -> str:
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) found")
     include = jax.ffi.include_dir()
-    with open(src_path, "rb") as f:
-        src = f.read()
+    src = b""
+    for path in (src_path, *_HEADERS):   # a header edit must rebuild every source
+        with open(path, "rb") as f:
+            src += f.read()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     key = hashlib.sha1(src + " ".join(_FLAGS + [version, include]).encode()).hexdigest()[:16]
     out_dir = os.path.join(default_cache_dir(), "kernels")

@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_ENGINE
+from tiny_models import paged_logits
 
 from jaxllm.cpu import native
 from jaxllm.layers import storage
-from jaxllm.layers.attention import AttentionMetadata, attend, paged_attention_xla, write_kv
+from jaxllm.layers.attention import AttentionMetadata, attend, paged_attention_xla
 
 pytestmark = pytest.mark.skipif(not native.available(),
                                 reason="native CPU kernel unavailable here (no AVX2/FMA or no C++ compiler)")
@@ -225,32 +226,6 @@ def test_resolution_of_the_attention_backend(monkeypatch):
         _attention_backend("native", "cpu", "float32", 1, False)
 
 
-def _prompt_logits(path, ids, attention, scan_layers, split=23, BS=16):
-    """Logits of every prompt position in two prefill chunks through a shuffled block table."""
-    from jaxllm.models import llama
-    from jaxllm.models.loader import load_model
-    from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
-    model = load_model(path)
-    arch = model.arch
-    params = _to_device_params(model, jnp.float32, scan_layers)
-    T = len(ids)
-    n = -(-T // BS)
-    table = np.random.default_rng(0).permutation(n + 5)[:n].astype(np.int32)
-    kv = allocate_kv_cache(arch.num_layers, n + 5, BS, arch.num_kv_heads, arch.head_dim, jnp.float32,
-                           stacked=scan_layers)
-    fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md, attention_backend=attention))
-    out = []
-    for lo, hi in ((0, split), (split, T)):
-        pos = np.arange(lo, hi, dtype=np.int32)
-        md = AttentionMetadata(
-            positions=pos, slot_mapping=(table[pos // BS] * BS + pos % BS).astype(np.int32),
-            token_seq=np.zeros(hi - lo, np.int32), block_tables=table[None, :],
-            seq_lens=np.array([hi], np.int32), query_start_loc=np.array([0, hi - lo], np.int32))
-        hidden, kv = fwd(params, kv, np.asarray(ids[lo:hi], np.int32), md)
-        out.append(np.asarray(llama.compute_logits(arch, params, hidden)))
-    return np.concatenate(out)
-
-
 def _variants():
     from tiny_models import VARIANTS
     return sorted(VARIANTS)
@@ -263,8 +238,8 @@ def test_every_architecture_equals_the_xla_path(variant, tiny_checkpoints):
     the XLA path itself is held to transformers by tests/models/test_hf_parity.py."""
     ids = np.random.default_rng(1).integers(3, 5000, size=60).tolist()
     scan = variant == "llama_gqa_untied"             # one run of the stacked cache through lax.scan
-    want = _prompt_logits(tiny_checkpoints[variant], ids, "xla", scan)
-    got = _prompt_logits(tiny_checkpoints[variant], ids, "native", scan)
+    want = paged_logits(tiny_checkpoints[variant], ids, scan, split=23, attention="xla")
+    got = paged_logits(tiny_checkpoints[variant], ids, scan, split=23, attention="native")
     rel = np.abs(got - want).max() / np.abs(want).max()
     assert rel < 1e-5, f"{variant}: max relative logit error {rel:.2e}"
 

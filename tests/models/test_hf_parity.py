@@ -8,50 +8,14 @@ transformers within 1e-4 relative, and 32 greedy tokens from the engine are iden
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 from conftest import SMALL_ENGINE
-from tiny_models import VARIANTS, load_hf
+from tiny_models import VARIANTS, load_hf, paged_logits
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.layers.attention import AttentionMetadata
-from jaxllm.models import llama
-from jaxllm.models.loader import load_model
-from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
-
-BLOCK = 16
-
-
-def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmul: str = "xla",
-                 bf16: bool = False) -> np.ndarray:
-    """Logits of every prompt position, computed in two chunks [0, split) and [split, T)
-    through a paged cache whose block table is deliberately not in order."""
-    model = load_model(path)
-    arch = model.arch
-    # Laid out as the engine lays them out: the native matmul runs fused projections.
-    params = _to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,
-                               fuse=matmul == "native" and not scan_layers)
-    T = len(ids)
-    n_blocks = -(-T // BLOCK)
-    num_blocks = n_blocks + 5
-    table = np.random.default_rng(0).permutation(num_blocks)[:n_blocks].astype(np.int32)
-    kv = allocate_kv_cache(arch.num_layers, num_blocks, BLOCK, arch.num_kv_heads, arch.head_dim,
-                           jnp.uint16 if bf16 else jnp.float32, stacked=scan_layers)
-    fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md, matmul))
-    out = []
-    for lo, hi in ((0, split), (split, T)):
-        pos = np.arange(lo, hi, dtype=np.int32)
-        md = AttentionMetadata(
-            positions=pos, slot_mapping=(table[pos // BLOCK] * BLOCK + pos % BLOCK).astype(np.int32),
-            token_seq=np.zeros(hi - lo, np.int32), block_tables=table[None, :],
-            seq_lens=np.array([hi], np.int32), query_start_loc=np.array([0, hi - lo], np.int32))
-        hidden, kv = fwd(params, kv, np.asarray(ids[lo:hi], np.int32), md)
-        out.append(np.asarray(llama.compute_logits(arch, params, hidden, matmul)))
-    return np.concatenate(out)
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
