@@ -97,9 +97,9 @@ def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmu
 
     model = load_model(path)
     arch = model.arch
-    # Laid out as the engine lays them out: the native matmul runs fused projections.
+    # Laid out as the engine lays them out for the native matmul (fused projections, panels).
     params = _to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,
-                               fuse=matmul == "native" and not scan_layers)
+                               native=matmul == "native")
     T = len(ids)
     n_blocks = -(-T // block)
     num_blocks = n_blocks + 5

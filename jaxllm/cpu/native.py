@@ -105,8 +105,9 @@ def available() -> bool:
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [M, K] (any float dtype), w [N, K] float32, bfloat16, or bfloat16 bits as uint16
-    (how bf16 weights are stored on CPU, see layers/storage.py) -> [M, N] float32."""
+    """x [M, K] (any float dtype) . w[N, K]^T -> [M, N] float32, with ``w`` in the panel
+    layout (cpu/layout.py): float32, bfloat16, or bfloat16 bits as uint16 (how bf16 weights
+    are stored on CPU, see layers/storage.py)."""
     if w.dtype == jnp.bfloat16:
         w = jax.lax.bitcast_convert_type(w, jnp.uint16)
     target = _TARGETS[jnp.dtype(w.dtype)]

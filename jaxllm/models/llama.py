@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.cpu import layout
 from jaxllm.layers import storage
 from jaxllm.layers.attention import AttentionMetadata, KVCache, attend
 from jaxllm.layers.linear import linear, matmul
@@ -111,7 +112,11 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
     ``attention_backend``: "xla", "pallas" or "native" (see ``layers.attention.attend``);
     ``moe_impl``: "grouped" or "dense" for MoE checkpoints (default ``MOE_IMPL``)."""
     moe_impl = moe_impl or MOE_IMPL
-    x = params["embed"][input_ids]                                        # [T, D]
+    if matmul_backend == "native" and cfg.tie_word_embeddings:
+        # The tied embedding is laid out as the native LM head (runner/model_runner._host_params).
+        x = layout.take_rows(params["embed"], input_ids)                  # [T, D]
+    else:
+        x = params["embed"][input_ids]                                    # [T, D]
     if x.dtype == storage.PACKED_BF16 or matmul_backend == "native":
         # On CPU activations stay float32 whatever the weight dtype: bf16 weights then
         # cost half the bytes without bf16 arithmetic anywhere.

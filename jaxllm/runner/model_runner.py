@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxllm.cpu import layout
 from jaxllm.errors import CompileGuardError
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.models.loader import LoadedModel
@@ -90,33 +91,42 @@ def fuse_projections(layer: dict) -> dict:
     return out
 
 
-def _host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, fuse: bool = False) -> dict:
+# The matrices the native CPU matmul multiplies by (the MoE router and experts use XLA's).
+NATIVE_MATRICES = frozenset({"lm_head", "q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up"})
+
+
+def _host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, native: bool = False) -> dict:
     """Host weights in the device dtype and layout.  ``packed_bf16``: matrices as bf16 bit
     patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py);
-    ``fuse``: unrolled layers with fused projections (:func:`fuse_projections`)."""
+    ``native``: laid out for the native CPU matmul: unrolled layers get fused projections
+    (:func:`fuse_projections`) and its matrices the panel layout (cpu/layout.py), the tied
+    embedding included since it is the LM head."""
     np_dtype = jnp.dtype(dtype)
+    panels = (NATIVE_MATRICES | ({"embed"} if model.arch.tie_word_embeddings else set())) if native else set()
 
     def conv(name, a):
         a = np.asarray(a)
         if packed_bf16:
-            return a.astype(jnp.bfloat16).view(np.uint16) if name in MATRICES else a.astype(np.float32)
-        return a.astype(np_dtype)
+            a = a.astype(jnp.bfloat16).view(np.uint16) if name in MATRICES else a.astype(np.float32)
+        else:
+            a = a.astype(np_dtype)
+        return layout.pack(a) if name in panels else a
 
     params = {k: conv(k, v) for k, v in model.globals.items()}
     if scan_layers:
         params["layers"] = {k: conv(k, np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
     else:
-        layers = [fuse_projections(lp) for lp in model.layers] if fuse else model.layers
+        layers = [fuse_projections(lp) for lp in model.layers] if native else model.layers
         params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in layers]
     params["rope_inv_freq"] = model.rope_inv_freq.astype(np.float32)
     return params
 
 
 def _to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False,
-                      mesh=None, rules: dict | None = None, fuse: bool = False) -> dict:
+                      mesh=None, rules: dict | None = None, native: bool = False) -> dict:
     """Host weights -> device arrays, on ``mesh`` laid out by the sharding ``rules``
     (parallel/sharding.py); without a mesh, on the default device."""
-    host = _host_params(model, dtype, scan_layers, packed_bf16, fuse)
+    host = _host_params(model, dtype, scan_layers, packed_bf16, native)
     if mesh is None:
         return jax.tree.map(jax.device_put, host)
     shardings = psh.named(mesh, psh.param_specs(host, rules or {}))
@@ -162,12 +172,15 @@ class ModelRunner:
         self.tp = self.mesh.devices.size
         self.rules = psh.rules_for(model.arch, self.tp, expert_parallel)
         self._rep = pmesh.replicated(self.mesh)
-        # The native CPU matmul runs unsharded on unrolled layers; fused projections cut its
-        # calls from 7 to 4 per layer.  Elsewhere XLA's dot and the partitioner see the
-        # checkpoint's layout.
-        fuse = matmul_backend == "native" and not scan_layers and self.tp == 1
+        # The native CPU matmul runs unsharded, on its own layout (fused projections cut its
+        # calls from 7 to 4 per unrolled layer; panels, see cpu/layout.py).  Elsewhere XLA's
+        # dot and the partitioner see the checkpoint's layout.
+        native = matmul_backend == "native"
+        if native and self.tp > 1:
+            raise ValueError("the native CPU matmul does not shard; use --cpu-matmul xla with "
+                             "--tensor-parallel-size > 1")
         self.params = _to_device_params(model, self.dtype, scan_layers, self.packed_bf16, self.mesh, self.rules,
-                                        fuse)
+                                        native)
         self.scan_layers = scan_layers
         self.kv = None
         if num_blocks is not None:
