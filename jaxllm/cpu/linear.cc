@@ -181,8 +181,9 @@ void linear(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t
   // (measured: two OpenMP threads were no faster than one inside a step), so the panels
   // are split over XLA's intra-op pool instead, in several parts per thread so that a late
   // start or a slower core costs at most a small part at the end.  Measured on two cores
-  // (SmolLM2's matrices, bf16): at 32 rows 8 parts per thread ran at 165 GFLOP/s against 134
-  // with 2 or 4, and 145 with 16; at 1 row (memory bound) 4 per thread was best.
+  // in a standalone harness (SmolLM2's matrices, bf16): at 32 rows 8 parts per thread ran at
+  // 165 GFLOP/s against 134 with 2 or 4, and 145 with 16; at 1 row (memory bound) 4 per
+  // thread was best.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_thread = M > 8 ? 8 : 4;
   const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(per_thread * threads, P / 6)));
