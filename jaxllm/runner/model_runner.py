@@ -34,6 +34,7 @@ from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
 from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
+from jaxllm.runner import packing
 from jaxllm.runner.step import StepInputs, make_step
 from jaxllm.sample import metadata as smd
 from jaxllm.sample.sampler import LOGPROBS_MODES, init_state, write_bias_row, write_penalty_row
@@ -256,11 +257,17 @@ class ModelRunner:
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         kv_shardings = jax.tree.map(lambda x: x.sharding, kv_spec)
         sstate_spec = jax.tree.map(spec, self.sstate)
-        jitted = jax.jit(self._step_fn, donate_argnums=(1, 2),
+        inputs_spec = self._input_spec(T, S)
+
+        def step(params, kv, sstate, words):   # words: the step's inputs, packing.pack'ed
+            return self._step_fn(params, kv, sstate, packing.unpack(words, inputs_spec))
+
+        jitted = jax.jit(step, donate_argnums=(1, 2),
                          out_shardings=(kv_shardings, jax.tree.map(lambda x: x.sharding, sstate_spec),
                                         self._rep, self._rep))
+        words = jax.ShapeDtypeStruct((packing.num_words(inputs_spec),), jnp.uint32, sharding=self._rep)
         with jax.set_mesh(self.mesh):
-            return jitted.lower(jax.tree.map(spec, self.params), kv_spec, sstate_spec, self._input_spec(T, S))
+            return jitted.lower(jax.tree.map(spec, self.params), kv_spec, sstate_spec, words)
 
     def _input_spec(self, T: int, S: int) -> StepInputs:
         i32 = jnp.int32
@@ -480,8 +487,13 @@ class ModelRunner:
             self.sstate = dataclasses.replace(self.sstate, counts=counts, prompt_mask=mask)
         self._penalty_writes = []
         self._last_prompt_targets = inputs.prompt_targets
-        dev_inputs = pmesh.place_tree(inputs, self._rep)
-        self.kv, self.sstate, out, plp = self._compiled[bucket](self.params, self.kv, self.sstate, dev_inputs)
+        # All of the step's inputs in one vector (runner/packing.py).  On one process the
+        # compiled call takes it as numpy and transfers it in C++, cheaper again than
+        # device_put's Python path; across processes each places its own shards.
+        words = packing.pack(inputs)
+        if jax.process_count() > 1:
+            words = self._put(words)
+        self.kv, self.sstate, out, plp = self._compiled[bucket](self.params, self.kv, self.sstate, words)
         host = pmesh.to_host((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs))
         return host, (pmesh.to_host(plp) if self._plp_plan else None)
 
