@@ -53,12 +53,16 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
 
 
 class Jaxllm:
-    """jaxllm's ``LLM`` on the built-in model; ``time(prompts)`` is one timed ``generate`` call."""
+    """jaxllm's ``LLM`` on the built-in model; ``time(prompts)`` is one timed ``generate`` call.
+    ``engine_kw`` overrides ``LLM``'s arguments (tests: a tiny checkpoint, small buckets)."""
 
-    def __init__(self, args, max_batch: int, dtype: str, cpu_matmul: str):
+    def __init__(self, args, max_batch: int, dtype: str, cpu_matmul: str, **engine_kw):
         from jaxllm import LLM, SamplingParams
-        self.llm = LLM(dtype=dtype, cpu_matmul=cpu_matmul, max_num_seqs=max_batch,
-                       max_num_batched_tokens=max(512, max_batch), max_model_len=2048, show_progress=False)
+        # Prefix caching off: every repeat sends the same prompts, and the engines it is
+        # compared with compute every prompt token on every call.
+        kw = dict(dtype=dtype, cpu_matmul=cpu_matmul, max_num_seqs=max_batch, max_num_batched_tokens=max(512, max_batch),
+                  max_model_len=2048, show_progress=False, enable_prefix_caching=False)
+        self.llm = LLM(**{**kw, **engine_kw})
         self.output_len = args.output_len
         self.sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         self.warm_sp = SamplingParams(temperature=0, max_tokens=4)
@@ -74,7 +78,12 @@ class Jaxllm:
         t0 = time.perf_counter()
         outs = self.llm.generate(reqs, self.sp, use_tqdm=False)
         t = time.perf_counter() - t0
-        assert all(len(o.outputs[0].token_ids) == self.output_len for o in outs)
+        if any(len(o.outputs[0].token_ids) != self.output_len for o in outs):
+            raise RuntimeError(f"jaxllm did not produce exactly {self.output_len} tokens per prompt")
+        cached = sum(o.num_cached_tokens or 0 for o in outs)
+        if cached:
+            raise RuntimeError(f"jaxllm took {cached} prompt tokens from its prefix cache: the timing would "
+                               "not include their prefill")
         return t
 
 
