@@ -16,8 +16,9 @@ state included, logprobs off) on random logits, after a warm-up call.  Columns:
 
 ``--share`` runs 32 concurrent requests on the built-in SmolLM2-135M-Instruct (float32,
 49,152 vocabulary), captures the inputs of a step where all 32 rows decode, and times the
-compiled step against the same step compiled without the sampler (argmax of the logits):
-the share is (with - without) / with.  "sampler alone" is the table's cell at batch 32.
+compiled step (the model: forward and logits) and the compiled sampler that follows it
+on those inputs: the share is sampler / (step + sampler).  "sampler alone" is the table's
+cell at batch 32.
 """
 
 from __future__ import annotations
@@ -87,19 +88,13 @@ def table(batches, V: int, repeat: int) -> None:
 
 def decode_share(steps: int = 12, repeat: int = 15) -> None:
     """The sampler's share of a batch-32 decode step of the built-in model: the compiled step
-    (forward + logits + sampler) against the same step compiled without the sampler
-    (forward + logits + argmax), on the same captured decode inputs."""
+    (forward + logits) and the compiled sampler that follows it, timed apart on the same
+    captured decode inputs."""
     from jaxllm import LLM, SamplingParams
+    from jaxllm.runner import packing
     llm = LLM(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=256, dtype="float32", show_progress=False)
     runner = llm.llm_engine.core.runner
-    arch, mod, mm = runner.arch, runner.model_module, runner.matmul_backend
     V = runner.vocab_size
-
-    def no_sampler(params, kv, inputs):
-        hidden, kv = mod.forward(arch, params, kv, inputs.input_ids, inputs.attn, mm)
-        logits = mod.compute_logits(arch, params, hidden[inputs.logits_indices], mm)
-        return kv, jnp.argmax(logits, axis=-1)
-
     run = runner._run
     captured = {}
 
@@ -111,30 +106,26 @@ def decode_share(steps: int = 12, repeat: int = 15) -> None:
     runner._run = capture
     prompts = [{"prompt_token_ids": [1 + i, 2 + i]} for i in range(32)]
     print(f"\nbuilt-in model ({llm.llm_engine.model_name}), batch-32 decode step, vocab {V}, median ms")
-    print("| parameters | step without sampler | step with sampler | sampler share | sampler alone |")
+    print("| parameters | step (model) | sampler | sampler share | sampler alone |")
     print("|---|---:|---:|---:|---:|")
-    bare = None
+    step, sampler = runner._compiled[(32, 32)], runner._samplers[32]
     for name in ("greedy", "random", "top-k/p threshold", "flat top-p"):
         cfg = CONFIGS[name]
         captured.clear()
         llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True, seed=1, **cfg), use_tqdm=False)
-        inputs = jax.device_put(captured["inputs"])
-        step = runner._compiled[(32, 32)]
-        if bare is None:
-            bare = jax.jit(no_sampler, donate_argnums=(1,)).lower(runner.params, runner.kv, inputs).compile()
-        t_with, t_without = [], []
+        words, sampling_words = packing.pack(captured["inputs"]), packing.pack(captured["inputs"].sampling)
+        t_step, t_sample = [], []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            runner.kv, runner.sstate, out, _ = step(runner.params, runner.kv, runner.sstate, inputs)
-            out.token_ids.block_until_ready()
-            t_with.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            runner.kv, tok = bare(runner.params, runner.kv, inputs)
-            tok.block_until_ready()
-            t_without.append(time.perf_counter() - t0)
-        w, wo = statistics.median(t_with), statistics.median(t_without)
+            runner.kv, runner.sstate, logits, _ = step(runner.params, runner.kv, runner.sstate, words)
+            logits.block_until_ready()
+            t1 = time.perf_counter()
+            sampler(runner.sstate, logits, sampling_words).token_ids.block_until_ready()
+            t_step.append(t1 - t0)
+            t_sample.append(time.perf_counter() - t1)
+        st, sa = statistics.median(t_step), statistics.median(t_sample)
         alone = time_sampler(32, V, cfg, flat=name.startswith("flat"))
-        print(f"| {name} | {wo * 1e3:.1f} | {w * 1e3:.1f} | {100 * (w - wo) / w:.1f}% | {alone * 1e3:.2f} |",
+        print(f"| {name} | {st * 1e3:.1f} | {sa * 1e3:.2f} | {100 * sa / (st + sa):.1f}% | {alone * 1e3:.2f} |",
               flush=True)
     runner._run = run
 

@@ -3,9 +3,9 @@
 It keeps per-request host state keyed by request id (tokens, block table, sampling
 parameters, the request's row of the sampler's device state), turns each
 ``SchedulerOutput`` into padded numpy arrays, picks the compiled step of the (T, S) bucket,
-runs it with the KV cache and the sampler state donated, and returns the sampled tokens as
-plain Python lists.  Every bucket is compiled at start-up from
-``ShapeDtypeStruct``s; afterwards a step that traces or compiles is a bug, reported by the
+runs it with the KV cache and the sampler state donated, then the compiled sampler of its
+S on the logits it left on the device, and returns the sampled tokens as plain Python
+lists.  Every bucket is compiled at start-up from ``ShapeDtypeStruct``s; afterwards a step that traces or compiles is a bug, reported by the
 compile guard (fatal in tests).
 """
 
@@ -35,9 +35,9 @@ from jaxllm.parallel import sharding as psh
 from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner import packing
-from jaxllm.runner.step import StepInputs, make_step
+from jaxllm.runner.step import StepInputs, make_sample_step, make_step
 from jaxllm.sample import metadata as smd
-from jaxllm.sample.sampler import LOGPROBS_MODES, init_state, write_bias_row, write_penalty_row
+from jaxllm.sample.sampler import LOGPROBS_MODES, SamplingMetadata, init_state, write_bias_row, write_penalty_row
 
 log = logging.getLogger("jaxllm.runner")
 
@@ -191,9 +191,10 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.sampler_backend = sampler_backend
         self._step_fn = make_step(self.arch, self.model_module, max_logprobs, matmul_backend,
-                                  attention_backend=attention_backend, sampler_backend=sampler_backend,
-                                  logprobs_mode=logprobs_mode, use_fp64_gumbel=use_fp64_gumbel,
+                                  attention_backend=attention_backend,
                                   moe_impl="expert_parallel" if expert_parallel else None)
+        self._sample_fn = make_sample_step(max_logprobs, sampler_backend=sampler_backend,
+                                           logprobs_mode=logprobs_mode, use_fp64_gumbel=use_fp64_gumbel)
         # The sampler's per-request device state: one row per running request (assigned by
         # request id, reused once freed) and a last scratch row for padding rows.
         self.vocab_size = a.vocab_size
@@ -206,7 +207,8 @@ class ModelRunner:
         self._penalty_writes: list[tuple[int, np.ndarray, np.ndarray]] = []
         self._plp_plan: list[tuple[str, int, int]] = []
         self._last_prompt_targets = None
-        self._compiled: dict[tuple[int, int], object] = {}
+        self._compiled: dict[tuple[int, int], object] = {}        # bucket (T, S) -> compiled step
+        self._samplers: dict[int, object] = {}                       # S -> compiled sample_step
         self._states: dict[str, _ReqState] = {}
         self.warm = False
         self.compile_seconds = 0.0
@@ -238,8 +240,12 @@ class ModelRunner:
         """The largest step's temporary memory as XLA compiled it (the KV cache, donated and
         updated in place, is not part of it): what ``--gpu-memory-utilization`` sets aside."""
         T, S = max(self.buckets)
-        analysis = self._lower(self._kv_arrays(2, shapes_only=True), T, S).compile().memory_analysis()
-        return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
+        out = 0
+        # The step and then the sampler run one after the other: the larger of the two.
+        for lowered in (self._lower(self._kv_arrays(2, shapes_only=True), T, S), self._lower_sample(S)):
+            analysis = lowered.compile().memory_analysis()
+            out = max(out, int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0)
+        return out
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV arrays actually occupy on the device."""
@@ -269,6 +275,24 @@ class ModelRunner:
         with jax.set_mesh(self.mesh):
             return jitted.lower(jax.tree.map(spec, self.params), kv_spec, sstate_spec, words)
 
+    def _lower_sample(self, S: int):
+        """The sampler of sequence bucket S: (sampler state, logits [S, V], packed sampling
+        metadata) -> SamplerOutput; the state is read, not donated (the step updated it)."""
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        md_spec = self._sampling_spec(S)
+
+        def sample_step(sstate, logits, words):   # words: the sampling metadata, packing.pack'ed
+            return self._sample_fn(sstate, logits, packing.unpack(words, md_spec))
+
+        logits = jax.ShapeDtypeStruct((S, self.vocab_size), jnp.float32, sharding=self._rep)
+        words = jax.ShapeDtypeStruct((packing.num_words(md_spec),), jnp.uint32, sharding=self._rep)
+        with jax.set_mesh(self.mesh):
+            return jax.jit(sample_step, out_shardings=self._rep).lower(jax.tree.map(spec, self.sstate), logits, words)
+
+    def _sampling_spec(self, S: int) -> SamplingMetadata:
+        return smd.to_metadata({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._rep)
+                                for k, v in smd.empty_metadata(S).items()})
+
     def _input_spec(self, T: int, S: int) -> StepInputs:
         i32 = jnp.int32
 
@@ -282,7 +306,7 @@ class ModelRunner:
                                    block_tables=sds((S, self.max_blocks_per_seq), i32),
                                    seq_lens=sds((S,), i32), query_start_loc=sds((S + 1,), i32)),
             logits_indices=sds((S,), i32),
-            sampling=smd.to_metadata({k: sds(v.shape, v.dtype) for k, v in smd.empty_metadata(S).items()}),
+            sampling=self._sampling_spec(S),
             prompt_targets=sds((T,), i32))
 
     def warmup(self) -> None:
@@ -299,26 +323,32 @@ class ModelRunner:
             spec(self.sstate.counts), spec(self.sstate.prompt_mask), rep((), jnp.int32),
             rep((V,), jnp.int32), rep((V,), jnp.bool_)).compile()
         t0 = time.perf_counter()
+        # Every step bucket, and the sampler once per sequence bucket (see runner/step.py).
+        jobs = [("step", b) for b in self.buckets] + [("sample", S) for S in sorted({S for _, S in self.buckets})]
         bar = None
         if self.show_progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(self.buckets), desc="compiling step buckets", unit="bucket", leave=False)
+            bar = tqdm(total=len(jobs), desc="compiling step buckets", unit="program", leave=False)
 
-        def build(bucket):
-            T, S = bucket
-            compiled = self._lower(kv_spec, T, S).compile()
+        def build(job):
+            kind, key = job
+            lowered = self._lower(kv_spec, *key) if kind == "step" else self._lower_sample(key)
+            compiled = lowered.compile()
             if bar is not None:
                 bar.update(1)
-            return bucket, compiled
+            return job, compiled
 
         # XLA compiles outside the GIL: two at a time is ~1.3x faster on two cores.
         with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-            self._compiled = dict(pool.map(build, self.buckets))
+            built = dict(pool.map(build, jobs))
         if bar is not None:
             bar.close()
+        self._compiled = {key: c for (kind, key), c in built.items() if kind == "step"}
+        self._samplers = {key: c for (kind, key), c in built.items() if kind == "sample"}
         self.compile_seconds = time.perf_counter() - t0
         self.warm = True
-        log.info("compiled %d step buckets in %.1f s", len(self.buckets), self.compile_seconds)
+        log.info("compiled %d step buckets and %d samplers in %.1f s", len(self._compiled), len(self._samplers),
+                 self.compile_seconds)
 
     # ------------------------------------------------------------------ one step
 
@@ -490,10 +520,11 @@ class ModelRunner:
         # All of the step's inputs in one vector (runner/packing.py).  On one process the
         # compiled call takes it as numpy and transfers it in C++, cheaper again than
         # device_put's Python path; across processes each places its own shards.
-        words = packing.pack(inputs)
+        words, sampling_words = packing.pack(inputs), packing.pack(inputs.sampling)
         if jax.process_count() > 1:
-            words = self._put(words)
-        self.kv, self.sstate, out, plp = self._compiled[bucket](self.params, self.kv, self.sstate, words)
+            words, sampling_words = self._put(words), self._put(sampling_words)
+        self.kv, self.sstate, logits, plp = self._compiled[bucket](self.params, self.kv, self.sstate, words)
+        out = self._samplers[bucket[1]](self.sstate, logits, sampling_words)
         host = pmesh.to_host((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs))
         return host, (pmesh.to_host(plp) if self._plp_plan else None)
 

@@ -63,17 +63,25 @@ def test_guard_fails_a_step_that_compiles(tiny_llm):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
-def test_second_process_hits_the_persistent_cache(tiny_llama, tmp_path):
+def test_second_process_hits_the_persistent_cache(tiny_checkpoints, tmp_path):
     cache = str(tmp_path / "xla")
 
-    def probe():
-        r = subprocess.run([sys.executable, os.path.join(HERE, "warmup_probe.py"), tiny_llama, cache],
+    def probe(model):
+        r = subprocess.run([sys.executable, os.path.join(HERE, "warmup_probe.py"), model, cache],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
-    first, second = probe(), probe()
-    assert first["delta"]["cache_misses"] >= first["buckets"]
+    llama = tiny_checkpoints["llama_gqa_untied"]
+    first, second = probe(llama), probe(llama)
+    assert first["delta"]["cache_misses"] >= first["buckets"] + first["samplers"]
     assert second["delta"]["cache_misses"] == 0, second
     assert second["delta"]["cache_hits"] == first["delta"]["cache_misses"]
     assert second["tokens"] == first["tokens"]
+    # Another model with the same vocabulary and cache shape compiles only its own steps: the
+    # samplers (one per sequence bucket, independent of the model), the state-row writers
+    # and the cache allocation are the first model's programs, found in the cache.
+    other = probe(tiny_checkpoints["qwen2_qkv_bias"])
+    assert other["samplers"] == 3, other                 # S = 1, 2, 4 under max_num_seqs=4
+    assert other["delta"]["cache_misses"] == other["buckets"], other
+    assert other["delta"]["cache_hits"] >= other["samplers"] + 2, other

@@ -46,7 +46,8 @@ def test_pack_refuses_other_widths(dtype):
 
 
 def test_compiled_step_takes_one_input_vector(tiny_llama):
-    """The step's arguments are the weights, the KV cache, the sampler state and one vector."""
+    """The step's arguments are the weights, the KV cache, the sampler state and one vector;
+    the sampler's, the state, the logits and one vector."""
     from jaxllm import LLM, SamplingParams
     from conftest import SMALL_ENGINE
     llm = LLM(model=tiny_llama, **SMALL_ENGINE)
@@ -55,6 +56,12 @@ def test_compiled_step_takes_one_input_vector(tiny_llama):
     for bucket, compiled in runner._compiled.items():
         args = compiled.in_tree.num_leaves
         assert args == fixed + 1, f"bucket {bucket}: {args - fixed} input arrays per step, expected 1"
+    # The sampler of each sequence bucket: the state, the step's logits and one vector.
+    assert sorted(runner._samplers) == sorted({S for _, S in runner.buckets})
+    state = len(jax.tree.leaves(runner.sstate))
+    for S, compiled in runner._samplers.items():
+        args = compiled.in_tree.num_leaves
+        assert args == state + 2, f"sampler {S}: {args - state - 1} input arrays besides the logits, expected 1"
     out = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

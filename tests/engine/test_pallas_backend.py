@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from conftest import SMALL_ENGINE
@@ -64,8 +65,12 @@ def test_backend_is_part_of_the_compiled_step(tiny_llm, pallas_llm):
         T, S = runner.buckets[0]
         args = (jax.tree.map(spec, runner.params), jax.tree.map(spec, runner.kv), jax.tree.map(spec, runner.sstate),
                 runner._input_spec(T, S))
-        jaxprs[name] = str(jax.make_jaxpr(runner._step_fn)(*args))
-        hlos[name] = jax.jit(runner._step_fn).lower(*args).as_text()
+        # The sampler is its own program (runner/step.py): its arguments are the state and the logits.
+        sample_args = (args[2], jax.ShapeDtypeStruct((S, runner.vocab_size), jnp.float32), runner._sampling_spec(S))
+        jaxprs[name] = str(jax.make_jaxpr(runner._step_fn)(*args)) + str(
+            jax.make_jaxpr(runner._sample_fn)(*sample_args))
+        hlos[name] = jax.jit(runner._step_fn).lower(*args).as_text() + jax.jit(runner._sample_fn).lower(
+            *sample_args).as_text()
     kernels = set(re.findall(r"name=(ragged_paged_attention|gumbel_argmax)", jaxprs["pallas"]))
     assert kernels == {"ragged_paged_attention", "gumbel_argmax"}
     assert "pallas_call" not in jaxprs["xla"]

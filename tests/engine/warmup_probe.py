@@ -14,4 +14,5 @@ llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, d
 after = cc.counts()
 out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)[0].outputs[0].token_ids
 print(json.dumps({"delta": {k: after[k] - before[k] for k in after},
-                  "buckets": len(llm.llm_engine.core.runner.buckets), "tokens": out}))
+                  "buckets": len(llm.llm_engine.core.runner.buckets),
+                  "samplers": len(llm.llm_engine.core.runner._samplers), "tokens": out}))

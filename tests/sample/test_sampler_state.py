@@ -28,6 +28,13 @@ def test_step_updates_the_state_in_place(tiny_llm):
         header = hlo.splitlines()[0]
         n_alias = len(re.findall(r"(may|must)-alias\)", header))
         assert n_alias == len(jax.tree.leaves(runner.kv)) + 3, header[:300]
+    # The sampler (its own program per sequence bucket) reads the state without copying it.
+    assert runner._samplers
+    for S, compiled in runner._samplers.items():
+        hlo = compiled.as_text()
+        for dt in ("s32", "pred", "f32"):
+            copies = [ln for ln in hlo.splitlines() if re.search(rf"= {dt}\[{R},{V}\]\{{[0-9,]*\}} copy\(", ln)]
+            assert not copies, f"sampler {S} copies a sampler state buffer:\n" + "\n".join(copies[:2])
 
 
 def test_counts_live_on_the_device_keyed_by_request_id(tiny_llm):
