@@ -12,7 +12,10 @@ shows medians over ``--repeats`` runs and the ratio to transformers (run in ``--
 default: its bf16 matmuls on a CPU without AVX512-BF16 are many times slower).  The
 batch-1 column "floor" is the fraction of the memory-bandwidth floor: weight bytes read
 per decode step over the two-thread copy bandwidth measured in this same run (bytes read
-plus bytes written, STREAM's convention).
+plus bytes written, STREAM's convention).  At larger batches the floor is compute: the
+matmul FLOPs of a whole call (prefill and decode, LM head included) over the float32 GEMM
+rate of numpy's BLAS on every core, measured in this run too; every engine's % of that
+floor is printed for every batch size.
 
 ``--llama-cpp TYPES`` puts llama.cpp on the same floor: the built-in GGUF converted by
 llama.cpp's own quantizer to each dense type (f16, bf16, f32: the bytes per weight of
@@ -57,6 +60,46 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
     return 2 * a.nbytes / statistics.median(best)
 
 
+def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a float32 [n, n] x [n, n] matmul by numpy's BLAS on every core: what a
+    tuned GEMM does on this machine (both engines multiply in float32)."""
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    b = a.T.copy()
+    a @ b
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        ts.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(ts)
+
+
+def linear_flops(arch, batch: int, input_len: int, output_len: int) -> float:
+    """FLOPs (2 per multiply-add) of one greedy call's weight matmuls: every prompt token and
+    every generated token but the last goes through the layers; the LM head runs once per
+    generated token (a prefill computes logits only at the last prompt position)."""
+    a = arch
+    qkv_o = a.hidden_size * a.head_dim * (2 * a.num_heads + 2 * a.num_kv_heads)
+    if a.num_experts:
+        mlp = a.num_experts_per_tok * 3 * a.hidden_size * a.moe_intermediate_size + a.hidden_size * a.num_experts
+    else:
+        mlp = 3 * a.hidden_size * a.intermediate_size
+    n = input_len + output_len - 1
+    return 2.0 * batch * (a.num_layers * (qkv_o + mlp) * n + a.vocab_size * a.hidden_size * output_len)
+
+
+def attention_flops(arch, batch: int, input_len: int, output_len: int) -> float:
+    """FLOPs of QK and PV over the keys up to each position (causal: no masked-out work)."""
+    n = input_len + output_len - 1
+    return 2.0 * batch * arch.num_layers * 2 * arch.num_heads * arch.head_dim * (n * (n + 1) // 2)
+
+
+def call_flops(arch, batch: int, input_len: int, output_len: int) -> float:
+    """The compute floor's numerator: weight matmuls and attention (norms, RoPE and sampling
+    are left out)."""
+    return linear_flops(arch, batch, input_len, output_len) + attention_flops(arch, batch, input_len, output_len)
+
+
 class Jaxllm:
     """jaxllm's ``LLM`` on the built-in model; ``time(prompts)`` is one timed ``generate`` call.
     ``engine_kw`` overrides ``LLM``'s arguments (tests: a tiny checkpoint, small buckets)."""
@@ -74,6 +117,7 @@ class Jaxllm:
         runner = self.llm.llm_engine.core.runner
         # Weight bytes one decode step reads: every parameter once (tied embeddings: the LM head).
         self.weight_bytes = runner.weight_bytes() - runner.params["rope_inv_freq"].nbytes
+        self.arch = runner.arch
 
     def warm(self, prompts) -> None:
         self.llm.generate([{"prompt_token_ids": prompts[0]}], self.warm_sp, use_tqdm=False)
@@ -259,6 +303,22 @@ def _label(name) -> str:
     return name if isinstance(name, str) else " ".join(name if name[0] == "llama.cpp" else ("jaxllm", *name))
 
 
+def format_compute_floor(rates: dict, flops_of, gemm: float, batches: list[int], output_len: int) -> str:
+    """Every engine's % of the compute floor: a call's matmul FLOPs at the GEMM rate over
+    the call's measured seconds (rates: {name: {batch: output tok/s}}; flops_of(batch))."""
+    lines = [f"\nagainst the compute floor (matmul FLOPs per call / float32 GEMM rate {gemm / 1e9:.0f} GFLOP/s):",
+             "| batch | GFLOP per call | " + " | ".join(_label(n) for n in rates) + " |",
+             "|---" * (2 + len(rates)) + "|"]
+    for b in batches:
+        floor_s = flops_of(b) / gemm
+        cells = []
+        for bs in rates.values():
+            r = bs.get(b)
+            cells.append(f"{floor_s / (b * output_len / r) * 100:.0f}%" if r else "-")
+        lines.append(f"| {b} | {flops_of(b) / 1e9:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def format_phases(phases: dict, batches: list[int]) -> str:
     """The --phases table: prefill seconds and decode ms per step per engine, and the
     transformers / engine ratios (above 1: the engine is faster)."""
@@ -308,6 +368,7 @@ def main(argv=None):
     prompts = {b: rng.integers(100, 40000, size=(b, args.input_len)).tolist() for b in batches}
 
     bw = copy_bandwidth()
+    gemm = gemm_rate()
     engines = {}
     for dtype in args.dtypes.split(","):
         for mm in args.cpu_matmuls.split(","):
@@ -352,11 +413,15 @@ def main(argv=None):
                   f"measured {res[1]:.1f} tok/s = {res[1] / floor * 100:.0f}% of the floor")
         if llama_skipped:
             print(f"  llama.cpp: skipped, {llama_skipped}")
+    arch = next(e.arch for e in engines.values() if isinstance(e, Jaxllm))
+    flops_of = lambda b: call_flops(arch, b, args.input_len, args.output_len)   # noqa: E731
+    print(format_compute_floor(rates, flops_of, gemm, batches, args.output_len))
     if phases:
         print(format_phases(phases, batches))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "copy_bandwidth": bw, "transformers": theirs,
+            json.dump({"args": vars(args), "copy_bandwidth": bw, "gemm_flops": gemm,
+                       "call_flops": {b: flops_of(b) for b in batches}, "transformers": theirs,
                        "llama.cpp": {t: {"tok_s": r, "weight_bytes": wb} for t, (r, wb) in llama.items()},
                        "phases": {_label(n): {b: {"prefill_s": v[0], "decode_step_s": v[1]} for b, v in bs.items()}
                                   for n, bs in (phases or {}).items()},

@@ -13,7 +13,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.append(ROOT)
 
-from bench.throughput import Jaxllm, format_phases, measure, split_phases  # noqa: E402
+from bench.throughput import (Jaxllm, attention_flops, call_flops, format_compute_floor, format_phases,  # noqa: E402
+                              linear_flops, measure, split_phases)
 from conftest import SMALL_ENGINE  # noqa: E402
 
 ENGINE = {k: v for k, v in SMALL_ENGINE.items() if k != "dtype"}
@@ -64,3 +65,46 @@ def test_phases_time_a_one_token_call_beside_each_full_one(engine):
     assert 2 * 8 / rates["jaxllm"][2] == pytest.approx(pre + 7 * step, rel=1e-9)
     table = format_phases(phases, [2])
     assert f"| 2 | jaxllm | {pre:.3f} | {step * 1e3:.1f} | - | - |" in table
+
+
+def _counted_generate_flops(path: str, batch: int, input_len: int, output_len: int) -> dict:
+    """torch's FLOP counter over transformers' greedy ``generate`` of the same call: {op: FLOPs}.
+    Eager attention: its QK and PV are matmuls the counter sees (CPU sdpa is not counted)."""
+    import torch
+    import transformers
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    model.generation_config.eos_token_id = None
+    ids = torch.arange(100, 100 + batch * input_len).reshape(batch, input_len)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, do_sample=False,
+                             pad_token_id=0)
+    assert out.shape == (batch, input_len + output_len)
+    return {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+def test_call_flops_match_transformers_flop_counter(tiny_llama):
+    # The compute floor's numerator, against an independent count: torch's FLOP counter
+    # over transformers' generate on the same tiny checkpoint (GQA, untied head).
+    from jaxllm.models.loader import load_model
+    arch = load_model(tiny_llama).arch
+    # A 7-token prompt: the weight matmuls (mm / addmm: projections, MLP, LM head).
+    counted = _counted_generate_flops(tiny_llama, 2, 7, 5)
+    linear = sum(n for op, n in counted.items() if op.split(".")[1] in ("mm", "addmm"))
+    assert linear == linear_flops(arch, 2, 7, 5)
+    # A 1-token prompt: the prefill has no masked-out keys, so transformers' attention (which
+    # computes the whole square and masks it) does exactly the causal work counted here.
+    counted = _counted_generate_flops(tiny_llama, 2, 1, 6)
+    attn = sum(n for op, n in counted.items() if op.split(".")[1] == "bmm")
+    assert attn == attention_flops(arch, 2, 1, 6)
+    assert sum(counted.values()) == call_flops(arch, 2, 1, 6)
+
+
+def test_compute_floor_table():
+    # 10 GFLOP at 100 GFLOP/s is a 0.1 s floor; a batch-2 call of 8 tokens at 80 tok/s takes
+    # 0.2 s: 50% of the floor.  An engine without that batch size prints "-".
+    table = format_compute_floor({"transformers": {2: 80.0}, ("float32", "native"): {}}, lambda b: 5e9 * b,
+                                 100e9, [2], output_len=8)
+    assert "100 GFLOP/s" in table
+    assert "| 2 | 10.0 | 50% | - |" in table
