@@ -5,8 +5,8 @@ parameters, the request's row of the sampler's device state), turns each
 ``SchedulerOutput`` into padded numpy arrays, picks the compiled step of the (T, S) bucket,
 runs it with the KV cache and the sampler state donated, then the compiled sampler of its
 S on the logits it left on the device, and returns the sampled tokens as plain Python
-lists.  Every bucket is compiled at start-up from ``ShapeDtypeStruct``s; afterwards a step that traces or compiles is a bug, reported by the
-compile guard (fatal in tests).
+lists.  Every bucket is compiled at start-up from ``ShapeDtypeStruct``s; afterwards a step
+that traces or compiles is a bug, reported by the compile guard (fatal in tests).
 """
 
 from __future__ import annotations
