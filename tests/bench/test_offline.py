@@ -85,10 +85,14 @@ def test_latency_profile_writes_a_trace_with_device_ops(tiny_llama, tmp_path, ca
     assert step_ops, f"no XLA op events of jit_step in {xplane}: {events[:5]}"
     assert all(plane == "/host:CPU" for plane, *_ in step_ops)   # the CPU "device"
     assert sum(d for *_, d in step_ops) > 0
-    # Every measured step ran inside the trace: 2 iterations x 4 steps, each with its op events.
-    names = {op for _, _, op, _ in step_ops}
-    counts = {op: sum(1 for e in step_ops if e[2] == op) for op in names}
+    # Every measured step ran inside the trace: 2 iterations x 4 steps, each with its op events,
+    # and after each step the sampler's own program (runner/step.py).
+    counts = {op: sum(1 for e in step_ops if e[2] == op) for op in {e[2] for e in step_ops}}
     assert max(counts.values()) >= 8, counts
+    sample_ops = [e for e in events if e[1] == "jit_sample_step"]
+    sample_counts = {op: sum(1 for e in sample_ops if e[2] == op) for op in {e[2] for e in sample_ops}}
+    assert sample_counts and max(sample_counts.values()) >= 8, sample_counts
+    names = {op for _, _, op, _ in step_ops + sample_ops}
     perfetto = os.path.join(os.path.dirname(xplane), "perfetto_trace.json.gz")
     with gzip.open(perfetto) as f:
         trace_events = json.load(f)["traceEvents"]
@@ -96,8 +100,8 @@ def test_latency_profile_writes_a_trace_with_device_ops(tiny_llama, tmp_path, ca
 
     # The top-ops table names ops that are in the trace, largest first.
     table = out[out.index("top XLA ops by self time"):]
-    rows = re.findall(r"^\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)\s+(\d+\.\d+)\s+(\S+)\s+jit_step(?:#\d+)?\s*$",
-                      table, re.M)
+    rows = re.findall(
+        r"^\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)\s+(\d+\.\d+)\s+(\S+)\s+jit_(?:sample_)?step(?:#\d+)?\s*$", table, re.M)
     assert len(rows) >= 5, table
     assert all(r[4] in names for r in rows), (rows, sorted(names)[:10])
     self_ms = [float(r[0]) for r in rows]
@@ -221,9 +225,12 @@ def test_start_stop_profile_over_http_writes_a_trace(profiled_engine, tmp_path):
             body = r.json()
             xplane = only_trace(prof)
             assert body["trace"]["xplane"] == xplane
-            step_ops = [e for e in xla_op_events(xplane) if e[1] == "jit_step"]
+            events = xla_op_events(xplane)
+            step_ops = [e for e in events if e[1] == "jit_step"]
             assert step_ops, "the trace holds no XLA op events of the engine step"
-            assert body["top_ops"] and {o["op"] for o in body["top_ops"]} <= {e[2] for e in step_ops}
+            # The step's and the sampler's programs (runner/step.py).
+            engine_ops = {e[2] for e in events if e[1] in ("jit_step", "jit_sample_step")}
+            assert body["top_ops"] and {o["op"] for o in body["top_ops"]} <= engine_ops
 
             r = http.post("/stop_profile")
             assert r.status_code == 400
