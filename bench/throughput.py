@@ -221,6 +221,8 @@ def measure(engines: dict, args, prompts_by_batch, phases: dict | None = None) -
     first = {name: {} for name in engines}
     for b, prompts in prompts_by_batch.items():
         names = [n for n, e in engines.items() if b in getattr(e, "batches", [b])]
+        if not names:   # llama.cpp alone at a batch size it does not run
+            continue
         for n in names:
             engines[n].warm(prompts)
         for r in range(args.repeats):

@@ -108,3 +108,33 @@ def test_compute_floor_table():
                                  100e9, [2], output_len=8)
     assert "100 GFLOP/s" in table
     assert "| 2 | 10.0 | 50% | - |" in table
+
+
+class _FixedEngine:
+    """An engine that takes a fixed time per call: measure()'s bookkeeping without a model."""
+
+    def __init__(self, seconds: float, batches=None):
+        self.seconds, self.calls = seconds, []
+        if batches is not None:
+            self.batches = batches
+
+    def warm(self, prompts):
+        pass
+
+    def time(self, prompts, n=None):
+        self.calls.append(len(prompts))
+        return self.seconds
+
+
+def test_measure_skips_batch_sizes_an_engine_does_not_run():
+    # llama.cpp runs batch 1 only; measured alone (bench/compare.py) over batches 1 and 8 it
+    # must give batch 1 and leave batch 8 out, not divide by zero rotating an empty list.
+    args = argparse.Namespace(output_len=4, repeats=3)
+    prompts = {1: [[1, 2]], 8: [[1, 2]] * 8}
+    one = _FixedEngine(0.5, batches=[1])
+    assert measure({"llama.cpp": one}, args, prompts) == {"llama.cpp": {1: 8.0}}
+    assert one.calls == [1, 1, 1]
+    both = _FixedEngine(2.0)
+    rates = measure({"llama.cpp": _FixedEngine(0.5, batches=[1]), "jaxllm": both}, args, prompts)
+    assert rates == {"llama.cpp": {1: 8.0}, "jaxllm": {1: 2.0, 8: 16.0}}
+    assert both.calls == [1, 1, 1, 8, 8, 8]
