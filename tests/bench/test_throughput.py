@@ -114,12 +114,12 @@ class _FixedEngine:
     """An engine that takes a fixed time per call: measure()'s bookkeeping without a model."""
 
     def __init__(self, seconds: float, batches=None):
-        self.seconds, self.calls = seconds, []
+        self.seconds, self.calls, self.warmed = seconds, [], []
         if batches is not None:
             self.batches = batches
 
     def warm(self, prompts):
-        pass
+        self.warmed.append(len(prompts))
 
     def time(self, prompts, n=None):
         self.calls.append(len(prompts))
@@ -133,8 +133,8 @@ def test_measure_skips_batch_sizes_an_engine_does_not_run():
     prompts = {1: [[1, 2]], 8: [[1, 2]] * 8}
     one = _FixedEngine(0.5, batches=[1])
     assert measure({"llama.cpp": one}, args, prompts) == {"llama.cpp": {1: 8.0}}
-    assert one.calls == [1, 1, 1]
+    assert one.calls == [1, 1, 1] and one.warmed == [1]
     both = _FixedEngine(2.0)
     rates = measure({"llama.cpp": _FixedEngine(0.5, batches=[1]), "jaxllm": both}, args, prompts)
     assert rates == {"llama.cpp": {1: 8.0}, "jaxllm": {1: 2.0, 8: 16.0}}
-    assert both.calls == [1, 1, 1, 8, 8, 8]
+    assert both.calls == [1, 1, 1, 8, 8, 8] and both.warmed == [1, 8]
