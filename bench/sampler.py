@@ -113,11 +113,11 @@ def decode_share(steps: int = 12, repeat: int = 15) -> None:
         cfg = CONFIGS[name]
         captured.clear()
         llm.generate(prompts, SamplingParams(max_tokens=steps, ignore_eos=True, seed=1, **cfg), use_tqdm=False)
-        words, sampling_words = packing.pack(captured["inputs"]), packing.pack(captured["inputs"].sampling)
+        words = packing.pack(captured["inputs"])
         t_step, t_sample = [], []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            runner.kv, runner.sstate, logits, _ = step(runner.params, runner.kv, runner.sstate, words)
+            runner.kv, runner.sstate, logits, _, sampling_words = step(runner.params, runner.kv, runner.sstate, words)
             logits.block_until_ready()
             t1 = time.perf_counter()
             sampler(runner.sstate, logits, sampling_words).token_ids.block_until_ready()

@@ -265,12 +265,16 @@ class ModelRunner:
         sstate_spec = jax.tree.map(spec, self.sstate)
         inputs_spec = self._input_spec(T, S)
 
+        # The sampling metadata's words also leave the step, so the sampler reads them from the
+        # device: the inputs are packed and sent once per step.
+        lo, hi = packing.span(inputs_spec, inputs_spec.sampling)
+
         def step(params, kv, sstate, words):   # words: the step's inputs, packing.pack'ed
-            return self._step_fn(params, kv, sstate, packing.unpack(words, inputs_spec))
+            return (*self._step_fn(params, kv, sstate, packing.unpack(words, inputs_spec)), words[lo:hi])
 
         jitted = jax.jit(step, donate_argnums=(1, 2),
                          out_shardings=(kv_shardings, jax.tree.map(lambda x: x.sharding, sstate_spec),
-                                        self._rep, self._rep))
+                                        self._rep, self._rep, self._rep))
         words = jax.ShapeDtypeStruct((packing.num_words(inputs_spec),), jnp.uint32, sharding=self._rep)
         with jax.set_mesh(self.mesh):
             return jitted.lower(jax.tree.map(spec, self.params), kv_spec, sstate_spec, words)
@@ -520,10 +524,11 @@ class ModelRunner:
         # All of the step's inputs in one vector (runner/packing.py).  On one process the
         # compiled call takes it as numpy and transfers it in C++, cheaper again than
         # device_put's Python path; across processes each places its own shards.
-        words, sampling_words = packing.pack(inputs), packing.pack(inputs.sampling)
+        words = packing.pack(inputs)
         if jax.process_count() > 1:
-            words, sampling_words = self._put(words), self._put(sampling_words)
-        self.kv, self.sstate, logits, plp = self._compiled[bucket](self.params, self.kv, self.sstate, words)
+            words = self._put(words)
+        self.kv, self.sstate, logits, plp, sampling_words = self._compiled[bucket](
+            self.params, self.kv, self.sstate, words)
         out = self._samplers[bucket[1]](self.sstate, logits, sampling_words)
         host = pmesh.to_host((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs))
         return host, (pmesh.to_host(plp) if self._plp_plan else None)

@@ -35,6 +35,18 @@ def num_words(spec_tree) -> int:
     return sum(math.prod(s.shape) for s in jax.tree.leaves(spec_tree))
 
 
+def span(spec_tree, sub) -> tuple[int, int]:
+    """The words ``[lo, hi)`` that ``sub``, a subtree of ``spec_tree`` (the same leaf objects),
+    takes in ``pack`` of a tree shaped like ``spec_tree``."""
+    specs, subs = jax.tree.leaves(spec_tree), jax.tree.leaves(sub)
+    ids = [id(s) for s in specs]
+    i = ids.index(id(subs[0])) if subs and id(subs[0]) in ids else -1
+    if i < 0 or ids[i:i + len(subs)] != [id(s) for s in subs]:
+        raise ValueError("span: not a contiguous subtree of the packed tree")
+    lo = num_words(specs[:i])
+    return lo, lo + num_words(subs)
+
+
 def unpack(words: jax.Array, spec_tree):
     """Inverse of :func:`pack` inside a traced function: ``words`` [num_words] uint32 back to
     a tree of ``spec_tree``'s structure, shapes and dtypes."""

@@ -45,9 +45,22 @@ def test_pack_refuses_other_widths(dtype):
         packing.pack({"x": np.zeros(3, dtype)})
 
 
-def test_compiled_step_takes_one_input_vector(tiny_llama):
+def test_span_is_a_subtree_words():
+    host = _tree(np.random.default_rng(1))
+    tree = {"head": host["ids"], "mid": {"t": host["table"], "f": host["flags"]}, "tail": host["temps"]}
+    spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+    lo, hi = packing.span(spec, spec["mid"])
+    assert (lo, hi) == (7, 7 + 15 + 3)
+    np.testing.assert_array_equal(packing.pack(tree)[lo:hi], packing.pack(tree["mid"]))
+    copy = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), spec["mid"])   # equal, not the same
+    with pytest.raises(ValueError, match="contiguous subtree"):
+        packing.span(spec, copy)
+
+
+def test_compiled_step_takes_one_input_vector(tiny_llama, monkeypatch):
     """The step's arguments are the weights, the KV cache, the sampler state and one vector;
-    the sampler's, the state, the logits and one vector."""
+    the sampler's, the state, the logits and the sampling part of that vector, which the step
+    hands back on the device: a step packs and sends its inputs once."""
     from jaxllm import LLM, SamplingParams
     from conftest import SMALL_ENGINE
     llm = LLM(model=tiny_llama, **SMALL_ENGINE)
@@ -62,6 +75,14 @@ def test_compiled_step_takes_one_input_vector(tiny_llama):
     for S, compiled in runner._samplers.items():
         args = compiled.in_tree.num_leaves
         assert args == state + 2, f"sampler {S}: {args - state - 1} input arrays besides the logits, expected 1"
-    out = llm.generate(["hello there"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                       use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 4
+    for (T, S), compiled in runner._compiled.items():
+        handed = jax.tree.leaves(compiled.out_info)[-1]
+        assert handed.shape == jax.tree.leaves(runner._samplers[S].in_avals)[-1].shape, (T, S)
+    packs, runs = [], []
+    pack, run = packing.pack, runner._run
+    monkeypatch.setattr(packing, "pack", lambda tree: packs.append(1) or pack(tree))
+    monkeypatch.setattr(runner, "_run", lambda bucket, inputs: runs.append(bucket) or run(bucket, inputs))
+    out = llm.generate(["hello there", "a longer prompt than the first"],
+                       SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    assert len(runs) >= 4 and len(packs) == len(runs), f"{len(packs)} vectors packed in {len(runs)} steps"
