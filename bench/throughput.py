@@ -12,7 +12,9 @@ shows medians over ``--repeats`` runs and the ratio to transformers (run in ``--
 default: its bf16 matmuls on a CPU without AVX512-BF16 are many times slower).  The
 batch-1 column "floor" is the fraction of the memory-bandwidth floor: weight bytes read
 per decode step over the two-thread copy bandwidth measured in this same run (bytes read
-plus bytes written, STREAM's convention).  At larger batches the floor is compute: the
+plus bytes written, STREAM's convention).  Beside it the read ceiling: the same bytes over the
+bandwidth of a read-only stream on every core (``bench/read_stream.c``, built with the system C
+compiler), which on a small VM is well under the copy bandwidth.  At larger batches the floor is compute: the
 matmul FLOPs of a whole call (prefill and decode, LM head included) over the float32 GEMM
 rate of numpy's BLAS on every core, measured in this run too; every engine's % of that
 floor is printed for every batch size.
@@ -34,7 +36,9 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -58,6 +62,29 @@ def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
             t.join()
         best.append(time.perf_counter() - t0)
     return 2 * a.nbytes / statistics.median(best)
+
+
+def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7, threads: int | None = None) -> tuple[float | None, str]:
+    """Bytes/s of a read-only stream on every core (bench/read_stream.c, built here with the
+    system C compiler): the most a decode step that only reads its weights could reach.
+    Returns ``(bytes/s, "")``, or ``(None, why)`` when no compiler is found or it fails."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (set CC)"
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read_stream.c")
+    with tempfile.TemporaryDirectory() as folder:
+        exe = os.path.join(folder, "read_stream")
+        built = subprocess.run([cc, "-O3", "-march=native", "-pthread", src, "-o", exe], capture_output=True, text=True)
+        if built.returncode != 0:
+            return None, f"building read_stream.c failed: {built.stderr.strip()[-300:]}"
+        ran = subprocess.run([exe, str(nbytes), str(threads or os.cpu_count() or 1), str(repeats)],
+                             capture_output=True, text=True)
+    if ran.returncode != 0:
+        return None, f"read_stream failed: {ran.stderr.strip()[-300:]}"
+    rate, checksum = ran.stdout.split()
+    if int(checksum) != nbytes // 8 * repeats:   # every word is 1: the reads really happened
+        return None, f"read_stream checksum {checksum}, expected {nbytes // 8 * repeats}"
+    return float(rate), ""
 
 
 def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
@@ -305,6 +332,29 @@ def _label(name) -> str:
     return name if isinstance(name, str) else " ".join(name if name[0] == "llama.cpp" else ("jaxllm", *name))
 
 
+def format_bandwidth_floor(rows: list[tuple[str, float, int]], copy_bw: float, read_bw: float | None,
+                           read_why: str = "") -> str:
+    """Batch 1 against the memory floor.  ``rows``: (engine, tok/s at batch 1, weight bytes per
+    step).  The floor is weight bytes over the copy bandwidth (read + write counted); the read
+    ceiling is the same bytes over the read-only stream's bandwidth, the most an engine that
+    reads its weights once per token could do on this machine."""
+    lines = ["\nbatch 1 against the bandwidth floor (weight bytes per step / copy bandwidth):"]
+    if read_bw is None:
+        lines.append(f"  read ceiling: not measured, {read_why}")
+    else:
+        lines.append(f"  read-only stream {read_bw / 1e9:.1f} GB/s = {read_bw / copy_bw * 100:.0f}% of the copy "
+                     f"bandwidth {copy_bw / 1e9:.1f} GB/s: no engine reading its weights once per token "
+                     f"can pass {read_bw / copy_bw * 100:.0f}% of the floor here")
+    for name, tok_s, wb in rows:
+        floor = copy_bw / wb
+        line = (f"  {name}: {wb / 1e6:.0f} MB per step, floor {floor:.1f} tok/s, "
+                f"measured {tok_s:.1f} tok/s = {tok_s / floor * 100:.0f}% of the floor")
+        if read_bw is not None:
+            line += f", {tok_s / (read_bw / wb) * 100:.0f}% of the read ceiling"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def format_compute_floor(rates: dict, flops_of, gemm: float, batches: list[int], output_len: int) -> str:
     """Every engine's % of the compute floor: a call's matmul FLOPs at the GEMM rate over
     the call's measured seconds (rates: {name: {batch: output tok/s}}; flops_of(batch))."""
@@ -370,6 +420,7 @@ def main(argv=None):
     prompts = {b: rng.integers(100, 40000, size=(b, args.input_len)).tolist() for b in batches}
 
     bw = copy_bandwidth()
+    read_bw, read_why = read_bandwidth()
     gemm = gemm_rate()
     engines = {}
     for dtype in args.dtypes.split(","):
@@ -404,15 +455,9 @@ def main(argv=None):
         ratios = [f"{r[0][b] / t:.2f}x" if t else "-" for r in runs.values()]
         print(f"| {b} | " + " | ".join(vals) + " | " + " | ".join(ratios) + " |")
     if 1 in batches:
-        print("\nbatch 1 against the bandwidth floor (weight bytes per step / copy bandwidth):")
-        for (d, m), (res, wb) in runs.items():
-            floor = bw / wb
-            print(f"  jaxllm {d} {m}: {wb / 1e6:.0f} MB per step, floor {floor:.1f} tok/s, "
-                  f"measured {res[1]:.1f} tok/s = {res[1] / floor * 100:.0f}% of the floor")
-        for t, (res, wb) in llama.items():
-            floor = bw / wb
-            print(f"  llama.cpp {t}: {wb / 1e6:.0f} MB per step, floor {floor:.1f} tok/s, "
-                  f"measured {res[1]:.1f} tok/s = {res[1] / floor * 100:.0f}% of the floor")
+        rows = [(f"jaxllm {d} {m}", res[1], wb) for (d, m), (res, wb) in runs.items()]
+        rows += [(f"llama.cpp {t}", res[1], wb) for t, (res, wb) in llama.items()]
+        print(format_bandwidth_floor(rows, bw, read_bw, read_why))
         if llama_skipped:
             print(f"  llama.cpp: skipped, {llama_skipped}")
     arch = next(e.arch for e in engines.values() if isinstance(e, Jaxllm))
@@ -422,7 +467,7 @@ def main(argv=None):
         print(format_phases(phases, batches))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "copy_bandwidth": bw, "gemm_flops": gemm,
+            json.dump({"args": vars(args), "copy_bandwidth": bw, "read_bandwidth": read_bw, "gemm_flops": gemm,
                        "call_flops": {b: flops_of(b) for b in batches}, "transformers": theirs,
                        "llama.cpp": {t: {"tok_s": r, "weight_bytes": wb} for t, (r, wb) in llama.items()},
                        "phases": {_label(n): {b: {"prefill_s": v[0], "decode_step_s": v[1]} for b, v in bs.items()}

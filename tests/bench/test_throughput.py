@@ -13,8 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.append(ROOT)
 
-from bench.throughput import (Jaxllm, attention_flops, call_flops, format_compute_floor, format_phases,  # noqa: E402
-                              linear_flops, measure, split_phases)
+from bench.throughput import (Jaxllm, attention_flops, call_flops, format_bandwidth_floor,  # noqa: E402
+                              format_compute_floor, format_phases, linear_flops, measure, read_bandwidth,
+                              split_phases)
 from conftest import SMALL_ENGINE  # noqa: E402
 
 ENGINE = {k: v for k, v in SMALL_ENGINE.items() if k != "dtype"}
@@ -108,6 +109,35 @@ def test_compute_floor_table():
                                  100e9, [2], output_len=8)
     assert "100 GFLOP/s" in table
     assert "| 2 | 10.0 | 50% | - |" in table
+
+
+def test_read_stream_reads_every_byte():
+    # 64 MiB, twice the L3 here.  The program checks every repeat's sum of the buffer; a loop
+    # the compiler dropped (a first draft printed 10,940 GB/s) fails that check, and so does
+    # a thread that skips its slice.
+    rate, why = read_bandwidth(64 * 2**20, repeats=3)
+    if rate is None and why.startswith("no C compiler"):
+        pytest.skip(why)
+    assert rate is not None, why
+    assert 1e8 < rate < 1e12
+
+
+def test_read_stream_reports_a_failed_build(monkeypatch):
+    monkeypatch.setenv("CC", "false")
+    rate, why = read_bandwidth(2**20, repeats=1)
+    assert rate is None and why.startswith("building read_stream.c failed")
+
+
+def test_bandwidth_floor_lines():
+    # 100 MB a step over 40 GB/s copy: a 400 tok/s floor; 300 tok/s is 75% of it, and all of
+    # the 300 tok/s a 30 GB/s read-only stream allows.
+    text = format_bandwidth_floor([("jaxllm bfloat16 native", 300.0, 100e6)], 40e9, 30e9)
+    assert "read-only stream 30.0 GB/s = 75% of the copy bandwidth 40.0 GB/s" in text
+    assert "jaxllm bfloat16 native: 100 MB per step, floor 400.0 tok/s, measured 300.0 tok/s = 75% of the floor, " \
+           "100% of the read ceiling" in text
+    text = format_bandwidth_floor([("llama.cpp f16", 200.0, 100e6)], 40e9, None, "no C compiler (set CC)")
+    assert "read ceiling: not measured, no C compiler (set CC)" in text
+    assert "= 50% of the floor" in text and "read ceiling," not in text
 
 
 class _FixedEngine:
