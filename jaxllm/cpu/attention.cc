@@ -7,7 +7,8 @@
 // item walks exactly the positions it may see through its sequence's block table, reads
 // each K/V row once for all G = Hq / Hkv query heads of that KV head, and keeps an online
 // softmax in float32 registers and a small scratch.  Items are spread over XLA's intra-op
-// thread pool like jaxllm/cpu/linear.cc.  Called from jaxllm/cpu/attention.py via XLA's FFI.
+// thread pool by parallel.h, as linear.cc's panels are.  Called from jaxllm/cpu/attention.py
+// via XLA's FFI.
 //
 //   q            [T, Hq, Dh]              float32
 //   k/v cache    [NB, BS, Hkv, Dh]        float32 or uint16 (bfloat16 bits, see layers/storage.py),
@@ -22,14 +23,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -45,6 +45,7 @@ constexpr int64_t kTile = 32;
 // column vectors (values) of accumulators, plus operands, fit in the 16 AVX registers.
 constexpr int kHeads = 4;
 
+using jaxllm_simd::hmax;
 using jaxllm_simd::hsum;
 using jaxllm_simd::load8;
 using jaxllm_simd::to_f32;
@@ -58,13 +59,6 @@ inline void hsum2(__m256 a, __m256 b, float* x, float* y) {
   *y = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
 }
 
-inline float hmax(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_max_ps(lo, hi);
-  lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
 
 // exp of 8 lanes (Cephes' expf: x = n ln2 + r, degree-5 polynomial in r), relative error
 // about 1e-7 where the result is a normal float; inputs below -88.37 (and -inf) give 0.
@@ -319,32 +313,6 @@ void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
   }
 }
 
-// Work shared between the calling thread and XLA's intra-op pool, as in linear.cc: items
-// are claimed with an atomic counter, so the caller never waits for a task that has not
-// started (it claims the items itself; a task that starts late finds none and returns),
-// and the state is reference-counted because such a task may outlive the call.
-template <typename KV>
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t items = 0;
-  Problem<KV> p;
-  void work() {
-    Scratch<KV> w;
-    bool ready = false;
-    for (int64_t i; (i = next.fetch_add(1)) < items;) {
-      if (!ready) {
-        w.resize(p.G, p.Dh);
-        ready = true;
-      }
-      // Items are (token, KV head), token-major: a token's heads, and a sequence's tokens,
-      // are claimed close together and share cache rows.
-      attend_item<KV>(p, i / p.Hkv, i % p.Hkv, w);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 template <typename KV>
 void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
   const int64_t items = P.T * P.Hkv;
@@ -359,12 +327,17 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t helpers = std::min({threads, items - 1, cost / 32768});
-  auto sh = std::make_shared<Shared<KV>>();
-  sh->items = items;
-  sh->p = P;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([sh] { sh->work(); });
-  sh->work();
-  while (sh->done.load(std::memory_order_acquire) < items) _mm_pause();
+  // Items are (token, KV head), token-major: a token's heads, and a sequence's tokens, are
+  // claimed close together and share cache rows.  P is copied: a helper task may start after
+  // this call has returned (and then finds no item).
+  jaxllm_parallel::for_each_item(
+      pool, items, helpers,
+      [G = P.G, Dh = P.Dh] {
+        Scratch<KV> w;
+        w.resize(G, Dh);
+        return w;
+      },
+      [P](int64_t i, Scratch<KV>& w) { attend_item<KV>(P, i / P.Hkv, i % P.Hkv, w); });
 }
 
 ffi::Error invalid(const std::string& what) {

@@ -32,7 +32,7 @@ _KERNELS = {
     "attention.cc": {"jaxllm_paged_attention_f32": "JaxllmPagedAttentionF32",
                      "jaxllm_paged_attention_bf16": "JaxllmPagedAttentionBF16"},
 }
-_HEADERS = [os.path.join(_DIR, "simd.h")]
+_HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
 _TARGETS = {jnp.dtype(jnp.float32): "jaxllm_linear_f32", jnp.dtype(jnp.uint16): "jaxllm_linear_bf16"}
 _lock = threading.Lock()

@@ -1,6 +1,6 @@
 // Vector helpers shared by the native CPU kernels (linear.cc, attention.cc): AVX2 loads
-// that widen bf16 (stored as uint16 bit patterns, see layers/storage.py) to float32, and a
-// horizontal sum.  Header-only; native.py hashes it with each source it builds.
+// that widen bf16 (stored as uint16 bit patterns, see layers/storage.py) to float32, and
+// horizontal sum and max.  Header-only; native.py hashes it with each source it builds.
 #pragma once
 
 #include <immintrin.h>
@@ -28,6 +28,14 @@ inline float hsum(__m256 v) {
   lo = _mm_add_ps(lo, hi);
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
   lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+  return _mm_cvtss_f32(lo);
+}
+
+inline float hmax(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_max_ps(lo, hi);
+  lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_max_ss(lo, _mm_shuffle_ps(lo, lo, 1));
   return _mm_cvtss_f32(lo);
 }
 
