@@ -12,12 +12,12 @@ shows medians over ``--repeats`` runs and the ratio to transformers (run in ``--
 default: its bf16 matmuls on a CPU without AVX512-BF16 are many times slower).  The
 batch-1 column "floor" is the fraction of the memory-bandwidth floor: weight bytes read
 per decode step over the two-thread copy bandwidth measured in this same run (bytes read
-plus bytes written, STREAM's convention).  Beside it the read ceiling: the same bytes over the
-bandwidth of a read-only stream on every core (``bench/read_stream.c``, built with the system C
-compiler), which on a small VM is well under the copy bandwidth.  At larger batches the floor is compute: the
-matmul FLOPs of a whole call (prefill and decode, LM head included) over the float32 GEMM
-rate of numpy's BLAS on every core, measured in this run too; every engine's % of that
-floor is printed for every batch size.
+plus bytes written, STREAM's convention).  Beside it the read ceiling: the same bytes over
+the bandwidth of a read-only stream on every core (``bench/read_stream.c``, built with the
+system C compiler), which on a small VM is well under the copy bandwidth.  At larger
+batches the floor is compute: the matmul FLOPs of a whole call (prefill and decode, LM
+head included) over the float32 GEMM rate of numpy's BLAS on every core, measured in this
+run too; every engine's % of that floor is printed for every batch size.
 
 ``--llama-cpp TYPES`` puts llama.cpp on the same floor: the built-in GGUF converted by
 llama.cpp's own quantizer to each dense type (f16, bf16, f32: the bytes per weight of
@@ -74,7 +74,8 @@ def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7, threads: int | N
     src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read_stream.c")
     with tempfile.TemporaryDirectory() as folder:
         exe = os.path.join(folder, "read_stream")
-        built = subprocess.run([cc, "-O3", "-march=native", "-pthread", src, "-o", exe], capture_output=True, text=True)
+        built = subprocess.run([cc, "-O3", "-march=native", "-pthread", src, "-o", exe],
+                               capture_output=True, text=True)
         if built.returncode != 0:
             return None, f"building read_stream.c failed: {built.stderr.strip()[-300:]}"
         ran = subprocess.run([exe, str(nbytes), str(threads or os.cpu_count() or 1), str(repeats)],

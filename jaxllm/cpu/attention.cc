@@ -59,7 +59,6 @@ inline void hsum2(__m256 a, __m256 b, float* x, float* y) {
   *y = _mm_cvtss_f32(_mm_shuffle_ps(s, s, 1));
 }
 
-
 // exp of 8 lanes (Cephes' expf: x = n ln2 + r, degree-5 polynomial in r), relative error
 // about 1e-7 where the result is a normal float; inputs below -88.37 (and -inf) give 0.
 // A scalar expf per score cost as much as the dot products it normalises.
