@@ -80,12 +80,9 @@ def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7, threads: int | N
             return None, f"building read_stream.c failed: {built.stderr.strip()[-300:]}"
         ran = subprocess.run([exe, str(nbytes), str(threads or os.cpu_count() or 1), str(repeats)],
                              capture_output=True, text=True)
-    if ran.returncode != 0:
+    if ran.returncode != 0:   # including a sum that came out wrong: reads were skipped
         return None, f"read_stream failed: {ran.stderr.strip()[-300:]}"
-    rate, checksum = ran.stdout.split()
-    if int(checksum) != nbytes // 8 * repeats:   # every word is 1: the reads really happened
-        return None, f"read_stream checksum {checksum}, expected {nbytes // 8 * repeats}"
-    return float(rate), ""
+    return float(ran.stdout), ""
 
 
 def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
