@@ -1055,7 +1055,7 @@ def _engine_runs(sec, erow, key, label, backend, model_path, engine_kw, prompts,
     warm_sp = SamplingParams(temperature=args.temperature, max_tokens=2, ignore_eos=True)
     try:
         t0 = time.monotonic()
-        llm = LLM(model_path, attention_backend=backend, sampler_backend=backend, **engine_kw)
+        llm = LLM(model_path, attention_backend=backend, sampler_backend=backend, precompile="all", **engine_kw)
         erow["build_s"] = round(time.monotonic() - t0, 1)
         est.engine[key] = erow["build_s"]
         core = llm.llm_engine.core

@@ -109,9 +109,16 @@ def _check_lengths_early(args) -> None:
 
 
 def _make_engine(args):
+    """The engine, every bucket compiled before the measured runs (``--precompile auto``
+    would compile a bucket inside them the first time a step needs it)."""
+    import dataclasses
+
     from jaxllm.cli import engine_config_from_args
     from jaxllm.engine.llm_engine import LLMEngine
-    return LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
+    if config.runner.precompile == "auto":
+        config = dataclasses.replace(config, runner=dataclasses.replace(config.runner, precompile="all"))
+    return LLMEngine(config)
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:

@@ -92,7 +92,8 @@ def decode_share(steps: int = 12, repeat: int = 15) -> None:
     captured decode inputs."""
     from jaxllm import LLM, SamplingParams
     from jaxllm.runner import packing
-    llm = LLM(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=256, dtype="float32", show_progress=False)
+    llm = LLM(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=256, dtype="float32", show_progress=False,
+              precompile="all")
     runner = llm.llm_engine.core.runner
     V = runner.vocab_size
     run = runner._run

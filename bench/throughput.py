@@ -134,7 +134,7 @@ class Jaxllm:
         # Prefix caching off: every repeat sends the same prompts, and the engines it is
         # compared with compute every prompt token on every call.
         kw = dict(dtype=dtype, cpu_matmul=cpu_matmul, max_num_seqs=max_batch, max_num_batched_tokens=max(512, max_batch),
-                  max_model_len=2048, show_progress=False, enable_prefix_caching=False)
+                  max_model_len=2048, show_progress=False, enable_prefix_caching=False, precompile="all")
         self.llm = LLM(**{**kw, **engine_kw})
         self.output_len = args.output_len
         self.greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)   # noqa: E731

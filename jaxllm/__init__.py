@@ -6,6 +6,11 @@ The public names are imported lazily, so that the pure-Python parts (``jaxllm.co
 ``jaxllm.sampling_params``) can be used and tested without importing JAX.
 """
 
+import os
+
+# jaxllm needs no torch; transformers' import-time advice that PyTorch is missing is noise here.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 

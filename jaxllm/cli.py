@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from jaxllm.config import LOGPROBS_MODES, SCHEDULING_POLICIES, EngineConfig, parse_size
+from jaxllm.config import LOGPROBS_MODES, PRECOMPILE_MODES, SCHEDULING_POLICIES, EngineConfig, parse_size
 from jaxllm.errors import JaxllmError
 
 
@@ -52,7 +52,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
     g.add_argument("--cpu-matmul", default="auto",
                    help="auto | native | xla: the native AVX2 matmul kernel or XLA's dot on CPU")
-    g.add_argument("--compile-cache-dir", default=None, help="persistent XLA cache (default ~/.cache/jaxllm/xla)")
+    g.add_argument("--compile-cache-dir", default=None,
+                   help="persistent XLA cache and saved programs (default $JAXLLM_CACHE_DIR/xla, "
+                        "~/.cache/jaxllm/xla)")
+    g.add_argument("--precompile", default="auto", choices=PRECOMPILE_MODES,
+                   help="compile every step bucket before the first step (all), or each when first "
+                        "needed (on-demand); auto: all for serve, on demand for generate and chat")
     g.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
                    help="what logprobs report: the raw model output (default) or the processed one, as logprobs or logits")
     g.add_argument("--use-fp64-gumbel", action="store_true",
@@ -85,7 +90,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         sampler_backend=args.sampler_backend, scan_layers=args.scan_layers,
         max_logprobs=args.max_logprobs, cpu_matmul=args.cpu_matmul, compile_cache_dir=args.compile_cache_dir,
-        logprobs_mode=args.logprobs_mode, use_fp64_gumbel=args.use_fp64_gumbel,
+        logprobs_mode=args.logprobs_mode, use_fp64_gumbel=args.use_fp64_gumbel, precompile=args.precompile,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, distributed_coordinator=args.distributed_coordinator,
         num_hosts=args.num_hosts, host_index=args.host_index)
@@ -134,6 +139,7 @@ def cmd_generate(args) -> int:
         print(o.outputs[0].text if args.chat else (o.prompt or "") + o.outputs[0].text)
         if len(outs) > 1:
             print("-" * 40)
+    sys.stdout.flush()   # the text is out now, not when the process has torn JAX down
     return 0
 
 
@@ -181,7 +187,9 @@ def _make_llm(args):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxllm", description="LLM inference compiled by XLA")
-    parser.add_argument("--log-level", default=os.environ.get("JAXLLM_LOG_LEVEL", "WARNING"))
+    parser.add_argument("--log-level", default=os.environ.get("JAXLLM_LOG_LEVEL"),
+                        help="level of every logger (default: INFO for jaxllm's start-up lines, WARNING "
+                             "for the libraries'); also $JAXLLM_LOG_LEVEL")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete prompts and print the results")
@@ -211,7 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=(args.log_level or "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.log_level is None:
+        # What the start-up does (weights, tokenizer, kernels, KV cache, compiling) is worth
+        # seeing by default: it takes seconds to minutes.  Libraries stay at WARNING.
+        for name in ("jaxllm", "serve"):
+            logging.getLogger(name).setLevel(logging.INFO)
     simulate_cpu_devices(args)
     try:
         return args.func(args) or 0

@@ -19,6 +19,7 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas", "native")
 SAMPLER_BACKENDS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+PRECOMPILE_MODES = ("auto", "all", "on-demand")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -150,7 +151,13 @@ class RunnerConfig:
     use_fp64_gumbel: bool = False
     """Draw with float64 Gumbel noise (53-bit uniforms) instead of float32 (``--use-fp64-gumbel``)."""
     compile_cache_dir: str | None = None
-    """Persistent XLA compilation cache (``--compile-cache-dir``). None: ~/.cache/jaxllm/xla."""
+    """Persistent XLA compilation cache (``--compile-cache-dir``). None: ``$JAXLLM_CACHE_DIR/xla``
+    (default ``~/.cache/jaxllm/xla``).  Saved compiled programs live in its ``programs`` folder."""
+    precompile: str = "auto"
+    """Which step buckets are compiled before the first step (``--precompile``): ``all``, or
+    ``on-demand`` (each the first time a step needs it: a one-shot generate compiles two or
+    three programs instead of every serving bucket).  ``auto``: all for a server and for a
+    multi-host engine, on demand for the offline ``LLM`` and ``jaxllm generate``/``chat``."""
     strict_compile_guard: bool = False
     """Raise instead of warn when a step traces or compiles after warm-up (tests set it)."""
     show_progress: bool = True
@@ -171,6 +178,8 @@ class RunnerConfig:
             raise ValueError(f"--max-logprobs must be a non-negative integer, got {self.max_logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if self.precompile not in PRECOMPILE_MODES:
+            raise ValueError(f"--precompile must be one of {', '.join(PRECOMPILE_MODES)}, got {self.precompile!r}")
 
 
 @dataclass(frozen=True)
@@ -246,6 +255,12 @@ class EngineConfig:
         part_kwargs: dict[str, dict] = {k: {} for k in parts}
         top: dict = {}
         top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - set(parts)
+        for alias, name in ENGINE_ARG_ALIASES.items():
+            if alias in kwargs:
+                if kwargs.get(name) is not None and kwargs[alias] is not None:
+                    raise ValueError(f"{alias} and {name} are the same engine argument; give one")
+                value = kwargs.pop(alias)
+                kwargs[name] = value if value is not None else kwargs.get(name)
         for key, value in kwargs.items():
             if key in top_fields:
                 top[key] = value
@@ -259,6 +274,10 @@ class EngineConfig:
             else:
                 raise ValueError(f"unknown engine argument {key!r}")
         return EngineConfig(**top, **{p: cls(**part_kwargs[p]) for p, cls in parts.items()})
+
+
+ENGINE_ARG_ALIASES = {"num_gpu_blocks_override": "num_blocks_override"}
+"""vLLM's spellings of engine arguments, accepted by ``LLM(...)`` for scripts ported from vLLM."""
 
 
 def platform_defaults(platform: str) -> dict:

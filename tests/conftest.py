@@ -20,7 +20,7 @@ from tiny_models import VARIANTS, build_tiny  # noqa: E402
 
 # Small buckets keep compile time low; every test engine uses these unless it says otherwise.
 SMALL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, dtype="float32",
-                    strict_compile_guard=True, show_progress=False)
+                    strict_compile_guard=True, show_progress=False, precompile="all")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,12 @@
 Pure arithmetic, no JAX.  ``bytes_per_block`` counts K and V of every layer, so a budget
 divided by it can never allocate more than the budget (the reference engines' worst bug
 here divided by one layer's page while every layer allocated a buffer).
+
+The block count is part of every compiled step's shape, so it must not follow the noise
+in free memory, or a second start with the same flags misses the persistent compile cache
+(7,193 blocks one start, 7,921 the next, measured here).  Without a size given, the CPU
+takes a fixed budget (as vLLM's CPU backend does with ``VLLM_CPU_KVCACHE_SPACE``), and a
+count derived from measured memory is rounded down to a coarse grain (:func:`coarse_blocks`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ class KVPlan:
     block_size: int
     bytes_per_block: int
     budget_bytes: int | None
+    source: str = ""
+    """How the size was chosen and which flag changes it, for the start-up log."""
 
     @property
     def total_bytes(self) -> int:
@@ -31,7 +39,22 @@ class KVPlan:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens (1 reserved), "
                 f"{self.bytes_per_block} bytes per block across all layers, "
                 f"{self.total_bytes / 2**20:.1f} MiB, {self.num_usable_tokens} tokens, "
-                f"{self.num_usable_tokens / max_model_len:.2f} sequences of max_model_len={max_model_len}")
+                f"{self.num_usable_tokens / max_model_len:.2f} sequences of max_model_len={max_model_len}"
+                + (f" ({self.source})" if self.source else ""))
+
+
+CPU_DEFAULT_KV_BYTES = 512 * 2**20
+"""The KV budget on CPU when no size is given: a fixed number, so the compiled shapes are the
+same on every start (vLLM's CPU backend defaults to 4 GiB; 512 MiB keeps a small model's
+idle server well under 2 GB resident and holds ~11k tokens of SmolLM2-135M in float32)."""
+
+
+def coarse_blocks(num_blocks: int, minimum: int = 1) -> int:
+    """``num_blocks`` rounded down to its 4 leading binary digits (at most 1/9 fewer), never
+    below ``minimum``: counts derived from measured free memory land on the same value
+    across starts unless the memory moved by more than the grain."""
+    grain = 1 << max(num_blocks.bit_length() - 4, 0)
+    return max(minimum, num_blocks // grain * grain)
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -96,10 +119,14 @@ def utilization_budget(utilization: float, free_bytes: int, activation_bytes: in
 
 def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, block_size: int,
                   max_model_len: int, max_num_seqs: int, budget_bytes: int | None,
-                  num_blocks_override: int | None, budget_flag: str | None = None) -> KVPlan:
+                  num_blocks_override: int | None, budget_flag: str | None = None,
+                  platform: str = "cpu", measured: bool = False) -> KVPlan:
     """Blocks to allocate: one null block plus the usable ones, never more bytes than the budget.
     ``budget_flag``: how the budget was given, for the refusal message (default:
-    ``--kv-cache-memory-bytes=<budget>``)."""
+    ``--kv-cache-memory-bytes=<budget>``).  ``measured``: the budget was derived from free
+    memory (``--gpu-memory-utilization``), so the count is rounded to a coarse grain.
+    Without a budget: on CPU the fixed :data:`CPU_DEFAULT_KV_BYTES`; on an accelerator room
+    for ``max_num_seqs`` full sequences within a quarter of free memory, rounded coarsely."""
     per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, itemsize)
     need = -(-max_model_len // block_size) + 1        # one full sequence plus the null block
     if num_blocks_override is not None:
@@ -108,13 +135,21 @@ def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize
                 f"--num-gpu-blocks-override={num_blocks_override} holds {(num_blocks_override - 1) * block_size} "
                 f"tokens (one block is reserved), fewer than one sequence of max_model_len={max_model_len}; "
                 f"it needs at least {need}, or lower --max-model-len")
-        return KVPlan(num_blocks_override, block_size, per_block, budget_bytes)
+        return KVPlan(num_blocks_override, block_size, per_block, budget_bytes,
+                      f"--num-gpu-blocks-override={num_blocks_override}")
     if budget_bytes is None:
-        # Room for max_num_seqs full-length sequences, within a quarter of free memory.
-        want = (need - 1) * max_num_seqs + 1
-        num_blocks = max(need, min(want, available_memory_bytes() // 4 // per_block))
-        return KVPlan(num_blocks, block_size, per_block, None)
+        want = (need - 1) * max_num_seqs + 1      # max_num_seqs full-length sequences
+        if platform == "cpu":
+            num_blocks = max(need, min(want, CPU_DEFAULT_KV_BYTES // per_block))
+            return KVPlan(num_blocks, block_size, per_block, None,
+                          f"the CPU default of {CPU_DEFAULT_KV_BYTES // 2**20} MiB, or one sequence at least; "
+                          f"--kv-cache-memory-bytes sets it")
+        num_blocks = max(need, min(want, coarse_blocks(available_memory_bytes() // 4 // per_block)))
+        return KVPlan(num_blocks, block_size, per_block, None,
+                      "a quarter of free memory at most, rounded; --kv-cache-memory-bytes sets it")
     num_blocks = budget_bytes // per_block
+    if measured and num_blocks >= need:
+        num_blocks = coarse_blocks(num_blocks, need)
     if num_blocks < need:
         fits = max(num_blocks - 1, 0) * block_size
         raise ValueError(
@@ -122,4 +157,5 @@ def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize
             f"across all layers, one reserved) = {fits} tokens, fewer than one sequence of "
             f"max_model_len={max_model_len}; it needs at least {need * per_block} bytes, "
             f"or use --max-model-len {fits} or less")
-    return KVPlan(num_blocks, block_size, per_block, budget_bytes)
+    return KVPlan(num_blocks, block_size, per_block, budget_bytes,
+                  budget_flag or f"--kv-cache-memory-bytes={budget_bytes}")

@@ -32,6 +32,16 @@ def _is_bf16(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.uint16), jnp.dtype(jnp.bfloat16))
 
 
+def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
+    """``np.empty`` whose data starts on an ``align``-byte boundary: XLA:CPU's ``device_put``
+    wraps such a buffer without a copy (a 16-byte aligned one is copied)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    offset = -raw.ctypes.data % align
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
 def pack(w: np.ndarray) -> np.ndarray:
     """``w [..., N, K]`` (float32, or bf16 as bfloat16 or uint16 bits) -> the same shape and
     dtype in the panel layout, for every leading index (stacked layers)."""
@@ -41,9 +51,13 @@ def pack(w: np.ndarray) -> np.ndarray:
     head = w[..., :P * PANEL, :].reshape(*lead, P, PANEL, K)             # [..., P, 16 columns, K]
     if _is_bf16(w.dtype):
         head = head[..., _BF16_COLUMNS, :]                               # columns in lane order
-    head = np.swapaxes(head, -1, -2)                                      # [..., P, K, 16 lanes]
-    flat = np.concatenate([head.reshape(*lead, P * K * PANEL), w[..., P * PANEL:, :].reshape(*lead, -1)], -1)
-    return np.ascontiguousarray(flat.reshape(w.shape))
+    # One pass into the result (a start-up lays out every weight: no intermediate copies),
+    # 64-byte aligned so that placing it on the CPU device aliases it instead of copying.
+    out = _aligned_empty(w.shape, w.dtype)
+    flat = out.reshape(*lead, N * K)
+    flat[..., :P * K * PANEL].reshape(*lead, P, K, PANEL)[...] = np.swapaxes(head, -1, -2)   # [..., P, K, 16 lanes]
+    flat[..., P * K * PANEL:] = w[..., P * PANEL:, :].reshape(*lead, -1)
+    return out
 
 
 def unpack(wp: np.ndarray) -> np.ndarray:

@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +66,11 @@ def _build(source: str) -> str:
     out_dir = os.path.join(default_cache_dir(), "kernels")
     lib = os.path.join(out_dir, f"libjaxllm_{os.path.splitext(source)[0]}_{key}.so")
     if os.path.isfile(lib):
+        log.info("native CPU kernel %s: reusing %s", source, lib)
         return lib
+    log.info("native CPU kernel %s: compiling with %s (once; cached under %s)", source, os.path.basename(cxx),
+             out_dir)
+    t0 = time.perf_counter()
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
@@ -73,6 +79,7 @@ def _build(source: str) -> str:
         os.unlink(tmp)
         raise RuntimeError(f"compiling {src_path} failed: {r.stderr.strip()[-2000:]}")
     os.replace(tmp, lib)
+    log.info("native CPU kernel %s: compiled in %.1f s", source, time.perf_counter() - t0)
     return lib
 
 
@@ -89,8 +96,11 @@ def available() -> bool:
         else:
             try:
                 libs = []
-                for source, targets in _KERNELS.items():
-                    lib = ctypes.cdll.LoadLibrary(_build(source))
+                # Each source is its own compiler process: a first start builds them side by side.
+                with ThreadPoolExecutor(max_workers=len(_KERNELS)) as pool:
+                    paths = list(pool.map(_build, _KERNELS))
+                for path, targets in zip(paths, _KERNELS.values()):
+                    lib = ctypes.cdll.LoadLibrary(path)
                     for name, symbol in targets.items():
                         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                     libs.append(lib)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import random
 from dataclasses import dataclass
 
@@ -128,13 +129,13 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     plan = functools.partial(
         plan_kv_cache, num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
         itemsize=itemsize, block_size=cache.block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        num_blocks_override=cache.num_blocks_override)
+        num_blocks_override=cache.num_blocks_override, platform=platform)
     util = cache.gpu_memory_utilization
     if util is not None and cache.kv_cache_memory_bytes is None and cache.num_blocks_override is None:
         if platform == "cpu":
             free = available_memory_bytes()
             budget = utilization_budget(util, free)
-            kv = plan(budget_bytes=budget, budget_flag=(
+            kv = plan(budget_bytes=budget, measured=True, budget_flag=(
                 f"--gpu-memory-utilization={util} ({budget} bytes of the {free} available)"))
         else:
             # Sized by EngineCore once the weights are on the device and the step's
@@ -167,7 +168,8 @@ class EngineCore:
             max_num_batched_tokens=r.max_num_batched_tokens, max_logprobs=config.runner.max_logprobs,
             strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
             logprobs_mode=config.runner.logprobs_mode, use_fp64_gumbel=config.runner.use_fp64_gumbel,
-            devices=devices, expert_parallel=pc.enable_expert_parallel)
+            devices=devices, expert_parallel=pc.enable_expert_parallel,
+            program_dir=os.path.join(r.compile_cache_dir, "programs"))
         if deferred:
             self.resolved = r = dataclasses.replace(r, kv=self._size_kv_from_device(r.kv))
             self.runner.allocate_kv(r.kv.num_blocks)
@@ -179,7 +181,10 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_manager, max_num_seqs=r.max_num_seqs,
                                    max_num_batched_tokens=r.max_num_batched_tokens, max_model_len=r.max_model_len,
                                    policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps)
-        self.runner.warmup()
+        # auto: on demand for one-shot use; a server compiles the rest when it starts
+        # (AsyncEngine), and every host of a multi-host engine compiles all up front.
+        mode = config.runner.precompile
+        self.runner.warmup(every_bucket=mode == "all" or (mode == "auto" and pc.multi_host))
         # Data-parallel replicas must not hand their unseeded requests the same seeds.
         self._seed_rng = random.Random(config.seed if replica == 0 else f"{config.seed}/replica{replica}")
         # Multi-host: host 0 schedules and publishes each step; the others follow (follow()).
@@ -219,9 +224,13 @@ class EngineCore:
         budget = utilization_budget(util, free, act)
         log.info("--gpu-memory-utilization=%s: %d bytes free after the weights, %d of activations, "
                  "KV budget %d bytes", util, free, act, budget)
-        return plan(budget_bytes=budget, budget_flag=(
+        return plan(budget_bytes=budget, measured=True, budget_flag=(
             f"--gpu-memory-utilization={util} ({budget} bytes: {free} free after the weights, "
             f"{act} for activations)"))
+
+    def compile_all(self) -> None:
+        """Makes every bucket's programs ready (a server calls it before taking requests)."""
+        self.runner.compile_buckets(self.runner.buckets)
 
     def new_seed(self) -> int:
         """A 64-bit seed for an unseeded request (reproducible from ``--seed``)."""

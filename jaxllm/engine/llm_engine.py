@@ -1,12 +1,15 @@
 """LLMEngine: the synchronous engine behind the offline ``LLM`` class and the CLI.
 
 Loads the checkpoint and tokenizer, builds the engine core (which compiles every step
-bucket), and turns prompts into requests and engine-core outputs into ``RequestOutput``s.
+bucket, or with ``precompile`` auto / on-demand each when a step first needs it), and turns
+prompts into requests and engine-core outputs into ``RequestOutput``s.  Each start-up phase
+is logged (jaxllm.engine) with its size and time.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from jaxllm.config import EngineConfig, default_cache_dir
@@ -14,6 +17,8 @@ from jaxllm.engine.core import EngineCore
 from jaxllm.engine.output_processor import OutputKind, OutputProcessor
 from jaxllm.engine.processor import InputProcessor, PromptType
 from jaxllm.engine.tokenizer import eos_token_ids, load_tokenizer
+from jaxllm.host_memory import return_freed_memory
+from jaxllm.models.builtin import BUILTIN_MODEL_NAME
 from jaxllm.models.loader import TokenizerSource, load_model
 from jaxllm.outputs import RequestOutput
 from jaxllm.parallel import distributed
@@ -49,16 +54,23 @@ class LLMEngine:
         """``replica``: the data-parallel replica this engine is (it runs on that slice of the devices)."""
         self.config = config
         distributed.initialize(config.parallel)   # before anything touches a device
+        t0 = time.perf_counter()
+        log.info("loading weights of %s", config.model or BUILTIN_MODEL_NAME)
         model = load_model(config.model)
+        log.info("loaded %d tensors, %.1f MiB, in %.1f s", len(model.globals) + sum(len(lp) for lp in model.layers),
+                 model.weight_bytes() / 2**20, time.perf_counter() - t0)
         self.model_name = model.name
         self.arch = model.arch
         self.generation_config = dict(model.generation_config)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
+            t0 = time.perf_counter()
             src = TokenizerSource(config.tokenizer) if config.tokenizer else model.tokenizer
             self.tokenizer = load_tokenizer(src, default_cache_dir())
+            log.info("tokenizer: %d tokens, in %.1f s", len(self.tokenizer), time.perf_counter() - t0)
         self.core = EngineCore(config, model, replica=replica)
         del model  # host copies of the weights are no longer needed
+        return_freed_memory()
         self.max_model_len = self.core.resolved.max_model_len
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.generation_config)
         self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
@@ -103,6 +115,10 @@ class LLMEngine:
                            num_preemptions=sched.num_preemptions,
                            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                            running_request_ids=frozenset(parent(r.request_id) for r in sched.running))
+
+    def compile_all(self) -> None:
+        """Makes every step bucket's programs ready (a server calls it before serving)."""
+        self.core.compile_all()
 
     def step(self) -> list[RequestOutput]:
         outputs, to_abort = self.output_processor.process(self.core.step())

@@ -1,7 +1,9 @@
 """Tokenizer loading (HF folders and GGUF metadata) and prompt encoding, including chat templates.
 
-Converting a GGUF vocabulary into a fast tokenizer takes transformers about ten seconds,
-so the converted tokenizer is saved once under the cache folder and reloaded from there.
+A GGUF file's vocabulary is turned into a fast tokenizer by ``jaxllm.engine.gguf_tokenizer``
+(torch-free; transformers' own GGUF reader needs torch).  Building it (the BPE merges) takes
+several times longer than reading a saved one, so the converted tokenizer is saved once under
+the cache folder and reloaded from there.
 """
 
 from __future__ import annotations
@@ -16,22 +18,28 @@ from jaxllm.models.loader import TokenizerSource
 
 
 def _gguf_cache_dir(src: TokenizerSource, cache_root: str) -> str:
+    from jaxllm.engine.gguf_tokenizer import CONVERTER_VERSION
+
     path = os.path.abspath(os.path.join(src.path, src.gguf_file))
     st = os.stat(path)
-    key = hashlib.sha1(f"{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    # The converter version keeps tokenizers written by another converter (or an older one) apart.
+    key = hashlib.sha1(f"{CONVERTER_VERSION}:{path}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     return os.path.join(cache_root, "tokenizers", key)
 
 
 def load_tokenizer(src: TokenizerSource, cache_root: str):
-    from transformers import AutoTokenizer
-
+    where = src.path if src.gguf_file is None else os.path.join(src.path, src.gguf_file)
     try:
         if src.gguf_file is None:
+            from transformers import AutoTokenizer
             return AutoTokenizer.from_pretrained(src.path)
+        from transformers import PreTrainedTokenizerFast
+
+        from jaxllm.engine.gguf_tokenizer import tokenizer_from_gguf
         cached = _gguf_cache_dir(src, cache_root)
         if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-            return AutoTokenizer.from_pretrained(cached)
-        tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+            return PreTrainedTokenizerFast.from_pretrained(cached)
+        tok = tokenizer_from_gguf(where)
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
         tok.save_pretrained(tmp)
@@ -42,8 +50,13 @@ def load_tokenizer(src: TokenizerSource, cache_root: str):
         return tok
     except ModelLoadError:
         raise
+    except ImportError as e:  # ModuleNotFoundError too: name the package, not the internals that wanted it
+        package = (e.name or "").split(".")[0]
+        if package:
+            raise ModelLoadError(f"{where}: cannot load the tokenizer: the Python package {package!r} is missing or "
+                                 f"cannot be imported ({e}); install it with `pip install {package}`") from None
+        raise ModelLoadError(f"{where}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
     except Exception as e:
-        where = src.path if src.gguf_file is None else os.path.join(src.path, src.gguf_file)
         raise ModelLoadError(f"{where}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
 
 

@@ -21,11 +21,19 @@ CACHE_MISS_EVENT = "/jax/compilation_cache/cache_misses"
 _counts: Counter = Counter()
 _lock = threading.Lock()
 _installed = False
+_thread = threading.local()   # persistent-cache hits of the calling thread (JAX records them there)
 
 
 def _on_event(event: str, **_):
     with _lock:
         _counts[event] += 1
+    if event == CACHE_HIT_EVENT:
+        _thread.cache_hits = getattr(_thread, "cache_hits", 0) + 1
+
+
+def thread_cache_hits() -> int:
+    """Persistent-cache hits so far in this thread: tells a real compile from a cache load."""
+    return getattr(_thread, "cache_hits", 0)
 
 
 def _on_duration(event: str, duration: float, **_):

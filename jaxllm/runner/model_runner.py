@@ -5,8 +5,10 @@ parameters, the request's row of the sampler's device state), turns each
 ``SchedulerOutput`` into padded numpy arrays, picks the compiled step of the (T, S) bucket,
 runs it with the KV cache and the sampler state donated, then the compiled sampler of its
 S on the logits it left on the device, and returns the sampled tokens as plain Python
-lists.  Every bucket is compiled at start-up from ``ShapeDtypeStruct``s; afterwards a step
-that traces or compiles is a bug, reported by the compile guard (fatal in tests).
+lists.  Buckets are compiled from ``ShapeDtypeStruct``s, all at start-up for a server, or
+each the first time a step needs it for one-shot use; saved compiled programs are loaded
+instead (runner/program_cache.py).  A step of a compiled bucket that traces or compiles is
+a bug, reported by the compile guard (fatal in tests).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from jax.sharding import NamedSharding
 
 from jaxllm.cpu import layout
 from jaxllm.errors import CompileGuardError
+from jaxllm.host_memory import return_freed_memory
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.models.loader import LoadedModel
 from jaxllm.models.registry import get_model_module
@@ -35,6 +38,7 @@ from jaxllm.parallel import sharding as psh
 from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner import packing
+from jaxllm.runner.program_cache import ProgramCache, describe_args
 from jaxllm.runner.step import StepInputs, make_sample_step, make_step
 from jaxllm.sample import metadata as smd
 from jaxllm.sample.sampler import LOGPROBS_MODES, SamplingMetadata, init_state, write_bias_row, write_penalty_row
@@ -110,7 +114,7 @@ def _host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool
         if packed_bf16:
             a = a.astype(jnp.bfloat16).view(np.uint16) if name in MATRICES else a.astype(np.float32)
         else:
-            a = a.astype(np_dtype)
+            a = a.astype(np_dtype, copy=False)
         return layout.pack(a) if name in panels else a
 
     params = {k: conv(k, v) for k, v in model.globals.items()}
@@ -150,7 +154,9 @@ class ModelRunner:
                  block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                  max_logprobs: int, strict_compile_guard: bool = False, show_progress: bool = True,
                  logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False,
-                 devices: list | None = None, expert_parallel: bool = False):
+                 devices: list | None = None, expert_parallel: bool = False, program_dir: str | None = None):
+        """``program_dir``: where compiled programs are saved and loaded (runner/program_cache.py);
+        None keeps none."""
         if logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.arch = model.arch
@@ -180,8 +186,12 @@ class ModelRunner:
         if native and self.tp > 1:
             raise ValueError("the native CPU matmul does not shard; use --cpu-matmul xla with "
                              "--tensor-parallel-size > 1")
+        t0 = time.perf_counter()
         self.params = _to_device_params(model, self.dtype, scan_layers, self.packed_bf16, self.mesh, self.rules,
                                         native)
+        log.info("weights on the device: %.1f MiB as %s%s in %.1f s", self.weight_bytes() / 2**20,
+                 "bfloat16" if self.packed_bf16 else self.dtype.name,
+                 ", in the native matmul's panel layout" if native else "", time.perf_counter() - t0)
         self.scan_layers = scan_layers
         self.kv = None
         if num_blocks is not None:
@@ -190,11 +200,19 @@ class ModelRunner:
         self.matmul_backend = matmul_backend
         self.attention_backend = attention_backend
         self.sampler_backend = sampler_backend
+        moe_impl = "expert_parallel" if expert_parallel else None
         self._step_fn = make_step(self.arch, self.model_module, max_logprobs, matmul_backend,
-                                  attention_backend=attention_backend,
-                                  moe_impl="expert_parallel" if expert_parallel else None)
+                                  attention_backend=attention_backend, moe_impl=moe_impl)
         self._sample_fn = make_sample_step(max_logprobs, sampler_backend=sampler_backend,
                                            logprobs_mode=logprobs_mode, use_fp64_gumbel=use_fp64_gumbel)
+        # What decides the compiled programs besides their arguments' shapes (program_cache.py).
+        self._step_desc = (f"step|{a!r}|{self.model_module.__name__}|max_logprobs={max_logprobs}|"
+                           f"matmul={matmul_backend}|attention={attention_backend}|moe={moe_impl}|"
+                           f"blocks_per_seq={self.max_blocks_per_seq}|rules={sorted(self.rules.items())!r}")
+        self._sample_desc = (f"sample|max_logprobs={max_logprobs}|sampler={sampler_backend}|"
+                             f"logprobs_mode={logprobs_mode}|fp64={use_fp64_gumbel}|vocab={a.vocab_size}")
+        # Multi-process programs are not saved: each host would load its own copy unchecked.
+        self.programs = ProgramCache(program_dir if jax.process_count() == 1 else None, self.mesh.devices.flat)
         # The sampler's per-request device state: one row per running request (assigned by
         # request id, reused once freed) and a last scratch row for padding rows.
         self.vocab_size = a.vocab_size
@@ -212,6 +230,8 @@ class ModelRunner:
         self._states: dict[str, _ReqState] = {}
         self.warm = False
         self.compile_seconds = 0.0
+        self.programs_compiled = 0    # step and sampler programs compiled by this runner
+        self.programs_loaded = 0      # ... and loaded from the program cache instead
         # Held before sampling when set (tests use it to pause the first step).
         self.before_step_hook = None
 
@@ -313,11 +333,13 @@ class ModelRunner:
             sampling=self._sampling_spec(S),
             prompt_targets=sds((T,), i32))
 
-    def warmup(self) -> None:
-        """Compiles the step for every bucket (through the persistent cache)."""
+    def warmup(self, every_bucket: bool = True) -> None:
+        """Compiles the small programs that write sampler rows and, with ``every_bucket``, the
+        step of every bucket and the sampler of every sequence bucket (what a server needs
+        before its first request).  Without it a bucket is compiled the first time a step
+        needs it (:meth:`compile_buckets`); the compile guard then covers the buckets compiled."""
         cc.install_listeners()
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        kv_spec = jax.tree.map(spec, self.kv)
         rep = functools.partial(jax.ShapeDtypeStruct, sharding=self._rep)
         bias = self.sstate.bias
         self._write_bias = jax.jit(write_bias_row, donate_argnums=(0,), out_shardings=self._rep).lower(
@@ -326,19 +348,64 @@ class ModelRunner:
         self._write_penalty = jax.jit(write_penalty_row, donate_argnums=(0, 1), out_shardings=self._rep).lower(
             spec(self.sstate.counts), spec(self.sstate.prompt_mask), rep((), jnp.int32),
             rep((V,), jnp.int32), rep((V,), jnp.bool_)).compile()
+        self.warm = True
+        if every_bucket:
+            self.compile_buckets(self.buckets)
+
+    @property
+    def all_compiled(self) -> bool:
+        return all(b in self._compiled and b[1] in self._samplers for b in self.buckets)
+
+    def _program_key(self, kind: str, key) -> str:
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        if kind == "step":
+            args = describe_args(jax.tree.map(spec, self.params), jax.tree.map(spec, self.kv),
+                                 jax.tree.map(spec, self.sstate))
+            return self.programs.key(f"{self._step_desc}|T={key[0]}|S={key[1]}|{args}")
+        return self.programs.key(f"{self._sample_desc}|S={key}|{describe_args(jax.tree.map(spec, self.sstate))}")
+
+    def compile_buckets(self, buckets) -> None:
+        """Makes the step of each of ``buckets`` and the sampler of each of their sequence
+        buckets ready: loaded from the program cache when it holds them, else compiled
+        (through JAX's persistent cache) and saved there.  Already-ready ones are skipped."""
+        cc.install_listeners()
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        kv_spec = jax.tree.map(spec, self.kv)
+        jobs = [("step", b) for b in sorted(set(buckets)) if b not in self._compiled]
+        jobs += [("sample", S) for S in sorted({S for _, S in buckets}) if S not in self._samplers]
+        if not jobs:
+            return
         t0 = time.perf_counter()
-        # Every step bucket, and the sampler once per sequence bucket (see runner/step.py).
-        jobs = [("step", b) for b in self.buckets] + [("sample", S) for S in sorted({S for _, S in self.buckets})]
+        keys = {job: self._program_key(*job) for job in jobs}
+        cached = {job for job in jobs if self.programs.has(keys[job])}
+        if len(cached) == len(jobs):
+            log.info("loading %d programs from the cache", len(jobs))
+        else:
+            log.info("compiling %d programs (%d from the cache)", len(jobs), len(cached))
         bar = None
         if self.show_progress:
             from tqdm import tqdm
-            bar = tqdm(total=len(jobs), desc="compiling step buckets", unit="program", leave=False)
+            bar = tqdm(total=len(jobs), unit="program", leave=False,
+                       desc=f"loading {len(cached)} programs from the cache" if len(cached) == len(jobs)
+                       else f"compiling {len(jobs) - len(cached)} programs, {len(cached)} from the cache")
+        counts = {"loaded": 0, "compiled": 0}
 
         def build(job):
             kind, key = job
-            lowered = self._lower(kv_spec, *key) if kind == "step" else self._lower_sample(key)
-            compiled = lowered.compile()
+            compiled = self.programs.load(keys[job]) if job in cached else None
+            how = "loaded"
+            if compiled is None:
+                lowered = self._lower(kv_spec, *key) if kind == "step" else self._lower_sample(key)
+                hits = cc.thread_cache_hits()
+                compiled = lowered.compile()
+                # An executable that JAX's persistent cache loaded serializes without its code
+                # (XLA:CPU: "Function ... not found" when the copy runs): save real compiles only.
+                if cc.thread_cache_hits() == hits:
+                    self.programs.store(keys[job], compiled)
+                how = "compiled"
+            counts[how] += 1
             if bar is not None:
+                bar.set_postfix_str(f"{counts['compiled']} compiled, {counts['loaded']} loaded", refresh=False)
                 bar.update(1)
             return job, compiled
 
@@ -347,12 +414,16 @@ class ModelRunner:
             built = dict(pool.map(build, jobs))
         if bar is not None:
             bar.close()
-        self._compiled = {key: c for (kind, key), c in built.items() if kind == "step"}
-        self._samplers = {key: c for (kind, key), c in built.items() if kind == "sample"}
-        self.compile_seconds = time.perf_counter() - t0
-        self.warm = True
-        log.info("compiled %d step buckets and %d samplers in %.1f s", len(self._compiled), len(self._samplers),
-                 self.compile_seconds)
+        self._compiled.update({key: c for (kind, key), c in built.items() if kind == "step"})
+        self._samplers.update({key: c for (kind, key), c in built.items() if kind == "sample"})
+        seconds = time.perf_counter() - t0
+        self.compile_seconds += seconds
+        self.programs_compiled += counts["compiled"]
+        self.programs_loaded += counts["loaded"]
+        if counts["compiled"]:
+            return_freed_memory()   # XLA's compile-time buffers
+        log.info("%d programs ready in %.1f s: %d compiled, %d loaded from the cache (%s)", len(jobs), seconds,
+                 counts["compiled"], counts["loaded"], self.programs.root or "no program cache")
 
     # ------------------------------------------------------------------ one step
 
@@ -445,6 +516,12 @@ class ModelRunner:
             return EMPTY_RUNNER_OUTPUT
         if not self.warm:
             raise RuntimeError("ModelRunner.execute called before warmup()")
+        bucket = bk.pick(so.total_num_scheduled_tokens, len(so.num_scheduled_tokens), self.buckets)
+        if bucket not in self._compiled or bucket[1] not in self._samplers:
+            # On demand: this bucket, and the decode step of as many requests, which follows
+            # (compiled side by side); the guard covers both from now on.
+            S = len(so.num_scheduled_tokens)
+            self.compile_buckets([bucket, bk.pick(S, S, self.buckets)])
         before = cc.counts()
         inputs, req_ids, samples, bucket = self._prepare(so)
         if self.before_step_hook is not None:

@@ -57,3 +57,43 @@ def test_meminfo_is_read(tmp_path):
     (tmp_path / "meminfo").write_text("MemTotal: 100 kB\nMemFree: 10 kB\nMemAvailable:   4096 kB\n")
     assert kv_budget._meminfo_available(str(tmp_path / "meminfo")) == 4096 * 1024
     assert kv_budget._meminfo_available(str(tmp_path / "missing")) is None
+
+
+def test_default_size_on_cpu_does_not_follow_free_memory(monkeypatch):
+    """The block count is part of every compiled shape: the same flags must give the same pool
+    whatever memory is free, or the second start misses the persistent compile cache."""
+    plans = []
+    for free in (7 * 2**30, 23 * 2**30, 300 * 2**20):
+        monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda free=free: free)
+        plans.append(plan_kv_cache(**ARCH, max_model_len=256, max_num_seqs=10_000, budget_bytes=None,
+                                   num_blocks_override=None, platform="cpu"))
+    assert len({p.num_blocks for p in plans}) == 1, [p.num_blocks for p in plans]
+    assert plans[0].total_bytes <= kv_budget.CPU_DEFAULT_KV_BYTES
+    assert "--kv-cache-memory-bytes" in plans[0].describe(256)
+    # A model whose one sequence needs more than the default still gets one sequence.
+    big = plan_kv_cache(**ARCH, max_model_len=2**22, max_num_seqs=4, budget_bytes=None,
+                        num_blocks_override=None, platform="cpu")
+    assert big.num_usable_tokens >= 2**22
+
+
+def test_measured_sizes_are_rounded_to_a_coarse_grain(monkeypatch):
+    per = bytes_per_block(**{k: ARCH[k] for k in ("num_layers", "block_size", "num_kv_heads", "head_dim", "itemsize")})
+    assert kv_budget.coarse_blocks(7193) == kv_budget.coarse_blocks(7500) == 7168
+    for n in (17, 100, 1000, 7193, 7921, 123_456):
+        c = kv_budget.coarse_blocks(n)
+        assert n * 8 / 9 <= c <= n
+    # --gpu-memory-utilization: free memory that moved by a few percent gives the same pool.
+    counts = {plan_kv_cache(**ARCH, max_model_len=256, max_num_seqs=4, budget_bytes=b * per,
+                            num_blocks_override=None, measured=True).num_blocks for b in (7193, 7300, 7600)}
+    assert counts == {7168}
+    # An explicit byte budget is used as given.
+    assert plan_kv_cache(**ARCH, max_model_len=256, max_num_seqs=4, budget_bytes=7193 * per,
+                         num_blocks_override=None).num_blocks == 7193
+    # On an accelerator without a size, the quarter of free memory is rounded too.
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda: 4 * 7193 * per)
+    a = plan_kv_cache(**ARCH, max_model_len=256, max_num_seqs=10_000, budget_bytes=None,
+                      num_blocks_override=None, platform="gpu")
+    monkeypatch.setattr(kv_budget, "available_memory_bytes", lambda: 4 * 7600 * per)
+    b = plan_kv_cache(**ARCH, max_model_len=256, max_num_seqs=10_000, budget_bytes=None,
+                      num_blocks_override=None, platform="gpu")
+    assert a.num_blocks == b.num_blocks == 7168

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -63,25 +64,86 @@ def test_guard_fails_a_step_that_compiles(tiny_llm):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
-def test_second_process_hits_the_persistent_cache(tiny_checkpoints, tmp_path):
+def test_second_start_with_default_sizing_compiles_nothing(tiny_checkpoints, tmp_path):
+    """Two processes, the same model and flags, default KV sizing, different free memory (as
+    two starts of a server see): the second loads every program and compiles none.  Then
+    without the saved programs, JAX's persistent cache alone still compiles none."""
     cache = str(tmp_path / "xla")
 
-    def probe(model):
+    def probe(model, free):
+        env = {**os.environ, "PROBE_FREE_BYTES": str(free)}
         r = subprocess.run([sys.executable, os.path.join(HERE, "warmup_probe.py"), model, cache],
-                           capture_output=True, text=True, timeout=600)
+                           capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
     llama = tiny_checkpoints["llama_gqa_untied"]
-    first, second = probe(llama), probe(llama)
-    assert first["delta"]["cache_misses"] >= first["buckets"] + first["samplers"]
+    first = probe(llama, 3 * 2**20)
+    second = probe(llama, 2 * 2**20)
+    assert first["compiled"] == first["programs"] and first["delta"]["cache_misses"] >= first["programs"]
+    assert second["num_blocks"] == first["num_blocks"], "the KV pool followed free memory"
+    assert second["loaded"] == second["programs"] and second["compiled"] == 0, second
+    # (XLA reports a persistent-cache hit as a compile event too: a miss is a real compile.)
     assert second["delta"]["cache_misses"] == 0, second
-    assert second["delta"]["cache_hits"] == first["delta"]["cache_misses"]
     assert second["tokens"] == first["tokens"]
-    # Another model with the same vocabulary and cache shape compiles only its own steps: the
-    # samplers (one per sequence bucket, independent of the model), the state-row writers
-    # and the cache allocation are the first model's programs, found in the cache.
-    other = probe(tiny_checkpoints["qwen2_qkv_bias"])
-    assert other["samplers"] == 3, other                 # S = 1, 2, 4 under max_num_seqs=4
-    assert other["delta"]["cache_misses"] == other["buckets"], other
-    assert other["delta"]["cache_hits"] >= other["samplers"] + 2, other
+    shutil.rmtree(os.path.join(cache, "programs"))
+    third = probe(llama, 5 * 2**20)
+    assert third["compiled"] == third["programs"] and third["delta"]["cache_misses"] == 0, third
+    assert third["delta"]["cache_hits"] >= third["programs"]
+    assert third["tokens"] == first["tokens"]
+
+
+def test_one_shot_engine_compiles_only_what_it_runs_and_a_server_compiles_the_rest(tiny_llama, tiny_llm):
+    """precompile="auto" (the offline default): nothing but the sampler-row writers before the
+    first step; a step compiles its bucket and the decode bucket that follows, once.  After
+    that the guard holds for those buckets, and an AsyncEngine (the server) compiles every
+    other bucket before it takes a request."""
+    from conftest import SMALL_ENGINE
+
+    from jaxllm import LLM
+    from jaxllm.engine.async_engine import AsyncEngine
+    llm = LLM(tiny_llama, **{**SMALL_ENGINE, "precompile": "auto"})
+    runner = llm.llm_engine.core.runner
+    assert runner._compiled == {} and runner._samplers == {}
+    prompt = [{"prompt_token_ids": list(range(100, 106))}]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    first = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert set(runner._compiled) == {(8, 4), (1, 1)}, runner._compiled.keys()
+    assert set(runner._samplers) == {4, 1}
+    assert first == tiny_llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
+    before = cc.counts()
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == first
+    after = cc.counts()
+    assert after["traces"] == before["traces"] and after["compiles"] == before["compiles"]
+    # The strict guard still fails a step of a compiled bucket that compiles.
+    run = runner._run
+
+    def leaky_run(bucket, inputs):
+        jax.jit(lambda x: x * 5)(jnp.ones(9))
+        return run(bucket, inputs)
+
+    runner._run = leaky_run
+    try:
+        with pytest.raises((CompileGuardError, RuntimeError)):
+            llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        runner._run = run
+    assert not runner.all_compiled
+    engine = AsyncEngine(llm.llm_engine)
+    try:
+        assert runner.all_compiled
+        assert set(runner._compiled) == set(runner.buckets)
+    finally:
+        engine.shutdown()
+
+
+def test_on_demand_is_refused_for_a_server(tiny_llama):
+    from conftest import SMALL_ENGINE
+
+    from jaxllm import LLM
+    from jaxllm.engine.async_engine import AsyncEngine
+    llm = LLM(tiny_llama, **{**SMALL_ENGINE, "precompile": "on-demand"})
+    with pytest.raises(ValueError, match="--precompile on-demand is for one-shot commands"):
+        AsyncEngine(llm.llm_engine)
+    with pytest.raises(ValueError, match="--precompile must be one of auto, all, on-demand"):
+        LLM(tiny_llama, **{**SMALL_ENGINE, "precompile": "lazy"})

@@ -1,18 +1,30 @@
-"""Run by test_compile.py in a fresh process: builds an engine, prints its warm-up compile counts as JSON."""
+"""Run by test_compile.py in a fresh process: builds an engine with default KV sizing and
+every bucket compiled, prints its warm-up counts as JSON.
+
+``PROBE_FREE_BYTES`` stands in for the free memory the process sees, so two probes can see
+different amounts, as two starts of a server do."""
 
 import json
+import os
 import sys
 
-from jaxllm import LLM
-from jaxllm.runner import compile as cc
+from jaxllm.core import kv_budget
+
+if os.environ.get("PROBE_FREE_BYTES"):
+    kv_budget._meminfo_available = lambda *a: int(os.environ["PROBE_FREE_BYTES"])
+    kv_budget.cgroup_room_bytes = lambda *a: None
+
+from jaxllm import LLM  # noqa: E402
+from jaxllm.runner import compile as cc  # noqa: E402
 
 model, cache_dir = sys.argv[1], sys.argv[2]
 cc.install_listeners()
 before = cc.counts()
-llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128, dtype="float32",
-          compile_cache_dir=cache_dir, show_progress=False, strict_compile_guard=True)
+llm = LLM(model, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256, dtype="float32",
+          compile_cache_dir=cache_dir, show_progress=False, strict_compile_guard=True, precompile="all")
 after = cc.counts()
+runner = llm.llm_engine.core.runner
 out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)[0].outputs[0].token_ids
-print(json.dumps({"delta": {k: after[k] - before[k] for k in after},
-                  "buckets": len(llm.llm_engine.core.runner.buckets),
-                  "samplers": len(llm.llm_engine.core.runner._samplers), "tokens": out}))
+print(json.dumps({"delta": {k: after[k] - before[k] for k in after}, "num_blocks": runner.num_blocks,
+                  "programs": len(runner.buckets) + len({S for _, S in runner.buckets}),
+                  "compiled": runner.programs_compiled, "loaded": runner.programs_loaded, "tokens": out}))
