@@ -187,7 +187,7 @@ def _make_llm(args):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxllm", description="LLM inference compiled by XLA")
-    parser.add_argument("--log-level", default=os.environ.get("JAXLLM_LOG_LEVEL"),
+    parser.add_argument("--log-level", default=os.environ.get("JAXLLM_LOG_LEVEL") or None,
                         help="level of every logger (default: INFO for jaxllm's start-up lines, WARNING "
                              "for the libraries'); also $JAXLLM_LOG_LEVEL")
     sub = parser.add_subparsers(dest="command", required=True)

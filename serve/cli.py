@@ -66,7 +66,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from jaxllm.engine.async_engine import AsyncEngine
+    from jaxllm.engine.async_engine import AsyncEngine, check_servable
     from jaxllm.engine.dp_engine import DataParallelEngine
     from jaxllm.engine.llm_engine import LLMEngine
     from serve.app import listen
@@ -77,9 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serving = serving_config_from_args(args)
     resolve_chat_template(serving.chat_template)
     engine_config = engine_config_from_args(args)
-    if engine_config.runner.precompile == "on-demand":   # refused now, not after loading the model
-        raise ValueError("--precompile on-demand is for one-shot commands: a server compiles every "
-                         "step bucket before its first request (use auto or all)")
+    check_servable(engine_config)   # now, not after loading the model
     # The address, the sampling defaults and the engine's start-up line (KV cache size, prefix
     # caching, policy) are worth seeing at the default log level.
     for logger in (log, logging.getLogger("jaxllm.engine")):

@@ -186,14 +186,19 @@ class RequestStream:
 # ---------------------------------------------------------------------------- the engine
 
 
+def check_servable(config) -> None:
+    """Refuses a configuration a server cannot keep its promise with (zero compiles once serving)."""
+    if config.runner.precompile == "on-demand":
+        raise ValueError("--precompile on-demand is for one-shot commands: a server compiles every "
+                         "step bucket before its first request (use auto or all)")
+
+
 class AsyncEngine:
     """An :class:`LLMEngine` driven by a background thread, for asyncio callers (the server)."""
 
     def __init__(self, engine: LLMEngine, stats_sink: StatsSink | None = None):
         """Compiles every bucket the engine has not yet (serving never compiles), then starts."""
-        if engine.config.runner.precompile == "on-demand":
-            raise ValueError("--precompile on-demand is for one-shot commands: a server compiles every "
-                             "step bucket before its first request (use auto or all)")
+        check_servable(engine.config)
         engine.compile_all()
         self.engine = engine
         self.stats_sink = stats_sink

@@ -461,7 +461,20 @@ def load_gguf(path: str, name: str | None = None) -> LoadedModel:
 # ------------------------------------------------------------------ entry point
 
 def load_model(model: str | None) -> LoadedModel:
-    """Loads ``model`` (an HF folder, a .gguf file, or None for the built-in model)."""
+    """Loads ``model`` (an HF folder, a .gguf file, or None for the built-in model).  A Python
+    package the format needs and the install lacks is named, with how to install it."""
+    try:
+        return _load_model(model)
+    except ImportError as e:   # ModuleNotFoundError too: name the package, not who imported it
+        package = (e.name or "").split(".")[0]
+        if not package:
+            raise
+        raise ModelLoadError(f"{model or 'the built-in model'}: loading it needs the Python package {package!r}, "
+                             f"which is missing or cannot be imported ({e}); install it with "
+                             f"`pip install {package}`") from None
+
+
+def _load_model(model: str | None) -> LoadedModel:
     if model is None:
         from jaxllm.models.builtin import builtin_gguf_path, BUILTIN_MODEL_NAME
         return load_gguf(builtin_gguf_path(), name=BUILTIN_MODEL_NAME)

@@ -396,12 +396,7 @@ class ModelRunner:
             how = "loaded"
             if compiled is None:
                 lowered = self._lower(kv_spec, *key) if kind == "step" else self._lower_sample(key)
-                hits = cc.thread_cache_hits()
-                compiled = lowered.compile()
-                # An executable that JAX's persistent cache loaded serializes without its code
-                # (XLA:CPU: "Function ... not found" when the copy runs): save real compiles only.
-                if cc.thread_cache_hits() == hits:
-                    self.programs.store(keys[job], compiled)
+                compiled = self.programs.compile(keys[job], lowered)
                 how = "compiled"
             counts[how] += 1
             if bar is not None:

@@ -11,7 +11,7 @@ versions of jax, jaxlib and numpy, the backend, its devices and ``XLA_FLAGS``, a
 program's description (its static configuration and the shape, dtype and sharding of every
 argument).  A change to any of them is a different key; a file that fails to load is
 compiled again and replaced.  JAX's persistent cache stays underneath, for programs whose
-lowering did not change when the key did.
+lowering did not change when the key did (what it loads is not saved here: :meth:`compile`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import tempfile
 
 import jax
 import numpy as np
+
+from jaxllm.runner import compile as cc
 
 log = logging.getLogger("jaxllm.runner")
 
@@ -101,7 +103,17 @@ class ProgramCache:
                         self._path(key), type(e).__name__, e)
             return None
 
-    def store(self, key: str, compiled) -> None:
+    def compile(self, key: str, lowered):
+        """``lowered.compile()``, saved under ``key`` when XLA really compiled it.  An executable
+        that JAX's persistent cache loaded serializes without its code on XLA:CPU (the copy
+        fails with "Function ... not found" when run), so a cache hit is not saved."""
+        hits = cc.thread_cache_hits()
+        compiled = lowered.compile()
+        if cc.thread_cache_hits() == hits:
+            self._store(key, compiled)
+        return compiled
+
+    def _store(self, key: str, compiled) -> None:
         """Saves ``compiled`` under ``key`` (atomically; a program that cannot be serialized is skipped)."""
         if self.root is None:
             return

@@ -1,0 +1,77 @@
+"""Saved compiled programs: a round trip runs and gives the same result without tracing, the
+key follows everything that decides the program, what JAX's persistent cache loaded is not
+saved (its copy would not run), and a damaged file is compiled again, not trusted."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import default_cache_dir
+from jaxllm.runner import compile as cc
+from jaxllm.runner import program_cache
+from jaxllm.runner.program_cache import ProgramCache, describe_args
+
+X = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+
+
+def _lowered(scale: float):
+    return jax.jit(lambda a, b: (a * scale) @ b.T).lower(X, X)
+
+
+def _check_runs(compiled, scale):
+    a = np.arange(32, dtype=np.float32).reshape(4, 8)
+    b = np.ones((4, 8), np.float32)
+    np.testing.assert_allclose(np.asarray(compiled(jnp.asarray(a), jnp.asarray(b))), (a * scale) @ b.T, rtol=1e-6)
+
+
+def test_round_trip_runs_without_tracing(tmp_path):
+    cc.enable_persistent_cache(os.path.join(default_cache_dir(), "xla"))   # as an engine runs
+    cc.install_listeners()
+    scale = random.random()     # a program JAX's persistent cache has never seen
+    cache = ProgramCache(str(tmp_path), jax.devices()[:1])
+    key = cache.key(f"test|scale={scale}")
+    assert not cache.has(key) and cache.load(key) is None
+    _check_runs(cache.compile(key, _lowered(scale)), scale)
+    assert cache.has(key)
+    before = cc.counts()
+    loaded = ProgramCache(str(tmp_path), jax.devices()[:1]).load(key)
+    assert cc.counts()["traces"] == before["traces"] and cc.counts()["cache_misses"] == before["cache_misses"]
+    _check_runs(loaded, scale)
+    # The same program again, now a persistent-cache hit: not saved under a new key.
+    other = ProgramCache(str(tmp_path / "other"), jax.devices()[:1])
+    _check_runs(other.compile(key, _lowered(scale)), scale)
+    assert not other.has(key), "an executable loaded by JAX's persistent cache was saved"
+
+
+def test_key_follows_the_description_and_the_source(tmp_path, monkeypatch):
+    devices = jax.devices()[:1]
+    cache = ProgramCache(str(tmp_path), devices)
+    assert cache.key("a") == ProgramCache(str(tmp_path), devices).key("a")
+    assert cache.key("a") != cache.key("b")
+    assert describe_args(X) != describe_args(jax.ShapeDtypeStruct((4, 9), jnp.float32))
+    assert describe_args(X) != describe_args(jax.ShapeDtypeStruct((4, 8), jnp.bfloat16))
+    assert describe_args((X, X)) != describe_args([X, X])
+    # An edit to jaxllm's source makes every key new.
+    monkeypatch.setattr(program_cache, "source_digest", lambda: "edited")
+    assert ProgramCache(str(tmp_path), devices).key("a") != cache.key("a")
+
+
+def test_a_damaged_file_is_not_trusted(tmp_path, caplog):
+    scale = random.random()
+    cache = ProgramCache(str(tmp_path), jax.devices()[:1])
+    key = cache.key(f"test|damaged|{scale}")
+    cache.compile(key, _lowered(scale))
+    path = os.path.join(str(tmp_path), f"{key}.jaxexe")
+    assert os.path.isfile(path)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with caplog.at_level(logging.WARNING, logger="jaxllm.runner"):
+        assert cache.load(key) is None
+    assert "compiling it again" in caplog.text
+    assert not ProgramCache(None, jax.devices()[:1]).has(key)   # no folder: nothing saved or loaded

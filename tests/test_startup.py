@@ -1,0 +1,52 @@
+"""What a start-up prints, in order, at the default log level; flags that decide what it compiles."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from test_errors import assert_one_line_error, cli
+
+STEPS = [r"loading weights of ", r"loaded \d+ tensors, [\d.]+ MiB, in [\d.]+ s",
+         r"tokenizer: \d+ tokens, in [\d.]+ s", r"native CPU kernel linear\.cc: (reusing|compiling)",
+         r"weights on the device: [\d.]+ MiB", r"KV cache: \d+ blocks .*--kv-cache-memory-bytes sets it",
+         r"(compiling \d+ programs \(\d+ from the cache\)|loading \d+ programs from the cache)",
+         r"\d+ programs ready in [\d.]+ s: \d+ compiled, \d+ loaded from the cache"]
+
+
+def test_generate_says_what_it_does_in_order(tiny_llama):
+    r = subprocess.run([sys.executable, "-m", "jaxllm.cli", "generate", "Hello", "--model", tiny_llama,
+                        "--max-tokens", "3", "--max-num-seqs", "2", "--max-num-batched-tokens", "8",
+                        "--max-model-len", "64"],
+                       capture_output=True, text=True, timeout=600,
+                       env={k: v for k, v in os.environ.items() if k != "JAXLLM_LOG_LEVEL"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("Hello") and len(r.stdout.strip()) > len("Hello"), r.stdout
+    log = r.stderr.replace("\r", "\n")
+    at = 0
+    for step in STEPS:
+        m = re.compile(step).search(log, at)
+        assert m is not None, f"{step!r} missing after position {at} in:\n{log}"
+        at = m.end()
+    # One-shot: the prompt's bucket and the decode bucket (and their samplers), not all 6 programs.
+    ready = [int(n) for n in re.findall(r"(\d+) programs ready", log)]
+    assert 0 < sum(ready) <= 4, log
+
+
+def test_serve_refuses_on_demand_compilation_before_loading():
+    rc, lines, _ = cli("serve", "--precompile", "on-demand", timeout=120)
+    assert_one_line_error(rc, lines, "--precompile on-demand is for one-shot commands")
+    assert not any("loading weights" in ln for ln in lines), lines
+
+
+def test_a_missing_package_is_named_with_how_to_install_it():
+    """A runtime install without ``gguf``: the built-in model's load names it, one line, exit 2."""
+    prelude = ("import sys; sys.modules['gguf'] = None; "
+               "[sys.modules.__setitem__(m, None) for m in list(sys.modules) if m.startswith('gguf.')]; "
+               "from jaxllm.cli import main; sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", prelude, "generate", "hi"], capture_output=True, text=True,
+                       timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert_one_line_error(r.returncode, lines, "'gguf'", "pip install gguf")
