@@ -42,21 +42,42 @@ def _aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
     return raw[offset:offset + nbytes].view(dtype).reshape(shape)
 
 
-def pack(w: np.ndarray) -> np.ndarray:
-    """``w [..., N, K]`` (float32, or bf16 as bfloat16 or uint16 bits) -> the same shape and
-    dtype in the panel layout, for every leading index (stacked layers)."""
-    w = np.asarray(w)
+def _pack_into(w: np.ndarray, flat: np.ndarray) -> None:
+    """Writes ``w [..., N, K]`` in the panel layout into ``flat [..., N * K]``."""
     *lead, N, K = w.shape
     P = N // PANEL
     head = w[..., :P * PANEL, :].reshape(*lead, P, PANEL, K)             # [..., P, 16 columns, K]
     if _is_bf16(w.dtype):
         head = head[..., _BF16_COLUMNS, :]                               # columns in lane order
-    # One pass into the result (a start-up lays out every weight: no intermediate copies),
-    # 64-byte aligned so that placing it on the CPU device aliases it instead of copying.
-    out = _aligned_empty(w.shape, w.dtype)
-    flat = out.reshape(*lead, N * K)
     flat[..., :P * K * PANEL].reshape(*lead, P, K, PANEL)[...] = np.swapaxes(head, -1, -2)   # [..., P, K, 16 lanes]
     flat[..., P * K * PANEL:] = w[..., P * PANEL:, :].reshape(*lead, -1)
+
+
+def pack(w: np.ndarray) -> np.ndarray:
+    """``w [..., N, K]`` (float32, or bf16 as bfloat16 or uint16 bits) -> the same shape and
+    dtype in the panel layout, for every leading index (stacked layers).  One pass into the
+    result (a start-up lays out every weight), 64-byte aligned so that placing it on the CPU
+    device aliases it instead of copying."""
+    w = np.asarray(w)
+    out = _aligned_empty(w.shape, w.dtype)
+    _pack_into(w, out.reshape(*w.shape[:-2], -1))
+    return out
+
+
+def pack_rows(parts: list[np.ndarray]) -> np.ndarray:
+    """``pack(np.concatenate(parts))`` for 2-D ``parts [N_i, K]`` (fused projections), in one
+    pass: when every part but the last has whole panels (``N_i % 16 == 0``), the layout of the
+    concatenation is the parts' layouts one after the other."""
+    parts = [np.asarray(p) for p in parts]
+    if len(parts) == 1:
+        return pack(parts[0])
+    if any(p.ndim != 2 for p in parts) or any(p.shape[0] % PANEL for p in parts[:-1]):
+        return pack(np.concatenate(parts))
+    out = _aligned_empty((sum(p.shape[0] for p in parts), parts[0].shape[1]), parts[0].dtype)
+    flat, off = out.reshape(-1), 0
+    for p in parts:
+        _pack_into(p, flat[off:off + p.size])
+        off += p.size
     return out
 
 

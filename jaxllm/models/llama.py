@@ -69,7 +69,7 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     # (the layer's own are in ``lp``)
     T = x.shape[0]
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-    if "qkv" in lp:   # fused projections (runner/model_runner.fuse_projections)
+    if "qkv" in lp:   # fused projections (runner/model_runner.fused_parts)
         qkv = linear(h, lp["qkv"], lp.get("qkv_bias"), mm)              # [T, q_size + 2 * kv_size]
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     else:

@@ -81,18 +81,23 @@ MATRICES = frozenset({"embed", "lm_head", "q", "k", "v", "o", "gate", "up", "dow
                       "router", "experts_gate", "experts_up", "experts_down", "qkv", "gate_up"})
 
 
-def fuse_projections(layer: dict) -> dict:
-    """One layer's q, k, v (and biases) as one ``qkv`` matrix and gate, up as one ``gate_up``
-    (rows concatenated, ``[out, in]`` layout kept; models/llama.py splits the products).
+# Fused name -> the weights whose rows it concatenates, in that order (models/llama.py splits
+# the products).
+FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up")}
+
+
+def fused_parts(layer: dict) -> dict[str, list[np.ndarray]]:
+    """One layer's weights by name, q, k, v (and biases) as one ``qkv`` and gate, up as one
+    ``gate_up``: each name maps to the arrays whose rows it concatenates (one for the others).
 
     For the native CPU matmul: 4 calls per layer instead of 7, each a longer stream of rows
     (every call pays a thread-pool round trip and a cold start of the prefetcher)."""
-    out = dict(layer)
-    out["qkv"] = np.concatenate([out.pop("q"), out.pop("k"), out.pop("v")])
-    if "q_bias" in out:
-        out["qkv_bias"] = np.concatenate([out.pop("q_bias"), out.pop("k_bias"), out.pop("v_bias")])
-    if "gate" in out:
-        out["gate_up"] = np.concatenate([out.pop("gate"), out.pop("up")])
+    out, taken = {}, set()
+    for fused, names in FUSED.items():
+        if all(n in layer for n in names):
+            out[fused] = [layer[n] for n in names]
+            taken.update(names)
+    out.update({k: [v] for k, v in layer.items() if k not in taken})
     return out
 
 
@@ -104,25 +109,29 @@ def _host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool
     """Host weights in the device dtype and layout.  ``packed_bf16``: matrices as bf16 bit
     patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py);
     ``native``: laid out for the native CPU matmul: unrolled layers get fused projections
-    (:func:`fuse_projections`) and its matrices the panel layout (cpu/layout.py), the tied
+    (:func:`fused_parts`) and its matrices the panel layout (cpu/layout.py), the tied
     embedding included since it is the LM head."""
     np_dtype = jnp.dtype(dtype)
     panels = (NATIVE_MATRICES | ({"embed"} if model.arch.tie_word_embeddings else set())) if native else set()
 
-    def conv(name, a):
-        a = np.asarray(a)
-        if packed_bf16:
-            a = a.astype(jnp.bfloat16).view(np.uint16) if name in MATRICES else a.astype(np.float32)
-        else:
-            a = a.astype(np_dtype, copy=False)
-        return layout.pack(a) if name in panels else a
+    def conv(name, *parts):   # parts: arrays whose rows are concatenated (fused projections)
+        def cast(a):
+            a = np.asarray(a)
+            if packed_bf16:
+                return a.astype(jnp.bfloat16).view(np.uint16) if name in MATRICES else a.astype(np.float32)
+            return a.astype(np_dtype, copy=False)
+        parts = [cast(a) for a in parts]
+        if name in panels:
+            return layout.pack_rows(parts)       # concatenated and laid out in one pass
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     params = {k: conv(k, v) for k, v in model.globals.items()}
     if scan_layers:
         params["layers"] = {k: conv(k, np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
+    elif native:
+        params["layers"] = [{k: conv(k, *v) for k, v in fused_parts(lp).items()} for lp in model.layers]
     else:
-        layers = [fuse_projections(lp) for lp in model.layers] if native else model.layers
-        params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in layers]
+        params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in model.layers]
     params["rope_inv_freq"] = model.rope_inv_freq.astype(np.float32)
     return params
 
@@ -395,8 +404,8 @@ class ModelRunner:
             compiled = self.programs.load(keys[job]) if job in cached else None
             how = "loaded"
             if compiled is None:
-                lowered = self._lower(kv_spec, *key) if kind == "step" else self._lower_sample(key)
-                compiled = self.programs.compile(keys[job], lowered)
+                lower = (lambda: self._lower(kv_spec, *key)) if kind == "step" else (lambda: self._lower_sample(key))
+                compiled = self.programs.compile(keys[job], lower)
                 how = "compiled"
             counts[how] += 1
             if bar is not None:

@@ -51,6 +51,19 @@ def test_layout_round_trip_and_row_lookup(N, dtype):
     np.testing.assert_array_equal(rows, w[1][ids])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16])
+@pytest.mark.parametrize("rows", [(32, 16, 48), (576, 192, 192), (16, 37), (20, 16), (37,)],
+                         ids=["whole-panels", "smollm2-qkv", "tail-last", "tail-first", "one"])
+def test_fused_parts_are_laid_out_as_their_concatenation(rows, dtype):
+    """pack_rows (fused q/k/v and gate/up, one pass) = pack of the concatenated rows, aligned
+    so that the CPU device can alias it."""
+    rng = np.random.default_rng(len(rows))
+    parts = [rng.standard_normal((n, 24)).astype(np.float32).astype(dtype) for n in rows]
+    packed = layout.pack_rows(parts)
+    np.testing.assert_array_equal(packed, layout.pack(np.concatenate(parts)))
+    assert packed.ctypes.data % 64 == 0
+
+
 def test_engine_uses_the_native_kernel_on_cpu(tiny_llm):
     # The default (--cpu-matmul auto) must pick the kernel where it is available; silently
     # falling back to XLA would only show up as a slow benchmark.
