@@ -82,8 +82,12 @@ def test_cli_flags_reach_the_config():
     assert cfg.cache.enable_prefix_caching is True and cfg.scheduler.scheduling_policy == "fcfs"
 
 
-def test_vllm_num_gpu_blocks_override_is_accepted():
-    from jaxllm import LLM  # noqa: F401  (the same path LLM(...) takes)
+def test_vllm_num_gpu_blocks_override_is_accepted(tiny_llama):
+    from jaxllm import LLM
+    llm = LLM(tiny_llama, num_gpu_blocks_override=40, max_model_len=256, max_num_seqs=2,
+              max_num_batched_tokens=16, precompile="on-demand", show_progress=False)
+    assert llm.llm_engine.core.runner.num_blocks == 40              # allocated: 40 per layer
+    assert llm.llm_engine.get_stats().num_blocks == 39              # one is the null block
     cfg = EngineConfig.from_kwargs(num_gpu_blocks_override=40)
     assert cfg.cache.num_blocks_override == 40
     with pytest.raises(ValueError, match="num_gpu_blocks_override and num_blocks_override"):
