@@ -474,18 +474,30 @@ def load_model(model: str | None) -> LoadedModel:
                              f"`pip install {package}`") from None
 
 
-def _load_model(model: str | None) -> LoadedModel:
+def gguf_file(model: str | None) -> str | None:
+    """The GGUF file ``load_model(model)`` reads, None for an HF folder; a path that is
+    neither is refused here, naming it."""
     if model is None:
-        from jaxllm.models.builtin import builtin_gguf_path, BUILTIN_MODEL_NAME
-        return load_gguf(builtin_gguf_path(), name=BUILTIN_MODEL_NAME)
+        from jaxllm.models.builtin import builtin_gguf_path
+        return builtin_gguf_path()
     if not os.path.exists(model):
         raise ModelLoadError(f"model path {model!r} does not exist (hub downloads are not supported: "
                              f"pass a local HF folder or .gguf file, or omit it for the built-in model)")
     if os.path.isfile(model):
         if not model.endswith(".gguf"):
             raise ModelLoadError(f"{model}: a model file must be a .gguf (or pass an HF folder)")
-        return load_gguf(model)
+        return model
     ggufs = [f for f in os.listdir(model) if f.endswith(".gguf")]
     if not os.path.isfile(os.path.join(model, "config.json")) and len(ggufs) == 1:
-        return load_gguf(os.path.join(model, ggufs[0]), name=model)
-    return load_hf_folder(model)
+        return os.path.join(model, ggufs[0])
+    return None
+
+
+def _load_model(model: str | None) -> LoadedModel:
+    path = gguf_file(model)
+    if path is None:
+        return load_hf_folder(model)
+    if model is None:
+        from jaxllm.models.builtin import BUILTIN_MODEL_NAME
+        return load_gguf(path, name=BUILTIN_MODEL_NAME)
+    return load_gguf(path, name=None if os.path.isfile(model) else model)

@@ -11,8 +11,7 @@ versions of jax, jaxlib and numpy, the backend, its devices and ``XLA_FLAGS``, a
 program's description (its static configuration and the shape, dtype and sharding of every
 argument).  A change to any of them is a different key; a file that fails to load is
 compiled again and replaced.  JAX's persistent cache stays underneath, for programs whose
-lowering did not change when the key did (what it loads is compiled again to be saved here:
-:meth:`compile`).
+lowering did not change when the key did (what it loads is not saved here: :meth:`compile`).
 """
 
 from __future__ import annotations
@@ -105,22 +104,15 @@ class ProgramCache:
             return None
 
     def compile(self, key: str, lower):
-        """``lower().compile()`` (through JAX's persistent cache), saved under ``key``.
-
-        An executable that JAX's persistent cache loaded serializes without its code on
-        XLA:CPU (the copy fails with "Function ... not found" when run).  So after such a hit
-        (a program whose key is new but whose lowering is not: jaxllm was edited or upgraded)
-        it is compiled once more with that cache off, in this thread only, and that copy is
-        saved: one compile now instead of tracing and lowering it on every later start."""
+        """``lower().compile()`` (through JAX's persistent cache), saved under ``key`` when XLA
+        really compiled it.  An executable that JAX's persistent cache loaded serializes
+        without its code on XLA:CPU (the copy fails with "Function ... not found" when run),
+        so such a hit is not saved (and JAX offers no per-compile way around its cache: its
+        switch is read once per process)."""
         hits = cc.thread_cache_hits()
         compiled = lower().compile()
-        if self.root is None:
-            return compiled
-        if cc.thread_cache_hits() != hits:
-            from jax._src import config as jax_config   # a thread-local switch; no public one
-            with jax_config.enable_compilation_cache(False):
-                compiled = lower().compile()    # lowered anew: a Lowered keeps its first compile
-        self._store(key, compiled)
+        if cc.thread_cache_hits() == hits:
+            self._store(key, compiled)
         return compiled
 
     def _store(self, key: str, compiled) -> None:

@@ -85,15 +85,12 @@ def test_second_start_with_default_sizing_compiles_nothing(tiny_checkpoints, tmp
     # (XLA reports a persistent-cache hit as a compile event too: a miss is a real compile.)
     assert second["delta"]["cache_misses"] == 0, second
     assert second["tokens"] == first["tokens"]
-    # Without the saved programs (as after an edit of jaxllm that left the lowering alone),
-    # JAX's persistent cache has every program; they are saved again as copies that run.
+    # Without the saved programs, JAX's persistent cache alone still compiles none (and what
+    # it loads is not saved: program_cache.ProgramCache.compile).
     shutil.rmtree(os.path.join(cache, "programs"))
     third = probe(llama, 5 * 2**20)
-    assert third["delta"]["cache_hits"] >= third["programs"] and third["compiled"] == third["programs"], third
+    assert third["delta"]["cache_misses"] == 0 and third["delta"]["cache_hits"] >= third["programs"], third
     assert third["tokens"] == first["tokens"]
-    fourth = probe(llama, 4 * 2**20)
-    assert fourth["loaded"] == fourth["programs"] and fourth["delta"]["cache_misses"] == 0, fourth
-    assert fourth["tokens"] == first["tokens"]
 
 
 def test_one_shot_engine_compiles_only_what_it_runs_and_a_server_compiles_the_rest(tiny_llama, tiny_llm):
