@@ -121,19 +121,19 @@ class _Parser:
         self.fail(f"truncated in {self.where} (needs {need} bytes at offset {self.off}, "
                   f"the file has {self.size})")
 
-    def u32(self) -> int:
+    def unpack(self, st: struct.Struct):
+        """The next value of format ``st``; a file too short for it is reported as truncated."""
         off = self.off
-        if off + 4 > self.size:
-            self.truncated(4)
-        self.off = off + 4
-        return _U32.unpack_from(self.buf, off)[0]
+        if off + st.size > self.size:
+            self.truncated(st.size)
+        self.off = off + st.size
+        return st.unpack_from(self.buf, off)[0]
+
+    def u32(self) -> int:
+        return self.unpack(_U32)
 
     def u64(self) -> int:
-        off = self.off
-        if off + 8 > self.size:
-            self.truncated(8)
-        self.off = off + 8
-        return _U64.unpack_from(self.buf, off)[0]
+        return self.unpack(_U64)
 
     def raw_string(self) -> bytes:
         n = self.u64()
@@ -168,12 +168,7 @@ class _Parser:
         types.append(vtype)
         scalar = _SCALARS.get(vtype)
         if scalar is not None:
-            st, n, _ = scalar
-            off = self.off
-            if off + n > self.size:
-                self.truncated(n)
-            self.off = off + n
-            return st.unpack_from(self.buf, off)[0]
+            return self.unpack(scalar[0])
         if vtype == GGUFValueType.STRING:
             return self.raw_string().decode("utf-8", "replace")
         # ARRAY: item type, count, items.

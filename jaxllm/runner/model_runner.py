@@ -365,13 +365,17 @@ class ModelRunner:
     def all_compiled(self) -> bool:
         return all(b in self._compiled and b[1] in self._samplers for b in self.buckets)
 
-    def _program_key(self, kind: str, key) -> str:
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+    def _program_key(self, kind: str, key, args: dict[str, str]) -> str:
+        """``args``: :meth:`_args_descriptions`, computed once for a batch of keys."""
         if kind == "step":
-            args = describe_args(jax.tree.map(spec, self.params), jax.tree.map(spec, self.kv),
-                                 jax.tree.map(spec, self.sstate))
-            return self.programs.key(f"{self._step_desc}|T={key[0]}|S={key[1]}|{args}")
-        return self.programs.key(f"{self._sample_desc}|S={key}|{describe_args(jax.tree.map(spec, self.sstate))}")
+            return self.programs.key(f"{self._step_desc}|T={key[0]}|S={key[1]}|{args['step']}")
+        return self.programs.key(f"{self._sample_desc}|S={key}|{args['sample']}")
+
+    def _args_descriptions(self) -> dict[str, str]:
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        sstate = jax.tree.map(spec, self.sstate)
+        return {"step": describe_args(jax.tree.map(spec, self.params), jax.tree.map(spec, self.kv), sstate),
+                "sample": describe_args(sstate)}
 
     def compile_buckets(self, buckets) -> None:
         """Makes the step of each of ``buckets`` and the sampler of each of their sequence
@@ -385,7 +389,8 @@ class ModelRunner:
         if not jobs:
             return
         t0 = time.perf_counter()
-        keys = {job: self._program_key(*job) for job in jobs}
+        args = self._args_descriptions()
+        keys = {job: self._program_key(*job, args) for job in jobs}
         cached = {job for job in jobs if self.programs.has(keys[job])}
         if len(cached) == len(jobs):
             log.info("loading %d programs from the cache", len(jobs))
