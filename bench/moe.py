@@ -35,7 +35,7 @@ from jaxllm.layers.rotary import inv_frequencies
 from jaxllm.models import llama
 from jaxllm.models.config import ArchConfig, RopeScaling
 from jaxllm.models.loader import LoadedModel
-from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
+from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 
 IMPLS = ("grouped", "dense")
 BLOCK = 16
@@ -86,7 +86,7 @@ def decode_inputs(S: int, context: int, seed: int = 0):
 
 def bench_model(arch, model, batches, repeat, context, dtype, scan, matmul="xla"):
     bf16 = dtype == "bfloat16"
-    params = _to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan, packed_bf16=bf16)
+    params = to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan, packed_bf16=bf16)
     weight_bytes = sum(a.nbytes for a in jax.tree.leaves(params))
     expert_bytes = sum(a.nbytes for lp in (params["layers"] if not scan else [params["layers"]])
                        for n, a in lp.items() if n.startswith("experts_"))

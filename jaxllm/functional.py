@@ -124,13 +124,13 @@ def load(model: str | None = None, dtype: str = "float32"):
     matrices are kept as their uint16 bit patterns and activations stay float32, as in the
     engine)."""
     from jaxllm.models.loader import load_model
-    from jaxllm.runner.model_runner import _to_device_params
+    from jaxllm.runner.weights import to_device_params
 
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     loaded = load_model(model)
     packed = dtype == "bfloat16" and jax.default_backend() == "cpu"
-    params = _to_device_params(loaded, jnp.dtype(dtype), scan_layers=False, packed_bf16=packed)
+    params = to_device_params(loaded, jnp.dtype(dtype), scan_layers=False, packed_bf16=packed)
     forward = make_forward(loaded.arch)
     forward.name = loaded.name
     return params, forward

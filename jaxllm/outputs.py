@@ -1,7 +1,7 @@
 """Boundary types: the only objects that cross from one layer of the engine to the next.
 
 scheduler -> runner:           ``SchedulerOutput`` (new requests in full, then per-step diffs)
-runner -> scheduler:           ``RunnerOutput`` (plain Python lists, keyed by request id)
+runner -> scheduler:           ``RunnerOutput`` (token lists and logprob arrays, keyed by request id)
 engine core -> output proc.:   ``EngineCoreOutput``
 engine -> API layer / user:    ``RequestOutput`` with ``CompletionOutput`` (vLLM's shape)
 """
@@ -9,6 +9,8 @@ engine -> API layer / user:    ``RequestOutput`` with ``CompletionOutput`` (vLLM
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jaxllm.sampling_params import SamplingParams
 
@@ -57,13 +59,26 @@ class SchedulerOutput:
 # ---------------------------------------------------------------- runner -> scheduler
 
 @dataclass(frozen=True)
-class SampleLogprobs:
-    """Raw logprobs of one sampled position: the sampled token first, then the top ones."""
+class LogprobsArrays:
+    """Logprobs of ``n`` positions as host arrays (vLLM's ``LogprobsLists``): column 0 is the
+    sampled (or prompt) token, the next ``k`` the top ones.  They become user-facing
+    ``Logprob`` objects once, in the output processor."""
 
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_rank: int
-    """1-based rank of the sampled token in the raw distribution."""
+    token_ids: np.ndarray   # [n, 1 + k] int32
+    logprobs: np.ndarray    # [n, 1 + k] float32
+    ranks: np.ndarray       # [n] int32, 1-based rank of column 0's token in its distribution
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def __getitem__(self, rows: slice) -> "LogprobsArrays":
+        return LogprobsArrays(self.token_ids[rows], self.logprobs[rows], self.ranks[rows])
+
+    @staticmethod
+    def concat(parts: "list[LogprobsArrays]") -> "LogprobsArrays":
+        return LogprobsArrays(np.concatenate([p.token_ids for p in parts]),
+                              np.concatenate([p.logprobs for p in parts]),
+                              np.concatenate([p.ranks for p in parts]))
 
 
 @dataclass(frozen=True)
@@ -71,9 +86,9 @@ class RunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     """Per request, in ``req_ids`` order; empty for a prefill chunk that is not the last."""
-    logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
-    """Only for requests that asked for logprobs."""
-    prompt_logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
+    """Only for requests that asked for logprobs: one row per sampled token."""
+    prompt_logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
     """Only for requests that asked for prompt_logprobs, with their first sampled token: one
     entry per prompt token after the first (the token itself first, then the top ones)."""
 
@@ -87,12 +102,12 @@ EMPTY_RUNNER_OUTPUT = RunnerOutput(req_ids=[], sampled_token_ids=[])
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[SampleLogprobs] | None = None
+    new_logprobs: LogprobsArrays | None = None
     finish_reason: str | None = None
     """'stop', 'length' or 'abort' once the request has ended."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended it, None for EOS or length."""
-    prompt_logprobs: list[SampleLogprobs] | None = None
+    prompt_logprobs: LogprobsArrays | None = None
     """With the first output of a request that asked for prompt_logprobs."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache when the request was first scheduled."""

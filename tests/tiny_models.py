@@ -93,12 +93,12 @@ def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmu
     from jaxllm.layers.attention import AttentionMetadata
     from jaxllm.models import llama
     from jaxllm.models.loader import load_model
-    from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
+    from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 
     model = load_model(path)
     arch = model.arch
     # Laid out as the engine lays them out for the native matmul (fused projections, panels).
-    params = _to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,
+    params = to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,
                                native=matmul == "native")
     T = len(ids)
     n_blocks = -(-T // block)

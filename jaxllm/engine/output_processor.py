@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass, field
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
-from jaxllm.outputs import CompletionOutput, EngineCoreOutput, Logprob, RequestOutput
+from jaxllm.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsArrays, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -120,27 +120,30 @@ class OutputProcessor:
                 self._drop(st)
         return results, to_abort
 
-    def _entry(self, slp) -> dict[int, Logprob]:
-        """One position's logprobs: the chosen token (its own rank) first, then the top ones."""
-        entry: dict[int, Logprob] = {}
-        for rank_i, (tid, lpv) in enumerate(zip(slp.token_ids, slp.logprobs)):
-            if tid in entry:
-                continue
-            rank = slp.sampled_rank if rank_i == 0 else rank_i
-            entry[tid] = Logprob(lpv, rank, self._decode_one(tid))
-        return entry
+    def _entries(self, lps: LogprobsArrays) -> list[dict[int, Logprob]]:
+        """Each position's logprobs as user-facing objects: the chosen token (its own rank)
+        first, then the top ones."""
+        out = []
+        for ids, values, rank0 in zip(lps.token_ids.tolist(), lps.logprobs.tolist(), lps.ranks.tolist()):
+            entry: dict[int, Logprob] = {}
+            for rank_i, (tid, lpv) in enumerate(zip(ids, values)):
+                if tid not in entry:
+                    entry[tid] = Logprob(lpv, rank0 if rank_i == 0 else rank_i, self._decode_one(tid))
+            out.append(entry)
+        return out
 
     def _append(self, st: _ReqState, seq: _Seq, out: EngineCoreOutput) -> None:
         p = st.params
         st.num_cached_tokens = max(st.num_cached_tokens, out.num_cached_tokens)
         if out.prompt_logprobs is not None and st.prompt_logprobs is None:
-            st.prompt_logprobs = [None] + [self._entry(slp) for slp in out.prompt_logprobs]
+            st.prompt_logprobs = [None] + self._entries(out.prompt_logprobs)
+        new_lps = (self._entries(out.new_logprobs) if seq.logprobs is not None and out.new_logprobs is not None
+                   else [])
         for j, tok in enumerate(out.new_token_ids):
             seq.token_ids.append(tok)
-            if seq.logprobs is not None and out.new_logprobs and j < len(out.new_logprobs):
-                slp = out.new_logprobs[j]
-                seq.logprobs.append(self._entry(slp))
-                seq.cumulative_logprob += slp.logprobs[0]
+            if j < len(new_lps):
+                seq.logprobs.append(new_lps[j])
+                seq.cumulative_logprob += float(out.new_logprobs.logprobs[j, 0])
             if seq.detok is not None:
                 # vLLM leaves a stop token's text out unless include_stop_str_in_output.
                 is_stop_tok = out.finish_reason == "stop" and j == len(out.new_token_ids) - 1

@@ -69,7 +69,7 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     # (the layer's own are in ``lp``)
     T = x.shape[0]
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-    if "qkv" in lp:   # fused projections (runner/model_runner.fused_parts)
+    if "qkv" in lp:   # fused projections (runner/weights.fused_parts)
         qkv = linear(h, lp["qkv"], lp.get("qkv_bias"), mm)              # [T, q_size + 2 * kv_size]
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     else:
@@ -113,7 +113,7 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
     ``moe_impl``: "grouped" or "dense" for MoE checkpoints (default ``MOE_IMPL``)."""
     moe_impl = moe_impl or MOE_IMPL
     if matmul_backend == "native" and cfg.tie_word_embeddings:
-        # The tied embedding is laid out as the native LM head (runner/model_runner._host_params).
+        # The tied embedding is laid out as the native LM head (runner/weights.host_params).
         x = layout.take_rows(params["embed"], input_ids)                  # [T, D]
     else:
         x = params["embed"][input_ids]                                    # [T, D]

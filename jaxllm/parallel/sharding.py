@@ -30,7 +30,7 @@ PARAM_AXES: dict[str, tuple[str, ...]] = {
     "q_bias": ("q_heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",), "o_bias": ("embed",),
     "q_norm": ("head_dim",), "k_norm": ("head_dim",),
     "gate": ("mlp", "embed"), "up": ("mlp", "embed"), "down": ("embed", "mlp"),
-    # Fused for the native CPU matmul (runner/model_runner.fused_parts), which only runs
+    # Fused for the native CPU matmul (runner/weights.fused_parts), which only runs
     # unsharded: no rule maps these axes, so they stay replicated.
     "qkv": ("fused_qkv", "embed"), "qkv_bias": ("fused_qkv",), "gate_up": ("fused_mlp", "embed"),
     "router": ("expert_logits", "embed"),

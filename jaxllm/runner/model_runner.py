@@ -32,12 +32,13 @@ from jaxllm.host_memory import return_freed_memory
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.models.loader import LoadedModel
 from jaxllm.models.registry import get_model_module
-from jaxllm.outputs import EMPTY_RUNNER_OUTPUT, NewRequestData, RunnerOutput, SampleLogprobs, SchedulerOutput
+from jaxllm.outputs import EMPTY_RUNNER_OUTPUT, LogprobsArrays, NewRequestData, RunnerOutput, SchedulerOutput
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
 from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner import packing
+from jaxllm.runner import weights
 from jaxllm.runner.program_cache import ProgramCache, describe_args
 from jaxllm.runner.step import StepInputs, make_sample_step, make_step
 from jaxllm.sample import metadata as smd
@@ -57,7 +58,7 @@ class _ReqState:
     """The request's row of the sampler's device state (penalty counts, bias row)."""
     fresh: bool = True
     """The slot still holds a previous request's counts: the first step resets them."""
-    prompt_lps: list[SampleLogprobs] | None = None
+    prompt_lps: list[LogprobsArrays] | None = None
     """prompt_logprobs gathered chunk by chunk, delivered with the first sampled token."""
 
     @classmethod
@@ -75,86 +76,6 @@ class _ReqState:
     @property
     def num_logprobs(self) -> int:
         return self.sampling.num_logprobs
-
-
-MATRICES = frozenset({"embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down",
-                      "router", "experts_gate", "experts_up", "experts_down", "qkv", "gate_up"})
-
-
-# Fused name -> the weights whose rows it concatenates, in that order (models/llama.py splits
-# the products).
-FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up")}
-
-
-def fused_parts(layer: dict) -> dict[str, list[np.ndarray]]:
-    """One layer's weights by name, q, k, v (and biases) as one ``qkv`` and gate, up as one
-    ``gate_up``: each name maps to the arrays whose rows it concatenates (one for the others).
-
-    For the native CPU matmul: 4 calls per layer instead of 7, each a longer stream of rows
-    (every call pays a thread-pool round trip and a cold start of the prefetcher)."""
-    out, taken = {}, set()
-    for fused, names in FUSED.items():
-        if all(n in layer for n in names):
-            out[fused] = [layer[n] for n in names]
-            taken.update(names)
-    out.update({k: [v] for k, v in layer.items() if k not in taken})
-    return out
-
-
-# The matrices the native CPU matmul multiplies by (the MoE router and experts use XLA's).
-NATIVE_MATRICES = frozenset({"lm_head", "q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up"})
-
-
-def _host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, native: bool = False) -> dict:
-    """Host weights in the device dtype and layout.  ``packed_bf16``: matrices as bf16 bit
-    patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py);
-    ``native``: laid out for the native CPU matmul: unrolled layers get fused projections
-    (:func:`fused_parts`) and its matrices the panel layout (cpu/layout.py), the tied
-    embedding included since it is the LM head."""
-    np_dtype = jnp.dtype(dtype)
-    panels = (NATIVE_MATRICES | ({"embed"} if model.arch.tie_word_embeddings else set())) if native else set()
-
-    def conv(name, *parts):   # parts: arrays whose rows are concatenated (fused projections)
-        def cast(a):
-            a = np.asarray(a)
-            if packed_bf16:
-                return a.astype(jnp.bfloat16).view(np.uint16) if name in MATRICES else a.astype(np.float32)
-            return a.astype(np_dtype, copy=False)
-        parts = [cast(a) for a in parts]
-        if name in panels:
-            return layout.pack_rows(parts)       # concatenated and laid out in one pass
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    params = {k: conv(k, v) for k, v in model.globals.items()}
-    if scan_layers:
-        params["layers"] = {k: conv(k, np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
-    elif native:
-        params["layers"] = [{k: conv(k, *v) for k, v in fused_parts(lp).items()} for lp in model.layers]
-    else:
-        params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in model.layers]
-    params["rope_inv_freq"] = model.rope_inv_freq.astype(np.float32)
-    return params
-
-
-def _to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False,
-                      mesh=None, rules: dict | None = None, native: bool = False) -> dict:
-    """Host weights -> device arrays, on ``mesh`` laid out by the sharding ``rules``
-    (parallel/sharding.py); without a mesh, on the default device."""
-    host = _host_params(model, dtype, scan_layers, packed_bf16, native)
-    if mesh is None:
-        return jax.tree.map(jax.device_put, host)
-    shardings = psh.named(mesh, psh.param_specs(host, rules or {}))
-    return jax.tree.map(pmesh.place, host, shardings)
-
-
-def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, stacked: bool,
-                      make=jnp.zeros):
-    """Zeroed (K, V): stacked over layers for the scanned model, per-layer lists for the unrolled one.
-    ``make=jax.ShapeDtypeStruct`` gives the shapes without allocating."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if stacked:
-        return tuple(make((num_layers, *shape), dtype) for _ in range(2))
-    return tuple([make(shape, dtype) for _ in range(num_layers)] for _ in range(2))
 
 
 class ModelRunner:
@@ -196,7 +117,7 @@ class ModelRunner:
             raise ValueError("the native CPU matmul does not shard; use --cpu-matmul xla with "
                              "--tensor-parallel-size > 1")
         t0 = time.perf_counter()
-        self.params = _to_device_params(model, self.dtype, scan_layers, self.packed_bf16, self.mesh, self.rules,
+        self.params = weights.to_device_params(model, self.dtype, scan_layers, self.packed_bf16, self.mesh, self.rules,
                                         native)
         log.info("weights on the device: %.1f MiB as %s%s in %.1f s", self.weight_bytes() / 2**20,
                  "bfloat16" if self.packed_bf16 else self.dtype.name,
@@ -251,7 +172,7 @@ class ModelRunner:
         ``shapes_only``: ShapeDtypeStructs carrying the shardings, nothing allocated."""
         a = self.arch
         sharding = NamedSharding(self.mesh, psh.kv_spec(self.rules, self.scan_layers))
-        specs = allocate_kv_cache(a.num_layers, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+        specs = weights.allocate_kv_cache(a.num_layers, num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
                                   jnp.uint16 if self.packed_bf16 else self.dtype, stacked=self.scan_layers,
                                   make=functools.partial(jax.ShapeDtypeStruct, sharding=sharding))
         if shapes_only:
@@ -551,8 +472,8 @@ class ModelRunner:
         if plp is not None:
             self._gather_prompt_logprobs(plp)
         sampled: list[list[int]] = []
-        logprobs: dict[str, list[SampleLogprobs]] = {}
-        prompt_out: dict[str, list[SampleLogprobs]] = {}
+        logprobs: dict[str, LogprobsArrays] = {}
+        prompt_out: dict[str, LogprobsArrays] = {}
         for i, rid in enumerate(req_ids):
             if not samples[i]:
                 sampled.append([])
@@ -563,11 +484,11 @@ class ModelRunner:
             sampled.append([tok])
             if st.num_logprobs >= 0:
                 k = st.num_logprobs
-                logprobs[rid] = [SampleLogprobs(
-                    token_ids=[tok] + top_ids[i, :k].tolist(), logprobs=[float(lp[i])] + top_lp[i, :k].tolist(),
-                    sampled_rank=int(rank[i]))]
+                logprobs[rid] = LogprobsArrays(
+                    np.concatenate([tokens[i:i + 1], top_ids[i, :k]])[None], np.concatenate([lp[i:i + 1], top_lp[i, :k]])[None],
+                    rank[i:i + 1])
             if st.prompt_lps is not None and len(st.token_ids) == st.num_prompt_tokens + 1:
-                prompt_out[rid] = st.prompt_lps
+                prompt_out[rid] = LogprobsArrays.concat(st.prompt_lps)
                 st.prompt_lps = None
         return RunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs,
                             prompt_logprobs=prompt_out)
@@ -588,11 +509,10 @@ class ModelRunner:
         for rid, start, count in self._plp_plan:
             st = self._states[rid]
             k = st.sampling.num_prompt_logprobs
-            for t in range(start, start + count):
-                target = int(self._last_prompt_targets[t])
-                st.prompt_lps.append(SampleLogprobs(
-                    token_ids=[target] + top_ids[t, :k].tolist(), logprobs=[float(lp[t])] + top_lp[t, :k].tolist(),
-                    sampled_rank=int(rank[t])))
+            rows = slice(start, start + count)
+            st.prompt_lps.append(LogprobsArrays(
+                np.concatenate([self._last_prompt_targets[rows, None], top_ids[rows, :k]], axis=1),
+                np.concatenate([lp[rows, None], top_lp[rows, :k]], axis=1), rank[rows]))
 
     def _run(self, bucket, inputs: StepInputs):
         """Device part of a step: pending bias rows, then the compiled step; returns host arrays."""

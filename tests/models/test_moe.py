@@ -175,10 +175,10 @@ def test_scan_reads_experts_from_the_stack(tiny_checkpoints):
     # scanned-in [E, F, D] layer slice would be copied in full every layer (XLA:CPU).
     from jaxllm.layers.attention import AttentionMetadata
     from jaxllm.models import llama
-    from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
+    from jaxllm.runner.weights import allocate_kv_cache, to_device_params
     model = load_model(tiny_checkpoints["qwen3_moe"])
     arch = model.arch
-    params = _to_device_params(model, jnp.float32, True)
+    params = to_device_params(model, jnp.float32, True)
     kv = allocate_kv_cache(arch.num_layers, 4, 16, arch.num_kv_heads, arch.head_dim, jnp.float32, stacked=True)
     T = 4
     md = AttentionMetadata(positions=np.arange(T, dtype=np.int32), slot_mapping=np.arange(T, dtype=np.int32),

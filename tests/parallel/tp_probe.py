@@ -26,7 +26,7 @@ from jaxllm.models import llama
 from jaxllm.models.loader import load_model
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
-from jaxllm.runner.model_runner import _to_device_params, allocate_kv_cache
+from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 
 BLOCK = 8
 NOT_SWEPT = ("llama_linear_rope_mha",)
@@ -41,7 +41,7 @@ def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = 
     arch = model.arch
     mesh = pmesh.make_mesh(jax.devices()[:tp])
     rules = psh.rules_for(arch, tp, expert_parallel)
-    params = _to_device_params(model, jnp.float32, scan, False, mesh, rules)
+    params = to_device_params(model, jnp.float32, scan, False, mesh, rules)
     total = len(PROMPT) + STEPS
     nb = -(-total // BLOCK)
     table = np.random.default_rng(0).permutation(nb + 3)[:nb].astype(np.int32)   # pages out of order

@@ -1,0 +1,95 @@
+"""Weights as the device holds them: dtype, storage and layout derived from the loaded
+checkpoint (fused projections and the panel layout for the native CPU matmul, bf16 bit
+patterns on CPU), placed on the replica's mesh by the sharding rules; and the KV cache's
+arrays."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.cpu import layout
+from jaxllm.models.loader import LoadedModel
+from jaxllm.parallel import mesh as pmesh
+from jaxllm.parallel import sharding as psh
+
+
+MATRICES = frozenset({"embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down",
+                      "router", "experts_gate", "experts_up", "experts_down", "qkv", "gate_up"})
+
+
+# Fused name -> the weights whose rows it concatenates, in that order (models/llama.py splits
+# the products).
+FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up")}
+
+
+def fused_parts(layer: dict) -> dict[str, list[np.ndarray]]:
+    """One layer's weights by name, q, k, v (and biases) as one ``qkv`` and gate, up as one
+    ``gate_up``: each name maps to the arrays whose rows it concatenates (one for the others).
+
+    For the native CPU matmul: 4 calls per layer instead of 7, each a longer stream of rows
+    (every call pays a thread-pool round trip and a cold start of the prefetcher)."""
+    out, taken = {}, set()
+    for fused, names in FUSED.items():
+        if all(n in layer for n in names):
+            out[fused] = [layer[n] for n in names]
+            taken.update(names)
+    out.update({k: [v] for k, v in layer.items() if k not in taken})
+    return out
+
+
+# The matrices the native CPU matmul multiplies by (the MoE router and experts use XLA's).
+NATIVE_MATRICES = frozenset({"lm_head", "q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up"})
+
+
+def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, native: bool = False) -> dict:
+    """Host weights in the device dtype and layout.  ``packed_bf16``: matrices as bf16 bit
+    patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py);
+    ``native``: laid out for the native CPU matmul: unrolled layers get fused projections
+    (:func:`fused_parts`) and its matrices the panel layout (cpu/layout.py), the tied
+    embedding included since it is the LM head."""
+    np_dtype = jnp.dtype(dtype)
+    panels = (NATIVE_MATRICES | ({"embed"} if model.arch.tie_word_embeddings else set())) if native else set()
+
+    def conv(name, *parts):   # parts: arrays whose rows are concatenated (fused projections)
+        def cast(a):
+            a = np.asarray(a)
+            if packed_bf16:
+                return a.astype(jnp.bfloat16).view(np.uint16) if name in MATRICES else a.astype(np.float32)
+            return a.astype(np_dtype, copy=False)
+        parts = [cast(a) for a in parts]
+        if name in panels:
+            return layout.pack_rows(parts)       # concatenated and laid out in one pass
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    params = {k: conv(k, v) for k, v in model.globals.items()}
+    if scan_layers:
+        params["layers"] = {k: conv(k, np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
+    elif native:
+        params["layers"] = [{k: conv(k, *v) for k, v in fused_parts(lp).items()} for lp in model.layers]
+    else:
+        params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in model.layers]
+    params["rope_inv_freq"] = model.rope_inv_freq.astype(np.float32)
+    return params
+
+
+def to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False,
+                      mesh=None, rules: dict | None = None, native: bool = False) -> dict:
+    """Host weights -> device arrays, on ``mesh`` laid out by the sharding ``rules``
+    (parallel/sharding.py); without a mesh, on the default device."""
+    host = host_params(model, dtype, scan_layers, packed_bf16, native)
+    if mesh is None:
+        return jax.tree.map(jax.device_put, host)
+    shardings = psh.named(mesh, psh.param_specs(host, rules or {}))
+    return jax.tree.map(pmesh.place, host, shardings)
+
+
+def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, stacked: bool,
+                      make=jnp.zeros):
+    """Zeroed (K, V): stacked over layers for the scanned model, per-layer lists for the unrolled one.
+    ``make=jax.ShapeDtypeStruct`` gives the shapes without allocating."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if stacked:
+        return tuple(make((num_layers, *shape), dtype) for _ in range(2))
+    return tuple([make(shape, dtype) for _ in range(num_layers)] for _ in range(2))
