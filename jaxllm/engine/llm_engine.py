@@ -61,7 +61,7 @@ class LLMEngine:
         self.core = EngineCore(config, model, replica=replica)
         del model  # host copies of the weights are no longer needed
         return_freed_memory()
-        self.max_model_len = self.core.resolved.max_model_len
+        self.max_model_len = self.core.resolved.step.max_model_len
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.generation_config)
         self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
                                               self.eos_token_ids, config.runner.max_logprobs)

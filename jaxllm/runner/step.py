@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionMetadata
-from jaxllm.models.config import ArchConfig
 from jaxllm.parallel.mesh import tp_size
+from jaxllm.runner.step_config import StepConfig
 from jaxllm.sample.sampler import SamplerState, SamplingMetadata, prompt_logprobs, sample, update_state
 
 
@@ -38,14 +38,17 @@ class StepInputs:
     prompt_targets: jax.Array   # [T] int32, next prompt token for prompt_logprobs, -1: not asked
 
 
-def make_step(arch: ArchConfig, model: ModuleType, max_logprobs: int, matmul_backend: str = "xla", *,
-              attention_backend: str = "xla", moe_impl: str | None = None):
-    K = max(max_logprobs, 1)
+def make_step(cfg: StepConfig, model: ModuleType):
+    """``model``: the model family's module (models/registry.py)."""
+    arch, mm, K = cfg.arch, cfg.matmul_backend, max(cfg.max_logprobs, 1)
+
+    def logits_of(params, hidden):
+        return model.compute_logits(arch, params, hidden, mm)
 
     def step(params, kv, sstate: SamplerState, inputs: StepInputs):
-        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, matmul_backend,
-                                   attention_backend, moe_impl=moe_impl)   # [T, D]
-        logits = model.compute_logits(arch, params, hidden[inputs.logits_indices], matmul_backend)   # [S, V]
+        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, mm, cfg.attention_backend,
+                                   moe_impl=cfg.moe_impl)                # [T, D]
+        logits = logits_of(params, hidden[inputs.logits_indices])        # [S, V]
         if tp_size() > 1:
             # Vocabulary-parallel LM head: gather the (small) logits so the sampler, and its
             # Pallas reduction, run on whole rows on every device.
@@ -56,8 +59,7 @@ def make_step(arch: ArchConfig, model: ModuleType, max_logprobs: int, matmul_bac
         T = inputs.input_ids.shape[0]
 
         def with_prompt_logprobs():
-            return prompt_logprobs(lambda h: model.compute_logits(arch, params, h, matmul_backend), hidden,
-                                   inputs.prompt_targets, K)
+            return prompt_logprobs(lambda h: logits_of(params, h), hidden, inputs.prompt_targets, K)
 
         def without():
             return (jnp.zeros((T,), jnp.float32), jnp.zeros((T,), jnp.int32), jnp.zeros((T, K), jnp.int32),
@@ -68,12 +70,11 @@ def make_step(arch: ArchConfig, model: ModuleType, max_logprobs: int, matmul_bac
     return step
 
 
-def make_sample_step(max_logprobs: int, *, sampler_backend: str = "xla", logprobs_mode: str = "raw_logprobs",
-                     use_fp64_gumbel: bool = False):
-    kernels = {} if sampler_backend == "xla" else {"kernel_backend": sampler_backend}
+def make_sample_step(cfg: StepConfig):
+    kernels = {} if cfg.sampler_backend == "xla" else {"kernel_backend": cfg.sampler_backend}
 
     def sample_step(sstate: SamplerState, logits: jax.Array, sampling: SamplingMetadata):
         """logits [S, V] float32 of the step just run, and the state it left."""
-        return sample(logits, sampling, sstate, max_logprobs=max_logprobs, logprobs_mode=logprobs_mode,
-                      fp64=use_fp64_gumbel, **kernels)
+        return sample(logits, sampling, sstate, max_logprobs=cfg.max_logprobs, logprobs_mode=cfg.logprobs_mode,
+                      fp64=cfg.use_fp64_gumbel, **kernels)
     return sample_step

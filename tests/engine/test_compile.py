@@ -23,14 +23,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def test_no_trace_or_compile_after_warmup_across_buckets(tiny_llm):
     runner = tiny_llm.llm_engine.core.runner
     visited = set()
-    prepare = runner._prepare
+    run = runner._run
 
-    def recording_prepare(so):
-        out = prepare(so)
-        visited.add(out[3])
-        return out
+    def recording_run(step):
+        visited.add(step.bucket)
+        return run(step)
 
-    runner._prepare = recording_prepare
+    runner._run = recording_run
     try:
         before = cc.counts()
         prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (1, 3, 7, 30, 45, 60)]
@@ -39,7 +38,7 @@ def test_no_trace_or_compile_after_warmup_across_buckets(tiny_llm):
         tiny_llm.generate(prompts, params, use_tqdm=False)
         after = cc.counts()
     finally:
-        runner._prepare = prepare
+        runner._run = run
     assert len(visited) >= 4, visited
     assert after["traces"] == before["traces"], "a step traced after warm-up"
     assert after["compiles"] == before["compiles"], "a step compiled after warm-up"
@@ -49,9 +48,9 @@ def test_guard_fails_a_step_that_compiles(tiny_llm):
     runner = tiny_llm.llm_engine.core.runner
     run = runner._run
 
-    def leaky_run(bucket, inputs):
+    def leaky_run(step):
         jax.jit(lambda x: x * 3)(jnp.ones(7))   # a new program inside the step
-        return run(bucket, inputs)
+        return run(step)
 
     runner._run = leaky_run
     try:
@@ -104,12 +103,12 @@ def test_one_shot_engine_compiles_only_what_it_runs_and_a_server_compiles_the_re
     from jaxllm.engine.async_engine import AsyncEngine
     llm = LLM(tiny_llama, **{**SMALL_ENGINE, "precompile": "auto"})
     runner = llm.llm_engine.core.runner
-    assert runner._compiled == {} and runner._samplers == {}
+    assert runner.compiler.steps == {} and runner.compiler.samplers == {}
     prompt = [{"prompt_token_ids": list(range(100, 106))}]
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     first = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
-    assert set(runner._compiled) == {(8, 4), (1, 1)}, runner._compiled.keys()
-    assert set(runner._samplers) == {4, 1}
+    assert set(runner.compiler.steps) == {(8, 4), (1, 1)}, runner.compiler.steps.keys()
+    assert set(runner.compiler.samplers) == {4, 1}
     assert first == tiny_llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids
     before = cc.counts()
     assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == first
@@ -118,9 +117,9 @@ def test_one_shot_engine_compiles_only_what_it_runs_and_a_server_compiles_the_re
     # The strict guard still fails a step of a compiled bucket that compiles.
     run = runner._run
 
-    def leaky_run(bucket, inputs):
+    def leaky_run(step):
         jax.jit(lambda x: x * 5)(jnp.ones(9))
-        return run(bucket, inputs)
+        return run(step)
 
     runner._run = leaky_run
     try:
@@ -132,7 +131,7 @@ def test_one_shot_engine_compiles_only_what_it_runs_and_a_server_compiles_the_re
     engine = AsyncEngine(llm.llm_engine)
     try:
         assert runner.all_compiled
-        assert set(runner._compiled) == set(runner.buckets)
+        assert set(runner.compiler.steps) == set(runner.buckets)
     finally:
         engine.shutdown()
 

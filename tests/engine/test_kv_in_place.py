@@ -15,6 +15,7 @@ import pytest
 
 from jaxllm.models.loader import load_model
 from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.runner.step_config import StepConfig
 
 CONFIGS = [(scan, mml) for scan in (False, True) for mml in (32, 256)]
 IDS = [f"{'scan' if scan else 'unrolled'}-{mml}" for scan, mml in CONFIGS]
@@ -26,14 +27,12 @@ def step_hlos(tiny_llama):
     model = load_model(tiny_llama)
     out = {}
     for scan_layers, max_model_len in CONFIGS:
-        runner = ModelRunner(model, dtype="float32", scan_layers=scan_layers, num_blocks=61, block_size=16,
-                             max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=8,
-                             max_logprobs=2, show_progress=False)
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+        cfg = StepConfig(arch=model.arch, platform=jax.default_backend(), dtype="float32", scan_layers=scan_layers,
+                         max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=8, max_logprobs=2)
+        runner = ModelRunner(model, cfg, num_blocks=61, show_progress=False)
         out[(scan_layers, max_model_len)] = runner, {
-            (T, S): jax.jit(runner._step_fn, donate_argnums=(1, 2)).lower(
-                jax.tree.map(spec, runner.params), jax.tree.map(spec, runner.kv), jax.tree.map(spec, runner.sstate),
-                runner._input_spec(T, S)).compile().as_text()
+            (T, S): runner.compiler.lower_step(runner.params, runner.kv, runner.sampler_rows.state, T, S)
+            .compile().as_text()
             for T, S in runner.buckets}
     return out
 
@@ -43,7 +42,7 @@ def test_step_hlo_has_no_cache_copies(step_hlos, config):
     runner, hlos = step_hlos[config]
     a = runner.arch
     layer_shape = f"61,16,{a.num_kv_heads},{a.head_dim}"
-    shape = f"f32[{a.num_layers},{layer_shape}]" if runner.scan_layers else f"f32[{layer_shape}]"
+    shape = f"f32[{a.num_layers},{layer_shape}]" if runner.cfg.scan_layers else f"f32[{layer_shape}]"
     for bucket, hlo in hlos.items():
         copies = [ln for ln in hlo.splitlines()
                   if re.search(r"= " + re.escape(shape) + r"\{[0-9,]*\} copy\(", ln)]

@@ -4,12 +4,14 @@ on CPU sizes it from the memory available to the process.  No step is compiled h
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jaxllm.config import EngineConfig
 from jaxllm.core import kv_budget
-from jaxllm.engine import core as engine_core
-from jaxllm.engine.core import resolve_config
+from jaxllm.engine import resolve as engine_resolve
+from jaxllm.engine.resolve import resolve_config
 from jaxllm.models.loader import load_model
 from jaxllm.runner.model_runner import ModelRunner
 
@@ -23,9 +25,8 @@ def model(tiny_llama):
 
 def allocated(model, cfg, scan_layers):
     r = resolve_config(cfg, model)
-    runner = ModelRunner(model, dtype=r.dtype, scan_layers=scan_layers, num_blocks=r.kv.num_blocks,
-                         block_size=r.kv.block_size, max_model_len=r.max_model_len, max_num_seqs=r.max_num_seqs,
-                         max_num_batched_tokens=r.max_num_batched_tokens, max_logprobs=2, show_progress=False)
+    step = dataclasses.replace(r.step, scan_layers=scan_layers, max_logprobs=2)
+    runner = ModelRunner(model, step, num_blocks=r.kv.num_blocks, show_progress=False)
     return r, runner.kv_cache_bytes()
 
 
@@ -40,7 +41,7 @@ def test_allocated_kv_bytes_stay_within_the_budget(model, scan_layers, budget):
 
 
 def test_gpu_memory_utilization_on_cpu_is_a_fraction_of_available_memory(model, monkeypatch):
-    monkeypatch.setattr(engine_core, "available_memory_bytes", lambda: 100 * 2**20)
+    monkeypatch.setattr(engine_resolve, "available_memory_bytes", lambda: 100 * 2**20)
     cfg = EngineConfig.from_kwargs(gpu_memory_utilization=0.05, max_model_len=256, dtype="float32")
     r, nbytes = allocated(model, cfg, scan_layers=False)
     budget = int(0.05 * 100 * 2**20)

@@ -65,23 +65,23 @@ def test_compiled_step_takes_one_input_vector(tiny_llama, monkeypatch):
     from conftest import SMALL_ENGINE
     llm = LLM(model=tiny_llama, **SMALL_ENGINE)
     runner = llm.llm_engine.core.runner
-    fixed = len(jax.tree.leaves(runner.params)) + len(jax.tree.leaves(runner.kv)) + len(jax.tree.leaves(runner.sstate))
-    for bucket, compiled in runner._compiled.items():
+    fixed = len(jax.tree.leaves(runner.params)) + len(jax.tree.leaves(runner.kv)) + len(jax.tree.leaves(runner.sampler_rows.state))
+    for bucket, compiled in runner.compiler.steps.items():
         args = compiled.in_tree.num_leaves
         assert args == fixed + 1, f"bucket {bucket}: {args - fixed} input arrays per step, expected 1"
     # The sampler of each sequence bucket: the state, the step's logits and one vector.
-    assert sorted(runner._samplers) == sorted({S for _, S in runner.buckets})
-    state = len(jax.tree.leaves(runner.sstate))
-    for S, compiled in runner._samplers.items():
+    assert sorted(runner.compiler.samplers) == sorted({S for _, S in runner.buckets})
+    state = len(jax.tree.leaves(runner.sampler_rows.state))
+    for S, compiled in runner.compiler.samplers.items():
         args = compiled.in_tree.num_leaves
         assert args == state + 2, f"sampler {S}: {args - state - 1} input arrays besides the logits, expected 1"
-    for (T, S), compiled in runner._compiled.items():
+    for (T, S), compiled in runner.compiler.steps.items():
         handed = jax.tree.leaves(compiled.out_info)[-1]
-        assert handed.shape == jax.tree.leaves(runner._samplers[S].in_avals)[-1].shape, (T, S)
+        assert handed.shape == jax.tree.leaves(runner.compiler.samplers[S].in_avals)[-1].shape, (T, S)
     packs, runs = [], []
     pack, run = packing.pack, runner._run
     monkeypatch.setattr(packing, "pack", lambda tree: packs.append(1) or pack(tree))
-    monkeypatch.setattr(runner, "_run", lambda bucket, inputs: runs.append(bucket) or run(bucket, inputs))
+    monkeypatch.setattr(runner, "_run", lambda step: runs.append(step.bucket) or run(step))
     out = llm.generate(["hello there", "a longer prompt than the first"],
                        SamplingParams(temperature=0.8, seed=3, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]

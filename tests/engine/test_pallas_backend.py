@@ -18,6 +18,7 @@ from conftest import SMALL_ENGINE
 from test_batching import record_schedules, workload
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.runner.inputs import input_spec, sampling_spec
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def random_params(params):
 
 
 def test_pallas_engine_resolves_to_the_kernels(pallas_llm):
-    r = pallas_llm.llm_engine.core.resolved
+    r = pallas_llm.llm_engine.core.resolved.step
     assert (r.attention_backend, r.sampler_backend, r.scan_layers) == ("pallas", "pallas", True)
 
 
@@ -63,14 +64,14 @@ def test_backend_is_part_of_the_compiled_step(tiny_llm, pallas_llm):
         runner = llm.llm_engine.core.runner
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
         T, S = runner.buckets[0]
-        args = (jax.tree.map(spec, runner.params), jax.tree.map(spec, runner.kv), jax.tree.map(spec, runner.sstate),
-                runner._input_spec(T, S))
+        c = runner.compiler
+        args = (jax.tree.map(spec, runner.params), jax.tree.map(spec, runner.kv),
+                jax.tree.map(spec, runner.sampler_rows.state), input_spec(runner.cfg, T, S, None))
         # The sampler is its own program (runner/step.py): its arguments are the state and the logits.
-        sample_args = (args[2], jax.ShapeDtypeStruct((S, runner.vocab_size), jnp.float32), runner._sampling_spec(S))
-        jaxprs[name] = str(jax.make_jaxpr(runner._step_fn)(*args)) + str(
-            jax.make_jaxpr(runner._sample_fn)(*sample_args))
-        hlos[name] = jax.jit(runner._step_fn).lower(*args).as_text() + jax.jit(runner._sample_fn).lower(
-            *sample_args).as_text()
+        sample_args = (args[2], jax.ShapeDtypeStruct((S, runner.arch.vocab_size), jnp.float32),
+                       sampling_spec(S, None))
+        jaxprs[name] = str(jax.make_jaxpr(c.step_fn)(*args)) + str(jax.make_jaxpr(c.sample_fn)(*sample_args))
+        hlos[name] = jax.jit(c.step_fn).lower(*args).as_text() + jax.jit(c.sample_fn).lower(*sample_args).as_text()
     kernels = set(re.findall(r"name=(ragged_paged_attention|gumbel_argmax)", jaxprs["pallas"]))
     assert kernels == {"ragged_paged_attention", "gumbel_argmax"}
     assert "pallas_call" not in jaxprs["xla"]

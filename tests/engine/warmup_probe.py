@@ -27,4 +27,4 @@ runner = llm.llm_engine.core.runner
 out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)[0].outputs[0].token_ids
 print(json.dumps({"delta": {k: after[k] - before[k] for k in after}, "num_blocks": runner.num_blocks,
                   "programs": len(runner.buckets) + len({S for _, S in runner.buckets}),
-                  "compiled": runner.programs_compiled, "loaded": runner.programs_loaded, "tokens": out}))
+                  "compiled": runner.compiler.compiled, "loaded": runner.compiler.loaded, "tokens": out}))

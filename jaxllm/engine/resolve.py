@@ -1,0 +1,149 @@
+"""The engine configuration resolved against the checkpoint and the platform, once: the
+dtype, every backend (whether the native CPU kernels or the Pallas kernels can run is
+decided here and nowhere else), max_model_len, the batch limits and the KV cache's size.
+Configurations that cannot run are refused here with a message naming the flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxllm.config import EngineConfig, default_cache_dir, platform_defaults
+from jaxllm.core.kv_budget import KVPlan, available_memory_bytes, plan_kv_cache, utilization_budget
+from jaxllm.models.loader import LoadedModel
+from jaxllm.runner.step_config import StepConfig
+
+
+@dataclass(frozen=True)
+class KVSizing:
+    """What the KV cache's size depends on besides the budget (core/kv_budget.plan_kv_cache)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    num_blocks_override: int | None
+    platform: str
+
+    def plan(self, budget_bytes: int | None, measured: bool = False, budget_flag: str | None = None) -> KVPlan:
+        return plan_kv_cache(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             itemsize=self.itemsize, block_size=self.block_size, max_model_len=self.max_model_len,
+                             max_num_seqs=self.max_num_seqs, budget_bytes=budget_bytes,
+                             num_blocks_override=self.num_blocks_override, budget_flag=budget_flag,
+                             platform=self.platform, measured=measured)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The numbers the engine actually runs with."""
+
+    step: StepConfig
+    kv: KVPlan | None
+    """None on an accelerator with --gpu-memory-utilization: the engine core sizes the cache
+    (``kv_sizing``) once the weights are on the device and the step's activations are known."""
+    kv_sizing: KVSizing
+    compile_cache_dir: str
+
+
+def _attention_backend(asked: str, platform: str, dtype: str, tp: int, scan: bool) -> str:
+    """``--attention-backend`` resolved: auto is pallas on a GPU; on CPU the native kernel
+    when it builds, on one device (an opaque custom call does not shard) with unrolled
+    layers (the measured CPU default; a stacked cache works but is not auto-picked) and a
+    float32 or bfloat16 cache; xla otherwise.  An explicit "native" that cannot run is refused."""
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    if asked == "auto":
+        if on_gpu:
+            return "pallas"
+        if platform == "cpu" and tp == 1 and not scan and dtype in ("float32", "bfloat16"):
+            from jaxllm.cpu import native
+            if native.available():
+                return "native"
+        return "xla"
+    if asked == "native":
+        if platform != "cpu":
+            raise ValueError(f"--attention-backend native is a CPU kernel; on {platform} use --attention-backend "
+                             "pallas or xla (auto picks)")
+        if tp > 1:
+            raise ValueError("--attention-backend native does not shard; with --tensor-parallel-size > 1 use "
+                             "--attention-backend xla (auto picks it)")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"--attention-backend native takes a float32 or bfloat16 KV cache, not --dtype {dtype}; "
+                             "use --attention-backend xla")
+        from jaxllm.cpu import native
+        if not native.available():
+            raise ValueError("--attention-backend native: the native CPU kernel is unavailable on this machine "
+                             "(see the warning above); use --attention-backend xla")
+    return asked
+
+
+def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
+    platform = jax.default_backend()
+    defaults = platform_defaults(platform)
+    rc, sc, cache = config.runner, config.scheduler, config.cache
+    dtype = defaults["dtype"] if rc.dtype == "auto" else rc.dtype
+    on_gpu = platform in ("gpu", "cuda", "rocm")
+    tp = config.parallel.tensor_parallel_size
+    scan = defaults["scan_layers"] if rc.scan_layers is None else rc.scan_layers
+    backend = _attention_backend(rc.attention_backend, platform, dtype, tp, scan)
+    sampler = rc.sampler_backend
+    if sampler == "auto":
+        sampler = "pallas" if on_gpu and not rc.use_fp64_gumbel else "xla"
+    if sampler == "pallas" and rc.use_fp64_gumbel:
+        raise ValueError("--use-fp64-gumbel needs --sampler-backend xla (the Pallas reduction draws "
+                         "float32 noise)")
+    if platform == "cpu" and dtype == "bfloat16" and "pallas" in (backend, sampler):
+        raise ValueError("--attention-backend/--sampler-backend pallas on CPU runs the kernels in interpret "
+                         "mode, which does not take the CPU's packed bfloat16 cache; use --dtype float32")
+    if tp > 1 and backend == "pallas" and model.arch.num_kv_heads % tp:
+        raise ValueError(f"--attention-backend pallas with --tensor-parallel-size {tp} needs the KV heads "
+                         f"({model.arch.num_kv_heads}) to split evenly; use --attention-backend xla")
+    matmul = "xla"
+    if tp > 1 and rc.cpu_matmul == "native":
+        # The native kernel is an opaque custom call: XLA's partitioner would gather every
+        # weight onto each device to run it.
+        raise ValueError("--cpu-matmul native does not shard; with --tensor-parallel-size > 1 use "
+                         "--cpu-matmul xla (auto picks it)")
+    if platform == "cpu" and rc.cpu_matmul != "xla" and tp == 1:
+        from jaxllm.cpu import native
+        if native.available():
+            matmul = "native"
+        elif rc.cpu_matmul == "native":
+            raise ValueError("--cpu-matmul native: the native CPU kernel is unavailable on this machine "
+                             "(see the warning above); use --cpu-matmul xla")
+    model_len = model.arch.max_position_embeddings
+    max_model_len = sc.max_model_len or model_len
+    if max_model_len > model_len:
+        raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context "
+                         f"length ({model_len})")
+    max_num_seqs = sc.max_num_seqs or defaults["max_num_seqs"]
+    max_tokens = sc.max_num_batched_tokens or max(defaults["max_num_batched_tokens"], max_num_seqs)
+    if max_tokens < max_num_seqs:
+        raise ValueError(f"--max-num-batched-tokens ({max_tokens}) must be at least --max-num-seqs ({max_num_seqs})")
+    a = model.arch
+    sizing = KVSizing(num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                      itemsize=np.dtype(jax.numpy.dtype(dtype)).itemsize, block_size=cache.block_size,
+                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      num_blocks_override=cache.num_blocks_override, platform=platform)
+    util = cache.gpu_memory_utilization
+    if util is not None and cache.kv_cache_memory_bytes is None and cache.num_blocks_override is None:
+        if platform == "cpu":
+            free = available_memory_bytes()
+            budget = utilization_budget(util, free)
+            kv = sizing.plan(budget, measured=True, budget_flag=(
+                f"--gpu-memory-utilization={util} ({budget} bytes of the {free} available)"))
+        else:
+            kv = None    # sized by EngineCore once the weights are on the device
+    else:
+        kv = sizing.plan(cache.kv_cache_memory_bytes)
+    cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
+    step = StepConfig(arch=a, platform=platform, dtype=dtype, scan_layers=scan, matmul_backend=matmul,
+                      attention_backend=backend, sampler_backend=sampler,
+                      expert_parallel=config.parallel.enable_expert_parallel, block_size=cache.block_size,
+                      max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
+                      max_logprobs=rc.max_logprobs, logprobs_mode=rc.logprobs_mode, use_fp64_gumbel=rc.use_fp64_gumbel)
+    return ResolvedConfig(step=step, kv=kv, kv_sizing=sizing, compile_cache_dir=cache_dir)

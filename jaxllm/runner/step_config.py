@@ -1,0 +1,57 @@
+"""The static configuration of a step: everything that fixes the compiled programs besides
+their arguments' shapes, resolved once by the engine (``engine/resolve.py``) and read by
+the runner, the step functions and the program cache's keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+from jaxllm.models.config import ArchConfig
+from jaxllm.runner import buckets as bk
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    arch: ArchConfig
+    platform: str
+    """JAX's default backend ("cpu", "gpu", ...)."""
+    dtype: str
+    """Weights, activations and KV cache ("float32", "bfloat16", "float16")."""
+    scan_layers: bool
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int = 16
+    matmul_backend: str = "xla"
+    """"xla" or "native" (the CPU kernel): decided once, with the other backends."""
+    attention_backend: str = "xla"
+    """"xla", "pallas" or "native"."""
+    sampler_backend: str = "xla"
+    """"xla" or "pallas"."""
+    expert_parallel: bool = False
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    use_fp64_gumbel: bool = False
+
+    @property
+    def packed_bf16(self) -> bool:
+        """bf16 kept as uint16 bit patterns: XLA:CPU has no bf16 scatter/gather/update kernels."""
+        return self.dtype == "bfloat16" and self.platform == "cpu"
+
+    @property
+    def kv_dtype(self):
+        return jnp.uint16 if self.packed_bf16 else jnp.dtype(self.dtype)
+
+    @property
+    def moe_impl(self) -> str | None:
+        return "expert_parallel" if self.expert_parallel else None
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        return bk.step_buckets(self.max_num_batched_tokens, self.max_num_seqs)
