@@ -75,7 +75,11 @@ class LogprobsArrays:
         return LogprobsArrays(self.token_ids[rows], self.logprobs[rows], self.ranks[rows])
 
     @staticmethod
-    def concat(parts: "list[LogprobsArrays]") -> "LogprobsArrays":
+    def concat(parts: "list[LogprobsArrays]", k: int) -> "LogprobsArrays":
+        """``parts`` in order; none (a one-token prompt has no prompt logprobs): zero rows of ``k`` top ones."""
+        if not parts:
+            return LogprobsArrays(np.zeros((0, 1 + k), np.int32), np.zeros((0, 1 + k), np.float32),
+                                  np.zeros(0, np.int32))
         return LogprobsArrays(np.concatenate([p.token_ids for p in parts]),
                               np.concatenate([p.logprobs for p in parts]),
                               np.concatenate([p.ranks for p in parts]))

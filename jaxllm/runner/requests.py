@@ -93,7 +93,7 @@ class RequestStates:
                     np.concatenate([out.token_ids[i:i + 1], out.top_ids[i, :k]])[None],
                     np.concatenate([out.logprob[i:i + 1], out.top_logprobs[i, :k]])[None], out.rank[i:i + 1])
             if st.prompt_lps is not None and len(st.token_ids) == st.num_prompt_tokens + 1:
-                prompt_out[rid] = LogprobsArrays.concat(st.prompt_lps)
+                prompt_out[rid] = LogprobsArrays.concat(st.prompt_lps, st.sampling.num_prompt_logprobs)
                 st.prompt_lps = None
         return RunnerOutput(req_ids=list(req_ids), sampled_token_ids=sampled, logprobs=logprobs,
                             prompt_logprobs=prompt_out)
