@@ -205,7 +205,9 @@ async def _full(c: _ChatCtx) -> ChatCompletionResponse:
         raise APIError(HTTPStatus.BAD_REQUEST, str(e)) from None
     choices = []
     for out in sorted(final.outputs, key=lambda o: o.index):
-        lp = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0) if req.logprobs else None
+        lp = None
+        if req.logprobs:
+            lp = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0)
         choices.append(ChatCompletionResponseChoice(
             index=out.index, message=ChatResponseMessage(role=c.role, content=c.echo_text + out.text), logprobs=lp,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason,

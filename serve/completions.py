@@ -68,10 +68,6 @@ def _process(state: ServerState, req: CompletionRequest, request_id: str) -> lis
                                         state.engine.vocab_size)
             requests.append(state.process(f"{request_id}-{i}", req.engine_prompt(text, ids), sp, req.priority))
         except ValueError as e:
-            if (req.echo and req.logprobs is not None and req.prompt_logprobs is None
-                    and getattr(e, "param", None) == "prompt_logprobs"):
-                # vLLM scores the echoed prompt too; say why a request that never named it is refused.
-                raise bad_request(f"echo with logprobs returns the prompt's logprobs, and {e}", "echo") from None
             raise state.value_error(e, COMPLETION_FIELDS) from None
     return requests
 
@@ -170,7 +166,8 @@ async def _stream(c: _Ctx) -> AsyncIterator[str]:
                     if echo:
                         positions = chain(zip(prompt.prompt_token_ids, ro.prompt_logprobs or repeat(None)), positions)
                     logprobs = completion_logprobs(tok, positions, req.logprobs, offsets[i])
-                if not text and out.finish_reason is None and logprobs is None and not (want_ids and (out.token_ids or echo)):
+                ids_to_send = want_ids and (out.token_ids or echo)
+                if not text and out.finish_reason is None and logprobs is None and not ids_to_send:
                     continue  # nothing the client can use yet
                 first = not echoed[i]
                 echoed[i] = echoed[i] or req.echo or want_ids

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from jaxllm.outputs import Logprob
-from serve.protocol import ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, CompletionLogProbs
+from serve.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent,
+                            CompletionLogProbs)
 
 Step = dict[int, Logprob]
 FLOOR = -9999.0

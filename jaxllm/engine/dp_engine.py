@@ -9,8 +9,8 @@ devices to run them (on CPU the simulated devices share the cores).
 Both this class and ``AsyncEngine`` implement ``jaxllm.engine.protocol.EngineClient``, the
 one interface ``serve/`` uses, so the server runs on either unchanged.  Requests are
 processed once, by replica 0's input processor (the replicas run the same model and
-configuration), before they are routed.  Routing: a new request goes to the replica with the fewest unfinished
-requests routed to it (ties to the lowest index).  The count is kept here, keyed by request
+configuration), before they are routed.  Routing: a new request goes to the replica with
+the fewest unfinished requests routed to it (ties to the lowest index).  The count is kept here, keyed by request
 id, and a request's slot is given back exactly once, on every way it can end: its stream
 delivers the final output or an engine error, the stream is aborted or closed (a client
 disconnect), ``abort``/``abort_all`` is called, or the stream is dropped unclosed.  Later
