@@ -66,21 +66,17 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        ids = []
         engine = self.llm_engine
         if engine.core.is_follower:
             raise ValueError("this host (--host-index > 0) follows host 0's steps: call llm.follow() here and "
                              "generate on host 0 (docs/scale-out.md)")
-        try:
-            for i, (p, sp) in enumerate(zip(prompts, params)):
-                rid = str(next(self._ids))
-                engine.add_request(rid, p, sp, kind=OutputKind.FINAL_ONLY,
-                                   priority=0 if priority is None else priority[i])
-                ids.append(rid)
-        except Exception:
-            engine.abort_request(ids)
-            raise
-        return self._run(ids, use_tqdm)
+        # Every prompt is validated before any is queued: a bad one leaves nothing behind.
+        requests = [engine.input_processor.process_inputs(str(next(self._ids)), p, sp,
+                                                          priority=0 if priority is None else priority[i])
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
+        for r in requests:
+            engine.add_engine_request(r, OutputKind.FINAL_ONLY)
+        return self._run([r.request_id for r in requests], use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,

@@ -1,15 +1,45 @@
-"""Request: the engine core's record of one sequence, keyed by its request id.
+"""The two records of a request: ``EngineRequest`` (what the input processor made of it) and
+``Request`` (the engine core's record of one sequence), each keyed by its request id.
 
-Owned by the scheduler (pure Python, no JAX).  The runner never sees this object: it
-receives ``NewRequestData`` and per-step diffs (see ``outputs.py``).
+An ``EngineRequest`` is validated and tokenized once, at the edge (``engine/processor.py``);
+every layer after it trusts what it holds.  A request asking for ``n`` samples becomes ``n``
+``Request``s, one per child id and seed, owned by the scheduler (pure Python, no JAX).  The
+runner never sees either: it receives ``NewRequestData`` and per-step diffs (``outputs.py``).
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 from jaxllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request as the input processor left it: valid for this engine, tokenized, resolved."""
+
+    request_id: str
+    prompt: str | None
+    """The prompt text, when there is one (echo, and the RequestOutput's ``prompt``)."""
+    prompt_token_ids: list[int]
+    """Non-empty, in the vocabulary, and shorter than max_model_len (room for one output token)."""
+    params: SamplingParams
+    """The engine's copy: EOS ids and bad words' token ids filled in (shared read-only by the
+    children of an n > 1 request)."""
+    max_tokens: int
+    """The output cap: ``params.max_tokens`` or what is left of max_model_len, whichever is smaller."""
+    eos_token_ids: tuple[int, ...]
+    priority: int = 0
+    cache_salt: str | None = None
+    """Non-empty when set: only requests with the same salt share cached prefix KV."""
+    arrival_time: float = 0.0
+    """``time.monotonic()`` when the request was processed."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +94,13 @@ class Request:
         """Order of arrival at the scheduler (ties of every policy go to the earlier one)."""
         self.arrival_step = 0
         """The scheduler step at which it arrived (for the starvation guard)."""
+
+    @classmethod
+    def from_engine_request(cls, request: EngineRequest, child_id: str, seed: int) -> "Request":
+        """Sample ``child_id`` of ``request``, drawing with ``seed``."""
+        return cls(child_id, request.prompt_token_ids, request.params, eos_token_ids=request.eos_token_ids,
+                   seed=seed, arrival_time=request.arrival_time, priority=request.priority,
+                   max_tokens=request.max_tokens, cache_salt=request.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,8 +8,9 @@ Every error, including a 404 route or a 405 method, is answered in OpenAI's shap
 ``{"error": {"message", "type", "param", "code"}}``.  With an API key, ``/v1/*`` needs
 ``Authorization: Bearer <key>`` (401 otherwise); ``/health``, ``/metrics`` and the rest stay open.
 
-The app does not own the engine (several apps may share one): whoever built the
-:class:`AsyncEngine` shuts it down.  ``run_server`` serves until its stop event is set
+The app talks to its engine only through ``jaxllm.engine.protocol.EngineClient`` (one
+engine or data-parallel replicas alike) and does not own it (several apps may share one):
+whoever built the engine shuts it down.  ``run_server`` serves until its stop event is set
 (SIGTERM or SIGINT in the CLI), then refuses new requests, aborts this app's requests in
 flight (each stream ends with finish_reason "abort" and ``[DONE]``) and lets hypercorn
 close within ``graceful_timeout``.
@@ -33,8 +34,7 @@ from werkzeug.exceptions import HTTPException
 import jaxllm
 from jaxllm import profiling
 from jaxllm.config import ServingConfig
-from jaxllm.engine.async_engine import AsyncEngine
-from jaxllm.engine.dp_engine import DataParallelEngine
+from jaxllm.engine.protocol import EngineClient
 from jaxllm.engine.tokenizer import encode
 from jaxllm.errors import EngineDeadError
 from serve import chat, completions
@@ -82,7 +82,7 @@ async def _parse(model: type[BaseModel]):
     return _validate(model, await _json_body())
 
 
-def build_app(engine: AsyncEngine, config: ServingConfig | None = None) -> Quart:
+def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quart:
     config = config or ServingConfig()
     metrics = engine.stats_sink if isinstance(engine.stats_sink, Metrics) else None
     state = ServerState.create(engine, config, metrics)
@@ -162,8 +162,7 @@ def build_app(engine: AsyncEngine, config: ServingConfig | None = None) -> Quart
 
     @app.get("/metrics")
     async def _metrics():
-        per_engine = engine.replica_stats() if isinstance(engine, DataParallelEngine) else [engine.stats()]
-        for i, stats in enumerate(per_engine):
+        for i, stats in enumerate(engine.replica_stats()):
             state.metrics.update_engine(stats, engine=i)
         return Response(state.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
@@ -255,7 +254,7 @@ def listen(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-async def run_server(engine: AsyncEngine, config: ServingConfig, stop: asyncio.Event, *,
+async def run_server(engine: EngineClient, config: ServingConfig, stop: asyncio.Event, *,
                      sock: socket.socket | None = None,
                      on_ready: Callable[[str, int], None] | None = None) -> None:
     """Serves ``engine`` over HTTP until ``stop`` is set, then shuts the server down gracefully.

@@ -18,17 +18,16 @@ from typing import AsyncIterator
 from pydantic import BaseModel
 from quart import Response
 
-from jaxllm.engine.async_engine import RequestStream
+from jaxllm.engine.protocol import OutputStream
 from jaxllm.engine.tokenizer import encode, render_chat
 from jaxllm.errors import EngineDeadError
-from jaxllm.outputs import Logprob
-from serve.protocol import (APIError, ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent,
-                            ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
+from jaxllm.outputs import RequestOutput
+from serve.logprobs import chat_logprobs, prompt_logprobs_json
+from serve.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                             ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
-                            DeltaMessage, UsageInfo, bad_request, now_s, prompt_logprobs_json,
-                            random_id)
+                            DeltaMessage, UsageInfo, bad_request, now_s, random_id)
 from serve.sse import DONE, error_frame, frame, sse_response
-from serve.state import Choices, ServerState
+from serve.state import ServerState
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -68,34 +67,9 @@ def render_messages(state: ServerState, messages, *, add_generation_prompt: bool
     return text, encode(tok, text, add_special_tokens=add_special_tokens)
 
 
-def _chat_logprobs(tokenizer, token_ids: list[int], steps: list[dict[int, Logprob]] | None,
-                   top_n: int) -> ChatCompletionLogProbs:
-    content = []
-    for i, tid in enumerate(token_ids):
-        step = steps[i] if steps is not None and i < len(steps) else {}
-        lp = step.get(tid)
-        token = _token_str(tokenizer, tid, lp)
-        # OpenAI's top_logprobs: the top_n most likely tokens, most likely first.
-        ranked = sorted(step.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-        tops = [ChatCompletionLogProb(token=(t := _token_str(tokenizer, k, v)), logprob=max(v.logprob, -9999.0),
-                                      bytes=list(t.encode("utf-8", errors="replace")))
-                for k, v in ranked[:top_n]]
-        content.append(ChatCompletionLogProbsContent(
-            token=token, logprob=max(lp.logprob, -9999.0) if lp is not None else -9999.0,
-            bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=tops))
-    return ChatCompletionLogProbs(content=content)
-
-
-def _token_str(tokenizer, tid: int, lp: Logprob | None) -> str:
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    return tokenizer.decode([tid]) if tokenizer is not None else f"token_id:{tid}"
-
-
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest) -> Response | BaseModel:
     state.check_model(req.model)
     req.check_stream_options()
-    req.check_cache_salt()
     if req.tool_choice not in (None, "none"):
         raise bad_request("tool calling is not supported by this server: tool_choice must be \"none\" or absent",
                           "tool_choice")
@@ -110,22 +84,17 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         state, req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, add_special_tokens=req.add_special_tokens)
-    state.check_prompt_len(len(ids), "messages")
-    aliases = {"logprobs": "top_logprobs"}
+    aliases = {"logprobs": "top_logprobs", "prompt": "messages"}
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
+    request_id = random_id("chatcmpl")
     try:
         params = req.to_sampling_params(state.max_tokens(len(ids), req.requested_max_tokens()), state.defaults,
                                         state.engine.vocab_size)
+        request = state.process(request_id, req.engine_prompt(text, ids), params, req.priority)
     except ValueError as e:
         raise state.value_error(e, CHAT_FIELDS, aliases) from None
-    request_id = random_id("chatcmpl")
-    try:
-        stream = state.add_request(request_id, req.engine_prompt(text, ids), params, req.priority)
-    except EngineDeadError as e:
-        raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(e)) from None
-    except ValueError as e:
-        raise state.value_error(e, CHAT_FIELDS, aliases) from None
+    stream, = state.add_requests([request], stream=bool(req.stream))
 
     role = state.config.response_role if req.add_generation_prompt else req.messages[-1].role
     echo_text = ""
@@ -133,7 +102,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         last = req.messages[-1].to_template_dict()
         if last.get("role") == role:
             echo_text = last.get("content") or ""
-    ctx = _ChatCtx(state, req, stream, request_id, now_s(), ids, role, echo_text)
+    ctx = _ChatCtx(state, req, stream, request_id, now_s(), request.prompt_token_ids, role, echo_text)
     if req.stream:
         return sse_response(_stream(ctx), state.config.sse_keep_alive_interval)
     return await _full(ctx)
@@ -143,7 +112,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
 class _ChatCtx:
     state: ServerState
     req: ChatCompletionRequest
-    stream: RequestStream
+    stream: OutputStream
     request_id: str
     created: int
     prompt_ids: list[int]
@@ -197,7 +166,7 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
                     counts[i] += len(out.token_ids)
                     lp = None
                     if req.logprobs and out.token_ids:
-                        lp = _chat_logprobs(tok, out.token_ids, out.logprobs, req.top_logprobs or 0)
+                        lp = chat_logprobs(tok, out.token_ids, out.logprobs, req.top_logprobs or 0)
                     if not out.text and out.finish_reason is None and lp is None and not (want_ids and out.token_ids):
                         continue  # text held back (a possible stop string, an incomplete character)
                     choice = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=out.text),
@@ -223,37 +192,29 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
 
 
 async def _full(c: _ChatCtx) -> ChatCompletionResponse:
+    """The request's one FINAL_ONLY output: the output processor's whole sequences."""
     req, state = c.req, c.state
-    n = req.n
-    ch = Choices(n)
-    prompt_logprobs = None
-    cached = 0
+    final: RequestOutput | None = None
     try:
         async with c.stream:
             async for ro in c.stream:
-                cached = max(cached, ro.num_cached_tokens)
-                if ro.prompt_logprobs is not None:
-                    prompt_logprobs = ro.prompt_logprobs
-                for out in ro.outputs:
-                    ch.add(out.index, out)
+                final = ro
     except EngineDeadError as e:
         raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(e)) from None
     except ValueError as e:
         raise APIError(HTTPStatus.BAD_REQUEST, str(e)) from None
     choices = []
-    for i in range(n):
-        lp = (_chat_logprobs(state.tokenizer, ch.token_ids[i], ch.logprobs[i], req.top_logprobs or 0)
-              if req.logprobs else None)
-        choice = ChatCompletionResponseChoice(
-            index=i, message=ChatResponseMessage(role=c.role, content=c.echo_text + ch.text(i)), logprobs=lp,
-            finish_reason=ch.finish[i], stop_reason=ch.stop_reason[i],
-            token_ids=ch.token_ids[i] if req.return_token_ids else None)
-        choices.append(choice)
-    completion = ch.num_tokens
-    num_prompt = len(c.prompt_ids)
-    resp = ChatCompletionResponse(
+    for out in sorted(final.outputs, key=lambda o: o.index):
+        lp = None
+        if req.logprobs:
+            lp = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0)
+        choices.append(ChatCompletionResponseChoice(
+            index=out.index, message=ChatResponseMessage(role=c.role, content=c.echo_text + out.text), logprobs=lp,
+            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+            token_ids=out.token_ids if req.return_token_ids else None))
+    completion = sum(len(out.token_ids) for out in final.outputs)
+    return ChatCompletionResponse(
         id=c.request_id, created=c.created, model=state.model_name, choices=choices,
-        usage=state.usage(num_prompt, completion, cached),
-        prompt_logprobs=prompt_logprobs_json(prompt_logprobs) if req.prompt_logprobs is not None else None,
+        usage=state.usage(len(c.prompt_ids), completion, final.num_cached_tokens),
+        prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs) if req.prompt_logprobs is not None else None,
         prompt_token_ids=c.prompt_ids if req.return_token_ids else None)
-    return resp

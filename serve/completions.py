@@ -12,67 +12,31 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
+from itertools import chain, repeat
 from typing import AsyncIterator
 
 from pydantic import BaseModel
 from quart import Response
 
-from jaxllm.engine.async_engine import RequestStream
+from jaxllm.engine.protocol import OutputStream
 from jaxllm.engine.tokenizer import encode
 from jaxllm.errors import EngineDeadError
-from jaxllm.outputs import Logprob, RequestOutput
-from serve.protocol import (APIError, CompletionLogProbs, CompletionRequest, CompletionResponse,
-                            CompletionResponseChoice, CompletionResponseStreamChoice, CompletionStreamResponse,
-                            bad_request, now_s, prompt_logprobs_json, random_id)
+from jaxllm.outputs import RequestOutput
+from jaxllm.request import EngineRequest
+from serve.logprobs import completion_logprobs, prompt_logprobs_json
+from serve.protocol import (APIError, CompletionRequest, CompletionResponse, CompletionResponseChoice,
+                            CompletionResponseStreamChoice, CompletionStreamResponse, bad_request, now_s, random_id)
 from serve.sse import DONE, error_frame, frame, sse_response
-from serve.state import Choices, ServerState
+from serve.state import ServerState
 
 log = logging.getLogger("jaxllm.serve")
 
 COMPLETION_FIELDS = set(CompletionRequest.model_fields)
 
 
-def _completion_logprobs(tokenizer, token_ids: list[int], steps: list | None, num: int,
-                         initial_offset: int) -> CompletionLogProbs:
-    """The legacy completions shape: tokens, token_logprobs, top_logprobs (the sampled token and
-    the ``num`` most likely, as vLLM and the old OpenAI API return them), text_offset."""
-    offsets: list[int] = []
-    token_lps: list[float | None] = []
-    tokens: list[str] = []
-    tops: list[dict[str, float] | None] = []
-    last_len = 0
-    for i, tid in enumerate(token_ids):
-        step = steps[i] if steps is not None and i < len(steps) else None
-        if step is None:  # the first prompt token has no logprob
-            token = _token_str(tokenizer, tid, None)
-            token_lps.append(None)
-            tops.append(None)
-        else:
-            lp = step.get(tid)
-            token = _token_str(tokenizer, tid, lp)
-            token_lps.append(max(lp.logprob, -9999.0) if lp is not None else None)
-            tops.append({_token_str(tokenizer, k, v): max(v.logprob, -9999.0)
-                         for j, (k, v) in enumerate(step.items()) if j <= num})
-        tokens.append(token)
-        offsets.append(initial_offset if not offsets else offsets[-1] + last_len)
-        last_len = len(token)
-    # Built in one go: stream chunks are dumped with only the fields that were set.
-    return CompletionLogProbs(text_offset=offsets, token_logprobs=token_lps, tokens=tokens, top_logprobs=tops)
-
-
-def _token_str(tokenizer, tid: int, lp: Logprob | None) -> str:
-    if lp is not None and lp.decoded_token is not None:
-        return lp.decoded_token
-    return tokenizer.decode([tid]) if tokenizer is not None else f"token_id:{tid}"
-
-
-@dataclass(frozen=True)
-class _Prompt:
-    text: str | None
-    ids: list[int]
-
-
-def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
+def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """Each prompt as (text or None, token ids): text is tokenized here (the request's
+    add_special_tokens), token ids are decoded for echo."""
     p = req.prompt
     if isinstance(p, str):
         items: list = [p]
@@ -86,51 +50,39 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[_Prompt]:
     for item in items:
         if isinstance(item, str):
             tok = state.require_tokenizer("a text prompt")
-            ids = encode(tok, item, add_special_tokens=req.add_special_tokens)
-            out.append(_Prompt(item, ids))
+            out.append((item, encode(tok, item, add_special_tokens=req.add_special_tokens)))
         else:
             text = None
             if req.echo and state.tokenizer is not None:
                 text = state.tokenizer.decode(item, skip_special_tokens=False)
-            out.append(_Prompt(text, list(item)))
-        state.check_prompt_len(len(out[-1].ids), "prompt")
+            out.append((text, item))
     return out
+
+
+def _process(state: ServerState, req: CompletionRequest, request_id: str) -> list[EngineRequest]:
+    """One engine request per prompt (``<id>-<i>``), each validated once by the input processor."""
+    requests = []
+    for i, (text, ids) in enumerate(_prompts(state, req)):
+        try:
+            sp = req.to_sampling_params(state.max_tokens(len(ids), req.max_tokens), state.defaults,
+                                        state.engine.vocab_size)
+            requests.append(state.process(f"{request_id}-{i}", req.engine_prompt(text, ids), sp, req.priority))
+        except ValueError as e:
+            raise state.value_error(e, COMPLETION_FIELDS) from None
+    return requests
 
 
 async def create_completion(state: ServerState, req: CompletionRequest) -> Response | BaseModel:
     state.check_model(req.model)
     req.check_stream_options()
-    req.check_cache_salt()
     if req.suffix is not None:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"best_of is not supported (only best_of == n), got best_of={req.best_of}", "best_of")
-    prompts = _prompts(state, req)
-    params = []
-    for pr in prompts:
-        try:
-            params.append(req.to_sampling_params(state.max_tokens(len(pr.ids), req.max_tokens), state.defaults,
-                                                 state.engine.vocab_size))
-        except ValueError as e:
-            raise state.value_error(e, COMPLETION_FIELDS) from None
     request_id = random_id("cmpl")
-    streams: list[RequestStream] = []
-    try:
-        for i, (pr, sp) in enumerate(zip(prompts, params)):
-            streams.append(state.add_request(f"{request_id}-{i}", req.engine_prompt(pr.text, pr.ids), sp,
-                                             req.priority))
-    except (EngineDeadError, ValueError, APIError) as e:
-        for s in streams:
-            s.abort()
-        if isinstance(e, APIError):
-            raise
-        if isinstance(e, EngineDeadError):
-            raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(e)) from None
-        if req.echo and req.logprobs is not None and req.prompt_logprobs is None and "prompt_logprobs" in str(e):
-            # vLLM scores the echoed prompt too; say why a request that never named it is refused.
-            raise bad_request(f"echo with logprobs returns the prompt's logprobs, and {e}", "echo") from None
-        raise state.value_error(e, COMPLETION_FIELDS) from None
-    ctx = _Ctx(state, req, streams, prompts, request_id, now_s())
+    requests = _process(state, req, request_id)
+    streams = state.add_requests(requests, stream=bool(req.stream))
+    ctx = _Ctx(state, req, streams, requests, request_id, now_s())
     if req.stream:
         return sse_response(_stream(ctx), state.config.sse_keep_alive_interval)
     return await _full(ctx)
@@ -140,13 +92,13 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Respo
 class _Ctx:
     state: ServerState
     req: CompletionRequest
-    streams: list[RequestStream]
-    prompts: list[_Prompt]
+    streams: list[OutputStream]
+    requests: list[EngineRequest]
     request_id: str
     created: int
 
 
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(streams: list[OutputStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from every stream as they come; leaving early aborts them all."""
     if len(streams) == 1:
         async with streams[0]:
@@ -156,7 +108,7 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
     q: asyncio.Queue = asyncio.Queue()
     end = object()
 
-    async def pump(i: int, s: RequestStream):
+    async def pump(i: int, s: OutputStream):
         try:
             async with s:
                 async for out in s:
@@ -190,50 +142,48 @@ async def _stream(c: _Ctx) -> AsyncIterator[str]:
     tok = state.tokenizer
     model = state.model_name
     n = req.n
-    num = len(c.prompts) * n
+    num = len(c.requests) * n
     include_usage, continuous = req.include_usage()
     want_ids = bool(req.return_token_ids)
     counts = [0] * num
     offsets = [0] * num
     echoed = [False] * num
-    cached = [0] * len(c.prompts)
+    cached = [0] * len(c.requests)
     merged = _merged(c.streams)
     try:
         async for p_idx, ro in merged:
-            prompt = c.prompts[p_idx]
+            prompt = c.requests[p_idx]
             cached[p_idx] = max(cached[p_idx], ro.num_cached_tokens)
             for out in ro.outputs:
                 i = p_idx * n + out.index
-                text, ids, lps = out.text, list(out.token_ids), out.logprobs
-                prompt_ids = None
-                if not echoed[i] and (req.echo or want_ids):
-                    prompt_ids = prompt.ids if want_ids else None
-                if req.echo and not echoed[i]:
-                    # The prompt goes out with the first token, never on its own.
-                    text = (prompt.text or "") + text
-                    ids = prompt.ids + ids
-                    lps = (list(ro.prompt_logprobs) if ro.prompt_logprobs is not None
-                           else [None] * len(prompt.ids)) + list(lps or [])
+                # The prompt goes out with the first token, never on its own.
+                echo = req.echo and not echoed[i]
+                text = (prompt.prompt or "") + out.text if echo else out.text
                 counts[i] += len(out.token_ids)
                 logprobs = None
-                if req.logprobs is not None and ids:
-                    logprobs = _completion_logprobs(tok, ids, lps, req.logprobs, offsets[i])
-                if not text and out.finish_reason is None and logprobs is None and not (want_ids and ids):
+                if req.logprobs is not None and (out.token_ids or echo):
+                    positions = zip(out.token_ids, out.logprobs or repeat(None))
+                    if echo:
+                        positions = chain(zip(prompt.prompt_token_ids, ro.prompt_logprobs or repeat(None)), positions)
+                    logprobs = completion_logprobs(tok, positions, req.logprobs, offsets[i])
+                ids_to_send = want_ids and (out.token_ids or echo)
+                if not text and out.finish_reason is None and logprobs is None and not ids_to_send:
                     continue  # nothing the client can use yet
+                first = not echoed[i]
                 echoed[i] = echoed[i] or req.echo or want_ids
                 offsets[i] += len(text)
                 choice = CompletionResponseStreamChoice(index=i, text=text, logprobs=logprobs,
                                                         finish_reason=out.finish_reason, stop_reason=out.stop_reason)
                 if want_ids:
                     choice.token_ids = list(out.token_ids)
-                    if prompt_ids is not None:
-                        choice.prompt_token_ids = prompt_ids
+                    if first:
+                        choice.prompt_token_ids = prompt.prompt_token_ids
                 chunk = CompletionStreamResponse(id=c.request_id, created=c.created, model=model, choices=[choice])
                 if continuous:
-                    chunk.usage = state.usage(len(prompt.ids), counts[i])
+                    chunk.usage = state.usage(prompt.num_prompt_tokens, counts[i])
                 yield frame(chunk)
         if include_usage:
-            pt = sum(len(p.ids) for p in c.prompts)
+            pt = sum(r.num_prompt_tokens for r in c.requests)
             yield frame(CompletionStreamResponse(id=c.request_id, created=c.created, model=model, choices=[],
                                                  usage=state.usage(pt, sum(counts), sum(cached))))
     except EngineDeadError as e:
@@ -249,20 +199,14 @@ async def _stream(c: _Ctx) -> AsyncIterator[str]:
 
 
 async def _full(c: _Ctx) -> CompletionResponse:
+    """Each request's one FINAL_ONLY output: the output processor's whole sequences."""
     req, state = c.req, c.state
     n = req.n
-    num = len(c.prompts) * n
-    ch = Choices(num)
-    prompt_logprobs: list = [None] * len(c.prompts)
-    cached = [0] * len(c.prompts)
+    finals: list[RequestOutput | None] = [None] * len(c.requests)
     merged = _merged(c.streams)
     try:
         async for p_idx, ro in merged:
-            cached[p_idx] = max(cached[p_idx], ro.num_cached_tokens)
-            if ro.prompt_logprobs is not None:
-                prompt_logprobs[p_idx] = ro.prompt_logprobs
-            for out in ro.outputs:
-                ch.add(p_idx * n + out.index, out)
+            finals[p_idx] = ro
     except EngineDeadError as e:
         raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(e)) from None
     except ValueError as e:
@@ -270,22 +214,24 @@ async def _full(c: _Ctx) -> CompletionResponse:
     finally:
         await merged.aclose()
     choices = []
-    for i in range(num):
-        prompt = c.prompts[i // n]
-        text, ids, lps = ch.text(i), ch.token_ids[i], ch.logprobs[i]
-        if req.echo:
-            text = (prompt.text or "") + text
-            plp = prompt_logprobs[i // n]
-            lps = (list(plp) if plp is not None else [None] * len(prompt.ids)) + lps
-            ids = prompt.ids + ids
-        lp = _completion_logprobs(state.tokenizer, ids, lps, req.logprobs, 0) if req.logprobs is not None else None
-        choices.append(CompletionResponseChoice(
-            index=i, text=text, logprobs=lp, finish_reason=ch.finish[i], stop_reason=ch.stop_reason[i],
-            token_ids=ch.token_ids[i] if req.return_token_ids else None,
-            prompt_token_ids=prompt.ids if req.return_token_ids else None,
-            prompt_logprobs=(prompt_logprobs_json(prompt_logprobs[i // n]) if req.prompt_logprobs is not None
-                             else None)))
-    pt = sum(len(p.ids) for p in c.prompts)
-    resp = CompletionResponse(id=c.request_id, created=c.created, model=state.model_name, choices=choices,
-                              usage=state.usage(pt, ch.num_tokens, sum(cached)))
-    return resp
+    completion_tokens = 0
+    for p_idx, (prompt, ro) in enumerate(zip(c.requests, finals)):
+        for out in sorted(ro.outputs, key=lambda o: o.index):
+            completion_tokens += len(out.token_ids)
+            text = out.text
+            positions = zip(out.token_ids, out.logprobs or repeat(None))
+            if req.echo:
+                text = (prompt.prompt or "") + text
+                positions = chain(zip(prompt.prompt_token_ids, ro.prompt_logprobs or repeat(None)), positions)
+            choices.append(CompletionResponseChoice(
+                index=p_idx * n + out.index, text=text,
+                logprobs=completion_logprobs(state.tokenizer, positions, req.logprobs, 0)
+                if req.logprobs is not None else None,
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                token_ids=out.token_ids if req.return_token_ids else None,
+                prompt_token_ids=prompt.prompt_token_ids if req.return_token_ids else None,
+                prompt_logprobs=prompt_logprobs_json(ro.prompt_logprobs) if req.prompt_logprobs is not None else None))
+    pt = sum(r.num_prompt_tokens for r in c.requests)
+    cached = sum(ro.num_cached_tokens for ro in finals)
+    return CompletionResponse(id=c.request_id, created=c.created, model=state.model_name, choices=choices,
+                              usage=state.usage(pt, completion_tokens, cached))

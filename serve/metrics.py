@@ -1,7 +1,7 @@
 """Prometheus metrics of the server (``GET /metrics``), named after vLLM's with a ``jaxllm:`` prefix.
 
 The engine thread measures (see ``jaxllm.engine.async_engine.IterationStats``) and this
-module only records: it is the AsyncEngine's ``stats_sink``.  prometheus_client's metrics
+module only records: it is the engine's ``stats_sink`` (``EngineClient.stats_sink``).  prometheus_client's metrics
 are thread-safe, so recording happens directly in the engine thread (with ``-dp N``, in N
 engine threads, each under its own ``engine`` label).  Each server has its own registry, so
 several servers can live in one process (the tests run a few).
@@ -114,7 +114,7 @@ class Metrics:
                 m.seen_hits = s.prefix_cache_hits
 
     def record(self, stats: IterationStats, engine: int = 0) -> None:
-        """The AsyncEngine's stats sink (called from engine ``engine``'s thread)."""
+        """The engine's stats sink (called from engine ``engine``'s thread)."""
         self.update_engine(stats.engine, engine)
         m = self._for(engine)
         if stats.num_prompt_tokens:

@@ -6,9 +6,9 @@ than something the engine trips over later.  Unknown fields are accepted and ign
 vLLM does.  The vLLM extensions the engine supports are typed here too (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, echo, add_generation_prompt, chat_template_kwargs, priority, cache_salt, seed,
-return_token_ids, allowed_token_ids, bad_words, prompt_logprobs); range checks that need
-the model (vocabulary, --max-logprobs) happen in the engine's input processor, whose
-ValueError names the parameter and becomes a 400.
+return_token_ids, allowed_token_ids, bad_words, prompt_logprobs); checks that need the
+model (vocabulary, context length, --max-logprobs, cache_salt) happen once, in the engine's
+input processor, whose ValueError names the parameter and becomes a 400.
 """
 
 from __future__ import annotations
@@ -86,12 +86,16 @@ def validation_error(e: ValidationError) -> APIError:
 _LEADING_NAME = re.compile(r"^\s*`?([A-Za-z_][A-Za-z0-9_]*)`?\b")
 
 
-def param_from_message(message: str, fields: set[str], aliases: dict[str, str] | None = None) -> str | None:
-    """SamplingParams' messages start with the parameter's name: recover it for ``param``."""
-    m = _LEADING_NAME.match(message)
-    if not m:
+def error_param(e: ValueError, fields: set[str], aliases: dict[str, str] | None = None) -> str | None:
+    """The request field a ValueError is about, for ``param``: the one the input processor
+    named (``e.param``), else the name the message starts with (SamplingParams' messages do);
+    ``aliases`` maps an engine name to this endpoint's field."""
+    name = getattr(e, "param", None)
+    if name is None:
+        m = _LEADING_NAME.match(str(e))
+        name = m.group(1) if m else None
+    if name is None:
         return None
-    name = m.group(1)
     if aliases and name in aliases:
         return aliases[name]
     return name if name in fields else None
@@ -179,10 +183,6 @@ class _SamplingRequest(OpenAIModel):
     return_token_ids: bool | None = False
     """vLLM extension: add the token ids (and, once, the prompt's) to each choice."""
     echo: bool | None = False
-
-    def check_cache_salt(self) -> None:
-        if self.cache_salt is not None and not self.cache_salt:
-            raise bad_request("cache_salt must be a non-empty string if provided", "cache_salt")
 
     def engine_prompt(self, text: str | None, ids: list[int]) -> dict:
         """The prompt as the engine takes it (with the cache salt when there is one)."""
@@ -295,20 +295,6 @@ class DetokenizeRequest(OpenAIModel):
 
 
 # ---------------------------------------------------------------------------- responses
-
-
-def prompt_logprobs_json(plp) -> list | None:
-    """vLLM's shape: None for the first prompt token, then {token id: {logprob, rank, decoded_token}}."""
-    if plp is None:
-        return None
-    out = []
-    for step in plp:
-        if step is None:
-            out.append(None)
-        else:
-            out.append({str(k): {"logprob": max(v.logprob, -9999.0), "rank": v.rank, "decoded_token": v.decoded_token}
-                        for k, v in step.items()})
-    return out
 
 
 def random_id(prefix: str) -> str:

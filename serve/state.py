@@ -1,5 +1,8 @@
 """What every endpoint shares: the engine, the serving config, model names, sampling defaults.
 
+The engine is anything that implements ``jaxllm.engine.protocol.EngineClient`` (one engine
+or data-parallel replicas); nothing here reaches past that interface.
+
 Sampling defaults follow vLLM: ``--generation-config auto`` reads the checkpoint's
 generation_config.json (``vllm`` ignores it, a folder reads that folder's), the keys vLLM
 reads are kept, ``--override-generation-config`` is merged over them, and a request's own
@@ -16,10 +19,13 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 
 from jaxllm.config import GENERATION_CONFIG_KEYS, ServingConfig
-from jaxllm.engine.async_engine import AsyncEngine, RequestStream
+from jaxllm.engine.output_processor import OutputKind
+from jaxllm.engine.protocol import EngineClient, OutputStream
+from jaxllm.errors import EngineDeadError
+from jaxllm.request import EngineRequest
 from jaxllm.sampling_params import SamplingParams
 from serve.metrics import Metrics
-from serve.protocol import APIError, PromptTokenUsageInfo, UsageInfo, bad_request, now_s, param_from_message
+from serve.protocol import APIError, PromptTokenUsageInfo, UsageInfo, bad_request, error_param, now_s
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -84,7 +90,7 @@ def resolve_chat_template(value: str | None) -> str | None:
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineClient
     config: ServingConfig
     served_names: tuple[str, ...]
     defaults: dict
@@ -93,15 +99,15 @@ class ServerState:
     created: int = field(default_factory=now_s)
     accepting: bool = True
     """False once shutdown began: new requests get a 503."""
-    open_streams: "weakref.WeakSet[RequestStream]" = field(default_factory=weakref.WeakSet)
+    open_streams: "weakref.WeakSet[OutputStream]" = field(default_factory=weakref.WeakSet)
     """This app's requests (several apps may share one engine); touched only on the event loop."""
 
     @classmethod
-    def create(cls, engine: AsyncEngine, config: ServingConfig, metrics: Metrics | None = None) -> "ServerState":
+    def create(cls, engine: EngineClient, config: ServingConfig, metrics: Metrics | None = None) -> "ServerState":
         names = config.served_model_names or (engine.model_name,)
         raw = generation_defaults(config.generation_config, engine.generation_config,
                                   config.override_generation_config)
-        defaults = validate_defaults(raw, engine.engine.input_processor.check_params)
+        defaults = validate_defaults(raw, engine.input_processor.check_params)
         if defaults:
             log.info("Default sampling parameters from the generation config: %s. A request's own values win; "
                      "--generation-config vllm ignores the checkpoint's.", defaults)
@@ -114,13 +120,30 @@ class ServerState:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: dict, params: SamplingParams, priority: int) -> RequestStream:
-        """Queues a request in the engine (ValueError / EngineDeadError propagate to the handler)."""
+    def process(self, request_id: str, prompt: dict, params: SamplingParams, priority: int) -> EngineRequest:
+        """The engine's input processor: the one validation of a request (ValueError naming
+        what is wrong, for the handler to answer with a 400)."""
+        return self.engine.input_processor.process_inputs(request_id, prompt, params, priority=priority)
+
+    def add_requests(self, requests: list[EngineRequest], stream: bool) -> list[OutputStream]:
+        """Queues processed requests, all or none: a stream receives DELTA outputs, anything
+        else the whole result once (FINAL_ONLY).  503 when the server or the engine cannot
+        take them."""
         if not self.accepting:
             raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down")
-        stream = self.engine.add_request(request_id, prompt, params, priority=priority)
-        self.open_streams.add(stream)
-        return stream
+        kind = OutputKind.DELTA if stream else OutputKind.FINAL_ONLY
+        streams: list[OutputStream] = []
+        try:
+            for r in requests:
+                streams.append(self.engine.add_request(r, kind=kind))
+        except BaseException as e:
+            for s in streams:
+                s.abort()
+            if isinstance(e, EngineDeadError):
+                raise APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(e)) from None
+            raise
+        self.open_streams.update(streams)
+        return streams
 
     def begin_shutdown(self) -> int:
         """Refuses new requests and aborts this app's requests in flight: each of their streams
@@ -156,24 +179,17 @@ class ServerState:
             raise bad_request(f"{what} needs a tokenizer, and this server runs without one")
         return self.tokenizer
 
-    def check_prompt_len(self, n: int, param: str) -> None:
-        if n == 0:
-            raise bad_request("The prompt cannot be empty.", param)
-        if n >= self.max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request has "
-                f"{n} input tokens, which leaves no room for output. Please reduce the length of the input.",
-                param)
-
-    def max_tokens(self, prompt_len: int, requested: int | None) -> int:
+    def max_tokens(self, prompt_len: int, requested: int | None) -> int | None:
         """vLLM's rule: the smallest of what is left of the context, the request's max_tokens and
-        the generation config's max_new_tokens."""
-        vals = [self.max_model_len - prompt_len, requested, self.defaults.get("max_tokens")]
-        return min(v for v in vals if v is not None)
+        the generation config's max_new_tokens.  (A prompt that leaves no room is the input
+        processor's to refuse, with its one message.)"""
+        room = self.max_model_len - prompt_len
+        vals = [v for v in (room if room > 0 else None, requested, self.defaults.get("max_tokens")) if v is not None]
+        return min(vals) if vals else None
 
     @property
     def prefix_caching(self) -> bool:
-        return self.engine.engine.config.cache.enable_prefix_caching
+        return self.engine.prefix_caching
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
         """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when prefix caching is on and
@@ -185,33 +201,4 @@ class ServerState:
         return u
 
     def value_error(self, e: ValueError, fields: set[str], aliases: dict[str, str] | None = None) -> APIError:
-        msg = str(e)
-        return bad_request(msg, param_from_message(msg, fields, aliases))
-
-
-class Choices:
-    """A non-streaming response's choices, each the sum of its DELTA outputs (text pieces, token
-    ids, logprobs, and the finish reason once it ends)."""
-
-    def __init__(self, num: int):
-        self.texts: list[list[str]] = [[] for _ in range(num)]
-        self.token_ids: list[list[int]] = [[] for _ in range(num)]
-        self.logprobs: list[list] = [[] for _ in range(num)]
-        self.finish: list[str | None] = [None] * num
-        self.stop_reason: list[int | str | None] = [None] * num
-
-    def add(self, i: int, out) -> None:
-        """Adds one ``CompletionOutput`` delta to choice ``i``."""
-        self.texts[i].append(out.text)
-        self.token_ids[i].extend(out.token_ids)
-        if out.logprobs is not None:
-            self.logprobs[i].extend(out.logprobs)
-        if out.finish_reason is not None:
-            self.finish[i], self.stop_reason[i] = out.finish_reason, out.stop_reason
-
-    def text(self, i: int) -> str:
-        return "".join(self.texts[i])
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.token_ids)
+        return bad_request(str(e), error_param(e, fields, aliases))

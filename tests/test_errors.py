@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -113,6 +114,44 @@ def test_prompt_longer_than_max_model_len_api(tiny_llm):
     # Nothing was left behind: the valid prompt added before the bad one was withdrawn.
     assert not engine.has_unfinished_requests()
     assert engine.core.kv_manager.num_free_blocks == free
+
+
+def test_input_processor_is_the_one_validation():
+    """One length rule (room for at least one output token), one message per condition, each
+    naming its input; the output cap is what the context leaves.  No device needed."""
+    from jaxllm.engine.processor import InputProcessor, InvalidRequestError
+    proc = InputProcessor(None, vocab_size=100, max_model_len=8, eos_token_ids=(2,), max_logprobs=5)
+    ok = proc.process_inputs("a", [5] * 7, SamplingParams(max_tokens=None))
+    assert ok.prompt_token_ids == [5] * 7 and ok.max_tokens == 1 and ok.params.all_stop_token_ids == {2}
+    assert proc.process_inputs("b", {"prompt_token_ids": [5] * 3, "cache_salt": "t"},
+                               SamplingParams(max_tokens=100)).max_tokens == 5
+    for prompt, param, needle in [
+            ([5] * 8, "prompt", "The decoder prompt (length 8) plus the number of requested output tokens (at least 1) "
+                                "is longer than the maximum model length of 8."),
+            ([5] * 30, "prompt", "(length 30)"), ([], "prompt", "cannot be empty"),
+            ([5, 100], "prompt", "out of vocabulary"), ("text", "prompt", "without a tokenizer"),
+            ({"prompt_token_ids": [5], "cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string")]:
+        with pytest.raises(InvalidRequestError, match=re.escape(needle)) as e:
+            proc.process_inputs("c", prompt, SamplingParams())
+        assert e.value.param == param
+    with pytest.raises(InvalidRequestError, match="logprobs=6") as e:
+        proc.process_inputs("d", [5], SamplingParams(logprobs=6))
+    assert e.value.param == "logprobs"
+
+
+def test_request_ids_are_unique_while_open(tiny_llm):
+    engine = tiny_llm.llm_engine
+    free = engine.core.kv_manager.num_free_blocks
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    engine.add_request("dup", [5, 6], sp)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", [7, 8], sp)
+    assert [r.prompt_token_ids for r in engine.core.scheduler.requests.values()] == [[5, 6]]
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("dup", [7, 8], sp)   # free again once finished
+    engine.abort_request("dup")
+    assert not engine.has_unfinished_requests() and engine.core.kv_manager.num_free_blocks == free
 
 
 def test_bad_flags_name_the_flag():

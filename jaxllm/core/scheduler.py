@@ -61,11 +61,8 @@ class Scheduler:
     # ------------------------------------------------------------------ intake
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_tokens > self.max_model_len:
-            raise ValueError(f"request {request.request_id!r} has {request.num_tokens} tokens, "
-                             f"more than max_model_len={self.max_model_len}")
+        """Queues a request as the input processor made it: its id is not in use and its prompt
+        is shorter than max_model_len (checked there, once, not again here)."""
         self.requests[request.request_id] = request
         request.arrival_seq = self._num_arrivals
         request.arrival_step = self._step
@@ -189,12 +186,12 @@ class Scheduler:
             if req.num_computed_tokens < req.num_tokens or not new_tokens:
                 continue  # a prefill chunk that is not the last samples nothing
             logprobs = result.logprobs.get(rid)
-            accepted = []
+            start = len(req.output_token_ids)
             for tok in new_tokens:
                 req.output_token_ids.append(tok)
-                accepted.append(tok)
                 if self._check_stop(req):
                     break
+            accepted = req.output_token_ids[start:]
             outs.append(EngineCoreOutput(
                 rid, accepted, new_logprobs=logprobs[:len(accepted)] if logprobs else None,
                 finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,

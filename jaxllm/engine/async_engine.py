@@ -3,10 +3,12 @@
 A blocking JAX call inside the event loop would stall every open stream, so one background
 thread owns the :class:`LLMEngine`.  The event loop never touches it: it queues commands
 (add, abort, abort-all, stop) that the thread applies *between* steps, so an abort frees
-the request's KV blocks before the next step is scheduled.  Each request's outputs (always
-``OutputKind.DELTA``: new tokens and text since the last output) go to that request's own
-``asyncio.Queue`` through ``loop.call_soon_threadsafe``; per-request state is keyed by
-request id.
+the request's KV blocks before the next step is scheduled.  Requests arrive already
+processed (``input_processor.process_inputs`` in the caller, so a bad request is the
+caller's ValueError).  Each request's outputs (``OutputKind.DELTA``, new tokens and text
+since the last output, for a stream; ``FINAL_ONLY`` for a caller that wants the whole
+result once) go to that request's own ``asyncio.Queue`` through
+``loop.call_soon_threadsafe``; per-request state is keyed by request id.
 
 An exception from a step marks the engine dead: every open request receives an
 :class:`EngineDeadError`, and so does every later one (``check_health`` raises), instead of
@@ -29,9 +31,10 @@ from typing import AsyncIterator, Protocol
 
 from jaxllm.engine.llm_engine import EngineStats, LLMEngine
 from jaxllm.engine.output_processor import OutputKind
-from jaxllm.engine.processor import PromptType
+from jaxllm.engine.processor import InputProcessor, PromptType
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
+from jaxllm.request import EngineRequest
 from jaxllm.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxllm.engine")
@@ -84,14 +87,10 @@ class StatsSink(Protocol):
 
 @dataclass(frozen=True)
 class _Add:
-    request_id: str
-    prompt: dict
-    params: SamplingParams
-    priority: int
+    request: EngineRequest
+    kind: OutputKind
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    arrival: float
-    num_prompt_tokens: int
 
 
 @dataclass(frozen=True)
@@ -236,6 +235,16 @@ class AsyncEngine:
         return self.engine.generation_config
 
     @property
+    def prefix_caching(self) -> bool:
+        return self.engine.config.cache.enable_prefix_caching
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """Turns a prompt and its parameters into the request :meth:`add_request` takes; only
+        reads immutable engine facts, so any thread may call it."""
+        return self.engine.input_processor
+
+    @property
     def error(self) -> BaseException | None:
         """The exception that killed the engine, or None."""
         return self._error
@@ -243,6 +252,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The scheduler and KV pool after the engine thread's latest iteration."""
         return self._stats
+
+    def replica_stats(self) -> list[EngineStats]:
+        """One snapshot per engine (this one), as the metrics' ``engine`` label counts them."""
+        return [self._stats]
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the engine cannot serve requests."""
@@ -255,31 +268,22 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                    priority: int = 0) -> RequestStream:
-        """Validates and queues a request; returns the stream of its outputs.
+    def add_request(self, request: EngineRequest, *, kind: OutputKind = OutputKind.DELTA) -> RequestStream:
+        """Queues a processed request; returns the stream of its outputs.
 
-        Raises ValueError for a bad prompt or parameters (before anything is queued) and
-        EngineDeadError when the engine cannot take it.  Call from a running event loop.
-        """
+        Raises EngineDeadError when the engine cannot take it; an id still in use arrives on
+        the stream as a ValueError.  Call from a running event loop."""
         self.check_health()
-        # Validation happens here, in the caller, so a bad request is the caller's error
-        # (an HTTP 400) rather than something the stream reports later.
-        text, ids = self.engine.input_processor.tokenize(prompt)
-        salt = self.engine.input_processor.cache_salt(prompt)
-        self.engine.input_processor.check_params(params)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        resolved = {"prompt": text, "prompt_token_ids": ids}
-        if salt is not None:
-            resolved["cache_salt"] = salt
-        self._submit(_Add(request_id, resolved, params, priority, q, loop, time.monotonic(), len(ids)))
-        return RequestStream(self, request_id, q)
+        self._submit(_Add(request, kind, q, loop))
+        return RequestStream(self, request.request_id, q)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields the request's output deltas; closing the generator early aborts the request."""
-        stream = self.add_request(request_id, prompt, params, priority=priority)
+        stream = self.add_request(self.input_processor.process_inputs(request_id, prompt, params,
+                                                                      priority=priority))
         async with stream:
             async for out in stream:
                 yield out
@@ -350,13 +354,13 @@ class AsyncEngine:
             if self._error is None and engine.has_unfinished_requests():
                 t0 = time.monotonic()
                 try:
-                    outputs = engine.step()
+                    outputs, new_tokens = engine.step_with_counts()
                 except Exception as e:
                     self._fail(e, streams)
                     self._publish(acc, stepped=True)
                     self._flush(acc)
                     continue
-                self._deliver(outputs, streams, t0, acc)
+                self._deliver(outputs, new_tokens, streams, t0, acc)
                 stepped = True
             self._publish(acc, stepped=stepped or bool(cmds))
             self._flush(acc)
@@ -366,16 +370,13 @@ class AsyncEngine:
             _put(cmd.loop, cmd.queue, EngineDeadError(
                 f"the engine failed and stopped: {type(self._error).__name__}: {self._error}"))
             return
-        if cmd.request_id in streams:
-            _put(cmd.loop, cmd.queue, ValueError(f"request id {cmd.request_id!r} is already in use"))
-            return
+        req = cmd.request
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, kind=OutputKind.DELTA,
-                                    priority=cmd.priority)
-        except Exception as e:  # validated by the caller already; anything left is still the caller's
+            self.engine.add_engine_request(req, cmd.kind)
+        except Exception as e:  # an id still in use: the caller's error, on its stream
             _put(cmd.loop, cmd.queue, e)
             return
-        streams[cmd.request_id] = _Tracked(cmd.queue, cmd.loop, cmd.arrival, cmd.num_prompt_tokens)
+        streams[req.request_id] = _Tracked(cmd.queue, cmd.loop, req.arrival_time, req.num_prompt_tokens)
 
     def _abort(self, request_id: str, owner: asyncio.Queue | None, streams: dict[str, _Tracked],
                acc: _IterAccumulator) -> None:
@@ -390,29 +391,33 @@ class AsyncEngine:
         tr.finish_reason = "abort"
         acc.finished.append(self._finished_stats(request_id, tr, now))
 
-    def _deliver(self, outputs: list[RequestOutput], streams: dict[str, _Tracked], t0: float,
-                 acc: _IterAccumulator) -> None:
+    def _deliver(self, outputs: list[RequestOutput], new_tokens: dict[str, int], streams: dict[str, _Tracked],
+                 t0: float, acc: _IterAccumulator) -> None:
+        """``new_tokens``: per request, the tokens this step added (a FINAL_ONLY request's too,
+        though it has no output until it ends)."""
         now = time.monotonic()
         acc.engine = stats = self.engine.get_stats()
         for tr_id, tr in streams.items():
             if tr.scheduled is None and tr_id in stats.running_request_ids:
                 tr.scheduled = t0
+        for rid, n in new_tokens.items():
+            tr = streams.get(rid)
+            if tr is None or not n:
+                continue
+            if tr.scheduled is None:
+                tr.scheduled = t0  # scheduled and finished within this one step
+            if tr.last_output is None:
+                acc.ttft.append(now - tr.arrival)
+                acc.num_prompt_tokens += tr.num_prompt_tokens
+            else:
+                acc.itl.append(now - tr.last_output)
+            tr.last_output = now
+            tr.num_generation_tokens += n
+            acc.num_generation_tokens += n
         for out in outputs:
             tr = streams.get(out.request_id)
             if tr is None:
                 continue
-            new_tokens = sum(len(c.token_ids) for c in out.outputs)
-            if new_tokens:
-                if tr.scheduled is None:
-                    tr.scheduled = t0  # scheduled and finished within this one step
-                if tr.last_output is None:
-                    acc.ttft.append(now - tr.arrival)
-                    acc.num_prompt_tokens += tr.num_prompt_tokens
-                else:
-                    acc.itl.append(now - tr.last_output)
-                tr.last_output = now
-                tr.num_generation_tokens += new_tokens
-                acc.num_generation_tokens += new_tokens
             for c in out.outputs:
                 if c.finish_reason is not None:
                     tr.finish_reason = c.finish_reason

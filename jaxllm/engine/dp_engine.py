@@ -6,9 +6,11 @@ compiled steps) on its own ``tensor_parallel_size`` devices: replica ``i`` is
 but the process, so N replicas serve about N times the requests of one when there are N
 devices to run them (on CPU the simulated devices share the cores).
 
-This class offers the interface the server uses from an ``AsyncEngine``, so ``serve/`` runs
-either unchanged.  Routing: a new request goes to the replica with the fewest unfinished
-requests routed to it (ties to the lowest index).  The count is kept here, keyed by request
+Both this class and ``AsyncEngine`` implement ``jaxllm.engine.protocol.EngineClient``, the
+one interface ``serve/`` uses, so the server runs on either unchanged.  Requests are
+processed once, by replica 0's input processor (the replicas run the same model and
+configuration), before they are routed.  Routing: a new request goes to the replica with
+the fewest unfinished requests routed to it (ties to the lowest index).  The count is kept here, keyed by request
 id, and a request's slot is given back exactly once, on every way it can end: its stream
 delivers the final output or an engine error, the stream is aborted or closed (a client
 disconnect), ``abort``/``abort_all`` is called, or the stream is dropped unclosed.  Later
@@ -30,9 +32,11 @@ from typing import AsyncIterator, Sequence
 
 from jaxllm.engine.async_engine import AsyncEngine, RequestStream
 from jaxllm.engine.llm_engine import EngineStats, LLMEngine
-from jaxllm.engine.processor import PromptType
+from jaxllm.engine.output_processor import OutputKind
+from jaxllm.engine.processor import InputProcessor, PromptType
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
+from jaxllm.request import EngineRequest
 from jaxllm.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxllm.engine")
@@ -131,11 +135,6 @@ class DataParallelEngine:
     # ------------------------------------------------------------------ read-only views
 
     @property
-    def engine(self) -> LLMEngine:
-        """Replica 0's LLMEngine, for read-only uses (input processor, config)."""
-        return self.replicas[0].engine
-
-    @property
     def tokenizer(self):
         return self.replicas[0].tokenizer
 
@@ -154,6 +153,15 @@ class DataParallelEngine:
     @property
     def generation_config(self) -> dict:
         return self.replicas[0].generation_config
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.replicas[0].prefix_caching
+
+    @property
+    def input_processor(self) -> InputProcessor:
+        """Replica 0's: every replica runs the same model and configuration."""
+        return self.replicas[0].input_processor
 
     @property
     def error(self) -> BaseException | None:
@@ -199,18 +207,18 @@ class DataParallelEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                    priority: int = 0) -> RoutedStream:
-        """Queues the request on the least-loaded replica; returns the stream of its outputs.
+    def add_request(self, request: EngineRequest, *, kind: OutputKind = OutputKind.DELTA) -> RoutedStream:
+        """Queues a processed request on the least-loaded replica; returns the stream of its outputs.
 
-        Raises ValueError for a bad prompt or parameters or an id already in use, and
-        EngineDeadError when any replica is dead.  Call from a running event loop."""
+        Raises ValueError for an id already in use (the replicas cannot see each other's ids)
+        and EngineDeadError when any replica is dead.  Call from a running event loop."""
         self.check_health()
+        request_id = request.request_id
         with self._lock:
             if request_id in self._owner:
                 raise ValueError(f"request id {request_id!r} is already in use")
             i = min(range(len(self.replicas)), key=lambda k: (self._load[k], k))
-            inner = self.replicas[i].add_request(request_id, prompt, params, priority=priority)
+            inner = self.replicas[i].add_request(request, kind=kind)
             token = object()
             self._owner[request_id] = (i, token)
             self._load[i] += 1
@@ -230,7 +238,8 @@ class DataParallelEngine:
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields the request's output deltas; closing the generator early aborts the request."""
-        stream = self.add_request(request_id, prompt, params, priority=priority)
+        stream = self.add_request(self.input_processor.process_inputs(request_id, prompt, params,
+                                                                      priority=priority))
         async with stream:
             async for out in stream:
                 yield out

@@ -1,8 +1,9 @@
 """LLMEngine: the synchronous engine behind the offline ``LLM`` class and the CLI.
 
 Loads the checkpoint and tokenizer, builds the engine core (which compiles every step
-bucket, or with ``precompile`` auto / on-demand each when a step first needs it), and turns
-prompts into requests and engine-core outputs into ``RequestOutput``s.  Each start-up phase
+bucket, or with ``precompile`` auto / on-demand each when a step first needs it), queues
+the input processor's ``EngineRequest``s (one core ``Request`` per sample) and turns
+engine-core outputs into ``RequestOutput``s.  Each start-up phase
 is logged (jaxllm.engine) with its size and time.
 """
 
@@ -22,6 +23,7 @@ from jaxllm.models.builtin import BUILTIN_MODEL_NAME
 from jaxllm.models.loader import TokenizerSource, load_model
 from jaxllm.outputs import RequestOutput
 from jaxllm.parallel import distributed
+from jaxllm.request import EngineRequest, Request
 from jaxllm.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxllm.engine")
@@ -86,17 +88,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                     kind: OutputKind = OutputKind.CUMULATIVE, priority: int = 0) -> None:
-        params = params or SamplingParams()
-        text, ids = self.input_processor.tokenize(prompt)
-        salt = self.input_processor.cache_salt(prompt)
-        resolved = self.input_processor.check_params(params)
-        if self.output_processor.has_request(request_id):
-            raise ValueError(f"request id {request_id!r} is already in use")
-        child_ids = self.output_processor.add_request(request_id, text, ids, params, kind)
-        for i, cid in enumerate(child_ids):
-            seed = self.core.new_seed() if params.seed is None else params.seed + i
-            self.core.add_request(self.input_processor.make_request(cid, ids, resolved, seed, priority,
-                                                                    cache_salt=salt))
+        """Validates and tokenizes the prompt (ValueError naming what is wrong), then queues it."""
+        request = self.input_processor.process_inputs(request_id, prompt, params or SamplingParams(),
+                                                      priority=priority)
+        self.add_engine_request(request, kind)
+
+    def add_engine_request(self, request: EngineRequest, kind: OutputKind = OutputKind.CUMULATIVE) -> None:
+        """Queues a request the input processor made (not checked again).  ValueError when its
+        id is in use by a request that has not ended."""
+        seed = request.params.seed
+        for i, cid in enumerate(self.output_processor.add_request(request, kind)):
+            self.core.add_request(Request.from_engine_request(
+                request, cid, self.core.new_seed() if seed is None else seed + i))
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Ends requests now (their KV blocks return to the pool); returns their final outputs,
@@ -128,10 +131,15 @@ class LLMEngine:
         self.core.compile_all()
 
     def step(self) -> list[RequestOutput]:
-        outputs, to_abort = self.output_processor.process(self.core.step())
+        return self.step_with_counts()[0]
+
+    def step_with_counts(self) -> tuple[list[RequestOutput], dict[str, int]]:
+        """:meth:`step`, and the output tokens each request (by the id it was added with) gained
+        in it, whatever its output kind (a FINAL_ONLY request has no output until it ends)."""
+        outputs, to_abort, new_tokens = self.output_processor.process(self.core.step())
         if to_abort:
             self.core.abort_requests(to_abort)
-        return outputs
+        return outputs, new_tokens
 
     def follow(self) -> None:
         """On a host other than 0 of a multi-host engine: run host 0's steps until it stops."""

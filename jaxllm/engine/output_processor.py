@@ -13,7 +13,9 @@ import enum
 from dataclasses import dataclass, field
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
+from jaxllm.engine.processor import InvalidRequestError
 from jaxllm.outputs import CompletionOutput, EngineCoreOutput, Logprob, LogprobsArrays, RequestOutput
+from jaxllm.request import EngineRequest
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -67,38 +69,41 @@ class OutputProcessor:
         self._reqs: dict[str, _ReqState] = {}
         self._child_to_parent: dict[str, tuple[str, int]] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, kind: OutputKind) -> list[str]:
-        """Registers a request; returns the child ids the core runs for it."""
+    def add_request(self, request: EngineRequest, kind: OutputKind) -> list[str]:
+        """Registers a request; returns the child ids the core runs for it.  A request id stays
+        in use until its request has finished or been aborted (ValueError meanwhile)."""
+        if request.request_id in self._reqs:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        params = request.params
         seqs = []
         for i in range(params.n):
-            cid = child_request_id(request_id, i, params.n)
+            cid = child_request_id(request.request_id, i, params.n)
             detok = None
             if self.tokenizer is not None and params.detokenize:
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.skip_special_tokens)
             seqs.append(_Seq(index=i, child_id=cid, detok=detok,
                              logprobs=[] if params.logprobs is not None else None,
                              cumulative_logprob=0.0 if params.logprobs is not None else None))
-            self._child_to_parent[cid] = (request_id, i)
-        self._reqs[request_id] = _ReqState(request_id, prompt, list(prompt_token_ids), params, kind, seqs)
+            self._child_to_parent[cid] = (request.request_id, i)
+        self._reqs[request.request_id] = _ReqState(request.request_id, request.prompt, request.prompt_token_ids,
+                                                   params, kind, seqs)
         return [s.child_id for s in seqs]
 
     def child_ids(self, request_id: str) -> list[str]:
         st = self._reqs.get(request_id)
         return [s.child_id for s in st.seqs if s.finish_reason is None] if st else []
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._reqs
-
     def parent_id(self, child_id: str) -> str:
         """The id the request was added with (a child of an n > 1 request maps to its parent)."""
         parent = self._child_to_parent.get(child_id)
         return child_id if parent is None else parent[0]
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs to deliver and the child ids the core must abort."""
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str], dict[str, int]]:
+        """Returns the RequestOutputs to deliver, the child ids the core must abort, and the
+        output tokens each request (parent id) gained."""
         touched: dict[str, _ReqState] = {}
         to_abort: list[str] = []
+        new_tokens: dict[str, int] = {}
         for out in outputs:
             parent = self._child_to_parent.get(out.request_id)
             if parent is None:
@@ -107,7 +112,9 @@ class OutputProcessor:
             seq = st.seqs[parent[1]]
             if seq.finish_reason is not None:
                 continue
+            before = len(seq.token_ids)
             self._append(st, seq, out)
+            new_tokens[st.request_id] = new_tokens.get(st.request_id, 0) + len(seq.token_ids) - before
             if seq.finish_reason is not None and out.finish_reason is None:
                 to_abort.append(seq.child_id)  # a stop string: the core still thinks it runs
             touched[st.request_id] = st
@@ -118,7 +125,7 @@ class OutputProcessor:
                 results.append(ro)
             if st.finished:
                 self._drop(st)
-        return results, to_abort
+        return results, to_abort, new_tokens
 
     def _entries(self, lps: LogprobsArrays) -> list[dict[int, Logprob]]:
         """Each position's logprobs as user-facing objects: the chosen token (its own rank)

@@ -1,15 +1,37 @@
-"""Input processing: prompts (text, token ids, or vLLM's prompt dicts) -> validated engine requests."""
+"""Input processing: a prompt and its parameters -> one validated, tokenized ``EngineRequest``.
+
+This is the only place a request is checked against the engine (vocabulary, context length,
+--max-logprobs, the tokenizer): the server, the offline ``LLM`` and the CLI all call
+:meth:`InputProcessor.process_inputs`, and every layer after it (engine, output processor,
+scheduler) trusts the ``EngineRequest`` it returns.  Checks that need only the parameters
+are ``SamplingParams``' own.
+
+One length rule (vLLM's): the prompt must leave room for at least one output token, so a
+prompt of ``max_model_len`` tokens or more is refused.
+"""
 
 from __future__ import annotations
 
 import copy
+import time
 
 from jaxllm.engine.tokenizer import encode
-from jaxllm.request import Request
+from jaxllm.request import EngineRequest
 from jaxllm.sample.metadata import suppress_capacity_error
 from jaxllm.sampling_params import SamplingParams
 
 PromptType = str | dict | list
+"""Text, token ids, or vLLM's prompt dict: ``prompt`` and/or ``prompt_token_ids`` (the ids win
+when both are given), optionally ``cache_salt``."""
+
+
+class InvalidRequestError(ValueError):
+    """A request this engine cannot take; ``param`` names the offending input (``"prompt"``,
+    ``"cache_salt"``, a SamplingParams field) so that a server can report it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class InputProcessor:
@@ -21,81 +43,96 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
 
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Returns (prompt text or None, prompt token ids), validated."""
+    def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
+                       arrival_time: float | None = None) -> EngineRequest:
+        """Validates and tokenizes one request.  Raises :class:`InvalidRequestError` (a
+        ValueError) naming what is wrong; nothing is queued anywhere."""
+        text, ids, salt = self._parse(prompt)
+        self._check_prompt(ids)
+        resolved = self.check_params(params)
+        room = self.max_model_len - len(ids)
+        max_tokens = room if resolved.max_tokens is None else min(resolved.max_tokens, room)
+        return EngineRequest(request_id, text, ids, resolved, max_tokens, self.eos_token_ids, priority=priority,
+                             cache_salt=salt,
+                             arrival_time=time.monotonic() if arrival_time is None else arrival_time)
+
+    def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(prompt text or None, prompt token ids, cache salt or None)."""
+        salt = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
             elif "prompt" in prompt:
                 text, ids = prompt["prompt"], None
             else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+            salt = prompt.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise InvalidRequestError("cache_salt must be a non-empty string if provided", "cache_salt")
         elif isinstance(prompt, str):
             text, ids = prompt, None
         elif isinstance(prompt, (list, tuple)):
-            text, ids = None, list(prompt)
+            text, ids = None, prompt
         else:
-            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+            raise InvalidRequestError(f"a prompt must be a string, a list of token ids or a dict, got "
+                                      f"{type(prompt).__name__}", "prompt")
         if ids is None:
             if not isinstance(text, str):
-                raise ValueError("prompt must be a string")
+                raise InvalidRequestError("prompt must be a string", "prompt")
             if self.tokenizer is None:
-                raise ValueError("this engine runs without a tokenizer (skip_tokenizer_init): pass prompt_token_ids")
+                raise InvalidRequestError("this engine runs without a tokenizer (skip_tokenizer_init): pass "
+                                          "prompt_token_ids", "prompt")
             ids = encode(self.tokenizer, text)
-        ids = list(ids)
+        return text, list(ids), salt
+
+    def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
-            raise ValueError("The decoder prompt cannot be empty")
+            raise InvalidRequestError("The decoder prompt cannot be empty", "prompt")
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t!r} is out of vocabulary (size {self.vocab_size})")
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
-                             f"of {self.max_model_len}.")
-        return text, ids
-
-    @staticmethod
-    def cache_salt(prompt: PromptType) -> str | None:
-        """A dict prompt's ``cache_salt`` (vLLM's): requests share cached prefix KV only with
-        requests of the same salt.  None when absent; a non-empty string otherwise."""
-        if not isinstance(prompt, dict) or prompt.get("cache_salt") is None:
-            return None
-        salt = prompt["cache_salt"]
-        if not isinstance(salt, str) or not salt:
-            raise ValueError("cache_salt must be a non-empty string if provided")
-        return salt
+                raise InvalidRequestError(f"prompt token id {t!r} is out of vocabulary (size {self.vocab_size})",
+                                          "prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens (at least 1) "
+                f"is longer than the maximum model length of {self.max_model_len}.", "prompt")
 
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """Engine-dependent checks (vocabulary, --max-logprobs, the tokenizer for bad_words); the
-        parameter-only checks are SamplingParams' own.  Raises ValueError naming the parameter.
-        Returns the resolved copy of ``params`` (see :meth:`resolve`) that requests are made of."""
+        parameter-only checks are SamplingParams' own.  Raises InvalidRequestError naming the
+        parameter.  Returns the resolved copy of ``params`` (see :meth:`resolve`)."""
         V = self.vocab_size
         for t in params.stop_token_ids:
             if t >= V:
-                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary (size {V})")
-        if params.logprobs is not None and params.logprobs > self.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} is more than the engine's max_logprobs="
-                             f"{self.max_logprobs} (--max-logprobs)")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.max_logprobs:
-            raise ValueError(f"prompt_logprobs={params.prompt_logprobs} is more than the engine's max_logprobs="
-                             f"{self.max_logprobs} (--max-logprobs)")
+                raise InvalidRequestError(f"stop_token_ids contains {t}, outside the vocabulary (size {V})",
+                                          "stop_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise InvalidRequestError(f"{name}={k} is more than the engine's max_logprobs={self.max_logprobs} "
+                                          f"(--max-logprobs)", name)
         if params.logit_bias:
             bad = sorted(t for t in params.logit_bias if not 0 <= t < V)
             if bad:
-                raise ValueError(f"logit_bias: token id(s) {bad} are out of vocabulary (size {V})")
+                raise InvalidRequestError(f"logit_bias: token id(s) {bad} are out of vocabulary (size {V})",
+                                          "logit_bias")
         if params.allowed_token_ids is not None:
             bad = sorted({t for t in params.allowed_token_ids if t >= V})
             if bad:
-                raise ValueError(f"allowed_token_ids: token id(s) {bad} are out of vocabulary (size {V})")
+                raise InvalidRequestError(f"allowed_token_ids: token id(s) {bad} are out of vocabulary (size {V})",
+                                          "allowed_token_ids")
         if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer (this engine runs with skip_tokenizer_init)")
+            raise InvalidRequestError("bad_words needs a tokenizer (this engine runs with skip_tokenizer_init)",
+                                      "bad_words")
         resolved = self.resolve(params)
         for seq in resolved.bad_words_token_ids or []:
             bad = [t for t in seq if not 0 <= t < V]
             if bad:
-                raise ValueError(f"bad_words: token id(s) {bad} are out of vocabulary (size {V})")
+                raise InvalidRequestError(f"bad_words: token id(s) {bad} are out of vocabulary (size {V})",
+                                          "bad_words")
         err = suppress_capacity_error(resolved)
         if err:
-            raise ValueError(err)
+            raise InvalidRequestError(err, err.split(":", 1)[0])
         return resolved
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
@@ -106,13 +143,3 @@ class InputProcessor:
         if params.bad_words and self.tokenizer is not None:
             params.update_from_tokenizer(self.tokenizer)
         return params
-
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                     priority: int = 0, arrival_time: float | None = None, cache_salt: str | None = None) -> Request:
-        """``params``: as returned by :meth:`check_params` (resolved, shared read-only by the
-        children of an n > 1 request)."""
-        room = max(self.max_model_len - len(prompt_token_ids), 1)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, seed=seed,
-                       arrival_time=arrival_time, priority=priority, max_tokens=max_tokens, cache_salt=cache_salt)
-

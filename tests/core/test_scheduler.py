@@ -170,12 +170,3 @@ def test_abort_frees_blocks_and_tells_the_runner():
     assert s.kv.num_free_blocks > free_before
     so = s.schedule()
     assert "a" in so.finished_req_ids and "a" not in so.num_scheduled_tokens
-
-
-def test_add_request_validation():
-    s = sched(max_len=8)
-    s.add_request(make("a", 3))
-    with pytest.raises(ValueError, match="already in use"):
-        s.add_request(make("a", 3))
-    with pytest.raises(ValueError, match="max_model_len"):
-        s.add_request(make("long", 9))

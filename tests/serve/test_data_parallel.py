@@ -20,9 +20,12 @@ import threading
 import httpx
 import pytest
 
-from jaxllm.engine.async_engine import FinishedRequestStats, IterationStats, RequestStream, _Abort
+from jaxllm.engine.async_engine import AsyncEngine, FinishedRequestStats, IterationStats, RequestStream, _Abort
 from jaxllm.engine.dp_engine import DataParallelEngine
 from jaxllm.engine.llm_engine import EngineStats
+from jaxllm.engine.output_processor import OutputKind
+from jaxllm.engine.processor import InputProcessor
+from jaxllm.engine.protocol import EngineClient
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -41,6 +44,8 @@ class FakeReplica:
 
     def __init__(self, index: int):
         self.index = index
+        self.input_processor = InputProcessor(None, vocab_size=100, max_model_len=64, eos_token_ids=(2,),
+                                              max_logprobs=5)
         self.stats_sink = None
         self.dead: str | None = None
         self.queues: dict[str, asyncio.Queue] = {}
@@ -58,11 +63,11 @@ class FakeReplica:
     def error(self):
         return RuntimeError(self.dead) if self.dead else None
 
-    def add_request(self, request_id, prompt, params, *, priority=0):
-        if prompt == "bad":
+    def add_request(self, request, *, kind=OutputKind.DELTA):
+        if request.prompt_token_ids == BAD:
             raise ValueError("bad prompt")
-        q = self.queues[request_id] = asyncio.Queue()
-        return RequestStream(self, request_id, q)
+        q = self.queues[request.request_id] = asyncio.Queue()
+        return RequestStream(self, request.request_id, q)
 
     def _submit(self, cmd):  # RequestStream.abort
         assert isinstance(cmd, _Abort)
@@ -91,6 +96,15 @@ def output(request_id: str, finished: bool) -> RequestOutput:
                          finished=finished)
 
 
+BAD = [66]
+
+
+def add(dp, request_id, prompt=(1, 2), params=None):
+    """What the server does: the input processor makes the request, then it is queued."""
+    return dp.add_request(dp.input_processor.process_inputs(request_id, list(prompt),
+                                                            params or SamplingParams(max_tokens=4)))
+
+
 def make_dp(n: int = 3):
     replicas = [FakeReplica(i) for i in range(n)]
     return DataParallelEngine(replicas), replicas
@@ -103,8 +117,7 @@ def owner(replicas, request_id) -> int:
 def test_least_loaded_routing_and_every_way_a_request_ends():
     async def main():
         dp, reps = make_dp(3)
-        sp = SamplingParams(max_tokens=4)
-        s = {rid: dp.add_request(rid, "p", sp) for rid in ("a", "b", "c", "d")}
+        s = {rid: add(dp, rid) for rid in ("a", "b", "c", "d")}
         # Empty replicas fill from the lowest index; on a tie the lowest index wins again.
         assert [owner(reps, rid) for rid in "abcd"] == [0, 1, 2, 0]
         assert dp.loads() == [2, 1, 1]
@@ -114,7 +127,7 @@ def test_least_loaded_routing_and_every_way_a_request_ends():
         reps[1].send("b", output("b", finished=True))
         assert [o.finished async for o in s["b"]] == [False, True]
         assert dp.loads() == [2, 0, 1]
-        s["e"] = dp.add_request("e", "p", sp)
+        s["e"] = add(dp, "e")
         assert owner(reps, "e") == 1 and dp.loads() == [2, 1, 1]
 
         # Abort through the server (begin_shutdown): the owning replica gets it, the slot is free
@@ -149,7 +162,7 @@ def test_least_loaded_routing_and_every_way_a_request_ends():
         assert dp.loads() == [0, 0, 0]
 
         # A stream dropped without being closed gives its slot back too.
-        f = dp.add_request("f", "p", sp)
+        f = add(dp, "f")
         assert dp.loads() == [1, 0, 0]
         del f
         gc.collect()
@@ -157,14 +170,14 @@ def test_least_loaded_routing_and_every_way_a_request_ends():
 
         # A request the replica refuses holds no slot; ids are unique across replicas while open.
         with pytest.raises(ValueError, match="bad prompt"):
-            dp.add_request("g", "bad", sp)
-        g = dp.add_request("g", "p", sp)
+            add(dp, "g", BAD)
+        g = add(dp, "g")
         with pytest.raises(ValueError, match="already in use"):
-            dp.add_request("g", "p", sp)
+            add(dp, "g")
         assert dp.loads() == [1, 0, 0]
         reps[0].send("g", output("g", finished=True))
         assert [o.finished async for o in g] == [True]
-        g2 = dp.add_request("g", "p", sp)  # free again once finished
+        g2 = add(dp, "g")  # free again once finished
         g.abort()  # the old stream cannot release the new request's slot
         assert dp.loads() == [1, 0, 0]
 
@@ -213,7 +226,17 @@ def test_health_stats_and_per_replica_metrics():
 
 
 async def _add(dp):
-    return dp.add_request("z", "p", SamplingParams())
+    return add(dp, "z")
+
+
+def test_one_engine_and_data_parallel_offer_the_same_interface():
+    """serve/ uses EngineClient only, so both engines must implement every part of it."""
+    members = [m for m in dir(EngineClient) if not m.startswith("_")] + list(EngineClient.__annotations__)
+    assert {"input_processor", "add_request", "abort", "replica_stats", "check_health", "stats_sink",
+            "prefix_caching", "max_model_len", "shutdown"} <= set(members)
+    for m in members:
+        assert hasattr(AsyncEngine, m) or m == "stats_sink", m   # stats_sink: an instance attribute
+        assert hasattr(DataParallelEngine, m), m
 
 
 def test_offline_llm_refuses_data_parallel():
