@@ -143,12 +143,14 @@ def plan(smoke: bool) -> dict:
         return dict(
             pytest_cap_s=150, warmup=1, reps=2, inner=1,
             corr_attn=dict(q_lens=[1, 1, 1, 8], ctx_lens=[20, 47, 70, 5], Hq=8, Hkv=2, D=64, page=16),
-            # The correctness batch's shapes (compiled once), its pages moved to the top of the cache.
-            corr_large=dict(q_lens=[1, 1, 1, 8], ctx_lens=[20, 47, 70, 5], Hq=8, Hkv=2, D=64, page=16),
+            # The correctness batch's shapes, make_batch's padding included (compiled once), its
+            # pages moved to the top of the cache.
+            corr_large=dict(q_lens=[1, 1, 1, 8], ctx_lens=[20, 47, 70, 5], Hq=8, Hkv=2, D=64, page=16,
+                            pad_tokens=3, pad_rows=1),
             corr_gumbel=dict(S=10, V=1000), corr_sampler=dict(S=8, V=1000),
             attn_cases=[dict(name="mixed 2 decodes + 1 chunk of 8", seqs=2, ctx=(16, 40), prefill=[(8, 16)],
                              Hq=8, Hkv=2, D=64, page=16)],
-            sampler_cases=[(6, 1000)],
+            sampler_cases=[(8, 1000)],     # the correctness rows' shape: compiled once
             models=dict(e2e_builtin=SMOKE_VARIANT, e2e_llama1b=SMOKE_VARIANT),
             batches=[1, 2], input_len=2, output_len=3, e2e_reps=1,
             max_num_batched_tokens=2, max_model_len=16,
@@ -456,11 +458,13 @@ def pytest_section(sec: dict, run: PytestRun | None, deadline_s: float) -> None:
 # ============================================================================ attention batches
 
 def ragged_batch(seed, q_lens, ctx_lens, *, Hq, Hkv, D, page, dtype, num_blocks=None, min_elements=0,
-                 high_pages=False):
+                 high_pages=False, pad_tokens=0, pad_rows=0):
     """A ragged batch with the engine's metadata: sequence s has ctx_lens[s] cached tokens and
     q_lens[s] new ones; pages in a random order (block 0 is the null block).  Tensors are drawn on
-    the device.  ``min_elements``: make each cache hold at least that many elements (the used
-    pages at the top of it)."""
+    the device: the timing shapes and the > 2**31-element cache are too large for the kernel
+    tests' host-drawn ``make_batch``, which the correctness rows use.  ``min_elements``: make
+    each cache hold at least that many elements (the used pages at the top of it).
+    ``pad_tokens``/``pad_rows``: bucket padding, as in the engine's steps and ``make_batch``."""
     import jax
     import jax.numpy as jnp
     from jaxllm.layers.attention import AttentionMetadata
@@ -489,6 +493,13 @@ def ragged_batch(seed, q_lens, ctx_lens, *, Hq, Hkv, D, page, dtype, num_blocks=
     token_seq = np.repeat(np.arange(S, dtype=np.int32), q_lens)
     positions = np.concatenate([np.arange(c, c + q) for c, q in zip(ctx_lens, q_lens)]).astype(np.int32)
     slots = (pt[token_seq, positions // page].astype(np.int64) * page + positions % page).astype(np.int32)
+    if pad_rows or pad_tokens:      # padding rows have no pages; padding tokens write the null block
+        pt = np.concatenate([pt, np.zeros((pad_rows, P), np.int32)])
+        kv_lens = np.concatenate([kv_lens, np.zeros(pad_rows, np.int64)])
+        cu = np.concatenate([cu, np.full(pad_rows, cu[-1], np.int32)])
+        T += pad_tokens
+        token_seq, positions, slots = (np.concatenate([a, np.zeros(pad_tokens, np.int32)])
+                                       for a in (token_seq, positions, slots))
     keys = jax.random.split(jax.random.key(seed), 5)
     normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)  # noqa: E731
     cache_shape = (1, NB, page, Hkv, D)
@@ -1066,11 +1077,11 @@ def _engine_runs(sec, erow, key, label, backend, model_path, engine_kw, prompts,
                          attention_backend=backend, sampler_backend=backend, precompile="all", **engine_kw)
         erow["build_s"] = round(timer.build_s, 1)
         est.engine[key] = erow["build_s"]
-        r = timer.core.resolved
+        r = timer.core.resolved.step
         erow.update(resolved_attention=r.attention_backend, resolved_sampler=r.sampler_backend,
                     scan_layers=r.scan_layers, dtype=r.dtype, compile_s=round(timer.compile_s, 1),
                     buckets=len(timer.runner.buckets), weight_bytes=timer.runner.weight_bytes(),
-                    kv_bytes=timer.runner.kv_cache_bytes(), kv_blocks=r.kv.num_blocks)
+                    kv_bytes=timer.runner.kv_cache_bytes(), kv_blocks=timer.core.resolved.kv.num_blocks)
         if (r.attention_backend, r.sampler_backend) != (backend, backend):
             raise AssertionError(f"asked for attention/sampler backend {backend!r}, the engine resolved "
                                  f"{r.attention_backend!r}/{r.sampler_backend!r} (a silent fallback)")

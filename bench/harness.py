@@ -61,7 +61,7 @@ class LLMTimer:
         self.build_s = time.perf_counter() - t0
         self.core = self.llm.llm_engine.core
         self.runner = self.core.runner
-        self.compile_s = self.runner.compile_seconds
+        self.compile_s = self.runner.compiler.seconds
         self.arch = self.runner.arch
 
     def warm(self, prompts) -> None:

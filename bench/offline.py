@@ -26,6 +26,9 @@ prints where it is and how to open it (Perfetto, TensorBoard, xprof), and a tabl
 XLA ops by self time read back from the trace (``jaxllm/profiling.py``).  Timings taken under
 the profiler include its overhead; ``--profile-python`` also records every Python call
 (far larger traces, far more overhead).
+
+The step loop, the step log and the trace are bench/harness.py's (``run_batch``, ``StepLog``,
+``Profile``); this module holds the two commands' flags, workloads and reports.
 """
 
 from __future__ import annotations
