@@ -123,17 +123,6 @@ def tests_module(relpath: str) -> types.ModuleType:
     return mod
 
 
-def gumbel_tests() -> types.ModuleType:
-    return tests_module("kernels/test_gumbel_argmax.py")
-
-
-def attention_tests() -> types.ModuleType:
-    return tests_module("kernels/test_ragged_paged_attention.py")
-
-
-def tiny_models() -> types.ModuleType:
-    return tests_module("tiny_models.py")
-
 
 # ============================================================================ sizes per mode
 
@@ -563,7 +552,8 @@ def attention_check(name, cfg, dtype, tol, seed, pages_only=False) -> dict:
         b, _, info, pt, n_pages = ragged_batch(seed, dtype=dtype, min_elements=min_el, num_blocks=nb,
                                                high_pages=True, **cfg)
     else:
-        b = attention_tests().make_batch(seed, dtype=dtype, stacked_layers=1, **cfg)
+        make_batch = tests_module("kernels/test_ragged_paged_attention.py").make_batch
+        b = make_batch(seed, dtype=dtype, stacked_layers=1, **cfg)
         info = _batch_info(b)
     row = dict(name=name, **{k: info[k] for k in ("seqs", "tokens", "ctx_max", "G", "D", "page", "dtype",
                                                    "cache_elements")}, tol=tol)
@@ -593,7 +583,7 @@ def gumbel_check(S: int, V: int) -> dict:
     """``gumbel_argmax`` against its jnp reference and the serial host oracle on ``S`` of the
     kernel tests' mixed rows (greedy with a tie, temperature, top-k, top-p, min-p, all three,
     a tie group, masked entries), thresholds from the host reference's truncation."""
-    t = gumbel_tests()
+    t = tests_module("kernels/test_gumbel_argmax.py")
     rows, seed = [], 11
     while len(rows) < S:
         rows += t.mixed_rows(V, seed)
@@ -640,7 +630,7 @@ def sampler_check(S: int, V: int) -> dict:
     candidate search, min-p, a repetition penalty over counts), as many as make ``S`` rows."""
     import jax
     from jaxllm.sample import reference as ref
-    t = gumbel_tests()
+    t = tests_module("kernels/test_gumbel_argmax.py")
     pallas, xla, oracle = [], [], []
     for seed in range(12, 12 + max(1, -(-S // 8))):
         logits, md, st, host = t.sampler_batch(V, seed)
@@ -911,7 +901,7 @@ def write_random_llama(path: str, cfg: dict, seed: int = 0) -> dict:
 def smoke_checkpoint(tmp: str, variant: str) -> tuple[str, dict]:
     """The test suite's tiny checkpoint of ``variant`` (tests/tiny_models.py, built with
     transformers once per run, no tokenizer) and its config: (path, config)."""
-    tm = tiny_models()
+    tm = tests_module("tiny_models.py")
     path = os.path.join(tmp, f"smoke_{variant}")
     if not os.path.exists(os.path.join(path, "config.json")):
         tm.build_tiny(variant, path)
@@ -1122,11 +1112,6 @@ def _pair_ratios(sec: dict) -> None:
 
 # ============================================================================ markdown
 
-def _status_cell(r: dict) -> str:
-    s = str(r.get("status", "-"))
-    return s
-
-
 def render_markdown(data: dict) -> str:
     out = []
     dev = data.get("device", {})
@@ -1166,7 +1151,7 @@ def render_markdown(data: dict) -> str:
         out.append("| tests | passed | failed | skipped | wall s | status |\n|---|---:|---:|---:|---:|---|")
         for r in s["rows"]:
             out.append(f"| {r['name']} | {r.get('passed')} | {r.get('failed')} | {r.get('skipped')} | "
-                       f"{fmt(r.get('wall_s'), '.0f')} | {_status_cell(r)} |")
+                       f"{fmt(r.get('wall_s'), '.0f')} | {r.get('status', '-')} |")
         for ln in s.get("short_summary", [])[:15]:
             out.append(f"- `{ln[:200]}`")
         out.append("")
@@ -1190,7 +1175,7 @@ def render_markdown(data: dict) -> str:
             else:
                 err = (r.get("error") or "").strip().splitlines()
                 shape, res, tol = "-", r.get("reason") or (err[-1][:160] if err else "-"), "-"
-            out.append(f"| {r['name']} | {shape} | {res} | {tol} | {_status_cell(r)} |")
+            out.append(f"| {r['name']} | {shape} | {res} | {tol} | {r.get('status', '-')} |")
         for n in s.get("notes", []):
             out.append(f"\n{n}")
         out.append("")
@@ -1211,7 +1196,7 @@ def render_markdown(data: dict) -> str:
                        f"{fmt(r.get('speedup'), '.2f')}x | {fmt(r.get('pallas_gb_s'), 'bw')} | "
                        f"{fmt(r.get('pallas_pct_peak'), '.0f', 'n/a')} | {fmt(r.get('xla_gb_s'), 'bw')} | "
                        f"{fmt(r.get('xla_pct_peak'), '.0f', 'n/a')} | {fmt(r.get('max_rel_diff_vs_xla'), '.1e')} | "
-                       f"{_status_cell(r)} |")
+                       f"{r.get('status', '-')} |")
         out.append("")
 
     s = secs.get("sampler", {})
@@ -1226,7 +1211,7 @@ def render_markdown(data: dict) -> str:
                        f"{fmt(r.get('xla_ms'), '.3f')} | {fmt(r.get('speedup'), '.2f')}x | "
                        f"{fmt(r.get('pallas_gb_s'), 'bw')} | {fmt(r.get('pallas_pct_peak'), '.0f', 'n/a')} | "
                        f"{fmt(r.get('xla_gb_s'), 'bw')} | {fmt(r.get('xla_pct_peak'), '.0f', 'n/a')} | "
-                       f"{r.get('tokens_identical', '-')} | {_status_cell(r)} |")
+                       f"{r.get('tokens_identical', '-')} | {r.get('status', '-')} |")
         out.append("")
 
     for key in ("e2e_builtin", "e2e_llama1b"):

@@ -225,12 +225,14 @@ def run_jaxllm(args, prompts_by_batch, dtype, cpu_matmul):
 
 
 def run_transformers(args, prompts_by_batch):
-    return measure({"transformers": Transformers(args)}, prompts_by_batch, args.repeats, args.output_len)["transformers"]
+    engines = {"transformers": Transformers(args)}
+    return measure(engines, prompts_by_batch, args.repeats, args.output_len)["transformers"]
 
 
 def run_llama_cpp_offline(args, prompts_by_batch, model_path: str | None = None) -> dict:
     """llama.cpp alone: {batch: tok/s}, None for batch sizes above 1."""
-    res = measure({"llama.cpp": LlamaCpp(args, model_path)}, prompts_by_batch, args.repeats, args.output_len)["llama.cpp"]
+    engines = {"llama.cpp": LlamaCpp(args, model_path)}
+    res = measure(engines, prompts_by_batch, args.repeats, args.output_len)["llama.cpp"]
     return {b: res.get(b) for b in prompts_by_batch}
 
 
