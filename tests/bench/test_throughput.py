@@ -13,9 +13,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.append(ROOT)
 
+from bench.harness import measure  # noqa: E402
 from bench.throughput import (Jaxllm, attention_flops, call_flops, format_bandwidth_floor,  # noqa: E402
-                              format_compute_floor, format_phases, linear_flops, measure, read_bandwidth,
-                              split_phases)
+                              format_compute_floor, format_phases, linear_flops, read_bandwidth)
 from conftest import SMALL_ENGINE  # noqa: E402
 
 ENGINE = {k: v for k, v in SMALL_ENGINE.items() if k != "dtype"}
@@ -37,29 +37,10 @@ def test_repeated_prompts_are_prefilled_every_time(engine):
     assert stats.prefix_cache_hits == 0
 
 
-def test_a_cached_prefix_is_refused(tiny_llama):
-    # The guard inside time(): with caching on, the second call finds the prompts cached.
-    engine = Jaxllm(argparse.Namespace(output_len=3), 2, "float32", "xla", model=tiny_llama,
-                    enable_prefix_caching=True, **ENGINE)
-    prompts = [[100 + i for i in range(40)]]
-    engine.time(prompts)
-    with pytest.raises(RuntimeError, match="prefix cache"):
-        engine.time(prompts)
-
-
-def test_split_phases():
-    # A 1-token call is the prefill; the other 63 tokens of a 64-token call are decode steps.
-    pre, step = split_phases(0.5, 0.5 + 63 * 0.08, 64)
-    assert pre == 0.5 and step == pytest.approx(0.08)
-    with pytest.raises(ValueError, match="output-len"):
-        split_phases(0.5, 0.6, 1)
-
-
 def test_phases_time_a_one_token_call_beside_each_full_one(engine):
-    args = argparse.Namespace(output_len=8, repeats=2)
     prompts = {2: [[100 + i for i in range(40)], [300 + i for i in range(37)]]}
     phases = {}
-    rates = measure({"jaxllm": engine}, args, prompts, phases)
+    rates = measure({"jaxllm": engine}, prompts, repeats=2, output_len=8, phases=phases)
     pre, step = phases["jaxllm"][2]
     assert pre > 0 and step > 0
     # The full call (its median, from the tok/s) is the prefill plus 7 decode steps.
@@ -138,33 +119,3 @@ def test_bandwidth_floor_lines():
     text = format_bandwidth_floor([("llama.cpp f16", 200.0, 100e6)], 40e9, None, "no C compiler (set CC)")
     assert "read ceiling: not measured, no C compiler (set CC)" in text
     assert "= 50% of the floor" in text and "read ceiling," not in text
-
-
-class _FixedEngine:
-    """An engine that takes a fixed time per call: measure()'s bookkeeping without a model."""
-
-    def __init__(self, seconds: float, batches=None):
-        self.seconds, self.calls, self.warmed = seconds, [], []
-        if batches is not None:
-            self.batches = batches
-
-    def warm(self, prompts):
-        self.warmed.append(len(prompts))
-
-    def time(self, prompts, n=None):
-        self.calls.append(len(prompts))
-        return self.seconds
-
-
-def test_measure_skips_batch_sizes_an_engine_does_not_run():
-    # llama.cpp runs batch 1 only; measured alone (bench/compare.py) over batches 1 and 8 it
-    # must give batch 1 and leave batch 8 out, not divide by zero rotating an empty list.
-    args = argparse.Namespace(output_len=4, repeats=3)
-    prompts = {1: [[1, 2]], 8: [[1, 2]] * 8}
-    one = _FixedEngine(0.5, batches=[1])
-    assert measure({"llama.cpp": one}, args, prompts) == {"llama.cpp": {1: 8.0}}
-    assert one.calls == [1, 1, 1] and one.warmed == [1]
-    both = _FixedEngine(2.0)
-    rates = measure({"llama.cpp": _FixedEngine(0.5, batches=[1]), "jaxllm": both}, args, prompts)
-    assert rates == {"llama.cpp": {1: 8.0}, "jaxllm": {1: 2.0, 8: 16.0}}
-    assert both.calls == [1, 1, 1, 8, 8, 8] and both.warmed == [1, 8]
