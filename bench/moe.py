@@ -34,6 +34,8 @@ from jaxllm.layers.moe import moe_mlp, route
 from jaxllm.layers.rotary import inv_frequencies
 from jaxllm.models import llama
 from jaxllm.models.config import ArchConfig, RopeScaling
+from jaxllm.models.kernels import Kernels
+from jaxllm.models.params import LAYER
 from jaxllm.models.loader import LoadedModel
 from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 
@@ -60,7 +62,7 @@ def random_model(arch: ArchConfig, seed: int = 0) -> LoadedModel:
     layers = []
     for _ in range(arch.num_layers):
         lp = {}
-        for name, shape in llama.layer_param_shapes(arch).items():
+        for name, shape in llama.PARAMS.shapes(arch, LAYER).items():
             lp[name] = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)) if len(shape) == 1 else w(*shape)
         lp["router"] *= 3.0   # clear routing decisions
         layers.append(lp)
@@ -96,9 +98,9 @@ def bench_model(arch, model, batches, repeat, context, dtype, scan, matmul="xla"
         ids, md = jax.device_put((ids, md))
         steps, kvs = {}, {}
         for impl in IMPLS:
-            def step(p, kv, ids, md, impl=impl):
-                hidden, kv = llama.forward(arch, p, kv, ids, md, matmul, moe_impl=impl)
-                return kv, jnp.argmax(llama.compute_logits(arch, p, hidden, matmul), axis=-1)
+            def step(p, kv, ids, md, kernels=Kernels(matmul=matmul, moe=impl)):
+                hidden, kv = llama.forward(arch, p, kv, ids, md, kernels)
+                return kv, jnp.argmax(llama.compute_logits(arch, p, hidden, kernels), axis=-1)
             kv = allocate_kv_cache(arch.num_layers, num_blocks, BLOCK, arch.num_kv_heads, arch.head_dim,
                                    jnp.uint16 if bf16 else jnp.float32, stacked=scan)
             steps[impl] = jax.jit(step, donate_argnums=(1,)).lower(params, kv, ids, md).compile()

@@ -12,7 +12,8 @@
 if any); the result is the full-sequence forward the engine computes chunk by chunk through
 its paged KV cache, and equals transformers' logits (tests/models/test_functional.py).
 
-``params`` has the engine's layout (``jaxllm/runner/model_runner.py``, unrolled): a dict with
+``params`` has the engine's layout (``jaxllm/runner/weights.py``, unrolled; every parameter is
+declared in the model's table, ``jaxllm/models/llama.py: PARAMS``): a dict with
 ``embed``, ``final_norm``, ``lm_head`` (untied checkpoints), ``rope_inv_freq`` and ``layers``,
 a list of per-layer dicts (``input_norm``, ``q``, ``k``, ``v``, ``o``, ``post_norm``, ``gate``,
 ``up``, ``down`` (MoE checkpoints: ``router``, ``experts_gate``, ``experts_up``, ``experts_down``),

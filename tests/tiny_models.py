@@ -92,6 +92,7 @@ def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmu
 
     from jaxllm.layers.attention import AttentionMetadata
     from jaxllm.models import llama
+    from jaxllm.models.kernels import Kernels
     from jaxllm.models.loader import load_model
     from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 
@@ -106,7 +107,8 @@ def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmu
     table = np.random.default_rng(0).permutation(num_blocks)[:n_blocks].astype(np.int32)
     kv = allocate_kv_cache(arch.num_layers, num_blocks, block, arch.num_kv_heads, arch.head_dim,
                            jnp.uint16 if bf16 else jnp.float32, stacked=scan_layers)
-    fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md, matmul, attention))
+    kernels = Kernels(matmul=matmul, attention=attention)
+    fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md, kernels))
     out = []
     for lo, hi in ((0, split), (split, T)):
         pos = np.arange(lo, hi, dtype=np.int32)
@@ -115,5 +117,5 @@ def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmu
             token_seq=np.zeros(hi - lo, np.int32), block_tables=table[None, :],
             seq_lens=np.array([hi], np.int32), query_start_loc=np.array([0, hi - lo], np.int32))
         hidden, kv = fwd(params, kv, np.asarray(ids[lo:hi], np.int32), md)
-        out.append(np.asarray(llama.compute_logits(arch, params, hidden, matmul)))
+        out.append(np.asarray(llama.compute_logits(arch, params, hidden, kernels)))
     return np.concatenate(out)

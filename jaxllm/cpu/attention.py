@@ -26,18 +26,19 @@ def paged_attention_native(q: jax.Array, kv, layer, md, *, scale: float,
     ``kv``: one layer's (K, V), each ``[NB, BS, Hkv, Dh]``, with ``layer`` None; or the
     stacked cache ``[L, NB, BS, Hkv, Dh]`` with ``layer`` the (possibly traced) index, which
     the kernel reads at that layer's offset: no slice of the cache is made.  The cache is
-    float32 or bf16 (as bf16, or as its uint16 bits, see ``layers/storage.py``)."""
+    float32 or bf16 (as bf16, or as its uint16 bits, see ``layers/storage.py``).
+
+    The engine picks this kernel only where it can run (``engine/core.py``: CPU, one
+    device, a float32 or bf16 cache, the kernels built); the checks here guard the callers."""
     if not native.available():
-        raise ValueError("--attention-backend native: the native CPU kernels are unavailable on this machine "
-                         "(see the warning above); use --attention-backend xla")
+        raise RuntimeError("paged_attention_native: the native CPU kernels are unavailable on this machine")
     k_cache, v_cache = kv
     if k_cache.dtype == jnp.bfloat16:
         # The kernel takes bf16 as its bit pattern; the bitcast is free.
         k_cache, v_cache = (jax.lax.bitcast_convert_type(c, jnp.uint16) for c in (k_cache, v_cache))
     target = _TARGETS.get(jnp.dtype(k_cache.dtype))
     if target is None:
-        raise ValueError(f"--attention-backend native takes a float32 or bfloat16 KV cache, not {k_cache.dtype}; "
-                         "use --attention-backend xla")
+        raise ValueError(f"paged_attention_native: the cache must be float32 or bfloat16, not {k_cache.dtype}")
     want = 4 if layer is None else 5
     if k_cache.ndim != want:
         raise ValueError(f"paged_attention_native: a {'per-layer' if layer is None else 'stacked'} cache must be "

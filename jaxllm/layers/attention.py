@@ -146,7 +146,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
     """Writes this step's K/V ``[T, Hkv, Dh]`` into the cache and attends: q [T, Hq, Dh] ->
     ([T, Hq, Dh], cache).  ``backend``: "xla" (scatter + :func:`paged_attention_xla`),
     "pallas" (one kernel that does both; interpret mode on CPU) or "native" (scatter + the
-    CPU kernel of ``jaxllm/cpu/attention.py``, one device only)."""
+    CPU kernel of ``jaxllm/cpu/attention.py``, one device only).  The engine chose ``backend``
+    and refused what cannot run (``engine/core.py``)."""
     if backend == "pallas":
         tp = tp_size()
         if tp > 1:
@@ -163,10 +164,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
             return fn(q, k, v, kv, md, *layer_arg)
         return _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window)
     if backend == "native":
-        if tp_size() > 1:
-            # An opaque custom call: the partitioner would gather the whole cache to run it.
-            raise ValueError("--attention-backend native does not shard; with --tensor-parallel-size > 1 use "
-                             "--attention-backend xla")
         from jaxllm.cpu.attention import paged_attention_native
         kv = write_kv(kv, layer, md.slot_mapping, k, v)
         return paged_attention_native(q, kv, layer, md, scale=scale, sliding_window=sliding_window), kv

@@ -3,10 +3,12 @@
 The architectures differ only in flags of ``ArchConfig``: q/k/v (and o) biases,
 per-head q/k RMSNorm, tied embeddings, rope scaling, sliding window, and a sparse
 mixture-of-experts MLP (``num_experts > 0``, ``layers/moe.py``) in place of the dense one.
-Weights keep transformers' ``[out, in]`` layout.  ``params["layers"]`` is either a dict of arrays
-stacked over layers (run under ``lax.scan``: compile time independent of depth) or a list
-of per-layer dicts (unrolled: on XLA:CPU a scanned layer's weights are copied out of the
-stack before every matmul).  The KV cache has the matching layout (see
+Every weight is declared once, in :data:`PARAMS` (``models/params.py``): loading,
+sharding and the device layout are derived from it.  Weights keep transformers' ``[out,
+in]`` layout.  ``params["layers"]`` is either a dict of arrays stacked over layers (run
+under ``lax.scan``: compile time independent of depth) or a list of per-layer dicts
+(unrolled: on XLA:CPU a scanned layer's weights are copied out of the stack before every
+matmul).  The KV cache has the matching layout (see
 ``layers/attention.py``).  Under ``lax.scan`` the expert stacks ``[L, E, ...]`` are not
 scanned over but passed whole, so that a layer reads only its routed experts (a scanned
 ``[E, F, D]`` slice would be copied in full every layer).
@@ -25,49 +27,111 @@ from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
 from jaxllm.models.config import ArchConfig
+from jaxllm.models.kernels import Kernels
+from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Chunk, Fused, Param, ParamTable, always
 
 Params = dict
 
-EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down")
 
-MOE_IMPL = "grouped"
-"""Default expert implementation (``layers/moe.py``): "grouped" (only routed experts) or
-"dense" (every expert, the benchmark's baseline); ``forward(moe_impl=...)`` overrides it."""
+def _hf(suffix: str) -> str:
+    return "model.layers.{layer}." + suffix
 
 
-def layer_param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's weights, by our internal name."""
-    D, F, Dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    shapes = {
-        "input_norm": (D,), "q": (cfg.q_size, D), "k": (cfg.kv_size, D), "v": (cfg.kv_size, D),
-        "o": (D, cfg.q_size), "post_norm": (D,),
-    }
-    if cfg.is_moe:
-        E, Fe = cfg.num_experts, cfg.moe_intermediate_size
-        shapes.update(router=(E, D), experts_gate=(E, Fe, D), experts_up=(E, Fe, D), experts_down=(E, D, Fe))
-    else:
-        shapes.update(gate=(F, D), up=(F, D), down=(D, F))
-    if cfg.qkv_bias:
-        shapes.update(q_bias=(cfg.q_size,), k_bias=(cfg.kv_size,), v_bias=(cfg.kv_size,))
-    if cfg.o_bias:
-        shapes["o_bias"] = (D,)
-    if cfg.qk_norm:
-        shapes.update(q_norm=(Dh,), k_norm=(Dh,))
-    return shapes
+def _gguf(suffix: str) -> str:
+    return "blk.{layer}." + suffix
 
 
-def global_param_shapes(cfg: ArchConfig) -> dict[str, tuple[int, ...]]:
-    shapes = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,)}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (cfg.vocab_size, cfg.hidden_size)
-    return shapes
+def _moe_hf(qwen3: str, mixtral: str, *fused) -> dict:
+    """An MoE tensor's HF names: under ``mlp`` in Qwen3-MoE; under ``block_sparse_moe`` (or
+    ``mlp``, from newer writers) in Mixtral; ``fused``: transformers 5's fused 3-D expert
+    tensors, which either may hold."""
+    return {"Qwen3MoeForCausalLM": (_hf("mlp." + qwen3), *fused),
+            "MixtralForCausalLM": (_hf("block_sparse_moe." + mixtral), _hf("mlp." + mixtral), *fused)}
 
 
-def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, cos, sin, mm: str, attn: str,
-           moe_impl: str = MOE_IMPL, experts=None):
+def _if(flag: str, value: bool = True):
+    """Present when ``ArchConfig.<flag>`` is ``value``."""
+    return lambda a: getattr(a, flag) == value
+
+
+_FUSED_GATE_UP = _hf("mlp.experts.gate_up_proj")   # [E, 2F, D]
+
+PARAMS = ParamTable(params=(
+    # name, scope, storage, logical axes, shape, HF names, GGUF names
+    # Tied, the embedding is also the LM head.
+    Param("embed", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
+          "model.embed_tokens.weight", "token_embd.weight", native=_if("tie_word_embeddings")),
+    Param("final_norm", GLOBAL, VECTOR, ("embed",), lambda a: (a.hidden_size,),
+          "model.norm.weight", "output_norm.weight"),
+    Param("lm_head", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
+          "lm_head.weight", "output.weight", when=_if("tie_word_embeddings", False), native=always),
+    Param("rope_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.head_dim // 2,), from_checkpoint=False),
+    Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
+          _hf("input_layernorm.weight"), _gguf("attn_norm.weight")),
+    Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.q_size, a.hidden_size),
+          _hf("self_attn.q_proj.weight"), _gguf("attn_q.weight"), native=always, rope_heads=lambda a: a.num_heads),
+    Param("k", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
+          _hf("self_attn.k_proj.weight"), _gguf("attn_k.weight"), native=always,
+          rope_heads=lambda a: a.num_kv_heads),
+    Param("v", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
+          _hf("self_attn.v_proj.weight"), _gguf("attn_v.weight"), native=always),
+    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.q_size),
+          _hf("self_attn.o_proj.weight"), _gguf("attn_output.weight"), native=always),
+    Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
+          _hf("post_attention_layernorm.weight"), _gguf("ffn_norm.weight")),
+    Param("gate", LAYER, MATRIX, ("mlp", "embed"), lambda a: (a.intermediate_size, a.hidden_size),
+          _hf("mlp.gate_proj.weight"), _gguf("ffn_gate.weight"), when=_if("is_moe", False), native=always),
+    Param("up", LAYER, MATRIX, ("mlp", "embed"), lambda a: (a.intermediate_size, a.hidden_size),
+          _hf("mlp.up_proj.weight"), _gguf("ffn_up.weight"), when=_if("is_moe", False), native=always),
+    Param("down", LAYER, MATRIX, ("embed", "mlp"), lambda a: (a.hidden_size, a.intermediate_size),
+          _hf("mlp.down_proj.weight"), _gguf("ffn_down.weight"), when=_if("is_moe", False), native=always),
+    # The MoE MLP (no GGUF support).  The experts never use the native matmul: their weights
+    # are sliced per expert.
+    Param("router", LAYER, MATRIX, ("expert_logits", "embed"), lambda a: (a.num_experts, a.hidden_size),
+          _moe_hf("gate.weight", "gate.weight"), when=_if("is_moe")),
+    Param("experts_gate", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
+          lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size),
+          _moe_hf("experts.{expert}.gate_proj.weight", "experts.{expert}.w1.weight", Chunk(_FUSED_GATE_UP, 0, 2, 1)),
+          when=_if("is_moe")),
+    Param("experts_up", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
+          lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size),
+          _moe_hf("experts.{expert}.up_proj.weight", "experts.{expert}.w3.weight", Chunk(_FUSED_GATE_UP, 1, 2, 1)),
+          when=_if("is_moe")),
+    Param("experts_down", LAYER, MATRIX, ("expert", "embed", "moe_mlp"),
+          lambda a: (a.num_experts, a.hidden_size, a.moe_intermediate_size),
+          _moe_hf("experts.{expert}.down_proj.weight", "experts.{expert}.w2.weight", _hf("mlp.experts.down_proj")),
+          when=_if("is_moe")),
+    Param("q_bias", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,),
+          _hf("self_attn.q_proj.bias"), _gguf("attn_q.bias"), when=_if("qkv_bias")),
+    Param("k_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,),
+          _hf("self_attn.k_proj.bias"), _gguf("attn_k.bias"), when=_if("qkv_bias")),
+    Param("v_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,),
+          _hf("self_attn.v_proj.bias"), _gguf("attn_v.bias"), when=_if("qkv_bias")),
+    Param("o_bias", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
+          _hf("self_attn.o_proj.bias"), _gguf("attn_output.bias"), when=_if("o_bias")),
+    Param("q_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,),
+          _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=_if("qk_norm")),
+    Param("k_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,),
+          _hf("self_attn.k_norm.weight"), _gguf("attn_k_norm.weight"), when=_if("qk_norm")),
+), fused=(
+    # For the native CPU matmul (runner/weights.py), which only runs unsharded: no sharding
+    # rule maps these axes, so they stay replicated.
+    Fused("qkv", ("q", "k", "v"), ("fused_qkv", "embed")),
+    Fused("qkv_bias", ("q_bias", "k_bias", "v_bias"), ("fused_qkv",)),
+    Fused("gate_up", ("gate", "up"), ("fused_mlp", "embed")),
+))
+"""The Llama family's parameters.  Per-expert tensors (``{expert}``) are stacked into the
+``[E, ...]`` parameter; the fused 3-D ones give the whole stack (``gate_up_proj``: two of them)."""
+
+EXPERT_PARAMS = tuple(p.name for p in PARAMS.params if p.axes[0] == "expert")
+
+
+def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, cos, sin, kernels: Kernels,
+           experts=None):
     # x [T, D]; experts: the stacked expert weights (scan, with ``layer`` the index) or None
     # (the layer's own are in ``lp``)
     T = x.shape[0]
+    mm = kernels.matmul
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
     if "qkv" in lp:   # fused projections (runner/weights.fused_parts)
         qkv = linear(h, lp["qkv"], lp.get("qkv_bias"), mm)              # [T, q_size + 2 * kv_size]
@@ -84,7 +148,7 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o, kv = attend(q, k, v, kv, layer, md, scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window,
-                   backend=attn)                                        # [T, Hq, Dh]
+                   backend=kernels.attention)                           # [T, Hq, Dh]
     x = x + linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm)
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
     if cfg.is_moe:
@@ -92,7 +156,7 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
         # past query_start_loc[-1] are bucket padding: routed nowhere.
         w = experts if experts is not None else lp
         x = x + moe_mlp(h, lp["router"], w["experts_gate"], w["experts_up"], w["experts_down"],
-                        cfg.num_experts_per_tok, cfg.norm_topk_prob, moe_impl,
+                        cfg.num_experts_per_tok, cfg.norm_topk_prob, kernels.moe,
                         layer=layer if experts is not None else None, num_tokens=md.query_start_loc[-1])
     elif "gate_up" in lp:
         gate, up = jnp.split(linear(h, lp["gate_up"], backend=mm), 2, axis=-1)   # [T, F] each
@@ -103,21 +167,17 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     return x, kv
 
 
-def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
-            md: AttentionMetadata, matmul_backend: str = "xla",
-            attention_backend: str = "xla", moe_impl: str | None = None) -> tuple[jax.Array, KVCache]:
-    """input_ids [T] -> final hidden states [T, D] and the updated cache.
-
-    ``matmul_backend``: "xla" (dot_general) or "native" (the CPU kernel in jaxllm/cpu);
-    ``attention_backend``: "xla", "pallas" or "native" (see ``layers.attention.attend``);
-    ``moe_impl``: "grouped" or "dense" for MoE checkpoints (default ``MOE_IMPL``)."""
-    moe_impl = moe_impl or MOE_IMPL
-    if matmul_backend == "native" and cfg.tie_word_embeddings:
+def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array, md: AttentionMetadata,
+            kernels: Kernels = Kernels()) -> tuple[jax.Array, KVCache]:
+    """input_ids [T] -> final hidden states [T, D] and the updated cache, with the
+    operations' implementations ``kernels`` (``params`` laid out for them: runner/weights.py)."""
+    native = kernels.matmul == "native"
+    if native and cfg.tie_word_embeddings:
         # The tied embedding is laid out as the native LM head (runner/weights.host_params).
         x = layout.take_rows(params["embed"], input_ids)                  # [T, D]
     else:
         x = params["embed"][input_ids]                                    # [T, D]
-    if x.dtype == storage.PACKED_BF16 or matmul_backend == "native":
+    if x.dtype == storage.PACKED_BF16 or native:
         # On CPU activations stay float32 whatever the weight dtype: bf16 weights then
         # cost half the bytes without bf16 arithmetic anywhere.
         x = storage.load(x)
@@ -126,8 +186,7 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
     if isinstance(layers, (list, tuple)):
         ks, vs = list(kv[0]), list(kv[1])
         for i, lp in enumerate(layers):
-            x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin, matmul_backend,
-                                        attention_backend, moe_impl)
+            x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin, kernels)
         kv = (ks, vs)
     else:
         experts = {n: layers[n] for n in EXPERT_PARAMS if n in layers} or None
@@ -136,13 +195,13 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array,
         def body(carry, xs):
             x, kv = carry
             lp, i = xs
-            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin, matmul_backend, attention_backend, moe_impl, experts)
+            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin, kernels, experts)
             return (x, kv), None
         (x, kv), _ = jax.lax.scan(body, (x, kv), (scanned, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
 
 
-def compute_logits(cfg: ArchConfig, params: Params, hidden: jax.Array, matmul_backend: str = "xla") -> jax.Array:
+def compute_logits(cfg: ArchConfig, params: Params, hidden: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:
     """hidden [S, D] -> float32 logits [S, V]."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return matmul(hidden, w, matmul_backend)
+    return matmul(hidden, w, kernels.matmul)

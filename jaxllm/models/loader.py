@@ -1,16 +1,16 @@
 """Checkpoint loading: HF folders (config.json + *.safetensors) and GGUF files.
 
 Whatever the format, the result is a ``LoadedModel``: an ``ArchConfig`` and host (numpy)
-weights under our internal names.  Every tensor in the files must be consumed and every
-parameter filled with the right shape, or loading fails with a ``ModelLoadError`` that
-names the tensor.
+weights under our internal names.  The names, shapes and presence of the parameters come
+from the model's parameter table (``models/params.py``), read for both formats by one
+:class:`NameMap`.  Every tensor in the files must be consumed and every parameter filled
+with the right shape, or loading fails with a ``ModelLoadError`` that names the tensor.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from dataclasses import dataclass, field
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.config import ArchConfig, arch_config_from_hf
-from jaxllm.models.llama import global_param_shapes, layer_param_shapes
+from jaxllm.models.params import GLOBAL, Chunk, Param
 from jaxllm.models.registry import get_model_module
 from jaxllm.layers.rotary import inv_frequencies
 
@@ -74,108 +74,6 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": "input_norm", "post_attention_layernorm.weight": "post_norm",
-    "self_attn.q_proj.weight": "q", "self_attn.k_proj.weight": "k", "self_attn.v_proj.weight": "v",
-    "self_attn.o_proj.weight": "o", "self_attn.q_proj.bias": "q_bias", "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias", "self_attn.o_proj.bias": "o_bias",
-    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up", "mlp.down_proj.weight": "down",
-}
-_HF_GLOBAL_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "final_norm",
-                    "lm_head.weight": "lm_head"}
-
-
-# Mixture-of-experts MLPs.  Checkpoints on the Hub (and transformers 5.24's save_pretrained,
-# which converts back on save) hold one 2-D tensor per expert; transformers 5 models hold
-# fused 3-D ones in memory (``mlp.experts.gate_up_proj`` [E, 2F, D] with gate rows first,
-# ``mlp.experts.down_proj`` [E, D, F]), which other writers may save as such.  Both load.
-_HF_EXPERT_KINDS = {
-    # architecture: (router tensor suffixes, per-expert regex, {projection: our name})
-    "Qwen3MoeForCausalLM": (
-        ("mlp.gate.weight",),
-        re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$"),
-        {"gate_proj": "experts_gate", "up_proj": "experts_up", "down_proj": "experts_down"}),
-    "MixtralForCausalLM": (
-        ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
-        re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2)\.weight$"),
-        {"w1": "experts_gate", "w3": "experts_up", "w2": "experts_down"}),
-}
-_HF_FUSED_EXPERTS = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)$")
-
-
-def _hf_expert_name(arch: ArchConfig, layer: int, ours: str, expert: int = 0) -> str:
-    """The per-expert tensor name a Hub checkpoint of ``arch`` uses."""
-    if ours == "router":
-        return f"model.layers.{layer}." + _HF_EXPERT_KINDS[arch.architecture][0][0]
-    proj = {v: k for k, v in _HF_EXPERT_KINDS[arch.architecture][2].items()}[ours]
-    prefix = "block_sparse_moe" if arch.architecture == "MixtralForCausalLM" else "mlp"
-    return f"model.layers.{layer}.{prefix}.experts.{expert}.{proj}.weight"
-
-
-def _gather_hf_experts(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], where: str):
-    """Takes the router and expert tensors out of ``tensors`` and stacks them per layer.
-
-    Returns ``{(layer, ours): (array, source name)}`` for ``router`` and ``experts_*``.  A
-    tensor for an expert, layer or projection that does not exist, a wrong shape, a tensor
-    given twice (per-expert and fused) or an expert missing from a layer fails, naming it."""
-    routers, per_expert, projections = _HF_EXPERT_KINDS[arch.architecture]
-    want = layer_param_shapes(arch)
-    E, F = arch.num_experts, arch.moe_intermediate_size
-    out: dict[tuple[int, str], tuple[np.ndarray, str]] = {}
-    experts: dict[tuple[int, str], dict[int, tuple[np.ndarray, str]]] = {}
-
-    def place(layer, ours, arr, name, fname):
-        if (layer, ours) in out:
-            raise ModelLoadError(f"{where}: tensor {name!r} in {fname} gives {ours} of layer {layer} a second "
-                                 f"time (also from {out[layer, ours][1]!r})")
-        out[layer, ours] = (arr, name)
-
-    def check_shape(name, fname, arr, shape):
-        if tuple(arr.shape) != tuple(shape):
-            raise ModelLoadError(f"{where}: tensor {name!r} in {fname} has shape {tuple(arr.shape)}, "
-                                 f"expected {tuple(shape)}")
-
-    for name in list(tensors):
-        m = _HF_LAYER_RE.match(name)
-        if not m:
-            continue
-        layer, rest = int(m.group(1)), m.group(2)
-        pe, fu = per_expert.match(rest), _HF_FUSED_EXPERTS.match(rest)
-        if rest not in routers and not pe and not fu:
-            continue
-        arr, fname = tensors.pop(name)
-        if layer >= arch.num_layers or (pe and int(pe.group(1)) >= E):
-            raise ModelLoadError(f"{where}: unexpected tensor {name!r} in {fname} (not a parameter of "
-                                 f"{arch.architecture} with {arch.num_layers} layers of {E} experts)")
-        if rest in routers:
-            check_shape(name, fname, arr, want["router"])
-            place(layer, "router", arr, name, fname)
-        elif pe:
-            ours = projections[pe.group(2)]
-            check_shape(name, fname, arr, want[ours][1:])
-            slot = experts.setdefault((layer, ours), {})
-            slot[int(pe.group(1))] = (arr, name)
-        elif fu.group(1) == "gate_up_proj":
-            check_shape(name, fname, arr, (E, 2 * F, arch.hidden_size))
-            place(layer, "experts_gate", arr[:, :F], name, fname)   # transformers: gate, up = chunk(2)
-            place(layer, "experts_up", arr[:, F:], name, fname)
-        else:
-            check_shape(name, fname, arr, want["experts_down"])
-            place(layer, "experts_down", arr, name, fname)
-    for (layer, ours), got in sorted(experts.items()):
-        missing = [e for e in range(E) if e not in got]
-        if missing:
-            raise ModelLoadError(f"{where}: missing tensor {_hf_expert_name(arch, layer, ours, missing[0])!r} "
-                                 f"(layer {layer} has {len(got)} of {E} experts' {ours.split('_')[1]} projections)")
-        if (layer, ours) in out:
-            raise ModelLoadError(f"{where}: tensor {got[0][1]!r} gives {ours} of layer {layer} a second time "
-                                 f"(also from {out[layer, ours][1]!r})")
-        out[layer, ours] = (np.stack([got[e][0] for e in range(E)]), got[0][1])
-    return out
-
-
 def _read_json(path: str) -> dict:
     try:
         with open(path) as f:
@@ -208,26 +106,12 @@ def load_hf_folder(path: str) -> LoadedModel:
         for name, arr in read_safetensors(os.path.join(path, fname)).items():
             tensors[name] = (arr, fname)
 
-    def map_name(name: str):
-        if name in _HF_GLOBAL_NAMES:
-            return None, _HF_GLOBAL_NAMES[name]
-        m = _HF_LAYER_RE.match(name)
-        if m and m.group(2) in _HF_LAYER_NAMES:
-            return int(m.group(1)), _HF_LAYER_NAMES[m.group(2)]
-        return None, None
-
     def skip(name: str) -> bool:
         # Non-persistent rotary buffers some old checkpoints saved, and a tied head saved anyway.
         return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and arch.tie_word_embeddings)
 
-    def file_name(layer, ours):
-        if layer is not None and (ours == "router" or ours.startswith("experts_")):
-            return _hf_expert_name(arch, layer, ours)
-        return _hf_name(layer, ours)
-
-    preplaced = _gather_hf_experts(arch, tensors, path) if arch.is_moe else None
-    layers, globals_ = _assemble(arch, tensors, map_name, skip, where=path, file_name=file_name,
-                                 preplaced=preplaced)
+    layers, globals_ = _assemble(arch, {n: t for n, t in tensors.items() if not skip(n)}, NameMap(arch, "hf"),
+                                 where=path)
     gen_path = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     return LoadedModel(
@@ -236,71 +120,112 @@ def load_hf_folder(path: str) -> LoadedModel:
         tokenizer=TokenizerSource(path), generation_config=gen)
 
 
-def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], map_name, skip, where: str,
-              transform=None, file_name=None, preplaced=None):
+class NameMap:
+    """Checkpoint tensor names <-> parameters of ``arch``, in format ``fmt`` ("hf" or "gguf"),
+    from its model's parameter table: one lookup for every name a file holds, and the name
+    a missing parameter is reported under."""
+
+    def __init__(self, arch: ArchConfig, fmt: str):
+        self.table = get_model_module(arch.architecture).PARAMS
+        # Pattern with its numeric components replaced by "#" -> (parameter, the placeholders
+        # in order, chunk or None): a name is found by replacing its own numbers alike.
+        self._by_key: dict[tuple[str, ...], list[tuple[Param, tuple[str, ...], Chunk | None]]] = {}
+        self._first: dict[str, str] = {}
+        for p in self.table.present(arch):
+            if not p.from_checkpoint:
+                continue
+            patterns = p.patterns(arch, fmt)
+            if not patterns or not isinstance(patterns[0], str):
+                raise ModelLoadError(f"{arch.architecture}: {fmt} checkpoints have no name for parameter {p.name!r}")
+            self._first[p.name] = patterns[0]
+            for pat in patterns:
+                chunk = pat if isinstance(pat, Chunk) else None
+                parts = (chunk.pattern if chunk else pat).split(".")
+                key = tuple("#" if c in _PLACEHOLDERS else c for c in parts)
+                slots = tuple(c[1:-1] for c in parts if c in _PLACEHOLDERS)
+                self._by_key.setdefault(key, []).append((p, slots, chunk))
+
+    def lookup(self, name: str) -> list[tuple[Param, int | None, int | None, Chunk | None]]:
+        """The parameters the tensor ``name`` gives: (parameter, layer, expert, chunk) for each
+        (empty: not a parameter's name)."""
+        parts = name.split(".")
+        numeric = [c.isascii() and c.isdigit() for c in parts]
+        key = tuple("#" if d else c for c, d in zip(parts, numeric))
+        values = [int(c) for c, d in zip(parts, numeric) if d]
+        out = []
+        for p, slots, chunk in self._by_key.get(key, ()):
+            at = dict(zip(slots, values))
+            out.append((p, at.get("layer"), at.get("expert"), chunk))
+        return out
+
+    def name(self, param: str, layer: int | None = None, expert: int = 0) -> str:
+        return self._first[param].format(layer=layer, expert=expert)
+
+
+_PLACEHOLDERS = ("{layer}", "{expert}")
+
+
+def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], names: NameMap, where: str,
+              transform=None):
     """Places every tensor, checking that none is left over and none is missing.
 
-    ``preplaced``: ``{(layer, ours): (array, source)}`` already assembled (stacked experts),
-    shape-checked here like the rest."""
-    want_layer = layer_param_shapes(arch)
-    want_global = global_param_shapes(arch)
-    layers: list[dict[str, np.ndarray]] = [{} for _ in range(arch.num_layers)]
+    Per-expert tensors are stacked into their parameter, every expert of each layer required.
+    ``transform(param, array)``: applied to each tensor once its shape is checked."""
+    E, L = arch.num_experts, arch.num_layers
+    want = {p.name: tuple(p.shape(arch)) for p in names.table.present(arch) if p.from_checkpoint}
+    layers: list[dict[str, np.ndarray]] = [{} for _ in range(L)]
     globals_: dict[str, np.ndarray] = {}
-    for (layer, ours), (arr, source) in (preplaced or {}).items():
-        if ours not in want_layer or tuple(arr.shape) != tuple(want_layer[ours]):
-            raise ModelLoadError(f"{where}: {ours} of layer {layer} (from {source!r}) has shape "
-                                 f"{tuple(arr.shape)}, expected {want_layer.get(ours)}")
-        layers[layer][ours] = arr
-    for name, (arr, fname) in tensors.items():
-        if skip(name):
-            continue
-        layer, ours = map_name(name)
-        if ours is None or (layer is None and ours not in want_global) or (
-                layer is not None and (ours not in want_layer or layer >= arch.num_layers)):
-            raise ModelLoadError(f"{where}: unexpected tensor {name!r} in {fname} "
-                                 f"(not a parameter of {arch.architecture} with this config)")
-        want = want_global[ours] if layer is None else want_layer[ours]
-        if transform is not None:
-            arr = transform(name, layer, ours, arr)
-        if tuple(arr.shape) != tuple(want):
-            raise ModelLoadError(f"{where}: tensor {name!r} in {fname} has shape {tuple(arr.shape)}, "
-                                 f"expected {tuple(want)}")
+    given: dict[tuple[int | None, str], str] = {}     # (layer, parameter) -> the tensor that gave it
+    experts: dict[tuple[int, str], dict[int, tuple[np.ndarray, str]]] = {}
+
+    def place(layer, ours, arr, source):
+        if (layer, ours) in given:
+            raise ModelLoadError(f"{where}: tensor {source!r} gives {ours} of layer {layer} a second time "
+                                 f"(also from {given[layer, ours]!r})")
+        given[layer, ours] = source
         (globals_ if layer is None else layers[layer])[ours] = arr
-    file_name = file_name or _hf_name
-    for ours in want_global:
-        if ours not in globals_:
-            raise ModelLoadError(f"{where}: missing tensor {file_name(None, ours)!r}")
-    for i, lp in enumerate(layers):
-        for ours in want_layer:
-            if ours not in lp:
-                raise ModelLoadError(f"{where}: missing tensor {file_name(i, ours)!r}")
+
+    for name, (arr, fname) in tensors.items():
+        hits = names.lookup(name)
+        if not hits or any((layer is not None and layer >= L) or (expert is not None and expert >= E)
+                           for _, layer, expert, _ in hits):
+            experts_note = f" of {E} experts" if arch.is_moe else ""
+            raise ModelLoadError(f"{where}: unexpected tensor {name!r} in {fname} (not a parameter of "
+                                 f"{arch.architecture} with {L} layers{experts_note} in this config)")
+        for p, layer, expert, chunk in hits:
+            shape = want[p.name][1:] if expert is not None else want[p.name]
+            stored = shape
+            if chunk is not None:
+                stored = tuple(n * chunk.count if i == chunk.axis else n for i, n in enumerate(shape))
+            if tuple(arr.shape) != stored:
+                raise ModelLoadError(f"{where}: tensor {name!r} in {fname} has shape {tuple(arr.shape)}, "
+                                     f"expected {stored}")
+            a = arr
+            if chunk is not None:
+                n = shape[chunk.axis]
+                a = a[(slice(None),) * chunk.axis + (slice(chunk.index * n, (chunk.index + 1) * n),)]
+            if transform is not None:
+                a = transform(p, a)
+            if expert is not None:
+                experts.setdefault((layer, p.name), {})[expert] = (a, name)
+            else:
+                place(layer, p.name, a, name)
+    for (layer, ours), got in sorted(experts.items()):
+        missing = [e for e in range(E) if e not in got]
+        if missing:
+            raise ModelLoadError(f"{where}: missing tensor {names.name(ours, layer, missing[0])!r} "
+                                 f"(layer {layer} has {len(got)} of {E} experts' {ours.split('_')[1]} projections)")
+        place(layer, ours, np.stack([got[e][0] for e in range(E)]), got[0][1])
+    for p in names.table.present(arch):
+        if not p.from_checkpoint:
+            continue
+        for layer in ([None] if p.scope == GLOBAL else range(L)):
+            if (layer, p.name) not in given:
+                raise ModelLoadError(f"{where}: missing tensor {names.name(p.name, layer)!r}")
     return layers, globals_
 
 
-def _hf_name(layer, ours):
-    if layer is None:
-        return {v: k for k, v in _HF_GLOBAL_NAMES.items()}[ours]
-    return f"model.layers.{layer}." + {v: k for k, v in _HF_LAYER_NAMES.items()}[ours]
-
-
-def _gguf_name(layer, ours):
-    if layer is None:
-        return {v: k for k, v in _GGUF_GLOBAL_NAMES.items()}[ours]
-    return f"blk.{layer}." + {v: k for k, v in _GGUF_LAYER_NAMES.items()}[ours]
-
-
 # ------------------------------------------------------------------ GGUF
-
-_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "input_norm", "ffn_norm.weight": "post_norm",
-    "attn_q.weight": "q", "attn_k.weight": "k", "attn_v.weight": "v", "attn_output.weight": "o",
-    "attn_q.bias": "q_bias", "attn_k.bias": "k_bias", "attn_v.bias": "v_bias", "attn_output.bias": "o_bias",
-    "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
-    "ffn_gate.weight": "gate", "ffn_up.weight": "up", "ffn_down.weight": "down",
-}
-_GGUF_GLOBAL_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
-
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undoes llama.cpp's conversion permute of Q/K rows (interleaved -> rotate-half RoPE)."""
@@ -434,23 +359,10 @@ def load_gguf(path: str, name: str | None = None) -> LoadedModel:
                                  f"which the gguf package cannot dequantize ({err})") from None
         tensors[t.name] = (np.asarray(arr, dtype=np.float32), base)
 
-    def map_name(n: str):
-        if n in _GGUF_GLOBAL_NAMES:
-            return None, _GGUF_GLOBAL_NAMES[n]
-        m = _GGUF_LAYER_RE.match(n)
-        if m and m.group(2) in _GGUF_LAYER_NAMES:
-            return int(m.group(1)), _GGUF_LAYER_NAMES[m.group(2)]
-        return None, None
+    def transform(p: Param, arr):
+        return _unpermute_rope_rows(arr, p.rope_heads(arch)) if permuted and p.rope_heads else arr
 
-    def transform(n, layer, ours, arr):
-        if permuted and ours == "q":
-            return _unpermute_rope_rows(arr, heads)
-        if permuted and ours == "k":
-            return _unpermute_rope_rows(arr, kv_heads)
-        return arr
-
-    layers, globals_ = _assemble(arch, tensors, map_name, lambda n: False, where=path, transform=transform,
-                                 file_name=_gguf_name)
+    layers, globals_ = _assemble(arch, tensors, NameMap(arch, "gguf"), where=path, transform=transform)
     return LoadedModel(
         name=name or path, arch=arch, layers=layers, globals=globals_,
         rope_inv_freq=inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, freq_factors),

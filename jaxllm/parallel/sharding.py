@@ -1,8 +1,9 @@
-"""Logical axis names of every parameter and cache array, and the rules that map them to the mesh.
+"""The rules that map logical axes to the mesh, and the specs of the parameters and the cache.
 
 Arrays are described by what their dimensions mean (``q_heads``, ``mlp``, ``vocab`` ...),
-never by mesh axes; :func:`rules_for` decides, per model and parallel configuration,
-which logical axes are split over the ``tp`` mesh axis.  The layout is Megatron's:
+never by mesh axes: a parameter's axes are in its model's parameter table
+(``models/params.py``), the cache's here.  :func:`rules_for` decides, per model and
+parallel configuration, which logical axes are split over the ``tp`` mesh axis.  The layout is Megatron's:
 q/k/v, gate/up split by output rows (heads, MLP width) and o/down by input columns, so each
 device computes its heads and its slice of the MLP and one all-reduce per block joins them
 (XLA's SPMD partitioner inserts it).  The embedding and LM head are split over the
@@ -12,6 +13,7 @@ vocabulary; the sampler sees the logits gathered.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -21,22 +23,6 @@ from jaxllm.parallel.mesh import TP
 
 log = logging.getLogger("jaxllm.parallel")
 
-# Parameter name -> logical axes of its dimensions (weights in transformers' [out, in] layout).
-PARAM_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"), "lm_head": ("vocab", "embed"), "final_norm": ("embed",),
-    "rope_inv_freq": ("rotary",),
-    "input_norm": ("embed",), "post_norm": ("embed",),
-    "q": ("q_heads", "embed"), "k": ("kv_heads", "embed"), "v": ("kv_heads", "embed"), "o": ("embed", "q_heads"),
-    "q_bias": ("q_heads",), "k_bias": ("kv_heads",), "v_bias": ("kv_heads",), "o_bias": ("embed",),
-    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
-    "gate": ("mlp", "embed"), "up": ("mlp", "embed"), "down": ("embed", "mlp"),
-    # Fused for the native CPU matmul (runner/weights.fused_parts), which only runs
-    # unsharded: no rule maps these axes, so they stay replicated.
-    "qkv": ("fused_qkv", "embed"), "qkv_bias": ("fused_qkv",), "gate_up": ("fused_mlp", "embed"),
-    "router": ("expert_logits", "embed"),
-    "experts_gate": ("expert", "moe_mlp", "embed"), "experts_up": ("expert", "moe_mlp", "embed"),
-    "experts_down": ("expert", "embed", "moe_mlp"),
-}
 KV_AXES = ("kv_blocks", "block", "kv_heads", "head_dim")   # one layer's K or V
 LAYERS = "layers"
 
@@ -85,15 +71,17 @@ def spec(axes: tuple[str, ...], rules: dict[str, str | None]) -> P:
     return P(*(rules.get(a) for a in axes))
 
 
-def param_specs(params: dict, rules: dict[str, str | None]) -> dict:
-    """A PartitionSpec for every leaf of a params tree (globals, and layers stacked or listed)."""
+def param_specs(params: dict, rules: dict[str, str | None], axes: Mapping[str, tuple[str, ...]]) -> dict:
+    """A PartitionSpec for every leaf of a params tree (globals, and layers stacked or listed);
+    ``axes``: parameter name -> logical axes of one layer's array (the model's parameter table,
+    ``models/params.py``)."""
     def one(name: str, ndim: int, stacked: bool) -> P:
-        if name not in PARAM_AXES:
-            raise KeyError(f"no logical axes for parameter {name!r} (add it to parallel/sharding.py)")
-        axes = ((LAYERS,) if stacked else ()) + PARAM_AXES[name]
-        if len(axes) != ndim:
-            raise ValueError(f"parameter {name!r}: {ndim} dims, logical axes {axes}")
-        return spec(axes, rules)
+        if name not in axes:
+            raise KeyError(f"no logical axes for parameter {name!r} (add it to the model's parameter table)")
+        names = ((LAYERS,) if stacked else ()) + axes[name]
+        if len(names) != ndim:
+            raise ValueError(f"parameter {name!r}: {ndim} dims, logical axes {names}")
+        return spec(names, rules)
 
     out = {k: one(k, v.ndim, False) for k, v in params.items() if k != "layers"}
     layers = params["layers"]

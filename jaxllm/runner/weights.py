@@ -1,7 +1,7 @@
 """Weights as the device holds them: dtype, storage and layout derived from the loaded
-checkpoint (fused projections and the panel layout for the native CPU matmul, bf16 bit
-patterns on CPU), placed on the replica's mesh by the sharding rules; and the KV cache's
-arrays."""
+checkpoint and the model's parameter table (``models/params.py``: fused projections and the
+panel layout for the native CPU matmul, bf16 bit patterns on CPU for its matrices), placed
+on the replica's mesh by the sharding rules; and the KV cache's arrays."""
 
 from __future__ import annotations
 
@@ -11,36 +11,30 @@ import numpy as np
 
 from jaxllm.cpu import layout
 from jaxllm.models.loader import LoadedModel
+from jaxllm.models.params import Fused, ParamTable
+from jaxllm.models.registry import get_model_module
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
 
 
-MATRICES = frozenset({"embed", "lm_head", "q", "k", "v", "o", "gate", "up", "down",
-                      "router", "experts_gate", "experts_up", "experts_down", "qkv", "gate_up"})
-
-
-# Fused name -> the weights whose rows it concatenates, in that order (models/llama.py splits
-# the products).
-FUSED = {"qkv": ("q", "k", "v"), "qkv_bias": ("q_bias", "k_bias", "v_bias"), "gate_up": ("gate", "up")}
-
-
-def fused_parts(layer: dict) -> dict[str, list[np.ndarray]]:
-    """One layer's weights by name, q, k, v (and biases) as one ``qkv`` and gate, up as one
-    ``gate_up``: each name maps to the arrays whose rows it concatenates (one for the others).
+def fused_parts(layer: dict, groups: tuple[Fused, ...]) -> dict[str, list[np.ndarray]]:
+    """One layer's weights by name, each fused group whose parts the layer has (q, k, v and
+    their biases as one ``qkv`` and ``qkv_bias``, gate and up as one ``gate_up``) under its
+    name: each name maps to the arrays whose rows it concatenates (one for the others).
 
     For the native CPU matmul: 4 calls per layer instead of 7, each a longer stream of rows
     (every call pays a thread-pool round trip and a cold start of the prefetcher)."""
     out, taken = {}, set()
-    for fused, names in FUSED.items():
-        if all(n in layer for n in names):
-            out[fused] = [layer[n] for n in names]
-            taken.update(names)
+    for group in groups:
+        if all(n in layer for n in group.parts):
+            out[group.name] = [layer[n] for n in group.parts]
+            taken.update(group.parts)
     out.update({k: [v] for k, v in layer.items() if k not in taken})
     return out
 
 
-# The matrices the native CPU matmul multiplies by (the MoE router and experts use XLA's).
-NATIVE_MATRICES = frozenset({"lm_head", "q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up"})
+def param_table(model: LoadedModel) -> ParamTable:
+    return get_model_module(model.arch.architecture).PARAMS
 
 
 def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, native: bool = False) -> dict:
@@ -50,13 +44,15 @@ def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool,
     (:func:`fused_parts`) and its matrices the panel layout (cpu/layout.py), the tied
     embedding included since it is the LM head."""
     np_dtype = jnp.dtype(dtype)
-    panels = (NATIVE_MATRICES | ({"embed"} if model.arch.tie_word_embeddings else set())) if native else set()
+    table = param_table(model)
+    matrices = table.matrices()
+    panels = table.native_matrices(model.arch) if native else frozenset()
 
     def conv(name, *parts):   # parts: arrays whose rows are concatenated (fused projections)
         def cast(a):
             a = np.asarray(a)
             if packed_bf16:
-                return a.astype(jnp.bfloat16).view(np.uint16) if name in MATRICES else a.astype(np.float32)
+                return a.astype(jnp.bfloat16).view(np.uint16) if name in matrices else a.astype(np.float32)
             return a.astype(np_dtype, copy=False)
         parts = [cast(a) for a in parts]
         if name in panels:
@@ -67,7 +63,7 @@ def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool,
     if scan_layers:
         params["layers"] = {k: conv(k, np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
     elif native:
-        params["layers"] = [{k: conv(k, *v) for k, v in fused_parts(lp).items()} for lp in model.layers]
+        params["layers"] = [{k: conv(k, *v) for k, v in fused_parts(lp, table.fused).items()} for lp in model.layers]
     else:
         params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in model.layers]
     params["rope_inv_freq"] = model.rope_inv_freq.astype(np.float32)
@@ -81,7 +77,7 @@ def to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: 
     host = host_params(model, dtype, scan_layers, packed_bf16, native)
     if mesh is None:
         return jax.tree.map(jax.device_put, host)
-    shardings = psh.named(mesh, psh.param_specs(host, rules or {}))
+    shardings = psh.named(mesh, psh.param_specs(host, rules or {}, param_table(model).axes()))
     return jax.tree.map(pmesh.place, host, shardings)
 
 

@@ -183,9 +183,11 @@ def test_bad_indices_stay_in_bounds():
 
 
 def test_wrapper_refuses_what_the_kernel_cannot_take():
+    # The engine never picks the kernel for such a cache (it refuses the flag, naming it:
+    # test_resolution_of_the_attention_backend); the wrapper still refuses the call.
     from jaxllm.cpu.attention import paged_attention_native
     q, k, v, (kc, vc), md = make_batch(73, [1], [3], Hq=4, Hkv=2, D=64)
-    with pytest.raises(ValueError, match="--attention-backend xla"):
+    with pytest.raises(ValueError, match="float32 or bfloat16, not float16"):
         paged_attention_native(q, (kc.astype(jnp.float16), vc.astype(jnp.float16)), None, md, scale=0.1)
     with pytest.raises(ValueError, match="stacked"):
         paged_attention_native(q, (kc, vc), 0, md, scale=0.1)
@@ -220,6 +222,10 @@ def test_resolution_of_the_attention_backend(monkeypatch):
     for args in [("cuda", "bfloat16", 1, True), ("cpu", "float32", 2, False), ("cpu", "float16", 1, False)]:
         with pytest.raises(ValueError, match="--attention-backend"):
             _attention_backend("native", *args)
+    with pytest.raises(ValueError, match="not --dtype float16; use --attention-backend xla"):
+        _attention_backend("native", "cpu", "float16", 1, False)
+    with pytest.raises(ValueError, match="does not shard; with --tensor-parallel-size > 1 use --attention-backend xla"):
+        _attention_backend("native", "cpu", "float32", 2, False)
     monkeypatch.setattr(native, "available", lambda: False)
     assert _attention_backend("auto", "cpu", "float32", 1, False) == "xla"
     with pytest.raises(ValueError, match="--attention-backend xla"):

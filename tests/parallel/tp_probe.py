@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.models import llama
+from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import load_model
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
@@ -49,10 +50,11 @@ def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = 
     kv = allocate_kv_cache(arch.num_layers, nb + 3, BLOCK, arch.num_kv_heads, arch.head_dim, jnp.float32, scan,
                            make=lambda s, d: jax.device_put(jnp.zeros(s, d), kv_sh))
 
+    kernels = Kernels(attention=attention, moe="expert_parallel" if expert_parallel else "grouped")
+
     def fwd(p, kv, ids, md):
-        hidden, kv = llama.forward(arch, p, kv, ids, md, attention_backend=attention,
-                                   moe_impl="expert_parallel" if expert_parallel else None)
-        return llama.compute_logits(arch, p, hidden), kv
+        hidden, kv = llama.forward(arch, p, kv, ids, md, kernels)
+        return llama.compute_logits(arch, p, hidden, kernels), kv
 
     rep = pmesh.replicated(mesh)
     jitted = jax.jit(fwd, donate_argnums=(1,), out_shardings=(rep, jax.tree.map(lambda a: a.sharding, kv)))

@@ -1,0 +1,142 @@
+"""Parameter tables: every weight of an architecture family declared once.
+
+A table entry (:class:`Param`) says what the engine needs to know about one weight: whether
+it is global or repeated in every layer, its shape as a function of ``ArchConfig``, its
+storage class, the logical axes of its dimensions, the names checkpoints give it (HF
+safetensors and GGUF) and when an architecture has it.  Everything else is derived from
+the table: the shapes the loader checks and its one name mapper (``models/loader.py``), the
+sharding specs (``parallel/sharding.py`` maps the logical axes to the mesh) and the device
+layout (``runner/weights.py``: bf16 packing, the native matmul's panels, fused projections).
+
+Checkpoint name patterns are dot-separated, ``{layer}`` and ``{expert}`` standing for whole
+numeric components (``model.layers.{layer}.self_attn.q_proj.weight``).  The first pattern
+is the name a missing tensor is reported under; the others are accepted alternatives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from jaxllm.models.config import ArchConfig
+
+GLOBAL, LAYER = "global", "layer"
+
+MATRIX = "matrix"
+"""A weight matrix (or a stack of them): bf16 bit patterns on CPU (``layers/storage.py``)."""
+VECTOR = "vector"
+"""Norm weights, biases, frequencies: float32 on CPU whatever the weight dtype."""
+
+Predicate = Callable[[ArchConfig], bool]
+
+
+def always(arch: ArchConfig) -> bool:
+    return True
+
+
+def never(arch: ArchConfig) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A checkpoint tensor that holds the parameter as chunk ``index`` of ``count`` equal
+    chunks along ``axis`` (transformers 5's fused experts ``gate_up_proj`` [E, 2F, D]: the
+    gate rows first)."""
+
+    pattern: str
+    index: int
+    count: int
+    axis: int
+
+
+Pattern = str | Chunk
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    scope: str
+    """GLOBAL, or LAYER: one per layer (stacked ``[L, ...]`` under ``lax.scan``)."""
+    kind: str
+    """MATRIX or VECTOR (its storage class)."""
+    axes: tuple[str, ...]
+    """Logical axis of each dimension (of one layer's array)."""
+    shape: Callable[[ArchConfig], tuple[int, ...]]
+    hf: tuple[Pattern, ...] | Mapping[str, tuple[Pattern, ...]] = ()
+    """Safetensors name patterns, or per architecture name where the family's checkpoints differ."""
+    gguf: tuple[Pattern, ...] | Mapping[str, tuple[Pattern, ...]] = ()
+    when: Predicate = always
+    """Whether ``arch`` has the parameter."""
+    native: Predicate = never
+    """Whether the native CPU matmul multiplies by it (it then takes the panel layout)."""
+    rope_heads: Callable[[ArchConfig], int] | None = None
+    """For q/k projections: their number of heads.  llama.cpp's converter permutes such rows
+    for interleaved RoPE (its llama and mistral architectures); the loader undoes it."""
+    from_checkpoint: bool = True
+    """False for what the loader computes instead of reading (RoPE frequencies)."""
+
+    def __post_init__(self):
+        for fmt in ("hf", "gguf"):
+            names = getattr(self, fmt)
+            if isinstance(names, str | Chunk):
+                object.__setattr__(self, fmt, (names,))
+
+    def patterns(self, arch: ArchConfig, fmt: str) -> tuple[Pattern, ...]:
+        """This parameter's name patterns in checkpoints of ``arch`` in format ``fmt`` ("hf" or "gguf")."""
+        names = self.hf if fmt == "hf" else self.gguf
+        if isinstance(names, Mapping):
+            return tuple(names.get(arch.architecture, ()))
+        return names
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Parameters of one layer the device may hold as one array, their rows concatenated in
+    this order (the native matmul: one call instead of several); the model splits the product."""
+
+    name: str
+    parts: tuple[str, ...]
+    axes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ParamTable:
+    params: tuple[Param, ...]
+    fused: tuple[Fused, ...] = ()
+
+    def __post_init__(self):
+        names = [p.name for p in self.params] + [f.name for f in self.fused]
+        if len(set(names)) != len(names):
+            raise ValueError(f"parameter table names a parameter twice: {names}")
+
+    def __getitem__(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def present(self, arch: ArchConfig, scope: str | None = None) -> list[Param]:
+        """The parameters ``arch`` has (of ``scope``, if given), in table order."""
+        return [p for p in self.params if p.when(arch) and scope in (None, p.scope)]
+
+    def shapes(self, arch: ArchConfig, scope: str) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of the parameters of ``scope`` that ``arch`` has (one layer's for LAYER)."""
+        return {p.name: tuple(p.shape(arch)) for p in self.present(arch, scope)}
+
+    def axes(self) -> dict[str, tuple[str, ...]]:
+        """Name -> logical axes, fused arrays included."""
+        return {**{p.name: p.axes for p in self.params}, **{f.name: f.axes for f in self.fused}}
+
+    def _part(self, f: Fused) -> Param:
+        return self[f.parts[0]]
+
+    def matrices(self) -> frozenset[str]:
+        """Names stored as matrices (bf16 bits on CPU), fused arrays included."""
+        return frozenset([p.name for p in self.params if p.kind == MATRIX]
+                         + [f.name for f in self.fused if self._part(f).kind == MATRIX])
+
+    def native_matrices(self, arch: ArchConfig) -> frozenset[str]:
+        """Names the native CPU matmul multiplies by for ``arch``, fused arrays included."""
+        return frozenset([p.name for p in self.params if p.native(arch)]
+                         + [f.name for f in self.fused if self._part(f).native(arch)])
