@@ -1068,13 +1068,13 @@ def _engine_runs(sec, erow, key, label, backend, model_path, engine_kw, prompts,
         erow["build_s"] = round(timer.build_s, 1)
         est.engine[key] = erow["build_s"]
         r = timer.core.resolved.step
-        erow.update(resolved_attention=r.attention_backend, resolved_sampler=r.sampler_backend,
+        erow.update(resolved_attention=r.kernels.attention, resolved_sampler=r.sampler_backend,
                     scan_layers=r.scan_layers, dtype=r.dtype, compile_s=round(timer.compile_s, 1),
                     buckets=len(timer.runner.buckets), weight_bytes=timer.runner.weight_bytes(),
                     kv_bytes=timer.runner.kv_cache_bytes(), kv_blocks=timer.core.resolved.kv.num_blocks)
-        if (r.attention_backend, r.sampler_backend) != (backend, backend):
+        if (r.kernels.attention, r.sampler_backend) != (backend, backend):
             raise AssertionError(f"asked for attention/sampler backend {backend!r}, the engine resolved "
-                                 f"{r.attention_backend!r}/{r.sampler_backend!r} (a silent fallback)")
+                                 f"{r.kernels.attention!r}/{r.sampler_backend!r} (a silent fallback)")
         erow["memory_built"] = memory_now()
         erow["status"] = "ok"
     except Exception as e:

@@ -28,7 +28,7 @@ def paged_attention_native(q: jax.Array, kv, layer, md, *, scale: float,
     the kernel reads at that layer's offset: no slice of the cache is made.  The cache is
     float32 or bf16 (as bf16, or as its uint16 bits, see ``layers/storage.py``).
 
-    The engine picks this kernel only where it can run (``engine/core.py``: CPU, one
+    The engine picks this kernel only where it can run (``engine/resolve.py``: CPU, one
     device, a float32 or bf16 cache, the kernels built); the checks here guard the callers."""
     if not native.available():
         raise RuntimeError("paged_attention_native: the native CPU kernels are unavailable on this machine")

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxllm.config import EngineConfig, default_cache_dir, platform_defaults
 from jaxllm.core.kv_budget import KVPlan, available_memory_bytes, plan_kv_cache, utilization_budget
+from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import LoadedModel
 from jaxllm.runner.step_config import StepConfig
 
@@ -141,9 +142,10 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     else:
         kv = sizing.plan(cache.kv_cache_memory_bytes)
     cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
-    step = StepConfig(arch=a, platform=platform, dtype=dtype, scan_layers=scan, matmul_backend=matmul,
-                      attention_backend=backend, sampler_backend=sampler,
-                      expert_parallel=config.parallel.enable_expert_parallel, block_size=cache.block_size,
+    kernels = Kernels(matmul=matmul, attention=backend,
+                      moe="expert_parallel" if config.parallel.enable_expert_parallel else "grouped")
+    step = StepConfig(arch=a, platform=platform, dtype=dtype, scan_layers=scan, kernels=kernels,
+                      sampler_backend=sampler, block_size=cache.block_size,
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                       max_logprobs=rc.max_logprobs, logprobs_mode=rc.logprobs_mode, use_fp64_gumbel=rc.use_fp64_gumbel)
     return ResolvedConfig(step=step, kv=kv, kv_sizing=sizing, compile_cache_dir=cache_dir)

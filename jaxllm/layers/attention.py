@@ -147,7 +147,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
     ([T, Hq, Dh], cache).  ``backend``: "xla" (scatter + :func:`paged_attention_xla`),
     "pallas" (one kernel that does both; interpret mode on CPU) or "native" (scatter + the
     CPU kernel of ``jaxllm/cpu/attention.py``, one device only).  The engine chose ``backend``
-    and refused what cannot run (``engine/core.py``)."""
+    and refused what cannot run (``engine/resolve.py``)."""
     if backend == "pallas":
         tp = tp_size()
         if tp > 1:

@@ -1,6 +1,6 @@
 """Kernels: the implementation each of the model's operations runs, one static object.
 
-The engine core decides them once (``engine/core.py: resolve_config``) and refuses, naming
+The engine core decides them once (``engine/resolve.py``) and refuses, naming
 the flag, what cannot run on this platform, mesh or dtype; the model and its layers take
 the decision as given.  Frozen and hashable: it is part of what identifies a compiled step.
 """

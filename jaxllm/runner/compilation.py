@@ -45,7 +45,7 @@ class CompilationManager:
         self.sample_fn = make_sample_step(cfg)
         # What decides the programs besides their arguments (the program cache's keys).
         self._step_desc = (f"step|{cfg.arch!r}|{model_module.__name__}|max_logprobs={cfg.max_logprobs}|"
-                           f"matmul={cfg.matmul_backend}|attention={cfg.attention_backend}|moe={cfg.moe_impl}|"
+                           f"{cfg.kernels!r}|"
                            f"blocks_per_seq={cfg.max_blocks_per_seq}|rules={sorted(rules.items())!r}")
         self._sample_desc = (f"sample|max_logprobs={cfg.max_logprobs}|sampler={cfg.sampler_backend}|"
                              f"logprobs_mode={cfg.logprobs_mode}|fp64={cfg.use_fp64_gumbel}|vocab={cfg.arch.vocab_size}")

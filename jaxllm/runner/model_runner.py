@@ -54,7 +54,7 @@ class ModelRunner:
         self.mesh = pmesh.make_mesh(devices or jax.devices()[:1])
         self.rules = psh.rules_for(model.arch, self.mesh.devices.size, cfg.expert_parallel)
         self._rep = pmesh.replicated(self.mesh)
-        native = cfg.matmul_backend == "native"
+        native = cfg.kernels.matmul == "native"
         t0 = time.perf_counter()
         self.params = weights.to_device_params(model, jnp.dtype(cfg.dtype), cfg.scan_layers, cfg.packed_bf16,
                                                self.mesh, self.rules, native)

@@ -40,14 +40,13 @@ class StepInputs:
 
 def make_step(cfg: StepConfig, model: ModuleType):
     """``model``: the model family's module (models/registry.py)."""
-    arch, mm, K = cfg.arch, cfg.matmul_backend, max(cfg.max_logprobs, 1)
+    arch, kernels, K = cfg.arch, cfg.kernels, max(cfg.max_logprobs, 1)
 
     def logits_of(params, hidden):
-        return model.compute_logits(arch, params, hidden, mm)
+        return model.compute_logits(arch, params, hidden, kernels)
 
     def step(params, kv, sstate: SamplerState, inputs: StepInputs):
-        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, mm, cfg.attention_backend,
-                                   moe_impl=cfg.moe_impl)                # [T, D]
+        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels)   # [T, D]
         logits = logits_of(params, hidden[inputs.logits_indices])        # [S, V]
         if tp_size() > 1:
             # Vocabulary-parallel LM head: gather the (small) logits so the sampler, and its

@@ -1,6 +1,7 @@
 """The static configuration of a step: everything that fixes the compiled programs besides
 their arguments' shapes, resolved once by the engine (``engine/resolve.py``) and read by
-the runner, the step functions and the program cache's keys."""
+the runner, the step functions and the program cache's keys.  Every backend in it is one
+that can run here: the layers do not check again."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 from jaxllm.models.config import ArchConfig
+from jaxllm.models.kernels import Kernels
 from jaxllm.runner import buckets as bk
 
 
@@ -24,13 +26,10 @@ class StepConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     block_size: int = 16
-    matmul_backend: str = "xla"
-    """"xla" or "native" (the CPU kernel): decided once, with the other backends."""
-    attention_backend: str = "xla"
-    """"xla", "pallas" or "native"."""
+    kernels: Kernels = Kernels()
+    """The model's matmul, attention and MoE implementations."""
     sampler_backend: str = "xla"
-    """"xla" or "pallas"."""
-    expert_parallel: bool = False
+    """The draw's vocabulary reduction: "xla" or "pallas"."""
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     use_fp64_gumbel: bool = False
@@ -45,8 +44,8 @@ class StepConfig:
         return jnp.uint16 if self.packed_bf16 else jnp.dtype(self.dtype)
 
     @property
-    def moe_impl(self) -> str | None:
-        return "expert_parallel" if self.expert_parallel else None
+    def expert_parallel(self) -> bool:
+        return self.kernels.moe == "expert_parallel"
 
     @property
     def max_blocks_per_seq(self) -> int:

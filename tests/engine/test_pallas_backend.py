@@ -36,7 +36,7 @@ def random_params(params):
 
 def test_pallas_engine_resolves_to_the_kernels(pallas_llm):
     r = pallas_llm.llm_engine.core.resolved.step
-    assert (r.attention_backend, r.sampler_backend, r.scan_layers) == ("pallas", "pallas", True)
+    assert (r.kernels.attention, r.sampler_backend, r.scan_layers) == ("pallas", "pallas", True)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])

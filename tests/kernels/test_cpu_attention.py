@@ -211,7 +211,7 @@ def test_kernel_rejects_mismatched_shapes(what):
 
 
 def test_resolution_of_the_attention_backend(monkeypatch):
-    from jaxllm.engine.core import _attention_backend
+    from jaxllm.engine.resolve import _attention_backend
     assert _attention_backend("auto", "cpu", "float32", 1, False) == "native"
     assert _attention_backend("auto", "cpu", "bfloat16", 1, False) == "native"
     assert _attention_backend("auto", "cpu", "float32", 2, False) == "xla"     # tensor parallel
@@ -253,8 +253,8 @@ def test_every_architecture_equals_the_xla_path(variant, tiny_checkpoints):
 def test_engine_uses_the_native_attention_on_cpu(tiny_llm):
     # The default (--attention-backend auto) must pick the kernel on CPU; a silent fallback
     # to the XLA path would only show up as a slow benchmark.
-    assert tiny_llm.llm_engine.core.resolved.attention_backend == "native"
-    text = tiny_llm.llm_engine.core.runner._compiled[(1, 1)].as_text()
+    assert tiny_llm.llm_engine.core.resolved.step.kernels.attention == "native"
+    text = tiny_llm.llm_engine.core.runner.compiler.steps[(1, 1)].as_text()
     arch = tiny_llm.llm_engine.core.runner.arch
     assert text.count("jaxllm_paged_attention") >= arch.num_layers
 
@@ -264,7 +264,7 @@ def test_engine_native_equals_the_xla_engine(tiny_llama, tiny_llm):
     workload that batches prefill chunks with decodes and grows contexts past 128."""
     from jaxllm import LLM, SamplingParams
     xla_llm = LLM(tiny_llama, **SMALL_ENGINE, attention_backend="xla")
-    assert xla_llm.llm_engine.core.resolved.attention_backend == "xla"
+    assert xla_llm.llm_engine.core.resolved.step.kernels.attention == "xla"
     rng = np.random.default_rng(5)
     prompts = [{"prompt_token_ids": rng.integers(3, 5000, size=int(n)).tolist()} for n in [3, 40, 70, 120, 9, 25]]
     params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in [40, 20, 70, 30, 8, 15]]
@@ -278,20 +278,19 @@ def test_step_hlo_has_no_cache_copies(tiny_llama, scan_layers):
     """The custom call reads the cache buffer write_kv updated in place: no copy of it (see
     tests/engine/test_kv_in_place.py for the XLA path)."""
     import re
+    from jaxllm.models.kernels import Kernels
     from jaxllm.models.loader import load_model
     from jaxllm.runner.model_runner import ModelRunner
+    from jaxllm.runner.step_config import StepConfig
     model = load_model(tiny_llama)
-    runner = ModelRunner(model, dtype="float32", scan_layers=scan_layers, num_blocks=61, block_size=16,
-                         max_model_len=256, max_num_seqs=4, max_num_batched_tokens=8, max_logprobs=2,
-                         attention_backend="native", show_progress=False)
+    cfg = StepConfig(arch=model.arch, platform="cpu", dtype="float32", scan_layers=scan_layers, max_model_len=256,
+                     max_num_seqs=4, max_num_batched_tokens=8, max_logprobs=2, kernels=Kernels(attention="native"))
+    runner = ModelRunner(model, cfg, num_blocks=61, show_progress=False)
     a = model.arch
     layer_shape = f"61,16,{a.num_kv_heads},{a.head_dim}"
     shape = f"f32[{a.num_layers},{layer_shape}]" if scan_layers else f"f32[{layer_shape}]"
-    spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     T, S = runner.buckets[-1]
-    hlo = jax.jit(runner._step_fn, donate_argnums=(1, 2)).lower(
-        jax.tree.map(spec, runner.params), jax.tree.map(spec, runner.kv), jax.tree.map(spec, runner.sstate),
-        runner._input_spec(T, S)).compile().as_text()
+    hlo = runner.compiler.lower_step(runner.params, runner.kv, runner.sampler_rows.state, T, S).compile().as_text()
     assert "jaxllm_paged_attention" in hlo
     copies = [ln for ln in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\{[0-9,]*\} copy\(", ln)]
     assert not copies, "the step copies the KV cache:\n" + "\n".join(copies[:3])

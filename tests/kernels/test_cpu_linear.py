@@ -67,5 +67,5 @@ def test_fused_parts_are_laid_out_as_their_concatenation(rows, dtype):
 def test_engine_uses_the_native_kernel_on_cpu(tiny_llm):
     # The default (--cpu-matmul auto) must pick the kernel where it is available; silently
     # falling back to XLA would only show up as a slow benchmark.
-    assert tiny_llm.llm_engine.core.resolved.matmul_backend == "native"
-    assert "jaxllm_linear" in tiny_llm.llm_engine.core.runner._compiled[(1, 1)].as_text()
+    assert tiny_llm.llm_engine.core.resolved.step.kernels.matmul == "native"
+    assert "jaxllm_linear" in tiny_llm.llm_engine.core.runner.compiler.steps[(1, 1)].as_text()
