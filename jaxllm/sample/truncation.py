@@ -22,6 +22,7 @@ whole row's.  The sort-based baseline is ``reference.truncation_threshold_refere
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -89,6 +90,19 @@ def mass(limb3: jax.Array, keep: jax.Array) -> jax.Array:
     return nx.combine(sums[0], sums[1], sums[2])
 
 
+def _count_reaches(keys: jax.Array, k: jax.Array, t: jax.Array) -> jax.Array:
+    """[S] bool: at least k [S] entries of keys [S, N] are >= t [S] (top-k's predicate)."""
+    return count_at_least(keys, t) >= k
+
+
+def _mass_reaches(limb3: jax.Array, keys: jax.Array, target: jax.Array, t: jax.Array,
+                  kept: jax.Array | None = None) -> jax.Array:
+    """[S] bool: the mass of the entries (of ``kept``) whose keys are >= t reaches target
+    (top-p's predicate)."""
+    keep = keys >= t[:, None]
+    return mass(limb3, keep if kept is None else kept & keep) >= target
+
+
 def kept_mass(x: jax.Array, tau: jax.Array, m: jax.Array, zero: jax.Array) -> jax.Array:
     """The mass of the entries of x [S, V] that tau [S] keeps: [S] float32."""
     kept = nx.float_key(x) >= tau[:, None]
@@ -116,7 +130,7 @@ def truncation_threshold(x: jax.Array, m: jax.Array, md: SamplingMetadata, zero:
     cand, cidx, outside = candidates(x, TRUNC_BLOCKS)                    # [S, C], [S, C], [S]
     ckeys = nx.float_key(cand)
     out_key = nx.float_key(outside)
-    tau_c = search(lambda t: count_at_least(ckeys, t) >= k_eff, S)
+    tau_c = search(partial(_count_reaches, ckeys, k_eff), S)
     ok_k = (md.top_k <= 0) | (tau_c > out_key)
     tau_k = jnp.where(md.top_k > 0, tau_c, u0)
 
@@ -124,7 +138,7 @@ def truncation_threshold(x: jax.Array, m: jax.Array, md: SamplingMetadata, zero:
         # The whole row's keys only here: a value captured by a lax.cond branch is an
         # operand, computed whether or not the branch runs.
         keys = nx.float_key(x)                                           # [S, V] u32
-        return jnp.where(ok_k, tau_k, search(lambda t: count_at_least(keys, t) >= k_eff, S))
+        return jnp.where(ok_k, tau_k, search(partial(_count_reaches, keys, k_eff), S))
 
     tau_k = jax.lax.cond(jnp.any(~ok_k), whole_row_top_k, lambda: tau_k)
 
@@ -136,7 +150,7 @@ def truncation_threshold(x: jax.Array, m: jax.Array, md: SamplingMetadata, zero:
         inside = (md.top_p >= 1.0) | (out_key < tau_k) | (outside == NEG_INF)
         total = jax.lax.cond(jnp.all(inside), lambda: mass(climb3, ckept), lambda: kept_mass(x, tau_k, m, zero))
         target = md.top_p * total
-        tau_c = search(lambda t: mass(climb3, ckept & (ckeys >= t[:, None])) >= target, S)
+        tau_c = search(partial(_mass_reaches, climb3, ckeys, target, kept=ckept), S)
         ok_p = (md.top_p >= 1.0) | (tau_c > out_key)
         tau_p = jnp.where(md.top_p < 1.0, tau_c, u0)
         return jnp.where(ok_p, jnp.maximum(tau_k, tau_p), tau_k), ~ok_p, target
@@ -154,7 +168,7 @@ def topp_full_search(x: jax.Array, m: jax.Array, target: jax.Array, zero: jax.Ar
     S = x.shape[0]
     k = nx.float_key(x)
     limb3 = limbs(nx.exp_nonpos(x - m[:, None], jnp, zero))
-    return search(lambda t: mass(limb3, k >= t[:, None]) >= target, S)
+    return search(partial(_mass_reaches, limb3, k, target), S)
 
 
 def _untruncated(S: int, with_candidates: bool):
