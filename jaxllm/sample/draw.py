@@ -107,7 +107,7 @@ def _whole_row_draw(x, keys, zero, fp64: bool, win, ok, open_p, target, m):
     S, V = x.shape
     dt = jnp.float64 if fp64 else jnp.float32
     if target is not None:
-        tau = whole_key(x, jnp.zeros((S,), jnp.uint32), m, open_p, target, zero, need=open_p & ~ok)
+        tau = whole_key(x, None, m, open_p, target, zero, need=open_p & ~ok)
         x = apply_key(x, tau)
     y = x.astype(dt) + noise_at(keys, jnp.arange(V, dtype=jnp.uint32), zero, fp64)   # [S, V]
     return jnp.where(ok, win, blocked_argmax(y))

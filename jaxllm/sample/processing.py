@@ -78,8 +78,9 @@ def _penalized_rows(md: SamplingMetadata) -> jax.Array:
                        | (md.frequency_penalty != 0.0))
 
 
-def _penalize(x: jax.Array, md: SamplingMetadata, state: SamplerState, zero: jax.Array) -> jax.Array:
-    """Repetition, frequency and presence penalties of the penalized rows: x [S, V] -> [S, V]."""
+def _penalize(x: jax.Array, md: SamplingMetadata, state: SamplerState, zero: jax.Array,
+              penalized: jax.Array) -> jax.Array:
+    """Repetition, frequency and presence penalties of the ``penalized`` [S] rows: x [S, V] -> [S, V]."""
     c = state.counts[md.slot]                                            # [S, V] i32
     out = c > 0
     occurred = state.prompt_mask[md.slot] | out
@@ -88,20 +89,23 @@ def _penalize(x: jax.Array, md: SamplingMetadata, state: SamplerState, zero: jax
     xr = jnp.where(occurred, jnp.where(x > 0, x / rep, nx.barrier(x * rep, zero)), x)
     xf = xr - nx.barrier(md.frequency_penalty[:, None] * c.astype(jnp.float32), zero)
     xp = jnp.where(out, xf - md.presence_penalty[:, None], xf)
-    return jnp.where(_penalized_rows(md)[:, None], xp, x)
+    return jnp.where(penalized[:, None], xp, x)
 
 
-def _bias_suppress_penalize(x: jax.Array, md: SamplingMetadata, state: SamplerState, zero: jax.Array) -> jax.Array:
+def _bias_suppress_penalize(x: jax.Array, md: SamplingMetadata, state: SamplerState, zero: jax.Array,
+                            penalized: jax.Array) -> jax.Array:
     S, V = x.shape
     x = jnp.where(md.use_bias[:, None], x + state.bias[md.slot], x)
     ids = jnp.where(md.suppress >= 0, md.suppress, V)                    # out of range: dropped
     x = x.at[jnp.arange(S)[:, None], ids].set(NEG_INF, mode="drop")
-    return jax.lax.cond(jnp.any(_penalized_rows(md)), lambda x: _penalize(x, md, state, zero), lambda x: x, x)
+    return jax.lax.cond(jnp.any(penalized), lambda x: _penalize(x, md, state, zero, penalized), lambda x: x, x)
 
 
 def process_logits(logits: jax.Array, md: SamplingMetadata, state: SamplerState, zero: jax.Array) -> jax.Array:
     """Allowed / bad tokens, min_tokens, logit_bias, penalties: logits [S, V] -> [S, V].
 
     One ``lax.cond`` for all three (each materialises [S, V]), skipped when no row needs any."""
-    needed = jnp.any(md.use_bias) | jnp.any(md.suppress >= 0) | jnp.any(_penalized_rows(md))
-    return jax.lax.cond(needed, lambda x: _bias_suppress_penalize(x, md, state, zero), lambda x: x, logits)
+    penalized = _penalized_rows(md)                                      # [S]
+    needed = jnp.any(md.use_bias) | jnp.any(md.suppress >= 0) | jnp.any(penalized)
+    return jax.lax.cond(needed, lambda x: _bias_suppress_penalize(x, md, state, zero, penalized), lambda x: x,
+                        logits)

@@ -199,19 +199,23 @@ def truncate(x: jax.Array, md: SamplingMetadata, zero: jax.Array, is_random: jax
     return Truncation(x1, m, truncated, tau, open_p & is_random, target, out[3] if with_candidates else None)
 
 
-def whole_key(x1: jax.Array, tau: jax.Array, m: jax.Array, open_p: jax.Array, target: jax.Array,
+def whole_key(x1: jax.Array, tau: jax.Array | None, m: jax.Array, open_p: jax.Array, target: jax.Array,
               zero: jax.Array, need: jax.Array | None = None) -> jax.Array:
     """The whole truncation key per row, [S] u32: ``tau`` raised, for the ``open_p`` rows, to
-    the exact top-p key of the row masked by ``tau`` (:func:`topp_full_search`).  The search
+    the exact top-p key of the row masked by ``tau`` (:func:`topp_full_search`); ``tau`` None:
+    x1 is masked already (the key is then the open rows' top-p key, 0 elsewhere).  The search
     runs only when a row of ``need`` (default ``open_p``) is set."""
     S = x1.shape[0]
 
     def open_rows():
         # Masked inside the branch: a value captured by a lax.cond branch is computed even if unused.
-        return topp_full_search(jnp.where(nx.float_key(x1) >= tau[:, None], x1, NEG_INF), m, target, zero)
+        xk = x1 if tau is None else apply_key(x1, tau)
+        return topp_full_search(xk, m, target, zero)
 
     need = open_p if need is None else need
     tau_p = jax.lax.cond(jnp.any(need), open_rows, lambda: jnp.zeros((S,), jnp.uint32))
+    if tau is None:
+        return jnp.where(open_p, tau_p, jnp.uint32(0))
     return jnp.where(open_p, jnp.maximum(tau, tau_p), tau)
 
 
