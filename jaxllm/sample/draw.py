@@ -104,7 +104,7 @@ def _probe_open(x, s: _Scored, win, open_p, target, m, zero, fp64: bool):
 def _whole_row_draw(x, keys, zero, fp64: bool, win, ok, open_p, target, m):
     """The fallback: the exact noise of the whole row for the rows not ``ok``, the open rows
     first truncated to their exact nucleus."""
-    S, V = x.shape
+    V = x.shape[1]
     dt = jnp.float64 if fp64 else jnp.float32
     if target is not None:
         tau = whole_key(x, None, m, open_p, target, zero, need=open_p & ~ok)

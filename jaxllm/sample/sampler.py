@@ -30,13 +30,18 @@ from __future__ import annotations
 
 import jax
 
-from jaxllm.config import LOGPROBS_MODES  # noqa: F401  (re-exported)
-from jaxllm.sample.arrays import SUPPRESS_WIDTH, SamplerOutput, SamplerState, SamplingMetadata  # noqa: F401
+from jaxllm.config import LOGPROBS_MODES
+from jaxllm.sample.arrays import SUPPRESS_WIDTH, SamplerOutput, SamplerState, SamplingMetadata
 from jaxllm.sample.draw import KERNEL_BACKENDS, draw_pallas, draw_xla
 from jaxllm.sample.gumbel import runtime_zero
-from jaxllm.sample.logprobs import prompt_logprobs, sampled_logprobs  # noqa: F401  (prompt_logprobs: the step's)
-from jaxllm.sample.processing import (  # noqa: F401  (the runner's and the step's)
-    init_state, process_logits, state_shapes, update_state, write_bias_row, write_penalty_row)
+from jaxllm.sample.logprobs import prompt_logprobs, sampled_logprobs
+from jaxllm.sample.processing import (init_state, process_logits, state_shapes, update_state, write_bias_row,
+                                      write_penalty_row)
+
+# The sampler's interface for the runner and the step (one import for all of it).
+__all__ = ["KERNEL_BACKENDS", "LOGPROBS_MODES", "SUPPRESS_WIDTH", "SamplerOutput", "SamplerState", "SamplingMetadata",
+           "init_state", "prompt_logprobs", "sample", "state_shapes", "update_state", "write_bias_row",
+           "write_penalty_row"]
 
 
 def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, *, max_logprobs: int,
