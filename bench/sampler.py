@@ -10,7 +10,8 @@ state included, logprobs off) on random logits, after a warm-up call.  Columns:
 * greedy:            every row temperature 0 (the random path is skipped by ``lax.cond``)
 * random:            temperature 1, no truncation (blocked Gumbel-argmax over the vocabulary)
 * top-k/p threshold: temperature 0.8, top_k 50, top_p 0.95 with the candidate/threshold search
-* top-k/p sort:      the same parameters with a full sort (the baseline the threshold replaces)
+* top-k/p sort:      the same parameters with a full sort (``reference.sample_reference``, the
+                     baseline the threshold replaces)
 * flat top-p:        temperature 1, top_p 0.999 on flat logits: the nucleus overflows the
                      candidates and the bitwise threshold search runs over the whole vocabulary
 
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.sample import metadata as smd
+from jaxllm.sample import reference as ref
 from jaxllm.sample import sampler as sm
 
 CONFIGS = {
@@ -55,11 +57,14 @@ def _inputs(S: int, V: int, cfg: dict, seed: int = 0, flat: bool = False):
     return logits, jax.device_put(smd.to_metadata(a)), sm.init_state(S + 1, V)
 
 
-def time_sampler(S: int, V: int, cfg: dict, impl: str = "threshold", repeat: int = 20, flat: bool = False,
+def time_sampler(S: int, V: int, cfg: dict, sort_baseline: bool = False, repeat: int = 20, flat: bool = False,
                  budget_s: float = 60.0) -> float:
-    """Median seconds of one compiled sampler call."""
+    """Median seconds of one compiled sampler call (``sort_baseline``: the sort-based reference)."""
     logits, md, st = _inputs(S, V, cfg, flat=flat)
-    f = jax.jit(lambda l, m, s: sm.sample(l, m, s, max_logprobs=0, impl=impl).token_ids)
+    if sort_baseline:
+        f = jax.jit(lambda l, m, s: ref.sample_reference(l, m, s))
+    else:
+        f = jax.jit(lambda l, m, s: sm.sample(l, m, s, max_logprobs=0).token_ids)
     f(logits, md, st).block_until_ready()
     times, t_start = [], time.perf_counter()
     for _ in range(repeat):
@@ -79,8 +84,8 @@ def table(batches, V: int, repeat: int) -> None:
     for S in batches:
         cells = []
         for name in cols:
-            impl = "sort" if "sort" in name else "threshold"
-            t = time_sampler(S, V, CONFIGS[name], impl=impl, repeat=repeat if impl != "sort" else 3,
+            baseline = "sort" in name
+            t = time_sampler(S, V, CONFIGS[name], sort_baseline=baseline, repeat=3 if baseline else repeat,
                              flat=name.startswith("flat"))
             cells.append(f"{t * 1e3:.2f}")
         print(f"| {S} | " + " | ".join(cells) + " |", flush=True)

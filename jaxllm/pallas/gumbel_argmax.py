@@ -6,8 +6,8 @@ that ``jaxllm.sample.sampler.sample`` draws (greedy rows: the lowest index of th
 ``x``; random rows: the lowest index of the maximum of ``x1 + g``, ``x1`` the scaled and
 truncated logits, ``g`` the counter-based Gumbel noise of ``gumbel.py``), bit for bit equal to
 the serial host reference ``jaxllm.sample.reference.sample_row``.  The thresholds (``tau`` of
-top-k/top-p, the row maximum for min_p) are the caller's (``sampler.truncation_threshold``):
-the kernel applies them, it does not search for them.
+top-k/top-p, the row maximum for min_p) are the caller's (``jaxllm.sample.truncation``, see
+``draw.draw_pallas``): the kernel applies them, it does not search for them.
 
 Two Pallas calls, a grid reduction:
 

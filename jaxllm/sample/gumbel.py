@@ -15,7 +15,7 @@ two hashes and runs the same algorithm in float64; the trace must run under
 
 :func:`noise_upper_bound` is a cheap bound ``g <= ub(bits)`` from the exponent of ``1 - u``
 (no logarithm): the draw evaluates the exact noise only in the few vocabulary blocks whose
-bound can still beat the best exact score (see ``sampler.gumbel_argmax``).
+bound can still beat the best exact score (see ``draw.gumbel_argmax``).
 """
 
 from __future__ import annotations

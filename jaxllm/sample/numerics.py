@@ -175,7 +175,7 @@ def limbs(e, xp=jnp):
     """e in [0, 1] float32 -> (hi, mid, lo) float32 integers in [0, 2^12] with
     e ~ hi 2^-12 + mid 2^-24 + lo 2^-36 (exact truncation: every step scales by a power of two
     or takes a fraction, all exact).  Kept as floats: sums of up to 16 of them are exact
-    in float32, which is how the device sums them (see ``sampler._mass``)."""
+    in float32, which is how the device sums them (see ``truncation.mass``)."""
     s = np.float32(2.0 ** LIMB_BITS)
     a = e * s
     hi = xp.floor(a)

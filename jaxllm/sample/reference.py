@@ -1,19 +1,33 @@
-"""The serial host reference of the sampler (numpy), the oracle of the order gate.
+"""The sampler's references: the serial host reference (numpy), the oracle of the order gate,
+and the sort-based device baseline of the truncation.
 
-It processes one row as the device does (same float32 operations in the same order, from
-``numerics.py``) but without any of the device's shortcuts: top-k and top-p from a plain
-sort with the masses accumulated token by token in descending order (exact int64 running
-sums), and the draw as an explicit loop over the vocabulary that keeps the first maximum.  The parallel sampler must
-return exactly this token for every row, whatever the batch layout.
+:func:`sample_row` processes one row as the device does (same float32 operations in the
+same order, from ``numerics.py``) but without any of the device's shortcuts: top-k and
+top-p from a plain sort with the masses accumulated token by token in descending order
+(exact int64 running sums), and the draw as an explicit loop over the vocabulary that keeps
+the first maximum.  The parallel sampler must return exactly this token for every row,
+whatever the batch layout.
+
+:func:`truncation_threshold_reference` is the truncation key the device computes without
+its candidate search (a full sort of every row, jnp), and :func:`sample_reference` the
+device sampler built on it: the baseline that ``truncation.py`` replaces, for the tests
+and ``bench/sampler.py``.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.sample import numerics as nx
-from jaxllm.sample.gumbel import gumbel_noise_np
+from jaxllm.sample.arrays import SamplerState, SamplingMetadata
+from jaxllm.sample.blocked import NEG_INF, blocked_argmax
+from jaxllm.sample.draw import gumbel_argmax
+from jaxllm.sample.gumbel import gumbel_noise_np, runtime_zero
 from jaxllm.sample.metadata import RowParams, log_min_p
+from jaxllm.sample.processing import process_logits
+from jaxllm.sample.truncation import apply_key, kept_mass, scaled_logits
 
 _F = np.float32
 
@@ -87,3 +101,57 @@ def sample_row(logits: np.ndarray, p: RowParams, out_pos: int, counts=None, prom
     g = gumbel_noise_np(p.seed, out_pos, x.shape[0], fp64)
     y = xf.astype(g.dtype) + g
     return first_argmax(y)
+
+
+# ---------------------------------------------------------------- the device baseline (jnp)
+
+def truncation_threshold_reference(x: jax.Array, m: jax.Array, md: SamplingMetadata, zero: jax.Array) -> jax.Array:
+    """The whole truncation key per row ([S] u32) from a full sort: x [S, V] temperature-scaled,
+    min_p applied, no -0.0; m [S] the row maximum.  The k-th value and the first value whose
+    descending cumulative fixed-point mass reaches ``top_p`` of the total are read off the
+    sorted row; the same keys as ``truncation.truncation_threshold`` + ``whole_key``."""
+    S, V = x.shape
+    k_eff = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, V), V)         # [S]
+    u0 = jnp.uint32(0)
+    sv = jnp.sort(x, axis=-1)[:, ::-1]                                   # [S, V] descending
+    row_k = jnp.take_along_axis(sv, (k_eff - 1)[:, None], axis=1)[:, 0]
+    tau_k = jnp.where(md.top_k > 0, nx.float_key(row_k), u0)
+
+    def top_p():
+        target = md.top_p * kept_mass(x, tau_k, m, zero)                 # [S]
+        svk = jnp.where(nx.float_key(sv) >= tau_k[:, None], sv, NEG_INF)
+        cl = [c.astype(jnp.uint32) for c in nx.limbs(nx.exp_nonpos(svk - m[:, None], jnp, zero))]
+        cm = nx.combine(*(jnp.cumsum(c, axis=1, dtype=jnp.uint32) for c in cl))   # [S, V] non-decreasing
+        j = jnp.sum(jnp.where(cm < target[:, None], 1, 0), axis=1)       # first index reaching it
+        row_p = jnp.take_along_axis(svk, jnp.minimum(j, V - 1)[:, None], axis=1)[:, 0]
+        tau_p = jnp.where(md.top_p < 1.0, nx.float_key(row_p), u0)
+        return jnp.maximum(tau_k, tau_p)
+
+    return jax.lax.cond(jnp.any(md.top_p < 1.0), top_p, lambda: tau_k)
+
+
+def _random_rows_reference(x, greedy, md: SamplingMetadata, zero, fp64: bool):
+    S = x.shape[0]
+    is_random = md.temperature > 0.0
+    x1, m = scaled_logits(x, md, is_random)
+    truncated = is_random & ((md.top_k > 0) | (md.top_p < 1.0))
+    tau = jax.lax.cond(jnp.any(truncated), lambda: truncation_threshold_reference(x1, m, md, zero),
+                       lambda: jnp.zeros((S,), jnp.uint32))
+    xf = apply_key(x1, tau)                                              # [S, V]
+    if fp64:
+        with jax.enable_x64(True):
+            drawn = gumbel_argmax(xf, md, fp64, is_random)
+    else:
+        drawn = gumbel_argmax(xf, md, fp64, is_random)
+    return jnp.where(is_random, drawn, greedy)
+
+
+def sample_reference(logits: jax.Array, md: SamplingMetadata, state: SamplerState, *, fp64: bool = False) -> jax.Array:
+    """The device sampler with the sort-based truncation: logits [S, V] -> tokens [S] i32, the
+    tokens ``sampler.sample`` draws (same processing and draw, no candidate shortcuts in the
+    truncation)."""
+    zero = runtime_zero(md.out_pos)                                      # [S, 1]
+    x = process_logits(logits, md, state, zero)                          # [S, V]
+    greedy = blocked_argmax(x)
+    return jax.lax.cond(jnp.any(md.temperature > 0.0), lambda: _random_rows_reference(x, greedy, md, zero, fp64),
+                        lambda: greedy)

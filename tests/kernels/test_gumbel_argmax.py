@@ -25,6 +25,7 @@ from jaxllm.sample import metadata as smd
 from jaxllm.sample import numerics as nx
 from jaxllm.sample import reference as ref
 from jaxllm.sample import sampler as sm
+from jaxllm.sample import truncation
 from jaxllm.sample.gumbel import gumbel_noise_np, split_seed
 from jaxllm.sample.metadata import RowParams
 
@@ -294,8 +295,8 @@ def test_sampler_pallas_backend_equals_xla():
     m = jnp.asarray(np.asarray(logits)[4:5])
     # The flat top_p=0.999 row is left open by the candidate search: the whole-row search runs.
     x1 = m / 1.0
-    _, open_p, _, _ = sm.truncation_threshold(x1, x1.max(axis=-1), jax.tree.map(lambda v: v[4:5], md),
-                                              jnp.zeros((1, 1), jnp.int32))
+    _, open_p, _, _ = truncation.truncation_threshold(x1, x1.max(axis=-1), jax.tree.map(lambda v: v[4:5], md),
+                                                      jnp.zeros((1, 1), jnp.int32))
     assert bool(open_p[0])
 
     def run(backend, mode):

@@ -28,10 +28,11 @@ class Row:
 _JIT: dict = {}
 
 
-def device_tokens(rows: list[Row | None], *, impl: str = "threshold", fp64: bool = False,
+def device_tokens(rows: list[Row | None], *, sort_baseline: bool = False, fp64: bool = False,
                   fresh: bool = False) -> list[int]:
     """Tokens the compiled sampler draws for ``rows`` laid out as batch rows (None: a padding
-    row).  Each row gets its own state slot, in reverse order, so slots never equal rows."""
+    row).  Each row gets its own state slot, in reverse order, so slots never equal rows.
+    ``sort_baseline``: the sampler with the sort-based truncation (``ref.sample_reference``)."""
     S = len(rows)
     V = next(r.logits.shape[0] for r in rows if r is not None)
     R = S + 1
@@ -55,9 +56,12 @@ def device_tokens(rows: list[Row | None], *, impl: str = "threshold", fp64: bool
         smd.fill_row(a, i, r.params, slot=slot, out_pos=r.out_pos, num_prompt=0, reset=False,
                      suppress=r.suppress, num_logprobs=-1)
     state = sm.SamplerState(jnp.asarray(counts), jnp.asarray(prompt), jnp.asarray(bias))
-    key = (impl, fp64)
+    key = (sort_baseline, fp64)
     if fresh or key not in _JIT:
-        _JIT[key] = jax.jit(lambda l, m, s: sm.sample(l, m, s, max_logprobs=0, impl=impl, fp64=fp64).token_ids)
+        if sort_baseline:
+            _JIT[key] = jax.jit(lambda l, m, s: ref.sample_reference(l, m, s, fp64=fp64))
+        else:
+            _JIT[key] = jax.jit(lambda l, m, s: sm.sample(l, m, s, max_logprobs=0, fp64=fp64).token_ids)
     f = _JIT[key] if not fresh else _JIT.pop(key)
     return np.asarray(f(jnp.asarray(logits), smd.to_metadata(a), state)).tolist()
 

@@ -21,7 +21,7 @@ import pytest
 
 from sampler_harness import Row, device_tokens, reference_tokens, tie_pair
 
-from jaxllm.sample import sampler as sm
+from jaxllm.sample import blocked, draw
 from jaxllm.sample.metadata import RowParams
 
 WIDTHS = [2, 7, 64, 1000, 4099, 32000, 49152, 65537, 128256, 151936, 248320]
@@ -115,7 +115,7 @@ def test_tie_rows_exist_and_resolve_to_the_lowest_index():
 def test_sort_and_threshold_truncation_agree():
     for seed in (0, 1):
         rows = gate_rows(4099, seed)
-        assert device_tokens(rows, impl="sort") == device_tokens(rows) == reference_tokens(rows)
+        assert device_tokens(rows, sort_baseline=True) == device_tokens(rows) == reference_tokens(rows)
 
 
 def test_float64_noise_draw_equals_the_reference():
@@ -132,13 +132,19 @@ def test_order_gate_sees_a_tie_break_the_formula_gate_cannot(monkeypatch):
     tie_rows = [rows[0], rows[-1]]
     assert np.isfinite(rows[-1].params.bias_row).sum() == 2, "no tie row was built"
     assert device_tokens(tie_rows) == reference_tokens(tie_rows)
-    monkeypatch.setattr(sm, "_first_index", _last_index)
+    _resolve_ties_to_the_last_index(monkeypatch)
     assert device_tokens(tie_rows, fresh=True) != reference_tokens(tie_rows)
 
 
 def _last_index(mask, index, big):
     import jax.numpy as jnp
     return jnp.max(jnp.where(mask, index, -1), axis=-1)
+
+
+def _resolve_ties_to_the_last_index(monkeypatch):
+    """The mutation, in every module whose reductions pick a first index."""
+    for module in (blocked, draw):
+        monkeypatch.setattr(module, "first_index", _last_index)
 
 
 def truncated_rows(V: int, seed: int) -> list[Row]:
@@ -173,5 +179,5 @@ def test_candidate_draw_resolves_ties_to_the_lowest_index(monkeypatch):
     assert tie.params.top_k == 2 and np.isfinite(tie.params.bias_row).sum() == 2, "no tie row was built"
     lo = int(np.flatnonzero(np.isfinite(tie.params.bias_row))[0])
     assert device_tokens([tie]) == reference_tokens([tie]) == [lo]
-    monkeypatch.setattr(sm, "_first_index", _last_index)
+    _resolve_ties_to_the_last_index(monkeypatch)
     assert device_tokens([tie], fresh=True) != [lo]
