@@ -100,21 +100,22 @@ def decode_share(steps: int = 12, repeat: int = 15) -> None:
     llm = LLM(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=256, dtype="float32", show_progress=False,
               precompile="all")
     runner = llm.llm_engine.core.runner
-    V = runner.vocab_size
+    V = runner.arch.vocab_size
     run = runner._run
     captured = {}
 
-    def capture(bucket, inputs):
-        if bucket == (32, 32):
-            captured.setdefault("inputs", inputs)
-        return run(bucket, inputs)
+    def capture(step):
+        if step.bucket == (32, 32):
+            captured.setdefault("inputs", step.inputs)
+        return run(step)
 
     runner._run = capture
     prompts = [{"prompt_token_ids": [1 + i, 2 + i]} for i in range(32)]
     print(f"\nbuilt-in model ({llm.llm_engine.model_name}), batch-32 decode step, vocab {V}, median ms")
     print("| parameters | step (model) | sampler | sampler share | sampler alone |")
     print("|---|---:|---:|---:|---:|")
-    step, sampler = runner._compiled[(32, 32)], runner._samplers[32]
+    step, sampler = runner.compiler.steps[(32, 32)], runner.compiler.samplers[32]
+    rows = runner.sampler_rows
     for name in ("greedy", "random", "top-k/p threshold", "flat top-p"):
         cfg = CONFIGS[name]
         captured.clear()
@@ -123,10 +124,10 @@ def decode_share(steps: int = 12, repeat: int = 15) -> None:
         t_step, t_sample = [], []
         for _ in range(repeat):
             t0 = time.perf_counter()
-            runner.kv, runner.sstate, logits, _, sampling_words = step(runner.params, runner.kv, runner.sstate, words)
+            runner.kv, rows.state, logits, _, sampling_words = step(runner.params, runner.kv, rows.state, words)
             logits.block_until_ready()
             t1 = time.perf_counter()
-            sampler(runner.sstate, logits, sampling_words).token_ids.block_until_ready()
+            sampler(rows.state, logits, sampling_words).token_ids.block_until_ready()
             t_step.append(t1 - t0)
             t_sample.append(time.perf_counter() - t1)
         st, sa = statistics.median(t_step), statistics.median(t_sample)

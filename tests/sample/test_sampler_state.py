@@ -9,6 +9,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxllm import SamplingParams
 from jaxllm.engine.output_processor import OutputKind
@@ -18,8 +19,8 @@ from jaxllm.sample import sampler as sm
 
 def test_step_updates_the_state_in_place(tiny_llm):
     runner = tiny_llm.llm_engine.core.runner
-    R, V = runner.sstate.counts.shape
-    for bucket, compiled in runner._compiled.items():
+    R, V = runner.sampler_rows.state.counts.shape
+    for bucket, compiled in runner.compiler.steps.items():
         hlo = compiled.as_text()
         for dt in ("s32", "pred", "f32"):
             copies = [ln for ln in hlo.splitlines() if re.search(rf"= {dt}\[{R},{V}\]\{{[0-9,]*\}} copy\(", ln)]
@@ -29,8 +30,8 @@ def test_step_updates_the_state_in_place(tiny_llm):
         n_alias = len(re.findall(r"(may|must)-alias\)", header))
         assert n_alias == len(jax.tree.leaves(runner.kv)) + 3, header[:300]
     # The sampler (its own program per sequence bucket) reads the state without copying it.
-    assert runner._samplers
-    for S, compiled in runner._samplers.items():
+    assert runner.compiler.samplers
+    for S, compiled in runner.compiler.samplers.items():
         hlo = compiled.as_text()
         for dt in ("s32", "pred", "f32"):
             copies = [ln for ln in hlo.splitlines() if re.search(rf"= {dt}\[{R},{V}\]\{{[0-9,]*\}} copy\(", ln)]
@@ -48,26 +49,28 @@ def test_counts_live_on_the_device_keyed_by_request_id(tiny_llm):
     for _ in range(6):
         for o in engine.step():
             outs[o.request_id] = o.outputs[0].token_ids
-    st = runner._states["state-a"]
-    counts = np.asarray(runner.sstate.counts[st.slot])
-    pmask = np.asarray(runner.sstate.prompt_mask[st.slot])
+    rows = runner.sampler_rows
+    row_a = rows.row("state-a")
+    counts = np.asarray(rows.state.counts[row_a])
+    pmask = np.asarray(rows.state.prompt_mask[row_a])
     out = outs["state-a"]
     # Every output token but the newest has been fed back through a step and counted there.
     assert np.array_equal(counts, np.bincount(out[:-1], minlength=counts.shape[0]))
     assert set(np.flatnonzero(pmask).tolist()) == set(prompt)
-    slot_b = runner._states["state-b"].slot
-    assert slot_b != st.slot
+    row_b = rows.row("state-b")
+    assert row_b != row_a
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()                     # delivers the finished ids: the runner frees their rows
-    assert "state-a" not in runner._states
+    with pytest.raises(KeyError):
+        rows.row("state-a")
     # A new request reuses a freed row (which held a's or b's counts), and starts from zero.
     engine.add_request("state-c", {"prompt_token_ids": [8]}, sp.replace(seed=13), kind=OutputKind.CUMULATIVE)
     engine.step()
-    c = runner._states["state-c"]
-    assert c.slot in (st.slot, slot_b)
-    assert int(np.asarray(runner.sstate.counts[c.slot]).sum()) == 0
-    assert set(np.flatnonzero(np.asarray(runner.sstate.prompt_mask[c.slot])).tolist()) == {8}
+    row_c = rows.row("state-c")
+    assert row_c in (row_a, row_b)
+    assert int(np.asarray(rows.state.counts[row_c]).sum()) == 0
+    assert set(np.flatnonzero(np.asarray(rows.state.prompt_mask[row_c])).tolist()) == {8}
     while engine.has_unfinished_requests():
         engine.step()
 
