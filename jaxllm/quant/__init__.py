@@ -5,9 +5,9 @@ and dequantizes them in jnp; ``matmul`` is the XLA path that dequantizes inside 
 jitted function.  Each has a numpy reference beside it.
 """
 
-from jaxllm.quant.gguf_blocks import (BLOCK_SIZE, SUPPORTED_TYPES, PackedWeight, dequantize,
-                                      dequantize_reference, pack)
+from jaxllm.quant.gguf_blocks import (BLOCK_SIZE, QK_K, SUPPORTED_TYPES, PackedWeight,
+                                      block_size, dequantize, dequantize_reference, pack)
 from jaxllm.quant.matmul import matmul, matmul_reference
 
-__all__ = ["BLOCK_SIZE", "SUPPORTED_TYPES", "PackedWeight", "pack", "dequantize",
+__all__ = ["BLOCK_SIZE", "QK_K", "SUPPORTED_TYPES", "PackedWeight", "block_size", "pack", "dequantize",
            "dequantize_reference", "matmul", "matmul_reference"]
