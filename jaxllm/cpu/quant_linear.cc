@@ -110,24 +110,23 @@ inline void tile(int rows, const float* x, int64_t K, const uint16_t* d, const u
   }
 }
 
-// Weight rows [n0, n1) for every row of x.  A weight row (at most a few KB) stays in L1
-// while every tile of x passes over it.
+// Weight rows [n0, n1) for every row of x.  The tile of x (at most kMaxRows * K floats) is
+// the outer loop: it is read 4 times per block per weight row, so it stays in L1 while the
+// weight rows (about a quarter of its bytes per block) stream through.
 template <typename T>
 void rows_range(const float* x, const uint16_t* d, const uint16_t* m, const uint8_t* qs, const float* sx,
                 float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const int64_t nb = K / kBlock;
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* dn = d + n * nb;
-    const uint16_t* mn = m ? m + n * nb : nullptr;
-    const uint8_t* qn = qs + n * nb * T::kQsBytes;
-    int64_t r0 = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      // tiles as even as possible (7 rows: 4 + 3, not 4 + 3 ... or a 1-row tail)
-      const int rows = static_cast<int>(M / tiles + (t < M % tiles));
-      tile<T>(rows, x + r0 * K, K, dn, mn, qn, sx ? sx + r0 * nb : nullptr, y + r0 * N + n, N);
-      r0 += rows;
+  int64_t r0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    // tiles as even as possible (7 rows: 4 + 3, not 4 + 3 ... or a 1-row tail)
+    const int rows = static_cast<int>(M / tiles + (t < M % tiles));
+    for (int64_t n = n0; n < n1; ++n) {
+      tile<T>(rows, x + r0 * K, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
+              sx ? sx + r0 * nb : nullptr, y + r0 * N + n, N);
     }
+    r0 += rows;
   }
 }
 
