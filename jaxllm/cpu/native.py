@@ -5,6 +5,10 @@ compiler into its own shared library, cached under ``~/.cache/jaxllm/kernels``. 
 is listed in ``_KERNELS`` with the FFI targets it exports.  ``available()`` is
 False (and the XLA dot is used instead) when the CPU lacks AVX2/FMA, no compiler is
 found, or the build fails; the reason is logged once.
+
+The packed-GGUF-block matmul (``quant_linear.cc``, which also needs F16C) is built and
+registered on its own by ``quant_available()``, with its own log line, so that its failure
+never turns off the kernels above.
 """
 
 from __future__ import annotations
@@ -34,23 +38,32 @@ _KERNELS = {
     "attention.cc": {"jaxllm_paged_attention_f32": "JaxllmPagedAttentionF32",
                      "jaxllm_paged_attention_bf16": "JaxllmPagedAttentionBF16"},
 }
+# The packed-block matmul: separate from _KERNELS so it never decides ``available()``.
+_QUANT_SOURCE = "quant_linear.cc"
+_QUANT_TARGETS = {"jaxllm_linear_q8_0": "JaxllmLinearQ8_0", "jaxllm_linear_q4_1": "JaxllmLinearQ4_1"}
 _HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
+_QUANT_FLAGS = _FLAGS + ["-mf16c"]   # f16 scales -> f32 (_cvtsh_ss)
 _TARGETS = {jnp.dtype(jnp.float32): "jaxllm_linear_f32", jnp.dtype(jnp.uint16): "jaxllm_linear_bf16"}
 _lock = threading.Lock()
 _state: dict = {}
+_quant_state: dict = {}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return set()
 
 
 def _cpu_supports() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((ln for ln in f if ln.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return "avx2" in flags and "fma" in flags
 
 
-def _build(source: str) -> str:
+def _build(source: str, flags: list[str] = _FLAGS) -> str:
     """Compiles ``source`` (a file name in this folder) once; the path of its shared library."""
     src_path = os.path.join(_DIR, source)
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -62,7 +75,7 @@ def _build(source: str) -> str:
         with open(path, "rb") as f:
             src += f.read()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
-    key = hashlib.sha1(src + " ".join(_FLAGS + [version, include]).encode()).hexdigest()[:16]
+    key = hashlib.sha1(src + " ".join(flags + [version, include]).encode()).hexdigest()[:16]
     out_dir = os.path.join(default_cache_dir(), "kernels")
     lib = os.path.join(out_dir, f"libjaxllm_{os.path.splitext(source)[0]}_{key}.so")
     if os.path.isfile(lib):
@@ -74,7 +87,7 @@ def _build(source: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    r = subprocess.run([cxx, *_FLAGS, f"-I{include}", src_path, "-o", tmp], capture_output=True, text=True)
+    r = subprocess.run([cxx, *flags, f"-I{include}", src_path, "-o", tmp], capture_output=True, text=True)
     if r.returncode != 0:
         os.unlink(tmp)
         raise RuntimeError(f"compiling {src_path} failed: {r.stderr.strip()[-2000:]}")
@@ -111,6 +124,32 @@ def available() -> bool:
         if not ok:
             log.warning("native CPU kernels unavailable (%s); using XLA's dot and attention", reason)
         _state["ok"] = ok
+        return ok
+
+
+def quant_available() -> bool:
+    """Builds and registers the packed-block matmul (quant_linear.cc) on first call; True
+    when ``jaxllm_linear_q8_0`` / ``jaxllm_linear_q4_1`` can be called."""
+    with _lock:
+        if "ok" in _quant_state:
+            return _quant_state["ok"]
+        ok = False
+        if jax.default_backend() != "cpu":
+            reason = "not a CPU backend"
+        elif not {"avx2", "fma", "f16c"} <= _cpu_flags():
+            reason = "the CPU lacks AVX2/FMA/F16C"
+        else:
+            try:
+                lib = ctypes.cdll.LoadLibrary(_build(_QUANT_SOURCE, _QUANT_FLAGS))
+                for name, symbol in _QUANT_TARGETS.items():
+                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _quant_state["lib"] = lib   # kept alive: XLA holds raw pointers into it
+                ok, reason = True, ""
+            except (RuntimeError, OSError, AttributeError) as e:
+                reason = str(e)
+        if not ok:
+            log.warning("native packed-block matmul unavailable (%s); using the XLA dequantize path", reason)
+        _quant_state["ok"] = ok
         return ok
 
 

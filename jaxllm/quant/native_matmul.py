@@ -1,0 +1,36 @@
+"""``x @ W^T`` on CPU with a native kernel that reads the GGUF blocks directly.
+
+``linear_packed`` calls the XLA FFI targets of ``jaxllm/cpu/quant_linear.cc`` (built and
+registered by ``jaxllm.cpu.native.quant_available``): each block is widened and scaled in
+registers, so no float32 copy of the weight exists even for one step.  It is jittable and
+composes with other ops like any XLA custom call; ``matmul.matmul`` is the portable path and
+``matmul.matmul_reference`` the oracle for both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.cpu import native
+from jaxllm.quant.gguf_blocks import PackedWeight
+
+NATIVE_TYPES = ("Q8_0", "Q4_1")
+
+
+def linear_packed(x: jax.Array, pw: PackedWeight) -> jax.Array:
+    """x [M, K] (any float dtype) @ W[N, K]^T -> float32 [M, N], W read from ``pw``'s blocks."""
+    if pw.type_name not in NATIVE_TYPES:
+        raise ValueError(f"no native CPU kernel for {pw.type_name or 'untyped'} weights "
+                         f"(native: {', '.join(NATIVE_TYPES)}); use jaxllm.quant.matmul")
+    if x.ndim != 2 or x.shape[-1] != pw.shape[1]:
+        raise ValueError(f"x of shape {tuple(x.shape)} is not [M, {pw.shape[1]}] for the "
+                         f"{pw.type_name} weight of shape {pw.shape}")
+    if not native.quant_available():
+        raise RuntimeError("the native packed-block matmul is unavailable here (see the "
+                           "jaxllm.cpu log); use jaxllm.quant.matmul")
+    out = jax.ShapeDtypeStruct((x.shape[0], pw.shape[0]), jnp.float32)
+    x = x.astype(jnp.float32)
+    if pw.type_name == "Q8_0":
+        return jax.ffi.ffi_call("jaxllm_linear_q8_0", out)(x, pw.d, pw.qs)          # [M, N]
+    return jax.ffi.ffi_call("jaxllm_linear_q4_1", out)(x, pw.d, pw.m, pw.qs)       # [M, N]
