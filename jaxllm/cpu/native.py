@@ -40,7 +40,9 @@ _KERNELS = {
 }
 # The packed-block matmul: separate from _KERNELS so it never decides ``available()``.
 _QUANT_SOURCE = "quant_linear.cc"
-_QUANT_TARGETS = {"jaxllm_linear_q8_0": "JaxllmLinearQ8_0", "jaxllm_linear_q4_1": "JaxllmLinearQ4_1"}
+_QUANT_TARGETS = {"jaxllm_linear_q8_0": "JaxllmLinearQ8_0", "jaxllm_linear_q4_0": "JaxllmLinearQ4_0",
+                  "jaxllm_linear_q4_1": "JaxllmLinearQ4_1", "jaxllm_linear_q5_0": "JaxllmLinearQ5_0",
+                  "jaxllm_linear_q5_1": "JaxllmLinearQ5_1"}
 _HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
 _QUANT_FLAGS = _FLAGS + ["-mf16c"]   # f16 scales -> f32 (_cvtsh_ss)
@@ -129,7 +131,8 @@ def available() -> bool:
 
 def quant_available() -> bool:
     """Builds and registers the packed-block matmul (quant_linear.cc) on first call; True
-    when ``jaxllm_linear_q8_0`` / ``jaxllm_linear_q4_1`` can be called."""
+    when the ``jaxllm_linear_q8_0`` / ``q4_0`` / ``q4_1`` / ``q5_0`` / ``q5_1`` targets can be
+    called."""
     with _lock:
         if "ok" in _quant_state:
             return _quant_state["ok"]

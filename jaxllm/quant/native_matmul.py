@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxllm.cpu import native
 from jaxllm.quant.gguf_blocks import PackedWeight
 
-NATIVE_TYPES = ("Q8_0", "Q4_1")
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def linear_packed(x: jax.Array, pw: PackedWeight) -> jax.Array:
@@ -31,6 +31,8 @@ def linear_packed(x: jax.Array, pw: PackedWeight) -> jax.Array:
                            "jaxllm.cpu log); use jaxllm.quant.matmul")
     out = jax.ShapeDtypeStruct((x.shape[0], pw.shape[0]), jnp.float32)
     x = x.astype(jnp.float32)
-    if pw.type_name == "Q8_0":
-        return jax.ffi.ffi_call("jaxllm_linear_q8_0", out)(x, pw.d, pw.qs)          # [M, N]
-    return jax.ffi.ffi_call("jaxllm_linear_q4_1", out)(x, pw.d, pw.m, pw.qs)       # [M, N]
+    # the target's operands, in its handler's order (quant_linear.cc)
+    fields = {"Q8_0": (pw.d, pw.qs), "Q4_0": (pw.d, pw.qs), "Q4_1": (pw.d, pw.m, pw.qs),
+              "Q5_0": (pw.d, pw.qh, pw.qs), "Q5_1": (pw.d, pw.m, pw.qh, pw.qs)}[pw.type_name]
+    target = f"jaxllm_linear_{pw.type_name.lower()}"
+    return jax.ffi.ffi_call(target, out)(x, *fields)                               # [M, N]

@@ -40,20 +40,30 @@ def _quantized(type_name: str, shape, seed: int) -> np.ndarray:
 def _bound(x: np.ndarray, pw) -> np.ndarray:
     """Largest float32 error of the kernel, for any order of its sums.
 
-    The kernel computes sum_b (d_b sum_j q_j x_j + m_b sum_j x_j) in float32.  Every term
-    d q_j x_j and m x_j passes through at most nb + 12 <= K roundings (one product or FMA
-    per vector of the block, the block scale's FMA, the accumulation over nb blocks, the
-    8-lane sum and the final add), so by Higham (Thm 3.1) the error against the exact sum is
-    at most gamma_K sum_j (|d q_j| + |m|) |x_j|, gamma_n = n u / (1 - n u), u = 2^-24.  The
-    reference's weight is d q (exact in float32: 11-bit d times a <= 8-bit q) for Q8_0, and
-    fl(d q + m) for Q4_1, off the exact d q + m by at most u (|d q| + |m|): one more u.
+    The kernel computes sum_b (d_b sum_j q_j x_j + m_b sum_j x_j) in float32, with q the
+    signed quant (Q4_0: q - 8, Q5_0: q - 16, subtracted in the integer bytes, so exact).
+    Every term d q_j x_j and m x_j passes through at most nb + 12 <= K roundings (one
+    product or FMA per vector of the block, the block scale's FMA, the accumulation over nb
+    blocks, the 8-lane sum and the final add), so by Higham (Thm 3.1) the error against the
+    exact sum is at most gamma_K sum_j (|d q_j| + |m|) |x_j|, gamma_n = n u / (1 - n u),
+    u = 2^-24.  The reference's weight is d q (exact in float32: 11-bit d times a <= 8-bit
+    q) for Q8_0, Q4_0 and Q5_0, and fl(d q + m) for Q4_1 and Q5_1, off the exact d q + m by
+    at most u (|d q| + |m|): one more u.
     """
     d = np.asarray(pw.d).view(np.float16).astype(np.float64)[..., None]  # [N, nb, 1]
     qs = np.asarray(pw.qs)
     if pw.type_name == "Q8_0":
-        q, m, extra = qs.view(np.int8).astype(np.float64), 0.0, 0.0
+        q = qs.view(np.int8).astype(np.float64)  # [N, nb, 32]
     else:
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float64)  # [N, nb, 32]
+    if pw.qh is not None:
+        # bit j of the little-endian uint32 qh is weight j's fifth bit
+        h = np.asarray(pw.qh).view("<u4")  # [N, nb, 1]
+        q += ((h >> np.arange(32, dtype=np.uint32)) & 1).astype(np.float64) * 16
+    q -= {"Q4_0": 8, "Q5_0": 16}.get(pw.type_name, 0)
+    if pw.m is None:
+        m, extra = 0.0, 0.0
+    else:
         m, extra = np.asarray(pw.m).view(np.float16).astype(np.float64)[..., None], 2.0 ** -24
     mag = (np.abs(d * q) + np.abs(m)).reshape(pw.shape)  # [N, K]
     n, u = pw.shape[1], 2.0 ** -24
@@ -99,17 +109,17 @@ def test_composes_with_other_ops_under_jit(kernel, type_name):
 
 
 def test_unsupported_type_and_shape_raise():
-    pw = pack(quantize(np.zeros((4, 64), np.float32), GGMLQuantizationType.Q4_0), "Q4_0", (4, 64))
-    with pytest.raises(ValueError, match="no native CPU kernel for Q4_0"):
-        linear_packed(jnp.zeros((1, 64)), pw)
+    pw = pack(np.zeros((4, 144), np.uint8), "Q4_K", (4, 256))   # one 144-byte super-block a row
+    with pytest.raises(ValueError, match="no native CPU kernel for Q4_K"):
+        linear_packed(jnp.zeros((1, 256)), pw)
     pw = pack(_quantized("Q8_0", (4, 64), 0), "Q8_0", (4, 64))
     with pytest.raises(ValueError, match=r"not \[M, 64\]"):
         linear_packed(jnp.zeros((1, 96)), pw)
 
 
 def test_batch1_timing_against_xla_path(kernel, capsys):
-    """Prints (asserts nothing on speed) the median of 20 batch-1 calls, 576x1536 Q8_0 and
-    Q4_1, native against the XLA dequantize-then-dot path."""
+    """Prints (asserts nothing on speed) the median of 20 batch-1 calls, 576x1536, each
+    native type against the XLA dequantize-then-dot path."""
     shape = (576, 1536)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, shape[1]), dtype=np.float32))
     xla_jit = jax.jit(matmul)
