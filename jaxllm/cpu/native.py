@@ -60,11 +60,6 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def _cpu_supports() -> bool:
-    flags = _cpu_flags()
-    return "avx2" in flags and "fma" in flags
-
-
 def _build(source: str, flags: list[str] = _FLAGS) -> str:
     """Compiles ``source`` (a file name in this folder) once; the path of its shared library."""
     src_path = os.path.join(_DIR, source)
@@ -98,62 +93,50 @@ def _build(source: str, flags: list[str] = _FLAGS) -> str:
     return lib
 
 
-def available() -> bool:
-    """Builds and registers the kernels on first call; True when they can be used."""
+def _load(state: dict, kernels: dict, flags: list[str], cpu_flags: set[str], unavailable: str) -> bool:
+    """Builds ``kernels`` (source -> {FFI target: symbol}) with ``flags`` and registers their
+    targets, once per ``state``; logs ``unavailable`` with the reason when that fails."""
     with _lock:
-        if "ok" in _state:
-            return _state["ok"]
+        if "ok" in state:
+            return state["ok"]
         ok = False
         if jax.default_backend() != "cpu":
             reason = "not a CPU backend"
-        elif not _cpu_supports():
-            reason = "the CPU lacks AVX2/FMA"
+        elif not cpu_flags <= _cpu_flags():
+            reason = f"the CPU lacks {'/'.join(sorted(f.upper() for f in cpu_flags))}"
         else:
             try:
-                libs = []
                 # Each source is its own compiler process: a first start builds them side by side.
-                with ThreadPoolExecutor(max_workers=len(_KERNELS)) as pool:
-                    paths = list(pool.map(_build, _KERNELS))
-                for path, targets in zip(paths, _KERNELS.values()):
+                with ThreadPoolExecutor(max_workers=len(kernels)) as pool:
+                    paths = list(pool.map(lambda src: _build(src, flags), kernels))
+                libs = []
+                for path, targets in zip(paths, kernels.values()):
                     lib = ctypes.cdll.LoadLibrary(path)
                     for name, symbol in targets.items():
                         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                     libs.append(lib)
-                _state["libs"] = libs   # kept alive: XLA holds raw pointers into them
+                state["libs"] = libs   # kept alive: XLA holds raw pointers into them
                 ok, reason = True, ""
-            except (RuntimeError, OSError) as e:
+            except (RuntimeError, OSError, AttributeError) as e:
                 reason = str(e)
         if not ok:
-            log.warning("native CPU kernels unavailable (%s); using XLA's dot and attention", reason)
-        _state["ok"] = ok
+            log.warning("%s (%s)", unavailable, reason)
+        state["ok"] = ok
         return ok
+
+
+def available() -> bool:
+    """Builds and registers the kernels on first call; True when they can be used."""
+    return _load(_state, _KERNELS, _FLAGS, {"avx2", "fma"},
+                 "native CPU kernels unavailable; using XLA's dot and attention")
 
 
 def quant_available() -> bool:
     """Builds and registers the packed-block matmul (quant_linear.cc) on first call; True
     when the ``jaxllm_linear_q8_0`` / ``q4_0`` / ``q4_1`` / ``q5_0`` / ``q5_1`` targets can be
     called."""
-    with _lock:
-        if "ok" in _quant_state:
-            return _quant_state["ok"]
-        ok = False
-        if jax.default_backend() != "cpu":
-            reason = "not a CPU backend"
-        elif not {"avx2", "fma", "f16c"} <= _cpu_flags():
-            reason = "the CPU lacks AVX2/FMA/F16C"
-        else:
-            try:
-                lib = ctypes.cdll.LoadLibrary(_build(_QUANT_SOURCE, _QUANT_FLAGS))
-                for name, symbol in _QUANT_TARGETS.items():
-                    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-                _quant_state["lib"] = lib   # kept alive: XLA holds raw pointers into it
-                ok, reason = True, ""
-            except (RuntimeError, OSError, AttributeError) as e:
-                reason = str(e)
-        if not ok:
-            log.warning("native packed-block matmul unavailable (%s); using the XLA dequantize path", reason)
-        _quant_state["ok"] = ok
-        return ok
+    return _load(_quant_state, {_QUANT_SOURCE: _QUANT_TARGETS}, _QUANT_FLAGS, {"avx2", "fma", "f16c"},
+                 "native packed-block matmul unavailable; using the XLA dequantize path")
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -29,14 +30,6 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kMaxRows = 4;   // rows of x per tile: 4 weight vectors + 4 accumulators + partials
-
-inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-  return _mm_cvtss_f32(lo);
-}
 
 inline float f16(uint16_t bits) { return _cvtsh_ss(bits); }
 
@@ -175,7 +168,7 @@ inline void row_tile(const float* x, int64_t K, const uint16_t* d, const uint16_
       for (int r = 0; r < MR; ++r) macc[r] += mb * sx[r * nb + b];
     }
   }
-  for (int r = 0; r < MR; ++r) y[r * N] = hsum8(acc[r]) + macc[r];
+  for (int r = 0; r < MR; ++r) y[r * N] = jaxllm_simd::hsum(acc[r]) + macc[r];
 }
 
 template <typename T>
@@ -221,7 +214,7 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
         const float* xb = x + r * K + b * kBlock;
         __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
                                  _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
-        sums[r * nb + b] = hsum8(s);
+        sums[r * nb + b] = jaxllm_simd::hsum(s);
       }
   }
   const float* sx = m != nullptr ? sums.data() : nullptr;

@@ -15,7 +15,6 @@ import numpy as np
 
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.outputs import SchedulerOutput
-from jaxllm.runner import buckets as bk
 from jaxllm.runner.requests import RequestStates
 from jaxllm.runner.step import StepInputs
 from jaxllm.runner.step_config import StepConfig
@@ -37,11 +36,12 @@ class PreparedStep:
     computes."""
 
 
-def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig) -> PreparedStep:
-    """Also tells the sampler rows which requests take their first step (``states.rows``)."""
+def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket: tuple[int, int]) -> PreparedStep:
+    """``bucket``: the step's (T, S), picked by the caller (runner/buckets.pick).  Also tells
+    the sampler rows which requests take their first step (``states.rows``)."""
     rows = list(so.num_scheduled_tokens.items())
     S = len(rows)
-    Tb, Sb = bk.pick(so.total_num_scheduled_tokens, S, cfg.buckets)
+    Tb, Sb = bucket
     BS = cfg.block_size
     input_ids = np.zeros(Tb, np.int32)
     positions = np.zeros(Tb, np.int32)

@@ -144,7 +144,7 @@ class ModelRunner:
             # (compiled side by side); the guard covers both from now on.
             self.compile_buckets([bucket, bk.pick(S, S, self.buckets)])
         before = cc.counts()
-        step = prepare(so, self.requests, self.cfg)
+        step = prepare(so, self.requests, self.cfg, bucket)
         if self.before_step_hook is not None:
             self.before_step_hook()
         if self.strict:

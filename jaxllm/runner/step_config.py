@@ -5,6 +5,7 @@ that can run here: the layers do not check again."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ class StepConfig:
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
 
-    @property
+    @functools.cached_property
     def buckets(self) -> list[tuple[int, int]]:
+        """Computed once: every step picks its bucket from it."""
         return bk.step_buckets(self.max_num_batched_tokens, self.max_num_seqs)

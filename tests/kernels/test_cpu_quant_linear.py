@@ -3,9 +3,6 @@ float64 reference of the dequantized weight, on the built-in model's shapes and 
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +11,7 @@ from gguf.constants import GGMLQuantizationType
 from gguf.quants import quantize
 
 from jaxllm.cpu import native
-from jaxllm.quant import matmul, matmul_reference, pack
+from jaxllm.quant import matmul_reference, pack
 from jaxllm.quant.native_matmul import NATIVE_TYPES, linear_packed
 
 # (N, K): the built-in model's q/o, k/v, gate/up and down projections, and a small odd one
@@ -115,30 +112,6 @@ def test_unsupported_type_and_shape_raise():
     pw = pack(_quantized("Q8_0", (4, 64), 0), "Q8_0", (4, 64))
     with pytest.raises(ValueError, match=r"not \[M, 64\]"):
         linear_packed(jnp.zeros((1, 96)), pw)
-
-
-def test_batch1_timing_against_xla_path(kernel, capsys):
-    """Prints (asserts nothing on speed) the median of 20 batch-1 calls, 576x1536, each
-    native type against the XLA dequantize-then-dot path."""
-    shape = (576, 1536)
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, shape[1]), dtype=np.float32))
-    xla_jit = jax.jit(matmul)
-    lines = []
-    for type_name in NATIVE_TYPES:
-        pw = pack(_quantized(type_name, shape, 1), type_name, shape)
-        times = {}
-        for name, fn in (("native", _linear_jit), ("xla", xla_jit)):
-            fn(x, pw).block_until_ready()
-            runs = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                fn(x, pw).block_until_ready()
-                runs.append(time.perf_counter() - t0)
-            times[name] = statistics.median(runs) * 1e6
-        lines.append(f"{type_name} batch-1 576x1536: native {times['native']:.0f} us, "
-                     f"XLA quant.matmul {times['xla']:.0f} us (median of 20)")
-    with capsys.disabled():
-        print("\n" + "\n".join(lines))
 
 
 def test_a_failed_build_leaves_the_other_kernels_on(monkeypatch, caplog):

@@ -1,0 +1,58 @@
+"""The native CPU matmul over packed GGUF blocks against the XLA dequantize-then-dot path.
+
+    python bench/quant_matmul.py                       # 576x1536 (the built-in model's down projection)
+    python bench/quant_matmul.py --rows 1 32 --shape 1536 576
+
+Random weights quantized by ``gguf.quants.quantize`` and packed (``jaxllm/quant``); each cell
+is the median per call of ``--reps`` samples of ``--inner`` back-to-back jitted calls
+(``bench/harness.time_compiled``), the two paths alternating type by type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf.constants import GGMLQuantizationType
+from gguf.quants import quantize
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import time_compiled  # noqa: E402
+from jaxllm.cpu import native  # noqa: E402
+from jaxllm.quant import matmul, pack  # noqa: E402
+from jaxllm.quant.native_matmul import NATIVE_TYPES, linear_packed  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", type=int, nargs=2, default=(576, 1536), metavar=("N", "K"))
+    p.add_argument("--rows", type=int, nargs="+", default=[1], help="rows of x (batch sizes)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--inner", type=int, default=5)
+    args = p.parse_args(argv)
+    if not native.quant_available():
+        print("native packed-block matmul unavailable here (see the jaxllm.cpu warning)")
+        return 1
+    n, k = args.shape
+    rng = np.random.default_rng(0)
+    paths = {"native": jax.jit(linear_packed), "xla": jax.jit(matmul)}
+    print(f"x [M, {k}] @ W[{n}, {k}]^T, median us per call")
+    print("| type | M | native | XLA dequantize + dot | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for type_name in NATIVE_TYPES:
+        w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
+        pw = pack(quantize(w, GGMLQuantizationType[type_name]), type_name, (n, k))
+        for m in args.rows:
+            x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
+            us = {name: time_compiled(lambda f=f: f(x, pw), warmup=2, reps=args.reps, inner=args.inner)["median_s"] * 1e6
+                  for name, f in paths.items()}
+            print(f"| {type_name} | {m} | {us['native']:.0f} | {us['xla']:.0f} | {us['xla'] / us['native']:.1f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
