@@ -11,7 +11,8 @@ import logging
 import os
 import sys
 
-from jaxllm.config import LOGPROBS_MODES, PRECOMPILE_MODES, SCHEDULING_POLICIES, EngineConfig, parse_size
+from jaxllm.config import (LOGPROBS_MODES, PRECOMPILE_MODES, QUANTIZATION_METHODS, SCHEDULING_POLICIES, EngineConfig,
+                           parse_size)
 from jaxllm.errors import JaxllmError
 
 
@@ -22,7 +23,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                        help="HF folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
     g.add_argument("--model", default=None, help="HF folder or .gguf file (default: built-in SmolLM2-135M-Instruct)")
     g.add_argument("--tokenizer", default=None, help="tokenizer folder, when it differs from the model's")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU)")
+    g.add_argument("--dtype", default="auto",
+                   help="auto | float32 | bfloat16 | float16: the activations and the KV cache (and the weights "
+                        "of an unquantized checkpoint); auto: float32 on CPU")
+    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+                   help="how the weights are quantized (default: what the checkpoint says; a quantized GGUF is "
+                        "served as its blocks, gguf)")
+    g.add_argument("--dequantize", action="store_true",
+                   help="load a quantized GGUF as float weights instead of keeping its blocks")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most requests per step (CPU default 32)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -82,6 +90,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
     return EngineConfig.from_kwargs(
         model=model, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
+        quantization=args.quantization, dequantize=args.dequantize,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes, num_blocks_override=args.num_gpu_blocks_override,

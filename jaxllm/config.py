@@ -19,6 +19,8 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas", "native")
 SAMPLER_BACKENDS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+QUANTIZATION_METHODS = ("gguf",)
+"""``--quantization`` values (vLLM's names) this engine serves."""
 PRECOMPILE_MODES = ("auto", "all", "on-demand")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -238,6 +240,11 @@ class EngineConfig:
     """Run without a tokenizer: prompts must be token ids and outputs carry no text."""
     seed: int = 0
     """Seed for the random seeds of unseeded requests (``--seed``)."""
+    quantization: str | None = None
+    """How the weights are quantized (``--quantization``, vLLM's names): None takes what the
+    checkpoint is (a quantized GGUF: "gguf", its blocks kept packed)."""
+    dequantize: bool = False
+    """Load a quantized GGUF's weights as float instead (``--dequantize``)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
@@ -246,6 +253,12 @@ class EngineConfig:
     def __post_init__(self):
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"--seed must be an integer, got {self.seed!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"--quantization {self.quantization!r} is not one of "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
+        if self.dequantize and self.quantization is not None:
+            raise ValueError(f"--dequantize loads float weights: it cannot be combined with "
+                             f"--quantization {self.quantization}")
 
     @staticmethod
     def from_kwargs(**kwargs) -> "EngineConfig":

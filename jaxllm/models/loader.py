@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.config import ArchConfig, arch_config_from_hf
-from jaxllm.models.params import GLOBAL, Chunk, Param
+from jaxllm.models.params import GLOBAL, MATRIX, Chunk, Param
 from jaxllm.models.registry import get_model_module
 from jaxllm.layers.rotary import inv_frequencies
 
@@ -42,8 +42,16 @@ class LoadedModel:
     tokenizer: TokenizerSource | None
     generation_config: dict = field(default_factory=dict)
 
+    def tensors(self) -> list:
+        return [*self.globals.values(), *(a for lp in self.layers for a in lp.values())]
+
     def weight_bytes(self) -> int:
-        return sum(a.nbytes for a in self.globals.values()) + sum(a.nbytes for lp in self.layers for a in lp.values())
+        return sum(int(a.nbytes) for a in self.tensors())
+
+    def formats(self) -> str:
+        """How many weights of each storage format (``quant/ops.summary``), for the load log."""
+        from jaxllm.quant.ops import summary
+        return summary(self.tensors())
 
 
 # ------------------------------------------------------------------ safetensors
@@ -273,9 +281,14 @@ def _dequantize_gguf_tensor(dequantize, t):
         return None, e
 
 
-def load_gguf(path: str, name: str | None = None) -> LoadedModel:
-    from gguf.quants import dequantize
+def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> LoadedModel:
+    """A GGUF file's model.  Its quantized and 16-bit matrices stay in their blocks
+    (``quant/gguf_blocks.PackedWeight``, the file's bytes), as llama.cpp and vLLM serve them;
+    ``dequantize``: every tensor as float32 instead (the path that is token-exact against
+    transformers on the dequantized weights)."""
+    from gguf.quants import dequantize as gguf_dequantize
     from jaxllm.models.gguf_file import read_gguf
+    from jaxllm.quant import gguf_blocks, ops
 
     # Our own container parser (gguf.GGUFReader takes seconds on a tokenizer's string
     # arrays); it raises ModelLoadError naming the file for anything malformed.
@@ -331,10 +344,23 @@ def load_gguf(path: str, name: str | None = None) -> LoadedModel:
     tensors: dict[str, tuple[np.ndarray, str]] = {}
     freq_factors = None
     base = os.path.basename(path)
+    names_map = NameMap(arch, "gguf")
+
+    def keep_packed(t) -> bool:
+        hits = names_map.lookup(t.name)
+        return (not dequantize and t.tensor_type.name in gguf_blocks.SUPPORTED_TYPES and bool(hits)
+                and all(p.kind == MATRIX and len(p.shape(arch)) == 2 for p, *_ in hits))
+
     weights = []
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
-            freq_factors = np.asarray(dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+            freq_factors = np.asarray(gguf_dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
+        elif keep_packed(t):
+            # GGUF lists dimensions innermost first: (in, out) for a [out, in] matrix
+            shape = tuple(int(n) for n in reversed(t.shape))
+            if len(shape) != 2:
+                raise ModelLoadError(f"{path}: tensor {t.name!r} has shape {shape}, expected a matrix")
+            tensors[t.name] = (gguf_blocks.pack(t.data, t.tensor_type, shape), base)
         else:
             weights.append(t)
     # Dequantization is most of the load; numpy releases the GIL in the long passes that
@@ -344,7 +370,7 @@ def load_gguf(path: str, name: str | None = None) -> LoadedModel:
     if workers > 1:
         from concurrent.futures import ThreadPoolExecutor
         with ThreadPoolExecutor(workers, thread_name_prefix="gguf-dequantize") as pool:
-            futures = [pool.submit(_dequantize_gguf_tensor, dequantize, t) for t in weights]
+            futures = [pool.submit(_dequantize_gguf_tensor, gguf_dequantize, t) for t in weights]
             try:
                 decoded = [f.result() for f in futures]
             except BaseException:
@@ -352,7 +378,7 @@ def load_gguf(path: str, name: str | None = None) -> LoadedModel:
                     f.cancel()
                 raise
     else:
-        decoded = [_dequantize_gguf_tensor(dequantize, t) for t in weights]
+        decoded = [_dequantize_gguf_tensor(gguf_dequantize, t) for t in weights]
     for t, (arr, err) in zip(weights, decoded):
         if err is not None:
             raise ModelLoadError(f"{path}: tensor {t.name!r} uses quantization {t.tensor_type.name}, "
@@ -360,9 +386,13 @@ def load_gguf(path: str, name: str | None = None) -> LoadedModel:
         tensors[t.name] = (np.asarray(arr, dtype=np.float32), base)
 
     def transform(p: Param, arr):
-        return _unpermute_rope_rows(arr, p.rope_heads(arch)) if permuted and p.rope_heads else arr
+        if not (permuted and p.rope_heads):
+            return arr
+        unpermute = lambda a: _unpermute_rope_rows(a, p.rope_heads(arch))  # noqa: E731
+        # a packed weight's fields all have the rows first: each is permuted alike
+        return ops.map_fields(arr, unpermute) if ops.is_quantized(arr) else unpermute(arr)
 
-    layers, globals_ = _assemble(arch, tensors, NameMap(arch, "gguf"), where=path, transform=transform)
+    layers, globals_ = _assemble(arch, tensors, names_map, where=path, transform=transform)
     return LoadedModel(
         name=name or path, arch=arch, layers=layers, globals=globals_,
         rope_inv_freq=inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, freq_factors),
@@ -372,11 +402,12 @@ def load_gguf(path: str, name: str | None = None) -> LoadedModel:
 
 # ------------------------------------------------------------------ entry point
 
-def load_model(model: str | None) -> LoadedModel:
-    """Loads ``model`` (an HF folder, a .gguf file, or None for the built-in model).  A Python
-    package the format needs and the install lacks is named, with how to install it."""
+def load_model(model: str | None, dequantize: bool = False) -> LoadedModel:
+    """Loads ``model`` (an HF folder, a .gguf file, or None for the built-in model); a GGUF's
+    quantized weights stay packed unless ``dequantize``.  A Python package the format needs
+    and the install lacks is named, with how to install it."""
     try:
-        return _load_model(model)
+        return _load_model(model, dequantize)
     except ImportError as e:   # ModuleNotFoundError too: name the package, not who imported it
         package = (e.name or "").split(".")[0]
         if not package:
@@ -405,11 +436,11 @@ def gguf_file(model: str | None) -> str | None:
     return None
 
 
-def _load_model(model: str | None) -> LoadedModel:
+def _load_model(model: str | None, dequantize: bool) -> LoadedModel:
     path = gguf_file(model)
     if path is None:
         return load_hf_folder(model)
     if model is None:
         from jaxllm.models.builtin import BUILTIN_MODEL_NAME
-        return load_gguf(path, name=BUILTIN_MODEL_NAME)
-    return load_gguf(path, name=None if os.path.isfile(model) else model)
+        return load_gguf(path, name=BUILTIN_MODEL_NAME, dequantize=dequantize)
+    return load_gguf(path, name=None if os.path.isfile(model) else model, dequantize=dequantize)

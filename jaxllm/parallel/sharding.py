@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.models.config import ArchConfig
 from jaxllm.parallel.mesh import TP
+from jaxllm.quant import ops as qops
 
 log = logging.getLogger("jaxllm.parallel")
 
@@ -75,20 +76,24 @@ def param_specs(params: dict, rules: dict[str, str | None], axes: Mapping[str, t
     """A PartitionSpec for every leaf of a params tree (globals, and layers stacked or listed);
     ``axes``: parameter name -> logical axes of one layer's array (the model's parameter table,
     ``models/params.py``)."""
-    def one(name: str, ndim: int, stacked: bool) -> P:
+    def one(name: str, v, stacked: bool):
         if name not in axes:
             raise KeyError(f"no logical axes for parameter {name!r} (add it to the model's parameter table)")
         names = ((LAYERS,) if stacked else ()) + axes[name]
-        if len(names) != ndim:
-            raise ValueError(f"parameter {name!r}: {ndim} dims, logical axes {names}")
+        if qops.is_quantized(v):
+            # Every field is [(L,) out, in or its blocks, bytes of a block...]: split like the
+            # matrix on its first two axes, a block's bytes never.
+            return qops.map_fields(v, lambda a: spec(names + (None,) * (a.ndim - len(names)), rules))
+        if len(names) != v.ndim:
+            raise ValueError(f"parameter {name!r}: {v.ndim} dims, logical axes {names}")
         return spec(names, rules)
 
-    out = {k: one(k, v.ndim, False) for k, v in params.items() if k != "layers"}
+    out = {k: one(k, v, False) for k, v in params.items() if k != "layers"}
     layers = params["layers"]
     if isinstance(layers, dict):
-        out["layers"] = {k: one(k, v.ndim, True) for k, v in layers.items()}
+        out["layers"] = {k: one(k, v, True) for k, v in layers.items()}
     else:
-        out["layers"] = [{k: one(k, v.ndim, False) for k, v in lp.items()} for lp in layers]
+        out["layers"] = [{k: one(k, v, False) for k, v in lp.items()} for lp in layers]
     return out
 
 

@@ -126,7 +126,8 @@ def _check_shape(name: str, shape) -> tuple[int, int]:
 
 def pack(raw: np.ndarray, ggml_type, shape) -> PackedWeight:
     """Split a GGUF tensor's raw bytes (any uint8 view, e.g. ``GGUFTensor.data``) of a
-    weight of logical ``shape = (out, in)`` into a ``PackedWeight`` of device arrays."""
+    weight of logical ``shape = (out, in)`` into a ``PackedWeight`` of host (numpy) arrays
+    (``jax.device_put`` moves it; jnp functions take it as it is)."""
     name = _type_name(ggml_type)
     n_out, n_in = _check_shape(name, shape)
     size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
@@ -144,7 +145,7 @@ def pack(raw: np.ndarray, ggml_type, shape) -> PackedWeight:
             part = part.view(np.uint16)[..., 0]  # [out, nb]; GGUF is little-endian, as is the host
         elif (name, fname) in _SIGNED_BYTES:
             part = part.view(np.int8)
-        parts[fname] = jnp.asarray(part)
+        parts[fname] = part
     return PackedWeight(**parts, type_name=name, shape=(n_out, n_in))
 
 

@@ -28,6 +28,7 @@ from jaxllm.models.registry import get_model_module
 from jaxllm.outputs import EMPTY_RUNNER_OUTPUT, RunnerOutput, SchedulerOutput
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
+from jaxllm.quant import ops as qops
 from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner import packing, weights
@@ -58,8 +59,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.params = weights.to_device_params(model, jnp.dtype(cfg.dtype), cfg.scan_layers, cfg.packed_bf16,
                                                self.mesh, self.rules, native)
-        log.info("weights on the device: %.1f MiB as %s%s in %.1f s", self.weight_bytes() / 2**20, cfg.dtype,
-                 ", in the native matmul's panel layout" if native else "", time.perf_counter() - t0)
+        log.info("weights on the device: %.1f MiB, %s%s in %.1f s", self.weight_bytes() / 2**20,
+                 qops.summary(jax.tree.leaves(self.params, is_leaf=qops.is_quantized)),
+                 ", in the native matmul's layout" if native else "", time.perf_counter() - t0)
         self.num_blocks = num_blocks
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)

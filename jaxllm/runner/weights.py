@@ -15,6 +15,7 @@ from jaxllm.models.params import Fused, ParamTable
 from jaxllm.models.registry import get_model_module
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
+from jaxllm.quant import ops as qops
 
 
 def fused_parts(layer: dict, groups: tuple[Fused, ...]) -> dict[str, list[np.ndarray]]:
@@ -26,11 +27,17 @@ def fused_parts(layer: dict, groups: tuple[Fused, ...]) -> dict[str, list[np.nda
     (every call pays a thread-pool round trip and a cold start of the prefetcher)."""
     out, taken = {}, set()
     for group in groups:
-        if all(n in layer for n in group.parts):
+        if all(n in layer for n in group.parts) and _fusable([layer[n] for n in group.parts]):
             out[group.name] = [layer[n] for n in group.parts]
             taken.update(group.parts)
     out.update({k: [v] for k, v in layer.items() if k not in taken})
     return out
+
+
+def _fusable(parts: list) -> bool:
+    if not any(qops.is_quantized(p) for p in parts):
+        return True
+    return all(qops.is_quantized(p) for p in parts) and qops.concat_rows(parts) is not None
 
 
 def param_table(model: LoadedModel) -> ParamTable:
@@ -42,13 +49,17 @@ def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool,
     patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py);
     ``native``: laid out for the native CPU matmul: unrolled layers get fused projections
     (:func:`fused_parts`) and its matrices the panel layout (cpu/layout.py), the tied
-    embedding included since it is the LM head."""
+    embedding included since it is the LM head.  Quantized weights stay as loaded."""
     np_dtype = jnp.dtype(dtype)
     table = param_table(model)
     matrices = table.matrices()
     panels = table.native_matrices(model.arch) if native else frozenset()
 
     def conv(name, *parts):   # parts: arrays whose rows are concatenated (fused projections)
+        if qops.is_quantized(parts[0]):
+            # kept as stored: the native kernel reads the blocks row by row, no panels
+            return parts[0] if len(parts) == 1 else qops.concat_rows(list(parts))
+
         def cast(a):
             a = np.asarray(a)
             if packed_bf16:
@@ -61,13 +72,17 @@ def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool,
 
     params = {k: conv(k, v) for k, v in model.globals.items()}
     if scan_layers:
-        params["layers"] = {k: conv(k, np.stack([lp[k] for lp in model.layers])) for k in model.layers[0]}
+        params["layers"] = {k: conv(k, _stack([lp[k] for lp in model.layers], k)) for k in model.layers[0]}
     elif native:
         params["layers"] = [{k: conv(k, *v) for k, v in fused_parts(lp, table.fused).items()} for lp in model.layers]
     else:
         params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in model.layers]
     params["rope_inv_freq"] = model.rope_inv_freq.astype(np.float32)
     return params
+
+
+def _stack(arrays: list, name: str):
+    return qops.stack(arrays, name) if qops.is_quantized(arrays[0]) else np.stack(arrays)
 
 
 def to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False,

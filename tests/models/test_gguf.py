@@ -1,5 +1,6 @@
 """GGUF loading: a tiny Llama written the way llama.cpp's converter writes it (Q/K rows
-permuted for interleaved RoPE, one tensor quantized) loads back to the HF weights."""
+permuted for interleaved RoPE, one tensor quantized, or every matrix) loads back to the HF
+weights: dequantized, or kept in its blocks."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def llama_cpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_path, out, drop=None):
+def write_gguf(hf_path, out, drop=None, matrix_type=None):
+    """``matrix_type``: a GGMLQuantizationType for every layer matrix (default: float32)."""
     import gguf
     from jaxllm.models.loader import read_safetensors
     loaded = load_model(hf_path)
@@ -58,7 +60,12 @@ def write_gguf(hf_path, out, drop=None):
                 t = llama_cpp_permute(t, a.num_heads)
             elif parts[3].startswith("self_attn.k_proj"):
                 t = llama_cpp_permute(t, a.num_kv_heads)
-        if gname != drop:
+        if gname == drop:
+            continue
+        if matrix_type is not None and t.ndim == 2 and gname.startswith("blk."):
+            q = gguf.quants.quantize(t, matrix_type)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=matrix_type)
+        else:
             w.add_tensor(gname, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -71,7 +78,7 @@ def test_gguf_loads_to_the_hf_weights(tiny_llama, tmp_path):
     import gguf
     path = str(tmp_path / "tiny.gguf")
     hf = write_gguf(tiny_llama, path)
-    g = load_gguf(path)
+    g = load_gguf(path, dequantize=True)
     assert g.arch.num_heads == hf.arch.num_heads and g.arch.num_kv_heads == hf.arch.num_kv_heads
     assert not g.arch.tie_word_embeddings
     for i, (lg, lh) in enumerate(zip(g.layers, hf.layers)):
@@ -84,6 +91,29 @@ def test_gguf_loads_to_the_hf_weights(tiny_llama, tmp_path):
     np.testing.assert_array_equal(g.globals["embed"], rt)
     np.testing.assert_array_equal(g.globals["lm_head"], hf.globals["lm_head"])
     np.testing.assert_array_equal(g.rope_inv_freq, hf.rope_inv_freq)
+
+
+def test_gguf_packed_weights_are_the_files_blocks(tiny_llama, tmp_path):
+    """Kept packed (the default), every quantized matrix is a PackedWeight holding the file's
+    bytes, whose dequantization is the dequantized load's weight: the q/k rows' llama.cpp
+    permutation is undone on every field of the blocks alike."""
+    import gguf
+    from jaxllm.quant import PackedWeight, dequantize
+    path = str(tmp_path / "tiny-q8.gguf")
+    write_gguf(tiny_llama, path, matrix_type=gguf.GGMLQuantizationType.Q8_0)
+    packed, floats = load_gguf(path), load_gguf(path, dequantize=True)
+    for i, (lp, lf) in enumerate(zip(packed.layers, floats.layers)):
+        for k, w in lp.items():
+            if lf[k].ndim == 1:
+                assert isinstance(w, np.ndarray) and w.dtype == np.float32, k
+                continue
+            assert isinstance(w, PackedWeight) and w.type_name == "Q8_0", f"layer {i} {k}"
+            np.testing.assert_array_equal(np.asarray(dequantize(w)), lf[k], err_msg=f"layer {i} {k}")
+    assert isinstance(packed.globals["embed"], PackedWeight)
+    np.testing.assert_array_equal(np.asarray(dequantize(packed.globals["embed"])), floats.globals["embed"])
+    file_bytes = sum(t.data.nbytes for t in __import__("jaxllm.models.gguf_file", fromlist=["x"]).read_gguf(path).tensors)
+    assert packed.weight_bytes() == file_bytes
+    assert "Q8_0" in packed.formats() and "F32" in packed.formats()
 
 
 def test_gguf_missing_tensor_is_named(tiny_llama, tmp_path):

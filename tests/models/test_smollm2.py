@@ -35,7 +35,9 @@ def hf_smollm2():
 
 
 @pytest.mark.slow
-def test_greedy_continuations_match_transformers(builtin_llm, hf_smollm2):
+def test_greedy_continuations_match_transformers(builtin_llm_dequantized, hf_smollm2):
+    """Dequantized (``--dequantize``), the engine computes transformers' function exactly."""
+    builtin_llm = builtin_llm_dequantized
     tok = builtin_llm.get_tokenizer()
     outs = builtin_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                                 use_tqdm=False)

@@ -1,0 +1,117 @@
+"""What the engine does with a quantized weight, whatever its format: the one place that
+knows the quantized weight types.
+
+A quantized weight is a pytree (its arrays are leaves, its format static) that stands where
+a ``[out, in]`` matrix would: ``layers/linear.py`` multiplies by it, the embedding takes its
+rows, ``runner/weights.py`` fuses and stacks it, ``parallel/sharding.py`` splits it.  Every
+field array of a format has the weight's ``out`` rows as its first axis and its ``in``
+columns (or their blocks) as its second, so row operations (fusing projections, undoing
+llama.cpp's q/k permutation, gathering embedding rows) and sharding apply to each field
+alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+import jax
+import numpy as np
+
+from jaxllm.quant.gguf_blocks import PackedWeight, dequantize
+
+log = logging.getLogger("jaxllm.quant")
+
+QUANTIZED_TYPES = (PackedWeight,)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QUANTIZED_TYPES)
+
+
+def format_name(w) -> str:
+    """The weight's storage format as the load log names it (``Q4_1``, ``F32``, ``bfloat16``)."""
+    if isinstance(w, PackedWeight):
+        return w.type_name
+    dtype = str(np.dtype(w.dtype))
+    return {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint16": "BF16"}.get(dtype, dtype)
+
+
+def _fields(w: PackedWeight) -> dict:
+    return {f: getattr(w, f) for f in ("d", "qs", "m", "qh", "dmin", "scales", "ql", "bits")
+            if getattr(w, f) is not None}
+
+
+def map_fields(w: PackedWeight, fn: Callable, shape: tuple[int, int] | None = None) -> PackedWeight:
+    """``fn`` applied to every field array (each has the ``out`` rows first); ``shape``: the
+    result's logical shape when ``fn`` changes the number of rows."""
+    return PackedWeight(**{k: fn(a) for k, a in _fields(w).items()}, type_name=w.type_name,
+                        shape=shape or w.shape)
+
+
+def concat_rows(parts: list[PackedWeight]) -> PackedWeight | None:
+    """The rows of ``parts`` as one weight (fused projections), or None when they cannot be
+    one (different types or widths: a Q4_K_M file quantizes v more finely than q and k)."""
+    first = parts[0]
+    if any(p.type_name != first.type_name or p.shape[1] != first.shape[1] for p in parts):
+        return None
+    fields = [_fields(p) for p in parts]
+    return PackedWeight(**{k: np.concatenate([np.asarray(f[k]) for f in fields]) for k in fields[0]},
+                        type_name=first.type_name, shape=(sum(p.shape[0] for p in parts), first.shape[1]))
+
+
+def stack(layers: list[PackedWeight], name: str) -> PackedWeight:
+    """One parameter's weights of every layer stacked ``[L, ...]`` (for ``lax.scan``, which
+    slices the stack back into one layer's weight of the same shape and type)."""
+    kinds = {(w.type_name, w.shape) for w in layers}
+    if len(kinds) > 1:
+        raise ValueError(f"parameter {name!r} is quantized differently across layers "
+                         f"({', '.join(sorted(k for k, _ in kinds))}), so its layers cannot be stacked "
+                         "for --scan-layers; leave the layers unrolled")
+    fields = [_fields(w) for w in layers]
+    return PackedWeight(**{k: np.stack([np.asarray(f[k]) for f in fields]) for k in fields[0]},
+                        type_name=layers[0].type_name, shape=layers[0].shape)
+
+
+def uniform_across_layers(layers: list[dict]) -> bool:
+    """Whether every parameter has one format in every layer (so the layers can be stacked)."""
+    for name in layers[0]:
+        if len({(format_name(lp[name]), getattr(lp[name], "shape", None)) for lp in layers}) > 1:
+            return False
+    return True
+
+
+def matmul(x: jax.Array, w, backend: str) -> jax.Array:
+    """x [T, in] @ W[out, in]^T -> float32 [T, out] for a quantized ``w``.
+
+    ``backend="native"`` (decided by ``engine/resolve.py``): the CPU kernel that reads the
+    blocks (``quant/native_matmul.py``) for the types it has; others, and every other backend,
+    dequantize inside the step (``quant/matmul.py``)."""
+    if isinstance(w, PackedWeight):
+        if backend == "native":
+            from jaxllm.quant import native_matmul
+            if w.type_name in native_matmul.NATIVE_TYPES:
+                return native_matmul.linear_packed(x, w)
+        from jaxllm.quant import matmul as xla
+        return xla.matmul(x, w)
+    raise TypeError(f"not a quantized weight: {type(w).__name__}")
+
+
+def take_rows(w, ids: jax.Array) -> jax.Array:
+    """Rows ``ids`` [T] of a quantized ``[V, D]`` weight (an embedding) -> float32 [T, D]:
+    only the gathered rows' blocks are decoded."""
+    if isinstance(w, PackedWeight):
+        rows = map_fields(w, lambda a: a[ids], shape=(ids.shape[0], w.shape[1]))
+        return dequantize(rows)
+    raise TypeError(f"not a quantized weight: {type(w).__name__}")
+
+
+def summary(tensors: Iterable) -> str:
+    """``"210 Q4_1, 1 Q8_0 (97.6 MiB), 61 F32 (0.3 MiB)"``: how many weights of each format."""
+    counts, nbytes = Counter(), Counter()
+    for w in tensors:
+        name = format_name(w)
+        counts[name] += 1
+        nbytes[name] += int(w.nbytes)
+    return ", ".join(f"{counts[k]} {k} ({nbytes[k] / 2**20:.1f} MiB)" for k in sorted(counts, key=lambda k: -nbytes[k]))
