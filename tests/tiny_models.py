@@ -82,11 +82,11 @@ def load_hf(path: str):
     return model
 
 
-def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmul: str = "xla",
+def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: str = "xla",
                  bf16: bool = False, attention: str = "xla", block: int = 16) -> np.ndarray:
-    """Logits of every prompt position of the checkpoint at ``path``, computed in two chunks
-    [0, split) and [split, T) through a paged cache whose block table is deliberately not in
-    order, with the given matmul and attention backends."""
+    """Logits of every prompt position of the checkpoint at ``path`` (or a ``LoadedModel``),
+    computed in two chunks [0, split) and [split, T) through a paged cache whose block table
+    is deliberately not in order, with the given matmul and attention backends."""
     import jax
     import jax.numpy as jnp
 
@@ -96,7 +96,7 @@ def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmu
     from jaxllm.models.loader import load_model
     from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 
-    model = load_model(path)
+    model = load_model(path) if isinstance(path, str) else path
     arch = model.arch
     # Laid out as the engine lays them out for the native matmul (fused projections, panels).
     params = to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,
@@ -119,3 +119,68 @@ def paged_logits(path: str, ids: list[int], scan_layers: bool, split: int, matmu
         hidden, kv = fwd(params, kv, np.asarray(ids[lo:hi], np.int32), md)
         out.append(np.asarray(llama.compute_logits(arch, params, hidden, kernels)))
     return np.concatenate(out)
+
+
+HF_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def llama_cpp_permute(w, n_head):
+    """llama.cpp convert_hf_to_gguf's permutation (rotate-half -> interleaved rows)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_path, out, drop=None, matrix_type=None):
+    """Writes the HF checkpoint at ``hf_path`` as llama.cpp's converter would (q/k rows
+    permuted for interleaved RoPE, the embedding in Q8_0) to the GGUF file ``out``, without
+    tensor ``drop``; ``matrix_type``: a GGMLQuantizationType for every other matrix (default:
+    float32).  Returns the HF checkpoint as ``load_model`` reads it."""
+    import gguf
+    from jaxllm.models.loader import load_model, read_safetensors
+    loaded = load_model(hf_path)
+    a = loaded.arch
+    tensors = read_safetensors(os.path.join(hf_path, "model.safetensors"))
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_block_count(a.num_layers)
+    w.add_context_length(a.max_position_embeddings)
+    w.add_embedding_length(a.hidden_size)
+    w.add_feed_forward_length(a.intermediate_size)
+    w.add_head_count(a.num_heads)
+    w.add_head_count_kv(a.num_kv_heads)
+    w.add_rope_freq_base(a.rope_theta)
+    w.add_layer_norm_rms_eps(a.rms_norm_eps)
+    w.add_vocab_size(a.vocab_size)
+    for name, t in tensors.items():
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if name == "model.embed_tokens.weight":
+            q = gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor("token_embd.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            continue
+        if name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            parts = name.split(".", 3)
+            gname = f"blk.{parts[2]}.{HF_TO_GGUF[parts[3]]}"
+            if parts[3].startswith("self_attn.q_proj"):
+                t = llama_cpp_permute(t, a.num_heads)
+            elif parts[3].startswith("self_attn.k_proj"):
+                t = llama_cpp_permute(t, a.num_kv_heads)
+        if gname == drop:
+            continue
+        if matrix_type is not None and t.ndim == 2:
+            q = gguf.quants.quantize(t, matrix_type)
+            w.add_tensor(gname, q, raw_shape=q.shape, raw_dtype=matrix_type)
+        else:
+            w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return loaded

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxllm.quant.gguf_blocks import PackedWeight, dequantize
+from jaxllm.quant.matmul import matmul as dequantize_matmul
 
 log = logging.getLogger("jaxllm.quant")
 
@@ -93,8 +94,7 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
             from jaxllm.quant import native_matmul
             if w.type_name in native_matmul.NATIVE_TYPES:
                 return native_matmul.linear_packed(x, w)
-        from jaxllm.quant import matmul as xla
-        return xla.matmul(x, w)
+        return dequantize_matmul(x, w)
     raise TypeError(f"not a quantized weight: {type(w).__name__}")
 
 
