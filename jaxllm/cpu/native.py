@@ -38,12 +38,17 @@ _KERNELS = {
     "attention.cc": {"jaxllm_paged_attention_f32": "JaxllmPagedAttentionF32",
                      "jaxllm_paged_attention_bf16": "JaxllmPagedAttentionBF16"},
 }
-# The packed-block matmul: separate from _KERNELS so it never decides ``available()``.
-_QUANT_SOURCE = "quant_linear.cc"
-_QUANT_TARGETS = {"jaxllm_linear_q8_0": "JaxllmLinearQ8_0", "jaxllm_linear_q4_0": "JaxllmLinearQ4_0",
-                  "jaxllm_linear_q4_1": "JaxllmLinearQ4_1", "jaxllm_linear_q5_0": "JaxllmLinearQ5_0",
-                  "jaxllm_linear_q5_1": "JaxllmLinearQ5_1"}
-_HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h")]
+# The packed-block matmuls, float32 activations (quant_linear.cc) and 8-bit activations
+# (quant_dot.cc): separate from _KERNELS so they never decide ``available()``.
+_QUANT_KERNELS = {
+    "quant_linear.cc": {"jaxllm_linear_q8_0": "JaxllmLinearQ8_0", "jaxllm_linear_q4_0": "JaxllmLinearQ4_0",
+                        "jaxllm_linear_q4_1": "JaxllmLinearQ4_1", "jaxllm_linear_q5_0": "JaxllmLinearQ5_0",
+                        "jaxllm_linear_q5_1": "JaxllmLinearQ5_1"},
+    "quant_dot.cc": {"jaxllm_dot_q8_0": "JaxllmDotQ8_0", "jaxllm_dot_q4_0": "JaxllmDotQ4_0",
+                     "jaxllm_dot_q4_1": "JaxllmDotQ4_1", "jaxllm_dot_q5_0": "JaxllmDotQ5_0",
+                     "jaxllm_dot_q5_1": "JaxllmDotQ5_1"},
+}
+_HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h", "gguf_simd.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
 _QUANT_FLAGS = _FLAGS + ["-mf16c"]   # f16 scales -> f32 (_cvtsh_ss)
 _TARGETS = {jnp.dtype(jnp.float32): "jaxllm_linear_f32", jnp.dtype(jnp.uint16): "jaxllm_linear_bf16"}
@@ -132,10 +137,9 @@ def available() -> bool:
 
 
 def quant_available() -> bool:
-    """Builds and registers the packed-block matmul (quant_linear.cc) on first call; True
-    when the ``jaxllm_linear_q8_0`` / ``q4_0`` / ``q4_1`` / ``q5_0`` / ``q5_1`` targets can be
-    called."""
-    return _load(_quant_state, {_QUANT_SOURCE: _QUANT_TARGETS}, _QUANT_FLAGS, {"avx2", "fma", "f16c"},
+    """Builds and registers the packed-block matmuls (quant_linear.cc, quant_dot.cc) on first
+    call; True when their ``jaxllm_linear_*`` and ``jaxllm_dot_*`` targets can be called."""
+    return _load(_quant_state, _QUANT_KERNELS, _QUANT_FLAGS, {"avx2", "fma", "f16c"},
                  "native packed-block matmul unavailable; using the XLA dequantize path")
 
 

@@ -18,8 +18,11 @@ from jaxllm.quant.gguf_blocks import PackedWeight
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
-def linear_packed(x: jax.Array, pw: PackedWeight) -> jax.Array:
-    """x [M, K] (any float dtype) @ W[N, K]^T -> float32 [M, N], W read from ``pw``'s blocks."""
+def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False) -> jax.Array:
+    """x [M, K] (any float dtype) @ W[N, K]^T -> float32 [M, N], W read from ``pw``'s blocks;
+    ``int8_activations``: x's 32-value blocks quantized to int8 in the call and multiplied in
+    integer arithmetic (``quant_dot.cc``, as llama.cpp computes), else float32 FMAs
+    (``quant_linear.cc``)."""
     if pw.type_name not in NATIVE_TYPES:
         raise ValueError(f"no native CPU kernel for {pw.type_name or 'untyped'} weights "
                          f"(native: {', '.join(NATIVE_TYPES)}); use jaxllm.quant.matmul")
@@ -34,5 +37,5 @@ def linear_packed(x: jax.Array, pw: PackedWeight) -> jax.Array:
     # the target's operands, in its handler's order (quant_linear.cc)
     fields = {"Q8_0": (pw.d, pw.qs), "Q4_0": (pw.d, pw.qs), "Q4_1": (pw.d, pw.m, pw.qs),
               "Q5_0": (pw.d, pw.qh, pw.qs), "Q5_1": (pw.d, pw.m, pw.qh, pw.qs)}[pw.type_name]
-    target = f"jaxllm_linear_{pw.type_name.lower()}"
+    target = f"jaxllm_{'dot' if int8_activations else 'linear'}_{pw.type_name.lower()}"
     return jax.ffi.ffi_call(target, out)(x, *fields)                               # [M, N]

@@ -1,0 +1,84 @@
+"""The 8-bit-activation packed-block matmul (``jaxllm/cpu/quant_dot.cc``) against two oracles.
+
+1. A numpy emulation of what it computes: each 32-value block of x quantized to int8 with
+   scale max|x| / 127 (round half to even), the integer dot with the weight's quants, the
+   two scales, plus ``m * sum(x)`` for the types with a min.  The kernel must equal it to
+   float32 rounding of its block sums (it adds ~K/32 scaled partial sums).
+2. The float64 ``x @ W^T`` on the dequantized weight (``matmul_reference``): the error the
+   activations' rounding makes is at most ``dx / 2`` per value, and it multiplies only the
+   scaled quants ``d * q`` (the min's term takes the exact ``sum(x)``), so per output it is at
+   most ``sum over blocks of dx_b / 2 * sum |d * q|``; the kernel must stay within it.
+"""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+from jaxllm.cpu import native
+from jaxllm.quant import dequantize_reference, matmul_reference, pack
+from jaxllm.quant.native_matmul import linear_packed
+
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# (N, K): the built-in model's shapes (q/k/v/o, gate/up, down, the LM head's width) and a tail
+SHAPES = [(576, 576), (1536, 576), (576, 1536), (37, 96)]
+ROWS = (1, 2, 3, 5, 17, 64)
+
+pytestmark = pytest.mark.skipif(not native.quant_available(), reason="the native packed-block matmul did not build")
+
+
+def _quants(raw, type_name, shape):
+    """The weight's integer quants q [N, K] and per-block d, m [N, nb] (m = 0 without a min)."""
+    n, k = shape
+    w = dequantize_reference(raw, type_name, shape).astype(np.float64)
+    pw = pack(raw, type_name, shape)
+    d = pw.d.view(np.float16).astype(np.float64)
+    m = pw.m.view(np.float16).astype(np.float64) if pw.m is not None else np.zeros_like(d)
+    db = np.repeat(d, 32, axis=1)
+    mb = np.repeat(m, 32, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(db != 0, np.rint((w - mb) / db), 0)
+    return q, d, m
+
+
+def emulate(x, raw, type_name, shape):
+    n, k = shape
+    nb = k // 32
+    q, d, m = _quants(raw, type_name, shape)
+    xb = x.astype(np.float32).reshape(len(x), nb, 32)
+    dx = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)        # [M, nb]
+    inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
+    qx = np.rint(xb * inv[..., None])                                    # [M, nb, 32]
+    isum = np.einsum("mbj,nbj->mnb", qx, q.reshape(n, nb, 32))            # exact integers
+    sx = xb.astype(np.float64).sum(-1)                                   # [M, nb]
+    return (isum * d[None] * dx[:, None, :]).sum(-1) + sx @ m.T, dx
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_activation_matmul(type_name, shape):
+    rng = np.random.default_rng(hash((type_name, shape)) % 2**32)
+    w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    pw = jax.device_put(pack(raw, type_name, shape))
+    fn = jax.jit(lambda x, pw: linear_packed(x, pw, int8_activations=True))
+    wd = np.abs(dequantize_reference(raw, type_name, shape).astype(np.float64))
+    q, d, _ = _quants(raw, type_name, shape)
+    dq = np.abs(q * np.repeat(d, 32, axis=1))                                # |d * q| [N, K]
+    for M in ROWS:
+        x = rng.standard_normal((M, shape[1])).astype(np.float32)
+        x[:, :32] *= 40.0   # one block with outliers: its scale is coarse, the others' are not
+        y = np.asarray(fn(x, pw), np.float64)
+        emu, dx = emulate(x, raw, type_name, shape)
+        mag = np.abs(x).astype(np.float64) @ wd.T                            # sum |x| |w| per output
+        np.testing.assert_allclose(y, emu, rtol=0, atol=float(2e-6 * mag.max()),
+                                   err_msg=f"{type_name} {shape} M={M}: not the int8 computation")
+        ref = matmul_reference(x, raw, type_name, shape)
+        bound = np.einsum("mb,nb->mn", dx / 2, dq.reshape(shape[0], -1, 32).sum(-1)) + 2e-6 * mag
+        err = np.abs(y - ref)
+        assert (err <= bound).all(), f"{type_name} {shape} M={M}: error {err.max():.3g} over the rounding bound"
+        if M == 1 and shape == (576, 1536):
+            print(f"{type_name}: max |error| {err.max():.2e} = {(err / bound).max():.2f} of the bound, "
+                  f"{err.max() / np.abs(ref).max():.1e} of max |y|")
