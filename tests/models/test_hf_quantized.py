@@ -128,7 +128,12 @@ def test_online_quantization_close_to_float_and_a_quarter_of_the_bytes(tiny_llam
         params = runner.params
         leaves = __import__("jax").tree.leaves(params, is_leaf=ops.is_quantized)
         quant = [w for w in leaves if ops.is_quantized(w)]
-        assert len(quant) == 1 + 7 * 3 and all(w.format == method for w in quant)
+        a = llm.llm_engine.core.runner.arch
+        linear = a.vocab_size * a.hidden_size + a.num_layers * a.hidden_size * (
+            2 * a.q_size + 2 * a.kv_size + 3 * a.intermediate_size)
+        # every linear layer (q, k, v, o, gate, up, down, LM head; fused or not) quantized, nothing else
+        assert sum(w.shape[0] * w.shape[1] for w in quant) == linear
+        assert all(w.format == method for w in quant)
         q_bytes = sum(w.nbytes for w in quant)
         f32_bytes = sum(4 * w.shape[0] * w.shape[1] for w in quant)
         float_total = tiny_llm.llm_engine.core.runner.weight_bytes()
@@ -140,12 +145,20 @@ def test_online_quantization_close_to_float_and_a_quarter_of_the_bytes(tiny_llam
     finally:
         llm.shutdown()
     want = _greedy(tiny_llm, 16)
-    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
-    total = sum(len(w) for w in want)
-    print(f"{method}: {same}/{total} greedy tokens equal to float32")
-    # the first tokens agree; later ones may part ways once a near-tie flips
+    # Served: the first greedy token of every prompt is the float model's (later ones part
+    # ways once a near-tie flips, and then nothing after is comparable position by position).
     assert [g[0] for g in got] == [w[0] for w in want]
-    assert same >= 0.6 * total
+    # Teacher-forced on the float model's own continuation: next-token agreement and logits.
+    ids = PROMPTS[1] + list(want[1])
+    a = paged_logits(tiny_llama, ids, scan_layers=False, split=8, quantization=method)
+    b = paged_logits(tiny_llama, ids, scan_layers=False, split=8)
+    agree = float(np.mean(a.argmax(-1) == b.argmax(-1)))
+    rel = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    print(f"{method}: served first tokens equal; teacher-forced top-1 agreement {agree:.3f} over {len(ids)} "
+          f"positions, relative RMS logit error {rel:.4f}")
+    assert agree >= 0.8
+    # the tiny random Llama amplifies weight error (~0.6% RMS for int8, ~3% for e4m3) about 6x
+    assert rel < {"int8": 0.1, "fp8": 0.4}[method]
 
 
 def test_quantization_flag_must_match_checkpoint(quantized, tiny_llama):
