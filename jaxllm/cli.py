@@ -27,8 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="auto | float32 | bfloat16 | float16: the activations and the KV cache (and the weights "
                         "of an unquantized checkpoint); auto: float32 on CPU")
     g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
-                   help="how the weights are quantized (default: what the checkpoint says; a quantized GGUF is "
-                        "served as its blocks, gguf)")
+                   help="how the weights are quantized (default: what the checkpoint says: a quantized GGUF is "
+                        "served as its blocks, gguf; an HF folder by its config.json quantization_config: "
+                        "compressed-tensors, gptq or fp8, which a flag must match); int8 / fp8 on a float HF "
+                        "checkpoint: quantize its linear layers at load (per-channel int8 / e4m3)")
     g.add_argument("--dequantize", action="store_true",
                    help="load a quantized GGUF as float weights instead of keeping its blocks")
     g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")

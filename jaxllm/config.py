@@ -19,8 +19,11 @@ ATTENTION_BACKENDS = ("auto", "xla", "pallas", "native")
 SAMPLER_BACKENDS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-QUANTIZATION_METHODS = ("gguf",)
-"""``--quantization`` values (vLLM's names) this engine serves."""
+QUANTIZATION_METHODS = ("gguf", "compressed-tensors", "gptq", "fp8", "int8")
+"""``--quantization`` values (vLLM's names) this engine serves: checkpoint formats (gguf,
+compressed-tensors, gptq, fp8: the checkpoint must be one) and online quantization of a float
+HF checkpoint at load (int8: per-channel symmetric int8; fp8: per-channel e4m3, which is also
+the name of the fp8 checkpoint format)."""
 PRECOMPILE_MODES = ("auto", "all", "on-demand")
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

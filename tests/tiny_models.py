@@ -83,10 +83,12 @@ def load_hf(path: str):
 
 
 def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: str = "xla",
-                 bf16: bool = False, attention: str = "xla", block: int = 16) -> np.ndarray:
+                 bf16: bool = False, attention: str = "xla", block: int = 16,
+                 quantization: str | None = None) -> np.ndarray:
     """Logits of every prompt position of the checkpoint at ``path`` (or a ``LoadedModel``),
     computed in two chunks [0, split) and [split, T) through a paged cache whose block table
-    is deliberately not in order, with the given matmul and attention backends."""
+    is deliberately not in order, with the given matmul and attention backends (and
+    ``--quantization``)."""
     import jax
     import jax.numpy as jnp
 
@@ -96,7 +98,7 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
     from jaxllm.models.loader import load_model
     from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 
-    model = load_model(path) if isinstance(path, str) else path
+    model = load_model(path, quantization=quantization) if isinstance(path, str) else path
     arch = model.arch
     # Laid out as the engine lays them out for the native matmul (fused projections, panels).
     params = to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,

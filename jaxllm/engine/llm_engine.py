@@ -75,7 +75,7 @@ class LLMEngine:
         by side: measured, a tokenizer thread slowed the weights' dequantization more than it saved.)"""
         t0 = time.perf_counter()
         log.info("loading weights of %s", config.model or BUILTIN_MODEL_NAME)
-        model = load_model(config.model, dequantize=config.dequantize)
+        model = load_model(config.model, dequantize=config.dequantize, quantization=config.quantization)
         log.info("loaded %d tensors, %.1f MiB, in %.1f s: %s", len(model.globals) + sum(len(lp) for lp in model.layers),
                  model.weight_bytes() / 2**20, time.perf_counter() - t0, model.formats())
         if config.skip_tokenizer_init:

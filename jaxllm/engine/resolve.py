@@ -87,9 +87,14 @@ def _attention_backend(asked: str, platform: str, dtype: str, tp: int, scan: boo
 
 
 def _check_quantization(config: EngineConfig, model: LoadedModel) -> bool:
-    """Whether the weights are quantized; refuses a ``--quantization`` the checkpoint is not."""
-    if config.quantization == "gguf" and gguf_file(config.model) is None:
+    """Whether the weights are quantized; refuses a ``--quantization`` the checkpoint is not
+    (an HF folder's is checked against its config.json by the loader)."""
+    is_gguf = gguf_file(config.model) is not None
+    if config.quantization == "gguf" and not is_gguf:
         raise ValueError(f"--quantization gguf: {config.model} is not a GGUF file")
+    if config.quantization not in (None, "gguf") and is_gguf:
+        raise ValueError(f"--quantization {config.quantization} is for HF checkpoints; "
+                         f"{config.model or 'the built-in model'} is a GGUF file (its blocks are served as they are)")
     return any(qops.is_quantized(w) for w in model.tensors())
 
 

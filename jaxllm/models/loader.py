@@ -59,6 +59,7 @@ class LoadedModel:
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,   # FP8 checkpoints (compressed-tensors float-quantized, fp8)
 }
 
 
@@ -90,7 +91,12 @@ def _read_json(path: str) -> dict:
         raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
 
 
-def load_hf_folder(path: str) -> LoadedModel:
+def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
+    """An HF folder's model.  A quantized checkpoint (config.json's ``quantization_config``:
+    compressed-tensors, gptq, fp8) keeps its linear layers quantized
+    (``quant/hf_formats.py``); ``quantization`` (``--quantization``): None takes what the
+    checkpoint is, a checkpoint method must match it, and ``int8`` / ``fp8`` on a float
+    checkpoint quantize its linear layers at load (``quant/int_weights.ONLINE``)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{path}: no config.json (expected an HF model folder or a .gguf file)")
@@ -105,6 +111,9 @@ def load_hf_folder(path: str) -> LoadedModel:
     except Exception as e:  # transformers raises many types for a bad config
         raise ModelLoadError(f"{cfg_path}: transformers cannot read it ({e})") from None
     arch = arch_config_from_hf(hf, cfg_path)
+    from jaxllm.quant import hf_formats
+    method = hf_formats.checkpoint_method(raw.get("quantization_config"), cfg_path)
+    online = _check_quantization_flag(quantization, method, path)
 
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
@@ -113,6 +122,8 @@ def load_hf_folder(path: str) -> LoadedModel:
     for fname in files:
         for name, arr in read_safetensors(os.path.join(path, fname)).items():
             tensors[name] = (arr, fname)
+    if method is not None:
+        tensors = hf_formats.build(method, raw["quantization_config"], tensors, where=path)
 
     def skip(name: str) -> bool:
         # Non-persistent rotary buffers some old checkpoints saved, and a tied head saved anyway.
@@ -120,12 +131,48 @@ def load_hf_folder(path: str) -> LoadedModel:
 
     layers, globals_ = _assemble(arch, {n: t for n, t in tensors.items() if not skip(n)}, NameMap(arch, "hf"),
                                  where=path)
+    if online is not None:
+        _quantize_online(online, layers, globals_)
     gen_path = os.path.join(path, "generation_config.json")
     gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     return LoadedModel(
         name=path, arch=arch, layers=layers, globals=globals_,
         rope_inv_freq=inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling),
         tokenizer=TokenizerSource(path), generation_config=gen)
+
+
+# The linear layers quantized checkpoints and online quantization quantize (embeddings,
+# norms, routers and the stacked MoE experts stay float).
+_LINEAR_PARAMS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+
+
+def _check_quantization_flag(flag: str | None, method: str | None, path: str) -> str | None:
+    """Refuses a ``--quantization`` the checkpoint is not; returns the online method to apply
+    (``int8`` / ``fp8`` on a float checkpoint) or None."""
+    from jaxllm.quant.int_weights import ONLINE
+    if flag is None or flag == method:
+        return None
+    if flag in ONLINE and method is None:
+        return flag
+    if flag in ONLINE:
+        raise ModelLoadError(f"--quantization {flag} quantizes a float checkpoint at load, but {path} is already "
+                             f"quantized ({method}); omit --quantization or pass --quantization {method}")
+    if flag == "gguf":
+        raise ModelLoadError(f"--quantization gguf: {path} is not a GGUF file")
+    raise ModelLoadError(f"--quantization {flag}: {path} is " +
+                         (f"a {method} checkpoint" if method else "not a quantized checkpoint (config.json has "
+                          "no quantization_config)") + "; omit --quantization to take what the checkpoint is")
+
+
+def _quantize_online(method: str, layers: list[dict], globals_: dict) -> None:
+    """Every float linear layer's matrix quantized in place by ``int_weights.ONLINE[method]``."""
+    from jaxllm.quant import ops
+    from jaxllm.quant.int_weights import ONLINE
+    for params in (*layers, globals_):
+        for name in _LINEAR_PARAMS:
+            w = params.get(name)
+            if w is not None and not ops.is_quantized(w) and np.ndim(w) == 2:
+                params[name] = ONLINE[method](w)
 
 
 class NameMap:
@@ -179,6 +226,7 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
 
     Per-expert tensors are stacked into their parameter, every expert of each layer required.
     ``transform(param, array)``: applied to each tensor once its shape is checked."""
+    from jaxllm.quant.ops import is_quantized
     E, L = arch.num_experts, arch.num_layers
     want = {p.name: tuple(p.shape(arch)) for p in names.table.present(arch) if p.from_checkpoint}
     layers: list[dict[str, np.ndarray]] = [{} for _ in range(L)]
@@ -214,6 +262,9 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
                 a = a[(slice(None),) * chunk.axis + (slice(chunk.index * n, (chunk.index + 1) * n),)]
             if transform is not None:
                 a = transform(p, a)
+            if expert is not None and is_quantized(a):
+                raise ModelLoadError(f"{where}: tensor {name!r} is a quantized expert weight; quantized "
+                                     "mixture-of-experts layers are not supported")
             if expert is not None:
                 experts.setdefault((layer, p.name), {})[expert] = (a, name)
             else:
@@ -402,12 +453,13 @@ def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> L
 
 # ------------------------------------------------------------------ entry point
 
-def load_model(model: str | None, dequantize: bool = False) -> LoadedModel:
+def load_model(model: str | None, dequantize: bool = False, quantization: str | None = None) -> LoadedModel:
     """Loads ``model`` (an HF folder, a .gguf file, or None for the built-in model); a GGUF's
-    quantized weights stay packed unless ``dequantize``.  A Python package the format needs
-    and the install lacks is named, with how to install it."""
+    quantized weights stay packed unless ``dequantize``; ``quantization``: ``--quantization``
+    (checked against an HF checkpoint, or applied to a float one: see :func:`load_hf_folder`).
+    A Python package the format needs and the install lacks is named, with how to install it."""
     try:
-        return _load_model(model, dequantize)
+        return _load_model(model, dequantize, quantization)
     except ImportError as e:   # ModuleNotFoundError too: name the package, not who imported it
         package = (e.name or "").split(".")[0]
         if not package:
@@ -436,10 +488,10 @@ def gguf_file(model: str | None) -> str | None:
     return None
 
 
-def _load_model(model: str | None, dequantize: bool) -> LoadedModel:
+def _load_model(model: str | None, dequantize: bool, quantization: str | None = None) -> LoadedModel:
     path = gguf_file(model)
     if path is None:
-        return load_hf_folder(model)
+        return load_hf_folder(model, quantization)
     if model is None:
         from jaxllm.models.builtin import BUILTIN_MODEL_NAME
         return load_gguf(path, name=BUILTIN_MODEL_NAME, dequantize=dequantize)

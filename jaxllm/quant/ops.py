@@ -19,12 +19,14 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 
+from jaxllm.quant import int_weights
 from jaxllm.quant.gguf_blocks import PackedWeight, dequantize
+from jaxllm.quant.int_weights import QuantizedLinear
 from jaxllm.quant.matmul import matmul as dequantize_matmul
 
 log = logging.getLogger("jaxllm.quant")
 
-QUANTIZED_TYPES = (PackedWeight,)
+QUANTIZED_TYPES = (PackedWeight, QuantizedLinear)
 
 
 def is_quantized(w) -> bool:
@@ -33,52 +35,68 @@ def is_quantized(w) -> bool:
 
 def format_name(w) -> str:
     """The weight's storage format as the load log names it (``Q4_1``, ``F32``, ``bfloat16``)."""
-    if isinstance(w, PackedWeight):
+    if isinstance(w, (PackedWeight, QuantizedLinear)):
         return w.type_name
     dtype = str(np.dtype(w.dtype))
     return {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint16": "BF16"}.get(dtype, dtype)
 
 
-def _fields(w: PackedWeight) -> dict:
+def _fields(w) -> dict:
+    if isinstance(w, QuantizedLinear):
+        return {f: getattr(w, f) for f in ("q", "scale", "zero") if getattr(w, f) is not None}
     return {f: getattr(w, f) for f in ("d", "qs", "m", "qh", "dmin", "scales", "ql", "bits")
             if getattr(w, f) is not None}
 
 
-def map_fields(w: PackedWeight, fn: Callable, shape: tuple[int, int] | None = None) -> PackedWeight:
+def _rebuild(w, arrays: dict, shape: tuple[int, int]):
+    """A weight of ``w``'s type and format with the field ``arrays`` and logical ``shape``."""
+    if isinstance(w, QuantizedLinear):
+        return QuantizedLinear(**arrays, format=w.format, group_size=w.group_size, shape=shape)
+    return PackedWeight(**arrays, type_name=w.type_name, shape=shape)
+
+
+def map_fields(w, fn: Callable, shape: tuple[int, int] | None = None):
     """``fn`` applied to every field array (each has the ``out`` rows first); ``shape``: the
     result's logical shape when ``fn`` changes the number of rows."""
-    return PackedWeight(**{k: fn(a) for k, a in _fields(w).items()}, type_name=w.type_name,
-                        shape=shape or w.shape)
+    return _rebuild(w, {k: fn(a) for k, a in _fields(w).items()}, shape or w.shape)
+
+
+def _kind(w) -> tuple:
+    """What must agree for weights to be concatenated or stacked: type, format, row width."""
+    if isinstance(w, QuantizedLinear):
+        return (QuantizedLinear, w.format, w.group_size, w.zero is not None, w.shape[1])
+    return (PackedWeight, w.type_name, w.shape[1])
 
 
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight | None:
     """The rows of ``parts`` as one weight (fused projections), or None when they cannot be
     one (different types or widths: a Q4_K_M file quantizes v more finely than q and k)."""
     first = parts[0]
-    if any(p.type_name != first.type_name or p.shape[1] != first.shape[1] for p in parts):
+    if any(_kind(p) != _kind(first) for p in parts):
         return None
     fields = [_fields(p) for p in parts]
-    return PackedWeight(**{k: np.concatenate([np.asarray(f[k]) for f in fields]) for k in fields[0]},
-                        type_name=first.type_name, shape=(sum(p.shape[0] for p in parts), first.shape[1]))
+    return _rebuild(first, {k: np.concatenate([np.asarray(f[k]) for f in fields]) for k in fields[0]},
+                    (sum(p.shape[0] for p in parts), first.shape[1]))
 
 
 def stack(layers: list[PackedWeight], name: str) -> PackedWeight:
     """One parameter's weights of every layer stacked ``[L, ...]`` (for ``lax.scan``, which
     slices the stack back into one layer's weight of the same shape and type)."""
-    kinds = {(w.type_name, w.shape) for w in layers}
+    kinds = {(_kind(w), w.shape) for w in layers}
     if len(kinds) > 1:
         raise ValueError(f"parameter {name!r} is quantized differently across layers "
-                         f"({', '.join(sorted(k for k, _ in kinds))}), so its layers cannot be stacked "
-                         "for --scan-layers; leave the layers unrolled")
+                         f"({', '.join(sorted({format_name(w) for w in layers}))}), so its layers cannot be "
+                         "stacked for --scan-layers; leave the layers unrolled")
     fields = [_fields(w) for w in layers]
-    return PackedWeight(**{k: np.stack([np.asarray(f[k]) for f in fields]) for k in fields[0]},
-                        type_name=layers[0].type_name, shape=layers[0].shape)
+    return _rebuild(layers[0], {k: np.stack([np.asarray(f[k]) for f in fields]) for k in fields[0]},
+                    layers[0].shape)
 
 
 def uniform_across_layers(layers: list[dict]) -> bool:
     """Whether every parameter has one format in every layer (so the layers can be stacked)."""
     for name in layers[0]:
-        if len({(format_name(lp[name]), getattr(lp[name], "shape", None)) for lp in layers}) > 1:
+        if len({(format_name(lp[name]), getattr(lp[name], "shape", None),
+                 _kind(lp[name]) if is_quantized(lp[name]) else None) for lp in layers}) > 1:
             return False
     return True
 
@@ -86,21 +104,38 @@ def uniform_across_layers(layers: list[dict]) -> bool:
 def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     """x [T, in] @ W[out, in]^T -> float32 [T, out] for a quantized ``w``.
 
-    ``backend="native"`` (decided by ``engine/resolve.py``): the CPU kernel that reads the
-    blocks (``quant/native_matmul.py``) for the types it has; others, and every other backend,
-    dequantize inside the step (``quant/matmul.py``)."""
+    GGUF blocks: ``backend="native"`` (decided by ``engine/resolve.py``): the CPU kernel that
+    reads the blocks (``quant/native_matmul.py``) for the types it has; others, and every other
+    backend, dequantize inside the step (``quant/matmul.py``).  int8 / int4 / fp8
+    (``QuantizedLinear``): the Pallas kernel (``pallas/quant_matmul.py``) with
+    ``backend="pallas"`` or on a GPU, for the group sizes it takes; else, CPU included, the
+    XLA path (dequantize in the step, float32 dot)."""
     if isinstance(w, PackedWeight):
         if backend == "native":
             from jaxllm.quant import native_matmul
             if w.type_name in native_matmul.NATIVE_TYPES:
                 return native_matmul.linear_packed(x, w)
         return dequantize_matmul(x, w)
+    if isinstance(w, QuantizedLinear):
+        if _pallas(backend, w):
+            from jaxllm.pallas.quant_matmul import quant_matmul
+            return quant_matmul(x, w)
+        return int_weights.matmul(x, w)
     raise TypeError(f"not a quantized weight: {type(w).__name__}")
+
+
+def _pallas(backend: str, w: QuantizedLinear) -> bool:
+    if backend == "pallas":
+        return True
+    from jaxllm.pallas.quant_matmul import supported
+    return backend == "xla" and jax.default_backend() in ("gpu", "cuda", "rocm") and supported(w)
 
 
 def take_rows(w, ids: jax.Array) -> jax.Array:
     """Rows ``ids`` [T] of a quantized ``[V, D]`` weight (an embedding) -> float32 [T, D]:
     only the gathered rows' blocks are decoded."""
+    if isinstance(w, QuantizedLinear):
+        return int_weights.take_rows(w, ids)
     if isinstance(w, PackedWeight):
         rows = map_fields(w, lambda a: a[ids], shape=(ids.shape[0], w.shape[1]))
         return dequantize(rows)

@@ -1,0 +1,271 @@
+"""jaxllm against llama.cpp's own programs, on the same GGUF and threads, in one run.
+
+    LLAMA_CPP_BIN=$(../shared/tools/build-llama-cpp.sh | tail -1) \\
+        python bench/llama_cpp.py [--batch-sizes 1,8,32] [--input-len 32] [--output-len 64]
+                                  [--concurrency 1,4,16] [--repeats 3] [--skip-offline]
+                                  [--skip-serving] [--agreement] [--json FILE]
+
+The built-in SmolLM2-135M-Instruct GGUF (Q4_1 layers, Q8_0 embedding), served by jaxllm as
+shipped (its blocks kept packed, the default) and by llama.cpp (llama-cpp-bin's build,
+``-t`` = the machine's cores).  llama.cpp runs with ``--no-repack``: on this VM its AMX
+matmul (chosen for prompts when /proc/cpuinfo lists amx_int8) segfaults.
+
+Offline, output tokens/s at each batch size (``--output-len`` tokens per sequence, EOS
+ignored, after a ``--input-len`` prompt), the arms alternated repeat by repeat:
+- jaxllm: one ``LLM.generate`` call on the batch, prefill included, prefix caching off;
+- ``llama-batched-bench -npp IN -ntg OUT -npl B``: B * OUT / T (T: its total time, prefill
+  included), the same measure; and ``llama-bench -n OUT`` (decode only, batch 1), the number
+  llama.cpp quotes.
+Serving: ``jaxllm bench serve`` (random dataset, 2 x concurrency prompts, one warm-up)
+against ``jaxllm serve`` and ``llama-server --parallel 16`` (continuous batching on), each
+concurrency in turn, the two servers alternated.
+``--agreement``: greedy continuations of a few prompts, jaxllm packed and dequantized
+against llama-server's (token ids in, token ids out, with llama.cpp's top-2 probabilities
+where they part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.compare import SERVE_KEYS, _free_port, _wait_ready, bench_serve  # noqa: E402
+
+THREADS = str(len(os.sched_getaffinity(0)))
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are", "List three uses of copper:", "In 1969, the first humans",
+           "The best way to learn a language is", "import numpy as np\n"]
+
+
+def _gguf() -> str:
+    from jaxllm.models.builtin import builtin_gguf_path
+    return builtin_gguf_path()
+
+
+def _bin(args, name: str) -> str:
+    path = os.path.join(args.llama_cpp_bin, name)
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"--llama-cpp-bin {args.llama_cpp_bin}: no {name} there "
+                         "(../shared/tools/build-llama-cpp.sh builds it)")
+    return path
+
+
+# ------------------------------------------------------------------ offline
+
+def llama_bench(args) -> float:
+    """llama-bench's decode tokens/s at batch 1 (its own median of -r 3)."""
+    out = subprocess.run([_bin(args, "llama-bench"), "-m", _gguf(), "-t", THREADS, "-p", "0",
+                          "-n", str(args.output_len), "-r", "3", "--repack", "0", "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def llama_batched(args, batch: int) -> float:
+    """llama-batched-bench: output tokens/s of ``batch`` sequences, prefill included."""
+    cmd = [_bin(args, "llama-batched-bench"), "-m", _gguf(), "-t", THREADS, "-nr",
+           "-c", str(batch * (args.input_len + args.output_len) + 64), "-npp", str(args.input_len),
+           "-ntg", str(args.output_len), "-npl", str(batch)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 10 and cells[2] == str(batch) and re.fullmatch(r"[\d.]+", cells[8]):
+            return batch * args.output_len / float(cells[8])   # T s: the whole run
+    raise RuntimeError(f"no result row in llama-batched-bench's output:\n{out[-2000:]}")
+
+
+def offline(args, res: dict) -> None:
+    from bench.throughput import Jaxllm
+    rng = np.random.default_rng(args.seed)
+    engine = Jaxllm(args, max(args.batch_sizes), "float32", "auto")
+    rows = {}
+    for b in args.batch_sizes:
+        prompts = rng.integers(100, 40000, size=(b, args.input_len)).tolist()
+        engine.warm(prompts)
+        ours, theirs, bench1 = [], [], []
+        for r in range(args.repeats):
+            arms = [("jaxllm", lambda: b * args.output_len / engine.time(prompts)),
+                    ("llama.cpp", lambda: llama_batched(args, b))]
+            for name, run in (arms if r % 2 == 0 else arms[::-1]):
+                print(f"offline batch {b}, repeat {r + 1}: {name} ...", file=sys.stderr)
+                (ours if name == "jaxllm" else theirs).append(run())
+            if b == 1:
+                bench1.append(llama_bench(args))
+        rows[str(b)] = {"jaxllm": statistics.median(ours), "llama-batched-bench": statistics.median(theirs),
+                        "llama-bench": statistics.median(bench1) if bench1 else None,
+                        "samples": {"jaxllm": ours, "llama-batched-bench": theirs, "llama-bench": bench1}}
+    res["offline"] = rows
+
+
+# ------------------------------------------------------------------ serving
+
+@contextlib.contextmanager
+def server(args, kind: str, log_path: str):
+    port = _free_port()
+    if kind == "jaxllm":
+        cmd = [sys.executable, "-m", "jaxllm.cli", "serve", "--port", str(port), "--max-num-seqs", "16",
+               "--max-model-len", "2048"]
+    else:
+        cmd = [_bin(args, "llama-server"), "-m", _gguf(), "-t", THREADS, "--port", str(port), "--parallel", "16",
+               "-c", str(16 * 2048), "-nr", "--cont-batching"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_ready(url, proc, timeout=900)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def serving(args, res: dict, tmp: str) -> None:
+    out = {"jaxllm": {}, "llama-server": {}}
+    with server(args, "jaxllm", os.path.join(tmp, "jaxllm.log")) as ours, \
+            server(args, "llama-server", os.path.join(tmp, "llama.log")) as theirs:
+        for i, c in enumerate(args.concurrency):
+            arms = [("jaxllm", ours), ("llama-server", theirs)]
+            for name, url in (arms if i % 2 == 0 else arms[::-1]):
+                print(f"serving: {name} at concurrency {c} ...", file=sys.stderr)
+                out[name][str(c)] = bench_serve(url, c, args, tmp, name.replace(".", ""))
+    res["serving"] = out
+
+
+# ------------------------------------------------------------------ agreement
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)
+
+
+def agreement(args, res: dict, tmp: str) -> None:
+    from jaxllm import LLM, SamplingParams
+    n = 32
+    engines = {"packed": LLM(max_model_len=2048, show_progress=False),
+               "dequantized": LLM(max_model_len=2048, show_progress=False, dequantize=True)}
+    tok = engines["packed"].get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+    ours = {k: [o.outputs[0] for o in e.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)]
+            for k, e in engines.items()}
+    rows = []
+    with server(args, "llama-server", os.path.join(tmp, "llama-agree.log")) as url:
+        for p, prompt_ids, packed, deq in zip(PROMPTS, ids, ours["packed"], ours["dequantized"]):
+            r = _post(url + "/completion", {"prompt": prompt_ids, "n_predict": n, "temperature": 0, "top_k": 1,
+                                            "ignore_eos": True, "cache_prompt": False, "n_probs": 2,
+                                            "return_tokens": True, "samplers": ["top_k"]})
+            theirs = r["tokens"]
+            row = {"prompt": p, "llama.cpp": theirs}
+            for name, out in (("packed", packed), ("dequantized", deq)):
+                got = out.token_ids
+                k = next((i for i, (a, b) in enumerate(zip(got, theirs)) if a != b), min(len(got), len(theirs)))
+                row[name] = {"equal_prefix": k, "tokens": got}
+                if k < len(theirs):
+                    probs = r["completion_probabilities"][k].get("top_probs") or r["completion_probabilities"][k].get(
+                        "top_logprobs")
+                    row[name]["llama.cpp_top2_at_split"] = probs
+                    lps = sorted((lp.logprob for lp in out.logprobs[k].values()), reverse=True)[:2]
+                    row[name]["jaxllm_top2_margin_at_split"] = lps[0] - lps[1]
+            rows.append(row)
+    res["agreement"] = rows
+
+
+# ------------------------------------------------------------------ table
+
+def render(res: dict) -> str:
+    lines = []
+    if "offline" in res:
+        a = res["args"]
+        lines += [f"Offline, output tokens/s (input {a['input_len']}, output {a['output_len']}, median of "
+                  f"{a['repeats']}, arms alternated):", "",
+                  "| batch | jaxllm (packed Q4_1) | llama-batched-bench | jaxllm / llama.cpp | llama-bench (decode only) |",
+                  "|---:|---:|---:|---:|---:|"]
+        for b, row in res["offline"].items():
+            lb = row["llama-bench"]
+            lines.append(f"| {b} | {row['jaxllm']:.1f} | {row['llama-batched-bench']:.1f} | "
+                         f"{row['jaxllm'] / row['llama-batched-bench']:.2f}x | {'' if lb is None else f'{lb:.1f}'} |")
+        lines.append("")
+    if "serving" in res:
+        srv = res["serving"]
+        lines += ["Serving, `jaxllm bench serve` (random dataset, input "
+                  f"{res['args']['serve_input_len']}, output {res['args']['serve_output_len']}):", "",
+                  "| concurrency | metric | jaxllm serve | llama-server --parallel 16 | ratio |", "|---|---|---:|---:|---:|"]
+        for c in res["args"]["concurrency"]:
+            for key, label, higher in SERVE_KEYS:
+                x, y = srv["jaxllm"][str(c)].get(key), srv["llama-server"][str(c)].get(key)
+                count = key in ("completed", "failed")
+                ratio = "" if count or not x or not y else f"{(x / y if higher else y / x):.2f}x"
+                fmt = (lambda v: f"{v:d}") if count else (lambda v: f"{v:.1f}")
+                lines.append(f"| {c} | {label} | {fmt(x)} | {fmt(y)} | {ratio} |")
+        lines.append("")
+    if "agreement" in res:
+        lines += ["Greedy agreement with llama.cpp (32 tokens; tokens equal before the first difference):", "",
+                  "| prompt | packed | dequantized float32 | jaxllm's top-2 margin where packed parts |",
+                  "|---|---:|---:|---:|"]
+        for row in res["agreement"]:
+            m = row["packed"].get("jaxllm_top2_margin_at_split")
+            lines.append(f"| {row['prompt']!r} | {row['packed']['equal_prefix']} | {row['dequantized']['equal_prefix']} "
+                         f"| {'' if m is None else f'{m:.3f}'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
+                   help="folder of llama.cpp's programs (default: $LLAMA_CPP_BIN)")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--serve-input-len", type=int, default=128)
+    p.add_argument("--serve-output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--agreement", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if not args.llama_cpp_bin:
+        p.error("--llama-cpp-bin (or $LLAMA_CPP_BIN) is required: ../shared/tools/build-llama-cpp.sh prints it")
+    try:
+        args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        p.error("--batch-sizes and --concurrency take comma-separated integers, e.g. 1,8,32")
+    res = {"args": vars(args).copy(), "threads": THREADS, "date": time.strftime("%Y-%m-%d %H:%M")}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.agreement:
+            agreement(args, res, tmp)
+        if not args.skip_offline:
+            offline(args, res)
+        if not args.skip_serving:
+            serving(args, res, tmp)
+    print(render(res))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
