@@ -127,7 +127,7 @@ def test_pack_keeps_the_file_bytes(type_name):
     assert (pw.qh is not None) == (type_name in ("Q5_0", "Q5_1"))
     # a pytree: arrays are leaves, type and shape are static (a jit cache key, not traced)
     leaves, treedef = jax.tree_util.tree_flatten(pw)
-    assert all(isinstance(leaf, jax.Array) for leaf in leaves)
+    assert all(isinstance(leaf, np.ndarray) for leaf in leaves)   # host arrays: device_put moves them
     assert len(leaves) == 2 + (pw.m is not None) + (pw.qh is not None)
     assert jax.tree_util.tree_unflatten(treedef, leaves).type_name == type_name
 
@@ -160,7 +160,7 @@ def test_pack_keeps_the_file_bytes_k_and_float(type_name):
             assert a.dtype == jnp.dtype(dtype), name
             assert a.shape == ((shape[0], nb) if n is None else (shape[0], nb, n)), name
     leaves, treedef = jax.tree_util.tree_flatten(pw)
-    assert len(leaves) == len(layout) and all(isinstance(leaf, jax.Array) for leaf in leaves)
+    assert len(leaves) == len(layout) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
     assert jax.tree_util.tree_unflatten(treedef, leaves).type_name == type_name
 
 
