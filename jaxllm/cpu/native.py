@@ -42,7 +42,8 @@ _KERNELS = {
 _QUANT_SOURCE = "quant_linear.cc"
 _QUANT_TARGETS = {"jaxllm_linear_q8_0": "JaxllmLinearQ8_0", "jaxllm_linear_q4_0": "JaxllmLinearQ4_0",
                   "jaxllm_linear_q4_1": "JaxllmLinearQ4_1", "jaxllm_linear_q5_0": "JaxllmLinearQ5_0",
-                  "jaxllm_linear_q5_1": "JaxllmLinearQ5_1"}
+                  "jaxllm_linear_q5_1": "JaxllmLinearQ5_1", "jaxllm_linear_q4_k": "JaxllmLinearQ4_K",
+                  "jaxllm_linear_q5_k": "JaxllmLinearQ5_K", "jaxllm_linear_q6_k": "JaxllmLinearQ6_K"}
 _HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
 _QUANT_FLAGS = _FLAGS + ["-mf16c"]   # f16 scales -> f32 (_cvtsh_ss)
@@ -133,8 +134,8 @@ def available() -> bool:
 
 def quant_available() -> bool:
     """Builds and registers the packed-block matmul (quant_linear.cc) on first call; True
-    when the ``jaxllm_linear_q8_0`` / ``q4_0`` / ``q4_1`` / ``q5_0`` / ``q5_1`` targets can be
-    called."""
+    when the ``jaxllm_linear_q8_0`` / ``q4_0`` / ``q4_1`` / ``q5_0`` / ``q5_1`` / ``q4_k`` /
+    ``q5_k`` / ``q6_k`` targets can be called."""
     return _load(_quant_state, {_QUANT_SOURCE: _QUANT_TARGETS}, _QUANT_FLAGS, {"avx2", "fma", "f16c"},
                  "native packed-block matmul unavailable; using the XLA dequantize path")
 

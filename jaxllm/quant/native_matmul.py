@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxllm.cpu import native
 from jaxllm.quant.gguf_blocks import PackedWeight
 
-NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def linear_packed(x: jax.Array, pw: PackedWeight) -> jax.Array:
@@ -33,6 +33,8 @@ def linear_packed(x: jax.Array, pw: PackedWeight) -> jax.Array:
     x = x.astype(jnp.float32)
     # the target's operands, in its handler's order (quant_linear.cc)
     fields = {"Q8_0": (pw.d, pw.qs), "Q4_0": (pw.d, pw.qs), "Q4_1": (pw.d, pw.m, pw.qs),
-              "Q5_0": (pw.d, pw.qh, pw.qs), "Q5_1": (pw.d, pw.m, pw.qh, pw.qs)}[pw.type_name]
+              "Q5_0": (pw.d, pw.qh, pw.qs), "Q5_1": (pw.d, pw.m, pw.qh, pw.qs),
+              "Q4_K": (pw.d, pw.dmin, pw.scales, pw.qs), "Q5_K": (pw.d, pw.dmin, pw.scales, pw.qh, pw.qs),
+              "Q6_K": (pw.ql, pw.qh, pw.scales, pw.d)}[pw.type_name]
     target = f"jaxllm_linear_{pw.type_name.lower()}"
     return jax.ffi.ffi_call(target, out)(x, *fields)                               # [M, N]
