@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         pw = pack(_weight(type_name, n, k, rng), type_name, (n, k))
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
-            us = {name: time_compiled(lambda f=f: f(x, pw), warmup=2, reps=args.reps, inner=args.inner)["median_s"] * 1e6
+            us = {name: time_compiled(lambda f=f, x=x, pw=pw: f(x, pw), warmup=2, reps=args.reps, inner=args.inner)["median_s"] * 1e6
                   for name, f in paths.items()}
             print(f"| {type_name} | {m} | {us['native']:.0f} | {us['xla']:.0f} | {us['xla'] / us['native']:.1f}x |")
     return 0
