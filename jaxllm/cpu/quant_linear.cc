@@ -1,7 +1,8 @@
 // Native CPU matmul over GGUF blocks kept packed: y[M, N] = x[M, K] . dequant(w)[N, K]^T,
 // float32 accumulation, for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights split into per-field
 // arrays by jaxllm/quant/gguf_blocks.py (d, m: [N, nb] float16 bits; qs: [N, nb, 32 | 16]
-// bytes; qh: [N, nb, 4] bytes, the fifth bits of Q5_*; nb = K / 32).
+// bytes; qh: [N, nb, 4] bytes, the fifth bits of Q5_*; nb = K / 32), and for the K-quants
+// Q4_K, Q5_K and Q6_K (256-weight super-blocks, K a multiple of 256; see "K-quants" below).
 //
 // The weights are never dequantized to memory: each 32-weight block is widened in
 // registers (int8 or nibbles [+ fifth bit] -> int32 -> float32), multiplied by x with FMAs
