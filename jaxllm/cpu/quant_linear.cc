@@ -285,12 +285,16 @@ struct Q45_K {
   // 4-7 mins 0-3; scales and mins 4-7 are the nibbles of bytes 8-11 with their top 2 bits in
   // the spare top bits of bytes 0-7.
   static inline void scales(const uint8_t* sc, float d, float dmin, float ds[16], float dm[8]) {
-    for (int i = 0; i < 4; ++i) {
-      ds[i] = d * static_cast<float>(sc[i] & 0x3F);
-      dm[i] = dmin * static_cast<float>(sc[i + 4] & 0x3F);
-      ds[i + 4] = d * static_cast<float>((sc[i + 8] & 0x0F) | ((sc[i] >> 2) & 0x30));
-      dm[i + 4] = dmin * static_cast<float>((sc[i + 8] >> 4) | ((sc[i + 4] >> 2) & 0x30));
-    }
+    // as three little-endian words, every byte's part at once
+    uint32_t w[3];
+    __builtin_memcpy(w, sc, 12);
+    const uint32_t s_lo = w[0] & 0x3F3F3F3F, m_lo = w[1] & 0x3F3F3F3F;
+    const uint32_t s_hi = (w[2] & 0x0F0F0F0F) | ((w[0] >> 2) & 0x30303030);   // bits 6, 7 -> 4, 5
+    const uint32_t m_hi = ((w[2] >> 4) & 0x0F0F0F0F) | ((w[1] >> 2) & 0x30303030);
+    const __m128i s = _mm_setr_epi32(static_cast<int>(s_lo), static_cast<int>(s_hi), 0, 0);
+    const __m128i m = _mm_setr_epi32(static_cast<int>(m_lo), static_cast<int>(m_hi), 0, 0);
+    _mm256_store_ps(ds, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s))));
+    _mm256_store_ps(dm, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m))));
   }
 
   // Row i: the low (even i) or high (odd i) nibbles of the 32-byte group i / 2 of qs, with
@@ -317,7 +321,10 @@ struct Q6_K {
   static constexpr bool kSplitScale = true;
 
   static inline void scales(const uint8_t* sc, float d, float, float ds[16], float*) {
-    for (int k = 0; k < 16; ++k) ds[k] = d * static_cast<float>(static_cast<int8_t>(sc[k]));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));   // 16 int8 scales
+    const __m256 dv = _mm256_set1_ps(d);
+    _mm256_store_ps(ds, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+    _mm256_store_ps(ds + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
   }
 
   // Row i = 4h + s of half h: q's low 4 bits are the low (s < 2) or high nibbles of
