@@ -261,8 +261,8 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
 //               (q - 32 taken in the bytes, exact).
 constexpr int64_t kSuper = 256;
 
-// The 16 bytes of a 128-bit lane pair's low (bytes 0..15) and high (16..31) halves of v as
-// four float32 vectors of 8, signed or unsigned.
+// The 32 bytes of v as four float32 vectors (bytes 0..7, 8..15, 16..23, 24..31), signed or
+// unsigned.
 template <bool Signed>
 inline void widen32(__m256i v, __m256 q[4]) {
   widen16<Signed>(_mm256_castsi256_si128(v), q);
