@@ -3,7 +3,10 @@
     python bench/quant_matmul.py                       # 576x1536 (the built-in model's down projection)
     python bench/quant_matmul.py --rows 1 32 --shape 1536 576
 
-Random weights quantized by ``gguf.quants.quantize`` and packed (``jaxllm/quant``); each cell
+Random weights quantized by ``gguf.quants.quantize`` and packed (``jaxllm/quant``); the
+K-quants (Q4_K, Q5_K, Q6_K), which it cannot quantize, are random valid super-blocks (random
+quants and sub-block scales, small f16 scales), and are left out when K is not a multiple
+of 256.  Each cell
 is the median per call of ``--reps`` samples of ``--inner`` back-to-back jitted calls
 (``bench/harness.time_compiled``), the two paths alternating type by type.
 """
@@ -17,14 +20,29 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf.constants import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import time_compiled  # noqa: E402
 from jaxllm.cpu import native  # noqa: E402
-from jaxllm.quant import matmul, pack  # noqa: E402
+from jaxllm.quant import block_size, matmul, pack  # noqa: E402
 from jaxllm.quant.native_matmul import NATIVE_TYPES, linear_packed  # noqa: E402
+
+
+def _weight(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Raw GGUF bytes [n, k / block * type_size] of a random weight of ``type_name``."""
+    if block_size(type_name) == 32:
+        w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
+        return quantize(w, GGMLQuantizationType[type_name])
+    size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (n, k // size, type_size), dtype=np.uint8)
+    scale = (rng.uniform(0.5, 1.5, (n, k // size, 2)) * 1e-3).astype(np.float16).view(np.uint8)
+    if type_name == "Q6_K":
+        raw[..., -2:] = scale.reshape(n, k // size, 4)[..., :2]           # d
+    else:
+        raw[..., :4] = scale.reshape(n, k // size, 4)                      # d, dmin
+    return raw.reshape(n, -1)
 
 
 def main(argv=None) -> int:
@@ -44,11 +62,13 @@ def main(argv=None) -> int:
     print("| type | M | native | XLA dequantize + dot | ratio |")
     print("|---|---:|---:|---:|---:|")
     for type_name in NATIVE_TYPES:
-        w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
-        pw = pack(quantize(w, GGMLQuantizationType[type_name]), type_name, (n, k))
+        if k % block_size(type_name):
+            print(f"| {type_name} | - | K={k} is not a multiple of {block_size(type_name)} | | |")
+            continue
+        pw = pack(_weight(type_name, n, k, rng), type_name, (n, k))
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
-            us = {name: time_compiled(lambda f=f: f(x, pw), warmup=2, reps=args.reps, inner=args.inner)["median_s"] * 1e6
+            us = {name: time_compiled(lambda f=f, x=x, pw=pw: f(x, pw), warmup=2, reps=args.reps, inner=args.inner)["median_s"] * 1e6
                   for name, f in paths.items()}
             print(f"| {type_name} | {m} | {us['native']:.0f} | {us['xla']:.0f} | {us['xla'] / us['native']:.1f}x |")
     return 0

@@ -43,7 +43,8 @@ _KERNELS = {
 _QUANT_KERNELS = {
     "quant_linear.cc": {"jaxllm_linear_q8_0": "JaxllmLinearQ8_0", "jaxllm_linear_q4_0": "JaxllmLinearQ4_0",
                         "jaxllm_linear_q4_1": "JaxllmLinearQ4_1", "jaxllm_linear_q5_0": "JaxllmLinearQ5_0",
-                        "jaxllm_linear_q5_1": "JaxllmLinearQ5_1"},
+                        "jaxllm_linear_q5_1": "JaxllmLinearQ5_1", "jaxllm_linear_q4_k": "JaxllmLinearQ4_K",
+                        "jaxllm_linear_q5_k": "JaxllmLinearQ5_K", "jaxllm_linear_q6_k": "JaxllmLinearQ6_K"},
     "quant_dot.cc": {"jaxllm_dot_q8_0": "JaxllmDotQ8_0", "jaxllm_dot_q4_0": "JaxllmDotQ4_0",
                      "jaxllm_dot_q4_1": "JaxllmDotQ4_1", "jaxllm_dot_q5_0": "JaxllmDotQ5_0",
                      "jaxllm_dot_q5_1": "JaxllmDotQ5_1"},

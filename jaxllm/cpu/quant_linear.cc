@@ -1,7 +1,8 @@
 // Native CPU matmul over GGUF blocks kept packed: y[M, N] = x[M, K] . dequant(w)[N, K]^T,
 // float32 accumulation, for Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 weights split into per-field
 // arrays by jaxllm/quant/gguf_blocks.py (d, m: [N, nb] float16 bits; qs: [N, nb, 32 | 16]
-// bytes; qh: [N, nb, 4] bytes, the fifth bits of Q5_*; nb = K / 32).
+// bytes; qh: [N, nb, 4] bytes, the fifth bits of Q5_*; nb = K / 32), and for the K-quants
+// Q4_K, Q5_K and Q6_K (256-weight super-blocks, K a multiple of 256; see "K-quants" below).
 //
 // The weights are never dequantized to memory: each 32-weight block is widened in
 // registers (int8 or nibbles [+ fifth bit] -> int32 -> float32), multiplied by x with FMAs
@@ -20,18 +21,20 @@
 #include <string>
 #include <vector>
 
+#include "gguf_simd.h"
 #include "parallel.h"
 #include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using jaxllm_gguf::f16;
+using jaxllm_gguf::fifth_bits;
+using jaxllm_gguf::nibbles;
 
 namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kMaxRows = 4;   // rows of x per tile: 4 weight vectors + 4 accumulators + partials
-
-inline float f16(uint16_t bits) { return _cvtsh_ss(bits); }
 
 // bytes 0..15 -> four float32 vectors of 4 x 8 lanes, signed or unsigned
 template <bool Signed>
@@ -43,29 +46,6 @@ inline void widen16(__m128i v, __m256 q[2]) {
     q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
     q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
   }
-}
-
-// qs bytes -> (low nibbles, high nibbles): weights 0..15 and 16..31 as bytes 0..15
-inline void nibbles(const uint8_t* qs, __m128i* lo, __m128i* hi) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  *lo = _mm_and_si128(v, mask);
-  *hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-}
-
-// Bits 0..15 (lo) and 16..31 (hi) of the little-endian uint32 qh as bytes 0x10 or 0:
-// weight j's fifth bit, placed to be or-ed onto its nibble.
-inline void fifth_bits(const uint8_t* qh, __m128i* lo, __m128i* hi) {
-  int32_t h;
-  __builtin_memcpy(&h, qh, 4);
-  const __m128i v = _mm_set1_epi32(h);
-  // byte j of a half takes the qh byte holding its bit, then tests bit j % 8
-  const __m128i pick_lo = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m128i pick_hi = _mm_setr_epi8(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m128i sixteen = _mm_set1_epi8(0x10);
-  *lo = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(v, pick_lo), bit), bit), sixteen);
-  *hi = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(v, pick_hi), bit), bit), sixteen);
 }
 
 // One block's 32 weights (without d, m) as four float32 vectors, weights 0..7, ..., 24..31.
@@ -182,24 +162,54 @@ inline void tile(int rows, const float* x, int64_t K, const uint16_t* d, const u
   }
 }
 
-// Weight rows [n0, n1) for every row of x.  The tile of x (at most kMaxRows * K floats) is
-// the outer loop: it is read 4 times per block per weight row, so it stays in L1 while the
+// Calls tile(rows, r0, n) for every tile of x (rows r0 .. r0 + rows - 1, at most kMaxRows)
+// and every weight row n in [n0, n1).  The tile of x (at most kMaxRows * K floats) is the
+// outer loop: it is read 4 times per block per weight row, so it stays in L1 while the
 // weight rows (about a quarter of its bytes per block) stream through.
-template <typename T>
-void rows_range(const float* x, const uint16_t* d, const uint16_t* m, const uint8_t* qs, const uint8_t* qh,
-                const float* sx, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t nb = K / kBlock;
+template <typename Tile>
+inline void rows_range(int64_t M, int64_t n0, int64_t n1, const Tile& tile) {
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
   int64_t r0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     // tiles as even as possible (7 rows: 4 + 3, not 4 + 3 ... or a 1-row tail)
     const int rows = static_cast<int>(M / tiles + (t < M % tiles));
-    for (int64_t n = n0; n < n1; ++n) {
-      tile<T>(rows, x + r0 * K, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
-              qh + n * nb * T::kQhBytes, sx ? sx + r0 * nb : nullptr, y + r0 * N + n, N);
-    }
+    for (int64_t n = n0; n < n1; ++n) tile(rows, r0, n);
     r0 += rows;
   }
+}
+
+// Splits the N weight rows over the pool in contiguous ranges and runs range(n0, n1) on each.
+template <typename Range>
+void split_rows(ffi::ThreadPool& pool, int64_t M, int64_t N, const Range& range) {
+  // Parts per thread and tasks = threads - 1 (the caller works too): the choices linear.cc
+  // measured for the same pool; a part is at least 8 weight rows.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_thread = M > 8 ? 8 : 4;
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(per_thread * threads, N / 8)));
+  if (parts == 1) {
+    range(0, N);
+    return;
+  }
+  const int64_t chunk = (N + parts - 1) / parts;
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads - 1, parts - 1));
+  jaxllm_parallel::for_each_item(pool, parts, tasks, [&range, chunk, N](int64_t i) {
+    const int64_t a = std::min<int64_t>(N, i * chunk), b = std::min<int64_t>(N, a + chunk);
+    if (a < b) range(a, b);
+  });
+}
+
+// Per-32-weight sums of x: [M, K / 32], for the types with a min (row r's at r * K / 32).
+std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
+  const int64_t nb = K / kBlock;
+  std::vector<float> sums(M * nb);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                               _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+      sums[r * nb + b] = jaxllm_simd::hsum(s);
+    }
+  return sums;
 }
 
 template <typename T>
@@ -207,32 +217,247 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
             const uint8_t* qh, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t nb = K / kBlock;
   std::vector<float> sums;
-  if (m != nullptr) {
-    sums.resize(M * nb);   // [M, nb]
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xb = x + r * K + b * kBlock;
-        __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
-        sums[r * nb + b] = jaxllm_simd::hsum(s);
-      }
-  }
+  if (m != nullptr) sums = block_sums(x, M, K);
   const float* sx = m != nullptr ? sums.data() : nullptr;
-  // Parts per thread and tasks = threads - 1 (the caller works too): the choices linear.cc
-  // measured for the same pool; a part is at least 8 weight rows.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_thread = M > 8 ? 8 : 4;
-  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(per_thread * threads, N / 8)));
-  if (parts == 1) {
-    rows_range<T>(x, d, m, qs, qh, sx, y, M, K, N, 0, N);
-    return;
-  }
-  const int64_t chunk = (N + parts - 1) / parts;
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads - 1, parts - 1));
-  jaxllm_parallel::for_each_item(pool, parts, tasks, [=](int64_t i) {
-    const int64_t a = std::min<int64_t>(N, i * chunk), b = std::min<int64_t>(N, a + chunk);
-    if (a < b) rows_range<T>(x, d, m, qs, qh, sx, y, M, K, N, a, b);
+  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
+    rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
+      tile<T>(rows, x + r0 * K, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
+              qh + n * nb * T::kQhBytes, sx ? sx + r0 * nb : nullptr, y + r0 * N + n, N);
+    });
   });
+}
+
+// ---- K-quants: 256-weight super-blocks whose sub-blocks have their own scale ----
+//
+// A super-block is handled as 8 rows of 32 weights (weights 32i .. 32i + 31), each widened
+// in registers like a 32-weight block.  Its sub-block scales are float32 products of the
+// f16 super-block scale and the small integer scales, as gguf rounds them:
+//   Q4_K, Q5_K: row i has scale ds_i = d * sc_i and min dm_i = dmin * m_i; the weights are
+//               ds_i * q - dm_i, so y += ds_i * sum(q * x) - dm_i * sum(x), the sums of x
+//               per 32 weights computed once per call, the 8 min terms of a super-block
+//               one vector FMA into the same 8-lane accumulator.
+//   Q6_K:       16 sub-blocks of 16: row i's weights 0..15 scale by ds_2i, 16..31 by ds_2i+1
+//               (q - 32 taken in the bytes, exact).
+constexpr int64_t kSuper = 256;
+
+// The 32 bytes of v as four float32 vectors (bytes 0..7, 8..15, 16..23, 24..31), signed or
+// unsigned.
+template <bool Signed>
+inline void widen32(__m256i v, __m256 q[4]) {
+  widen16<Signed>(_mm256_castsi256_si128(v), q);
+  widen16<Signed>(_mm256_extracti128_si256(v, 1), q + 2);
+}
+
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Q4_K / Q5_K (Fifth): d, dmin [N, nb] f16 bits; scales [N, nb, 12]; qs [N, nb, 128];
+// qh [N, nb, 32] (Q5_K).
+template <bool Fifth>
+struct Q45_K {
+  static constexpr int64_t kQsBytes = kSuper / 2;
+  static constexpr int64_t kQhBytes = Fifth ? kSuper / 8 : 0;
+  static constexpr int64_t kScBytes = 12;
+  static constexpr bool kHasMin = true;
+  static constexpr bool kSplitScale = false;
+
+  // The 12 bytes -> ds[8] (and dm[8]): bytes 0-3 hold scales 0-3 in their low 6 bits, bytes
+  // 4-7 mins 0-3; scales and mins 4-7 are the nibbles of bytes 8-11 with their top 2 bits in
+  // the spare top bits of bytes 0-7.
+  static inline void scales(const uint8_t* sc, float d, float dmin, float ds[16], float dm[8]) {
+    // as three little-endian words, every byte's part at once
+    uint32_t w[3];
+    __builtin_memcpy(w, sc, 12);
+    const uint32_t s_lo = w[0] & 0x3F3F3F3F, m_lo = w[1] & 0x3F3F3F3F;
+    const uint32_t s_hi = (w[2] & 0x0F0F0F0F) | ((w[0] >> 2) & 0x30303030);   // bits 6, 7 -> 4, 5
+    const uint32_t m_hi = ((w[2] >> 4) & 0x0F0F0F0F) | ((w[1] >> 2) & 0x30303030);
+    const __m128i s = _mm_setr_epi32(static_cast<int>(s_lo), static_cast<int>(s_hi), 0, 0);
+    const __m128i m = _mm_setr_epi32(static_cast<int>(m_lo), static_cast<int>(m_hi), 0, 0);
+    _mm256_store_ps(ds, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s))));
+    _mm256_store_ps(dm, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m))));
+  }
+
+  // Row i: the low (even i) or high (odd i) nibbles of the 32-byte group i / 2 of qs, with
+  // bit i of qh[j] as weight j's fifth bit (Q5_K).
+  static inline void widen(const uint8_t* qs, const uint8_t* qh, int i, __m256 q[4]) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m128i shift = _mm_cvtsi32_si128(4 * (i & 1));
+    __m256i v = _mm256_and_si256(_mm256_srl_epi16(load32(qs + 32 * (i >> 1)), shift), mask);
+    if (Fifth) {
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << i));
+      const __m256i h = _mm256_cmpeq_epi8(_mm256_and_si256(load32(qh), bit), bit);
+      v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+    }
+    widen32<false>(v, q);
+  }
+};
+
+// Q6_K: ql [N, nb, 128] (passed as qs); qh [N, nb, 64]; scales [N, nb, 16] int8; d [N, nb].
+struct Q6_K {
+  static constexpr int64_t kQsBytes = kSuper / 2;
+  static constexpr int64_t kQhBytes = kSuper / 4;
+  static constexpr int64_t kScBytes = 16;
+  static constexpr bool kHasMin = false;
+  static constexpr bool kSplitScale = true;
+
+  static inline void scales(const uint8_t* sc, float d, float, float ds[16], float*) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));   // 16 int8 scales
+    const __m256 dv = _mm256_set1_ps(d);
+    _mm256_store_ps(ds, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+    _mm256_store_ps(ds + 8, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
+  }
+
+  // Row i = 4h + s of half h: q's low 4 bits are the low (s < 2) or high nibbles of
+  // ql[64h + 32(s % 2) + j], its high 2 bits bits 2s, 2s + 1 of qh[32h + j].
+  static inline void widen(const uint8_t* ql, const uint8_t* qh, int i, __m256 q[4]) {
+    const int h = i >> 2, s = i & 3;
+    const __m256i lo = _mm256_and_si256(
+        _mm256_srl_epi16(load32(ql + 64 * h + 32 * (s & 1)), _mm_cvtsi32_si128(4 * (s >> 1))),
+        _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_slli_epi16(
+        _mm256_and_si256(_mm256_srl_epi16(load32(qh + 32 * h), _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3)), 4);
+    widen32<true>(_mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)), q);
+  }
+};
+
+// One weight row's fields, at its first super-block.
+struct KRow {
+  const uint16_t* d;
+  const uint16_t* dmin;   // Q4_K, Q5_K
+  const uint8_t* scales;
+  const uint8_t* qs;      // Q6_K: ql
+  const uint8_t* qh;      // Q5_K, Q6_K
+};
+
+// y[r, n] for r < MR rows of x (K apart) and one weight row w; y rows N apart.
+// sx: the rows' per-32-weight sums of x ([MR, K / 32]), used when T::kHasMin.
+template <int MR, typename T>
+inline void row_tile_k(const float* x, int64_t K, const KRow& w, const float* sx, float* y, int64_t N) {
+  const int64_t nb = K / kSuper, nb32 = K / kBlock;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    alignas(32) float ds[16], dm[8];
+    T::scales(w.scales + b * T::kScBytes, f16(w.d[b]), T::kHasMin ? f16(w.dmin[b]) : 0.0f, ds, dm);
+    const uint8_t* qs = w.qs + b * T::kQsBytes;
+    const uint8_t* qh = w.qh + b * T::kQhBytes;
+    for (int i = 0; i < 8; ++i) {
+      __m256 q[4];
+      T::widen(qs, qh, i, q);
+      const float* xb = x + b * kSuper + i * kBlock;
+      if constexpr (T::kSplitScale) {
+        const __m256 s0 = _mm256_set1_ps(ds[2 * i]), s1 = _mm256_set1_ps(ds[2 * i + 1]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = xb + r * K;
+          const __m256 a = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xr + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(xr)));
+          const __m256 c =
+              _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), _mm256_mul_ps(q[2], _mm256_loadu_ps(xr + 16)));
+          acc[r] = _mm256_fmadd_ps(s1, c, _mm256_fmadd_ps(s0, a, acc[r]));
+        }
+      } else {
+        const __m256 s0 = _mm256_set1_ps(ds[i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = xb + r * K;
+          __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(xr));
+          a = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xr + 8), a);
+          a = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xr + 16), a);
+          a = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), a);
+          acc[r] = _mm256_fmadd_ps(s0, a, acc[r]);
+        }
+      }
+    }
+    if constexpr (T::kHasMin) {
+      // lane i: - dm_i * sum of x over row i (the 8 rows' sums are 8 consecutive floats)
+      const __m256 dmv = _mm256_load_ps(dm);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fnmadd_ps(dmv, _mm256_loadu_ps(sx + r * nb32 + b * 8), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) y[r * N] = jaxllm_simd::hsum(acc[r]);
+}
+
+template <typename T>
+void linear_k(ffi::ThreadPool& pool, const float* x, const KRow& w0, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / kSuper;
+  std::vector<float> sums;
+  if (T::kHasMin) sums = block_sums(x, M, K);
+  const float* sx = sums.data();
+  const int64_t nb32 = K / kBlock;
+  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
+    rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
+      const KRow w{w0.d + n * nb, w0.dmin ? w0.dmin + n * nb : nullptr, w0.scales + n * nb * T::kScBytes,
+                   w0.qs + n * nb * T::kQsBytes, w0.qh ? w0.qh + n * nb * T::kQhBytes : nullptr};
+      const float* xt = x + r0 * K;
+      const float* st = T::kHasMin ? sx + r0 * nb32 : nullptr;
+      float* yt = y + r0 * N + n;
+      switch (rows) {
+        case 1: row_tile_k<1, T>(xt, K, w, st, yt, N); break;
+        case 2: row_tile_k<2, T>(xt, K, w, st, yt, N); break;
+        case 3: row_tile_k<3, T>(xt, K, w, st, yt, N); break;
+        default: row_tile_k<4, T>(xt, K, w, st, yt, N); break;
+      }
+    });
+  });
+}
+
+// Checks x[M, K] and a K-quant field f[N, K / 256, bytes] (bytes = 0: f is [N, K / 256]).
+ffi::Error check_k(const char* name, ffi::Span<const int64_t> xd, int64_t N, const char* field,
+                   ffi::Span<const int64_t> fd, int64_t bytes) {
+  const int64_t nb = xd.size() == 2 ? xd[1] / kSuper : -1;
+  const bool ok = xd.size() == 2 && xd[1] % kSuper == 0 && xd[1] > 0 &&
+                  (bytes == 0 ? fd.size() == 2 && fd[0] == N && fd[1] == nb
+                              : fd.size() == 3 && fd[0] == N && fd[1] == nb && fd[2] == bytes);
+  if (!ok)
+    return ffi::Error::InvalidArgument(std::string(name) + ": expected x[M, K] with K a multiple of 256 and " +
+                                       field + "[N, K/256" + (bytes ? ", " + std::to_string(bytes) : "") + "]");
+  return ffi::Error::Success();
+}
+
+template <bool Fifth>
+ffi::Error LinearQ45_K(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U16>& d,
+                       ffi::Buffer<ffi::U16>& dmin, ffi::Buffer<ffi::U8>& scales, const ffi::Buffer<ffi::U8>* qh,
+                       ffi::Buffer<ffi::U8>& qs, ffi::ResultBuffer<ffi::F32>& y) {
+  using T = Q45_K<Fifth>;
+  auto xd = x.dimensions();
+  const int64_t N = d.dimensions().size() == 2 ? d.dimensions()[0] : -1;
+  for (auto e : {check_k(name, xd, N, "d", d.dimensions(), 0), check_k(name, xd, N, "dmin", dmin.dimensions(), 0),
+                 check_k(name, xd, N, "scales", scales.dimensions(), T::kScBytes),
+                 check_k(name, xd, N, "qs", qs.dimensions(), T::kQsBytes),
+                 qh ? check_k(name, xd, N, "qh", qh->dimensions(), T::kQhBytes) : ffi::Error::Success()})
+    if (e.failure()) return e;
+  const KRow w{d.typed_data(), dmin.typed_data(), scales.typed_data(), qs.typed_data(),
+               qh ? qh->typed_data() : nullptr};
+  linear_k<T>(pool, x.typed_data(), w, y->typed_data(), xd[0], xd[1], N);
+  return ffi::Error::Success();
+}
+
+ffi::Error LinearQ4_K(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
+                      ffi::Buffer<ffi::U16> dmin, ffi::Buffer<ffi::U8> scales, ffi::Buffer<ffi::U8> qs,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return LinearQ45_K<false>("jaxllm_linear_q4_k", pool, x, d, dmin, scales, nullptr, qs, y);
+}
+
+ffi::Error LinearQ5_K(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
+                      ffi::Buffer<ffi::U16> dmin, ffi::Buffer<ffi::U8> scales, ffi::Buffer<ffi::U8> qh,
+                      ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
+  return LinearQ45_K<true>("jaxllm_linear_q5_k", pool, x, d, dmin, scales, &qh, qs, y);
+}
+
+ffi::Error LinearQ6_K(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> ql,
+                      ffi::Buffer<ffi::U8> qh, ffi::Buffer<ffi::S8> scales, ffi::Buffer<ffi::U16> d,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  const char* name = "jaxllm_linear_q6_k";
+  auto xd = x.dimensions();
+  const int64_t N = d.dimensions().size() == 2 ? d.dimensions()[0] : -1;
+  for (auto e : {check_k(name, xd, N, "d", d.dimensions(), 0), check_k(name, xd, N, "ql", ql.dimensions(), Q6_K::kQsBytes),
+                 check_k(name, xd, N, "qh", qh.dimensions(), Q6_K::kQhBytes),
+                 check_k(name, xd, N, "scales", scales.dimensions(), Q6_K::kScBytes)})
+    if (e.failure()) return e;
+  const KRow w{d.typed_data(), nullptr, reinterpret_cast<const uint8_t*>(scales.typed_data()), ql.typed_data(),
+               qh.typed_data()};
+  linear_k<Q6_K>(pool, x.typed_data(), w, y->typed_data(), xd[0], xd[1], N);
+  return ffi::Error::Success();
 }
 
 ffi::Error check(const char* name, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> dd,
@@ -353,4 +578,35 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLinearQ5_1, LinearQ5_1,
                                   .Arg<ffi::Buffer<ffi::U16>>()   // m
                                   .Arg<ffi::Buffer<ffi::U8>>()    // qh
                                   .Arg<ffi::Buffer<ffi::U8>>()    // qs
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLinearQ4_K, LinearQ4_K,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // d
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // dmin
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // scales
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // qs
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLinearQ5_K, LinearQ5_K,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // d
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // dmin
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // scales
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // qh
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // qs
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLinearQ6_K, LinearQ6_K,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // ql
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // qh
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // scales
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // d
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jaxllm.cpu import native
 from jaxllm.quant.gguf_blocks import PackedWeight
 
-NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")   # quant_dot.cc
 
 
 def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False) -> jax.Array:
@@ -26,6 +27,9 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
     if pw.type_name not in NATIVE_TYPES:
         raise ValueError(f"no native CPU kernel for {pw.type_name or 'untyped'} weights "
                          f"(native: {', '.join(NATIVE_TYPES)}); use jaxllm.quant.matmul")
+    if int8_activations and pw.type_name not in INT8_ACTIVATION_TYPES:
+        raise ValueError(f"no 8-bit-activation kernel for {pw.type_name} weights "
+                         f"(those: {', '.join(INT8_ACTIVATION_TYPES)})")
     if x.ndim != 2 or x.shape[-1] != pw.shape[1]:
         raise ValueError(f"x of shape {tuple(x.shape)} is not [M, {pw.shape[1]}] for the "
                          f"{pw.type_name} weight of shape {pw.shape}")
@@ -36,6 +40,8 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
     x = x.astype(jnp.float32)
     # the target's operands, in its handler's order (quant_linear.cc)
     fields = {"Q8_0": (pw.d, pw.qs), "Q4_0": (pw.d, pw.qs), "Q4_1": (pw.d, pw.m, pw.qs),
-              "Q5_0": (pw.d, pw.qh, pw.qs), "Q5_1": (pw.d, pw.m, pw.qh, pw.qs)}[pw.type_name]
+              "Q5_0": (pw.d, pw.qh, pw.qs), "Q5_1": (pw.d, pw.m, pw.qh, pw.qs),
+              "Q4_K": (pw.d, pw.dmin, pw.scales, pw.qs), "Q5_K": (pw.d, pw.dmin, pw.scales, pw.qh, pw.qs),
+              "Q6_K": (pw.ql, pw.qh, pw.scales, pw.d)}[pw.type_name]
     target = f"jaxllm_{'dot' if int8_activations else 'linear'}_{pw.type_name.lower()}"
     return jax.ffi.ffi_call(target, out)(x, *fields)                               # [M, N]

@@ -1,5 +1,10 @@
 """The native CPU matmul over packed GGUF blocks (jaxllm/cpu/quant_linear.cc) against the
-float64 reference of the dequantized weight, on the built-in model's shapes and tile edges."""
+float64 reference of the dequantized weight, on the built-in model's shapes and tile edges.
+
+The 32-weight types are quantized from random weights by ``gguf.quants.quantize``; it
+cannot quantize the K-quants (NotImplementedError), so their super-blocks are random bytes
+with finite f16 scales: every byte pattern is a valid block, and ``gguf.quants.dequantize``
+of the bytes defines the truth either way."""
 
 from __future__ import annotations
 
@@ -7,17 +12,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf.constants import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
+from packed_matmul_bounds import bound_32, bound_k
 
 from jaxllm.cpu import native
-from jaxllm.quant import matmul_reference, pack
+from jaxllm.quant import PackedWeight, block_size, matmul_reference, pack
 from jaxllm.quant.native_matmul import NATIVE_TYPES, linear_packed
+
+TYPES_32 = [t for t in NATIVE_TYPES if block_size(t) == 32]
+TYPES_K = [t for t in NATIVE_TYPES if block_size(t) == 256]
 
 # (N, K): the built-in model's q/o, k/v, gate/up and down projections, and a small odd one
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (7, 96)]
 # rows of x: batch 1, tile heights 3 and 4 + 3, a tile split 4 + 2, and a prefill chunk
 ROWS = [1, 3, 6, 7, 32]
+
+# K-quants (K a multiple of 256): the built-in model's down projection, a weight row count
+# under one thread part (N < 8), one whose last thread part is short (65 = 8 parts of 9 but
+# the last 2), and 5 super-blocks a row
+SHAPES_K = [(576, 1536), (7, 256), (65, 512), (24, 1280)]
+# rows of x: batch 1, tiles of 2 and 3, 5 = 3 + 2, 17 = 4 x 3 + 5 (tiles of 4 and 3), a prefill chunk
+ROWS_K = [1, 2, 3, 5, 17, 64]
 
 _linear_jit = jax.jit(linear_packed)
 
@@ -34,42 +50,28 @@ def _quantized(type_name: str, shape, seed: int) -> np.ndarray:
     return quantize(w, GGMLQuantizationType[type_name])  # [N, K/32 * type_size] u8
 
 
-def _bound(x: np.ndarray, pw) -> np.ndarray:
-    """Largest float32 error of the kernel, for any order of its sums.
+def _random_k_blocks(type_name: str, shape, seed: int) -> np.ndarray:
+    """Random valid K-quant super-blocks [N, K/256 * type_size] u8: random quants and sub-block
+    scales, and d (and dmin) finite f16 of random sign, |.| in [0.5, 1.5) * 1e-3."""
+    rng = np.random.default_rng(seed)
+    n, k = shape
+    size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    raw = rng.integers(0, 256, (n, k // size, type_size), dtype=np.uint8)  # [N, nb, type_size]
 
-    The kernel computes sum_b (d_b sum_j q_j x_j + m_b sum_j x_j) in float32, with q the
-    signed quant (Q4_0: q - 8, Q5_0: q - 16, subtracted in the integer bytes, so exact).
-    Every term d q_j x_j and m x_j passes through at most nb + 12 <= K roundings (one
-    product or FMA per vector of the block, the block scale's FMA, the accumulation over nb
-    blocks, the 8-lane sum and the final add), so by Higham (Thm 3.1) the error against the
-    exact sum is at most gamma_K sum_j (|d q_j| + |m|) |x_j|, gamma_n = n u / (1 - n u),
-    u = 2^-24.  The reference's weight is d q (exact in float32: 11-bit d times a <= 8-bit
-    q) for Q8_0, Q4_0 and Q5_0, and fl(d q + m) for Q4_1 and Q5_1, off the exact d q + m by
-    at most u (|d q| + |m|): one more u.
-    """
-    d = np.asarray(pw.d).view(np.float16).astype(np.float64)[..., None]  # [N, nb, 1]
-    qs = np.asarray(pw.qs)
-    if pw.type_name == "Q8_0":
-        q = qs.view(np.int8).astype(np.float64)  # [N, nb, 32]
+    def f16():
+        v = rng.uniform(0.5, 1.5, (n, k // size)) * rng.choice([-1.0, 1.0], (n, k // size)) * 1e-3
+        return v.astype(np.float16).view(np.uint8).reshape(n, k // size, 2)
+
+    if type_name == "Q6_K":
+        raw[..., -2:] = f16()                     # d is the block's last field
     else:
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.float64)  # [N, nb, 32]
-    if pw.qh is not None:
-        # bit j of the little-endian uint32 qh is weight j's fifth bit
-        h = np.asarray(pw.qh).view("<u4")  # [N, nb, 1]
-        q += ((h >> np.arange(32, dtype=np.uint32)) & 1).astype(np.float64) * 16
-    q -= {"Q4_0": 8, "Q5_0": 16}.get(pw.type_name, 0)
-    if pw.m is None:
-        m, extra = 0.0, 0.0
-    else:
-        m, extra = np.asarray(pw.m).view(np.float16).astype(np.float64)[..., None], 2.0 ** -24
-    mag = (np.abs(d * q) + np.abs(m)).reshape(pw.shape)  # [N, K]
-    n, u = pw.shape[1], 2.0 ** -24
-    return (n * u / (1 - n * u) + extra) * (np.abs(x.astype(np.float64)) @ mag.T)
+        raw[..., 0:2], raw[..., 2:4] = f16(), f16()   # d, dmin
+    return raw.reshape(n, -1)
 
 
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("type_name", NATIVE_TYPES)
+@pytest.mark.parametrize("type_name", TYPES_32)
 def test_matches_float64_reference(kernel, type_name, shape, M):
     seed = SHAPES.index(shape) * 10 + ROWS.index(M)
     raw = _quantized(type_name, shape, seed)
@@ -79,16 +81,38 @@ def test_matches_float64_reference(kernel, type_name, shape, M):
     want = matmul_reference(x, raw, type_name, shape)
     assert got.shape == want.shape == (M, shape[0]) and got.dtype == np.float32
     err = np.abs(got - want)
-    bound = _bound(x, pw)
+    bound = bound_32(x, pw)
     assert np.all(err <= bound), f"worst error / bound {np.max(err / bound):.3f}"
+
+
+@pytest.mark.parametrize("M", ROWS_K)
+@pytest.mark.parametrize("shape", SHAPES_K, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("type_name", TYPES_K)
+def test_k_quants_match_float64_reference(kernel, type_name, shape, M):
+    seed = 100 + SHAPES_K.index(shape) * 10 + ROWS_K.index(M)
+    raw = _random_k_blocks(type_name, shape, seed)
+    pw = pack(raw, type_name, shape)
+    x = np.random.default_rng(seed + 1).standard_normal((M, shape[1]), dtype=np.float32)
+    got = np.asarray(_linear_jit(jnp.asarray(x), pw))
+    want = matmul_reference(x, raw, type_name, shape)
+    assert got.shape == want.shape == (M, shape[0]) and got.dtype == np.float32
+    err = np.abs(got - want)
+    bound = bound_k(x, pw)
+    assert np.all(err <= bound), f"worst error / bound {np.max(err / bound):.3f}"
+
+
+def _weight(type_name: str, shape, seed: int) -> np.ndarray:
+    if block_size(type_name) == 256:
+        return _random_k_blocks(type_name, shape, seed)
+    return _quantized(type_name, shape, seed)
 
 
 @pytest.mark.parametrize("type_name", NATIVE_TYPES)
 def test_composes_with_other_ops_under_jit(kernel, type_name):
     """Two kernel calls and elementwise ops in one jitted function: the FFI results feed
     further ops and each other like any XLA value."""
-    shape1, shape2 = (192, 576), (576, 192)
-    raw1, raw2 = _quantized(type_name, shape1, 7), _quantized(type_name, shape2, 8)
+    shape1, shape2 = ((192, 576), (576, 192)) if block_size(type_name) == 32 else ((256, 512), (512, 256))
+    raw1, raw2 = _weight(type_name, shape1, 7), _weight(type_name, shape2, 8)
     pw1, pw2 = pack(raw1, type_name, shape1), pack(raw2, type_name, shape2)
 
     @jax.jit
@@ -96,22 +120,34 @@ def test_composes_with_other_ops_under_jit(kernel, type_name):
         h = jnp.tanh(linear_packed(x * 2.0, pw1))        # [M, 192]
         return linear_packed(h, pw2) + x                 # [M, 576]
 
-    x = np.random.default_rng(9).standard_normal((3, 576), dtype=np.float32)
+    x = np.random.default_rng(9).standard_normal((3, shape1[1]), dtype=np.float32)
     got = np.asarray(step(jnp.asarray(x), pw1, pw2))
     h = np.tanh(matmul_reference(x * 2.0, raw1, type_name, shape1))
     want = matmul_reference(h, raw2, type_name, shape2) + x
-    assert got.shape == (3, 576)
+    assert got.shape == (3, shape1[1])
     # tanh and the propagated first-layer error make this an agreement check, not a bound
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_unsupported_type_and_shape_raise():
-    pw = pack(np.zeros((4, 144), np.uint8), "Q4_K", (4, 256))   # one 144-byte super-block a row
-    with pytest.raises(ValueError, match="no native CPU kernel for Q4_K"):
+    pw = pack(np.zeros((4, 512), np.uint8), "F16", (4, 256))   # 256 float16 a row
+    with pytest.raises(ValueError, match="no native CPU kernel for F16"):
         linear_packed(jnp.zeros((1, 256)), pw)
     pw = pack(_quantized("Q8_0", (4, 64), 0), "Q8_0", (4, 64))
     with pytest.raises(ValueError, match=r"not \[M, 64\]"):
         linear_packed(jnp.zeros((1, 96)), pw)
+
+
+@pytest.mark.parametrize("type_name, field, bad", [("Q4_K", "scales", 11), ("Q5_K", "qh", 16),
+                                                   ("Q6_K", "scales", 12)])
+def test_k_field_of_the_wrong_shape_is_refused_by_the_kernel(kernel, type_name, field, bad):
+    """A hand-made PackedWeight whose field does not match its shape: the target names it
+    instead of reading past the array."""
+    pw = pack(_random_k_blocks(type_name, (8, 512), 0), type_name, (8, 512))
+    pw = PackedWeight(**{**{f: getattr(pw, f) for f in ("d", "qs", "qh", "dmin", "scales", "ql")},
+                         field: getattr(pw, field)[..., :bad]}, type_name=type_name, shape=pw.shape)
+    with pytest.raises(Exception, match=rf"jaxllm_linear_{type_name.lower()}: .*{field}\[N, K/256"):
+        np.asarray(linear_packed(jnp.zeros((1, 512)), pw))
 
 
 def test_a_failed_build_leaves_the_other_kernels_on(monkeypatch, caplog):

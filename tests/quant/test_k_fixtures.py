@@ -1,0 +1,70 @@
+"""The K-quant GGUF files llama.cpp's llama-quantize wrote (tests/fixtures/gguf_k): read by
+``read_gguf``, they hold the K types llama.cpp picks for each preset, and every matrix of a
+natively supported type, multiplied by the native kernel straight from the file's blocks,
+matches the float64 product with gguf's dequantization of the same bytes."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from packed_matmul_bounds import bound
+
+from jaxllm.cpu import native
+from jaxllm.models.gguf_file import read_gguf
+from jaxllm.quant import matmul_reference, pack
+from jaxllm.quant.native_matmul import NATIVE_TYPES, linear_packed
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "gguf_k")
+# preset -> the K types llama.cpp's mixture must put in it (the M presets keep some tensors,
+# the output one among them, at Q6_K)
+PRESETS = {"Q4_K_M": {"Q4_K", "Q6_K"}, "Q5_K_M": {"Q5_K", "Q6_K"}, "Q6_K": {"Q6_K"}}
+
+_linear_jit = jax.jit(linear_packed)
+
+
+def _path(preset: str) -> str:
+    path = os.path.join(FIXTURES, f"tiny-llama-{preset}.gguf")
+    if not os.path.isfile(path):
+        pytest.skip(f"{path} missing: run tests/fixtures/gguf_k/make_fixtures.py (needs llama-quantize)")
+    return path
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_fixture_holds_the_presets_k_types(preset):
+    g = read_gguf(_path(preset))
+    types = {t.name: t.tensor_type.name for t in g.tensors}
+    print(preset, sorted(set(types.values())), types)
+    k_types = {t for t in types.values() if t.endswith("_K")}
+    assert k_types == PRESETS[preset]
+    # llama.cpp keeps the 1-D norms in F32 and quantizes every matrix
+    for t in g.tensors:
+        assert (t.tensor_type.name == "F32") == (len(t.shape) == 1), (t.name, t.tensor_type.name, t.shape)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_native_matrix_matches_the_float64_reference(preset):
+    if not native.quant_available():
+        pytest.skip("native packed-block matmul unavailable here: not a CPU backend, the CPU "
+                    "lacks AVX2/FMA/F16C, or no C++ compiler (reason in the jaxllm.cpu log)")
+    g = read_gguf(_path(preset))
+    rng = np.random.default_rng(0)
+    checked = []
+    for t in g.tensors:
+        if t.tensor_type.name not in NATIVE_TYPES:
+            continue
+        shape = (t.shape[1], t.shape[0])   # GGUF lists the contiguous (in) dimension first
+        pw = pack(t.data, t.tensor_type, shape)
+        x = rng.standard_normal((3, shape[1]), dtype=np.float32)   # [3, in]
+        got = np.asarray(_linear_jit(jnp.asarray(x), pw))           # [3, out]
+        want = matmul_reference(x, t.data, t.tensor_type, shape)
+        err = np.abs(got - want)
+        b = bound(x, pw)
+        assert np.all(err <= b), f"{t.name} ({t.tensor_type.name}): worst error / bound {np.max(err / b):.3f}"
+        checked.append((t.name, t.tensor_type.name))
+    print(preset, "checked natively:", checked)
+    # every matrix of the file (2 layers x 7, token_embd, output) is of a native type
+    assert len(checked) == 16
