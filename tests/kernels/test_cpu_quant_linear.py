@@ -153,7 +153,7 @@ def test_k_field_of_the_wrong_shape_is_refused_by_the_kernel(kernel, type_name, 
 def test_a_failed_build_leaves_the_other_kernels_on(monkeypatch, caplog):
     had_native = native.available()
     monkeypatch.setattr(native, "_quant_state", {})
-    monkeypatch.setattr(native, "_QUANT_SOURCE", "no_such_kernel.cc")
+    monkeypatch.setattr(native, "_QUANT_KERNELS", {"no_such_kernel.cc": {"jaxllm_linear_q8_0": "JaxllmLinearQ8_0"}})
     with caplog.at_level("WARNING", logger="jaxllm.cpu"):
         assert native.quant_available() is False
     assert "packed-block matmul unavailable" in caplog.text
