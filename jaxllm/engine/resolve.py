@@ -107,6 +107,10 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     if platform == "cpu" and dtype == "bfloat16" and "pallas" in (backend, sampler):
         raise ValueError("--attention-backend/--sampler-backend pallas on CPU runs the kernels in interpret "
                          "mode, which does not take the CPU's packed bfloat16 cache; use --dtype float32")
+    if tp > 1 and cache.kv_cache_dtype != "auto":
+        # The scales' sharding beside the pages is not built or tested under a mesh.
+        raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype} runs on one device; with --tensor-parallel-size "
+                         f"{tp} use --kv-cache-dtype auto")
     if tp > 1 and backend == "pallas" and model.arch.num_kv_heads % tp:
         raise ValueError(f"--attention-backend pallas with --tensor-parallel-size {tp} needs the KV heads "
                          f"({model.arch.num_kv_heads}) to split evenly; use --attention-backend xla")

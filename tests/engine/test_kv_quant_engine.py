@@ -88,3 +88,15 @@ def test_prompt_logits_stay_close_to_the_float_cache(tiny_llama, attention, kv_c
     print(f"{kv_cache_dtype} {attention}: max relative logit error {rel:.4f}, top-1 agreement {top1:.2f}")
     assert rel < max_rel and top1 >= min_top1
     assert rel > 1e-4        # the cache really was quantized
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_pallas_engine_equals_the_xla_engine_over_a_quantized_stacked_cache(tiny_llama, kv_cache_dtype):
+    """Layers under lax.scan (the stacked cache, as on a GPU): the Pallas kernel (interpret
+    mode on CPU, fused quantized write) and the XLA path give the same greedy tokens."""
+    from jaxllm import LLM
+    kw = dict(SMALL_ENGINE, kv_cache_dtype=kv_cache_dtype, scan_layers=True)
+    pallas = LLM(tiny_llama, **kw, attention_backend="pallas")
+    assert pallas.llm_engine.core.resolved.step.kernels.attention == "pallas"
+    xla = LLM(tiny_llama, **kw, attention_backend="xla")
+    assert _greedy(pallas)[0] == _greedy(xla)[0]

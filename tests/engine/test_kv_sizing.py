@@ -87,6 +87,12 @@ def test_smollm2_shape_holds_at_least_1_9x_the_tokens_of_bf16():
     assert plan("int8", 4) / f32 == pytest.approx(256 / 66, rel=3e-3)    # whole blocks, one reserved
 
 
+def test_quantized_kv_cache_is_refused_under_tensor_parallelism(model):
+    cfg = EngineConfig.from_kwargs(kv_cache_dtype="int8", tensor_parallel_size=2, max_model_len=256)
+    with pytest.raises(ValueError, match="--kv-cache-dtype int8 runs on one device; with --tensor-parallel-size 2"):
+        resolve_config(cfg, model)
+
+
 def test_gpu_memory_utilization_on_cpu_is_a_fraction_of_available_memory(model, monkeypatch):
     monkeypatch.setattr(engine_resolve, "available_memory_bytes", lambda: 100 * 2**20)
     cfg = EngineConfig.from_kwargs(gpu_memory_utilization=0.05, max_model_len=256, dtype="float32")

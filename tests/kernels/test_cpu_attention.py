@@ -366,3 +366,15 @@ def test_fp8_table_covers_every_byte():
         got = np.asarray(paged_attention_native(jnp.zeros((1, 1, 16)), (k0, v), None, md, scale=1.0))
         np.testing.assert_array_equal(np.isnan(got[0, 0]), np.isnan(want[0, :, 0].mean(axis=0)))
         assert np.isnan(got).any()
+
+
+def test_int8_kernel_rejects_mismatched_scales():
+    q, k, v, kv, md = quantized(make_batch(75, [1, 2], [3, 4], Hq=4, Hkv=2, D=64), "int8")
+    (kc, vc) = kv
+    call = jax.ffi.ffi_call("jaxllm_paged_attention_int8", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    args = lambda ks: (q, kc.data, vc.data, ks, vc.scale, md.block_tables, md.token_seq, md.positions,  # noqa: E731
+                       jnp.int32(0))
+    np.asarray(call(*args(kc.scale), scale=np.float32(0.1), sliding_window=np.int64(0)))     # the right shapes run
+    for bad in (kc.scale[:-1], jnp.repeat(kc.scale, 2, axis=-1)):
+        with pytest.raises(Exception, match="k_scale .* must be the cache's"):
+            np.asarray(call(*args(bad), scale=np.float32(0.1), sliding_window=np.int64(0)))
