@@ -49,9 +49,9 @@ class KVPlan:
             dtype = f" as {self.kv_dtype}"
             if self.token_gain is not None:
                 dtype += f" ({self.token_gain:.2f}x the tokens of {self.model_dtype} in the same bytes)"
-        return (f"KV cache{dtype}: {self.num_blocks} blocks x {self.block_size} tokens (1 reserved), "
+        return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens (1 reserved), "
                 f"{self.bytes_per_block} bytes per block across all layers, "
-                f"{self.total_bytes / 2**20:.1f} MiB, {self.num_usable_tokens} tokens, "
+                f"{self.total_bytes / 2**20:.1f} MiB, {self.num_usable_tokens} tokens{dtype}, "
                 f"{self.num_usable_tokens / max_model_len:.2f} sequences of max_model_len={max_model_len}"
                 + (f" ({self.source})" if self.source else ""))
 

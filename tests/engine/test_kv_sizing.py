@@ -68,10 +68,11 @@ def test_quantized_kv_bytes_stay_within_the_budget_and_hold_more_tokens(model, s
     assert ratio == pytest.approx(model_token / token, rel=0.02)
     line = r.kv.describe(256)
     if kv_cache_dtype == "auto":
-        assert f"KV cache as {dtype}: " in line and "the tokens of" not in line
+        assert f"{r.kv.num_usable_tokens} tokens as {dtype}, " in line and "the tokens of" not in line
     else:
         name = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
-        assert f"KV cache as {name} ({model_token / token:.2f}x the tokens of {dtype} in the same bytes)" in line
+        assert (f"{r.kv.num_usable_tokens} tokens as {name} ({model_token / token:.2f}x the tokens of {dtype} "
+                f"in the same bytes), ") in line
 
 
 def test_smollm2_shape_holds_at_least_1_9x_the_tokens_of_bf16():
