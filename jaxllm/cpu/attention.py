@@ -62,7 +62,7 @@ def paged_attention_native(q: jax.Array, kv, layer, md, *, scale: float,
                          f"{want}-D, got {k_cache.shape}")
     layer_idx = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(())
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_cache, v_cache, *scales, md.block_tables.astype(jnp.int32), md.token_seq.astype(jnp.int32),
-        md.positions.astype(jnp.int32), layer_idx,
+        q.astype(jnp.float32), k_cache, v_cache, *scales, md.block_tables.astype(jnp.int32),
+        md.token_seq.astype(jnp.int32), md.positions.astype(jnp.int32), layer_idx,
         scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0))
     return out.astype(q.dtype)
