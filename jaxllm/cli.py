@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 
-from jaxllm.config import (LOGPROBS_MODES, PRECOMPILE_MODES, QUANTIZATION_METHODS, SCHEDULING_POLICIES, EngineConfig,
-                           parse_size)
+from jaxllm.config import (KV_CACHE_DTYPES, LOGPROBS_MODES, PRECOMPILE_MODES, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
+                           EngineConfig, parse_size)
 from jaxllm.errors import JaxllmError
 
 
@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the memory left after weights and activations (CPU: of the memory "
                         "available to the process) for the KV cache, when --kv-cache-memory-bytes is not given")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto (the model dtype), int8 (per-token, per-head scales), "
+                        "fp8 (= fp8_e4m3) or fp8_e5m2: the same memory holds ~2-4x the tokens")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (default on; --no-enable-prefix-caching turns it off)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
@@ -97,6 +100,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes, num_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         scheduling_policy=args.scheduling_policy,
         attention_backend=args.attention_backend,
         sampler_backend=args.sampler_backend, scan_layers=args.scan_layers,

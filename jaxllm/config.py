@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_MATMULS = ("auto", "native", "xla")
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "native")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+"""``--kv-cache-dtype``: vLLM's choices (fp8 = fp8_e4m3) plus int8 (``layers/kv_quant.py``)."""
 SAMPLER_BACKENDS = ("auto", "xla", "pallas")
 SCHEDULING_POLICIES = ("fcfs", "priority", "lpm")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -80,6 +82,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV of cached full blocks of shared prefixes (``--enable-prefix-caching`` /
     ``--no-enable-prefix-caching``; on by default, as in vLLM)."""
+    kv_cache_dtype: str = "auto"
+    """Storage of the KV cache (``--kv-cache-dtype``): "auto" (the model dtype), "int8" (a
+    float16 scale per token per KV head beside the values), "fp8" / "fp8_e4m3" or "fp8_e5m2"
+    (scale 1.0, saturated): the same bytes hold ~2-4x the tokens (``layers/kv_quant.py``)."""
 
     def __post_init__(self):
         _positive("block_size", "--block-size", self.block_size, allow_none=False)
@@ -92,6 +98,9 @@ class CacheConfig:
             raise ValueError(f"--gpu-memory-utilization must be a fraction in (0, 1], got {u!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"--enable-prefix-caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ def _refuse_data_parallel(config: EngineConfig) -> None:
 
 class LLM:
     """An engine in this process.  Keyword arguments are the engine arguments (``max_num_seqs``,
-    ``max_model_len``, ``dtype``, ``kv_cache_memory_bytes``, ``block_size``, ...; vLLM's
+    ``max_model_len``, ``dtype``, ``kv_cache_memory_bytes``, ``kv_cache_dtype``, ``block_size``, ...; vLLM's
     ``num_gpu_blocks_override`` too).  A step bucket is compiled (or loaded from the cache)
     the first time a step needs it; ``precompile="all"`` builds every bucket up front."""
 

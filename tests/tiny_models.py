@@ -84,11 +84,11 @@ def load_hf(path: str):
 
 def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: str = "xla",
                  bf16: bool = False, attention: str = "xla", block: int = 16,
-                 quantization: str | None = None) -> np.ndarray:
+                 quantization: str | None = None, kv_cache_dtype: str = "auto") -> np.ndarray:
     """Logits of every prompt position of the checkpoint at ``path`` (or a ``LoadedModel``),
     computed in two chunks [0, split) and [split, T) through a paged cache whose block table
     is deliberately not in order, with the given matmul and attention backends (and
-    ``--quantization``)."""
+    ``--quantization``, ``--kv-cache-dtype``)."""
     import jax
     import jax.numpy as jnp
 
@@ -107,8 +107,10 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
     n_blocks = -(-T // block)
     num_blocks = n_blocks + 5
     table = np.random.default_rng(0).permutation(num_blocks)[:n_blocks].astype(np.int32)
+    from jaxllm.layers import kv_quant
+    kv_dtype = kv_quant.kv_format(kv_cache_dtype, "cpu") or (jnp.uint16 if bf16 else jnp.float32)
     kv = allocate_kv_cache(arch.num_layers, num_blocks, block, arch.num_kv_heads, arch.head_dim,
-                           jnp.uint16 if bf16 else jnp.float32, stacked=scan_layers)
+                           kv_dtype, stacked=scan_layers)
     kernels = Kernels(matmul=matmul, attention=attention)
     fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md, kernels))
     out = []

@@ -2,7 +2,10 @@
 
 Pure arithmetic, no JAX.  ``bytes_per_block`` counts K and V of every layer, so a budget
 divided by it can never allocate more than the budget (the reference engines' worst bug
-here divided by one layer's page while every layer allocated a buffer).
+here divided by one layer's page while every layer allocated a buffer).  The size of a
+token is the cache storage's (``token_bytes``: K and V of one layer, quantized values and
+their scales included, ``layers/kv_quant.token_bytes``), so a quantized cache holds more
+tokens in the same bytes.
 
 The block count is part of every compiled step's shape, so it must not follow the noise
 in free memory, or a second start with the same flags misses the persistent compile cache
@@ -26,6 +29,11 @@ class KVPlan:
     budget_bytes: int | None
     source: str = ""
     """How the size was chosen and which flag changes it, for the start-up log."""
+    kv_dtype: str = ""
+    """What the cache is stored as (the model dtype, or ``--kv-cache-dtype``), for the log."""
+    model_dtype: str = ""
+    token_gain: float | None = None
+    """A quantized cache: tokens it holds per byte against one in ``model_dtype``."""
 
     @property
     def total_bytes(self) -> int:
@@ -36,9 +44,14 @@ class KVPlan:
         return (self.num_blocks - 1) * self.block_size
 
     def describe(self, max_model_len: int) -> str:
+        dtype = ""
+        if self.kv_dtype:
+            dtype = f" as {self.kv_dtype}"
+            if self.token_gain is not None:
+                dtype += f" ({self.token_gain:.2f}x the tokens of {self.model_dtype} in the same bytes)"
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens (1 reserved), "
                 f"{self.bytes_per_block} bytes per block across all layers, "
-                f"{self.total_bytes / 2**20:.1f} MiB, {self.num_usable_tokens} tokens, "
+                f"{self.total_bytes / 2**20:.1f} MiB, {self.num_usable_tokens} tokens{dtype}, "
                 f"{self.num_usable_tokens / max_model_len:.2f} sequences of max_model_len={max_model_len}"
                 + (f" ({self.source})" if self.source else ""))
 
@@ -57,8 +70,9 @@ def coarse_blocks(num_blocks: int, minimum: int = 1) -> int:
     return max(minimum, num_blocks // grain * grain)
 
 
-def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, itemsize: int) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+def bytes_per_block(num_layers: int, block_size: int, token_bytes: int) -> int:
+    """One block of every layer; ``token_bytes``: one token's K and V in one layer."""
+    return num_layers * block_size * token_bytes
 
 
 def _read_int(path: str) -> int | None:
@@ -117,7 +131,7 @@ def utilization_budget(utilization: float, free_bytes: int, activation_bytes: in
     return int(utilization * left)
 
 
-def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize: int, block_size: int,
+def plan_kv_cache(*, num_layers: int, token_bytes: int, block_size: int,
                   max_model_len: int, max_num_seqs: int, budget_bytes: int | None,
                   num_blocks_override: int | None, budget_flag: str | None = None,
                   platform: str = "cpu", measured: bool = False) -> KVPlan:
@@ -126,8 +140,9 @@ def plan_kv_cache(*, num_layers: int, num_kv_heads: int, head_dim: int, itemsize
     ``--kv-cache-memory-bytes=<budget>``).  ``measured``: the budget was derived from free
     memory (``--gpu-memory-utilization``), so the count is rounded to a coarse grain.
     Without a budget: on CPU the fixed :data:`CPU_DEFAULT_KV_BYTES`; on an accelerator room
-    for ``max_num_seqs`` full sequences within a quarter of free memory, rounded coarsely."""
-    per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, itemsize)
+    for ``max_num_seqs`` full sequences within a quarter of free memory, rounded coarsely.
+    ``token_bytes``: one token's K and V in one layer as stored (scales included)."""
+    per_block = bytes_per_block(num_layers, block_size, token_bytes)
     need = -(-max_model_len // block_size) + 1        # one full sequence plus the null block
     if num_blocks_override is not None:
         if num_blocks_override < need:

@@ -12,10 +12,17 @@
 //
 //   q            [T, Hq, Dh]              float32
 //   k/v cache    [NB, BS, Hkv, Dh]        float32 or uint16 (bfloat16 bits, see layers/storage.py),
-//                or [L, NB, BS, Hkv, Dh]  stacked over layers, read at layer[]
+//                or [L, NB, BS, Hkv, Dh]  stacked over layers, read at layer[]; or quantized
+//                (--kv-cache-dtype, layers/kv_quant.py): int8 with k/v scales [.., Hkv, 1]
+//                float16 beside it, or fp8 e4m3fn / e5m2 as uint8 bits (scale 1.0)
 //   block_tables [S, MB] int32, token_seq [T] int32, positions [T] int32, layer [] int32
 //   attrs        scale (f32), sliding_window (i64; <= 0: none)
 //   out          [T, Hq, Dh]              float32
+//
+// A quantized row is widened by a load that knows its format (int8: sign extension; fp8: a
+// 256-entry table built from the format's bits); an int8 row's scale is constant along
+// head_dim, so it multiplies the row's score (K) and its softmax weight (V) instead of
+// every element.
 //
 // Token t of sequence s = token_seq[t] attends over positions [lo, positions[t]] with
 // lo = max(0, positions[t] + 1 - sliding_window) (or 0), position p living in block
@@ -50,6 +57,61 @@ using jaxllm_simd::hsum;
 using jaxllm_simd::load8;
 using jaxllm_simd::to_f32;
 
+// fp8 values as their bytes; one type per format, so the loads below pick the table.
+struct Fp8E4M3 { uint8_t bits; };
+struct Fp8E5M2 { uint8_t bits; };
+
+// The 256 values of an fp8 format with `man_bits` mantissa bits and exponent bias `bias`
+// (e4m3fn: 3, 7, S.1111.111 is NaN, no infinity; e5m2: 2, 15, IEEE-like inf/NaN).
+struct Fp8Table {
+  alignas(32) float v[256];
+  Fp8Table(int man_bits, int bias, bool ieee_specials) {
+    const int exp_bits = 7 - man_bits, emax = (1 << exp_bits) - 1, mmask = (1 << man_bits) - 1;
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> man_bits) & emax, m = b & mmask;
+      float x;
+      if (e == 0) {
+        x = std::ldexp(static_cast<float>(m), 1 - bias - man_bits);                 // subnormal
+      } else if (ieee_specials && e == emax) {
+        x = m ? NAN : INFINITY;
+      } else if (!ieee_specials && e == emax && m == mmask) {
+        x = NAN;
+      } else {
+        x = std::ldexp(1.f + static_cast<float>(m) / (1 << man_bits), e - bias);
+      }
+      v[b] = (b & 0x80) ? -x : x;
+    }
+  }
+};
+const Fp8Table kE4M3(3, 7, false);
+const Fp8Table kE5M2(2, 15, true);
+
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8_table(const uint8_t* p, const float* table) {
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_i32gather_ps(table, idx, 4);
+}
+inline __m256 load8(const Fp8E4M3* p) { return load8_table(&p->bits, kE4M3.v); }
+inline __m256 load8(const Fp8E5M2* p) { return load8_table(&p->bits, kE5M2.v); }
+inline float to_f32(int8_t v) { return static_cast<float>(v); }
+inline float to_f32(Fp8E4M3 v) { return kE4M3.v[v.bits]; }
+inline float to_f32(Fp8E5M2 v) { return kE5M2.v[v.bits]; }
+
+// float16 bits -> float32 (the int8 scales; this source is built without F16C).
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+  if (e == 0) {
+    const float x = static_cast<float>(m) * 5.9604644775390625e-8f;   // m * 2^-24
+    return sign ? -x : x;
+  }
+  const uint32_t bits = sign | (e == 31 ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13));
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
 // Both horizontal sums at once: one shuffle tree for two rows' dot products.
 inline void hsum2(__m256 a, __m256 b, float* x, float* y) {
   const __m256 h = _mm256_hadd_ps(a, b);   // a01 a23 b01 b23 | a45 a67 b45 b67
@@ -82,12 +144,14 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
-// Everything one call reads and writes; KV is float or uint16_t (bf16 bits).
+// Everything one call reads and writes; KV is float, uint16_t (bf16 bits), int8_t or an fp8 byte.
 template <typename KV>
 struct Problem {
   const float* q;          // [T, Hq, Dh]
   const KV* k;             // [NB, BS, Hkv, Dh], this layer's
   const KV* v;
+  const uint16_t* ks;      // [NB, BS, Hkv] float16 bits, this layer's int8 scales; null: none
+  const uint16_t* vs;
   const int32_t* tables;   // [S, MB]
   const int32_t* seq;      // [T]
   const int32_t* pos;      // [T]
@@ -110,6 +174,7 @@ template <typename KV>
 struct Scratch {
   std::vector<float> qs, acc, s, m, l;   // [G, Dh], [G, Dh], [G, kTile], [G], [G]
   std::vector<const KV*> krow, vrow;     // [kTile] row pointers into the cache
+  float ksc[kTile], vsc[kTile];          // the tile's int8 row scales
   void resize(int64_t G, int64_t Dh) {
     qs.resize(G * Dh);
     acc.resize(G * Dh);
@@ -272,9 +337,13 @@ void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
         off = 0;
         blk = std::clamp<int64_t>(table[++col], 0, P.NB - 1);
       }
-      const int64_t row = ((blk * P.BS + off) * P.Hkv + h) * Dh;
-      krow[j] = P.k + row;
-      vrow[j] = P.v + row;
+      const int64_t row = (blk * P.BS + off) * P.Hkv + h;
+      krow[j] = P.k + row * Dh;
+      vrow[j] = P.v + row * Dh;
+      if (P.ks) {
+        w.ksc[j] = half_to_f32(P.ks[row]);
+        w.vsc[j] = half_to_f32(P.vs[row]);
+      }
     }
     // The rows are scattered over blocks and cold (a layer's cache was last read a whole
     // step ago): ask for all of the tile's lines at once rather than one miss at a time
@@ -285,6 +354,9 @@ void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
         _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T0);
       }
     scores_all<KV>(w.qs.data(), krow, w.s.data(), n, Dh, G);
+    if (P.ks)   // int8: q . (scale_j k_j) = scale_j (q . k_j)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t j = 0; j < n; ++j) w.s[g * kTile + j] *= w.ksc[j];
     // Online softmax: new running max per head, scores -> exp(s - max) in place (rows past
     // n set to -inf give 0), accumulators rescaled by exp(old max - new max).
     for (int64_t g = 0; g < G; ++g) {
@@ -303,6 +375,8 @@ void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
       corr[g] = std::exp(w.m[g] - m_new);   // 0 on the first tile (m = -inf)
       w.l[g] = w.l[g] * corr[g] + hsum(sum);
       w.m[g] = m_new;
+      if (P.vs)   // int8: p_j (scale_j v_j) = (p_j scale_j) v_j; the sum l keeps p_j
+        for (int64_t j = 0; j < n; ++j) s[j] *= w.vsc[j];
     }
     values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, n, Dh, G);
   }
@@ -349,19 +423,27 @@ std::string dims_str(ffi::Span<const int64_t> d) {
   return s + "]";
 }
 
-template <ffi::DataType KT>
-ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KT> k_cache,
-                              ffi::Buffer<KT> v_cache, ffi::Buffer<ffi::S32> block_tables,
-                              ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
-                              ffi::Buffer<ffi::S32> layer, float scale, int64_t sliding_window,
-                              ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), kd = k_cache.dimensions(), vd = v_cache.dimensions();
-  auto bd = block_tables.dimensions(), od = out->dimensions();
+// Checks the shapes and runs the kernel over a cache of KV elements (k/v: the whole
+// buffers, ks/vs: their int8 scales or null).
+template <typename KV>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const int64_t> kd,
+               ffi::Span<const int64_t> vd, const void* k, const void* v, const uint16_t* ks, const uint16_t* vs,
+               ffi::Span<const int64_t> ksd, ffi::Span<const int64_t> vsd, ffi::Buffer<ffi::S32>& block_tables,
+               ffi::Buffer<ffi::S32>& token_seq, ffi::Buffer<ffi::S32>& positions, ffi::Buffer<ffi::S32>& layer,
+               float scale, int64_t sliding_window, ffi::ResultBuffer<ffi::F32>& out) {
+  auto qd = q.dimensions(), bd = block_tables.dimensions(), od = out->dimensions();
   if (qd.size() != 3) return invalid("q must be [T, Hq, Dh], got " + dims_str(qd));
   if (kd.size() != 4 && kd.size() != 5)
     return invalid("k_cache must be [NB, BS, Hkv, Dh] or [L, NB, BS, Hkv, Dh], got " + dims_str(kd));
   if (!std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
     return invalid("k_cache " + dims_str(kd) + " and v_cache " + dims_str(vd) + " differ");
+  if (ks) {
+    const bool ok = ksd.size() == kd.size() && std::equal(kd.begin(), kd.end() - 1, ksd.begin()) &&
+                    ksd.back() == 1 && std::equal(ksd.begin(), ksd.end(), vsd.begin(), vsd.end());
+    if (!ok)
+      return invalid("k_scale " + dims_str(ksd) + " and v_scale " + dims_str(vsd) + " must be the cache's " +
+                     dims_str(kd) + " with a last axis of 1");
+  }
   const size_t o = kd.size() - 4;   // 1 for a stacked cache
   const int64_t T = qd[0], Hq = qd[1], Dh = qd[2];
   const int64_t L = o ? kd[0] : 1, NB = kd[o], BS = kd[o + 1], Hkv = kd[o + 2];
@@ -380,14 +462,14 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   if (T > 0 && (bd[0] <= 0 || bd[1] <= 0 || NB <= 0 || BS <= 0))
     return invalid("empty block_tables " + dims_str(bd) + " or cache " + dims_str(kd));
   if (T == 0 || Dh == 0) return ffi::Error::Success();
-  // U16 caches are bfloat16 bit patterns (see layers/storage.py).
-  using KV = std::conditional_t<KT == ffi::DataType::F32, float, uint16_t>;
   const int64_t li = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
-  const int64_t layer_elems = NB * BS * Hkv * Dh;
+  const int64_t layer_rows = NB * BS * Hkv;
   Problem<KV> P;
   P.q = q.typed_data();
-  P.k = reinterpret_cast<const KV*>(k_cache.untyped_data()) + li * layer_elems;
-  P.v = reinterpret_cast<const KV*>(v_cache.untyped_data()) + li * layer_elems;
+  P.k = reinterpret_cast<const KV*>(k) + li * layer_rows * Dh;
+  P.v = reinterpret_cast<const KV*>(v) + li * layer_rows * Dh;
+  P.ks = ks ? ks + li * layer_rows : nullptr;
+  P.vs = vs ? vs + li * layer_rows : nullptr;
   P.tables = block_tables.typed_data();
   P.seq = token_seq.typed_data();
   P.pos = positions.typed_data();
@@ -397,6 +479,31 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   P.window = sliding_window;
   paged_attention<KV>(pool, P);
   return ffi::Error::Success();
+}
+
+// A cache of plain elements: float32, bf16 bits (U16) or fp8 bytes (U8, the format in KV).
+template <ffi::DataType KT, typename KV>
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KT> k_cache,
+                              ffi::Buffer<KT> v_cache, ffi::Buffer<ffi::S32> block_tables,
+                              ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
+                              ffi::Buffer<ffi::S32> layer, float scale, int64_t sliding_window,
+                              ffi::ResultBuffer<ffi::F32> out) {
+  return Run<KV>(pool, q, k_cache.dimensions(), v_cache.dimensions(), k_cache.untyped_data(),
+                 v_cache.untyped_data(), nullptr, nullptr, {}, {}, block_tables, token_seq, positions, layer,
+                 scale, sliding_window, out);
+}
+
+// An int8 cache with its float16 scales [.., Hkv, 1].
+ffi::Error PagedAttentionInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_cache,
+                                  ffi::Buffer<ffi::S8> v_cache, ffi::Buffer<ffi::F16> k_scale,
+                                  ffi::Buffer<ffi::F16> v_scale, ffi::Buffer<ffi::S32> block_tables,
+                                  ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
+                                  ffi::Buffer<ffi::S32> layer, float scale, int64_t sliding_window,
+                                  ffi::ResultBuffer<ffi::F32> out) {
+  return Run<int8_t>(pool, q, k_cache.dimensions(), v_cache.dimensions(), k_cache.untyped_data(),
+                     v_cache.untyped_data(), reinterpret_cast<const uint16_t*>(k_scale.untyped_data()),
+                     reinterpret_cast<const uint16_t*>(v_scale.untyped_data()), k_scale.dimensions(),
+                     v_scale.dimensions(), block_tables, token_seq, positions, layer, scale, sliding_window, out);
 }
 
 }  // namespace
@@ -415,8 +522,32 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       .Attr<int64_t>("sliding_window")              \
       .Ret<ffi::Buffer<ffi::F32>>()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionF32, PagedAttentionImpl<ffi::DataType::F32>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionF32, (PagedAttentionImpl<ffi::DataType::F32, float>),
                               JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::F32));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionBF16, PagedAttentionImpl<ffi::DataType::U16>,
+// U16 caches are bfloat16 bit patterns (see layers/storage.py).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionBF16, (PagedAttentionImpl<ffi::DataType::U16, uint16_t>),
                               JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U16));
+
+// fp8 caches as uint8 bit patterns (see layers/kv_quant.py); the target names the format.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionFp8E4M3, (PagedAttentionImpl<ffi::DataType::U8, Fp8E4M3>),
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U8));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionFp8E5M2, (PagedAttentionImpl<ffi::DataType::U8, Fp8E5M2>),
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U8));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionInt8, PagedAttentionInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // k_cache
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // v_cache
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // k_scale
+                                  .Arg<ffi::Buffer<ffi::F16>>()   // v_scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // token_seq
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

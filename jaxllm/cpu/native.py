@@ -36,7 +36,10 @@ _KERNELS = {
     # source: {FFI target name: exported handler symbol}
     "linear.cc": {"jaxllm_linear_f32": "JaxllmLinearF32", "jaxllm_linear_bf16": "JaxllmLinearBF16"},
     "attention.cc": {"jaxllm_paged_attention_f32": "JaxllmPagedAttentionF32",
-                     "jaxllm_paged_attention_bf16": "JaxllmPagedAttentionBF16"},
+                     "jaxllm_paged_attention_bf16": "JaxllmPagedAttentionBF16",
+                     "jaxllm_paged_attention_int8": "JaxllmPagedAttentionInt8",
+                     "jaxllm_paged_attention_fp8_e4m3": "JaxllmPagedAttentionFp8E4M3",
+                     "jaxllm_paged_attention_fp8_e5m2": "JaxllmPagedAttentionFp8E5M2"},
 }
 # The packed-block matmuls, float32 activations (quant_linear.cc) and 8-bit activations
 # (quant_dot.cc): separate from _KERNELS so they never decide ``available()``.

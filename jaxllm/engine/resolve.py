@@ -5,6 +5,7 @@ Configurations that cannot run are refused here with a message naming the flag."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from jaxllm.config import EngineConfig, default_cache_dir, platform_defaults
 from jaxllm.core.kv_budget import KVPlan, available_memory_bytes, plan_kv_cache, utilization_budget
+from jaxllm.layers import kv_quant
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import LoadedModel, gguf_file
 from jaxllm.quant import ops as qops
@@ -26,21 +28,26 @@ class KVSizing:
     """What the KV cache's size depends on besides the budget (core/kv_budget.plan_kv_cache)."""
 
     num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    itemsize: int
+    token_bytes: int
+    """One token's K and V in one layer as stored: quantized values and scales included."""
     block_size: int
     max_model_len: int
     max_num_seqs: int
     num_blocks_override: int | None
     platform: str
+    kv_dtype: str = ""
+    """The cache's storage (the model dtype, or --kv-cache-dtype's format), for the log."""
+    model_dtype: str = ""
+    model_token_bytes: int = 0
+    """``token_bytes`` at the model dtype: the quantized cache's gain is stated against it."""
 
     def plan(self, budget_bytes: int | None, measured: bool = False, budget_flag: str | None = None) -> KVPlan:
-        return plan_kv_cache(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                             itemsize=self.itemsize, block_size=self.block_size, max_model_len=self.max_model_len,
-                             max_num_seqs=self.max_num_seqs, budget_bytes=budget_bytes,
-                             num_blocks_override=self.num_blocks_override, budget_flag=budget_flag,
-                             platform=self.platform, measured=measured)
+        plan = plan_kv_cache(num_layers=self.num_layers, token_bytes=self.token_bytes, block_size=self.block_size,
+                             max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                             budget_bytes=budget_bytes, num_blocks_override=self.num_blocks_override,
+                             budget_flag=budget_flag, platform=self.platform, measured=measured)
+        gain = self.model_token_bytes / self.token_bytes if self.kv_dtype != self.model_dtype else None
+        return dataclasses.replace(plan, kv_dtype=self.kv_dtype, model_dtype=self.model_dtype, token_gain=gain)
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,10 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     if platform == "cpu" and dtype == "bfloat16" and "pallas" in (backend, sampler):
         raise ValueError("--attention-backend/--sampler-backend pallas on CPU runs the kernels in interpret "
                          "mode, which does not take the CPU's packed bfloat16 cache; use --dtype float32")
+    if tp > 1 and cache.kv_cache_dtype != "auto":
+        # The scales' sharding beside the pages is not built or tested under a mesh.
+        raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype} runs on one device; with --tensor-parallel-size "
+                         f"{tp} use --kv-cache-dtype auto")
     if tp > 1 and backend == "pallas" and model.arch.num_kv_heads % tp:
         raise ValueError(f"--attention-backend pallas with --tensor-parallel-size {tp} needs the KV heads "
                          f"({model.arch.num_kv_heads}) to split evenly; use --attention-backend xla")
@@ -149,10 +160,14 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     if max_tokens < max_num_seqs:
         raise ValueError(f"--max-num-batched-tokens ({max_tokens}) must be at least --max-num-seqs ({max_num_seqs})")
     a = model.arch
-    sizing = KVSizing(num_layers=a.num_layers, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
-                      itemsize=np.dtype(jax.numpy.dtype(dtype)).itemsize, block_size=cache.block_size,
-                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                      num_blocks_override=cache.num_blocks_override, platform=platform)
+    itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
+    kv_name = kv_quant.canonical(cache.kv_cache_dtype)
+    sizing = KVSizing(num_layers=a.num_layers,
+                      token_bytes=kv_quant.token_bytes(a.num_kv_heads, a.head_dim, itemsize, kv_name),
+                      block_size=cache.block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      num_blocks_override=cache.num_blocks_override, platform=platform,
+                      kv_dtype=dtype if kv_name == "auto" else kv_name, model_dtype=dtype,
+                      model_token_bytes=kv_quant.token_bytes(a.num_kv_heads, a.head_dim, itemsize))
     util = cache.gpu_memory_utilization
     if util is not None and cache.kv_cache_memory_bytes is None and cache.num_blocks_override is None:
         if platform == "cpu":
@@ -170,5 +185,6 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     step = StepConfig(arch=a, platform=platform, dtype=dtype, scan_layers=scan, kernels=kernels,
                       sampler_backend=sampler, block_size=cache.block_size,
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                      max_logprobs=rc.max_logprobs, logprobs_mode=rc.logprobs_mode, use_fp64_gumbel=rc.use_fp64_gumbel)
+                      max_logprobs=rc.max_logprobs, logprobs_mode=rc.logprobs_mode, use_fp64_gumbel=rc.use_fp64_gumbel,
+                      kv_cache_dtype=kv_name)
     return ResolvedConfig(step=step, kv=kv, kv_sizing=sizing, compile_cache_dir=cache_dir)

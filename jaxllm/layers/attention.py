@@ -21,12 +21,14 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
-from jaxllm.layers import storage
+from jaxllm.layers import kv_quant
 from jaxllm.parallel.mesh import TP, tp_size
 from jaxllm.parallel.sharding import kv_heads_axis
 
 KVCache = tuple
-"""(K, V).  Stacked: each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``
+"""(K, V), each a model-dtype array, or with ``--kv-cache-dtype`` int8/fp8 a
+:class:`~jaxllm.layers.kv_quant.QuantPages` of the same shape (values, and int8's scales
+beside them).  Stacked: each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``
 (layers under ``lax.scan``).  Unrolled: each a list of per-layer ``[num_blocks, block_size,
 num_kv_heads, head_dim]`` arrays: with one stacked buffer, XLA:CPU copied the whole cache
 whenever a layer read it between two in-place writes (measured: 66 ms -> 442 ms per
@@ -54,16 +56,15 @@ class AttentionMetadata:
 def write_kv(kv: KVCache, layer, slot_mapping: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
     """Scatters this step's K/V (``[T, Hkv, Dh]``) into the cache of ``layer``, in place.
 
-    ``kv`` is one layer's (K, V) when ``layer`` is None, else the stacked cache."""
+    ``kv`` is one layer's (K, V) when ``layer`` is None, else the stacked cache.  A quantized
+    cache is quantized here, on write (``layers/kv_quant.py``)."""
     k_cache, v_cache = kv
     BS = k_cache.shape[-3]
     # Every index is in bounds (padding tokens write to the null block), and saying so keeps
     # the update an in-place scatter: with mode="drop" XLA:CPU guarded it with a select over
     # the whole cache, and through a reshape to flat slots it rewrote the cache every layer.
     blk, off = slot_mapping // BS, slot_mapping % BS
-    k_cache = k_cache.at[_at(layer, blk, off)].set(storage.store(k, k_cache.dtype), mode="promise_in_bounds")
-    v_cache = v_cache.at[_at(layer, blk, off)].set(storage.store(v, v_cache.dtype), mode="promise_in_bounds")
-    return k_cache, v_cache
+    return kv_quant.scatter(k_cache, _at(layer, blk, off), k), kv_quant.scatter(v_cache, _at(layer, blk, off), v)
 
 
 def kv_chunk_tokens(num_tokens: int, block_size: int) -> int:
@@ -106,9 +107,9 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
         m, l, acc = carry                                    # [T,Hkv,G], [T,Hkv,G], [T,Hkv,G,Dh]
         blocks = jax.lax.dynamic_slice_in_dim(tables, j * cb, cb, axis=1)  # [T, cb]
         # The gathered chunk is small: computing on it in float32 keeps a bf16 cache off
-        # XLA:CPU's slow bf16 dot paths.
-        k = storage.load(k_cache[_at(layer, blocks)]).reshape(T, chunk, Hkv, Dh)  # [T, C, Hkv, Dh]
-        v = storage.load(v_cache[_at(layer, blocks)]).reshape(T, chunk, Hkv, Dh)
+        # XLA:CPU's slow bf16 dot paths (a quantized chunk is dequantized here, on read).
+        k = kv_quant.gather(k_cache, _at(layer, blocks)).reshape(T, chunk, Hkv, Dh)  # [T, C, Hkv, Dh]
+        v = kv_quant.gather(v_cache, _at(layer, blocks)).reshape(T, chunk, Hkv, Dh)
         s = jnp.einsum("thgd,tchd->thgc", qg, k)                # [T, Hkv, G, C]
         kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
         valid = (kpos[None, :] < kv_len[:, None]) & (kpos[None, :] >= lo[:, None])  # [T, C]

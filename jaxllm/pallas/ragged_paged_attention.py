@@ -27,6 +27,12 @@ How the work is cut (everything static per bucket, so one compiled kernel per bu
   them.  It pays when ``items * kv_heads`` programs are too few to fill the GPU and the
   contexts are long (decode of a few long sequences).
 
+* **Quantized caches** (``--kv-cache-dtype``, ``layers/kv_quant.py``).  The wrapper
+  quantizes the step's K/V once (as the XLA path's write does); the kernel dequantizes each
+  page after its load (int8 values times their per-token scale, or fp8 widened) and the
+  step's own quantized keys alike, so it computes on exactly what the cache holds, and
+  its write copies the quantized rows and their scales.
+
 The kernel uses the portable Pallas subset (ref indexing, ``pl.ds``, ``fori_loop``,
 power-of-two blocks), so it lowers through Pallas' GPU backend and runs on CPU with
 ``interpret=True``, where the tests check it against :func:`ragged_paged_attention_reference`.
@@ -40,6 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from jaxllm.layers import kv_quant
+
 _MASK = -1e30   # finite: a split with no visible key keeps a finite max (weight exp(-huge) = 0)
 # Pallas' GPU lowering runs a default-precision float32 dot in TF32 (10-bit mantissas): far
 # outside 1e-5.  HIGHEST makes float32 dots IEEE there; bf16 dots are unaffected.
@@ -48,11 +56,17 @@ _EXACT = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 
 # ----------------------------------------------------------------------------- kernel
 
-def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, v_new_ref,
-            k_cache_ref, v_cache_ref,
-            acc_ref, m_ref, l_ref, k_out_ref, v_out_ref, *,
+def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, v_new_ref, *refs,
             G: int, block_q: int, M: int, page: int, block_new: int, kv_splits: int,
-            scale: float, window: int | None, soft_cap: float | None):
+            scale: float, window: int | None, soft_cap: float | None, kv_format: str | None = None):
+    # kv_format: None (the cache in q's dtype), or a quantized cache's format; int8 brings
+    # the scales of the new K/V, of the cache, and their outputs.
+    scaled = kv_format == "int8"
+    if scaled:
+        (ks_new_ref, vs_new_ref, k_cache_ref, v_cache_ref, ks_cache_ref, vs_cache_ref,
+         acc_ref, m_ref, l_ref, k_out_ref, v_out_ref, ks_out_ref, vs_out_ref) = refs
+    else:
+        k_cache_ref, v_cache_ref, acc_ref, m_ref, l_ref, k_out_ref, v_out_ref = refs
     i, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     s = meta_ref[0, i]            # sequence of this item
     q_first = meta_ref[1, i]      # flat index of its first query token
@@ -67,6 +81,14 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
     q_rel = q_off + rows // G                                       # [M, 1] query index in the sequence
     q = q_ref[h, pl.ds(q_first * G, M), :]                          # [M, D]
     D = q.shape[-1]
+
+    def dequant(x, sc):
+        """Loaded rows [N, D] (and their int8 scales [N, 1]) -> q's dtype."""
+        if kv_format is None:
+            return x
+        if sc is None:
+            return kv_quant.dequantize(kv_quant.QuantPages(x, None, kv_format)).astype(q.dtype)
+        return kv_quant.dequantize(kv_quant.QuantPages(x, sc, kv_format)).astype(q.dtype)
 
     # Running max and sum stay 1-D ([M]) and are broadcast with [:, None]: the GPU lowering
     # takes expand-dims but not every squeeze.
@@ -98,8 +120,9 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
 
     def old_body(j, carry):
         blk = pt_ref[s, j]
-        k = k_cache_ref[layer, blk, :, h, :]                        # [page, D]
-        v = v_cache_ref[layer, blk, :, h, :]
+        k = dequant(k_cache_ref[layer, blk, :, h, :],               # [page, D]
+                    ks_cache_ref[layer, blk, :, h, :] if scaled else None)
+        v = dequant(v_cache_ref[layer, blk, :, h, :], vs_cache_ref[layer, blk, :, h, :] if scaled else None)
         kpos = j * page + kpos0                                     # [1, page]
         visible = (kpos < ctx) & (rows < block_q * G)               # [M, page]
         if window is not None:
@@ -112,8 +135,9 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
     knew0 = jax.lax.broadcasted_iota(jnp.int32, (1, block_new), 1)
 
     def new_body(j, carry):
-        k = k_new_ref[h, pl.ds(new_start + j * block_new, block_new), :]   # [block_new, D]
-        v = v_new_ref[h, pl.ds(new_start + j * block_new, block_new), :]
+        rows_new = pl.ds(new_start + j * block_new, block_new)
+        k = dequant(k_new_ref[h, rows_new, :], ks_new_ref[h, rows_new, :] if scaled else None)  # [block_new, D]
+        v = dequant(v_new_ref[h, rows_new, :], vs_new_ref[h, rows_new, :] if scaled else None)
         krel = j * block_new + knew0                                # [1, block_new]
         visible = (krel <= q_rel) & (krel < q_len) & (rows < block_q * G)
         if window is not None:
@@ -135,6 +159,9 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
         blk = pt_ref[s, pos // page]
         k_out_ref[layer, blk, pos % page, h, :] = k_new_ref[h, q_first + t, :]
         v_out_ref[layer, blk, pos % page, h, :] = v_new_ref[h, q_first + t, :]
+        if scaled:
+            ks_out_ref[layer, blk, pos % page, h, :] = ks_new_ref[h, q_first + t, :]
+            vs_out_ref[layer, blk, pos % page, h, :] = vs_new_ref[h, q_first + t, :]
         return carry
 
     jax.lax.fori_loop(0, jnp.where(sp == 0, q_count, 0), write, None)
@@ -184,6 +211,8 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
     G = Hq // Hkv
     L, NB, page, _, _ = k_cache.shape
     S = kv_lens.shape[0]
+    quant = isinstance(k_cache, kv_quant.QuantPages)
+    fmt = k_cache.format if quant else None
     if block_q is None:
         block_q = default_block_q(T, S, G)
     M = pl.next_power_of_2(block_q * G)
@@ -195,37 +224,52 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
     # rows are one contiguous slice.  Padding keeps every block load in bounds.
     qr = q.reshape(T, Hkv, G, D).transpose(1, 0, 2, 3).reshape(Hkv, T * G, D)
     qr = jnp.pad(qr, ((0, 0), (0, M), (0, 0)))
-    kn = jnp.pad(k_new.astype(k_cache.dtype).transpose(1, 0, 2), ((0, 0), (0, block_new), (0, 0)))
-    vn = jnp.pad(v_new.astype(v_cache.dtype).transpose(1, 0, 2), ((0, 0), (0, block_new), (0, 0)))
+    pad_new = lambda x: jnp.pad(x.transpose(1, 0, 2), ((0, 0), (0, block_new), (0, 0)))  # noqa: E731  [Hkv, T+, *]
+    if quant:
+        # Quantized once here, as the XLA path's write does; the kernel reads and stores these.
+        (kn, kns), (vn, vns) = (kv_quant.quantize(x, fmt, k_cache.data.dtype) for x in (k_new, v_new))
+        kn, vn = pad_new(kn), pad_new(vn)
+        caches = [k_cache.data, v_cache.data]
+        new_scales, cache_scales = ([pad_new(kns), pad_new(vns)], [k_cache.scale, v_cache.scale]) if kns is not None \
+            else ([], [])
+    else:
+        kn, vn = pad_new(k_new.astype(k_cache.dtype)), pad_new(v_new.astype(v_cache.dtype))
+        caches, new_scales, cache_scales = [k_cache, v_cache], [], []
+    written = caches + cache_scales                                 # aliased to outputs 3...
 
     kernel = functools.partial(_kernel, G=G, block_q=block_q, M=M, page=page, block_new=block_new,
-                               kv_splits=kv_splits, scale=scale, window=window, soft_cap=soft_cap)
+                               kv_splits=kv_splits, scale=scale, window=window, soft_cap=soft_cap, kv_format=fmt)
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h, sp: (0,) * len(shape))  # noqa: E731
     extra = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    acc, m, l, k_cache, v_cache = pl.pallas_call(
+    first_written = 8 + len(new_scales)
+    acc, m, l, *written = pl.pallas_call(
         kernel,
         grid=(N, Hkv, kv_splits),
         in_specs=[whole(meta.shape), whole(cu_q_lens.shape), whole(kv_lens.shape), whole(page_table.shape),
                   whole((1,)), whole(qr.shape), whole(kn.shape), whole(vn.shape),
-                  whole(k_cache.shape), whole(v_cache.shape)],
+                  *(whole(a.shape) for a in new_scales + written)],
         out_specs=[pl.BlockSpec((None, None, None, M, D), lambda i, h, sp: (sp, i, h, 0, 0)),
                    pl.BlockSpec((None, None, None, M), lambda i, h, sp: (sp, i, h, 0)),
                    pl.BlockSpec((None, None, None, M), lambda i, h, sp: (sp, i, h, 0)),
-                   whole(k_cache.shape), whole(v_cache.shape)],
+                   *(whole(a.shape) for a in written)],
         out_shape=[jax.ShapeDtypeStruct((kv_splits, N, Hkv, M, D), jnp.float32),
                    jax.ShapeDtypeStruct((kv_splits, N, Hkv, M), jnp.float32),
                    jax.ShapeDtypeStruct((kv_splits, N, Hkv, M), jnp.float32),
-                   jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)],
-        input_output_aliases={8: 3, 9: 4},
+                   *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in written)],
+        input_output_aliases={first_written + j: 3 + j for j in range(len(written))},
         interpret=interpret,
-        name=f"ragged_paged_attention_G{G}_bq{block_q}_p{page}_d{D}_s{kv_splits}",
+        name=f"ragged_paged_attention_G{G}_bq{block_q}_p{page}_d{D}_s{kv_splits}" + (f"_{fmt}" if fmt else ""),
         **extra,
     )(meta, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-      jnp.reshape(layer, (1,)).astype(jnp.int32), qr, kn, vn, k_cache, v_cache)
+      jnp.reshape(layer, (1,)).astype(jnp.int32), qr, kn, vn, *new_scales, *written)
+    if quant:
+        scales = written[2:] or [None, None]
+        k_cache, v_cache = (kv_quant.QuantPages(d, sc, fmt) for d, sc in zip(written[:2], scales))
+    else:
+        k_cache, v_cache = written
 
     # Merge the splits: weights exp(m_split - m_max); then back to flat token order.
     m_max = m.max(axis=0)                                           # [N, Hkv, M]
@@ -251,7 +295,8 @@ def ragged_paged_attention(q, k_new, v_new, k_cache, v_cache, kv_lens, page_tabl
     """Attention of a ragged batch over a paged cache, writing the step's K/V into it.
 
     q [T, Hq, D]; k_new, v_new [T, Hkv, D] (this step's keys/values, same flat order);
-    k_cache, v_cache [NB, page, Hkv, D], or stacked [L, NB, page, Hkv, D] with ``layer``;
+    k_cache, v_cache [NB, page, Hkv, D], or stacked [L, NB, page, Hkv, D] with ``layer``
+    (each an array, or a quantized cache's ``kv_quant.QuantPages`` of that shape);
     kv_lens [S] (KV length after this step; 0 for padding rows); page_table [S, P];
     cu_q_lens [S + 1] (padding rows repeat the last offset; tokens past ``cu_q_lens[-1]``
     are padding: no write, zero output).  Returns (out [T, Hq, D], k_cache, v_cache).
@@ -266,13 +311,14 @@ def ragged_paged_attention(q, k_new, v_new, k_cache, v_cache, kv_lens, page_tabl
     if stacked == (layer is None):
         raise ValueError("a stacked [L, ...] cache needs `layer`; a per-layer cache takes none")
     if not stacked:
-        k_cache, v_cache, layer = k_cache[None], v_cache[None], 0
+        k_cache, v_cache = jax.tree.map(lambda a: a[None], (k_cache, v_cache))
+        layer = 0
     out, k_cache, v_cache = _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens,
                                   jnp.asarray(layer, jnp.int32), scale=scale, window=sliding_window,
                                   soft_cap=soft_cap, kv_splits=kv_splits, block_q=block_q,
                                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     if not stacked:
-        k_cache, v_cache = k_cache[0], v_cache[0]
+        k_cache, v_cache = jax.tree.map(lambda a: a[0], (k_cache, v_cache))
     return out, k_cache, v_cache
 
 
@@ -288,10 +334,11 @@ ragged_paged_attention_jit = jax.jit(
 def ragged_paged_attention_reference(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, *,
                                      layer=None, sm_scale: float | None = None,
                                      sliding_window: int | None = None, soft_cap: float | None = None):
-    """Plain jnp, the oracle: scatter the new K/V, then dense masked softmax per token."""
+    """Plain jnp, the oracle: scatter the new K/V, then dense masked softmax per token (a
+    quantized cache: the new K/V quantized into it, then attention over its dequantized values)."""
     T, Hq, D = q.shape
     stacked = k_cache.ndim == 5
-    kc, vc = (k_cache[layer], v_cache[layer]) if stacked else (k_cache, v_cache)
+    kc, vc = jax.tree.map(lambda a: a[layer], (k_cache, v_cache)) if stacked else (k_cache, v_cache)
     NB, page, Hkv, _ = kc.shape
     G = Hq // Hkv
     S = kv_lens.shape[0]
@@ -302,11 +349,20 @@ def ragged_paged_attention_reference(q, k_new, v_new, k_cache, v_cache, kv_lens,
     q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
     pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])                             # [T]
     blk = jnp.where(real, page_table[seq, pos // page], NB)                         # NB: dropped
-    kc = kc.at[blk, pos % page].set(k_new.astype(kc.dtype), mode="drop")
-    vc = vc.at[blk, pos % page].set(v_new.astype(vc.dtype), mode="drop")
+    def put(c, x):
+        if not isinstance(c, kv_quant.QuantPages):
+            return c.at[blk, pos % page].set(x.astype(c.dtype), mode="drop")
+        data, sc = kv_quant.quantize(x, c.format, c.data.dtype)
+        return kv_quant.QuantPages(c.data.at[blk, pos % page].set(data, mode="drop"),
+                                   None if sc is None else c.scale.at[blk, pos % page].set(sc, mode="drop"), c.format)
+
+    def values(c):
+        return kv_quant.dequantize(c) if isinstance(c, kv_quant.QuantPages) else c.astype(jnp.float32)
+
+    kc, vc = put(kc, k_new), put(vc, v_new)
     P = page_table.shape[1]
-    keys = kc[page_table[seq]].reshape(T, P * page, Hkv, D).astype(jnp.float32)     # [T, K, Hkv, D]
-    vals = vc[page_table[seq]].reshape(T, P * page, Hkv, D).astype(jnp.float32)
+    keys = values(kc)[page_table[seq]].reshape(T, P * page, Hkv, D)                # [T, K, Hkv, D]
+    vals = values(vc)[page_table[seq]].reshape(T, P * page, Hkv, D)
     qg = q.astype(jnp.float32).reshape(T, Hkv, G, D)
     sc = jnp.einsum("thgd,tkhd->thgk", qg, keys) * scale                           # [T, Hkv, G, K]
     if soft_cap is not None:
@@ -319,7 +375,8 @@ def ragged_paged_attention_reference(q, k_new, v_new, k_cache, v_cache, kv_lens,
     out = jnp.einsum("thgk,tkhd->thgd", jax.nn.softmax(sc, axis=-1), vals).reshape(T, Hq, D)
     out = jnp.where(real[:, None, None], out, 0.0).astype(q.dtype)
     if stacked:
-        kc, vc = k_cache.at[layer].set(kc), v_cache.at[layer].set(vc)
+        kc, vc = (jax.tree.map(lambda full, one: full.at[layer].set(one), full, one)
+                  for full, one in ((k_cache, kc), (v_cache, vc)))
     return out, kc, vc
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
+from jaxllm.layers import kv_quant
 from jaxllm.models.config import ArchConfig
 from jaxllm.models.kernels import Kernels
 from jaxllm.runner import buckets as bk
@@ -34,6 +35,9 @@ class StepConfig:
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     use_fp64_gumbel: bool = False
+    kv_cache_dtype: str = "auto"
+    """``--kv-cache-dtype``: "auto" (the cache in ``dtype``) or a quantized format
+    (``layers/kv_quant.py``)."""
 
     @property
     def packed_bf16(self) -> bool:
@@ -42,6 +46,11 @@ class StepConfig:
 
     @property
     def kv_dtype(self):
+        """The cache arrays' dtype, or the :class:`~jaxllm.layers.kv_quant.KVFormat` of a
+        quantized cache (``runner/weights.allocate_kv_cache`` takes either)."""
+        fmt = kv_quant.kv_format(self.kv_cache_dtype, self.platform)
+        if fmt is not None:
+            return fmt
         return jnp.uint16 if self.packed_bf16 else jnp.dtype(self.dtype)
 
     @property

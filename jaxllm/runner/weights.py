@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.cpu import layout
+from jaxllm.layers import kv_quant
 from jaxllm.models.loader import LoadedModel
 from jaxllm.models.params import Fused, ParamTable
 from jaxllm.models.registry import get_model_module
@@ -99,8 +100,14 @@ def to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: 
 def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, stacked: bool,
                       make=jnp.zeros):
     """Zeroed (K, V): stacked over layers for the scanned model, per-layer lists for the unrolled one.
-    ``make=jax.ShapeDtypeStruct`` gives the shapes without allocating."""
+    ``dtype``: the arrays' dtype, or a quantized cache's ``kv_quant.KVFormat`` (each K or V
+    then a ``QuantPages``: values and scales).  ``make=jax.ShapeDtypeStruct`` gives the
+    shapes without allocating."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if isinstance(dtype, kv_quant.KVFormat):
+        one = lambda s: kv_quant.allocate(dtype, s, make)  # noqa: E731
+    else:
+        one = lambda s: make(s, dtype)  # noqa: E731
     if stacked:
-        return tuple(make((num_layers, *shape), dtype) for _ in range(2))
-    return tuple([make(shape, dtype) for _ in range(num_layers)] for _ in range(2))
+        return tuple(one((num_layers, *shape)) for _ in range(2))
+    return tuple([one(shape) for _ in range(num_layers)] for _ in range(2))

@@ -7,15 +7,15 @@ import pytest
 from jaxllm.core import kv_budget
 from jaxllm.core.kv_budget import bytes_per_block, cgroup_room_bytes, plan_kv_cache, utilization_budget
 
-ARCH = dict(num_layers=3, num_kv_heads=2, head_dim=32, itemsize=4, block_size=16)
+ARCH = dict(num_layers=3, token_bytes=2 * 2 * 32 * 4, block_size=16)   # K and V, 2 heads of 32, float32
 
 
 def test_bytes_per_block_counts_k_and_v_of_every_layer():
-    assert bytes_per_block(num_layers=3, block_size=16, num_kv_heads=2, head_dim=32, itemsize=4) == 2 * 3 * 16 * 2 * 32 * 4
+    assert bytes_per_block(num_layers=3, block_size=16, token_bytes=2 * 2 * 32 * 4) == 2 * 3 * 16 * 2 * 32 * 4
 
 
 def test_budget_is_never_exceeded_and_a_too_small_one_says_what_fits():
-    per = bytes_per_block(**{k: ARCH[k] for k in ("num_layers", "block_size", "num_kv_heads", "head_dim", "itemsize")})
+    per = bytes_per_block(**ARCH)
     plan = plan_kv_cache(**ARCH, max_model_len=256, max_num_seqs=4, budget_bytes=100 * per + 7, num_blocks_override=None)
     assert plan.num_blocks == 100 and plan.total_bytes <= 100 * per + 7
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization=0.1 \(x\) holds 3 blocks.*--max-model-len 32"):
@@ -77,7 +77,7 @@ def test_default_size_on_cpu_does_not_follow_free_memory(monkeypatch):
 
 
 def test_measured_sizes_are_rounded_to_a_coarse_grain(monkeypatch):
-    per = bytes_per_block(**{k: ARCH[k] for k in ("num_layers", "block_size", "num_kv_heads", "head_dim", "itemsize")})
+    per = bytes_per_block(**ARCH)
     assert kv_budget.coarse_blocks(7193) == kv_budget.coarse_blocks(7500) == 7168
     for n in (17, 100, 1000, 7193, 7921, 123_456):
         c = kv_budget.coarse_blocks(n)

@@ -61,3 +61,34 @@ def test_rope_cos_sin_evaluated_once_per_step(step_hlos, config):
     for bucket, hlo in hlos.items():
         n = hlo.count(" cosine(")
         assert n <= 2, f"bucket {bucket}: cos evaluated in {n} places (once per layer's rope?)"
+
+
+@pytest.mark.parametrize("attention", ["xla", "native"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
+def test_quantized_cache_is_updated_in_place(tiny_llama, kv_cache_dtype, scan_layers, attention):
+    """A quantized cache (values, and int8's float16 scales) is written in place too: no copy
+    of any of its buffers, and no convert of a whole one (XLA:CPU turned an fp8 scatter into
+    a convert of the whole cache to f16 and back: hence fp8 stored as uint8 bits on CPU)."""
+    from jaxllm.cpu import native
+    from jaxllm.models.kernels import Kernels
+    if attention == "native" and not native.available():
+        pytest.skip("native CPU kernel unavailable here (no AVX2/FMA or no C++ compiler)")
+    model = load_model(tiny_llama)
+    cfg = StepConfig(arch=model.arch, platform=jax.default_backend(), dtype="float32", scan_layers=scan_layers,
+                     max_model_len=256, max_num_seqs=4, max_num_batched_tokens=8, max_logprobs=2,
+                     kernels=Kernels(attention=attention), kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(model, cfg, num_blocks=61, show_progress=False)
+    a = runner.arch
+    lead = f"{a.num_layers},61" if scan_layers else "61"
+    # The cache's buffers by shape, whatever their dtype: values, and int8's scales.
+    whole = [f"[{lead},16,{a.num_kv_heads},{a.head_dim}]"] + (
+        [f"[{lead},16,{a.num_kv_heads},1]"] if kv_cache_dtype == "int8" else [])
+    T, S = runner.buckets[-1]
+    hlo = runner.compiler.lower_step(runner.params, runner.kv, runner.sampler_rows.state, T, S).compile().as_text()
+    assert ("s8" if kv_cache_dtype == "int8" else "u8") + whole[0] in hlo
+    for shape in whole:
+        copies = [ln for ln in hlo.splitlines() if re.search(r"= \w+" + re.escape(shape) + r"\{[0-9,]*\} copy\(", ln)]
+        assert not copies, "the step copies the quantized KV cache:\n" + "\n".join(copies[:3])
+    converts = [ln for ln in hlo.splitlines() if " convert(" in ln and any(w + "{" in ln for w in whole)]
+    assert not converts, "a whole cache buffer is converted:\n" + "\n".join(converts[:3])

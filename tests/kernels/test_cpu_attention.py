@@ -294,3 +294,83 @@ def test_step_hlo_has_no_cache_copies(tiny_llama, scan_layers):
     assert "jaxllm_paged_attention" in hlo
     copies = [ln for ln in hlo.splitlines() if re.search(r"= " + re.escape(shape) + r"\{[0-9,]*\} copy\(", ln)]
     assert not copies, "the step copies the KV cache:\n" + "\n".join(copies[:3])
+
+
+# ----------------------------------------------------------------------------- quantized caches
+
+QUANT = ["int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def quantized(batch, name):
+    """The batch with its float cache quantized as the engine stores it on CPU."""
+    from jaxllm.layers import kv_quant
+    q, k, v, kv, md = batch
+    fmt = kv_quant.kv_format(name, "cpu")
+    pages = tuple(kv_quant.QuantPages(*kv_quant.quantize(c, fmt, fmt.data_dtype), fmt.name) for c in kv)
+    return q, k, v, pages, md
+
+
+def check_quant(batch, name, *, sliding_window=None, layer=None):
+    """The kernel over a quantized cache against the XLA path over the same pages (which
+    dequantizes the gathered chunks: tests/kernels/test_kv_quant.py holds it to float
+    attention over the dequantized cache).  Both read the same stored values, so float32's
+    tolerance applies; the write is XLA's in both."""
+    q, k, v, kv, md = quantized(batch, name)
+    kw = dict(scale=q.shape[-1] ** -0.5, sliding_window=sliding_window)
+    li = () if layer is None else (jnp.int32(layer),)
+    want, kv_x = _attend("xla", **kw)(q, k, v, kv, md, *li)
+    got, kv_n = _attend("native", **kw)(q, k, v, kv, md, *li)
+    got, want = np.asarray(got), np.asarray(want)
+    assert np.isfinite(got).all()
+    real = int(md.query_start_loc[-1])
+    err = np.abs(got[:real] - want[:real]).max() / np.abs(want[:real]).max()
+    assert err < TOL, f"max relative error {err:.3g}"
+    for a, b in zip(jax.tree.leaves(kv_n), jax.tree.leaves(kv_x)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 2, 40), (6, 3, 20), (3, 3, 4)],
+                         ids=["hq9-hkv3-d64", "hq4-hkv2-d40", "hq6-hkv3-d20", "hq3-hkv3-d4"])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_quantized_cache_matches_xla_path(kind, Hq, Hkv, D, name):
+    lens = DECODE if kind == "decode" else MIXED
+    check_quant(make_batch(Hq * 100 + D + len(kind), **lens, Hq=Hq, Hkv=Hkv, D=D), name)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_quantized_cache_sliding_window_and_stacked(name):
+    check_quant(make_batch(81, **MIXED, Hq=6, Hkv=2, D=64), name, sliding_window=40)
+    check_quant(make_batch(82, **MIXED, Hq=6, Hkv=2, D=64, layers=3), name, layer=2)
+
+
+def test_fp8_table_covers_every_byte():
+    # Every one of the 256 bit patterns of each format, NaN and inf included, decoded as jnp
+    # does: a token at position 0 sees one V row (weight exactly 1), so the output is that
+    # row's decoded values; the 16 rows of 16 bytes are brought to offset 0 in turn.
+    from jaxllm.cpu.attention import paged_attention_native
+    from jaxllm.layers import kv_quant
+    bits = np.arange(256, dtype=np.uint8).reshape(1, 16, 1, 16)           # [NB, BS, Hkv, Dh]
+    md = AttentionMetadata(positions=jnp.array([0], jnp.int32), slot_mapping=jnp.array([0], jnp.int32),
+                           token_seq=jnp.array([0], jnp.int32), block_tables=jnp.array([[0]], jnp.int32),
+                           seq_lens=jnp.array([1], jnp.int32), query_start_loc=jnp.array([0, 1], jnp.int32))
+    for name, f8 in kv_quant._FP8.items():
+        want = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(bits), f8).astype(jnp.float32))[0, :, 0]
+        k = kv_quant.QuantPages(jnp.zeros_like(jnp.asarray(bits)), None, name)
+        got = np.stack([np.asarray(paged_attention_native(
+            jnp.ones((1, 1, 16)), (k, kv_quant.QuantPages(jnp.asarray(np.roll(bits, -r, axis=1)), None, name)),
+            None, md, scale=1.0))[0, 0] for r in range(16)])                # [16 rows, 16]
+        np.testing.assert_array_equal(got, want)                           # NaN where NaN, +-inf where inf
+        assert np.isnan(want).any() and (want != 0).sum() > 250                # the special patterns were met
+
+
+def test_int8_kernel_rejects_mismatched_scales():
+    q, k, v, kv, md = quantized(make_batch(75, [1, 2], [3, 4], Hq=4, Hkv=2, D=64), "int8")
+    (kc, vc) = kv
+    call = jax.ffi.ffi_call("jaxllm_paged_attention_int8", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    args = lambda ks: (q, kc.data, vc.data, ks, vc.scale, md.block_tables, md.token_seq, md.positions,  # noqa: E731
+                       jnp.int32(0))
+    np.asarray(call(*args(kc.scale), scale=np.float32(0.1), sliding_window=np.int64(0)))     # the right shapes run
+    for bad in (kc.scale[:-1], jnp.repeat(kc.scale, 2, axis=-1)):
+        with pytest.raises(Exception, match="k_scale .* must be the cache's"):
+            np.asarray(call(*args(bad), scale=np.float32(0.1), sliding_window=np.int64(0)))

@@ -201,3 +201,72 @@ def test_lowers_for_the_gpu(dtype, shape, monkeypatch, capsys):
     assert "__gpu$xla.gpu.triton" in text
     triton = capsys.readouterr().out
     assert triton.count("tt.dot") >= 4 and "tf32" not in triton
+
+
+# ----------------------------------------------------------------------------- quantized caches
+
+def _quantize_batch(batch, name, platform="cpu"):
+    from jaxllm.layers import kv_quant
+    fmt = kv_quant.kv_format(name, platform)
+    out = dict(batch)
+    for c in ("k_cache", "v_cache"):
+        out[c] = kv_quant.QuantPages(*kv_quant.quantize(batch[c], fmt, fmt.data_dtype), fmt.name)
+    return out
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("group,head_dim,page", [(1, 64, 16), (4, 128, 32), (8, 64, 32)])
+def test_quantized_cache_matches_reference(name, group, head_dim, page):
+    """The kernel dequantizes each page after its load and the step's own (quantized) keys;
+    the reference quantizes the new K/V into the cache and attends over its dequantized
+    values.  Same stored values on both sides: float32's tolerance, and the same pages,
+    scales included, written."""
+    from jaxllm.layers import kv_quant
+    batch = _quantize_batch(make_batch(300 + group + head_dim + page, **MIXED, Hq=2 * group, Hkv=2, D=head_dim,
+                                       page=page), name)
+    out, kc, vc = _kernel(**batch)
+    r_out, r_kc, r_vc = _reference(**batch)
+    out, r_out = np.asarray(out), np.asarray(r_out)
+    assert not np.isnan(out).any(), "an output element was never written (NaN poison survived)"
+    err = np.abs(out - r_out).max() / np.abs(r_out).max()
+    assert err <= TOL[jnp.float32], f"max relative error {err:.3g}"
+    assert isinstance(kc, kv_quant.QuantPages) and kc.format == name
+    for a, b in zip(jax.tree.leaves((kc, vc)), jax.tree.leaves((r_kc, r_vc))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The reference itself against float attention over the dequantized cache.
+    deq = lambda x: kv_quant.dequantize(kv_quant.QuantPages(*kv_quant.quantize(x, name, jnp.uint8 if "fp8" in name  # noqa: E731
+                                                                               else None), name))
+    fb = dict(batch, k_cache=kv_quant.dequantize(batch["k_cache"]), v_cache=kv_quant.dequantize(batch["v_cache"]),
+              k_new=deq(batch["k_new"]), v_new=deq(batch["v_new"]))
+    f_out, f_kc, _ = _reference(**fb)
+    np.testing.assert_allclose(r_out, np.asarray(f_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(kv_quant.dequantize(r_kc)), np.asarray(f_kc))
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+def test_quantized_cache_stacked_splits_and_window(name):
+    batch = _quantize_batch(make_batch(410, **MIXED, Hq=4, Hkv=2, D=64, page=16, stacked_layers=3), name)
+    for kw in (dict(layer=1), dict(layer=2, kv_splits=3), dict(layer=0, sliding_window=9)):
+        ref_kw = {k: v for k, v in kw.items() if k in ("layer", "sliding_window")}
+        out, kc, vc = _kernel(**batch, **kw)
+        r_out, r_kc, r_vc = _reference(**batch, **ref_kw)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(r_out), rtol=1e-5, atol=1e-5)
+        for a, b in zip(jax.tree.leaves((kc, vc)), jax.tree.leaves((r_kc, r_vc))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_quantized_cache_lowers_for_the_gpu(name, dtype, monkeypatch, capsys):
+    """The quantized kernel lowered for CUDA from this CPU, with the cache as a GPU holds it
+    (fp8 as float8 arrays, int8 with float16 scales): the dequantization after each page
+    load is taken by the Triton lowering."""
+    from jax.experimental import pallas as pl
+    call = pl.pallas_call
+    monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: call(*a, **{**k, "debug": True}))
+    b = _quantize_batch(make_batch(13, **MIXED, Hq=8, Hkv=2, D=128, page=16, dtype=dtype), name, platform="gpu")
+    f = jax.jit(lambda **a: ragged_paged_attention(**a, interpret=False, kv_splits=2))
+    text = f.trace(**b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    triton = capsys.readouterr().out
+    assert triton.count("tt.dot") >= 4
