@@ -64,7 +64,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="unroll the layers (default on CPU: faster decode, slower compile)")
     g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
     g.add_argument("--cpu-matmul", default="auto",
-                   help="auto | native | xla: the native AVX2 matmul kernel or XLA's dot on CPU")
+                   help="auto | native | native-int8 | xla: the native AVX2 matmul kernels or XLA's dot on CPU; "
+                        "native-int8 multiplies a GGUF's Q8_0/Q4_*/Q5_* blocks by activations rounded to int8 "
+                        "per 32 values (llama.cpp's arithmetic: faster, logits about 1e-2 off the float model)")
     g.add_argument("--compile-cache-dir", default=None,
                    help="persistent XLA cache and saved programs (default $JAXLLM_CACHE_DIR/xla, "
                         "~/.cache/jaxllm/xla)")

@@ -14,7 +14,9 @@ import re
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_MATMULS = ("auto", "native", "xla")
+CPU_MATMULS = ("auto", "native", "native-int8", "xla")
+"""``--cpu-matmul``: native-int8 is native with a GGUF's blocks multiplied by int8-quantized
+activations (``cpu/quant_dot.cc``, llama.cpp's arithmetic)."""
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "native")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 """``--kv-cache-dtype``: vLLM's choices (fp8 = fp8_e4m3) plus int8 (``layers/kv_quant.py``)."""

@@ -34,4 +34,12 @@ inline void fifth_bits(const uint8_t* qh, __m128i* lo, __m128i* hi) {
   *hi = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(v, pick_hi), bit), bit), sixteen);
 }
 
+// Asks for the cache lines of [p, p + bytes) to be brought in: a matmul streams weight rows
+// that are in L3 at best, and asking for a later row while this one is computed hides the
+// latency the hardware prefetcher leaves (it follows one row's short field streams late).
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
 }  // namespace jaxllm_gguf

@@ -33,6 +33,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int kMaxRows = 4;   // rows of x per tile: one widened weight block serves them all
+constexpr int64_t kPrefetchRows = 8;   // weight rows ahead whose fields are requested (quant_linear.cc)
 
 // x [M, K] -> qx [M, K] int8 and, per block, dx [M, nb] (the scale) and sx [M, nb] (sum of x).
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
@@ -178,9 +179,16 @@ void rows_range(const Activations& a, const uint16_t* d, const uint16_t* m, cons
   int64_t r0 = 0;
   for (int64_t t = 0; t < tiles; ++t) {
     const int rows = static_cast<int>(M / tiles + (t < M % tiles));   // tiles as even as possible
-    for (int64_t n = n0; n < n1; ++n)
+    for (int64_t n = n0; n < n1; ++n) {
+      if (const int64_t ahead = n + kPrefetchRows; ahead < n1) {
+        jaxllm_gguf::prefetch(qs + ahead * nb * T::kQsBytes, nb * T::kQsBytes);
+        jaxllm_gguf::prefetch(d + ahead * nb, nb * 2);
+        if (m) jaxllm_gguf::prefetch(m + ahead * nb, nb * 2);
+        if (T::kQhBytes) jaxllm_gguf::prefetch(qh + ahead * nb * T::kQhBytes, nb * T::kQhBytes);
+      }
       tile<T>(rows, a, r0, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
               qh + n * nb * T::kQhBytes, y + r0 * N + n, N);
+    }
     r0 += rows;
   }
 }

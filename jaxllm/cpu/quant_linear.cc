@@ -34,7 +34,8 @@ using jaxllm_gguf::nibbles;
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int kMaxRows = 4;   // rows of x per tile: 4 weight vectors + 4 accumulators + partials
+constexpr int kMaxRows = 4;
+constexpr int64_t kPrefetchRows = 8;   // weight rows ahead whose fields are requested   // rows of x per tile: 4 weight vectors + 4 accumulators + partials
 
 // bytes 0..15 -> four float32 vectors of 4 x 8 lanes, signed or unsigned
 template <bool Signed>
@@ -221,6 +222,12 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   const float* sx = m != nullptr ? sums.data() : nullptr;
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
     rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
+      if (const int64_t a = n + kPrefetchRows; a < n1) {
+        jaxllm_gguf::prefetch(qs + a * nb * T::kQsBytes, nb * T::kQsBytes);
+        jaxllm_gguf::prefetch(d + a * nb, nb * 2);
+        if (m) jaxllm_gguf::prefetch(m + a * nb, nb * 2);
+        if (T::kQhBytes) jaxllm_gguf::prefetch(qh + a * nb * T::kQhBytes, nb * T::kQhBytes);
+      }
       tile<T>(rows, x + r0 * K, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
               qh + n * nb * T::kQhBytes, sx ? sx + r0 * nb : nullptr, y + r0 * N + n, N);
     });
@@ -386,6 +393,13 @@ void linear_k(ffi::ThreadPool& pool, const float* x, const KRow& w0, float* y, i
   const int64_t nb32 = K / kBlock;
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
     rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
+      if (const int64_t a = n + kPrefetchRows; a < n1) {
+        jaxllm_gguf::prefetch(w0.qs + a * nb * T::kQsBytes, nb * T::kQsBytes);
+        jaxllm_gguf::prefetch(w0.scales + a * nb * T::kScBytes, nb * T::kScBytes);
+        jaxllm_gguf::prefetch(w0.d + a * nb, nb * 2);
+        if (w0.dmin) jaxllm_gguf::prefetch(w0.dmin + a * nb, nb * 2);
+        if (w0.qh) jaxllm_gguf::prefetch(w0.qh + a * nb * T::kQhBytes, nb * T::kQhBytes);
+      }
       const KRow w{w0.d + n * nb, w0.dmin ? w0.dmin + n * nb : nullptr, w0.scales + n * nb * T::kScBytes,
                    w0.qs + n * nb * T::kQsBytes, w0.qh ? w0.qh + n * nb * T::kQhBytes : nullptr};
       const float* xt = x + r0 * K;

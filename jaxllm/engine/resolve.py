@@ -138,7 +138,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
         raise ValueError(f"--attention-backend pallas with --tensor-parallel-size {tp} needs the KV heads "
                          f"({model.arch.num_kv_heads}) to split evenly; use --attention-backend xla")
     matmul = "xla"
-    if tp > 1 and rc.cpu_matmul == "native":
+    if tp > 1 and rc.cpu_matmul in ("native", "native-int8"):
         # The native kernel is an opaque custom call: XLA's partitioner would gather every
         # weight onto each device to run it.
         raise ValueError("--cpu-matmul native does not shard; with --tensor-parallel-size > 1 use "
@@ -147,7 +147,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
         from jaxllm.cpu import native
         if native.available() and (not quantized or native.quant_available()):
             matmul = "native"
-        elif rc.cpu_matmul == "native":
+        elif rc.cpu_matmul in ("native", "native-int8"):
             raise ValueError("--cpu-matmul native: the native CPU kernel is unavailable on this machine "
                              "(see the warning above); use --cpu-matmul xla")
     model_len = model.arch.max_position_embeddings
@@ -181,6 +181,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
         kv = sizing.plan(cache.kv_cache_memory_bytes)
     cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
     kernels = Kernels(matmul=matmul, attention=backend,
+                      int8_activations=matmul == "native" and quantized and rc.cpu_matmul == "native-int8",
                       moe="expert_parallel" if config.parallel.enable_expert_parallel else "grouped")
     step = StepConfig(arch=a, platform=platform, dtype=dtype, scan_layers=scan, kernels=kernels,
                       sampler_backend=sampler, block_size=cache.block_size,

@@ -18,10 +18,11 @@ from jaxllm.quant import ops as qops
 
 
 def matmul(x: jax.Array, w, backend: str = "xla") -> jax.Array:
-    """x [T, in] @ w[out, in]^T -> float32 [T, out]; ``backend="native"`` uses jaxllm/cpu."""
+    """x [T, in] @ w[out, in]^T -> float32 [T, out]; ``backend="native"`` uses jaxllm/cpu
+    (``"native-int8"``: the same, a GGUF weight's blocks by int8-rounded activations)."""
     if qops.is_quantized(w):
         return qops.matmul(x, w, backend)
-    if backend == "native":
+    if backend in ("native", "native-int8"):
         from jaxllm.cpu import native
         return native.linear(x, w)
     if w.dtype == PACKED_BF16:

@@ -18,3 +18,11 @@ class Kernels:
     """Paged attention: "xla", "pallas" or "native" (``layers.attention.attend``)."""
     moe: str = "grouped"
     """The experts of MoE checkpoints: "grouped", "dense" or "expert_parallel" (``layers/moe.py``)."""
+    int8_activations: bool = False
+    """With the native matmul: GGUF blocks are multiplied by activations rounded to int8 per
+    32 values (``cpu/quant_dot.cc``) instead of float32 ones (``--cpu-matmul native-int8``)."""
+
+    @property
+    def linear(self) -> str:
+        """The ``backend`` of ``layers/linear.py`` the model's linear maps take."""
+        return "native-int8" if self.matmul == "native" and self.int8_activations else self.matmul

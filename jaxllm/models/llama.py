@@ -129,7 +129,7 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     # x [T, D]; experts: the stacked expert weights (scan, with ``layer`` the index) or None
     # (the layer's own are in ``lp``)
     T = x.shape[0]
-    mm = kernels.matmul
+    mm = kernels.linear
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
     if "qkv" in lp:   # fused projections (runner/weights.fused_parts)
         qkv = linear(h, lp["qkv"], lp.get("qkv_bias"), mm)              # [T, q_size + 2 * kv_size]
@@ -199,4 +199,4 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array, 
 def compute_logits(cfg: ArchConfig, params: Params, hidden: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:
     """hidden [S, D] -> float32 logits [S, V]."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return matmul(hidden, w, kernels.matmul)
+    return matmul(hidden, w, kernels.linear)

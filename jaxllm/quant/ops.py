@@ -111,10 +111,11 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     ``backend="pallas"`` or on a GPU, for the group sizes it takes; else, CPU included, the
     XLA path (dequantize in the step, float32 dot)."""
     if isinstance(w, PackedWeight):
-        if backend == "native":
+        if backend in ("native", "native-int8"):
             from jaxllm.quant import native_matmul
             if w.type_name in native_matmul.NATIVE_TYPES:
-                return native_matmul.linear_packed(x, w)
+                int8 = backend == "native-int8" and w.type_name in native_matmul.INT8_ACTIVATION_TYPES
+                return native_matmul.linear_packed(x, w, int8_activations=int8)
         return dequantize_matmul(x, w)
     if isinstance(w, QuantizedLinear):
         if _pallas(backend, w):

@@ -76,3 +76,20 @@ def test_packed_logits_every_backend(ggufs, matmul, scan):
     err = np.abs(got - ref).max()
     print(f"Q4_1 {matmul} scan={scan}: max |logit error| = {err:.2e} (logits up to {np.abs(ref).max():.1f})")
     assert err < 1e-3 * max(1.0, np.abs(ref).max())
+
+
+def test_int8_activations_engine(ggufs):
+    """``--cpu-matmul native-int8``: the blocks meet activations rounded to int8 per 32 values
+    (cpu/quant_dot.cc, tested against an exact emulation in tests/kernels/test_cpu_quant_dot.py).
+    The flag reaches the kernel: the first token's logprob moves off the float engine's by the
+    rounding (more than float32 summation order could), by less than the 0.5 nats the
+    tiny random model's amplification of a ~1% activation error allows."""
+    llm, tokens, lps = _run(ggufs["Q4_1"], cpu_matmul="native-int8")
+    assert llm.llm_engine.core.runner.cfg.kernels.int8_activations
+    _, ref_tokens, ref_lps = _run(ggufs["Q4_1"])
+    first = [abs(x[0] - y[0]) for x, y in zip(lps, ref_lps)]
+    agree = [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(r)) for t, r in zip(tokens, ref_tokens)]
+    print(f"Q4_1, int8 activations: first-token |logprob - float| {max(first):.2e}; tokens equal before "
+          f"the first difference: {agree} of {len(ref_tokens[0])}")
+    assert [t[0] for t in tokens] == [r[0] for r in ref_tokens]
+    assert 1e-4 < max(first) < 0.5
