@@ -87,19 +87,26 @@ def server(kind: str, max_concurrency: int, log_path: str):
         # interrupts the running one (its stream is cut), so concurrent requests must queue.
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", _gguf(), "--port", str(port),
                "--n_threads", str(os.cpu_count() or 1), "--n_ctx", "4096", "--interrupt_requests", "False"]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, proc, timeout=900)
+    with running(cmd, port, log_path) as url:
         yield url
-    finally:
-        proc.terminate()
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], port: int, log_path: str):
+    """The server ``cmd`` listening on ``port``, its output in ``log_path``; yields its URL
+    once it answers, stops it after."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+            _wait_ready(url, proc, timeout=900)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def bench_serve(url: str, concurrency: int, args, result_dir: str, label: str) -> dict:

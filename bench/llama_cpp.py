@@ -44,7 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.compare import SERVE_KEYS, _free_port, _wait_ready, bench_serve  # noqa: E402
+from bench.compare import SERVE_KEYS, _free_port, bench_serve, running  # noqa: E402
 
 THREADS = str(len(os.sched_getaffinity(0)))
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -122,18 +122,8 @@ def server(args, kind: str, log_path: str):
     else:
         cmd = [_bin(args, "llama-server"), "-m", _gguf(), "-t", THREADS, "--port", str(port), "--parallel", "16",
                "-c", str(16 * 2048), "-nr", "--cont-batching"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            _wait_ready(url, proc, timeout=900)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with running(cmd, port, log_path) as url:
+        yield url
 
 
 def serving(args, res: dict, tmp: str) -> None:

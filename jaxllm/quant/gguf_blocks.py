@@ -47,7 +47,6 @@ from dataclasses import dataclass, field, fields
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 BLOCK_SIZE = 32  # weights per block of the 32-weight types
 QK_K = 256       # weights per K-quant super-block
@@ -67,6 +66,10 @@ _FIELDS = {
     "BF16": (("bits", 2),),
 }
 SUPPORTED_TYPES = tuple(_FIELDS)
+# type -> (weights per block, bytes per block); the gguf package (gguf.constants) has the same
+# table, but the engine imports this module whether or not it loads a GGUF
+_SIZES = {name: (QK_K if name.endswith("_K") else 1 if name in ("F16", "BF16") else BLOCK_SIZE,
+                 sum(n for _, n in fields)) for name, fields in _FIELDS.items()}
 _SIGNED_BYTES = {("Q6_K", "scales")}  # int8 fields (Q8_0's qs is read as int8 in dequantize)
 
 
@@ -95,18 +98,21 @@ class PackedWeight:
 
 def block_size(type_name: str) -> int:
     """Weights per block of a supported type (32, 256, or 1 for the 16-bit floats)."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType[_type_name(type_name)]][0]
+    return _SIZES[_type_name(type_name)][0]
 
 
 def _type_name(ggml_type) -> str:
     """The type's name for a GGMLQuantizationType, its int value or its name."""
-    try:
-        if isinstance(ggml_type, str):
-            name = GGMLQuantizationType[ggml_type.upper()].name
-        else:
+    if isinstance(ggml_type, str):
+        name = ggml_type.upper()
+    elif hasattr(ggml_type, "name"):          # a GGMLQuantizationType
+        name = ggml_type.name
+    else:
+        from gguf.constants import GGMLQuantizationType
+        try:
             name = GGMLQuantizationType(ggml_type).name
-    except (KeyError, ValueError):
-        raise ValueError(f"unknown GGML type {ggml_type!r}") from None
+        except ValueError:
+            raise ValueError(f"unknown GGML type {ggml_type!r}") from None
     if name not in _FIELDS:
         raise ValueError(f"GGML type {name} is not a supported packed type "
                          f"(supported: {', '.join(SUPPORTED_TYPES)})")
@@ -117,7 +123,7 @@ def _check_shape(name: str, shape) -> tuple[int, int]:
     if len(shape) != 2 or any(int(s) <= 0 for s in shape):
         raise ValueError(f"{name} weight shape {tuple(shape)} is not a 2-D [out, in] shape")
     n_out, n_in = int(shape[0]), int(shape[1])
-    size = GGML_QUANT_SIZES[GGMLQuantizationType[name]][0]
+    size = _SIZES[name][0]
     if n_in % size:
         raise ValueError(f"{name} weight shape {tuple(shape)}: in={n_in} is not a multiple "
                          f"of the block size {size}")
@@ -130,7 +136,7 @@ def pack(raw: np.ndarray, ggml_type, shape) -> PackedWeight:
     (``jax.device_put`` moves it; jnp functions take it as it is)."""
     name = _type_name(ggml_type)
     n_out, n_in = _check_shape(name, shape)
-    size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+    size, type_size = _SIZES[name]
     nb = n_in // size
     raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     if raw.size != n_out * nb * type_size:
@@ -250,4 +256,5 @@ def dequantize_reference(raw: np.ndarray, ggml_type, shape) -> np.ndarray:
     name = _type_name(ggml_type)
     n_out, n_in = _check_shape(name, shape)
     rows = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1)
+    from gguf.constants import GGMLQuantizationType
     return gguf_dequantize(rows, GGMLQuantizationType[name]).astype(np.float32).reshape(n_out, n_in)

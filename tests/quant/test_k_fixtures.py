@@ -68,3 +68,28 @@ def test_every_native_matrix_matches_the_float64_reference(preset):
     print(preset, "checked natively:", checked)
     # every matrix of the file (2 layers x 7, token_embd, output) is of a native type
     assert len(checked) == 16
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_engine_serves_the_file_as_shipped(preset):
+    """The engine end to end on the llama.cpp-made file, its K blocks kept packed (the layers
+    unrolled: the M presets quantize a weight differently in different layers), equal to the
+    same file dequantized: greedy tokens equal, the chosen tokens' logprobs within 1e-3
+    (float32 summation order, as tests/quant/test_packed_engine.py)."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.quant import PackedWeight
+    from conftest import SMALL_ENGINE
+    prompts = [{"prompt_token_ids": [1, 17, 40, 300, 7]}, {"prompt_token_ids": list(range(2, 60))}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    out = {}
+    for deq in (False, True):
+        llm = LLM(_path(preset), **SMALL_ENGINE, skip_tokenizer_init=True, dequantize=deq)
+        runner = llm.llm_engine.core.runner
+        types = {w.type_name for lp in runner.params["layers"] for w in lp.values() if isinstance(w, PackedWeight)}
+        assert types == (set() if deq else PRESETS[preset]), types
+        res = llm.generate(prompts, params, use_tqdm=False)
+        out[deq] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                              o.outputs[0].token_ids)]) for o in res]
+    for (t, lp), (rt, rlp) in zip(out[False], out[True]):
+        assert t == rt
+        assert max(abs(a - b) for a, b in zip(lp, rlp)) < 1e-3
