@@ -491,6 +491,8 @@ def gguf_file(model: str | None) -> str | None:
 def _load_model(model: str | None, dequantize: bool, quantization: str | None = None) -> LoadedModel:
     path = gguf_file(model)
     if path is None:
+        if dequantize:
+            raise ModelLoadError(f"--dequantize loads a GGUF file's blocks as float weights; {model} is an HF folder")
         return load_hf_folder(model, quantization)
     if model is None:
         from jaxllm.models.builtin import BUILTIN_MODEL_NAME

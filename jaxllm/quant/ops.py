@@ -12,7 +12,6 @@ alike.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 
@@ -23,8 +22,6 @@ from jaxllm.quant import int_weights
 from jaxllm.quant.gguf_blocks import PackedWeight, dequantize
 from jaxllm.quant.int_weights import QuantizedLinear
 from jaxllm.quant.matmul import matmul as dequantize_matmul
-
-log = logging.getLogger("jaxllm.quant")
 
 QUANTIZED_TYPES = (PackedWeight, QuantizedLinear)
 

@@ -59,3 +59,11 @@ def test_gguf_missing_tensor_is_named(tiny_llama, tmp_path):
     write_gguf(tiny_llama, path, drop="blk.2.ffn_up.weight")
     with pytest.raises(ModelLoadError, match=r"missing tensor 'blk\.2\.ffn_up\.weight'"):
         load_gguf(path)
+
+
+def test_dequantize_is_refused_for_an_hf_folder(tiny_llama):
+    """``--dequantize`` changes how a GGUF is held; on an HF folder it would mean nothing, so
+    it is refused by name rather than ignored."""
+    from jaxllm.models.loader import load_model
+    with pytest.raises(ModelLoadError, match="--dequantize"):
+        load_model(tiny_llama, dequantize=True)
