@@ -65,11 +65,17 @@ def _kind(w) -> tuple:
     return (PackedWeight, w.type_name, w.shape[1])
 
 
+def concatenable(parts: list) -> bool:
+    """Whether the quantized ``parts`` can be one weight's rows: one type, format and width
+    (a Q4_K_M file quantizes v more finely than q and k)."""
+    return all(is_quantized(p) and _kind(p) == _kind(parts[0]) for p in parts)
+
+
 def concat_rows(parts: list[PackedWeight]) -> PackedWeight | None:
     """The rows of ``parts`` as one weight (fused projections), or None when they cannot be
-    one (different types or widths: a Q4_K_M file quantizes v more finely than q and k)."""
+    one (:func:`concatenable`)."""
     first = parts[0]
-    if any(_kind(p) != _kind(first) for p in parts):
+    if not concatenable(parts):
         return None
     fields = [_fields(p) for p in parts]
     return _rebuild(first, {k: np.concatenate([np.asarray(f[k]) for f in fields]) for k in fields[0]},

@@ -38,7 +38,7 @@ def fused_parts(layer: dict, groups: tuple[Fused, ...]) -> dict[str, list[np.nda
 def _fusable(parts: list) -> bool:
     if not any(qops.is_quantized(p) for p in parts):
         return True
-    return all(qops.is_quantized(p) for p in parts) and qops.concat_rows(parts) is not None
+    return qops.concatenable(parts)
 
 
 def param_table(model: LoadedModel) -> ParamTable:
