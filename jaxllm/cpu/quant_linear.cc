@@ -548,7 +548,84 @@ ffi::Error LinearQ5_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// ---- 16-bit floats: F16 and BF16 GGUF matrices, bits [N, K] row-major ----
+//
+// Eight weights per load widened to float32 (F16C's vcvtph2ps; bf16: the bits shifted into
+// a float32's top half), multiplied with FMAs; K % 8 tail weights one at a time.
+
+template <bool BF16>
+inline __m256 load8_16(const uint16_t* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  if (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  return _mm256_cvtph_ps(h);
+}
+
+template <bool BF16>
+inline float scalar_16(uint16_t w) {
+  if (!BF16) return f16(w);
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, 4);
+  return f;
+}
+
+template <int MR, bool BF16>
+inline void row_tile_16(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N) {
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t K8 = K - K % 8;
+  for (int64_t k = 0; k < K8; k += 8) {
+    const __m256 wv = load8_16<BF16>(w + k);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + r * K + k), acc[r]);
+  }
+  for (int r = 0; r < MR; ++r) {
+    float tail = 0.0f;
+    for (int64_t k = K8; k < K; ++k) tail += scalar_16<BF16>(w[k]) * x[r * K + k];
+    y[r * N] = jaxllm_simd::hsum(acc[r]) + tail;
+  }
+}
+
+template <bool BF16>
+void linear_16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N) {
+  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
+    rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
+      if (const int64_t a = n + kPrefetchRows; a < n1) jaxllm_gguf::prefetch(w + a * K, K * 2);
+      const float* xt = x + r0 * K;
+      float* yt = y + r0 * N + n;
+      switch (rows) {
+        case 1: row_tile_16<1, BF16>(xt, K, w + n * K, yt, N); break;
+        case 2: row_tile_16<2, BF16>(xt, K, w + n * K, yt, N); break;
+        case 3: row_tile_16<3, BF16>(xt, K, w + n * K, yt, N); break;
+        default: row_tile_16<4, BF16>(xt, K, w + n * K, yt, N); break;
+      }
+    });
+  });
+}
+
+template <bool BF16>
+ffi::Error Linear16(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U16>& w,
+                    ffi::ResultBuffer<ffi::F32>& y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument(std::string(name) + ": expected x[M, K] and bits[N, K]");
+  linear_16<BF16>(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0], xd[1], wd[0]);
+  return ffi::Error::Success();
+}
+
+ffi::Error LinearF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  return Linear16<false>("jaxllm_linear_gguf_f16", pool, x, w, y);
+}
+
+ffi::Error LinearBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return Linear16<true>("jaxllm_linear_gguf_bf16", pool, x, w, y);
+}
+
 }  // namespace
+
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLinearQ8_0, LinearQ8_0,
                               ffi::Ffi::Bind()
@@ -623,4 +700,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLinearQ6_K, LinearQ6_K,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // qh
                                   .Arg<ffi::Buffer<ffi::S8>>()    // scales
                                   .Arg<ffi::Buffer<ffi::U16>>()   // d
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLinearGgufF16, LinearF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // bits
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLinearGgufBF16, LinearBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // bits
                                   .Ret<ffi::Buffer<ffi::F32>>());

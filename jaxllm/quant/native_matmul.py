@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxllm.cpu import native
 from jaxllm.quant.gguf_blocks import PackedWeight
 
-NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")   # quant_dot.cc
 
 
@@ -42,6 +42,8 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
     fields = {"Q8_0": (pw.d, pw.qs), "Q4_0": (pw.d, pw.qs), "Q4_1": (pw.d, pw.m, pw.qs),
               "Q5_0": (pw.d, pw.qh, pw.qs), "Q5_1": (pw.d, pw.m, pw.qh, pw.qs),
               "Q4_K": (pw.d, pw.dmin, pw.scales, pw.qs), "Q5_K": (pw.d, pw.dmin, pw.scales, pw.qh, pw.qs),
-              "Q6_K": (pw.ql, pw.qh, pw.scales, pw.d)}[pw.type_name]
-    target = f"jaxllm_{'dot' if int8_activations else 'linear'}_{pw.type_name.lower()}"
+              "Q6_K": (pw.ql, pw.qh, pw.scales, pw.d), "F16": (pw.bits,), "BF16": (pw.bits,)}[pw.type_name]
+    # (jaxllm_linear_bf16 is the dense panel-layout kernel of linear.cc: these are row-major bits)
+    name = f"gguf_{pw.type_name.lower()}" if pw.type_name in ("F16", "BF16") else pw.type_name.lower()
+    target = f"jaxllm_{'dot' if int8_activations else 'linear'}_{name}"
     return jax.ffi.ffi_call(target, out)(x, *fields)                               # [M, N]

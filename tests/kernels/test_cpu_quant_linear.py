@@ -130,8 +130,8 @@ def test_composes_with_other_ops_under_jit(kernel, type_name):
 
 
 def test_unsupported_type_and_shape_raise():
-    pw = pack(np.zeros((4, 512), np.uint8), "F16", (4, 256))   # 256 float16 a row
-    with pytest.raises(ValueError, match="no native CPU kernel for F16"):
+    pw = PackedWeight(bits=np.zeros((4, 256), np.uint16), shape=(4, 256))   # no type
+    with pytest.raises(ValueError, match="no native CPU kernel for untyped"):
         linear_packed(jnp.zeros((1, 256)), pw)
     pw = pack(_quantized("Q8_0", (4, 64), 0), "Q8_0", (4, 64))
     with pytest.raises(ValueError, match=r"not \[M, 64\]"):
@@ -160,3 +160,23 @@ def test_a_failed_build_leaves_the_other_kernels_on(monkeypatch, caplog):
     assert native.available() is had_native
     with pytest.raises(RuntimeError, match="unavailable"):
         linear_packed(jnp.zeros((1, 64)), pack(_quantized("Q8_0", (4, 64), 0), "Q8_0", (4, 64)))
+
+
+@pytest.mark.parametrize("type_name", ["F16", "BF16"])
+@pytest.mark.parametrize("shape", [(576, 576), (37, 100), (9, 8), (5, 3)])
+def test_16_bit_floats_match_float64_reference(kernel, type_name, shape):
+    """F16 / BF16 GGUF matrices, read from their bits row by row (8 a load, K % 8 tail
+    weights one at a time).  The weights are exact in float32, so the only error is the
+    float32 sum of K products: at most K * 2^-24 (+1 for the product) * sum |x w|."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    raw = quantize(w, GGMLQuantizationType[type_name])
+    pw = jax.device_put(pack(raw, type_name, shape))
+    wd = np.abs(matmul_reference(np.eye(shape[1]), raw, type_name, shape)).T   # |W| [N, K]
+    for M in ROWS:
+        x = rng.standard_normal((M, shape[1])).astype(np.float32)
+        y = np.asarray(_linear_jit(x, pw), np.float64)
+        ref = matmul_reference(x, raw, type_name, shape)
+        tol = (shape[1] + 1) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ wd.T) + 1e-30
+        err = np.abs(y - ref)
+        assert (err <= tol).all(), f"{type_name} {shape} M={M}: error {err.max():.3g}"
