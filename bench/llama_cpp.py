@@ -12,7 +12,8 @@ matmul (chosen for prompts when /proc/cpuinfo lists amx_int8) segfaults.
 
 Offline, output tokens/s at each batch size (``--output-len`` tokens per sequence, EOS
 ignored, after a ``--input-len`` prompt), the arms alternated repeat by repeat:
-- jaxllm: one ``LLM.generate`` call on the batch, prefill included, prefix caching off;
+- jaxllm: one ``LLM.generate`` call on the batch, prefill included, prefix caching off
+  (and at batch 1 its decode alone: the call less a one-token call, per decode step);
 - ``llama-batched-bench -npp IN -ntg OUT -npl B``: B * OUT / T (T: its total time, prefill
   included), the same measure; and ``llama-bench -n OUT`` (decode only, batch 1), the number
   llama.cpp quotes.
@@ -90,6 +91,7 @@ def llama_batched(args, batch: int) -> float:
 
 
 def offline(args, res: dict) -> None:
+    from bench.harness import split_phases
     from bench.throughput import Jaxllm
     rng = np.random.default_rng(args.seed)
     engine = Jaxllm(args, max(args.batch_sizes), "float32", "auto")
@@ -97,21 +99,33 @@ def offline(args, res: dict) -> None:
     for b in args.batch_sizes:
         prompts = rng.integers(100, 40000, size=(b, args.input_len)).tolist()
         engine.warm(prompts)
-        ours, theirs, bench1, amx = [], [], [], []
+        ours, theirs, bench1, amx, decode = [], [], [], [], []
+
+        def jaxllm_run():
+            full = engine.time(prompts)
+            if b == 1:   # decode alone, as llama-bench measures: the full call less a one-token call
+                _, step = split_phases(engine.time(prompts, 1), full, args.output_len)
+                decode.append(1.0 / step)
+            return b * args.output_len / full
+
         for r in range(args.repeats):
-            arms = [("jaxllm", lambda: b * args.output_len / engine.time(prompts)),
-                    ("llama.cpp", lambda: llama_batched(args, b))]
+            arms = [("jaxllm", jaxllm_run), ("llama.cpp", lambda: llama_batched(args, b))]
+            if b == 1:
+                arms.append(("llama-bench", lambda: bench1.append(llama_bench(args))))
             for name, run in (arms if r % 2 == 0 else arms[::-1]):
                 print(f"offline batch {b}, repeat {r + 1}: {name} ...", file=sys.stderr)
-                (ours if name == "jaxllm" else theirs).append(run())
+                if name == "llama-bench":
+                    run()
+                else:
+                    (ours if name == "jaxllm" else theirs).append(run())
             if b == 1:
-                bench1.append(llama_bench(args))
                 amx.append(llama_bench(args, repack=True))
         rows[str(b)] = {"jaxllm": statistics.median(ours), "llama-batched-bench": statistics.median(theirs),
                         "llama-bench": statistics.median(bench1) if bench1 else None,
+                        "jaxllm decode": statistics.median(decode) if decode else None,
                         "llama-bench repack": statistics.median(amx) if amx else None,
                         "samples": {"jaxllm": ours, "llama-batched-bench": theirs, "llama-bench": bench1,
-                                    "llama-bench repack": amx}}
+                                    "llama-bench repack": amx, "jaxllm decode": decode}}
     res["offline"] = rows
 
 
@@ -191,13 +205,15 @@ def render(res: dict) -> str:
         lines += [f"Offline, output tokens/s (input {a['input_len']}, output {a['output_len']}, median of "
                   f"{a['repeats']}, arms alternated):", "",
                   "| batch | jaxllm (packed Q4_1) | llama-batched-bench | jaxllm / llama.cpp "
-                  "| llama-bench, decode only | llama-bench, decode only, AMX repack |",
-                  "|---:|---:|---:|---:|---:|---:|"]
+                  "| jaxllm, decode only | llama-bench, decode only | jaxllm / llama.cpp, decode "
+                  "| llama-bench, decode only, AMX repack |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        fmt = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
         for b, row in res["offline"].items():
-            lb, amx = row["llama-bench"], row.get("llama-bench repack")
+            lb, dec = row["llama-bench"], row.get("jaxllm decode")
             lines.append(f"| {b} | {row['jaxllm']:.1f} | {row['llama-batched-bench']:.1f} | "
-                         f"{row['jaxllm'] / row['llama-batched-bench']:.2f}x | {'' if lb is None else f'{lb:.1f}'} "
-                         f"| {'' if amx is None else f'{amx:.1f}'} |")
+                         f"{row['jaxllm'] / row['llama-batched-bench']:.2f}x | {fmt(dec)} | {fmt(lb)} | "
+                         f"{f'{dec / lb:.2f}x' if dec and lb else ''} | {fmt(row.get('llama-bench repack'))} |")
         lines.append("")
     if "serving" in res:
         srv = res["serving"]

@@ -124,12 +124,12 @@ def load(model: str | None = None, dtype: str = "float32"):
     and returns float32 logits ``[B, L, V]``.  ``dtype``: "float32" or "bfloat16" (on CPU bf16
     matrices are kept as their uint16 bit patterns and activations stay float32, as in the
     engine).  A quantized GGUF is dequantized (the plain arrays this module computes with)."""
-    from jaxllm.models.loader import load_model
+    from jaxllm.models.loader import gguf_file, load_model
     from jaxllm.runner.weights import to_device_params
 
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
-    loaded = load_model(model, dequantize=True)
+    loaded = load_model(model, dequantize=gguf_file(model) is not None)
     packed = dtype == "bfloat16" and jax.default_backend() == "cpu"
     params = to_device_params(loaded, jnp.dtype(dtype), scan_layers=False, packed_bf16=packed)
     forward = make_forward(loaded.arch)
