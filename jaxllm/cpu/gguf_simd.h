@@ -1,13 +1,21 @@
-// AVX2 readers of GGUF's 32-weight block fields (jaxllm/quant/gguf_blocks.py has the
-// layouts), shared by the packed-block matmuls (quant_linear.cc, quant_dot.cc).
+// What the packed-block matmuls (quant_linear.cc, quant_dot.cc) share: AVX2 readers of
+// GGUF's 32-weight block fields (jaxllm/quant/gguf_blocks.py has the layouts), the walk over
+// tiles of x and weight rows, and the split of the weight rows over XLA's thread pool.
 // Header-only; native.py hashes it with each source it builds.
 #pragma once
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
 namespace jaxllm_gguf {
+
+constexpr int kMaxRows = 4;            // rows of x per tile: 4 weight vectors + 4 accumulators + partials
+constexpr int64_t kPrefetchRows = 8;   // weight rows ahead whose fields are requested (see prefetch)
 
 inline float f16(uint16_t bits) { return _cvtsh_ss(bits); }
 
@@ -40,6 +48,42 @@ inline void fifth_bits(const uint8_t* qh, __m128i* lo, __m128i* hi) {
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+}
+
+// Calls tile(rows, r0, n) for every tile of x (rows r0 .. r0 + rows - 1, at most kMaxRows)
+// and every weight row n in [n0, n1).  The tile of x (at most kMaxRows * K floats) is the
+// outer loop: it is read 4 times per block per weight row, so it stays in L1 while the
+// weight rows (about a quarter of its bytes per block) stream through.
+template <typename Tile>
+inline void rows_range(int64_t M, int64_t n0, int64_t n1, const Tile& tile) {
+  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
+  int64_t r0 = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    // tiles as even as possible (7 rows: 4 + 3, not 4 + 3 ... or a 1-row tail)
+    const int rows = static_cast<int>(M / tiles + (t < M % tiles));
+    for (int64_t n = n0; n < n1; ++n) tile(rows, r0, n);
+    r0 += rows;
+  }
+}
+
+// Splits the N weight rows over the pool in contiguous ranges and runs range(n0, n1) on each.
+template <typename Range>
+void split_rows(xla::ffi::ThreadPool& pool, int64_t M, int64_t N, const Range& range) {
+  // Parts per thread and tasks = threads - 1 (the caller works too): the choices linear.cc
+  // measured for the same pool; a part is at least 8 weight rows.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_thread = M > 8 ? 8 : 4;
+  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(per_thread * threads, N / 8)));
+  if (parts == 1) {
+    range(0, N);
+    return;
+  }
+  const int64_t chunk = (N + parts - 1) / parts;
+  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads - 1, parts - 1));
+  jaxllm_parallel::for_each_item(pool, parts, tasks, [&range, chunk, N](int64_t i) {
+    const int64_t a = std::min<int64_t>(N, i * chunk), b = std::min<int64_t>(N, a + chunk);
+    if (a < b) range(a, b);
+  });
 }
 
 }  // namespace jaxllm_gguf

@@ -12,7 +12,7 @@
 // is exact.  Four times the lanes of quant_linear.cc's float32 FMAs per instruction; the
 // cost is the activations' rounding, at most dx / 2 per value (measured and bounded in
 // tests/kernels/test_cpu_quant_dot.py).  Weight rows are split over XLA's intra-op thread
-// pool as in quant_linear.cc.  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
+// pool as in quant_linear.cc (gguf_simd.h's split_rows).  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -28,12 +28,13 @@
 
 namespace ffi = xla::ffi;
 using jaxllm_gguf::f16;
+using jaxllm_gguf::kPrefetchRows;
+using jaxllm_gguf::rows_range;
+using jaxllm_gguf::split_rows;
 
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int kMaxRows = 4;   // rows of x per tile: one widened weight block serves them all
-constexpr int64_t kPrefetchRows = 8;   // weight rows ahead whose fields are requested (quant_linear.cc)
 
 // x [M, K] -> qx [M, K] int8 and, per block, dx [M, nb] (the scale) and sx [M, nb] (sum of x).
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
@@ -169,30 +170,6 @@ inline void tile(int rows, const Activations& a, int64_t r0, int64_t K, const ui
   }
 }
 
-// Weight rows [n0, n1) for every row of x, a tile of x rows at a time (the tile stays in L1
-// while the weight rows stream through).
-template <typename T>
-void rows_range(const Activations& a, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
-                const uint8_t* qh, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  const int64_t nb = K / kBlock;
-  const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
-  int64_t r0 = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int rows = static_cast<int>(M / tiles + (t < M % tiles));   // tiles as even as possible
-    for (int64_t n = n0; n < n1; ++n) {
-      if (const int64_t ahead = n + kPrefetchRows; ahead < n1) {
-        jaxllm_gguf::prefetch(qs + ahead * nb * T::kQsBytes, nb * T::kQsBytes);
-        jaxllm_gguf::prefetch(d + ahead * nb, nb * 2);
-        if (m) jaxllm_gguf::prefetch(m + ahead * nb, nb * 2);
-        if (T::kQhBytes) jaxllm_gguf::prefetch(qh + ahead * nb * T::kQhBytes, nb * T::kQhBytes);
-      }
-      tile<T>(rows, a, r0, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
-              qh + n * nb * T::kQhBytes, y + r0 * N + n, N);
-    }
-    r0 += rows;
-  }
-}
-
 template <typename T>
 void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
             const uint8_t* qh, float* y, int64_t M, int64_t K, int64_t N) {
@@ -201,19 +178,17 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_rows(x, M, K, qx.data(), dx.data(), sx.data());
   const Activations a{qx.data(), dx.data(), sx.data()};
-  // The split quant_linear.cc uses: parts per thread, the caller working too, >= 8 rows a part.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_thread = M > 8 ? 8 : 4;
-  const int parts = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(per_thread * threads, N / 8)));
-  if (parts == 1) {
-    rows_range<T>(a, d, m, qs, qh, y, M, K, N, 0, N);
-    return;
-  }
-  const int64_t chunk = (N + parts - 1) / parts;
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(threads - 1, parts - 1));
-  jaxllm_parallel::for_each_item(pool, parts, tasks, [&a, d, m, qs, qh, y, M, K, N, chunk](int64_t i) {
-    const int64_t lo = std::min<int64_t>(N, i * chunk), hi = std::min<int64_t>(N, lo + chunk);
-    if (lo < hi) rows_range<T>(a, d, m, qs, qh, y, M, K, N, lo, hi);
+  split_rows(pool, M, N, [&a, d, m, qs, qh, y, M, K, N, nb](int64_t n0, int64_t n1) {
+    rows_range(M, n0, n1, [&a, d, m, qs, qh, y, K, N, nb, n1](int rows, int64_t r0, int64_t n) {
+      if (const int64_t ahead = n + kPrefetchRows; ahead < n1) {
+        jaxllm_gguf::prefetch(qs + ahead * nb * T::kQsBytes, nb * T::kQsBytes);
+        jaxllm_gguf::prefetch(d + ahead * nb, nb * 2);
+        if (m) jaxllm_gguf::prefetch(m + ahead * nb, nb * 2);
+        if (T::kQhBytes) jaxllm_gguf::prefetch(qh + ahead * nb * T::kQhBytes, nb * T::kQhBytes);
+      }
+      tile<T>(rows, a, r0, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
+              qh + n * nb * T::kQhBytes, y + r0 * N + n, N);
+    });
   });
 }
 
