@@ -16,6 +16,45 @@ from typing import Any
 SAMPLING_EPS = 1e-5
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of the constraint fields is set: ``json`` (a JSON schema, as a dict or its
+    JSON text), ``regex``, ``choice`` (the output is one of these strings), ``grammar`` (Lark
+    or EBNF text), ``json_object`` (any JSON object) or ``structural_tag`` (vLLM's
+    structural-tag JSON).  Whether the constraint compiles is checked at admission.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self):
+        set_ = [k for k in self._KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar, json_object, "
+                             f"structural_tag must be set, got {set_ or 'none'}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """The name of the one constraint field that is set."""
+        return next(k for k in self._KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -47,6 +86,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    """A grammar the output must follow (JSON schema, regex, choice, grammar)."""
     extra_args: dict[str, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -142,6 +183,10 @@ class SamplingParams:
             for w in self.bad_words:
                 if not isinstance(w, str):
                     raise ValueError(f"bad_words must be a list of strings, got {w!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         if self.n > 1 and self.temperature < SAMPLING_EPS:
             raise ValueError("n must be 1 when using greedy sampling (temperature 0), got n="
                              f"{self.n}.")

@@ -102,6 +102,9 @@ class InputProcessor:
         parameter-only checks are SamplingParams' own.  Raises InvalidRequestError naming the
         parameter.  Returns the resolved copy of ``params`` (see :meth:`resolve`)."""
         V = self.vocab_size
+        if params.structured_outputs is not None:
+            raise InvalidRequestError("structured outputs are not supported by this engine yet",
+                                      "structured_outputs")
         for t in params.stop_token_ids:
             if t >= V:
                 raise InvalidRequestError(f"stop_token_ids contains {t}, outside the vocabulary (size {V})",
