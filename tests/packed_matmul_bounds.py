@@ -70,7 +70,7 @@ def bound_32(x: np.ndarray, pw) -> np.ndarray:
     signed quant (Q4_0: q - 8, Q5_0: q - 16, subtracted in the integer bytes, so exact).
     Every term d q_j x_j and m x_j passes through at most nb + 12 <= K roundings (one
     product or FMA per vector of the block, the block scale's FMA, the accumulation over nb
-    blocks, the 8-lane sum and the final add), so by Higham (Thm 3.1) the error against the
+    blocks, the 8- or 16-lane sum and the final add), so by Higham (Thm 3.1) the error against the
     exact sum is at most gamma_K sum_j (|d q_j| + |m|) |x_j|, gamma_n = n u / (1 - n u),
     u = 2^-24.  The reference's weight is d q (exact in float32: 11-bit d times a <= 8-bit
     q) for Q8_0, Q4_0 and Q5_0, and fl(d q + m) for Q4_1 and Q5_1, off the exact d q + m by

@@ -149,6 +149,16 @@ def quant_available() -> bool:
                  "native packed-block matmul unavailable; using the XLA dequantize path")
 
 
+def set_quant_avx512(on: bool) -> bool:
+    """Selects quant_linear.cc's AVX-512 tiles (the default where the CPU has AVX512F/BW) or
+    its 8-lane AVX2 ones, for every later call; returns whether AVX-512 is now in use.  For
+    tests and benchmarks, which run both paths on one machine."""
+    if not quant_available():
+        raise RuntimeError("the native packed-block matmul is unavailable")
+    lib = _quant_state["libs"][list(_QUANT_KERNELS).index("quant_linear.cc")]
+    return bool(lib.jaxllm_quant_linear_set_avx512(int(on)))
+
+
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, K] (any float dtype) . w[N, K]^T -> [M, N] float32, with ``w`` in the panel
     layout (cpu/layout.py): float32, bfloat16, or bfloat16 bits as uint16 (how bf16 weights

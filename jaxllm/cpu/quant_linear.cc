@@ -12,7 +12,8 @@
 //   Q4_1, Q5_1:       y += d * sum(q * x) + m * sum(x)
 // sum(x) per block is computed once per row of x, before the rows of w are split.
 // A block, once widened, is reused for up to kMaxRows rows of x; the weight rows are split
-// over XLA's intra-op thread pool in contiguous ranges, as in linear.cc.
+// over XLA's intra-op thread pool in contiguous ranges, as in linear.cc.  The 32-weight
+// types have a 16-lane AVX-512 variant of their tiles, used where the CPU has it.
 // Called from jaxllm/cpu/native.py via XLA's FFI.
 #include <immintrin.h>
 
@@ -55,6 +56,11 @@ inline void widen16(__m128i v, __m256 q[2]) {
 struct Q8_0 {
   static constexpr int64_t kQsBytes = 32;
   static constexpr int64_t kQhBytes = 0;
+  static constexpr bool kSigned = true;
+  static inline void bytes(const uint8_t* qs, const uint8_t*, __m128i* lo, __m128i* hi) {
+    *lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    *hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
+  }
   static inline void widen(const uint8_t* qs, const uint8_t*, __m256 q[4]) {
     for (int i = 0; i < 4; ++i) {
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * i));
@@ -67,6 +73,12 @@ struct Q8_0 {
 struct Q4_0 {
   static constexpr int64_t kQsBytes = 16;
   static constexpr int64_t kQhBytes = 0;
+  static constexpr bool kSigned = true;
+  static inline void bytes(const uint8_t* qs, const uint8_t*, __m128i* lo, __m128i* hi) {
+    nibbles(qs, lo, hi);
+    *lo = _mm_sub_epi8(*lo, _mm_set1_epi8(8));
+    *hi = _mm_sub_epi8(*hi, _mm_set1_epi8(8));
+  }
   static inline void widen(const uint8_t* qs, const uint8_t*, __m256 q[4]) {
     __m128i lo, hi;
     nibbles(qs, &lo, &hi);
@@ -80,6 +92,14 @@ struct Q4_0 {
 struct Q5_0 {
   static constexpr int64_t kQsBytes = 16;
   static constexpr int64_t kQhBytes = 4;
+  static constexpr bool kSigned = true;
+  static inline void bytes(const uint8_t* qs, const uint8_t* qh, __m128i* lo, __m128i* hi) {
+    __m128i hlo, hhi;
+    nibbles(qs, lo, hi);
+    fifth_bits(qh, &hlo, &hhi);
+    *lo = _mm_sub_epi8(_mm_or_si128(*lo, hlo), _mm_set1_epi8(16));
+    *hi = _mm_sub_epi8(_mm_or_si128(*hi, hhi), _mm_set1_epi8(16));
+  }
   static inline void widen(const uint8_t* qs, const uint8_t* qh, __m256 q[4]) {
     __m128i lo, hi, hlo, hhi;
     nibbles(qs, &lo, &hi);
@@ -94,6 +114,14 @@ struct Q5_0 {
 struct Q5_1 {
   static constexpr int64_t kQsBytes = 16;
   static constexpr int64_t kQhBytes = 4;
+  static constexpr bool kSigned = false;
+  static inline void bytes(const uint8_t* qs, const uint8_t* qh, __m128i* lo, __m128i* hi) {
+    __m128i hlo, hhi;
+    nibbles(qs, lo, hi);
+    fifth_bits(qh, &hlo, &hhi);
+    *lo = _mm_or_si128(*lo, hlo);
+    *hi = _mm_or_si128(*hi, hhi);
+  }
   static inline void widen(const uint8_t* qs, const uint8_t* qh, __m256 q[4]) {
     __m128i lo, hi, hlo, hhi;
     nibbles(qs, &lo, &hi);
@@ -106,6 +134,8 @@ struct Q5_1 {
 struct Q4_1 {
   static constexpr int64_t kQsBytes = 16;
   static constexpr int64_t kQhBytes = 0;
+  static constexpr bool kSigned = false;
+  static inline void bytes(const uint8_t* qs, const uint8_t*, __m128i* lo, __m128i* hi) { nibbles(qs, lo, hi); }
   // byte j: weight j in the low nibble, weight j + 16 in the high nibble
   static inline void widen(const uint8_t* qs, const uint8_t*, __m256 q[4]) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -164,6 +194,68 @@ inline void tile(int rows, const float* x, int64_t K, const uint16_t* d, const u
   }
 }
 
+// ---- AVX-512: the same tiles 16 lanes wide, chosen at run time ----
+//
+// A block's weights 0..15 and 16..31 (T::bytes) widen to two 16-lane vectors: half the
+// converts and FMAs of the 8-lane path, which at batch 1 is bound by them rather than by
+// the weight bytes.  Used when the CPU has AVX512F/BW (use_avx512(), overridable by
+// jaxllm_quant_linear_set_avx512 so that the tests run both paths on one machine).
+#define JAXLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+
+bool detect_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+const bool kHasAvx512 = detect_avx512();
+bool g_avx512 = kHasAvx512;
+
+template <bool Signed>
+JAXLLM_AVX512 inline __m512 widen16_512(__m128i v) {
+  return _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+template <int MR, typename T>
+JAXLLM_AVX512 void row_tile_512(const float* x, int64_t K, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
+                                const uint8_t* qh, const float* sx, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  __m512 acc[MR];
+  float macc[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m128i lo, hi;
+    T::bytes(qs + b * T::kQsBytes, qh + b * T::kQhBytes, &lo, &hi);
+    const __m512 q0 = widen16_512<T::kSigned>(lo), q1 = widen16_512<T::kSigned>(hi);
+    const __m512 db = _mm512_set1_ps(f16(d[b]));
+    const float* xb = x + b * kBlock;
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const float* xr = xb + r * K;
+      const __m512 s = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xr)));
+      acc[r] = _mm512_fmadd_ps(db, s, acc[r]);
+    }
+    if (m != nullptr) {
+      const float mb = f16(m[b]);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) macc[r] += mb * sx[r * nb + b];
+    }
+  }
+  for (int r = 0; r < MR; ++r) y[r * N] = _mm512_reduce_add_ps(acc[r]) + macc[r];
+}
+
+template <typename T>
+JAXLLM_AVX512 void tile_512(int rows, const float* x, int64_t K, const uint16_t* d, const uint16_t* m,
+                            const uint8_t* qs, const uint8_t* qh, const float* sx, float* y, int64_t N) {
+  switch (rows) {
+    case 1: row_tile_512<1, T>(x, K, d, m, qs, qh, sx, y, N); break;
+    case 2: row_tile_512<2, T>(x, K, d, m, qs, qh, sx, y, N); break;
+    case 3: row_tile_512<3, T>(x, K, d, m, qs, qh, sx, y, N); break;
+    default: row_tile_512<4, T>(x, K, d, m, qs, qh, sx, y, N); break;
+  }
+}
+
 // Per-32-weight sums of x: [M, K / 32], for the types with a min (row r's at r * K / 32).
 std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock;
@@ -185,6 +277,7 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   std::vector<float> sums;
   if (m != nullptr) sums = block_sums(x, M, K);
   const float* sx = m != nullptr ? sums.data() : nullptr;
+  const auto tile_fn = g_avx512 ? tile_512<T> : tile<T>;
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
     rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
       if (const int64_t a = n + kPrefetchRows; a < n1) {
@@ -193,7 +286,7 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
         if (m) jaxllm_gguf::prefetch(m + a * nb, nb * 2);
         if (T::kQhBytes) jaxllm_gguf::prefetch(qh + a * nb * T::kQhBytes, nb * T::kQhBytes);
       }
-      tile<T>(rows, x + r0 * K, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
+      tile_fn(rows, x + r0 * K, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
               qh + n * nb * T::kQhBytes, sx ? sx + r0 * nb : nullptr, y + r0 * N + n, N);
     });
   });
@@ -591,6 +684,12 @@ ffi::Error LinearBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 }  // namespace
 
+// Whether the AVX-512 tiles are used (the tests run both paths): on = 0 forces the 8-lane
+// path, on = 1 the AVX-512 one where the CPU has it.  Returns whether AVX-512 is now used.
+extern "C" int jaxllm_quant_linear_set_avx512(int on) {
+  g_avx512 = on && kHasAvx512;
+  return g_avx512;
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLinearQ8_0, LinearQ8_0,
                               ffi::Ffi::Bind()

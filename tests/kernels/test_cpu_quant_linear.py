@@ -45,6 +45,17 @@ def kernel():
                     "lacks AVX2/FMA/F16C, or no C++ compiler (reason in the jaxllm.cpu log)")
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request, kernel):
+    """The 32-weight types' two tile paths, chosen at run time (AVX-512 where the CPU has it,
+    the 8-lane AVX2 tiles otherwise): each test runs on both."""
+    got = native.set_quant_avx512(request.param == "avx512")
+    if request.param == "avx512" and not got:
+        pytest.skip("the CPU lacks AVX512F/BW: only the AVX2 tiles can run here")
+    yield request.param
+    native.set_quant_avx512(True)
+
+
 def _quantized(type_name: str, shape, seed: int) -> np.ndarray:
     w = np.random.default_rng(seed).standard_normal(shape, dtype=np.float32) * 0.05
     return quantize(w, GGMLQuantizationType[type_name])  # [N, K/32 * type_size] u8
@@ -72,7 +83,7 @@ def _random_k_blocks(type_name: str, shape, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("type_name", TYPES_32)
-def test_matches_float64_reference(kernel, type_name, shape, M):
+def test_matches_float64_reference(isa, type_name, shape, M):
     seed = SHAPES.index(shape) * 10 + ROWS.index(M)
     raw = _quantized(type_name, shape, seed)
     pw = pack(raw, type_name, shape)
@@ -108,7 +119,7 @@ def _weight(type_name: str, shape, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("type_name", NATIVE_TYPES)
-def test_composes_with_other_ops_under_jit(kernel, type_name):
+def test_composes_with_other_ops_under_jit(isa, type_name):
     """Two kernel calls and elementwise ops in one jitted function: the FFI results feed
     further ops and each other like any XLA value."""
     shape1, shape2 = ((192, 576), (576, 192)) if block_size(type_name) == 32 else ((256, 512), (512, 256))
