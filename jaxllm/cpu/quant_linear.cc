@@ -13,7 +13,8 @@
 // sum(x) per block is computed once per row of x, before the rows of w are split.
 // A block, once widened, is reused for up to kMaxRows rows of x; the weight rows are split
 // over XLA's intra-op thread pool in contiguous ranges, as in linear.cc.  The 32-weight
-// types have a 16-lane AVX-512 variant of their tiles, used where the CPU has it.
+// types and the K-quants have a 16-lane AVX-512 variant of their tiles, used where the CPU
+// has it.
 // Called from jaxllm/cpu/native.py via XLA's FFI.
 #include <immintrin.h>
 
@@ -343,7 +344,8 @@ struct Q45_K {
 
   // Row i: the low (even i) or high (odd i) nibbles of the 32-byte group i / 2 of qs, with
   // bit i of qh[j] as weight j's fifth bit (Q5_K).
-  static inline void widen(const uint8_t* qs, const uint8_t* qh, int i, __m256 q[4]) {
+  static constexpr bool kSigned = false;
+  static inline __m256i bytes(const uint8_t* qs, const uint8_t* qh, int i) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     const __m128i shift = _mm_cvtsi32_si128(4 * (i & 1));
     __m256i v = _mm256_and_si256(_mm256_srl_epi16(load32(qs + 32 * (i >> 1)), shift), mask);
@@ -352,7 +354,10 @@ struct Q45_K {
       const __m256i h = _mm256_cmpeq_epi8(_mm256_and_si256(load32(qh), bit), bit);
       v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
     }
-    widen32<false>(v, q);
+    return v;
+  }
+  static inline void widen(const uint8_t* qs, const uint8_t* qh, int i, __m256 q[4]) {
+    widen32<false>(bytes(qs, qh, i), q);
   }
 };
 
@@ -373,14 +378,18 @@ struct Q6_K {
 
   // Row i = 4h + s of half h: q's low 4 bits are the low (s < 2) or high nibbles of
   // ql[64h + 32(s % 2) + j], its high 2 bits bits 2s, 2s + 1 of qh[32h + j].
-  static inline void widen(const uint8_t* ql, const uint8_t* qh, int i, __m256 q[4]) {
+  static constexpr bool kSigned = true;
+  static inline __m256i bytes(const uint8_t* ql, const uint8_t* qh, int i) {
     const int h = i >> 2, s = i & 3;
     const __m256i lo = _mm256_and_si256(
         _mm256_srl_epi16(load32(ql + 64 * h + 32 * (s & 1)), _mm_cvtsi32_si128(4 * (s >> 1))),
         _mm256_set1_epi8(0x0F));
     const __m256i hi = _mm256_slli_epi16(
         _mm256_and_si256(_mm256_srl_epi16(load32(qh + 32 * h), _mm_cvtsi32_si128(2 * s)), _mm256_set1_epi8(3)), 4);
-    widen32<true>(_mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)), q);
+    return _mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32));
+  }
+  static inline void widen(const uint8_t* ql, const uint8_t* qh, int i, __m256 q[4]) {
+    widen32<true>(bytes(ql, qh, i), q);
   }
 };
 
@@ -442,6 +451,75 @@ inline void row_tile_k(const float* x, int64_t K, const KRow& w, const float* sx
   for (int r = 0; r < MR; ++r) y[r * N] = jaxllm_simd::hsum(acc[r]);
 }
 
+// The AVX-512 variant: a row's 32 weights as two 16-lane vectors (Q6_K: one per sub-block
+// scale); the Q4_K / Q5_K min terms stay in an 8-lane accumulator of their own.
+template <int MR, typename T>
+JAXLLM_AVX512 void row_tile_k_512(const float* x, int64_t K, const KRow& w, const float* sx, float* y, int64_t N) {
+  const int64_t nb = K / kSuper, nb32 = K / kBlock;
+  __m512 acc[MR];
+  __m256 accm[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    accm[r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    alignas(32) float ds[16], dm[8];
+    T::scales(w.scales + b * T::kScBytes, f16(w.d[b]), T::kHasMin ? f16(w.dmin[b]) : 0.0f, ds, dm);
+    const uint8_t* qs = w.qs + b * T::kQsBytes;
+    const uint8_t* qh = w.qh + b * T::kQhBytes;
+    for (int i = 0; i < 8; ++i) {
+      const __m256i v = T::bytes(qs, qh, i);
+      const __m512 q0 = widen16_512<T::kSigned>(_mm256_castsi256_si128(v));
+      const __m512 q1 = widen16_512<T::kSigned>(_mm256_extracti128_si256(v, 1));
+      const float* xb = x + b * kSuper + i * kBlock;
+      if constexpr (T::kSplitScale) {
+        const __m512 s0 = _mm512_set1_ps(ds[2 * i]), s1 = _mm512_set1_ps(ds[2 * i + 1]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = xb + r * K;
+          acc[r] = _mm512_fmadd_ps(s0, _mm512_mul_ps(q0, _mm512_loadu_ps(xr)), acc[r]);
+          acc[r] = _mm512_fmadd_ps(s1, _mm512_mul_ps(q1, _mm512_loadu_ps(xr + 16)), acc[r]);
+        }
+      } else {
+        const __m512 s0 = _mm512_set1_ps(ds[i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = xb + r * K;
+          const __m512 a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xr)));
+          acc[r] = _mm512_fmadd_ps(s0, a, acc[r]);
+        }
+      }
+    }
+    if constexpr (T::kHasMin) {
+      const __m256 dmv = _mm256_load_ps(dm);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) accm[r] = _mm256_fnmadd_ps(dmv, _mm256_loadu_ps(sx + r * nb32 + b * 8), accm[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) y[r * N] = _mm512_reduce_add_ps(acc[r]) + jaxllm_simd::hsum(accm[r]);
+}
+
+template <typename T>
+JAXLLM_AVX512 void tile_k_512(int rows, const float* x, int64_t K, const KRow& w, const float* sx, float* y,
+                              int64_t N) {
+  switch (rows) {
+    case 1: row_tile_k_512<1, T>(x, K, w, sx, y, N); break;
+    case 2: row_tile_k_512<2, T>(x, K, w, sx, y, N); break;
+    case 3: row_tile_k_512<3, T>(x, K, w, sx, y, N); break;
+    default: row_tile_k_512<4, T>(x, K, w, sx, y, N); break;
+  }
+}
+
+template <typename T>
+void tile_k(int rows, const float* x, int64_t K, const KRow& w, const float* sx, float* y, int64_t N) {
+  switch (rows) {
+    case 1: row_tile_k<1, T>(x, K, w, sx, y, N); break;
+    case 2: row_tile_k<2, T>(x, K, w, sx, y, N); break;
+    case 3: row_tile_k<3, T>(x, K, w, sx, y, N); break;
+    default: row_tile_k<4, T>(x, K, w, sx, y, N); break;
+  }
+}
+
 template <typename T>
 void linear_k(ffi::ThreadPool& pool, const float* x, const KRow& w0, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t nb = K / kSuper;
@@ -449,6 +527,7 @@ void linear_k(ffi::ThreadPool& pool, const float* x, const KRow& w0, float* y, i
   if (T::kHasMin) sums = block_sums(x, M, K);
   const float* sx = sums.data();
   const int64_t nb32 = K / kBlock;
+  const auto tile_fn = g_avx512 ? tile_k_512<T> : tile_k<T>;
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
     rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
       if (const int64_t a = n + kPrefetchRows; a < n1) {
@@ -460,15 +539,7 @@ void linear_k(ffi::ThreadPool& pool, const float* x, const KRow& w0, float* y, i
       }
       const KRow w{w0.d + n * nb, w0.dmin ? w0.dmin + n * nb : nullptr, w0.scales + n * nb * T::kScBytes,
                    w0.qs + n * nb * T::kQsBytes, w0.qh ? w0.qh + n * nb * T::kQhBytes : nullptr};
-      const float* xt = x + r0 * K;
-      const float* st = T::kHasMin ? sx + r0 * nb32 : nullptr;
-      float* yt = y + r0 * N + n;
-      switch (rows) {
-        case 1: row_tile_k<1, T>(xt, K, w, st, yt, N); break;
-        case 2: row_tile_k<2, T>(xt, K, w, st, yt, N); break;
-        case 3: row_tile_k<3, T>(xt, K, w, st, yt, N); break;
-        default: row_tile_k<4, T>(xt, K, w, st, yt, N); break;
-      }
+      tile_fn(rows, x + r0 * K, K, w, T::kHasMin ? sx + r0 * nb32 : nullptr, y + r0 * N + n, N);
     });
   });
 }

@@ -47,8 +47,8 @@ def kernel():
 
 @pytest.fixture(params=["avx512", "avx2"])
 def isa(request, kernel):
-    """The 32-weight types' two tile paths, chosen at run time (AVX-512 where the CPU has it,
-    the 8-lane AVX2 tiles otherwise): each test runs on both."""
+    """The two tile paths of the 32-weight types and the K-quants, chosen at run time
+    (AVX-512 where the CPU has it, the 8-lane AVX2 tiles otherwise): each test runs on both."""
     got = native.set_quant_avx512(request.param == "avx512")
     if request.param == "avx512" and not got:
         pytest.skip("the CPU lacks AVX512F/BW: only the AVX2 tiles can run here")
@@ -99,7 +99,7 @@ def test_matches_float64_reference(isa, type_name, shape, M):
 @pytest.mark.parametrize("M", ROWS_K)
 @pytest.mark.parametrize("shape", SHAPES_K, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("type_name", TYPES_K)
-def test_k_quants_match_float64_reference(kernel, type_name, shape, M):
+def test_k_quants_match_float64_reference(isa, type_name, shape, M):
     seed = 100 + SHAPES_K.index(shape) * 10 + ROWS_K.index(M)
     raw = _random_k_blocks(type_name, shape, seed)
     pw = pack(raw, type_name, shape)
