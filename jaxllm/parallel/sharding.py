@@ -72,18 +72,32 @@ def spec(axes: tuple[str, ...], rules: dict[str, str | None]) -> P:
     return P(*(rules.get(a) for a in axes))
 
 
-def param_specs(params: dict, rules: dict[str, str | None], axes: Mapping[str, tuple[str, ...]]) -> dict:
+def param_specs(params: dict, rules: dict[str, str | None], axes: Mapping[str, tuple[str, ...]],
+                tp: int = 1) -> dict:
     """A PartitionSpec for every leaf of a params tree (globals, and layers stacked or listed);
     ``axes``: parameter name -> logical axes of one layer's array (the model's parameter table,
-    ``models/params.py``)."""
+    ``models/params.py``); ``tp``: the size of the ``tp`` mesh axis."""
+    replicated: list[str] = []
+
+    def field_spec(name: str, names: tuple[str, ...], a) -> P:
+        # A field is [(L,) out, in or its blocks, bytes of a block...]: split like the matrix
+        # on its first two axes, a block's bytes never.  A block cannot be split, so an axis
+        # of fewer blocks than shards (or not a multiple of them) stays whole.
+        parts = []
+        for i, ax in enumerate(names + (None,) * (a.ndim - len(names))):
+            mesh_ax = rules.get(ax) if ax is not None else None
+            if mesh_ax is not None and a.shape[i] % tp:
+                replicated.append(f"{name} ({ax}: {a.shape[i]} blocks or rows)")
+                mesh_ax = None
+            parts.append(mesh_ax)
+        return P(*parts)
+
     def one(name: str, v, stacked: bool):
         if name not in axes:
             raise KeyError(f"no logical axes for parameter {name!r} (add it to the model's parameter table)")
         names = ((LAYERS,) if stacked else ()) + axes[name]
         if qops.is_quantized(v):
-            # Every field is [(L,) out, in or its blocks, bytes of a block...]: split like the
-            # matrix on its first two axes, a block's bytes never.
-            return qops.map_fields(v, lambda a: spec(names + (None,) * (a.ndim - len(names)), rules))
+            return qops.map_fields(v, lambda a: field_spec(name, names, a))
         if len(names) != v.ndim:
             raise ValueError(f"parameter {name!r}: {v.ndim} dims, logical axes {names}")
         return spec(names, rules)
@@ -94,6 +108,9 @@ def param_specs(params: dict, rules: dict[str, str | None], axes: Mapping[str, t
         out["layers"] = {k: one(k, v, True) for k, v in layers.items()}
     else:
         out["layers"] = [{k: one(k, v, False) for k, v in lp.items()} for lp in layers]
+    if replicated:
+        log.info("quantized weights whose blocks do not split %d ways stay whole on every device: %s", tp,
+                 ", ".join(sorted(set(replicated))))
     return out
 
 

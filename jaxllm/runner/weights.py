@@ -93,7 +93,8 @@ def to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: 
     host = host_params(model, dtype, scan_layers, packed_bf16, native)
     if mesh is None:
         return jax.tree.map(jax.device_put, host)
-    shardings = psh.named(mesh, psh.param_specs(host, rules or {}, param_table(model).axes()))
+    specs = psh.param_specs(host, rules or {}, param_table(model).axes(), mesh.shape.get(pmesh.TP, 1))
+    shardings = psh.named(mesh, specs)
     return jax.tree.map(pmesh.place, host, shardings)
 
 

@@ -1,0 +1,42 @@
+"""Run by test_packed_tp.py in a subprocess with 2 simulated CPU devices: the engine on
+packed GGUF files at tp=1 and tp=2; writes tokens, logprobs and shard shapes as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from conftest import SMALL_ENGINE  # noqa: E402
+
+from jaxllm import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = [[1, 400, 401, 402], [1] + list(range(1000, 1040))]
+PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+
+
+def main():
+    out_path, paths = sys.argv[1], sys.argv[2:]
+    res = {}
+    for path in paths:
+        for tp in (1, 2):
+            llm = LLM(path, **SMALL_ENGINE, skip_tokenizer_init=True, tensor_parallel_size=tp)
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+            layer = llm.llm_engine.core.runner.params["layers"]
+            layer = layer[0] if isinstance(layer, list) else layer
+            shards = {name: {f: list(getattr(w, f).sharding.shard_shape(getattr(w, f).shape))
+                             for f in ("d", "m", "qs") if getattr(w, f, None) is not None}
+                      for name, w in layer.items() if hasattr(w, "type_name")}
+            res[f"{os.path.basename(path)}/tp{tp}"] = {
+                "tokens": [o.outputs[0].token_ids for o in outs],
+                "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                             for o in outs],
+                "shards": shards}
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    main()
