@@ -137,7 +137,9 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
     if tp > 1 and backend == "pallas" and model.arch.num_kv_heads % tp:
         raise ValueError(f"--attention-backend pallas with --tensor-parallel-size {tp} needs the KV heads "
                          f"({model.arch.num_kv_heads}) to split evenly; use --attention-backend xla")
-    matmul = "xla"
+    # On a GPU, int8 / int4 / fp8 weights (HF quantized checkpoints) take the Pallas quantized
+    # matmul (the group sizes it has; quant/ops.py falls back to XLA for the others).
+    matmul = "pallas" if on_gpu and quantized else "xla"
     if tp > 1 and rc.cpu_matmul in ("native", "native-int8"):
         # The native kernel is an opaque custom call: XLA's partitioner would gather every
         # weight onto each device to run it.

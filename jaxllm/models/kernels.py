@@ -13,7 +13,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Kernels:
     matmul: str = "xla"
-    """The linear maps: "xla" (dot_general) or "native" (the CPU kernel of ``jaxllm/cpu``)."""
+    """The linear maps: "xla" (dot_general), "native" (the CPU kernel of ``jaxllm/cpu``) or
+    "pallas" (quantized int / fp8 weights through ``pallas/quant_matmul.py``; a GPU's choice)."""
     attention: str = "xla"
     """Paged attention: "xla", "pallas" or "native" (``layers.attention.attend``)."""
     moe: str = "grouped"

@@ -111,8 +111,8 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     reads the blocks (``quant/native_matmul.py``) for the types it has; others, and every other
     backend, dequantize inside the step (``quant/matmul.py``).  int8 / int4 / fp8
     (``QuantizedLinear``): the Pallas kernel (``pallas/quant_matmul.py``) with
-    ``backend="pallas"`` or on a GPU, for the group sizes it takes; else, CPU included, the
-    XLA path (dequantize in the step, float32 dot)."""
+    ``backend="pallas"`` (resolve's choice on a GPU), for the group sizes it takes; else, CPU
+    included, the XLA path (dequantize in the step, float32 dot)."""
     if isinstance(w, PackedWeight):
         if backend in ("native", "native-int8"):
             from jaxllm.quant import native_matmul
@@ -129,10 +129,8 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
 
 
 def _pallas(backend: str, w: QuantizedLinear) -> bool:
-    if backend == "pallas":
-        return True
     from jaxllm.pallas.quant_matmul import supported
-    return backend == "xla" and jax.default_backend() in ("gpu", "cuda", "rocm") and supported(w)
+    return backend == "pallas" and supported(w)
 
 
 def take_rows(w, ids: jax.Array) -> jax.Array:

@@ -231,3 +231,18 @@ def test_gptq_act_order_refused(quantized, tmp_path):
     path = _edit(quantized["gptq"][0], str(tmp_path / "actorder"), cfg={"desc_act": True})
     with pytest.raises(ModelLoadError, match="desc_act=true"):
         load_model(path)
+
+
+def test_matmul_backend_is_resolved_once(quantized, tiny_llama, monkeypatch):
+    """engine/resolve.py decides the quantized weights' matmul: the Pallas kernel on a GPU,
+    XLA elsewhere (quant/ops.py takes that decision instead of asking the platform)."""
+    from jaxllm.config import EngineConfig
+    from jaxllm.engine import resolve
+    from jaxllm.models.loader import load_model
+    cfg = EngineConfig.from_kwargs(kv_cache_memory_bytes=1 << 20, max_model_len=64, dtype="float32",
+                                   cpu_matmul="xla")
+    q = load_model(quantized["compressed-tensors"][0])
+    assert resolve.resolve_config(cfg, q).step.kernels.matmul == "xla"
+    monkeypatch.setattr(resolve.jax, "default_backend", lambda: "gpu")
+    assert resolve.resolve_config(cfg, q).step.kernels.matmul == "pallas"
+    assert resolve.resolve_config(cfg, load_model(tiny_llama)).step.kernels.matmul == "xla"
