@@ -102,3 +102,33 @@ def test_a_constraint_that_does_not_compile_is_refused(tiny_llm, so, needle):
         tiny_llm.generate(["x"], sp(so), use_tqdm=False)
     assert e.value.param == "structured_outputs"
     assert not tiny_llm.llm_engine.has_unfinished_requests()
+
+
+def test_grammar_applies_after_reasoning_ends(tiny_llama, tiny_llm):
+    """With reasoning end ids configured, the output is free until one of them is generated
+    (a logit bias forces it first here), then the grammar holds; without them (as with
+    ``enable_in_reasoning``) the grammar masks from the first token."""
+    end = 1500   # stands for </think>; not a token of "yes" / "no"
+    params = sp(SO(choice=["yes", "no"]), logit_bias={end: 100.0})
+    out = gen(tiny_llm, ["Think first."], [params])[0]
+    assert end not in out.token_ids and out.text in ("yes", "no"), out.token_ids
+    llm = LLM(tiny_llama, **SMALL_ENGINE, structured_outputs_config={"reasoning_end_token_ids": [end]})
+    out = gen(llm, ["Think first."], [params])[0]
+    assert out.token_ids[0] == end, out.token_ids
+    answer = llm.get_tokenizer().decode(out.token_ids[1:], skip_special_tokens=True)
+    assert answer in ("yes", "no"), out.token_ids
+
+
+def test_structured_outputs_config_flag():
+    from jaxllm import cli
+    from jaxllm.structured.config import StructuredOutputsConfig
+
+    p = cli.build_parser()
+    args = p.parse_args(["generate", "--structured-outputs-config", '{"backend": "guidance", '
+                         '"disable_any_whitespace": true}', "hi"])
+    assert cli.engine_config_from_args(args).structured_outputs_config == StructuredOutputsConfig(
+        backend="guidance", disable_any_whitespace=True)
+    for bad, needle in [('{"backend": "xgrammar"}', "xgrammar"), ('{"foo": 1}', "foo"), ("nope", "JSON")]:
+        args = p.parse_args(["generate", "--structured-outputs-config", bad, "hi"])
+        with pytest.raises(ValueError, match=needle):
+            cli.engine_config_from_args(args)
