@@ -78,7 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     g.add_argument("--use-fp64-gumbel", action="store_true",
                    help="draw with float64 Gumbel noise (53-bit uniforms) instead of float32")
     g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
-                   help='structured outputs, vLLM\'s shape: {"backend": "auto"|"guidance", '
+                   help='structured outputs, vLLM\'s shape: '
+                        '{"backend": "auto"|"guidance", '
                         '"disable_any_whitespace": false, "disable_additional_properties": false, '
                         '"enable_in_reasoning": false, "reasoning_end_token_ids": [], "cache_size": 256}')
     g = p.add_argument_group("parallelism (docs/scale-out.md)")

@@ -32,8 +32,8 @@ from __future__ import annotations
 import jax
 
 from jaxllm.config import LOGPROBS_MODES
-from jaxllm.sample.bitmask import apply_bitmask
 from jaxllm.sample.arrays import SUPPRESS_WIDTH, SamplerOutput, SamplerState, SamplingMetadata
+from jaxllm.sample.bitmask import apply_bitmask
 from jaxllm.sample.draw import KERNEL_BACKENDS, draw_pallas, draw_xla
 from jaxllm.sample.gumbel import runtime_zero
 from jaxllm.sample.logprobs import prompt_logprobs, sampled_logprobs

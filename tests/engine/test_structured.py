@@ -38,8 +38,8 @@ def sp(so, **kw):
 
 def test_every_kind_of_constraint_is_obeyed(tiny_llm):
     prompts = ["Describe a person:", "An email:", "Yes or no?", "Sum:", "Any object:"]
-    params = [sp(SO(json=PERSON, disable_any_whitespace=True)), sp(SO(regex=EMAIL)), sp(SO(choice=["yes", "no", "maybe"])),
-              sp(SO(grammar=LARK)), sp(SO(json_object=True), max_tokens=80)]
+    params = [sp(SO(json=PERSON, disable_any_whitespace=True)), sp(SO(regex=EMAIL)),
+              sp(SO(choice=["yes", "no", "maybe"])), sp(SO(grammar=LARK)), sp(SO(json_object=True), max_tokens=80)]
     outs = gen(tiny_llm, prompts, params)
     person, email, choice, expr, obj = outs
     jsonschema.validate(json.loads(person.text), PERSON)
