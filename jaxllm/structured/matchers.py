@@ -58,9 +58,6 @@ class GrammarStates:
                 eos_row[t // 32] |= np.uint32(1 << (t % 32))
         self._eos_row = eos_row.view(np.int32)
 
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._states
-
     def __len__(self) -> int:
         return len(self._states)
 
@@ -124,8 +121,3 @@ class GrammarStates:
         if not g.matcher.consume_token(token) and not g.warned:
             log.warning("request %s: token %d rejected by its grammar: %s", req_id, token, g.matcher.get_error())
             g.warned = True
-
-    def is_finished(self, req_id: str) -> bool:
-        """Whether the request's grammar has stopped (only EOS may follow)."""
-        g = self._states.get(req_id)
-        return g is not None and g.active and g.matcher.is_stopped()

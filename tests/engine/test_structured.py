@@ -132,3 +132,30 @@ def test_structured_outputs_config_flag():
         args = p.parse_args(["generate", "--structured-outputs-config", bad, "hi"])
         with pytest.raises(ValueError, match=needle):
             cli.engine_config_from_args(args)
+
+
+def test_structural_tag_and_schema_options_compile(tiny_llm):
+    from jaxllm.structured.grammar import GrammarError, _no_additional_properties
+    gc = tiny_llm.llm_engine.grammar
+    tag = {"structures": [{"begin": "<function=get>", "schema": {"type": "object"}, "end": "</function>"}],
+           "triggers": ["<function="]}
+    m = gc.matcher(SO(structural_tag=tag))
+    assert not m.is_error()
+    with pytest.raises(GrammarError, match="trigger"):
+        gc.compile(SO(structural_tag={"structures": [{"begin": "<x>", "schema": {}, "end": ""}], "triggers": ["<y"]}))
+    assert _no_additional_properties({"type": "object", "properties": {"a": {"type": "object"}}}) == {
+        "type": "object", "properties": {"a": {"type": "object", "additionalProperties": False}},
+        "additionalProperties": False}
+    hits = gc.hits
+    gc.compile(SO(structural_tag=tag))
+    assert gc.hits == hits + 1          # the same grammar is compiled once
+
+
+def test_a_constrained_request_compiles_nothing(tiny_llm):
+    from jaxllm.runner import compile as cc
+    gen(tiny_llm, ["warm"], [sp(SO(regex="[0-9]{2}"))])
+    before = cc.counts()
+    out = gen(tiny_llm, ["Digits:", "More"], [sp(SO(regex="[0-9]{4}")), sp(SO(json={"type": "array"}), max_tokens=8)])
+    assert re.fullmatch("[0-9]{4}", out[0].text)
+    after = cc.counts()
+    assert (after["traces"], after["compiles"]) == (before["traces"], before["compiles"])
