@@ -3,6 +3,8 @@ logprobs see the mask and raw ones do not, and an all-ones row changes nothing."
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -20,13 +22,18 @@ def bitmask(V: int, allowed) -> np.ndarray:
     return m
 
 
+@functools.cache
+def sampler(mode: str):
+    """One jitted sampler per logprobs mode, shared by the tests (a compile each)."""
+    return jax.jit(lambda l, m, s, a: sm.sample(l, m, s, a, max_logprobs=3, logprobs_mode=mode))
+
+
 def test_mask_applies_before_the_draw_and_processed_logprobs():
     V = 70                                                  # two words, the second one partial
     logits = np.linspace(-2, 3, V).astype(np.float32)[::-1].copy()   # token 0 is the best
     allowed = [7, 40, 66]
     args = _one_row(V, smd.RowParams(temperature=0.0), logits)
-    run = {mode: jax.jit(lambda l, m, s, a, mode=mode: sm.sample(l, m, s, a, max_logprobs=3, logprobs_mode=mode))
-           for mode in ("raw_logits", "processed_logprobs")}
+    run = {mode: sampler(mode) for mode in ("raw_logits", "processed_logprobs")}
     raw = run["raw_logits"](*args, bitmask(V, allowed))
     proc = run["processed_logprobs"](*args, bitmask(V, allowed))
     assert int(raw.token_ids[0]) == int(proc.token_ids[0]) == 7
@@ -43,7 +50,7 @@ def test_random_rows_draw_only_allowed_tokens():
     V = 70
     logits = np.zeros(V, np.float32)
     allowed = [3, 35, 69]
-    draw = jax.jit(lambda l, m, s, a: sm.sample(l, m, s, a, max_logprobs=0))
+    draw = sampler("processed_logprobs")
     seen = set()
     for seed in range(40):
         args = _one_row(V, smd.RowParams(temperature=1.0, seed=seed), logits)
