@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.sample.bitmask import mask_words
 from jaxllm.sample import metadata as smd
 from jaxllm.sample import reference as ref
 from jaxllm.sample import sampler as sm
@@ -116,6 +117,7 @@ def decode_share(steps: int = 12, repeat: int = 15) -> None:
     print("|---|---:|---:|---:|---:|")
     step, sampler = runner.compiler.steps[(32, 32)], runner.compiler.samplers[32]
     rows = runner.sampler_rows
+    all_allowed = np.full((32, mask_words(V)), 0xFFFFFFFF, np.uint32)   # no grammar
     for name in ("greedy", "random", "top-k/p threshold", "flat top-p"):
         cfg = CONFIGS[name]
         captured.clear()
@@ -127,7 +129,7 @@ def decode_share(steps: int = 12, repeat: int = 15) -> None:
             runner.kv, rows.state, logits, _, sampling_words = step(runner.params, runner.kv, rows.state, words)
             logits.block_until_ready()
             t1 = time.perf_counter()
-            sampler(rows.state, logits, sampling_words).token_ids.block_until_ready()
+            sampler(rows.state, logits, sampling_words, all_allowed).token_ids.block_until_ready()
             t_step.append(t1 - t0)
             t_sample.append(time.perf_counter() - t1)
         st, sa = statistics.median(t_step), statistics.median(t_sample)

@@ -77,6 +77,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="what logprobs report: the raw model output (default) or the processed one, as logprobs or logits")
     g.add_argument("--use-fp64-gumbel", action="store_true",
                    help="draw with float64 Gumbel noise (53-bit uniforms) instead of float32")
+    g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help='structured outputs, vLLM\'s shape: '
+                        '{"backend": "auto"|"guidance", '
+                        '"disable_any_whitespace": false, "disable_additional_properties": false, '
+                        '"enable_in_reasoning": false, "reasoning_end_token_ids": [], "cache_size": 256}')
     g = p.add_argument_group("parallelism (docs/scale-out.md)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices one model replica is split over (heads, MLP width, vocabulary)")
@@ -110,7 +115,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         logprobs_mode=args.logprobs_mode, use_fp64_gumbel=args.use_fp64_gumbel, precompile=args.precompile,
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, distributed_coordinator=args.distributed_coordinator,
-        num_hosts=args.num_hosts, host_index=args.host_index)
+        num_hosts=args.num_hosts, host_index=args.host_index,
+        structured_outputs_config=args.structured_outputs_config)
 
 
 def simulate_cpu_devices(args: argparse.Namespace) -> None:

@@ -13,6 +13,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from jaxllm.structured.config import StructuredOutputsConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 CPU_MATMULS = ("auto", "native", "native-int8", "xla")
 """``--cpu-matmul``: native-int8 is native with a GGUF's blocks multiplied by int8-quantized
@@ -263,8 +265,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    """Structured outputs (``--structured-outputs-config``, vLLM's shape; a dict or JSON text
+    is parsed): the grammar backend and its engine-wide options."""
 
     def __post_init__(self):
+        object.__setattr__(self, "structured_outputs_config",
+                           StructuredOutputsConfig.parse(self.structured_outputs_config))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"--seed must be an integer, got {self.seed!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

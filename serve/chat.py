@@ -73,9 +73,6 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
     if req.tool_choice not in (None, "none"):
         raise bad_request("tool calling is not supported by this server: tool_choice must be \"none\" or absent",
                           "tool_choice")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported by this server",
-                          "response_format")
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     if req.top_logprobs is not None and req.top_logprobs < 0:
@@ -84,7 +81,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         state, req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, add_special_tokens=req.add_special_tokens)
-    aliases = {"logprobs": "top_logprobs", "prompt": "messages"}
+    aliases = {"logprobs": "top_logprobs", "prompt": "messages", **req.error_aliases()}
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     request_id = random_id("chatcmpl")

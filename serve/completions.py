@@ -68,7 +68,7 @@ def _process(state: ServerState, req: CompletionRequest, request_id: str) -> lis
                                         state.engine.vocab_size)
             requests.append(state.process(f"{request_id}-{i}", req.engine_prompt(text, ids), sp, req.priority))
         except ValueError as e:
-            raise state.value_error(e, COMPLETION_FIELDS) from None
+            raise state.value_error(e, COMPLETION_FIELDS, req.error_aliases()) from None
     return requests
 
 

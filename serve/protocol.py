@@ -6,7 +6,8 @@ than something the engine trips over later.  Unknown fields are accepted and ign
 vLLM does.  The vLLM extensions the engine supports are typed here too (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, echo, add_generation_prompt, chat_template_kwargs, priority, cache_salt, seed,
-return_token_ids, allowed_token_ids, bad_words, prompt_logprobs); checks that need the
+return_token_ids, allowed_token_ids, bad_words, prompt_logprobs, structured_outputs and guided_*,
+response_format on both endpoints); checks that need the
 model (vocabulary, context length, --max-logprobs, cache_salt) happen once, in the engine's
 input processor, whose ValueError names the parameter and becomes a 400.
 """
@@ -22,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxllm.sampling_params import SamplingParams
+from serve.structured import constraint_field, structured_outputs
 
 # Integers that reach the engine are bounded so that none can overflow a device array.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -183,6 +185,14 @@ class _SamplingRequest(OpenAIModel):
     return_token_ids: bool | None = False
     """vLLM extension: add the token ids (and, once, the prompt's) to each choice."""
     echo: bool | None = False
+    # Structured outputs (serve/structured.py): vLLM's object and its older per-kind fields.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     def engine_prompt(self, text: str | None, ids: list[int]) -> dict:
         """The prompt as the engine takes it (with the cache salt when there is one)."""
@@ -225,7 +235,13 @@ class _SamplingRequest(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=logit_bias,
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            structured_outputs=structured_outputs(self))
+
+    def error_aliases(self) -> dict[str, str]:
+        """The engine's ``structured_outputs`` errors reported under the field the client sent."""
+        field = constraint_field(self)
+        return {"structured_outputs": field} if field else {}
 
 
 class CompletionRequest(_SamplingRequest):
@@ -235,6 +251,7 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: Int64 | None = None
     add_special_tokens: bool = True
+    response_format: dict[str, Any] | None = None
 
     def to_sampling_params(self, max_tokens: int, defaults: dict, vocab_size: int) -> SamplingParams:
         kw = self._sampling_kwargs(max_tokens, defaults, vocab_size)

@@ -28,8 +28,9 @@ log = logging.getLogger("jaxllm.engine")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model: LoadedModel, replica: int = 0):
-        """``replica``: which data-parallel replica this is (it runs on that slice of the devices)."""
+    def __init__(self, config: EngineConfig, model: LoadedModel, replica: int = 0, grammar=None):
+        """``replica``: which data-parallel replica this is (it runs on that slice of the devices);
+        ``grammar``: the structured-output grammar compiler (structured/grammar.py), or None."""
         self.config = config
         pc = config.parallel
         devices = replica_devices(pc.tensor_parallel_size, pc.data_parallel_size, replica)
@@ -39,7 +40,8 @@ class EngineCore:
         self.runner = ModelRunner(
             model, r.step, num_blocks=None if r.kv is None else r.kv.num_blocks, devices=devices,
             program_dir=os.path.join(r.compile_cache_dir, "programs"),
-            strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress)
+            strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
+            grammar=grammar)
         if r.kv is None:
             self.resolved = r = dataclasses.replace(r, kv=self._size_kv_from_device(r.kv_sizing))
             self.runner.allocate_kv(r.kv.num_blocks)

@@ -36,8 +36,10 @@ class InvalidRequestError(ValueError):
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: tuple[int, ...],
-                 max_logprobs: int):
+                 max_logprobs: int, grammar=None):
+        """``grammar``: the engine's structured-output compiler (structured/grammar.py), or None."""
         self.tokenizer = tokenizer
+        self.grammar = grammar
         self.max_logprobs = max_logprobs
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -103,8 +105,7 @@ class InputProcessor:
         parameter.  Returns the resolved copy of ``params`` (see :meth:`resolve`)."""
         V = self.vocab_size
         if params.structured_outputs is not None:
-            raise InvalidRequestError("structured outputs are not supported by this engine yet",
-                                      "structured_outputs")
+            self._check_grammar(params)
         for t in params.stop_token_ids:
             if t >= V:
                 raise InvalidRequestError(f"stop_token_ids contains {t}, outside the vocabulary (size {V})",
@@ -137,6 +138,18 @@ class InputProcessor:
         if err:
             raise InvalidRequestError(err, err.split(":", 1)[0])
         return resolved
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compiles the constraint (cached for the runner), so that one that does not compile
+        is refused here, before anything is queued."""
+        from jaxllm.structured.grammar import GrammarError
+        if self.grammar is None:
+            raise InvalidRequestError("structured_outputs needs a tokenizer (this engine runs with "
+                                      "skip_tokenizer_init)", "structured_outputs")
+        try:
+            self.grammar.compile(params.structured_outputs)
+        except GrammarError as e:
+            raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """A copy of ``params`` with the engine's EOS ids and the bad words' token ids filled in

@@ -25,6 +25,7 @@ from jaxllm.runner import packing
 from jaxllm.runner.program_cache import ProgramCache, describe_args
 from jaxllm.runner.step import make_sample_step, make_step
 from jaxllm.runner.step_config import StepConfig
+from jaxllm.sample.bitmask import mask_words
 
 log = logging.getLogger("jaxllm.runner")
 
@@ -83,17 +84,21 @@ class CompilationManager:
 
     def lower_sampler(self, sstate, S: int):
         """The sampler of sequence bucket S: (sampler state, logits [S, V], packed sampling
-        metadata) -> SamplerOutput; the state is read, not donated (the step updated it)."""
+        metadata, grammar bitmask [S, ceil(V / 32)] uint32) -> SamplerOutput; the state is
+        read, not donated (the step updated it)."""
         md = rin.sampling_spec(S, self._rep)
         sample_fn = self.sample_fn
 
-        def sample_step(sstate, logits, words):   # words: the sampling metadata, packing.pack'ed
-            return sample_fn(sstate, logits, packing.unpack(words, md))
+        def sample_step(sstate, logits, words, allowed):   # words: the sampling metadata, packing.pack'ed
+            return sample_fn(sstate, logits, packing.unpack(words, md), allowed)
 
-        logits = jax.ShapeDtypeStruct((S, self.cfg.arch.vocab_size), jnp.float32, sharding=self._rep)
+        V = self.cfg.arch.vocab_size
+        logits = jax.ShapeDtypeStruct((S, V), jnp.float32, sharding=self._rep)
         words = jax.ShapeDtypeStruct((packing.num_words(md),), jnp.uint32, sharding=self._rep)
+        allowed = jax.ShapeDtypeStruct((S, mask_words(V)), jnp.uint32, sharding=self._rep)
         with jax.set_mesh(self.mesh):
-            return jax.jit(sample_step, out_shardings=self._rep).lower(jax.tree.map(spec_of, sstate), logits, words)
+            return jax.jit(sample_step, out_shardings=self._rep).lower(jax.tree.map(spec_of, sstate), logits, words,
+                                                                       allowed)
 
     def activation_bytes(self, params, kv_shapes, sstate) -> int:
         """The largest step's temporary memory as XLA compiled it (the KV cache, donated and

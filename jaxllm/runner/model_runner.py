@@ -5,7 +5,10 @@ One ``execute(SchedulerOutput)``: the requests' host state is updated (runner/re
 the step's inputs prepared on the host (runner/inputs.py), the sampler's staged row writes
 applied (sample/states.py), then the compiled step of the (T, S) bucket runs with the KV
 cache and the sampler state donated, and the compiled sampler of its S on the logits it left
-on the device; the sampled tokens come back as a ``RunnerOutput``.  Programs are made ready
+on the device; the sampled tokens come back as a ``RunnerOutput``.  Constrained requests'
+grammar bitmask (structured/matchers.py) is filled on the host after the step is dispatched,
+while the device runs the forward, and goes into the sampler; each sampled token then
+advances its request's matcher.  Programs are made ready
 by runner/compilation.py (all at start-up for a server, or each bucket the first time a step
 needs it); a step of a ready bucket that traces or compiles is a bug, reported by the
 compile guard (fatal in tests).
@@ -37,16 +40,21 @@ from jaxllm.runner.inputs import PreparedStep, prepare
 from jaxllm.runner.program_cache import ProgramCache
 from jaxllm.runner.requests import RequestStates, SampledStep
 from jaxllm.runner.step_config import StepConfig
+from jaxllm.sample.bitmask import mask_words
 from jaxllm.sample.states import SamplerRows
+from jaxllm.structured.grammar import GrammarCompiler
+from jaxllm.structured.matchers import GrammarStates
 
 log = logging.getLogger("jaxllm.runner")
 
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, cfg: StepConfig, *, num_blocks: int | None, devices: list | None = None,
-                 program_dir: str | None = None, strict_compile_guard: bool = False, show_progress: bool = True):
+                 program_dir: str | None = None, strict_compile_guard: bool = False, show_progress: bool = True,
+                 grammar: GrammarCompiler | None = None):
         """``num_blocks``: KV blocks per layer (None: allocated later, :meth:`allocate_kv`);
-        ``program_dir``: where compiled programs are saved and loaded (None keeps none)."""
+        ``program_dir``: where compiled programs are saved and loaded (None keeps none);
+        ``grammar``: compiles structured-output constraints (None: the engine has no tokenizer)."""
         self.cfg = cfg
         self.arch = model.arch
         self.strict = strict_compile_guard
@@ -66,6 +74,8 @@ class ModelRunner:
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)
         self.requests = RequestStates(model.arch.vocab_size, self.sampler_rows)
+        self.grammars = GrammarStates(grammar, model.arch.vocab_size)
+        self._all_allowed: dict[int, jax.Array] = {}   # S -> [S, W] all-ones bitmask on the device
         # Multi-process programs are not saved: each host would load its own copy unchecked.
         programs = ProgramCache(program_dir if jax.process_count() == 1 else None, self.mesh.devices.flat)
         self.compiler = CompilationManager(cfg, get_model_module(model.arch.architecture), self.mesh, self._rep,
@@ -135,6 +145,7 @@ class ModelRunner:
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         self.requests.update(so)
+        self.grammars.update(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_RUNNER_OUTPUT
         if not self.warm:
@@ -161,7 +172,12 @@ class ModelRunner:
             if self.strict:
                 raise CompileGuardError(msg)
             log.warning(msg)
-        return self.requests.record(step.req_ids, step.samples, step.prompt_plan, step.inputs.prompt_targets, out)
+        result = self.requests.record(step.req_ids, step.samples, step.prompt_plan, step.inputs.prompt_targets, out)
+        if len(self.grammars):
+            for rid, toks in zip(result.req_ids, result.sampled_token_ids):
+                for tok in toks:
+                    self.grammars.accept(rid, tok)
+        return result
 
     def _run(self, step: PreparedStep) -> SampledStep:
         """The device part of a step: staged row writes, the compiled step, the sampler."""
@@ -175,7 +191,19 @@ class ModelRunner:
             words = self._put(words)
         self.kv, rows.state, logits, plp, sampling_words = self.compiler.steps[step.bucket](
             self.params, self.kv, rows.state, words)
-        out = self.compiler.samplers[step.bucket[1]](rows.state, logits, sampling_words)
+        # Dispatched, not finished: the grammar masks are computed while the device runs.
+        S = step.bucket[1]
+        masked = self.grammars.masked_rows(step.req_ids, step.samples)
+        if masked:
+            allowed = self.grammars.fill(masked, S)
+            if jax.process_count() > 1:
+                allowed = self._put(allowed)
+        else:
+            allowed = self._all_allowed.get(S)
+            if allowed is None:
+                allowed = self._all_allowed[S] = self._put(
+                    np.full((S, mask_words(self.arch.vocab_size)), 0xFFFFFFFF, np.uint32))
+        out = self.compiler.samplers[S](rows.state, logits, sampling_words, allowed)
         host = pmesh.to_host((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs))
         return SampledStep(*host, prompt=pmesh.to_host(plp) if step.prompt_plan else None)
 

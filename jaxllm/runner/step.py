@@ -5,8 +5,9 @@ logprobs)`` is compiled per bucket (T, S): forward, the logits of the sampled ro
 sampler state's update (penalty counts) and prompt logprobs.  The KV cache and the sampler
 state are donated, so both are updated in place.
 
-``sample_step(sampler_state, logits, sampling) -> SamplerOutput`` is compiled per sequence
-bucket S only.  The sampler does not depend on the model, and it was ~85% of a step's
+``sample_step(sampler_state, logits, sampling, allowed) -> SamplerOutput`` is compiled per
+sequence bucket S only (``allowed``: the grammar's ``[S, ceil(V / 32)]`` uint32 bitmask, filled
+on the host while the step runs).  The sampler does not depend on the model, and it was ~85% of a step's
 compile time (the tiny test model: 1.6-2.5 s of a 14-15.5 s compile, measured with the
 machine loaded): compiled once per S instead of once per (T, S), and shared through the
 persistent cache by every model with the same vocabulary and sampler settings.  The cost
@@ -72,8 +73,8 @@ def make_step(cfg: StepConfig, model: ModuleType):
 def make_sample_step(cfg: StepConfig):
     kernels = {} if cfg.sampler_backend == "xla" else {"kernel_backend": cfg.sampler_backend}
 
-    def sample_step(sstate: SamplerState, logits: jax.Array, sampling: SamplingMetadata):
-        """logits [S, V] float32 of the step just run, and the state it left."""
-        return sample(logits, sampling, sstate, max_logprobs=cfg.max_logprobs, logprobs_mode=cfg.logprobs_mode,
+    def sample_step(sstate: SamplerState, logits: jax.Array, sampling: SamplingMetadata, allowed: jax.Array):
+        """logits [S, V] float32 of the step just run, and the state it left; allowed [S, W] uint32."""
+        return sample(logits, sampling, sstate, allowed, max_logprobs=cfg.max_logprobs, logprobs_mode=cfg.logprobs_mode,
                       fp64=cfg.use_fp64_gumbel, **kernels)
     return sample_step

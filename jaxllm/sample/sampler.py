@@ -4,7 +4,8 @@ one stage module per step (vLLM v1's order):
 
 1. ``processing.py``: allowed / bad tokens and logit_bias (the request's bias row),
    min_tokens and multi-token bad words (ids suppressed this step), penalties from the
-   per-request counts of :class:`SamplerState` (kept by :func:`update_state`).
+   per-request counts of :class:`SamplerState` (kept by :func:`update_state`); then
+   ``bitmask.py``: the grammar's allowed tokens (structured outputs, a ``[S, V/32]`` input).
 2. ``draw.py``: greedy rows by argmax (lowest index among ties); random rows by
    ``truncation.py`` (temperature, min_p, top-k, top-p as one integer key per row), then a
    Gumbel-argmax draw whose noise is a pure function of (seed, output position, vocabulary
@@ -32,6 +33,7 @@ import jax
 
 from jaxllm.config import LOGPROBS_MODES
 from jaxllm.sample.arrays import SUPPRESS_WIDTH, SamplerOutput, SamplerState, SamplingMetadata
+from jaxllm.sample.bitmask import apply_bitmask
 from jaxllm.sample.draw import KERNEL_BACKENDS, draw_pallas, draw_xla
 from jaxllm.sample.gumbel import runtime_zero
 from jaxllm.sample.logprobs import prompt_logprobs, sampled_logprobs
@@ -44,10 +46,13 @@ __all__ = ["KERNEL_BACKENDS", "LOGPROBS_MODES", "SUPPRESS_WIDTH", "SamplerOutput
            "write_penalty_row"]
 
 
-def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, *, max_logprobs: int,
+def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, allowed: jax.Array | None = None, *,
+           max_logprobs: int,
            logprobs_mode: str = "raw_logprobs", fp64: bool = False, kernel_backend: str = "xla") -> SamplerOutput:
     """logits [S, V] float32 -> SamplerOutput (the state is read, not changed: see update_state).
 
+    ``allowed``: [S, ceil(V / 32)] uint32 grammar bitmask (all ones: unconstrained), applied
+    after processing, so before the draw and the processed logprobs (raw ones stay raw).
     ``kernel_backend``: ``xla`` (default) or ``pallas`` (the draw by the Pallas kernel, float32
     noise only; same tokens, see ``draw.draw_pallas``).  ``fp64``: float64 Gumbel noise."""
     if kernel_backend not in KERNEL_BACKENDS:
@@ -58,6 +63,8 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, *, max_
     zero = runtime_zero(md.out_pos)                                      # [S, 1]
     processed_mode = logprobs_mode.startswith("processed") and max_logprobs > 0
     x = process_logits(logits, md, state, zero)                          # [S, V]
+    if allowed is not None:
+        x = apply_bitmask(x, allowed)                                    # [S, V]
     if kernel_backend == "pallas":
         tokens, processed = draw_pallas(x, md, zero, processed_mode)     # [S], [S, V] or None
     else:
