@@ -10,6 +10,7 @@ measures real prefill).  Chunks without content are not sent; the finishing chun
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -22,12 +23,15 @@ from jaxllm.engine.protocol import OutputStream
 from jaxllm.engine.tokenizer import encode, render_chat
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import StructuredOutputsParams
+from serve.chat_parsing import ChoiceParser
 from serve.logprobs import chat_logprobs, prompt_logprobs_json
 from serve.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                             ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
                             DeltaMessage, UsageInfo, bad_request, now_s, random_id)
 from serve.sse import DONE, error_frame, frame, sse_response
 from serve.state import ServerState
+from serve.tool_choice import NamedToolParser, RequiredToolParser, tool_choice_schema, tool_mode
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -55,7 +59,7 @@ def render_messages(state: ServerState, messages, *, add_generation_prompt: bool
     if continue_final_message:
         kwargs["continue_final_message"] = True
     if tools is not None:
-        kwargs["tools"] = tools
+        kwargs["tools"] = [t.to_template_dict() for t in tools]
     template = chat_template if chat_template is not None else state.chat_template
     try:
         text = render_chat(tok, [m.to_template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
@@ -70,9 +74,9 @@ def render_messages(state: ServerState, messages, *, add_generation_prompt: bool
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest) -> Response | BaseModel:
     state.check_model(req.model)
     req.check_stream_options()
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool calling is not supported by this server: tool_choice must be \"none\" or absent",
-                          "tool_choice")
+    mode = tool_mode(req, state.config.enable_auto_tool_choice and state.tool_parser is not None)
+    if mode == "auto" and state.tool_parser.skip_special_tokens is False:
+        req = req.model_copy(update={"skip_special_tokens": False})  # the parser's markers are special tokens
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise bad_request("response_format: only {\"type\": \"text\"} is supported by this server",
                           "response_format")
@@ -91,6 +95,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
     try:
         params = req.to_sampling_params(state.max_tokens(len(ids), req.requested_max_tokens()), state.defaults,
                                         state.engine.vocab_size)
+        schema = tool_choice_schema(req, mode)
+        if schema is not None:
+            # required / named: the grammar makes the arguments parse and match the schema.
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
         request = state.process(request_id, req.engine_prompt(text, ids), params, req.priority)
     except ValueError as e:
         raise state.value_error(e, CHAT_FIELDS, aliases) from None
@@ -102,7 +110,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         last = req.messages[-1].to_template_dict()
         if last.get("role") == role:
             echo_text = last.get("content") or ""
-    ctx = _ChatCtx(state, req, stream, request_id, now_s(), request.prompt_token_ids, role, echo_text)
+    ctx = _ChatCtx(state, req, stream, request_id, now_s(), request.prompt_token_ids, role, echo_text, mode, text)
     if req.stream:
         return sse_response(_stream(ctx), state.config.sse_keep_alive_interval)
     return await _full(ctx)
@@ -118,6 +126,33 @@ class _ChatCtx:
     prompt_ids: list[int]
     role: str
     echo_text: str
+    tool_mode: str
+    """"none", "auto", "required" or "named" (serve/tool_choice.py:tool_mode)."""
+    prompt_text: str
+
+    def choice_parser(self) -> ChoiceParser | None:
+        """A fresh parser for one choice's output; None when the output is plain content."""
+        state, req = self.state, self.req
+        tok = state.tokenizer
+        reasoning = state.reasoning_parser(tok, prompt_text=self.prompt_text) if state.reasoning_parser else None
+        tools = [t.to_template_dict() for t in req.tools or []]
+        tool_parser = None
+        if self.tool_mode == "auto":
+            tool_parser = state.tool_parser(tok, tools)
+        elif self.tool_mode == "required":
+            tool_parser = RequiredToolParser(tok, tools)
+        elif self.tool_mode == "named":
+            tool_parser = NamedToolParser(req.tool_choice.function.name, tok, tools)
+        if reasoning is None and tool_parser is None:
+            return None
+        return ChoiceParser(reasoning, tool_parser, parallel_tool_calls=req.parallel_tool_calls is not False)
+
+    def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
+        """vLLM's: "tool_calls" when an auto or required choice ended by stopping after calling
+        tools; a named function's call ends with "stop", as OpenAI's does."""
+        if reason == "stop" and tools_called and self.tool_mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
 
 
 async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
@@ -144,6 +179,7 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
 
     first = True
     cached = 0
+    parsers = [c.choice_parser() for _ in range(n)]
     try:
         async with c.stream:
             async for ro in c.stream:
@@ -167,6 +203,10 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
                     lp = None
                     if req.logprobs and out.token_ids:
                         lp = chat_logprobs(tok, out.token_ids, out.logprobs, req.top_logprobs or 0)
+                    if parsers[i] is not None:
+                        for ch in _parsed_choices(c, parsers[i], out, lp, want_ids):
+                            yield chunk(ch, usage_for(i))
+                        continue
                     if not out.text and out.finish_reason is None and lp is None and not (want_ids and out.token_ids):
                         continue  # text held back (a possible stop string, an incomplete character)
                     choice = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=out.text),
@@ -191,6 +231,24 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
     yield DONE
 
 
+def _parsed_choices(c: _ChatCtx, parser: ChoiceParser, out, lp, want_ids: bool):
+    """One output's stream choices through the parsers: one per delta (reasoning, content or
+    tool calls); logprobs and token ids ride on the first, the finish reason on the last."""
+    final = out.finish_reason is not None
+    deltas = parser.feed(out.text, final)
+    if not deltas and not final and lp is None and not (want_ids and out.token_ids):
+        return []  # held back (a possible tag, a stop string, an incomplete character)
+    choices = [ChatCompletionResponseStreamChoice(index=out.index, delta=d, logprobs=None, finish_reason=None)
+               for d in deltas or [DeltaMessage()]]
+    choices[0].logprobs = lp
+    if want_ids:
+        choices[0].token_ids = list(out.token_ids)
+    if final:
+        choices[-1].finish_reason = c.finish_reason(out.finish_reason, parser.tools_called)
+        choices[-1].stop_reason = out.stop_reason
+    return choices
+
+
 async def _full(c: _ChatCtx) -> ChatCompletionResponse:
     """The request's one FINAL_ONLY output: the output processor's whole sequences."""
     req, state = c.req, c.state
@@ -208,9 +266,20 @@ async def _full(c: _ChatCtx) -> ChatCompletionResponse:
         lp = None
         if req.logprobs:
             lp = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0)
+        parser = c.choice_parser()
+        if parser is None:
+            message = ChatResponseMessage(role=c.role, content=c.echo_text + out.text)
+            finish = out.finish_reason
+        else:
+            parsed = parser.parse(out.text)
+            content = parsed.content
+            if c.echo_text:
+                content = c.echo_text + (content or "")
+            message = ChatResponseMessage(role=c.role, content=content, reasoning=parsed.reasoning,
+                                          tool_calls=parsed.tool_calls)
+            finish = c.finish_reason(out.finish_reason, bool(parsed.tool_calls))
         choices.append(ChatCompletionResponseChoice(
-            index=out.index, message=ChatResponseMessage(role=c.role, content=c.echo_text + out.text), logprobs=lp,
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+            index=out.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=out.stop_reason,
             token_ids=out.token_ids if req.return_token_ids else None))
     completion = sum(len(out.token_ids) for out in final.outputs)
     return ChatCompletionResponse(
