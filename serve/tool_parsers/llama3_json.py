@@ -21,6 +21,8 @@ class Llama3JsonToolParser(ToolParser):
         j = skip_ws(text, 0)
         if text.startswith(BOT, j):
             j = skip_ws(text, j + len(BOT))
+            if j >= len(text):
+                return Scan(content_end=0, started=False)  # the tag alone: the call is still to come
         elif j < len(text) and BOT.startswith(text[j:]):
             return Scan(content_end=j, started=False)  # maybe the tag, still arriving
         if j >= len(text):
