@@ -37,6 +37,8 @@ SAMPLES = {
         ('<tool_call>{"arguments": {"tz": "CET"}, "name": "get_time"}</tool_call>', None, [T]),
         ('<tool_call>\n{"name": "get_time"}\n</tool_call>', None, [("get_time", {})]),
         ("Just text, a < and a <tool but no call.", "Just text, a < and a <tool but no call.", []),
+        # A tag without a call in it: the whole output is content, streamed or not.
+        ('Text <tool_call>{"x": 1}</tool_call>', 'Text <tool_call>{"x": 1}</tool_call>', []),
         ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "CE', '<tool_call>\n{"name": "get_time", '
          '"arguments": {"tz": "CE', None),  # cut short: content (a stream already sent the name)
     ],
@@ -45,6 +47,7 @@ SAMPLES = {
          '"parameters": {"tz": "CET"}}', None, [W, T]),
         ('<|python_tag|>{"name": "get_time", "arguments": {"tz": "CET"}}', None, [T]),
         ("The answer is {not a call}", "The answer is {not a call}", []),
+        ('{"answer": 42}', '{"answer": 42}', []),
     ],
     "mistral": [
         ('Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
