@@ -278,3 +278,15 @@ def test_named_output_becomes_one_tool_call():
         _, content, calls = _stream(NamedToolParser("get_weather"), pieces)
         assert content is None and [(c["name"], c["arguments"]) for c in calls] == [
             ("get_weather", '{"city": "Paris", "days": 3}')]
+
+
+def test_tool_mode_follows_vllm():
+    from serve.protocol import APIError
+    from serve.tool_choice import tool_mode
+    assert tool_mode(_req(), auto_enabled=True) == "auto"  # tools without tool_choice: auto
+    assert tool_mode(_req(tool_choice="none"), auto_enabled=False) == "none"
+    assert tool_mode(_req(tool_choice="required"), auto_enabled=False) == "required"
+    assert tool_mode(_req(tool_choice={"type": "function", "function": {"name": "get_time"}}), False) == "named"
+    assert tool_mode(_req(tool_choice="required", tools=[]), auto_enabled=False) == "none"  # OpenAI's rule
+    with pytest.raises(APIError, match="--enable-auto-tool-choice"):
+        tool_mode(_req(), auto_enabled=False)
