@@ -6,6 +6,13 @@ the first token is the first thing the client reads (and a client's time to firs
 measures real prefill).  Chunks without content are not sent; the finishing chunk carries
 ``finish_reason`` and vLLM's ``stop_reason``; an engine failure mid-stream becomes a
 ``data: {"error": ...}`` frame followed by ``data: [DONE]``.
+
+Tools (vLLM's semantics): ``tools`` reach the chat template; ``tool_choice`` is resolved once
+(serve/tool_choice.py); ``required`` and a named function add a JSON-schema constraint to
+the request.  With a tool choice other than "none" or a ``--reasoning-parser``, each
+choice's output goes through its own ``chat_parsing.ChoiceParser``: the message gets
+``reasoning`` and ``tool_calls`` (``finish_reason`` "tool_calls"), and a stream sends
+reasoning, content and tool-call deltas as the parsers release them.
 """
 
 from __future__ import annotations
@@ -75,8 +82,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
     state.check_model(req.model)
     req.check_stream_options()
     mode = tool_mode(req, state.config.enable_auto_tool_choice and state.tool_parser is not None)
-    if mode == "auto" and state.tool_parser.skip_special_tokens is False:
-        req = req.model_copy(update={"skip_special_tokens": False})  # the parser's markers are special tokens
+    if mode == "auto" and state.tool_parser.needs_special_tokens(state.tokenizer):
+        req = req.model_copy(update={"skip_special_tokens": False})  # or the detokenizer drops the markers
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise bad_request("response_format: only {\"type\": \"text\"} is supported by this server",
                           "response_format")

@@ -116,9 +116,9 @@ class ToolParser:
     """Base class: subclasses set ``name`` and implement ``scan``."""
 
     name: ClassVar[str] = ""
-    skip_special_tokens: ClassVar[bool | None] = None
-    """False when the parser's markers are special tokens the detokenizer would otherwise drop
-    (vLLM's ``adjust_request``); None leaves the request's setting."""
+    markers: ClassVar[tuple[str, ...]] = ()
+    """The tags the parser looks for; when the tokenizer has any as a special token, the
+    request keeps special tokens in its text (see ``needs_special_tokens``)."""
 
     def __init__(self, tokenizer=None, tools: list[dict] | None = None):
         self.tokenizer = tokenizer
@@ -126,6 +126,17 @@ class ToolParser:
         self._text = ""
         self._content_sent = 0
         self._sent: list[_SentCall] = []
+
+    @classmethod
+    def needs_special_tokens(cls, tokenizer) -> bool:
+        """Whether a marker is a special token of ``tokenizer``, which the detokenizer drops
+        unless the request sets ``skip_special_tokens=False`` (vLLM's ``adjust_request``)."""
+        if tokenizer is None:
+            return False
+        special = set(getattr(tokenizer, "all_special_tokens", None) or ())
+        decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        special |= {str(t) for t in decoder.values() if getattr(t, "special", False)}
+        return any(m in special for m in cls.markers)
 
     # ------------------------------------------------------------------ subclass API
 

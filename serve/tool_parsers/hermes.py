@@ -14,6 +14,7 @@ START, END = "<tool_call>", "</tool_call>"
 @ToolParserManager.register_module(["hermes"])
 class HermesToolParser(ToolParser):
     name = "hermes"
+    markers = (START, END)
 
     def scan(self, text: str, final: bool) -> Scan:
         first = text.find(START)

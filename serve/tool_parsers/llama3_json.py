@@ -15,7 +15,7 @@ BOT = "<|python_tag|>"
 @ToolParserManager.register_module(["llama3_json", "llama4_json"])
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
-    skip_special_tokens = False  # <|python_tag|> is a special token
+    markers = (BOT,)
 
     def scan(self, text: str, final: bool) -> Scan:
         j = skip_ws(text, 0)

@@ -20,7 +20,7 @@ _ALNUM = string.ascii_letters + string.digits
 @ToolParserManager.register_module(["mistral"])
 class MistralToolParser(ToolParser):
     name = "mistral"
-    skip_special_tokens = False  # [TOOL_CALLS] is a special token
+    markers = (BOT, ARGS)
 
     def make_id(self) -> str:
         return "".join(random.SystemRandom().choice(_ALNUM) for _ in range(9))

@@ -29,6 +29,7 @@ PARAM, PARAM_END = "<parameter=", "</parameter>"
 @ToolParserManager.register_module(["qwen3_xml", "qwen3_coder"])
 class Qwen3XmlToolParser(ToolParser):
     name = "qwen3_xml"
+    markers = (START, END)
 
     def scan(self, text: str, final: bool) -> Scan:
         first = text.find(START)

@@ -253,3 +253,26 @@ def test_required_tool_choice_arguments_validate(tool_server, needs_structured_o
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    (["--tool-call-parser", "nope"], "--tool-call-parser 'nope' is not registered"),
+    (["--reasoning-parser", "nope"], "--reasoning-parser 'nope' is not registered"),
+    (["--tool-parser-plugin", "/no/such/plugin.py"], "--tool-parser-plugin '/no/such/plugin.py': no such file"),
+])
+def test_serve_flags_are_checked(flags, message):
+    from jaxllm.cli import build_parser
+    from serve.cli import serving_config_from_args
+    from serve.state import resolve_parsers
+    args = build_parser().parse_args(["serve", *flags])
+    with pytest.raises(ValueError) as e:
+        resolve_parsers(serving_config_from_args(args))
+    assert message in str(e.value)
+    if flags[0] == "--tool-call-parser":  # and the CLI says so before loading anything
+        import subprocess
+        import sys
+        r = subprocess.run([sys.executable, "-m", "jaxllm.cli", "serve", "--port", "0", *flags],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and message in r.stderr, r.stderr[-2000:]

@@ -290,3 +290,14 @@ def test_tool_mode_follows_vllm():
     assert tool_mode(_req(tool_choice="required", tools=[]), auto_enabled=False) == "none"  # OpenAI's rule
     with pytest.raises(APIError, match="--enable-auto-tool-choice"):
         tool_mode(_req(), auto_enabled=False)
+
+
+def test_special_token_markers_keep_special_tokens(smollm_tokenizer_dir):
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_tokenizer_dir)
+    mistral = ToolParserManager.get_tool_parser("mistral")
+    hermes = ToolParserManager.get_tool_parser("hermes")
+    assert not mistral.needs_special_tokens(tok) and not hermes.needs_special_tokens(tok)
+    tok.add_tokens(["<tool_call>"])  # an ordinary added token (Qwen's): nothing to keep
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    assert mistral.needs_special_tokens(tok) and not hermes.needs_special_tokens(tok)
