@@ -4,7 +4,7 @@ named function, and the parsers that read such constrained output back as ``tool
 As vLLM: a named function constrains the output to that function's ``parameters`` schema
 (the output *is* the arguments); ``required`` constrains it to a JSON array of
 ``{"name": <one of the tools>, "parameters": <that tool's schema>}`` with at least one item
-(at most one when ``parallel_tool_calls`` is false).  The grammar itself is structured
+(at most one when ``parallel_tool_calls`` is false), and no other keys.  The grammar itself is structured
 outputs' (``SamplingParams.structured_outputs``); these outputs are read as that JSON, not
 through ``--tool-call-parser``.
 """
@@ -74,8 +74,10 @@ def tool_choice_schema(req: ChatCompletionRequest, mode: str) -> dict | None:
     items = []
     for t in req.tools:
         params = {k: v for k, v in _parameters(t.function).items() if k != "$defs"}
+        # No other keys: they would be dropped, and a grammar that allows them lets a weak
+        # model write keys until max_tokens.
         items.append({"properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": params},
-                      "required": ["name", "parameters"]})
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
     if req.parallel_tool_calls is False:
         schema["maxItems"] = 1

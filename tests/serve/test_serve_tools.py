@@ -239,10 +239,17 @@ def test_named_tool_choice_arguments_validate(tool_server, needs_structured_outp
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_required_tool_choice_arguments_validate(tool_server, needs_structured_outputs, stream):
+@pytest.mark.parametrize("stream, parallel", [(False, False), (True, False), (False, True)])
+def test_required_tool_choice_arguments_validate(tool_server, needs_structured_outputs, stream, parallel):
     client = _client(tool_server)
-    kw = dict(model="scripted", messages=MSGS, tools=TOOLS, max_tokens=120, temperature=0, tool_choice="required")
+    kw = dict(model="scripted", messages=MSGS, tools=TOOLS, max_tokens=120, temperature=0, tool_choice="required",
+              parallel_tool_calls=parallel)
+    if parallel:
+        # The model's logits are flat here, and "," sorts before "]": bias the array's end so
+        # that a greedy pick closes the array after a call instead of adding calls forever.
+        close = httpx.post(tool_server.base + "/tokenize", json={"prompt": "]", "add_special_tokens": False},
+                           timeout=60).json()["tokens"]
+        kw["logit_bias"] = {str(close[0]): 50}
     if stream:
         _, _, calls, finish, _ = _collect(client.chat.completions.create(**kw, stream=True))
     else:
@@ -250,6 +257,8 @@ def test_required_tool_choice_arguments_validate(tool_server, needs_structured_o
         finish = c.finish_reason
         calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in c.message.tool_calls]
     assert finish == "tool_calls" and calls
+    if not parallel:
+        assert len(calls) == 1
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])

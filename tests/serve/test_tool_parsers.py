@@ -232,6 +232,7 @@ def test_required_schema_accepts_calls_and_refuses_others():
     good = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]
     jsonschema.validate(good, schema)
     for bad in ([], [{"name": "other", "parameters": {}}], [{"name": "get_time"}],
+                [{"name": "get_time", "parameters": {}, "extra": 1}],
                 [{"name": "get_weather", "parameters": {"days": "three"}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
