@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Callable, ClassVar
 
 _BUILTIN_MODULES = ("think",)
 
 
 class ReasoningParserManager:
-    parsers: dict[str, type] = {}
+    parsers: ClassVar[dict[str, type]] = {}
+    """name -> parser class, shared by the process (a plugin adds to it)."""
 
     @classmethod
     def register_module(cls, name: str | list[str] | None = None, force: bool = True,

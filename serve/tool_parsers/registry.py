@@ -10,13 +10,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Callable
+from typing import Callable, ClassVar
 
 _BUILTIN_MODULES = ("hermes", "llama3_json", "mistral", "qwen3_xml")
 
 
 class ToolParserManager:
-    parsers: dict[str, type] = {}
+    parsers: ClassVar[dict[str, type]] = {}
+    """name -> parser class, shared by the process (a plugin adds to it)."""
 
     @classmethod
     def register_module(cls, name: str | list[str] | None = None, force: bool = True,

@@ -196,9 +196,13 @@ def test_reasoning_end_token_ids(smollm_tokenizer_dir):
 
 
 def test_reasoning_then_tool_calls_in_one_choice():
-    text = '<think>Need the weather.</think>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
-    mk = lambda: ChoiceParser(ReasoningParserManager.get_reasoning_parser("qwen3")(),  # noqa: E731
-                              ToolParserManager.get_tool_parser("hermes")(tools=TOOLS))
+    text = ('<think>Need the weather.</think>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n'
+            '</tool_call>')
+
+    def mk():
+        return ChoiceParser(ReasoningParserManager.get_reasoning_parser("qwen3")(),
+                            ToolParserManager.get_tool_parser("hermes")(tools=TOOLS))
+
     full = mk().parse(text)
     assert full.reasoning == "Need the weather." and full.content is None
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in full.tool_calls] == [
