@@ -28,10 +28,10 @@ def tool_mode(req: ChatCompletionRequest, auto_enabled: bool) -> str:
         choice = "auto" if tools else "none"
     if choice == "none":
         return "none"
-    if not tools:
-        if choice == "required" and tools is not None:
-            return "none"  # OpenAI: required with an empty tool list behaves as none
+    if tools is None:
         raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if not tools and not isinstance(choice, ChatCompletionNamedToolChoiceParam):
+        return "none"  # OpenAI: no tools to call (auto or required) behaves as none
     names = [t.function.name for t in tools]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:

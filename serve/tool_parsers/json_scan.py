@@ -12,6 +12,7 @@ parser finally accepts is always checked again with ``json.loads``.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 _WS = " \t\r\n"
@@ -34,18 +35,22 @@ def skip_ws(text: str, pos: int) -> int:
     return pos
 
 
+_STRUCTURAL = re.compile(r'["{}\[\]]')
+
+
 def _string_end(text: str, pos: int) -> int | None:
     """``text[pos]`` is a quote; the offset just past the closing quote, or None."""
     i = pos + 1
-    while i < len(text):
-        c = text[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == '"':
-            return i + 1
-        i += 1
-    return None
+    while True:
+        q = text.find('"', i)
+        if q < 0:
+            return None
+        k = q - 1
+        while text[k] == "\\":  # a quote preceded by an odd number of backslashes is escaped
+            k -= 1
+        if (q - 1 - k) % 2 == 0:
+            return q + 1
+        i = q + 1
 
 
 def value_end(text: str, pos: int) -> int | None:
@@ -57,8 +62,13 @@ def value_end(text: str, pos: int) -> int | None:
     if c == '"':
         return _string_end(text, pos)
     if c in "{[":
+        # Only quotes and brackets matter; jump between them (long arguments stream cheaply).
         depth, i = 0, pos
-        while i < len(text):
+        while True:
+            m = _STRUCTURAL.search(text, i)
+            if m is None:
+                return None
+            i = m.start()
             ch = text[i]
             if ch == '"':
                 e = _string_end(text, i)
@@ -66,14 +76,10 @@ def value_end(text: str, pos: int) -> int | None:
                     return None
                 i = e
                 continue
-            if ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    return i + 1
+            depth += 1 if ch in "{[" else -1
+            if depth == 0:
+                return i + 1
             i += 1
-        return None
     # A number or a literal (true, false, null): it ends at a delimiter, which must be seen.
     i = pos
     while i < len(text) and text[i] not in _WS + ",}]":

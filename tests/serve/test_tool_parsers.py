@@ -36,6 +36,9 @@ SAMPLES = {
          '\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>', "Let me check.", [W, T]),
         ('<tool_call>{"arguments": {"tz": "CET"}, "name": "get_time"}</tool_call>', None, [T]),
         ('<tool_call>\n{"name": "get_time"}\n</tool_call>', None, [("get_time", {})]),
+        # Escaped quotes, backslashes and brackets inside strings.
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "P\\"a}r{is\\\\"}}</tool_call>', None,
+         [("get_weather", {"city": 'P"a}r{is\\'})]),
         ("Just text, a < and a <tool but no call.", "Just text, a < and a <tool but no call.", []),
         # A tag without a call in it: the whole output is content, streamed or not.
         ('Text <tool_call>{"x": 1}</tool_call>', 'Text <tool_call>{"x": 1}</tool_call>', []),
@@ -293,6 +296,11 @@ def test_tool_mode_follows_vllm():
     assert tool_mode(_req(tool_choice="required"), auto_enabled=False) == "required"
     assert tool_mode(_req(tool_choice={"type": "function", "function": {"name": "get_time"}}), False) == "named"
     assert tool_mode(_req(tool_choice="required", tools=[]), auto_enabled=False) == "none"  # OpenAI's rule
+    assert tool_mode(_req(tool_choice="auto", tools=[]), auto_enabled=False) == "none"
+    with pytest.raises(APIError, match="not in `tools`"):
+        tool_mode(_req(tool_choice={"type": "function", "function": {"name": "f"}}, tools=[]), False)
+    with pytest.raises(APIError, match="`tools` must be set"):
+        tool_mode(_req(tool_choice="required", tools=None), False)
     with pytest.raises(APIError, match="--enable-auto-tool-choice"):
         tool_mode(_req(), auto_enabled=False)
 
