@@ -134,6 +134,24 @@ def test_parallel_tool_calls_false_keeps_one_call(tool_server, script):
     assert [c["name"] for c in calls] == ["get_weather"] and finish == "tool_calls"
 
 
+def test_each_choice_has_its_own_parser(tool_server, script):
+    client = _client(tool_server)
+    # Sampled (n > 1 is not greedy); the script's logits make every sample the same text.
+    kw = dict(model="scripted", messages=MSGS, tools=TOOLS, n=2, temperature=1, seed=0, max_tokens=40,
+              logit_bias=_bias(script, "tools"))
+    full = client.chat.completions.create(**kw)
+    assert [len(c.message.tool_calls) for c in full.choices] == [2, 2]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    for i in range(2):
+        args = {}
+        for ch in chunks:
+            for c in ch.choices:
+                if c.index == i:
+                    for tc in c.delta.tool_calls or []:
+                        args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+        assert [args[0], args[1]] == [t.function.arguments for t in full.choices[i].message.tool_calls]
+
+
 def test_tool_choice_none_returns_the_raw_text(tool_server, script):
     client = _client(tool_server)
     full = client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, tool_choice="none",
