@@ -95,6 +95,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         state, req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, add_special_tokens=req.add_special_tokens)
+    if mode == "auto":
+        _check_template_renders_tools(state, req, text)
     aliases = {"logprobs": "top_logprobs", "prompt": "messages"}
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
@@ -121,6 +123,19 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
     if req.stream:
         return sse_response(_stream(ctx), state.config.sse_keep_alive_interval)
     return await _full(ctx)
+
+
+def _check_template_renders_tools(state: ServerState, req: ChatCompletionRequest, text: str) -> None:
+    """A 400 when the chat template leaves ``tools`` out of the prompt: under "auto" the model
+    would never learn of them (the built-in SmolLM2's template is one such)."""
+    bare, _ = render_messages(
+        state, req.messages, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+        chat_template_kwargs=req.chat_template_kwargs, tools=None, add_special_tokens=req.add_special_tokens)
+    if bare == text:
+        raise bad_request('tool_choice "auto": the chat template does not render `tools`, so the model cannot see '
+                          "them; use a template that does (--chat-template, or chat_template), or tool_choice "
+                          '"required" or a named function, which constrain the output to the tools', "tools")
 
 
 @dataclass(frozen=True)

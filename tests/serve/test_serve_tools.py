@@ -215,6 +215,16 @@ def test_bad_tools_and_tool_choice_are_400(tool_server, body, param):
     assert ok.status_code == 200, ok.text  # still serving
 
 
+def test_auto_with_a_template_that_ignores_tools_is_400(tool_server):
+    ignores = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    body = {"messages": MSGS, "tools": TOOLS, "max_tokens": 2, "chat_template": ignores}
+    r = httpx.post(tool_server.base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "does not render `tools`" in assert_error_shape(r.json(), 400, "tools")["message"]
+    ok = httpx.post(tool_server.base + "/v1/chat/completions", json={**body, "tool_choice": "none"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 def test_auto_without_the_flag_is_400_and_none_is_served(plain_server):
     r = httpx.post(plain_server.base + "/v1/chat/completions", json={"messages": MSGS, "tools": TOOLS,
                                                                    "max_tokens": 2}, timeout=60)
