@@ -30,6 +30,9 @@ def tool_mode(req: ChatCompletionRequest, auto_enabled: bool) -> str:
         return "none"
     if tools is None:
         raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+    if choice == "auto" and not auto_enabled:
+        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                          "tool_choice")
     if not tools and not isinstance(choice, ChatCompletionNamedToolChoiceParam):
         return "none"  # OpenAI: no tools to call (auto or required) behaves as none
     names = [t.function.name for t in tools]
@@ -41,9 +44,6 @@ def tool_mode(req: ChatCompletionRequest, auto_enabled: bool) -> str:
             raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in `tools` "
                               f"({', '.join(names)})", "tool_choice")
         return "named"
-    if choice == "auto" and not auto_enabled:
-        raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                          "tool_choice")
     return choice
 
 

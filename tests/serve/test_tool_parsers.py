@@ -296,7 +296,9 @@ def test_tool_mode_follows_vllm():
     assert tool_mode(_req(tool_choice="required"), auto_enabled=False) == "required"
     assert tool_mode(_req(tool_choice={"type": "function", "function": {"name": "get_time"}}), False) == "named"
     assert tool_mode(_req(tool_choice="required", tools=[]), auto_enabled=False) == "none"  # OpenAI's rule
-    assert tool_mode(_req(tool_choice="auto", tools=[]), auto_enabled=False) == "none"
+    assert tool_mode(_req(tool_choice="auto", tools=[]), auto_enabled=True) == "none"
+    with pytest.raises(APIError, match="--enable-auto-tool-choice"):  # vLLM checks the flag first
+        tool_mode(_req(tool_choice="auto", tools=[]), auto_enabled=False)
     with pytest.raises(APIError, match="not in `tools`"):
         tool_mode(_req(tool_choice={"type": "function", "function": {"name": "f"}}, tools=[]), False)
     with pytest.raises(APIError, match="`tools` must be set"):
