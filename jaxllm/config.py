@@ -357,6 +357,16 @@ class ServingConfig:
     profiler_dir: str | None = None
     """Enables ``POST /start_profile`` and ``POST /stop_profile`` (``--profiler-dir``): XLA traces
     (jax.profiler) are written under this folder.  None: those routes answer 404."""
+    enable_auto_tool_choice: bool = False
+    """``tool_choice: "auto"`` (the default when a request sends tools) is served, the model's
+    tool calls parsed by ``tool_call_parser`` (``--enable-auto-tool-choice``)."""
+    tool_call_parser: str | None = None
+    """How tool calls are read from the output (``--tool-call-parser``: hermes, llama3_json,
+    mistral, qwen3_xml, or one a plugin registers)."""
+    tool_parser_plugin: str | None = None
+    """A Python file that registers more tool parsers (``--tool-parser-plugin``)."""
+    reasoning_parser: str | None = None
+    """Splits reasoning from content (``--reasoning-parser``: deepseek_r1, qwen3)."""
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -382,6 +392,8 @@ class ServingConfig:
                             ("graceful_timeout", self.graceful_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError("--response-role must be a non-empty string")
         if self.profiler_dir is not None:

@@ -6,10 +6,18 @@ the first token is the first thing the client reads (and a client's time to firs
 measures real prefill).  Chunks without content are not sent; the finishing chunk carries
 ``finish_reason`` and vLLM's ``stop_reason``; an engine failure mid-stream becomes a
 ``data: {"error": ...}`` frame followed by ``data: [DONE]``.
+
+Tools (vLLM's semantics): ``tools`` reach the chat template; ``tool_choice`` is resolved once
+(serve/tool_choice.py); ``required`` and a named function add a JSON-schema constraint to
+the request.  With a tool choice other than "none" or a ``--reasoning-parser``, each
+choice's output goes through its own ``chat_parsing.ChoiceParser``: the message gets
+``reasoning`` and ``tool_calls`` (``finish_reason`` "tool_calls"), and a stream sends
+reasoning, content and tool-call deltas as the parsers release them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -22,12 +30,15 @@ from jaxllm.engine.protocol import OutputStream
 from jaxllm.engine.tokenizer import encode, render_chat
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import StructuredOutputsParams
+from serve.chat_parsing import ChoiceParser
 from serve.logprobs import chat_logprobs, prompt_logprobs_json
 from serve.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                             ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
                             DeltaMessage, UsageInfo, bad_request, now_s, random_id)
 from serve.sse import DONE, error_frame, frame, sse_response
 from serve.state import ServerState
+from serve.tool_choice import NamedToolParser, RequiredToolParser, tool_choice_schema, tool_mode
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -55,7 +66,7 @@ def render_messages(state: ServerState, messages, *, add_generation_prompt: bool
     if continue_final_message:
         kwargs["continue_final_message"] = True
     if tools is not None:
-        kwargs["tools"] = tools
+        kwargs["tools"] = [t.to_template_dict() for t in tools]
     template = chat_template if chat_template is not None else state.chat_template
     try:
         text = render_chat(tok, [m.to_template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
@@ -70,9 +81,9 @@ def render_messages(state: ServerState, messages, *, add_generation_prompt: bool
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest) -> Response | BaseModel:
     state.check_model(req.model)
     req.check_stream_options()
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool calling is not supported by this server: tool_choice must be \"none\" or absent",
-                          "tool_choice")
+    mode = tool_mode(req, state.config.enable_auto_tool_choice and state.tool_parser is not None)
+    if mode == "auto" and state.tool_parser.needs_special_tokens(state.tokenizer):
+        req = req.model_copy(update={"skip_special_tokens": False})  # or the detokenizer drops the markers
     if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     if req.top_logprobs is not None and req.top_logprobs < 0:
@@ -81,6 +92,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         state, req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
         chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, add_special_tokens=req.add_special_tokens)
+    if mode == "auto":
+        _check_template_renders_tools(state, req, text)
     aliases = {"logprobs": "top_logprobs", "prompt": "messages", **req.error_aliases()}
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
@@ -88,6 +101,10 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
     try:
         params = req.to_sampling_params(state.max_tokens(len(ids), req.requested_max_tokens()), state.defaults,
                                         state.engine.vocab_size)
+        schema = tool_choice_schema(req, mode)
+        if schema is not None:
+            # required / named: the grammar makes the arguments parse and match the schema.
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
         request = state.process(request_id, req.engine_prompt(text, ids), params, req.priority)
     except ValueError as e:
         raise state.value_error(e, CHAT_FIELDS, aliases) from None
@@ -99,10 +116,23 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         last = req.messages[-1].to_template_dict()
         if last.get("role") == role:
             echo_text = last.get("content") or ""
-    ctx = _ChatCtx(state, req, stream, request_id, now_s(), request.prompt_token_ids, role, echo_text)
+    ctx = _ChatCtx(state, req, stream, request_id, now_s(), request.prompt_token_ids, role, echo_text, mode, text)
     if req.stream:
         return sse_response(_stream(ctx), state.config.sse_keep_alive_interval)
     return await _full(ctx)
+
+
+def _check_template_renders_tools(state: ServerState, req: ChatCompletionRequest, text: str) -> None:
+    """A 400 when the chat template leaves ``tools`` out of the prompt: under "auto" the model
+    would never learn of them (the built-in SmolLM2's template is one such)."""
+    bare, _ = render_messages(
+        state, req.messages, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+        chat_template_kwargs=req.chat_template_kwargs, tools=None, add_special_tokens=req.add_special_tokens)
+    if bare == text:
+        raise bad_request('tool_choice "auto": the chat template does not render `tools`, so the model cannot see '
+                          "them; use a template that does (--chat-template, or chat_template), or tool_choice "
+                          '"required" or a named function, which constrain the output to the tools', "tools")
 
 
 @dataclass(frozen=True)
@@ -115,6 +145,33 @@ class _ChatCtx:
     prompt_ids: list[int]
     role: str
     echo_text: str
+    tool_mode: str
+    """"none", "auto", "required" or "named" (serve/tool_choice.py:tool_mode)."""
+    prompt_text: str
+
+    def choice_parser(self) -> ChoiceParser | None:
+        """A fresh parser for one choice's output; None when the output is plain content."""
+        state, req = self.state, self.req
+        tok = state.tokenizer
+        reasoning = state.reasoning_parser(tok, prompt_text=self.prompt_text) if state.reasoning_parser else None
+        tools = [t.to_template_dict() for t in req.tools or []]
+        tool_parser = None
+        if self.tool_mode == "auto":
+            tool_parser = state.tool_parser(tok, tools)
+        elif self.tool_mode == "required":
+            tool_parser = RequiredToolParser(tok, tools)
+        elif self.tool_mode == "named":
+            tool_parser = NamedToolParser(req.tool_choice.function.name, tok, tools)
+        if reasoning is None and tool_parser is None:
+            return None
+        return ChoiceParser(reasoning, tool_parser, parallel_tool_calls=req.parallel_tool_calls is not False)
+
+    def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
+        """vLLM's: "tool_calls" when an auto or required choice ended by stopping after calling
+        tools; a named function's call ends with "stop", as OpenAI's does."""
+        if reason == "stop" and tools_called and self.tool_mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
 
 
 async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
@@ -141,6 +198,7 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
 
     first = True
     cached = 0
+    parsers = [c.choice_parser() for _ in range(n)]
     try:
         async with c.stream:
             async for ro in c.stream:
@@ -164,6 +222,10 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
                     lp = None
                     if req.logprobs and out.token_ids:
                         lp = chat_logprobs(tok, out.token_ids, out.logprobs, req.top_logprobs or 0)
+                    if parsers[i] is not None:
+                        for ch in _parsed_choices(c, parsers[i], out, lp, want_ids):
+                            yield chunk(ch, usage_for(i))
+                        continue
                     if not out.text and out.finish_reason is None and lp is None and not (want_ids and out.token_ids):
                         continue  # text held back (a possible stop string, an incomplete character)
                     choice = ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=out.text),
@@ -188,6 +250,24 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
     yield DONE
 
 
+def _parsed_choices(c: _ChatCtx, parser: ChoiceParser, out, lp, want_ids: bool):
+    """One output's stream choices through the parsers: one per delta (reasoning, content or
+    tool calls); logprobs and token ids ride on the first, the finish reason on the last."""
+    final = out.finish_reason is not None
+    deltas = parser.feed(out.text, final)
+    if not deltas and not final and lp is None and not (want_ids and out.token_ids):
+        return []  # held back (a possible tag, a stop string, an incomplete character)
+    choices = [ChatCompletionResponseStreamChoice(index=out.index, delta=d, logprobs=None, finish_reason=None)
+               for d in deltas or [DeltaMessage()]]
+    choices[0].logprobs = lp
+    if want_ids:
+        choices[0].token_ids = list(out.token_ids)
+    if final:
+        choices[-1].finish_reason = c.finish_reason(out.finish_reason, parser.tools_called)
+        choices[-1].stop_reason = out.stop_reason
+    return choices
+
+
 async def _full(c: _ChatCtx) -> ChatCompletionResponse:
     """The request's one FINAL_ONLY output: the output processor's whole sequences."""
     req, state = c.req, c.state
@@ -205,9 +285,20 @@ async def _full(c: _ChatCtx) -> ChatCompletionResponse:
         lp = None
         if req.logprobs:
             lp = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0)
+        parser = c.choice_parser()
+        if parser is None:
+            message = ChatResponseMessage(role=c.role, content=c.echo_text + out.text)
+            finish = out.finish_reason
+        else:
+            parsed = parser.parse(out.text)
+            content = parsed.content
+            if c.echo_text:
+                content = c.echo_text + (content or "")
+            message = ChatResponseMessage(role=c.role, content=content, reasoning=parsed.reasoning,
+                                          tool_calls=parsed.tool_calls)
+            finish = c.finish_reason(out.finish_reason, bool(parsed.tool_calls))
         choices.append(ChatCompletionResponseChoice(
-            index=out.index, message=ChatResponseMessage(role=c.role, content=c.echo_text + out.text), logprobs=lp,
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+            index=out.index, message=message, logprobs=lp, finish_reason=finish, stop_reason=out.stop_reason,
             token_ids=out.token_ids if req.return_token_ids else None))
     completion = sum(len(out.token_ids) for out in final.outputs)
     return ChatCompletionResponse(

@@ -46,6 +46,16 @@ def register(subparsers) -> None:
     g.add_argument("--profiler-dir", default=None, metavar="DIR",
                    help="enable POST /start_profile and /stop_profile, which record XLA traces into DIR "
                         "(open them with Perfetto, TensorBoard or xprof)")
+    t = s.add_argument_group("tool calling and reasoning")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default when a request sends tools); needs --tool-call-parser')
+    t.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how the model writes tool calls: hermes, llama3_json, mistral, qwen3_xml (qwen3_coder), "
+                        "or a name registered by --tool-parser-plugin")
+    t.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                   help="a Python file registering tool parsers (ToolParserManager.register_module)")
+    t.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split the model's reasoning into message.reasoning: deepseek_r1, qwen3")
     s.set_defaults(func=cmd_serve)
 
 
@@ -62,7 +72,9 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         served_model_names=tuple(args.served_model_name or ()), generation_config=args.generation_config,
         override_generation_config=override, sse_keep_alive_interval=args.sse_keep_alive_interval,
         chat_template=args.chat_template, response_role=args.response_role,
-        profiler_dir=None if args.profiler_dir is None else os.path.abspath(args.profiler_dir))
+        profiler_dir=None if args.profiler_dir is None else os.path.abspath(args.profiler_dir),
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -70,12 +82,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxllm.engine.dp_engine import DataParallelEngine
     from jaxllm.engine.llm_engine import LLMEngine
     from serve.app import listen
-    from serve.state import resolve_chat_template
+    from serve.state import resolve_chat_template, resolve_parsers
 
     if args.model_pos and args.model and args.model_pos != args.model:
         raise ValueError(f"the model is given twice ({args.model_pos!r} and --model {args.model!r}); give it once")
     serving = serving_config_from_args(args)
     resolve_chat_template(serving.chat_template)
+    resolve_parsers(serving)  # an unknown parser or a broken plugin fails now
     engine_config = engine_config_from_args(args)
     check_servable(engine_config)   # now, not after loading the model
     # The address, the sampling defaults and the engine's start-up line (KV cache size, prefix

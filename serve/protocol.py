@@ -14,6 +14,7 @@ input processor, whose ValueError names the parameter and becomes a 400.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -131,6 +132,39 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema for the arguments (an object)."""
+    strict: bool | None = None
+
+
+class ChatCompletionToolParam(OpenAIModel):
+    """One entry of ``tools``: only function tools exist."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def to_template_dict(self) -> dict:
+        """The tool as sent (extra keys kept), for the chat template and the parsers."""
+        return self.model_dump(exclude_unset=True)
+
+
+class NamedFunction(OpenAIModel):
+    name: str = Field(min_length=1)
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+
+
 class ChatMessage(OpenAIModel):
     role: str
     content: str | list[TextContentPart] | None = None
@@ -149,7 +183,24 @@ class ChatMessage(OpenAIModel):
             v = getattr(self, key)
             if v is not None:
                 d[key] = v
+        if self.tool_calls:
+            d["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
         return d
+
+
+def _template_tool_call(call: dict) -> dict:
+    """An assistant message's tool call as chat templates read it: ``function.arguments`` as
+    a mapping rather than OpenAI's JSON text (vLLM does the same; templates index into it)."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    if not isinstance(args, dict):
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 class _SamplingRequest(OpenAIModel):
@@ -267,9 +318,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = True
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -302,7 +353,7 @@ class TokenizeChatRequest(OpenAIModel):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
     return_token_strs: bool | None = False
 
 
@@ -407,6 +458,9 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning: str | None = None
+    """With ``--reasoning-parser``: the model's reasoning, apart from ``content`` (vLLM's name
+    since 0.11; it was ``reasoning_content`` before)."""
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -433,6 +487,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

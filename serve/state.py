@@ -88,6 +88,25 @@ def resolve_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value!r}: no such file, and it does not look like a Jinja template")
 
 
+def resolve_parsers(config: ServingConfig) -> tuple[type | None, type | None]:
+    """(tool parser class, reasoning parser class) the flags name; loads ``--tool-parser-plugin``
+    first.  ValueError naming the flag when a name is unknown."""
+    from serve.reasoning import ReasoningParserManager
+    from serve.tool_parsers import ToolParserManager
+
+    if config.tool_parser_plugin:
+        ToolParserManager.import_tool_parser(config.tool_parser_plugin)
+    tool = reasoning = None
+    try:
+        if config.tool_call_parser:
+            tool = ToolParserManager.get_tool_parser(config.tool_call_parser)
+        if config.reasoning_parser:
+            reasoning = ReasoningParserManager.get_reasoning_parser(config.reasoning_parser)
+    except KeyError as e:
+        raise ValueError(e.args[0]) from None
+    return tool, reasoning
+
+
 @dataclass
 class ServerState:
     engine: EngineClient
@@ -101,6 +120,10 @@ class ServerState:
     """False once shutdown began: new requests get a 503."""
     open_streams: "weakref.WeakSet[OutputStream]" = field(default_factory=weakref.WeakSet)
     """This app's requests (several apps may share one engine); touched only on the event loop."""
+    tool_parser: type | None = None
+    """``--tool-call-parser``'s class (one instance per choice), or None."""
+    reasoning_parser: type | None = None
+    """``--reasoning-parser``'s class (one instance per choice), or None."""
 
     @classmethod
     def create(cls, engine: EngineClient, config: ServingConfig, metrics: Metrics | None = None) -> "ServerState":
@@ -115,8 +138,10 @@ class ServerState:
             log.info("No default sampling parameters from the generation config; OpenAI's defaults apply.")
         if metrics is None:
             metrics = Metrics(names[0])
+        tool_parser, reasoning_parser = resolve_parsers(config)
         return cls(engine=engine, config=config, served_names=tuple(names), defaults=defaults, metrics=metrics,
-                   chat_template=resolve_chat_template(config.chat_template))
+                   chat_template=resolve_chat_template(config.chat_template), tool_parser=tool_parser,
+                   reasoning_parser=reasoning_parser)
 
     # ------------------------------------------------------------------ requests
 
@@ -186,6 +211,13 @@ class ServerState:
         room = self.max_model_len - prompt_len
         vals = [v for v in (room if room > 0 else None, requested, self.defaults.get("max_tokens")) if v is not None]
         return min(vals) if vals else None
+
+    def reasoning_end_token_ids(self) -> tuple[int, ...] | None:
+        """The token ids that end reasoning under ``--reasoning-parser`` (None without one): a
+        grammar (structured outputs, a required or named tool call) starts after them."""
+        if self.reasoning_parser is None:
+            return None
+        return self.reasoning_parser(self.tokenizer).end_token_ids()
 
     @property
     def prefix_caching(self) -> bool:
