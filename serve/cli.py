@@ -77,6 +77,20 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser)
 
 
+def with_reasoning_end(engine_config, serving: ServingConfig):
+    """With ``--reasoning-parser``, structured outputs (and required / named tool calls) start
+    after the parser's end tag, unless ``--structured-outputs-config`` says where already."""
+    import dataclasses
+
+    from serve.state import resolve_parsers
+    _, reasoning = resolve_parsers(serving)
+    so = engine_config.structured_outputs_config
+    tag = getattr(reasoning, "end_tag", "")
+    if not tag or so.reasoning_end_token_ids or so.reasoning_end_tag:
+        return engine_config
+    return dataclasses.replace(engine_config, structured_outputs_config=dataclasses.replace(so, reasoning_end_tag=tag))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxllm.engine.async_engine import AsyncEngine, check_servable
     from jaxllm.engine.dp_engine import DataParallelEngine
@@ -89,7 +103,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serving = serving_config_from_args(args)
     resolve_chat_template(serving.chat_template)
     resolve_parsers(serving)  # an unknown parser or a broken plugin fails now
-    engine_config = engine_config_from_args(args)
+    engine_config = with_reasoning_end(engine_config_from_args(args), serving)
     check_servable(engine_config)   # now, not after loading the model
     # The address, the sampling defaults and the engine's start-up line (KV cache size, prefix
     # caching, policy) are worth seeing at the default log level.

@@ -64,7 +64,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.generation_config)
         # One grammar compiler (and its cache) for the input processor and the runner.
         self.grammar = None if self.tokenizer is None else GrammarCompiler(
-            self.tokenizer, self.arch.vocab_size, self.eos_token_ids, config.structured_outputs_config)
+            self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
+            config.structured_outputs_config.with_tag_resolved(self.tokenizer))
         self.core = EngineCore(config, model, replica=replica, grammar=self.grammar)
         del model  # host copies of the weights are no longer needed
         return_freed_memory()

@@ -5,7 +5,10 @@ configuration does not import the grammar engine."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+import logging
+from dataclasses import dataclass, fields, replace
+
+log = logging.getLogger("jaxllm.structured")
 
 BACKENDS = ("auto", "guidance")
 """Grammar backends this engine has: llguidance (``auto`` picks it).  vLLM's ``xgrammar``,
@@ -24,8 +27,13 @@ class StructuredOutputsConfig:
     """With reasoning end tokens set on the engine, apply the grammar from the first output
     token instead of after the reasoning ends."""
     reasoning_end_token_ids: tuple[int, ...] = ()
-    """Token ids that end a reasoning section (``</think>``); while none has been generated a
-    constrained request is not masked (unless ``enable_in_reasoning``).  Empty: no reasoning."""
+    """Token ids that end a reasoning section (``</think>``); until one is in the request's
+    prompt or output a constrained request is not masked (unless ``enable_in_reasoning``).
+    Empty: no reasoning."""
+    reasoning_end_tag: str = ""
+    """The same as text (``jaxllm serve --reasoning-parser`` sets its parser's end tag): the
+    engine adds the tag's token id to ``reasoning_end_token_ids`` when the tokenizer has it
+    as one token, and says so when it does not."""
     cache_size: int = 256
     """Compiled grammars kept (least recently used dropped), shared by all requests."""
 
@@ -42,6 +50,8 @@ class StructuredOutputsConfig:
                                                       for t in ids):
             raise ValueError("--structured-outputs-config: reasoning_end_token_ids must be a list of token ids")
         object.__setattr__(self, "reasoning_end_token_ids", tuple(ids))
+        if not isinstance(self.reasoning_end_tag, str):
+            raise ValueError("--structured-outputs-config: reasoning_end_tag must be a string")
         if not isinstance(self.cache_size, int) or self.cache_size < 1:
             raise ValueError("--structured-outputs-config: cache_size must be a positive integer")
 
@@ -64,3 +74,16 @@ class StructuredOutputsConfig:
         if unknown:
             raise ValueError(f"--structured-outputs-config: unknown key(s) {unknown}; known: {sorted(known)}")
         return cls(**value)
+
+    def with_tag_resolved(self, tokenizer) -> "StructuredOutputsConfig":
+        """``reasoning_end_tag`` turned into its token id, added to ``reasoning_end_token_ids``."""
+        if not self.reasoning_end_tag or tokenizer is None:
+            return self
+        vocab = tokenizer.get_vocab()
+        tag = self.reasoning_end_tag
+        if tag not in vocab:
+            log.warning("reasoning end tag %r is not one token of this tokenizer: structured outputs apply from "
+                        "the first output token", tag)
+            return replace(self, reasoning_end_tag="")
+        ids = tuple(dict.fromkeys((*self.reasoning_end_token_ids, int(vocab[tag]))))
+        return replace(self, reasoning_end_token_ids=ids, reasoning_end_tag="")

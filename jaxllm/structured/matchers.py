@@ -13,8 +13,8 @@ padding rows and for rows that sample nothing this step.  Ids past the tokenizer
 vocabulary (a model's padded embedding) are never allowed in a constrained row.
 
 Reasoning: with ``reasoning_end_token_ids`` configured (and not ``enable_in_reasoning``),
-a constrained request is unmasked until it has generated one of those ids; its matcher
-starts with the next token.
+a constrained request is unmasked until one of those ids is in its prompt or output; its
+matcher starts with the next token.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ class GrammarStates:
                 raise ValueError("structured_outputs needs the engine's grammar compiler (a tokenizer)")
             outputs = list(nr.token_ids[nr.num_prompt_tokens:])
             active = True
-            if self._reasoning_end:
+            if self._reasoning_end and not any(t in self._reasoning_end for t in nr.token_ids[:nr.num_prompt_tokens]):
+                # vLLM's rule: reasoning has ended once the end token is in the sequence (a
+                # template that closes an empty reasoning block in the prompt, Qwen3 without
+                # thinking, constrains from the first output token).
                 ends = [i for i, t in enumerate(outputs) if t in self._reasoning_end]
                 active = bool(ends)
                 outputs = outputs[ends[0] + 1:] if ends else []

@@ -117,6 +117,38 @@ def test_grammar_applies_after_reasoning_ends(tiny_llama, tiny_llm):
     assert out.token_ids[0] == end, out.token_ids
     answer = llm.get_tokenizer().decode(out.token_ids[1:], skip_special_tokens=True)
     assert answer in ("yes", "no"), out.token_ids
+    # an end token already in the prompt (a template closing an empty reasoning block):
+    # constrained from the first output token, the bias on the end token notwithstanding
+    ids = llm.get_tokenizer().encode("Think first.") + [end]
+    out = gen(llm, [{"prompt_token_ids": ids}], [params])[0]
+    assert end not in out.token_ids and out.text in ("yes", "no"), out.token_ids
+
+
+def test_reasoning_end_tag_becomes_its_token_id(smollm_tokenizer_dir, caplog):
+    """``jaxllm serve --reasoning-parser`` names the end tag as text; the engine turns it into
+    the tokenizer's id, and says so when the tag is not one token (then no reasoning wait)."""
+    from transformers import AutoTokenizer
+
+    from jaxllm.structured.config import StructuredOutputsConfig
+    tok = AutoTokenizer.from_pretrained(smollm_tokenizer_dir)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    cfg = StructuredOutputsConfig(reasoning_end_tag="<|im_end|>").with_tag_resolved(tok)
+    assert cfg.reasoning_end_token_ids == (im_end,) and cfg.reasoning_end_tag == ""
+    with caplog.at_level("WARNING", logger="jaxllm.structured"):
+        cfg = StructuredOutputsConfig(reasoning_end_tag="</think>").with_tag_resolved(tok)
+    assert cfg.reasoning_end_token_ids == () and "not one token" in caplog.text
+
+
+def test_serve_reasoning_parser_sets_the_end_tag():
+    from jaxllm import cli
+    from serve.cli import serving_config_from_args, with_reasoning_end
+    p = cli.build_parser()
+    for extra, want in [(["--reasoning-parser", "deepseek_r1"], "</think>"), ([], ""),
+                        (["--reasoning-parser", "qwen3", "--structured-outputs-config",
+                          '{"reasoning_end_token_ids": [7]}'], "")]:
+        args = p.parse_args(["serve", *extra])
+        cfg = with_reasoning_end(cli.engine_config_from_args(args), serving_config_from_args(args))
+        assert cfg.structured_outputs_config.reasoning_end_tag == want, extra
 
 
 def test_structured_outputs_config_flag():

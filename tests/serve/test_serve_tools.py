@@ -236,24 +236,8 @@ def test_auto_without_the_flag_is_400_and_none_is_served(plain_server):
     assert ok.status_code == 200, ok.text
 
 
-def _engine_refuses_structured_outputs(engine) -> bool:
-    from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
-    try:
-        engine.input_processor.check_params(
-            SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"})))
-    except ValueError as e:
-        return "not supported" in str(e)
-    return False
-
-
-@pytest.fixture
-def needs_structured_outputs(scripted_engine):
-    if _engine_refuses_structured_outputs(scripted_engine):
-        pytest.skip("needs structured outputs (so branch): the engine refuses structured_outputs")
-
-
 @pytest.mark.parametrize("stream", [False, True])
-def test_named_tool_choice_arguments_validate(tool_server, needs_structured_outputs, stream):
+def test_named_tool_choice_arguments_validate(tool_server, stream):
     client = _client(tool_server)
     kw = dict(model="scripted", messages=MSGS, tools=TOOLS, max_tokens=60, temperature=0,
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -268,7 +252,7 @@ def test_named_tool_choice_arguments_validate(tool_server, needs_structured_outp
 
 
 @pytest.mark.parametrize("stream, parallel", [(False, False), (True, False), (False, True)])
-def test_required_tool_choice_arguments_validate(tool_server, needs_structured_outputs, stream, parallel):
+def test_required_tool_choice_arguments_validate(tool_server, stream, parallel):
     client = _client(tool_server)
     kw = dict(model="scripted", messages=MSGS, tools=TOOLS, max_tokens=120, temperature=0, tool_choice="required",
               parallel_tool_calls=parallel)
