@@ -15,7 +15,7 @@
 namespace jaxllm_gguf {
 
 constexpr int kMaxRows = 4;            // rows of x per tile: 4 weight vectors + 4 accumulators + partials
-constexpr int64_t kPrefetchRows = 8;   // weight rows ahead whose fields are requested (see prefetch)
+constexpr int64_t kPrefetchRows = 16;  // weight rows ahead whose fields are requested (see prefetch)
 
 inline float f16(uint16_t bits) { return _cvtsh_ss(bits); }
 
@@ -50,6 +50,15 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
 }
 
+// Requests weight row n + kPrefetchRows while row n is computed, and rows n0 .. n0 +
+// kPrefetchRows - 1 as a part [n0, n1) starts (otherwise each part, and so each call,
+// would begin on a cold stream: 60 back-to-back calls of the built-in model's layer shapes
+// streamed their weights from DRAM 1.2x slower than one call over the same bytes).
+// prefetch_row(n): the prefetches of weight row n's fields.
+template <typename Tile, typename PrefetchRow>
+inline void rows_range_prefetched(int64_t M, int64_t n0, int64_t n1, const PrefetchRow& prefetch_row,
+                                  const Tile& tile);
+
 // Calls tile(rows, r0, n) for every tile of x (rows r0 .. r0 + rows - 1, at most kMaxRows)
 // and every weight row n in [n0, n1).  The tile of x (at most kMaxRows * K floats) is the
 // outer loop: it is read 4 times per block per weight row, so it stays in L1 while the
@@ -64,6 +73,16 @@ inline void rows_range(int64_t M, int64_t n0, int64_t n1, const Tile& tile) {
     for (int64_t n = n0; n < n1; ++n) tile(rows, r0, n);
     r0 += rows;
   }
+}
+
+template <typename Tile, typename PrefetchRow>
+inline void rows_range_prefetched(int64_t M, int64_t n0, int64_t n1, const PrefetchRow& prefetch_row,
+                                  const Tile& tile) {
+  for (int64_t n = n0; n < std::min(n1, n0 + kPrefetchRows); ++n) prefetch_row(n);
+  rows_range(M, n0, n1, [&](int rows, int64_t r0, int64_t n) {
+    if (n + kPrefetchRows < n1) prefetch_row(n + kPrefetchRows);
+    tile(rows, r0, n);
+  });
 }
 
 // Splits the N weight rows over the pool in contiguous ranges and runs range(n0, n1) on each.

@@ -28,8 +28,7 @@
 
 namespace ffi = xla::ffi;
 using jaxllm_gguf::f16;
-using jaxllm_gguf::kPrefetchRows;
-using jaxllm_gguf::rows_range;
+using jaxllm_gguf::rows_range_prefetched;
 using jaxllm_gguf::split_rows;
 
 namespace {
@@ -178,14 +177,14 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_rows(x, M, K, qx.data(), dx.data(), sx.data());
   const Activations a{qx.data(), dx.data(), sx.data()};
-  split_rows(pool, M, N, [&a, d, m, qs, qh, y, M, K, N, nb](int64_t n0, int64_t n1) {
-    rows_range(M, n0, n1, [&a, d, m, qs, qh, y, K, N, nb, n1](int rows, int64_t r0, int64_t n) {
-      if (const int64_t ahead = n + kPrefetchRows; ahead < n1) {
-        jaxllm_gguf::prefetch(qs + ahead * nb * T::kQsBytes, nb * T::kQsBytes);
-        jaxllm_gguf::prefetch(d + ahead * nb, nb * 2);
-        if (m) jaxllm_gguf::prefetch(m + ahead * nb, nb * 2);
-        if (T::kQhBytes) jaxllm_gguf::prefetch(qh + ahead * nb * T::kQhBytes, nb * T::kQhBytes);
-      }
+  const auto prefetch_row = [=](int64_t ahead) {
+    jaxllm_gguf::prefetch(qs + ahead * nb * T::kQsBytes, nb * T::kQsBytes);
+    jaxllm_gguf::prefetch(d + ahead * nb, nb * 2);
+    if (m) jaxllm_gguf::prefetch(m + ahead * nb, nb * 2);
+    if (T::kQhBytes) jaxllm_gguf::prefetch(qh + ahead * nb * T::kQhBytes, nb * T::kQhBytes);
+  };
+  split_rows(pool, M, N, [&a, d, m, qs, qh, y, M, K, N, nb, &prefetch_row](int64_t n0, int64_t n1) {
+    rows_range_prefetched(M, n0, n1, prefetch_row, [&a, d, m, qs, qh, y, K, N, nb](int rows, int64_t r0, int64_t n) {
       tile<T>(rows, a, r0, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
               qh + n * nb * T::kQhBytes, y + r0 * N + n, N);
     });

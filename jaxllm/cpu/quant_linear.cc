@@ -32,8 +32,7 @@ namespace ffi = xla::ffi;
 using jaxllm_gguf::f16;
 using jaxllm_gguf::fifth_bits;
 using jaxllm_gguf::nibbles;
-using jaxllm_gguf::kPrefetchRows;
-using jaxllm_gguf::rows_range;
+using jaxllm_gguf::rows_range_prefetched;
 using jaxllm_gguf::split_rows;
 
 namespace {
@@ -279,14 +278,14 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   if (m != nullptr) sums = block_sums(x, M, K);
   const float* sx = m != nullptr ? sums.data() : nullptr;
   const auto tile_fn = g_avx512 ? tile_512<T> : tile<T>;
+  const auto prefetch_row = [=](int64_t a) {
+    jaxllm_gguf::prefetch(qs + a * nb * T::kQsBytes, nb * T::kQsBytes);
+    jaxllm_gguf::prefetch(d + a * nb, nb * 2);
+    if (m) jaxllm_gguf::prefetch(m + a * nb, nb * 2);
+    if (T::kQhBytes) jaxllm_gguf::prefetch(qh + a * nb * T::kQhBytes, nb * T::kQhBytes);
+  };
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
-    rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
-      if (const int64_t a = n + kPrefetchRows; a < n1) {
-        jaxllm_gguf::prefetch(qs + a * nb * T::kQsBytes, nb * T::kQsBytes);
-        jaxllm_gguf::prefetch(d + a * nb, nb * 2);
-        if (m) jaxllm_gguf::prefetch(m + a * nb, nb * 2);
-        if (T::kQhBytes) jaxllm_gguf::prefetch(qh + a * nb * T::kQhBytes, nb * T::kQhBytes);
-      }
+    rows_range_prefetched(M, n0, n1, prefetch_row, [=](int rows, int64_t r0, int64_t n) {
       tile_fn(rows, x + r0 * K, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
               qh + n * nb * T::kQhBytes, sx ? sx + r0 * nb : nullptr, y + r0 * N + n, N);
     });
@@ -528,15 +527,15 @@ void linear_k(ffi::ThreadPool& pool, const float* x, const KRow& w0, float* y, i
   const float* sx = sums.data();
   const int64_t nb32 = K / kBlock;
   const auto tile_fn = g_avx512 ? tile_k_512<T> : tile_k<T>;
+  const auto prefetch_row = [=](int64_t a) {
+    jaxllm_gguf::prefetch(w0.qs + a * nb * T::kQsBytes, nb * T::kQsBytes);
+    jaxllm_gguf::prefetch(w0.scales + a * nb * T::kScBytes, nb * T::kScBytes);
+    jaxllm_gguf::prefetch(w0.d + a * nb, nb * 2);
+    if (w0.dmin) jaxllm_gguf::prefetch(w0.dmin + a * nb, nb * 2);
+    if (w0.qh) jaxllm_gguf::prefetch(w0.qh + a * nb * T::kQhBytes, nb * T::kQhBytes);
+  };
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
-    rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
-      if (const int64_t a = n + kPrefetchRows; a < n1) {
-        jaxllm_gguf::prefetch(w0.qs + a * nb * T::kQsBytes, nb * T::kQsBytes);
-        jaxllm_gguf::prefetch(w0.scales + a * nb * T::kScBytes, nb * T::kScBytes);
-        jaxllm_gguf::prefetch(w0.d + a * nb, nb * 2);
-        if (w0.dmin) jaxllm_gguf::prefetch(w0.dmin + a * nb, nb * 2);
-        if (w0.qh) jaxllm_gguf::prefetch(w0.qh + a * nb * T::kQhBytes, nb * T::kQhBytes);
-      }
+    rows_range_prefetched(M, n0, n1, prefetch_row, [=](int rows, int64_t r0, int64_t n) {
       const KRow w{w0.d + n * nb, w0.dmin ? w0.dmin + n * nb : nullptr, w0.scales + n * nb * T::kScBytes,
                    w0.qs + n * nb * T::kQsBytes, w0.qh ? w0.qh + n * nb * T::kQhBytes : nullptr};
       tile_fn(rows, x + r0 * K, K, w, T::kHasMin ? sx + r0 * nb32 : nullptr, y + r0 * N + n, N);
@@ -717,9 +716,9 @@ inline void row_tile_16(const float* x, int64_t K, const uint16_t* w, float* y, 
 
 template <bool BF16>
 void linear_16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N) {
+  const auto prefetch_row = [=](int64_t a) { jaxllm_gguf::prefetch(w + a * K, K * 2); };
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
-    rows_range(M, n0, n1, [=](int rows, int64_t r0, int64_t n) {
-      if (const int64_t a = n + kPrefetchRows; a < n1) jaxllm_gguf::prefetch(w + a * K, K * 2);
+    rows_range_prefetched(M, n0, n1, prefetch_row, [=](int rows, int64_t r0, int64_t n) {
       const float* xt = x + r0 * K;
       float* yt = y + r0 * N + n;
       switch (rows) {
