@@ -23,6 +23,13 @@ FAMILY_VARIANTS = {
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0}},
         final_logit_softcapping=15.0, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh")),
+    # Alternating sliding/full layers, sinks, q/k/v/o biases, 4 experts top-2 with biases and a
+    # SwiGLU limit the random activations reach, YaRN over a short original context.
+    "gpt_oss": ("GptOssConfig", dict(
+        head_dim=16, num_hidden_layers=3, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, swiglu_limit=1.5, attention_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0})),
 }
 
 def build_family(variant: str, out_dir: str, tokenizer_dir: str | None = None, seed: int = 0) -> str:
@@ -31,3 +38,14 @@ def build_family(variant: str, out_dir: str, tokenizer_dir: str | None = None, s
 
 
 __all__ = ["BASE", "FAMILY_VARIANTS", "build_family"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def family_checkpoints(tmp_path_factory, smollm_tokenizer_dir):
+    """name -> path of an HF folder, for every variant in :data:`FAMILY_VARIANTS` (import this
+    fixture into a test module to use it)."""
+    root = tmp_path_factory.mktemp("tiny_families")
+    return {name: build_family(name, str(root / name), smollm_tokenizer_dir) for name in FAMILY_VARIANTS}

@@ -78,6 +78,9 @@ class ArchConfig:
     rope_local_theta: float | None = None
     """Gemma 3: the sliding layers' RoPE base (default rope); the full layers take
     ``rope_theta`` with ``rope_scaling``."""
+    swiglu_alpha: float = 1.702
+    """GPT-OSS's experts: ``(clip(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, l)``."""
+    swiglu_limit: float = 7.0
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: global attention)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import gemma, llama
+from jaxllm.models import gemma, gpt_oss, llama
 
 _REGISTRY: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -20,6 +20,7 @@ _REGISTRY: dict[str, ModuleType] = {
     "MixtralForCausalLM": llama,
     "Gemma2ForCausalLM": gemma,
     "Gemma3ForCausalLM": gemma,
+    "GptOssForCausalLM": gpt_oss,   # sinks, YaRN, biased experts with the clamped SwiGLU
 }
 
 # GGUF's general.architecture -> HF architecture name.
