@@ -49,3 +49,54 @@ def family_checkpoints(tmp_path_factory, smollm_tokenizer_dir):
     fixture into a test module to use it)."""
     root = tmp_path_factory.mktemp("tiny_families")
     return {name: build_family(name, str(root / name), smollm_tokenizer_dir) for name in FAMILY_VARIANTS}
+
+
+# ----------------------------------------------------------------------------- shared test helpers
+
+# (matmul, attention) pairs: the XLA path, the native CPU kernels, the Pallas kernel (interpret).
+BACKENDS = [("xla", "xla"), ("native", "native"), ("xla", "pallas")]
+
+
+def backends() -> list[tuple[str, str]]:
+    """:data:`BACKENDS` that run here (the native kernels need AVX2/FMA and a compiler)."""
+    from jaxllm.cpu import native
+    return [b for b in BACKENDS if "native" not in b or native.available()]
+
+
+def backend_ids() -> list[str]:
+    return [f"{m}-{a}" for m, a in backends()]
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    import numpy as np
+    return np.random.default_rng(seed).integers(3, 5000, size=n).tolist()
+
+
+def hf_greedy(hf, prompt: list[int], n: int = 32) -> list[int]:
+    """transformers' greedy ``generate`` of ``n`` tokens, never stopping early."""
+    import torch
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+
+
+def copy_checkpoint(src: str, dst: str, edit=None, drop: str | None = None) -> str:
+    """A copy of the HF folder ``src`` with ``edit(config dict)`` applied and tensor ``drop`` removed."""
+    import json
+    import os
+    import shutil
+    shutil.copytree(src, dst)
+    if edit is not None:
+        with open(os.path.join(dst, "config.json")) as f:
+            cfg = json.load(f)
+        edit(cfg)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    if drop is not None:
+        from safetensors.numpy import load_file, save_file
+        path = os.path.join(dst, "model.safetensors")
+        tensors = load_file(path)
+        del tensors[drop]
+        save_file(tensors, path)
+    return dst

@@ -11,15 +11,12 @@ refusals; a load error naming a missing tensor.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import numpy as np
 import pytest
 import torch
 
 from conftest import SMALL_ENGINE
+from tiny_families import backend_ids, backends, copy_checkpoint, hf_greedy, prompt_ids
 from tiny_families import family_checkpoints  # noqa: F401  (fixture)
 from tiny_models import load_hf, paged_logits
 
@@ -27,21 +24,6 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ModelLoadError
 
 GEMMAS = ("gemma2", "gemma3")
-# (matmul, attention) pairs: the XLA path, the native CPU kernels, the Pallas kernel (interpret).
-BACKENDS = [("xla", "xla"), ("native", "native"), ("xla", "pallas")]
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(3, 5000, size=n).tolist()
-
-
-def _native_ok():
-    from jaxllm.cpu import native
-    return native.available()
-
-
-def backends():
-    return [b for b in BACKENDS if "native" not in b or _native_ok()]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +31,7 @@ def hf_gemmas(family_checkpoints):  # noqa: F811
     return {name: load_hf(family_checkpoints[name]) for name in GEMMAS}
 
 
-@pytest.mark.parametrize("matmul,attention", backends(), ids=[f"{m}-{a}" for m, a in backends()])
+@pytest.mark.parametrize("matmul,attention", backends(), ids=backend_ids())
 @pytest.mark.parametrize("variant", GEMMAS)
 def test_prompt_logits_match_transformers(variant, matmul, attention, family_checkpoints, hf_gemmas):  # noqa: F811
     ids = prompt_ids(40, seed=1)
@@ -60,17 +42,10 @@ def test_prompt_logits_match_transformers(variant, matmul, attention, family_che
     assert rel < 1e-4, f"{variant} ({matmul}, {attention}): max relative logit error {rel:.2e}"
 
 
-def hf_greedy(hf, prompt, n=32):
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
-
-
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-@pytest.mark.parametrize("matmul,attention", backends(), ids=[f"{m}-{a}" for m, a in backends()])
+@pytest.mark.parametrize("matmul,attention", backends(), ids=backend_ids())
 @pytest.mark.parametrize("variant", GEMMAS)
 def test_greedy_tokens_match_transformers(variant, matmul, attention, family_checkpoints, hf_gemmas):  # noqa: F811
     llm = LLM(family_checkpoints[variant], cpu_matmul=matmul, attention_backend=attention,
@@ -127,23 +102,6 @@ def test_preemption_keeps_outputs_equal(small_pool_gemma3):
 
 # ----------------------------------------------------------------------------- config and loading
 
-def _copy(src, dst, edit=None, drop=None):
-    shutil.copytree(src, dst)
-    if edit is not None:
-        with open(os.path.join(dst, "config.json")) as f:
-            cfg = json.load(f)
-        edit(cfg)
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(cfg, f)
-    if drop is not None:
-        from safetensors.numpy import load_file, save_file
-        path = os.path.join(dst, "model.safetensors")
-        tensors = load_file(path)
-        del tensors[drop]
-        save_file(tensors, path)
-    return dst
-
-
 def test_arch_configs(family_checkpoints):  # noqa: F811
     from jaxllm.models.loader import load_model
     g2 = load_model(family_checkpoints["gemma2"]).arch
@@ -174,7 +132,7 @@ def test_gemma3_legacy_spelling_reads_the_same(family_checkpoints, tmp_path):  #
         cfg.pop("layer_types")
         cfg.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 4.0},
                    sliding_window_pattern=3, num_hidden_layers=4)
-    path = _copy(family_checkpoints["gemma3"], str(tmp_path / "legacy"), legacy)
+    path = copy_checkpoint(family_checkpoints["gemma3"], str(tmp_path / "legacy"), legacy)
     a = load_model(path).arch
     b = load_model(family_checkpoints["gemma3"]).arch
     # Pattern 3: every third layer global.
@@ -192,7 +150,7 @@ def test_gemma3_legacy_spelling_reads_the_same(family_checkpoints, tmp_path):  #
 ])
 def test_unsupported_options_are_refused_by_name(field, value, match, family_checkpoints, tmp_path):  # noqa: F811
     from jaxllm.models.loader import load_model
-    path = _copy(family_checkpoints["gemma3"], str(tmp_path / "bad"), lambda c: c.update({field: value}))
+    path = copy_checkpoint(family_checkpoints["gemma3"], str(tmp_path / "bad"), lambda c: c.update({field: value}))
     with pytest.raises(ModelLoadError, match=match):
         load_model(path)
 
@@ -201,7 +159,7 @@ def test_unsupported_options_are_refused_by_name(field, value, match, family_che
                                             ("gemma2", "model.layers.2.pre_feedforward_layernorm.weight")])
 def test_missing_tensor_is_named(variant, tensor, family_checkpoints, tmp_path):  # noqa: F811
     from jaxllm.models.loader import load_model
-    path = _copy(family_checkpoints[variant], str(tmp_path / "missing"), drop=tensor)
+    path = copy_checkpoint(family_checkpoints[variant], str(tmp_path / "missing"), drop=tensor)
     with pytest.raises(ModelLoadError, match=f"missing tensor '{tensor}'"):
         load_model(path)
 
