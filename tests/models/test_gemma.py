@@ -167,3 +167,16 @@ def test_missing_tensor_is_named(variant, tensor, family_checkpoints, tmp_path):
 def test_scan_layers_is_refused_for_mixed_layers(family_checkpoints):  # noqa: F811
     with pytest.raises(ValueError, match="--scan-layers"):
         LLM(family_checkpoints["gemma2"], scan_layers=True, **SMALL_ENGINE)
+
+
+def test_uniform_layers_run_under_scan(family_checkpoints, tmp_path):  # noqa: F811
+    """A checkpoint whose layers are all alike (every layer sliding) may be stacked under
+    lax.scan: the same logits as transformers."""
+    def all_sliding(cfg):
+        cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
+    path = copy_checkpoint(family_checkpoints["gemma3"], str(tmp_path / "uniform"), all_sliding)
+    ids = prompt_ids(40, seed=5)
+    ours = paged_logits(path, ids, True, split=23)
+    with torch.no_grad():
+        ref = load_hf(path)(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4

@@ -132,3 +132,16 @@ def test_missing_tensor_is_named(tensor, ckpt, tmp_path):
     path = copy_checkpoint(ckpt, str(tmp_path / "missing"), drop=tensor)
     with pytest.raises(ModelLoadError, match=f"missing tensor '{tensor}'"):
         load_model(path)
+
+
+def test_uniform_layers_run_under_scan(ckpt, tmp_path):
+    """Every layer global: the layers stack under lax.scan (the experts passed whole, sliced
+    at the scanned layer's index), the same logits as transformers."""
+    def all_full(cfg):
+        cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
+    path = copy_checkpoint(ckpt, str(tmp_path / "uniform"), all_full)
+    ids = prompt_ids(40, seed=5)
+    ours = paged_logits(path, ids, True, split=23)
+    with torch.no_grad():
+        ref = load_hf(path)(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
