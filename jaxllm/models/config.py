@@ -7,6 +7,7 @@ of what identifies a compiled step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from jaxllm.errors import ModelLoadError
@@ -150,7 +151,7 @@ def rope_scaling_from_dict(d: dict | None, where: str, supported: tuple[str, ...
     if rope_type == "default":
         return RopeScaling()
     if rope_type == "yarn":
-        return _yarn(d)
+        return _yarn(d, where)
     return RopeScaling(
         rope_type=rope_type,
         factor=float(d.get("factor", 1.0)),
@@ -160,10 +161,12 @@ def rope_scaling_from_dict(d: dict | None, where: str, supported: tuple[str, ...
     )
 
 
-def _yarn(d: dict) -> RopeScaling:
+def _yarn(d: dict, where: str) -> RopeScaling:
     """YaRN's parameters, with transformers' defaults and its attention factor
     (``_compute_yarn_parameters``)."""
-    import math
+    for key in ("factor", "original_max_position_embeddings"):
+        if d.get(key) is None:
+            raise ModelLoadError(f"{where}: yarn rope scaling needs {key}")
     factor = float(d["factor"])
     attention_factor = d.get("attention_factor")
     if attention_factor is None:

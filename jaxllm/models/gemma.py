@@ -169,7 +169,7 @@ def arch_config(hf, arch: str, where: str) -> ArchConfig:
     )
 
 
-def rope_tables(arch: ArchConfig) -> dict[str, RopeScaling | float]:
+def rope_tables(arch: ArchConfig) -> dict[str, tuple[float, RopeScaling]]:
     """The extra RoPE frequency tables the loader computes: name -> (theta, scaling)."""
     if arch.rope_local_theta is None:
         return {}
