@@ -100,3 +100,15 @@ def copy_checkpoint(src: str, dst: str, edit=None, drop: str | None = None) -> s
         del tensors[drop]
         save_file(tensors, path)
     return dst
+
+
+def hf_bf16_error(path: str, ids: list[int], ref) -> float:
+    """transformers' own bf16 logits' max error relative to its float32 ``ref``: the precision
+    a bf16 run of this random model can be held to."""
+    import numpy as np
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = model(torch.tensor([ids])).logits[0].float().numpy()
+    return float(np.abs(got - ref).max() / np.abs(ref).max())

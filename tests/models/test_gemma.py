@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import SMALL_ENGINE
-from tiny_families import backend_ids, backends, copy_checkpoint, hf_greedy, prompt_ids
+from tiny_families import backend_ids, backends, copy_checkpoint, hf_bf16_error, hf_greedy, prompt_ids
 from tiny_families import family_checkpoints  # noqa: F401  (fixture)
 from tiny_models import load_hf, paged_logits
 
@@ -182,3 +182,19 @@ def test_uniform_layers_run_under_scan(family_checkpoints, tmp_path):  # noqa: F
     with torch.no_grad():
         ref = load_hf(path)(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
+
+
+@pytest.mark.parametrize("variant", GEMMAS)
+def test_bf16_weights_and_cache_stay_close(variant, family_checkpoints, hf_gemmas):  # noqa: F811
+    # bf16 weights and cache (packed bits on CPU) with the native kernels: the model's function
+    # to bf16 precision.
+    matmul = "native" if backends()[1:2] == [("native", "native")] else "xla"
+    ids = prompt_ids(40, seed=2)
+    ours = paged_logits(family_checkpoints[variant], ids, False, split=17, matmul=matmul, attention=matmul,
+                        bf16=True)
+    with torch.no_grad():
+        ref = hf_gemmas[variant](torch.tensor([ids])).logits[0].numpy()
+    rel = np.abs(ours - ref).max() / np.abs(ref).max()
+    # No worse than transformers' own bf16 run of the model (activations stay float32 here).
+    bound = max(3e-2, hf_bf16_error(family_checkpoints[variant], ids, ref))
+    assert rel < bound, f"{variant} bf16 max relative logit error {rel:.2e} (transformers' bf16: {bound:.2e})"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import SMALL_ENGINE
-from tiny_families import backend_ids, backends, copy_checkpoint, hf_greedy, prompt_ids
+from tiny_families import backend_ids, backends, copy_checkpoint, hf_bf16_error, hf_greedy, prompt_ids
 from tiny_families import family_checkpoints  # noqa: F401  (fixture)
 from tiny_models import load_hf, paged_logits
 
@@ -148,3 +148,17 @@ def test_uniform_layers_run_under_scan(ckpt, tmp_path):
     with torch.no_grad():
         ref = load_hf(path)(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
+
+
+def test_bf16_weights_and_cache_stay_close(ckpt, hf_model):
+    # bf16 weights (the experts sliced as bits, widened per expert) and cache with the native
+    # kernels: the model's function to bf16 precision.
+    matmul = "native" if backends()[1:2] == [("native", "native")] else "xla"
+    ids = prompt_ids(40, seed=2)
+    ours = paged_logits(ckpt, ids, False, split=17, matmul=matmul, attention=matmul, bf16=True)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    rel = np.abs(ours - ref).max() / np.abs(ref).max()
+    # No worse than transformers' own bf16 run of the model (activations stay float32 here).
+    bound = max(3e-2, hf_bf16_error(ckpt, ids, ref))
+    assert rel < bound, f"gpt_oss bf16 max relative logit error {rel:.2e} (transformers' bf16: {bound:.2e})"
