@@ -42,16 +42,21 @@ VARIANTS = {
 
 MOE_VARIANTS = ("qwen3_moe", "mixtral")
 
+# Config classes whose architecture is not their name with ForCausalLM for Config.
+ARCHITECTURE_NAMES = {"Gemma3TextConfig": "Gemma3ForCausalLM"}
 
-def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, seed: int = 0) -> str:
-    """Writes an HF folder (config, safetensors, tokenizer) for ``variant``; returns its path."""
+
+def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, seed: int = 0,
+               variants: dict | None = None) -> str:
+    """Writes an HF folder (config, safetensors, tokenizer) for ``variant`` (of ``variants``,
+    default :data:`VARIANTS`); returns its path."""
     import torch
     import transformers
 
-    cls_name, overrides = VARIANTS[variant]
+    cls_name, overrides = (variants or VARIANTS)[variant]
     cfg_cls = getattr(transformers, cls_name)
     cfg = cfg_cls(**{**BASE, **overrides})
-    cfg.architectures = [cls_name.replace("Config", "ForCausalLM")]
+    cfg.architectures = [ARCHITECTURE_NAMES.get(cls_name, cls_name.replace("Config", "ForCausalLM"))]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -93,8 +98,8 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
     import jax.numpy as jnp
 
     from jaxllm.layers.attention import AttentionMetadata
-    from jaxllm.models import llama
     from jaxllm.models.kernels import Kernels
+    from jaxllm.models.registry import get_model_module
     from jaxllm.models.loader import load_model
     from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 
@@ -112,7 +117,8 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
     kv = allocate_kv_cache(arch.num_layers, num_blocks, block, arch.num_kv_heads, arch.head_dim,
                            kv_dtype, stacked=scan_layers)
     kernels = Kernels(matmul=matmul, attention=attention)
-    fwd = jax.jit(lambda p, kv, ids, md: llama.forward(arch, p, kv, ids, md, kernels))
+    module = get_model_module(arch.architecture)   # the family's forward (llama, gemma, ...)
+    fwd = jax.jit(lambda p, kv, ids, md: module.forward(arch, p, kv, ids, md, kernels))
     out = []
     for lo, hi in ((0, split), (split, T)):
         pos = np.arange(lo, hi, dtype=np.int32)
@@ -121,7 +127,7 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
             token_seq=np.zeros(hi - lo, np.int32), block_tables=table[None, :],
             seq_lens=np.array([hi], np.int32), query_start_loc=np.array([0, hi - lo], np.int32))
         hidden, kv = fwd(params, kv, np.asarray(ids[lo:hi], np.int32), md)
-        out.append(np.asarray(llama.compute_logits(arch, params, hidden, kernels)))
+        out.append(np.asarray(module.compute_logits(arch, params, hidden, kernels)))
     return np.concatenate(out)
 
 

@@ -16,7 +16,10 @@
 //                (--kv-cache-dtype, layers/kv_quant.py): int8 with k/v scales [.., Hkv, 1]
 //                float16 beside it, or fp8 e4m3fn / e5m2 as uint8 bits (scale 1.0)
 //   block_tables [S, MB] int32, token_seq [T] int32, positions [T] int32, layer [] int32
-//   attrs        scale (f32), sliding_window (i64; <= 0: none)
+//   sinks        [Hq] float32 (GPT-OSS's attention sinks: a logit per query head that joins the
+//                softmax's denominator) or [0]: none
+//   attrs        scale (f32), sliding_window (i64; <= 0: none), soft_cap (f32; <= 0: none:
+//                otherwise scores become soft_cap * tanh(s / soft_cap), Gemma 2)
 //   out          [T, Hq, Dh]              float32
 //
 // A quantized row is widened by a load that knows its format (int8: sign extension; fp8: a
@@ -155,9 +158,11 @@ struct Problem {
   const int32_t* tables;   // [S, MB]
   const int32_t* seq;      // [T]
   const int32_t* pos;      // [T]
+  const float* sinks;      // [Hq] or null: no sinks
   float* out;              // [T, Hq, Dh]
   int64_t T, Hq, Hkv, G, Dh, NB, BS, S, MB;
   float scale;
+  float soft_cap;          // <= 0: none
   int64_t window;          // <= 0: no sliding window
 
   // Visible positions [lo, hi) of token t.  Defensive for padding and bad input: hi is
@@ -357,6 +362,11 @@ void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
     if (P.ks)   // int8: q . (scale_j k_j) = scale_j (q . k_j)
       for (int64_t g = 0; g < G; ++g)
         for (int64_t j = 0; j < n; ++j) w.s[g * kTile + j] *= w.ksc[j];
+    if (P.soft_cap > 0.f) {   // Gemma 2: cap * tanh(s / cap) on the scaled scores
+      const float cap = P.soft_cap, inv_cap = 1.f / P.soft_cap;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t j = 0; j < n; ++j) w.s[g * kTile + j] = cap * std::tanh(w.s[g * kTile + j] * inv_cap);
+    }
     // Online softmax: new running max per head, scores -> exp(s - max) in place (rows past
     // n set to -inf give 0), accumulators rescaled by exp(old max - new max).
     for (int64_t g = 0; g < G; ++g) {
@@ -381,7 +391,13 @@ void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
     values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, n, Dh, G);
   }
   for (int64_t g = 0; g < G; ++g) {
-    const float inv = 1.f / w.l[g];   // l >= 1: the maximum's own term is exp(0)
+    float inv = 1.f / w.l[g];   // l >= 1: the maximum's own term is exp(0)
+    if (P.sinks) {
+      // The sink's exp joins the denominator: acc / (l + exp(sink - m)), both exponentials
+      // taken against the larger of m and the sink.
+      const float sink = P.sinks[h * G + g], top = std::max(w.m[g], sink), c = std::exp(w.m[g] - top);
+      inv = c / (w.l[g] * c + std::exp(sink - top));
+    }
     for (int64_t d = 0; d < Dh; ++d) out[g * Dh + d] = w.acc[g * Dh + d] * inv;
   }
 }
@@ -430,7 +446,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const 
                ffi::Span<const int64_t> vd, const void* k, const void* v, const uint16_t* ks, const uint16_t* vs,
                ffi::Span<const int64_t> ksd, ffi::Span<const int64_t> vsd, ffi::Buffer<ffi::S32>& block_tables,
                ffi::Buffer<ffi::S32>& token_seq, ffi::Buffer<ffi::S32>& positions, ffi::Buffer<ffi::S32>& layer,
-               float scale, int64_t sliding_window, ffi::ResultBuffer<ffi::F32>& out) {
+               ffi::Buffer<ffi::F32>& sinks, float scale, int64_t sliding_window, float soft_cap,
+               ffi::ResultBuffer<ffi::F32>& out) {
   auto qd = q.dimensions(), bd = block_tables.dimensions(), od = out->dimensions();
   if (qd.size() != 3) return invalid("q must be [T, Hq, Dh], got " + dims_str(qd));
   if (kd.size() != 4 && kd.size() != 5)
@@ -457,6 +474,9 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const 
   if (positions.dimensions().size() != 1 || positions.dimensions()[0] != T)
     return invalid("positions must be [T] with T = " + std::to_string(T) + ", got " + dims_str(positions.dimensions()));
   if (layer.element_count() != 1) return invalid("layer must be a scalar, got " + dims_str(layer.dimensions()));
+  if (sinks.element_count() != 0 && (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != Hq))
+    return invalid("sinks must be [Hq] with Hq = " + std::to_string(Hq) + " or [0], got " +
+                   dims_str(sinks.dimensions()));
   if (!std::equal(qd.begin(), qd.end(), od.begin(), od.end()))
     return invalid("out " + dims_str(od) + " must have q's shape " + dims_str(qd));
   if (T > 0 && (bd[0] <= 0 || bd[1] <= 0 || NB <= 0 || BS <= 0))
@@ -473,9 +493,11 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const 
   P.tables = block_tables.typed_data();
   P.seq = token_seq.typed_data();
   P.pos = positions.typed_data();
+  P.sinks = sinks.element_count() ? sinks.typed_data() : nullptr;
   P.out = out->typed_data();
   P.T = T, P.Hq = Hq, P.Hkv = Hkv, P.G = Hq / Hkv, P.Dh = Dh, P.NB = NB, P.BS = BS, P.S = bd[0], P.MB = bd[1];
   P.scale = scale;
+  P.soft_cap = soft_cap;
   P.window = sliding_window;
   paged_attention<KV>(pool, P);
   return ffi::Error::Success();
@@ -486,11 +508,11 @@ template <ffi::DataType KT, typename KV>
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KT> k_cache,
                               ffi::Buffer<KT> v_cache, ffi::Buffer<ffi::S32> block_tables,
                               ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
-                              ffi::Buffer<ffi::S32> layer, float scale, int64_t sliding_window,
-                              ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> sinks, float scale,
+                              int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Run<KV>(pool, q, k_cache.dimensions(), v_cache.dimensions(), k_cache.untyped_data(),
                  v_cache.untyped_data(), nullptr, nullptr, {}, {}, block_tables, token_seq, positions, layer,
-                 scale, sliding_window, out);
+                 sinks, scale, sliding_window, soft_cap, out);
 }
 
 // An int8 cache with its float16 scales [.., Hkv, 1].
@@ -498,12 +520,13 @@ ffi::Error PagedAttentionInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                   ffi::Buffer<ffi::S8> v_cache, ffi::Buffer<ffi::F16> k_scale,
                                   ffi::Buffer<ffi::F16> v_scale, ffi::Buffer<ffi::S32> block_tables,
                                   ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
-                                  ffi::Buffer<ffi::S32> layer, float scale, int64_t sliding_window,
-                                  ffi::ResultBuffer<ffi::F32> out) {
+                                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> sinks, float scale,
+                                  int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Run<int8_t>(pool, q, k_cache.dimensions(), v_cache.dimensions(), k_cache.untyped_data(),
                      v_cache.untyped_data(), reinterpret_cast<const uint16_t*>(k_scale.untyped_data()),
                      reinterpret_cast<const uint16_t*>(v_scale.untyped_data()), k_scale.dimensions(),
-                     v_scale.dimensions(), block_tables, token_seq, positions, layer, scale, sliding_window, out);
+                     v_scale.dimensions(), block_tables, token_seq, positions, layer, sinks, scale, sliding_window,
+                     soft_cap, out);
 }
 
 }  // namespace
@@ -518,8 +541,10 @@ ffi::Error PagedAttentionInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       .Arg<ffi::Buffer<ffi::S32>>()  /* token_seq */\
       .Arg<ffi::Buffer<ffi::S32>>()  /* positions */\
       .Arg<ffi::Buffer<ffi::S32>>()  /* layer */    \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* sinks */    \
       .Attr<float>("scale")                         \
       .Attr<int64_t>("sliding_window")              \
+      .Attr<float>("soft_cap")                      \
       .Ret<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionF32, (PagedAttentionImpl<ffi::DataType::F32, float>),
@@ -548,6 +573,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionInt8, PagedAttentionInt8Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // token_seq
                                   .Arg<ffi::Buffer<ffi::S32>>()   // positions
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap")
                                   .Ret<ffi::Buffer<ffi::F32>>());

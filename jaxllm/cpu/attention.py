@@ -23,8 +23,10 @@ _QUANT_TARGETS = {"int8": "jaxllm_paged_attention_int8", "fp8_e4m3": "jaxllm_pag
 
 
 def paged_attention_native(q: jax.Array, kv, layer, md, *, scale: float,
-                           sliding_window: int | None = None) -> jax.Array:
-    """q [T, Hq, Dh] -> [T, Hq, Dh] (q's dtype), computed in float32.
+                           sliding_window: int | None = None, soft_cap: float | None = None,
+                           sinks: jax.Array | None = None) -> jax.Array:
+    """q [T, Hq, Dh] -> [T, Hq, Dh] (q's dtype), computed in float32; ``soft_cap`` and
+    ``sinks`` [Hq] as in :func:`jaxllm.layers.attention.paged_attention_xla`.
 
     ``kv``: one layer's (K, V), each ``[NB, BS, Hkv, Dh]``, with ``layer`` None; or the
     stacked cache ``[L, NB, BS, Hkv, Dh]`` with ``layer`` the (possibly traced) index, which
@@ -61,8 +63,11 @@ def paged_attention_native(q: jax.Array, kv, layer, md, *, scale: float,
         raise ValueError(f"paged_attention_native: a {'per-layer' if layer is None else 'stacked'} cache must be "
                          f"{want}-D, got {k_cache.shape}")
     layer_idx = jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32).reshape(())
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"paged_attention_native: sinks must be [Hq] = [{q.shape[1]}], got {sinks.shape}")
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)   # [Hq] or [0]: none
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_cache, v_cache, *scales, md.block_tables.astype(jnp.int32),
-        md.token_seq.astype(jnp.int32), md.positions.astype(jnp.int32), layer_idx,
-        scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0))
+        md.token_seq.astype(jnp.int32), md.positions.astype(jnp.int32), layer_idx, sinks,
+        scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0))
     return out.astype(q.dtype)

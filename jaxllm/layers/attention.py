@@ -79,11 +79,15 @@ def kv_chunk_tokens(num_tokens: int, block_size: int) -> int:
 
 
 def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata, *, scale: float,
-                        sliding_window: int | None = None) -> jax.Array:
+                        sliding_window: int | None = None, soft_cap: float | None = None,
+                        sinks: jax.Array | None = None) -> jax.Array:
     """Plain-XLA paged attention with an online softmax over KV chunks.
 
     q [T, Hq, Dh] -> [T, Hq, Dh].  Loops only as far as the longest sequence in the batch,
-    so the cost follows the real context, not ``max_model_len``.
+    so the cost follows the real context, not ``max_model_len``.  ``sliding_window`` W: a
+    token sees its last W positions (itself included); ``soft_cap`` c: scores become
+    ``c * tanh(s / c)`` before the softmax (Gemma 2); ``sinks`` [Hq]: one learned logit per
+    query head that joins the softmax's denominator and contributes no value (GPT-OSS).
     """
     k_cache, v_cache = kv
     T, Hq, Dh = q.shape
@@ -111,6 +115,8 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
         k = kv_quant.gather(k_cache, _at(layer, blocks)).reshape(T, chunk, Hkv, Dh)  # [T, C, Hkv, Dh]
         v = kv_quant.gather(v_cache, _at(layer, blocks)).reshape(T, chunk, Hkv, Dh)
         s = jnp.einsum("thgd,tchd->thgc", qg, k)                # [T, Hkv, G, C]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         kpos = j * chunk + jnp.arange(chunk, dtype=jnp.int32)  # [C]
         valid = (kpos[None, :] < kv_len[:, None]) & (kpos[None, :] >= lo[:, None])  # [T, C]
         s = jnp.where(valid[:, None, None, :], s, _MASK_VALUE)
@@ -123,32 +129,49 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
 
     init = (jnp.full((T, Hkv, G), _MASK_VALUE, jnp.float32), jnp.zeros((T, Hkv, G), jnp.float32),
             jnp.zeros((T, Hkv, G, Dh), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    out = acc / l[..., None]
+    m, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    if sinks is not None:
+        out = _with_sinks(m, l, acc, sinks.reshape(Hkv, G))
+    else:
+        out = acc / l[..., None]
     return out.reshape(T, Hq, Dh).astype(q.dtype)
+
+
+def _with_sinks(m, l, acc, sinks):
+    """The normalised output of an online softmax (running max m, sum l, accumulator acc,
+    ``[..., G]`` / ``[..., G, Dh]``) whose denominator also holds ``exp(sink)`` per head:
+    ``acc / (l + exp(sink - m))``, computed against the larger of m and the sink so that
+    neither exponential overflows."""
+    sinks = sinks.astype(jnp.float32)
+    top = jnp.maximum(m, sinks)
+    corr = jnp.exp(m - top)
+    return acc * (corr / (l * corr + jnp.exp(sinks - top)))[..., None]
 
 
 ATTENTION_IMPLS = ("xla", "pallas", "native")
 
 
-def _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window):
+def _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window, soft_cap, sinks):
     from jaxllm.pallas.ragged_paged_attention import default_kv_splits, ragged_paged_attention
     k_cache, v_cache = kv
     splits = default_kv_splits(q.shape[0], md.seq_lens.shape[0], q.shape[1] // k.shape[1], k.shape[1],
                                md.block_tables.shape[1] * k_cache.shape[-3])
     o, k_cache, v_cache = ragged_paged_attention(
         q, k, v, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, layer=layer,
-        sm_scale=scale, sliding_window=sliding_window, kv_splits=splits)
+        sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, kv_splits=splits)
     return o, (k_cache, v_cache)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: AttentionMetadata, *,
-           scale: float, sliding_window: int | None, backend: str = "xla") -> tuple[jax.Array, KVCache]:
+           scale: float, sliding_window: int | None, soft_cap: float | None = None, sinks: jax.Array | None = None,
+           backend: str = "xla") -> tuple[jax.Array, KVCache]:
     """Writes this step's K/V ``[T, Hkv, Dh]`` into the cache and attends: q [T, Hq, Dh] ->
     ([T, Hq, Dh], cache).  ``backend``: "xla" (scatter + :func:`paged_attention_xla`),
     "pallas" (one kernel that does both; interpret mode on CPU) or "native" (scatter + the
     CPU kernel of ``jaxllm/cpu/attention.py``, one device only).  The engine chose ``backend``
-    and refused what cannot run (``engine/resolve.py``)."""
+    and refused what cannot run (``engine/resolve.py``).  ``sliding_window``, ``soft_cap``
+    (static) and ``sinks`` ([Hq] or None): see :func:`paged_attention_xla`."""
+    feats = dict(sliding_window=sliding_window, soft_cap=soft_cap)
     if backend == "pallas":
         tp = tp_size()
         if tp > 1:
@@ -157,17 +180,23 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
             heads = P(None, TP, None)                               # [T, H, Dh]
             cache = P(*([None] * (kv[0].ndim - 2)), TP, None)        # [(L,) NB, BS, Hkv, Dh]
             layer_arg = () if layer is None else (layer,)           # a scanned layer's index is traced
+            sink_arg = () if sinks is None else (sinks,)            # [Hq], split like the q heads
+
+            def per_device(q, k, v, kv, md, *rest):
+                li = rest[0] if layer_arg else None
+                sk = rest[len(layer_arg)] if sink_arg else None
+                return _pallas_attend(q, k, v, kv, li, md, scale, sliding_window, soft_cap, sk)
             fn = jax.shard_map(
-                lambda q, k, v, kv, md, *li: _pallas_attend(q, k, v, kv, li[0] if li else None, md, scale,
-                                                            sliding_window),
-                in_specs=(heads, heads, heads, (cache, cache), P(), *(P() for _ in layer_arg)),
+                per_device,
+                in_specs=(heads, heads, heads, (cache, cache), P(), *(P() for _ in layer_arg),
+                          *(P(TP) for _ in sink_arg)),
                 out_specs=(heads, (cache, cache)), check_vma=False)
-            return fn(q, k, v, kv, md, *layer_arg)
-        return _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window)
+            return fn(q, k, v, kv, md, *layer_arg, *sink_arg)
+        return _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window, soft_cap, sinks)
     if backend == "native":
         from jaxllm.cpu.attention import paged_attention_native
         kv = write_kv(kv, layer, md.slot_mapping, k, v)
-        return paged_attention_native(q, kv, layer, md, scale=scale, sliding_window=sliding_window), kv
+        return paged_attention_native(q, kv, layer, md, scale=scale, sinks=sinks, **feats), kv
     if backend != "xla":
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_IMPLS)}, got {backend!r}")
     tp = tp_size()
@@ -180,6 +209,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
         kv = write_kv(kv, layer, md.slot_mapping, k, v)
         cache = P(*([None] * (kv[0].ndim - 2)), axis, None)
         kv = tuple(jax.lax.with_sharding_constraint(c, cache) for c in kv)
-        return paged_attention_xla(q, kv, layer, md, scale=scale, sliding_window=sliding_window), kv
+        return paged_attention_xla(q, kv, layer, md, scale=scale, sinks=sinks, **feats), kv
     kv = write_kv(kv, layer, md.slot_mapping, k, v)
-    return paged_attention_xla(q, kv, layer, md, scale=scale, sliding_window=sliding_window), kv
+    return paged_attention_xla(q, kv, layer, md, scale=scale, sinks=sinks, **feats), kv

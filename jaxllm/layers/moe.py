@@ -74,11 +74,12 @@ def _block_rows(n: int, num_experts: int) -> int:
 
 
 def _expert(w: jax.Array, layer, e) -> jax.Array:
-    """One expert's matrix: w[e] (w [E, a, b]) or w[layer, e] (w [L, E, a, b]) -> [a, b]."""
+    """One expert's array: w[e] (w [E, ...]) or w[layer, e] (w [L, E, ...]): a matrix, or a
+    bias vector (GPT-OSS)."""
     if layer is None:
         return jax.lax.dynamic_index_in_dim(w, e, 0, keepdims=False)
-    a, b = w.shape[-2:]
-    return jax.lax.dynamic_slice(w, (layer, e, 0, 0), (1, 1, a, b)).reshape(a, b)
+    rest = w.shape[2:]
+    return jax.lax.dynamic_slice(w, (layer, e) + (0,) * len(rest), (1, 1, *rest)).reshape(rest)
 
 
 def _swiglu_expert(x, g, u, d):
@@ -87,10 +88,12 @@ def _swiglu_expert(x, g, u, d):
     return matmul(h.astype(x.dtype), d)
 
 
-def _grouped(x, weights, experts, w_gate, w_up, w_down, layer, num_tokens):
+def _grouped(x, weights, experts, mats, layer, num_tokens, expert_fn=_swiglu_expert):
+    """``mats``: the expert stacks ``[(L,) E, ...]`` (the first a matrix), sliced per expert and
+    passed to ``expert_fn(x [B, D], *slices) -> float32 [B, D]``."""
     T, D = x.shape
     k = experts.shape[1]
-    E = w_gate.shape[-3]
+    E = mats[0].shape[-3]
     N = T * k
     flat = experts.reshape(N)                                      # [N] expert of each (token, slot)
     if num_tokens is not None:
@@ -107,7 +110,7 @@ def _grouped(x, weights, experts, w_gate, w_up, w_down, layer, num_tokens):
 
     def per_expert(i, y):
         e = hit[i]
-        g, u, d = _expert(w_gate, layer, e), _expert(w_up, layer, e), _expert(w_down, layer, e)
+        ws = [_expert(w, layer, e) for w in mats]
         start = starts[e]
 
         def per_block(j, y):
@@ -115,7 +118,7 @@ def _grouped(x, weights, experts, w_gate, w_up, w_down, layer, num_tokens):
             # into belong to a later expert (rewritten when its turn comes) or to the tail.
             r = start + j * B
             xb = jax.lax.dynamic_slice_in_dim(xs, r, B)            # [B, D]
-            return jax.lax.dynamic_update_slice_in_dim(y, _swiglu_expert(xb, g, u, d), r, 0)
+            return jax.lax.dynamic_update_slice_in_dim(y, expert_fn(xb, *ws), r, 0)
 
         return jax.lax.fori_loop(0, (counts[e] + B - 1) // B, per_block, y)
 
@@ -143,31 +146,34 @@ def _dense(x, weights, experts, w_gate, w_up, w_down, layer):
     return jnp.einsum("te,etd->td", combine, y)                                         # [T, D]
 
 
-def _expert_parallel(x, weights, experts, w_gate, w_up, w_down, layer, num_tokens):
+def _expert_parallel(x, weights, experts, mats, layer, num_tokens, expert_fn=_swiglu_expert):
     """The grouped experts with the expert axis split over the ``tp`` mesh axis: every device
     holds E/tp experts and computes, for all tokens (activations are replicated), only the
     assignments routed to its own experts; one psum adds the devices' partial outputs.  No
     device reads another's expert weights (XLA's partitioner, left alone, would all-gather
     the whole expert stacks to slice one expert)."""
     stacked = layer is not None
-    w_spec = P(*([None] * stacked), TP, None, None)                 # [(L,) E, a, b]: experts split
+    # [(L,) E, ...]: experts split
+    w_specs = tuple(P(*([None] * stacked), TP, *([None] * (w.ndim - 1 - stacked))) for w in mats)
     extra = tuple(a for a in (layer, num_tokens) if a is not None)
+    M = len(mats)
 
-    def local(x, weights, experts, w_gate, w_up, w_down, *extra):
+    def local(x, weights, experts, *rest):
+        mats, extra = rest[:M], rest[M:]
         it = iter(extra)
         lyr = next(it) if stacked else None
         n = next(it) if num_tokens is not None else None
-        E_local = w_gate.shape[-3]
+        E_local = mats[0].shape[-3]
         lo = jax.lax.axis_index(TP) * E_local
         mine = (experts >= lo) & (experts < lo + E_local)           # [T, k]
         # Assignments to other devices' experts get the sentinel E_local: never computed,
         # their rows stay zero.
         local_experts = jnp.where(mine, experts - lo, E_local)
-        y = _grouped(x, weights, local_experts, w_gate, w_up, w_down, lyr, n)   # [T, D] partial
+        y = _grouped(x, weights, local_experts, mats, lyr, n, expert_fn)   # [T, D] partial
         return jax.lax.psum(y, TP)
 
-    return jax.shard_map(local, in_specs=(P(), P(), P(), w_spec, w_spec, w_spec, *(P() for _ in extra)),
-                         out_specs=P(), check_vma=False)(x, weights, experts, w_gate, w_up, w_down, *extra)
+    return jax.shard_map(local, in_specs=(P(), P(), P(), *w_specs, *(P() for _ in extra)),
+                         out_specs=P(), check_vma=False)(x, weights, experts, *mats, *extra)
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
@@ -181,12 +187,22 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {IMPLS}, got {impl!r}")
     weights, experts = route(x, router, top_k, renormalize)       # [T, k], [T, k]
-    if impl == "expert_parallel" and tp_size() > 1:
-        y = _expert_parallel(x, weights, experts, w_gate, w_up, w_down, layer, num_tokens)
-    elif impl in ("grouped", "expert_parallel"):
-        y = _grouped(x, weights, experts, w_gate, w_up, w_down, layer, num_tokens)
+    if impl in ("grouped", "expert_parallel"):
+        y = routed_experts(x, weights, experts, (w_gate, w_up, w_down), impl, layer=layer, num_tokens=num_tokens)
     else:
         if num_tokens is not None:
             weights = jnp.where(jnp.arange(x.shape[0])[:, None] < num_tokens, weights, 0.0)
         y = _dense(x, weights, experts, w_gate, w_up, w_down, layer)
     return y.astype(x.dtype)
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, mats: tuple, impl: str = "grouped",
+                   expert_fn=_swiglu_expert, *, layer=None, num_tokens=None) -> jax.Array:
+    """The grouped experts (``impl`` "grouped", or "expert_parallel": split over the ``tp``
+    mesh axis when there is one) for tokens already routed: x [T, D], weights / experts
+    [T, k] -> float32 [T, D] = sum_j weights_j * expert_fn(x, *mats[experts_j]).  ``mats``:
+    the expert stacks ``[(L,) E, ...]``, the first a matrix (for other families' experts:
+    GPT-OSS's biases and clamped SwiGLU, ``models/gpt_oss.py``)."""
+    if impl == "expert_parallel" and tp_size() > 1:
+        return _expert_parallel(x, weights, experts, mats, layer, num_tokens, expert_fn)
+    return _grouped(x, weights, experts, mats, layer, num_tokens, expert_fn)

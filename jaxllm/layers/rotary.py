@@ -35,7 +35,31 @@ def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling,
         smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    elif scaling.rope_type == "yarn":
+        inv = _yarn(head_dim, theta, scaling)
     return inv.astype(np.float32)
+
+
+def _yarn(dim: int, theta: float, sc: RopeScaling) -> np.ndarray:
+    """YaRN's frequencies (transformers' ``_compute_yarn_parameters``): interpolated by
+    ``factor`` below a ramp over the dimensions, extrapolated (unchanged) above it; the ramp
+    runs between the dimensions that turn ``beta_fast`` and ``beta_slow`` times over the
+    original context.  Its ``attention_factor`` scales cos and sin (the model applies it)."""
+    def correction_dim(rotations):
+        return dim * math.log(sc.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = correction_dim(sc.beta_fast), correction_dim(sc.beta_slow)
+    if sc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim))
+                 ).astype(np.float32)
+    extrapolation = (1.0 / pos_freqs).astype(np.float32)
+    interpolation = (1.0 / (np.float32(sc.factor) * pos_freqs)).astype(np.float32)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extra = (1 - ramp).astype(np.float32)
+    return (interpolation * (1 - extra) + extrapolation * extra).astype(np.float32)
 
 
 def cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -7,6 +7,7 @@ of what identifies a compiled step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from jaxllm.errors import ModelLoadError
@@ -23,6 +24,12 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    """YaRN: the ramp's bounds (rotations) and whether they are rounded to whole dimensions."""
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    """YaRN: cos and sin are multiplied by this (transformers' ``attention_scaling``)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,33 @@ class ArchConfig:
     ``intermediate_size``)."""
     norm_topk_prob: bool = False
     """Renormalise the k routing weights to sum to 1 (Qwen3-MoE's flag; Mixtral: always)."""
+    # Gemma 2/3 and GPT-OSS (models/gemma.py, models/gpt_oss.py).
+    layer_types: tuple[str, ...] = ()
+    """Per layer "sliding_attention" or "full_attention"; empty: every layer alike, with
+    ``sliding_window`` (or none).  Layers that differ run unrolled (engine/resolve.py)."""
+    attn_scale: float | None = None
+    """The softmax scale (Gemma's ``query_pre_attn_scalar ** -0.5``); None: ``head_dim ** -0.5``."""
+    attn_soft_cap: float | None = None
+    """Attention scores become ``c * tanh(s / c)`` (Gemma 2's ``attn_logit_softcapping``)."""
+    final_soft_cap: float | None = None
+    """Logits become ``c * tanh(z / c)`` (Gemma's ``final_logit_softcapping``)."""
+    rope_local_theta: float | None = None
+    """Gemma 3: the sliding layers' RoPE base (default rope); the full layers take
+    ``rope_theta`` with ``rope_scaling``."""
+    swiglu_alpha: float = 1.702
+    """GPT-OSS's experts: ``(clip(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, l)``."""
+    swiglu_limit: float = 7.0
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: global attention)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Whether every layer has the same static attributes (can be stacked under lax.scan)."""
+        return len(set(self.layer_types)) <= 1
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -104,16 +138,20 @@ class ArchConfig:
         return total
 
 
-def rope_scaling_from_dict(d: dict | None, where: str) -> RopeScaling:
-    """Reads an HF ``rope_scaling`` / ``rope_parameters`` dict; refuses types we do not implement."""
+def rope_scaling_from_dict(d: dict | None, where: str, supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
+                           ) -> RopeScaling:
+    """Reads an HF ``rope_scaling`` / ``rope_parameters`` dict; refuses types we do not implement
+    (``supported``: the architecture's)."""
     if not d:
         return RopeScaling()
     rope_type = d.get("rope_type") or d.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in supported:
         raise ModelLoadError(f"{where}: rope scaling type {rope_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+                             f"(supported: {', '.join(supported)})")
     if rope_type == "default":
         return RopeScaling()
+    if rope_type == "yarn":
+        return _yarn(d, where)
     return RopeScaling(
         rope_type=rope_type,
         factor=float(d.get("factor", 1.0)),
@@ -121,6 +159,25 @@ def rope_scaling_from_dict(d: dict | None, where: str) -> RopeScaling:
         high_freq_factor=float(d.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _yarn(d: dict, where: str) -> RopeScaling:
+    """YaRN's parameters, with transformers' defaults and its attention factor
+    (``_compute_yarn_parameters``)."""
+    for key in ("factor", "original_max_position_embeddings"):
+        if d.get(key) is None:
+            raise ModelLoadError(f"{where}: yarn rope scaling needs {key}")
+    factor = float(d["factor"])
+    attention_factor = d.get("attention_factor")
+    if attention_factor is None:
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        m, m_all = d.get("mscale"), d.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeScaling(rope_type="yarn", factor=factor,
+                       original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+                       beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
+                       truncate=bool(d.get("truncate", True)), attention_factor=float(attention_factor))
 
 
 def _eos_tuple(eos) -> tuple[int, ...]:
@@ -136,6 +193,10 @@ def arch_config_from_hf(hf, where: str) -> ArchConfig:
     arch = (getattr(hf, "architectures", None) or [None])[0]
     if arch is None:
         raise ModelLoadError(f"{where}: config.json names no architecture")
+    from jaxllm.models.registry import config_reader
+    reader = config_reader(arch)
+    if reader is not None:   # a family that reads its own config (models/gemma.py, models/gpt_oss.py)
+        return reader(hf, arch, where)
 
     def get(*names, default=None):
         for n in names:

@@ -41,6 +41,8 @@ class LoadedModel:
     rope_inv_freq: np.ndarray
     tokenizer: TokenizerSource | None
     generation_config: dict = field(default_factory=dict)
+    rope_tables: dict[str, np.ndarray] = field(default_factory=dict)
+    """Further RoPE frequency tables by parameter name (Gemma 3's sliding layers' base)."""
 
     def tensors(self) -> list:
         return [*self.globals.values(), *(a for lp in self.layers for a in lp.values())]
@@ -138,7 +140,15 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
     return LoadedModel(
         name=path, arch=arch, layers=layers, globals=globals_,
         rope_inv_freq=inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling),
-        tokenizer=TokenizerSource(path), generation_config=gen)
+        tokenizer=TokenizerSource(path), generation_config=gen, rope_tables=_rope_tables(arch))
+
+
+def _rope_tables(arch: ArchConfig) -> dict[str, np.ndarray]:
+    """The model family's further frequency tables (``rope_tables(arch)``: name -> theta, scaling)."""
+    tables = getattr(get_model_module(arch.architecture), "rope_tables", None)
+    if tables is None:
+        return {}
+    return {name: inv_frequencies(arch.head_dim, theta, scaling) for name, (theta, scaling) in tables(arch).items()}
 
 
 # The linear layers quantized checkpoints and online quantization quantize (embeddings,

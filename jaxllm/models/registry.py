@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import llama
+from jaxllm.models import gemma, gpt_oss, llama
 
 _REGISTRY: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -18,6 +18,9 @@ _REGISTRY: dict[str, ModuleType] = {
     "Qwen3ForCausalLM": llama,
     "Qwen3MoeForCausalLM": llama,   # sparse MoE MLP: layers/moe.py
     "MixtralForCausalLM": llama,
+    "Gemma2ForCausalLM": gemma,
+    "Gemma3ForCausalLM": gemma,
+    "GptOssForCausalLM": gpt_oss,   # sinks, YaRN, biased experts with the clamped SwiGLU
 }
 
 # GGUF's general.architecture -> HF architecture name.
@@ -27,6 +30,13 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+
+def config_reader(architecture: str):
+    """The family's own config reader (``arch_config(hf, arch, where)``) for an architecture
+    whose module has one, else None (``models/config.arch_config_from_hf`` reads it)."""
+    module = _REGISTRY.get(architecture)
+    return getattr(module, "arch_config", None) if module is not None else None
 
 
 def supported_architectures() -> list[str]:

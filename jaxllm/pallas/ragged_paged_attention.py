@@ -202,7 +202,7 @@ def _work_items(cu_q_lens, block_q: int, num_items: int):
     return jnp.stack([seq, first, count, jnp.where(used, q_off, 0)]).astype(jnp.int32)
 
 
-def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, layer, *, scale, window,
+def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, layer, sinks, *, scale, window,
           soft_cap, kv_splits, block_q, interpret, num_warps, num_stages):
     T, Hq, D = q.shape
     Hkv = k_new.shape[1]
@@ -274,7 +274,16 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
     # Merge the splits: weights exp(m_split - m_max); then back to flat token order.
     m_max = m.max(axis=0)                                           # [N, Hkv, M]
     w = jnp.exp(m - m_max[None])                                    # [P, N, Hkv, M]
-    out = (w[..., None] * acc).sum(axis=0) / jnp.maximum((w * l).sum(axis=0), 1e-30)[..., None]
+    acc, l = (w[..., None] * acc).sum(axis=0), (w * l).sum(axis=0)  # [N, Hkv, M, D], [N, Hkv, M]
+    if sinks is not None:
+        # Attention sinks join the denominator only: one more term exp(sink) per row, taken
+        # against the larger of the row's max and its sink.  Row r of a KV head's block is
+        # query head h * G + r % G.
+        sk = sinks.astype(jnp.float32).reshape(Hkv, G)[:, jnp.arange(M) % G]   # [Hkv, M]
+        top = jnp.maximum(m_max, sk[None])
+        corr = jnp.exp(m_max - top)
+        acc, l = acc * corr[..., None], l * corr + jnp.exp(sk[None] - top)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]
     out = out[:, :, :block_q * G].reshape(N, Hkv, block_q, G, D).transpose(0, 2, 1, 3, 4)
     out = out.reshape(N * block_q, Hq, D)                           # [N * block_q, Hq, D]
     tok = jnp.arange(T, dtype=jnp.int32)
@@ -290,8 +299,9 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
 
 def ragged_paged_attention(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, *,
                            layer=None, sm_scale: float | None = None, sliding_window: int | None = None,
-                           soft_cap: float | None = None, kv_splits: int = 1, block_q: int | None = None,
-                           interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2):
+                           soft_cap: float | None = None, sinks=None, kv_splits: int = 1,
+                           block_q: int | None = None, interpret: bool | None = None, num_warps: int = 4,
+                           num_stages: int = 2):
     """Attention of a ragged batch over a paged cache, writing the step's K/V into it.
 
     q [T, Hq, D]; k_new, v_new [T, Hkv, D] (this step's keys/values, same flat order);
@@ -299,12 +309,17 @@ def ragged_paged_attention(q, k_new, v_new, k_cache, v_cache, kv_lens, page_tabl
     (each an array, or a quantized cache's ``kv_quant.QuantPages`` of that shape);
     kv_lens [S] (KV length after this step; 0 for padding rows); page_table [S, P];
     cu_q_lens [S + 1] (padding rows repeat the last offset; tokens past ``cu_q_lens[-1]``
-    are padding: no write, zero output).  Returns (out [T, Hq, D], k_cache, v_cache).
+    are padding: no write, zero output).  ``sliding_window`` W: a token sees its last W
+    positions; ``soft_cap`` c: scores ``c * tanh(s / c)``; ``sinks`` [Hq] (or None): a
+    learned logit per query head in the softmax's denominator (GPT-OSS), applied where the
+    splits merge.  Returns (out [T, Hq, D], k_cache, v_cache).
     ``interpret`` None: interpret mode on CPU."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if kv_splits < 1:
         raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(f"sinks must be [Hq] = [{q.shape[1]}], got {sinks.shape}")
     D = q.shape[-1]
     scale = D ** -0.5 if sm_scale is None else float(sm_scale)
     stacked = k_cache.ndim == 5
@@ -314,7 +329,7 @@ def ragged_paged_attention(q, k_new, v_new, k_cache, v_cache, kv_lens, page_tabl
         k_cache, v_cache = jax.tree.map(lambda a: a[None], (k_cache, v_cache))
         layer = 0
     out, k_cache, v_cache = _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens,
-                                  jnp.asarray(layer, jnp.int32), scale=scale, window=sliding_window,
+                                  jnp.asarray(layer, jnp.int32), sinks, scale=scale, window=sliding_window,
                                   soft_cap=soft_cap, kv_splits=kv_splits, block_q=block_q,
                                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     if not stacked:
@@ -333,9 +348,12 @@ ragged_paged_attention_jit = jax.jit(
 
 def ragged_paged_attention_reference(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, *,
                                      layer=None, sm_scale: float | None = None,
-                                     sliding_window: int | None = None, soft_cap: float | None = None):
+                                     sliding_window: int | None = None, soft_cap: float | None = None,
+                                     sinks=None):
     """Plain jnp, the oracle: scatter the new K/V, then dense masked softmax per token (a
-    quantized cache: the new K/V quantized into it, then attention over its dequantized values)."""
+    quantized cache: the new K/V quantized into it, then attention over its dequantized values);
+    ``sinks`` [Hq]: a column of each head's sink logit joins the softmax and is dropped after it,
+    as transformers' GPT-OSS eager attention does."""
     T, Hq, D = q.shape
     stacked = k_cache.ndim == 5
     kc, vc = jax.tree.map(lambda a: a[layer], (k_cache, v_cache)) if stacked else (k_cache, v_cache)
@@ -372,7 +390,12 @@ def ragged_paged_attention_reference(q, k_new, v_new, k_cache, v_cache, kv_lens,
     if sliding_window is not None:
         visible &= kpos > pos[:, None] - sliding_window
     sc = jnp.where(visible[:, None, None, :], sc, -jnp.inf)
-    out = jnp.einsum("thgk,tkhd->thgd", jax.nn.softmax(sc, axis=-1), vals).reshape(T, Hq, D)
+    if sinks is not None:
+        col = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, Hkv, G, 1), (T, Hkv, G, 1))
+        probs = jax.nn.softmax(jnp.concatenate([sc, col], axis=-1), axis=-1)[..., :-1]
+    else:
+        probs = jax.nn.softmax(sc, axis=-1)
+    out = jnp.einsum("thgk,tkhd->thgd", probs, vals).reshape(T, Hq, D)
     out = jnp.where(real[:, None, None], out, 0.0).astype(q.dtype)
     if stacked:
         kc, vc = (jax.tree.map(lambda full, one: full.at[layer].set(one), full, one)

@@ -79,6 +79,8 @@ def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool,
     else:
         params["layers"] = [{k: conv(k, v) for k, v in lp.items()} for lp in model.layers]
     params["rope_inv_freq"] = model.rope_inv_freq.astype(np.float32)
+    for name, table in model.rope_tables.items():
+        params[name] = table.astype(np.float32)
     return params
 
 

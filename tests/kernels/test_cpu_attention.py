@@ -81,14 +81,24 @@ def _attend(backend, layer=None, **kw):
     return jax.jit(f)
 
 
-def check(batch, *, sliding_window=None, layer=None, scale=None):
+def _attend_sinks(backend, layer=None, **kw):
+    def f(q, k, v, kv, md, sinks, *li):
+        return attend(q, k, v, kv, li[0] if li else None, md, backend=backend, sinks=sinks, **kw)
+    return jax.jit(f)
+
+
+def check(batch, *, sliding_window=None, layer=None, scale=None, soft_cap=None, sinks=None):
     """Both backends on the same batch (write_kv + attention); real tokens must agree and
     the kernel's output must be finite everywhere, padding included."""
     q, k, v, kv, md = batch
-    kw = dict(scale=scale or q.shape[-1] ** -0.5, sliding_window=sliding_window)
+    kw = dict(scale=scale or q.shape[-1] ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
     li = () if layer is None else (jnp.int32(layer),)
-    want, kv_x = _attend("xla", **kw)(q, k, v, kv, md, *li)
-    got, kv_n = _attend("native", **kw)(q, k, v, kv, md, *li)
+    if sinks is not None:
+        want, kv_x = _attend_sinks("xla", **kw)(q, k, v, kv, md, sinks, *li)
+        got, kv_n = _attend_sinks("native", **kw)(q, k, v, kv, md, sinks, *li)
+    else:
+        want, kv_x = _attend("xla", **kw)(q, k, v, kv, md, *li)
+        got, kv_n = _attend("native", **kw)(q, k, v, kv, md, *li)
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape and got.dtype == np.float32
     assert np.isfinite(got).all()
@@ -139,6 +149,31 @@ def test_other_block_sizes(BS):
 
 def test_scale():
     check(make_batch(50, **MIXED, Hq=4, Hkv=2, D=64), scale=0.3)
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+def test_soft_cap(cache):
+    # A cap below the scores' spread (scale 1.0 gives scores of ~8): tanh bends most of them.
+    check(make_batch(51, **MIXED, Hq=6, Hkv=2, D=64, cache=cache), soft_cap=5.0, scale=1.0)
+    check(make_batch(52, **DECODE, Hq=9, Hkv=3, D=64, cache=cache), soft_cap=2.0, sliding_window=16)
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_attention_sinks(kind):
+    # Sinks from far below to far above the scores (a sink of +12 takes most of the weight,
+    # the output shrinks towards 0), per head of a 3-wide group, with a window and in a stack.
+    lens = DECODE if kind == "decode" else MIXED
+    sinks = jnp.asarray([-30.0, -1.0, 0.0, 0.5, 3.0, 12.0, 2.0, -2.0, 1.0], jnp.float32)   # [Hq]
+    check(make_batch(53, **lens, Hq=9, Hkv=3, D=64), sinks=sinks)
+    check(make_batch(54, **lens, Hq=9, Hkv=3, D=40, cache="bfloat16"), sinks=sinks, sliding_window=7, soft_cap=3.0)
+    check(make_batch(55, **lens, Hq=9, Hkv=3, D=64, layers=2), sinks=sinks, layer=1)
+
+
+def test_sinks_shape_is_checked():
+    from jaxllm.cpu.attention import paged_attention_native
+    q, k, v, kv, md = make_batch(56, [1], [3], Hq=4, Hkv=2, D=64)
+    with pytest.raises(ValueError, match="sinks must be"):
+        paged_attention_native(q, kv, None, md, scale=0.1, sinks=jnp.zeros((3,)))
 
 
 @pytest.mark.parametrize("layer", [0, 2])
@@ -207,7 +242,8 @@ def test_kernel_rejects_mismatched_shapes(what):
         args["v"] = vc[:-1]
     call = jax.ffi.ffi_call("jaxllm_paged_attention_f32", jax.ShapeDtypeStruct(args["q"].shape, jnp.float32))
     with pytest.raises(Exception, match="jaxllm_paged_attention"):
-        np.asarray(call(*args.values(), jnp.int32(0), scale=np.float32(0.1), sliding_window=np.int64(0)))
+        np.asarray(call(*args.values(), jnp.int32(0), jnp.zeros((0,), jnp.float32), scale=np.float32(0.1),
+                        sliding_window=np.int64(0), soft_cap=np.float32(0)))
 
 
 def test_resolution_of_the_attention_backend(monkeypatch):
@@ -369,8 +405,9 @@ def test_int8_kernel_rejects_mismatched_scales():
     (kc, vc) = kv
     call = jax.ffi.ffi_call("jaxllm_paged_attention_int8", jax.ShapeDtypeStruct(q.shape, jnp.float32))
     args = lambda ks: (q, kc.data, vc.data, ks, vc.scale, md.block_tables, md.token_seq, md.positions,  # noqa: E731
-                       jnp.int32(0))
-    np.asarray(call(*args(kc.scale), scale=np.float32(0.1), sliding_window=np.int64(0)))     # the right shapes run
+                       jnp.int32(0), jnp.zeros((0,), jnp.float32))
+    attrs = dict(scale=np.float32(0.1), sliding_window=np.int64(0), soft_cap=np.float32(0))
+    np.asarray(call(*args(kc.scale), **attrs))     # the right shapes run
     for bad in (kc.scale[:-1], jnp.repeat(kc.scale, 2, axis=-1)):
         with pytest.raises(Exception, match="k_scale .* must be the cache's"):
-            np.asarray(call(*args(bad), scale=np.float32(0.1), sliding_window=np.int64(0)))
+            np.asarray(call(*args(bad), **attrs))

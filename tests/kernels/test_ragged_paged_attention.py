@@ -57,9 +57,12 @@ _kernel = jax.jit(ragged_paged_attention, static_argnames=("sm_scale", "sliding_
                                                           "block_q", "interpret", "num_warps", "num_stages"))
 _reference = jax.jit(ragged_paged_attention_reference, static_argnames=("sm_scale", "sliding_window", "soft_cap"))
 
+# One sink per query head (8 heads at most here), from far below the scores to far above.
+SINKS = np.asarray([-30.0, -1.0, 0.0, 0.5, 3.0, 12.0, 2.0, -2.0], np.float32)
+
 
 def check(batch, dtype=jnp.float32, layer=None, **kw):
-    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap")}
+    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap", "sinks")}
     out, kc, vc = _kernel(**batch, layer=layer, **kw)
     r_out, r_kc, r_vc = _reference(**batch, layer=layer, **ref_kw)
     out, r_out = np.asarray(out, np.float32), np.asarray(r_out, np.float32)
@@ -132,6 +135,18 @@ def test_soft_cap_and_scale():
     check(make_batch(7, **MIXED, Hq=4, Hkv=2, D=64, page=16), soft_cap=3.0, sm_scale=0.3)
 
 
+@pytest.mark.parametrize("splits,window", [(1, None), (3, None), (2, 9)])
+def test_attention_sinks(splits, window):
+    # Sinks are merged with the splits' partials: split counts with empty splits, and a window.
+    check(make_batch(14, **MIXED, Hq=8, Hkv=2, D=64, page=16), sinks=jnp.asarray(SINKS), kv_splits=splits,
+          sliding_window=window, soft_cap=4.0 if window else None)
+
+
+def test_attention_sinks_stacked_and_odd_group():
+    batch = make_batch(15, **MIXED, Hq=6, Hkv=2, D=64, page=16, stacked_layers=2)
+    check(batch, layer=jnp.int32(1), sinks=jnp.asarray(SINKS[:6]))
+
+
 def test_block_q_choices():
     batch = make_batch(8, **MIXED, Hq=8, Hkv=2, D=64, page=16)
     for bq in (1, 3, 16):
@@ -143,8 +158,12 @@ def test_stacked_cache_writes_only_its_layer():
     check(batch, layer=jnp.int32(1))
 
 
-def test_reference_equals_the_engine_xla_path():
-    """The oracle computes the engine's function: scatter + paged_attention_xla on the same batch."""
+@pytest.mark.parametrize("features", [{}, dict(sliding_window=9, soft_cap=2.5, sinks=SINKS[:6])],
+                         ids=["plain", "window-cap-sinks"])
+def test_reference_equals_the_engine_xla_path(features):
+    """The oracle computes the engine's function: scatter + paged_attention_xla on the same
+    batch (with soft-capping, a window and sinks too: the reference's sinks are transformers'
+    extra softmax column, the XLA path's a term of the online softmax's denominator)."""
     b = make_batch(10, **MIXED, Hq=6, Hkv=2, D=64, page=16)
     cu, kv_lens, pt = (np.asarray(b[k]) for k in ("cu_q_lens", "kv_lens", "page_table"))
     T, S, page = b["q"].shape[0], kv_lens.shape[0], b["k_cache"].shape[1]
@@ -159,8 +178,9 @@ def test_reference_equals_the_engine_xla_path():
     md = AttentionMetadata(positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots), token_seq=jnp.asarray(seq),
                            block_tables=b["page_table"], seq_lens=b["kv_lens"], query_start_loc=b["cu_q_lens"])
     kv = write_kv((b["k_cache"], b["v_cache"]), None, md.slot_mapping, b["k_new"], b["v_new"])
-    xla = np.asarray(paged_attention_xla(b["q"], kv, None, md, scale=64 ** -0.5))
-    ref, _, _ = ragged_paged_attention_reference(**b)
+    xla_kw = {k: jnp.asarray(v) if k == "sinks" else v for k, v in features.items()}
+    xla = np.asarray(paged_attention_xla(b["q"], kv, None, md, scale=64 ** -0.5, **xla_kw))
+    ref, _, _ = ragged_paged_attention_reference(**b, **xla_kw)
     real = int(cu[-1])
     np.testing.assert_allclose(np.asarray(ref)[:real], xla[:real], rtol=1e-5, atol=1e-5)
 
@@ -180,6 +200,8 @@ def test_bad_arguments_are_refused():
         ragged_paged_attention(**b, layer=0)
     with pytest.raises(ValueError, match="multiple"):
         ragged_paged_attention(**{**b, "q": b["q"][:, :3]})
+    with pytest.raises(ValueError, match="sinks"):
+        ragged_paged_attention(**b, sinks=jnp.zeros((3,)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -22,9 +22,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxllm.layers.attention import AttentionMetadata
-from jaxllm.models import llama
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import load_model
+from jaxllm.models.registry import get_model_module
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
 from jaxllm.runner.weights import allocate_kv_cache, to_device_params
@@ -52,9 +52,11 @@ def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = 
 
     kernels = Kernels(attention=attention, moe="expert_parallel" if expert_parallel else "grouped")
 
+    module = get_model_module(arch.architecture)
+
     def fwd(p, kv, ids, md):
-        hidden, kv = llama.forward(arch, p, kv, ids, md, kernels)
-        return llama.compute_logits(arch, p, hidden, kernels), kv
+        hidden, kv = module.forward(arch, p, kv, ids, md, kernels)
+        return module.compute_logits(arch, p, hidden, kernels), kv
 
     rep = pmesh.replicated(mesh)
     jitted = jax.jit(fwd, donate_argnums=(1,), out_shardings=(rep, jax.tree.map(lambda a: a.sharding, kv)))
