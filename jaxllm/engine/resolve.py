@@ -120,6 +120,12 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
                              "a weight differently in different layers; use --no-scan-layers")
         log.info("layers unrolled: the checkpoint quantizes a weight differently in different layers")
         scan = False
+    if scan and not model.arch.uniform_layers:
+        if rc.scan_layers:
+            raise ValueError(f"--scan-layers stacks each weight over the layers, but {model.arch.architecture}'s "
+                             "layers differ (dense first layers, then MoE); use --no-scan-layers")
+        log.info("layers unrolled: %s's layers do not all have the same weights", model.arch.architecture)
+        scan = False
     backend = _attention_backend(rc.attention_backend, platform, dtype, tp, scan)
     sampler = rc.sampler_backend
     if sampler == "auto":

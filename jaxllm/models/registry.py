@@ -18,6 +18,13 @@ _REGISTRY: dict[str, ModuleType] = {
     "Qwen3ForCausalLM": llama,
     "Qwen3MoeForCausalLM": llama,   # sparse MoE MLP: layers/moe.py
     "MixtralForCausalLM": llama,
+    # models/families_b.py reads their configs into ArchConfig switches of the same decoder.
+    "Phi3ForCausalLM": llama,
+    "SmolLM3ForCausalLM": llama,
+    "Olmo2ForCausalLM": llama,
+    "Olmo3ForCausalLM": llama,
+    "GraniteForCausalLM": llama,
+    "Glm4MoeForCausalLM": llama,   # dense first layers, then MoE with shared experts
 }
 
 # GGUF's general.architecture -> HF architecture name.
