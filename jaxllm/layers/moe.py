@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.linear import matmul

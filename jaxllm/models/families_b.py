@@ -66,8 +66,8 @@ def family_b_fields(arch: str, get, rope_params, where: str, head_dim: int) -> d
     """The ``ArchConfig`` fields of ``arch`` (one of :data:`FAMILY_B`) that differ from the
     generic Llama reading; ``get`` reads the transformers config."""
     bias = bool(get("attention_bias", default=False))
-    out: dict = dict(rotary_dim=_rotary_dim(get, rope_params, head_dim),
-                     sliding_window=_sliding_window(get, arch, where), qkv_bias=bias, o_bias=bias)
+    out: dict = {"rotary_dim": _rotary_dim(get, rope_params, head_dim),
+                 "sliding_window": _sliding_window(get, arch, where), "qkv_bias": bias, "o_bias": bias}
     if arch == "SmolLM3ForCausalLM":
         flags = list(get("no_rope_layers", default=None) or [])
         if not flags:

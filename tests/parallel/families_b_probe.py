@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_probe import engine_tokens, run  # noqa: E402
+from tp_probe import engine_tokens, run
 
 
 def main():

@@ -16,7 +16,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from tiny_models import build_tiny
 
 HERE = os.path.dirname(os.path.abspath(__file__))
