@@ -94,6 +94,10 @@ def glm4_moe_fields(get, num_experts: int, top_k: int, where: str) -> dict:
     if n_group > 1 and num_experts // n_group < 2:
         raise ModelLoadError(f"{where}: n_group={n_group} leaves fewer than 2 experts per group "
                              "(a group's score is the sum of its best two)")
+    topk_group = int(get("topk_group", default=1))
+    if n_group > 1 and topk_group <= n_group and top_k > topk_group * (num_experts // n_group):
+        raise ModelLoadError(f"{where}: num_experts_per_tok={top_k} exceeds the experts of topk_group={topk_group} "
+                             f"of n_group={n_group} groups")
     return dict(num_experts=num_experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=int(get("moe_intermediate_size", default=0)),
                 norm_topk_prob=bool(get("norm_topk_prob", default=True)),

@@ -251,6 +251,7 @@ def test_glm4_moe_mtp_layer_is_skipped(ckpts, tmp_path):
     ("glm4_moe", dict(n_group=3), "n_group"),
     ("glm4_moe", dict(n_group=8, topk_group=4), "n_group"),
     ("glm4_moe", dict(topk_group=5), "topk_group"),
+    ("glm4_moe", dict(topk_group=1, num_experts_per_tok=3), "num_experts_per_tok"),
 ])
 def test_unsupported_option_is_refused(variant, changes, option, ckpts, tmp_path):
     path = _copy(ckpts[variant], tmp_path / "ckpt")
