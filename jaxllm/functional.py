@@ -109,6 +109,11 @@ def logits(cfg: ArchConfig, params: dict, tokens: jax.Array) -> jax.Array:
 
 def make_forward(cfg: ArchConfig):
     """``jax.jit``-ed ``forward(params, tokens [B, L]) -> logits [B, L, V]`` for one architecture."""
+    from jaxllm.models.families_b import FAMILY_B
+    if cfg.architecture in FAMILY_B:
+        from jaxllm.errors import ModelLoadError
+        raise ModelLoadError(f"jaxllm.functional does not implement {cfg.architecture} (its norms, rotary and "
+                             "multipliers differ from Llama's); serve it with jaxllm.LLM")
     def forward(params, tokens):
         return logits(cfg, params, jnp.asarray(tokens, jnp.int32))
 

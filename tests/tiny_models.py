@@ -45,6 +45,36 @@ MOE_VARIANTS = ("qwen3_moe", "mixtral")
 # Config classes whose architecture is not their name with ForCausalLM for Config.
 ARCHITECTURE_NAMES = {"Gemma3TextConfig": "Gemma3ForCausalLM"}
 
+_LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+             "short_factor": [1.0, 1.3, 2.1, 3.4], "long_factor": [1.7, 3.9, 6.2, 11.0],
+             "original_max_position_embeddings": 32}
+
+VARIANTS_B = {
+    # The families of jaxllm/models/families_b.py, every distinguishing option on (built by
+    # tests/models/test_families_b.py only, so the older sweeps stay as long as they were).
+    # Phi-3: fused qkv / gate_up, LongRoPE switching at 32 positions, partial rotary (half of each head).
+    "phi3": ("Phi3Config", dict(num_hidden_layers=2, tie_word_embeddings=False, original_max_position_embeddings=32,
+                                rope_scaling=_LONGROPE)),
+    # SmolLM3: layers 1 and 3 without RoPE, q/k/v/o biases.
+    "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2, attention_bias=True, pad_token_id=0,
+                                      tie_word_embeddings=True)),
+    "olmo2": ("Olmo2Config", dict(num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False)),
+    # OLMo 3 with every layer sliding: the uniform window (its mixed pattern: see families_b.py).
+    "olmo3_sliding": ("Olmo3Config", dict(num_hidden_layers=2, sliding_window=16, tie_word_embeddings=False,
+                                          layer_types=["sliding_attention", "sliding_attention"])),
+    "granite": ("GraniteConfig", dict(num_hidden_layers=2, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                      attention_multiplier=0.5, logits_scaling=2.0, attention_bias=True,
+                                      tie_word_embeddings=True)),
+    # GLM-4-MoE: a dense first layer, 8 routed experts in 4 groups (best 2 eligible), top-2,
+    # one shared expert, scaled weights, half-rotary heads, q/k/v bias, per-head q/k norm.
+    "glm4_moe": ("Glm4MoeConfig", dict(num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+                                       n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=4,
+                                       topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                       first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True,
+                                       use_qk_norm=True, head_dim=16, tie_word_embeddings=False)),
+}
+
+
 
 def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, seed: int = 0,
                variants: dict | None = None) -> str:
@@ -53,7 +83,7 @@ def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, see
     import torch
     import transformers
 
-    cls_name, overrides = (variants or VARIANTS)[variant]
+    cls_name, overrides = (variants or {**VARIANTS, **VARIANTS_B})[variant]
     cfg_cls = getattr(transformers, cls_name)
     cfg = cfg_cls(**{**BASE, **overrides})
     cfg.architectures = [ARCHITECTURE_NAMES.get(cls_name, cls_name.replace("Config", "ForCausalLM"))]
@@ -67,6 +97,9 @@ def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, see
                 p.copy_(0.1 * torch.randn_like(p))
             else:
                 p.copy_(torch.randn_like(p) * (1.5 / np.sqrt(p.shape[-1])))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # GLM-4-MoE's router bias (a saved buffer)
+                b.copy_(0.3 * torch.randn_like(b))
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer_dir is not None:
         for f in os.listdir(tokenizer_dir):

@@ -121,12 +121,13 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
         log.info("layers unrolled: the checkpoint quantizes a weight differently in different layers")
         scan = False
     if scan and not model.arch.uniform_layers:
-        # A layer's window (and its rope) are static attributes of its attention: layers that
-        # differ cannot share one scanned body.
+        # A layer's window (and its rope) are static attributes of its attention, and a dense
+        # layer has other weights than a MoE one: layers that differ cannot share one scanned body.
         if rc.scan_layers:
             raise ValueError(f"--scan-layers stacks the layers under one body, but {model.arch.architecture}'s "
-                             "layers differ (sliding-window and global attention); use --no-scan-layers")
-        log.info("layers unrolled: sliding-window and global layers differ")
+                             "layers differ (sliding-window and global attention, or dense and MoE layers); "
+                             "use --no-scan-layers")
+        log.info("layers unrolled: %s's layers differ (attention windows or weights)", model.arch.architecture)
         scan = False
     backend = _attention_backend(rc.attention_backend, platform, dtype, tp, scan)
     sampler = rc.sampler_backend

@@ -41,9 +41,10 @@ bit-cast, and dots accumulate in float32).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
-
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.linear import matmul
@@ -53,9 +54,54 @@ from jaxllm.parallel.mesh import TP, tp_size
 IMPLS = ("grouped", "dense", "expert_parallel")
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+@dataclass(frozen=True)
+class Routing:
+    """How a router turns logits into experts, beyond top-k and renormalisation.
+
+    ``scoring="sigmoid"`` is GLM-4-MoE's (transformers' ``Glm4MoeTopkRouter``): scores are
+    ``sigmoid(logits)``; experts are chosen by ``scores + bias`` (the checkpoint's
+    ``e_score_correction_bias``), first among the ``topk_group`` best of ``n_group`` equal
+    groups (a group's merit: the sum of its two best), then the top k of those; the weights
+    are the chosen experts' unbiased scores (renormalised with a 1e-20 guard when asked),
+    times ``scale`` (``routed_scaling_factor``)."""
+
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0
+
+    @staticmethod
+    def of(arch) -> Routing:
+        return Routing(arch.router_scoring, arch.n_group, arch.topk_group, arch.routed_scaling_factor)
+
+
+def _route_sigmoid(logits, bias, top_k: int, renormalize: bool, routing: Routing):
+    # logits [T, E] float32, bias [E] -> weights [T, k], experts [T, k]
+    T, E = logits.shape
+    scores = jax.nn.sigmoid(logits)                                 # [T, E]
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if routing.n_group > 1:
+        G = routing.n_group
+        grouped = choice.reshape(T, G, E // G)                      # [T, G, E/G]
+        merit = jax.lax.top_k(grouped, 2)[0].sum(axis=-1)          # [T, G]
+        best = jax.lax.top_k(merit, routing.topk_group)[1]          # [T, topk_group]
+        keep = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], best].set(True)   # [T, G]
+        choice = jnp.where(jnp.repeat(keep, E // G, axis=1), choice, -jnp.inf)
+    experts = jax.lax.top_k(choice, top_k)[1]                       # [T, k]
+    weights = jnp.take_along_axis(scores, experts, axis=1)          # [T, k]
+    if renormalize:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * jnp.float32(routing.scale), experts.astype(jnp.int32)
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool, routing: Routing = Routing(),
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [T, D], router [E, D] -> (weights [T, k] float32, experts [T, k] int32)."""
     logits = matmul(x, router)                                     # [T, E] float32
+    if routing.scoring == "sigmoid":
+        return _route_sigmoid(logits, bias, top_k, renormalize, routing)
+    if routing.scoring != "softmax":
+        raise ValueError(f"router scoring must be softmax or sigmoid, got {routing.scoring!r}")
     probs = jax.nn.softmax(logits, axis=-1)                         # [T, E]
     weights, experts = jax.lax.top_k(probs, top_k)                  # [T, k], [T, k]
     if renormalize:
@@ -178,15 +224,16 @@ def _expert_parallel(x, weights, experts, mats, layer, num_tokens, expert_fn=_sw
 
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
             top_k: int, renormalize: bool, impl: str = "grouped", *, layer=None,
-            num_tokens=None) -> jax.Array:
+            num_tokens=None, routing: Routing = Routing(), bias: jax.Array | None = None) -> jax.Array:
     """x [T, D] -> [T, D] (x's dtype): the sparse MoE block.
 
     router [E, D]; w_gate, w_up [E, F, D]; w_down [E, D, F] (or [L, E, ...] stacks with
     ``layer`` the index to use).  ``num_tokens`` (a traced scalar): rows at or past it are
-    padding, their output is zero and they cost no expert work."""
+    padding, their output is zero and they cost no expert work.  ``routing``, ``bias``
+    [E]: see :class:`Routing`."""
     if impl not in IMPLS:
         raise ValueError(f"moe impl must be one of {IMPLS}, got {impl!r}")
-    weights, experts = route(x, router, top_k, renormalize)       # [T, k], [T, k]
+    weights, experts = route(x, router, top_k, renormalize, routing, bias)   # [T, k], [T, k]
     if impl in ("grouped", "expert_parallel"):
         y = routed_experts(x, weights, experts, (w_gate, w_up, w_down), impl, layer=layer, num_tokens=num_tokens)
     else:

@@ -17,9 +17,15 @@ from jaxllm.models.config import RopeScaling
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling,
                     freq_factors: np.ndarray | None = None) -> np.ndarray:
-    """[head_dim // 2] float32."""
+    """[head_dim // 2] float32 (``head_dim``: the rotated dims); LongRoPE: [head_dim], the
+    short factors' frequencies then the long ones' (:func:`longrope_cos_sin` picks)."""
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv = (1.0 / (np.float32(theta) ** exponents)).astype(np.float32)
+    if scaling.rope_type == "longrope":
+        # transformers: 1 / (ext_factors * base ** exponents), in float32
+        base = (np.float32(theta) ** exponents).astype(np.float32)
+        return np.concatenate([1.0 / (np.asarray(f, np.float32) * base)
+                               for f in (scaling.short_factor, scaling.long_factor)]).astype(np.float32)
     if freq_factors is not None:
         # llama.cpp stores llama3-style scaling as per-frequency divisors (rope_freqs.weight).
         return (inv / freq_factors.astype(np.float32)).astype(np.float32)
@@ -80,10 +86,26 @@ def cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.A
     return jax.lax.cond(positions[0] >= 0, rotations, rotations, freqs)
 
 
+def longrope_cos_sin(positions: jax.Array, inv_freq: jax.Array, long: jax.Array,
+                     attention_factor: float) -> tuple[jax.Array, jax.Array]:
+    """LongRoPE (Phi-3): positions [T], inv_freq [R] (short then long frequencies, R/2 each),
+    long [T] bool: the token's sequence is longer than the original context -> cos, sin
+    [T, R/2], scaled by ``attention_factor`` as transformers scales them."""
+    half = inv_freq.shape[0] // 2
+    short_cs, long_cs = cos_sin(positions, inv_freq[:half]), cos_sin(positions, inv_freq[half:])
+    pick = long[:, None]
+    return tuple(jnp.where(pick, lg, sh) * jnp.float32(attention_factor) for sh, lg in zip(short_cs, long_cs))
+
+
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    # x [T, H, Dh] in the "rotate half" layout of transformers; cos, sin [T, Dh/2]
-    half = x.shape[-1] // 2
+    # x [T, H, Dh] in the "rotate half" layout of transformers; cos, sin [T, R/2]: the first
+    # R dims of each head are rotated (partial rotary when R < Dh), the rest pass through.
+    rot = 2 * cos.shape[-1]
+    half = rot // 2
     xf = x.astype(jnp.float32)
-    x1, x2 = xf[..., :half], xf[..., half:]
+    x1, x2 = xf[..., :half], xf[..., half:rot]
     c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+    parts = [x1 * c - x2 * s, x2 * c + x1 * s]
+    if rot < x.shape[-1]:
+        parts.append(xf[..., rot:])
+    return jnp.concatenate(parts, axis=-1).astype(x.dtype)

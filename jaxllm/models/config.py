@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from jaxllm.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,11 @@ class RopeScaling:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
-    """YaRN: cos and sin are multiplied by this (transformers' ``attention_scaling``)."""
+    """YaRN and LongRoPE: cos and sin are multiplied by this (transformers' ``attention_scaling``)."""
+    short_factor: tuple[float, ...] = ()
+    """LongRoPE (Phi-3): per-frequency divisors while a sequence fits the original context."""
+    long_factor: tuple[float, ...] = ()
+    """LongRoPE: the divisors once it is longer than ``original_max_position_embeddings``."""
 
 
 @dataclass(frozen=True)
@@ -83,16 +87,31 @@ class ArchConfig:
     """GPT-OSS's experts: ``(clip(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, l)``."""
     swiglu_limit: float = 7.0
 
-    def window(self, layer: int) -> int | None:
-        """The sliding window of ``layer`` (None: global attention)."""
-        if self.layer_types and self.layer_types[layer] != "sliding_attention":
-            return None
-        return self.sliding_window
-
-    @property
-    def uniform_layers(self) -> bool:
-        """Whether every layer has the same static attributes (can be stacked under lax.scan)."""
-        return len(set(self.layer_types)) <= 1
+    # The families of models/families_b.py (Phi-3, SmolLM3, OLMo 2/3, Granite, GLM-4-MoE).
+    rotary_dim: int = 0
+    """Leading dims of each head that RoPE rotates (``partial_rotary_factor``); 0: all of them."""
+    no_rope_layers: tuple[int, ...] = ()
+    """Layers that apply no rotary embedding (SmolLM3's NoPE layers)."""
+    post_norms_only: bool = False
+    """OLMo 2/3: no norm before attention and MLP; each output is normalised before the residual add."""
+    qk_norm_whole: bool = False
+    """With ``qk_norm``: one RMSNorm over the whole q (k) projection, not per head (OLMo 2/3)."""
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    """The softmax scale (Granite); None: ``head_dim ** -0.5``."""
+    logits_scaling: float = 1.0
+    """Logits are divided by it (Granite)."""
+    first_k_dense: int = 0
+    """MoE checkpoints: the first k layers have a dense MLP of ``intermediate_size`` (GLM-4-MoE)."""
+    shared_experts: int = 0
+    """Shared experts (one SwiGLU of ``shared_experts * moe_intermediate_size``) every token passes."""
+    router_scoring: str = "softmax"
+    """"softmax" (Qwen3-MoE, Mixtral) or "sigmoid" with a score-correction bias (GLM-4-MoE)."""
+    n_group: int = 1
+    topk_group: int = 1
+    """Grouped top-k: experts in ``n_group`` groups, only the best ``topk_group`` groups eligible."""
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -103,6 +122,13 @@ class ArchConfig:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelLoadError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
                                  f"num_experts ({self.num_experts})")
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            raise ModelLoadError(f"partial_rotary_factor gives {self.rotary_dim} rotary dims of {self.head_dim}: "
+                                 "must be even and at most head_dim")
+        if self.num_experts and self.num_experts % self.n_group:
+            raise ModelLoadError(f"n_routed_experts ({self.num_experts}) is not a multiple of n_group ({self.n_group})")
+        if self.num_experts and not 1 <= self.topk_group <= self.n_group:
+            raise ModelLoadError(f"topk_group ({self.topk_group}) must be between 1 and n_group ({self.n_group})")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ModelLoadError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
 
@@ -117,6 +143,35 @@ class ArchConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head RoPE rotates."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def longrope(self) -> bool:
+        return self.rope_scaling.rope_type == "longrope"
+
+    @property
+    def dense_mlp(self) -> bool:
+        """Some layer has a dense MLP."""
+        return not self.is_moe or self.first_k_dense > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.first_k_dense
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: global attention)."""
+        if self.layer_types and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer has the same parameters and static attributes (what ``lax.scan``
+        needs): no dense first layers before MoE ones, one attention kind (window) for all."""
+        return not (self.is_moe and self.first_k_dense) and len(set(self.layer_types)) <= 1
 
     def num_params(self) -> int:
         """All parameters (for MoE: every expert, not only the k a token activates)."""
@@ -145,6 +200,8 @@ def rope_scaling_from_dict(d: dict | None, where: str, supported: tuple[str, ...
     if not d:
         return RopeScaling()
     rope_type = d.get("rope_type") or d.get("type") or "default"
+    if rope_type in ("su", "yarn") and "long_factor" in d:   # Phi-3's older spellings of LongRoPE
+        rope_type = "longrope"
     if rope_type not in supported:
         raise ModelLoadError(f"{where}: rope scaling type {rope_type!r} is not supported "
                              f"(supported: {', '.join(supported)})")
@@ -152,6 +209,8 @@ def rope_scaling_from_dict(d: dict | None, where: str, supported: tuple[str, ...
         return RopeScaling()
     if rope_type == "yarn":
         return _yarn(d, where)
+    if rope_type == "longrope":
+        return _longrope(d, where)
     return RopeScaling(
         rope_type=rope_type,
         factor=float(d.get("factor", 1.0)),
@@ -178,6 +237,22 @@ def _yarn(d: dict, where: str) -> RopeScaling:
                        original_max_position_embeddings=int(d["original_max_position_embeddings"]),
                        beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
                        truncate=bool(d.get("truncate", True)), attention_factor=float(attention_factor))
+def _longrope(d: dict, where: str) -> RopeScaling:
+    """LongRoPE as transformers' ``_compute_longrope_parameters`` reads it (``_longrope_context``
+    has filled in ``max_position_embeddings`` / ``original_max_position_embeddings``)."""
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        if d.get(key) is None:
+            raise ModelLoadError(f"{where}: rope scaling type 'longrope' needs {key}")
+    original = int(d["original_max_position_embeddings"])
+    factor = d.get("factor")
+    if factor is None:   # Phi-3: the ratio of the extended context to the pretrained one
+        factor = d["_max_position_embeddings"] / original
+    attention = d.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(rope_type="longrope", factor=float(factor), original_max_position_embeddings=original,
+                       short_factor=tuple(float(x) for x in d["short_factor"]),
+                       long_factor=tuple(float(x) for x in d["long_factor"]), attention_factor=float(attention))
 
 
 def _eos_tuple(eos) -> tuple[int, ...]:
@@ -208,15 +283,23 @@ def arch_config_from_hf(hf, where: str) -> ArchConfig:
     # transformers 5 moves rope_theta and the scaling dict into rope_parameters.
     rope_params = get("rope_parameters")
     if isinstance(rope_params, dict) and "rope_theta" not in rope_params and rope_params:
-        # Per-layer-type nesting ({"full_attention": {...}}) is not used by these architectures.
-        first = next(iter(rope_params.values()))
-        rope_params = first if isinstance(first, dict) else rope_params
+        # Per-layer-type nesting ({"full_attention": {...}}): one RoPE for every layer type only.
+        nested = [v for v in rope_params.values() if isinstance(v, dict)]
+        if any(v != nested[0] for v in nested):
+            raise ModelLoadError(f"{where}: rope_parameters differ between layer types "
+                                 f"({', '.join(rope_params)}); per-layer RoPE is not supported")
+        rope_params = nested[0] if nested else rope_params
     rope_theta = (rope_params or {}).get("rope_theta") if isinstance(rope_params, dict) else None
     if rope_theta is None:
         rope_theta = get("rope_theta", default=10000.0)
     scaling = get("rope_scaling")
     if scaling is None and isinstance(rope_params, dict):
         scaling = rope_params
+    if isinstance(scaling, dict):
+        # LongRoPE's defaults come from the config's top level (Phi-3).
+        scaling = {**scaling, "_max_position_embeddings": get("max_position_embeddings", default=4096)}
+        if scaling.get("original_max_position_embeddings") is None and get("original_max_position_embeddings"):
+            scaling["original_max_position_embeddings"] = get("original_max_position_embeddings")
     act = get("hidden_act", default="silu")
     if act not in ("silu", "swish"):
         raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
@@ -233,7 +316,9 @@ def arch_config_from_hf(hf, where: str) -> ArchConfig:
     if get("use_sliding_window", default=True) and get("sliding_window") is not None:
         sliding = int(get("sliding_window"))
     moe = _moe_fields(arch, get, where) if arch in MOE_ARCHITECTURES else {}
-    return ArchConfig(
+    from jaxllm.models.families_b import FAMILY_B, family_b_fields
+    family = family_b_fields(arch, get, rope_params, where, int(head_dim)) if arch in FAMILY_B else {}
+    fields = dict(
         architecture=arch,
         vocab_size=int(get("vocab_size")),
         hidden_size=hidden,
@@ -255,6 +340,8 @@ def arch_config_from_hf(hf, where: str) -> ArchConfig:
         eos_token_ids=_eos_tuple(get("eos_token_id")),
         **moe,
     )
+    fields.update(family)
+    return ArchConfig(**fields)
 
 
 def _moe_fields(arch: str, get, where: str) -> dict:
@@ -277,6 +364,9 @@ def _moe_fields(arch: str, get, where: str) -> dict:
         "n_group": (get("n_group", default=1), 1),
         "topk_group": (get("topk_group", default=1), 1),
     }
+    if arch == "Glm4MoeForCausalLM":
+        from jaxllm.models.families_b import glm4_moe_fields
+        return glm4_moe_fields(get, num_experts, top_k, where)
     if arch == "Qwen3MoeForCausalLM":
         if num_experts == 0:
             return {}   # transformers then builds a dense MLP in every layer: the dense path

@@ -127,8 +127,16 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
     if method is not None:
         tensors = hf_formats.build(method, raw["quantization_config"], tensors, where=path)
 
+    mtp = int(getattr(hf, "num_mtp_layers", None) or getattr(hf, "num_nextn_predict_layers", None) or 0)
+
     def skip(name: str) -> bool:
-        # Non-persistent rotary buffers some old checkpoints saved, and a tied head saved anyway.
+        # Non-persistent rotary buffers some old checkpoints saved, and a tied head saved anyway;
+        # GLM-4-MoE's multi-token-prediction layers after the last decoder layer (transformers
+        # skips them too: no speculative decoding here).
+        if mtp and name.startswith("model.layers."):
+            idx = name.split(".")[2]
+            if idx.isdigit() and arch.num_layers <= int(idx) < arch.num_layers + mtp:
+                return True
         return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and arch.tie_word_embeddings)
 
     layers, globals_ = _assemble(arch, {n: t for n, t in tensors.items() if not skip(n)}, NameMap(arch, "hf"),
@@ -139,7 +147,7 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
     gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     return LoadedModel(
         name=path, arch=arch, layers=layers, globals=globals_,
-        rope_inv_freq=inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling),
+        rope_inv_freq=inv_frequencies(arch.rope_dim, arch.rope_theta, arch.rope_scaling),
         tokenizer=TokenizerSource(path), generation_config=gen, rope_tables=_rope_tables(arch))
 
 
@@ -148,7 +156,7 @@ def _rope_tables(arch: ArchConfig) -> dict[str, np.ndarray]:
     tables = getattr(get_model_module(arch.architecture), "rope_tables", None)
     if tables is None:
         return {}
-    return {name: inv_frequencies(arch.head_dim, theta, scaling) for name, (theta, scaling) in tables(arch).items()}
+    return {name: inv_frequencies(arch.rope_dim, theta, scaling) for name, (theta, scaling) in tables(arch).items()}
 
 
 # The linear layers quantized checkpoints and online quantization quantize (embeddings,
@@ -200,9 +208,9 @@ class NameMap:
             if not p.from_checkpoint:
                 continue
             patterns = p.patterns(arch, fmt)
-            if not patterns or not isinstance(patterns[0], str):
+            if not patterns:
                 raise ModelLoadError(f"{arch.architecture}: {fmt} checkpoints have no name for parameter {p.name!r}")
-            self._first[p.name] = patterns[0]
+            self._first[p.name] = patterns[0].pattern if isinstance(patterns[0], Chunk) else patterns[0]
             for pat in patterns:
                 chunk = pat if isinstance(pat, Chunk) else None
                 parts = (chunk.pattern if chunk else pat).split(".")
@@ -254,7 +262,7 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
     for name, (arr, fname) in tensors.items():
         hits = names.lookup(name)
         if not hits or any((layer is not None and layer >= L) or (expert is not None and expert >= E)
-                           for _, layer, expert, _ in hits):
+                           or not p.has(arch, layer) for p, layer, expert, _ in hits):
             experts_note = f" of {E} experts" if arch.is_moe else ""
             raise ModelLoadError(f"{where}: unexpected tensor {name!r} in {fname} (not a parameter of "
                                  f"{arch.architecture} with {L} layers{experts_note} in this config)")
@@ -262,14 +270,14 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
             shape = want[p.name][1:] if expert is not None else want[p.name]
             stored = shape
             if chunk is not None:
-                stored = tuple(n * chunk.count if i == chunk.axis else n for i, n in enumerate(shape))
+                start, total = chunk.extent(arch, shape[chunk.axis])
+                stored = tuple(total if i == chunk.axis else n for i, n in enumerate(shape))
             if tuple(arr.shape) != stored:
                 raise ModelLoadError(f"{where}: tensor {name!r} in {fname} has shape {tuple(arr.shape)}, "
                                      f"expected {stored}")
             a = arr
             if chunk is not None:
-                n = shape[chunk.axis]
-                a = a[(slice(None),) * chunk.axis + (slice(chunk.index * n, (chunk.index + 1) * n),)]
+                a = a[(slice(None),) * chunk.axis + (slice(start, start + shape[chunk.axis]),)]
             if transform is not None:
                 a = transform(p, a)
             if expert is not None and is_quantized(a):
@@ -289,7 +297,7 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
         if not p.from_checkpoint:
             continue
         for layer in ([None] if p.scope == GLOBAL else range(L)):
-            if (layer, p.name) not in given:
+            if (layer, p.name) not in given and p.has(arch, layer):
                 raise ModelLoadError(f"{where}: missing tensor {names.name(p.name, layer)!r}")
     return layers, globals_
 

@@ -48,6 +48,16 @@ class Chunk:
     index: int
     count: int
     axis: int
+    sizes: Callable[[ArchConfig], tuple[int, ...]] | None = None
+    """Unequal chunks: their sizes along ``axis`` (Phi-3's ``qkv_proj``: q rows, then k, then v);
+    ``count`` is then ignored."""
+
+    def extent(self, arch: ArchConfig, n: int) -> tuple[int, int]:
+        """(offset, total) along ``axis`` of this chunk, ``n`` long, in the stored tensor."""
+        if self.sizes is None:
+            return self.index * n, self.count * n
+        sizes = tuple(self.sizes(arch))
+        return sum(sizes[:self.index]), sum(sizes)
 
 
 Pattern = str | Chunk
@@ -64,7 +74,8 @@ class Param:
     """Logical axis of each dimension (of one layer's array)."""
     shape: Callable[[ArchConfig], tuple[int, ...]]
     hf: tuple[Pattern, ...] | Mapping[str, tuple[Pattern, ...]] = ()
-    """Safetensors name patterns, or per architecture name where the family's checkpoints differ."""
+    """Safetensors name patterns, or per architecture name where the family's checkpoints differ
+    (key ``"*"``: the others)."""
     gguf: tuple[Pattern, ...] | Mapping[str, tuple[Pattern, ...]] = ()
     when: Predicate = always
     """Whether ``arch`` has the parameter."""
@@ -75,6 +86,13 @@ class Param:
     for interleaved RoPE (its llama and mistral architectures); the loader undoes it."""
     from_checkpoint: bool = True
     """False for what the loader computes instead of reading (RoPE frequencies)."""
+    in_layer: Callable[[ArchConfig, int], bool] | None = None
+    """For LAYER parameters present in some layers only (GLM-4-MoE's dense first layers):
+    whether layer ``i`` has it; None: every layer."""
+
+    def has(self, arch: ArchConfig, layer: int | None) -> bool:
+        """Whether layer ``layer`` (None: a global) of ``arch`` holds this parameter."""
+        return layer is None or self.in_layer is None or self.in_layer(arch, layer)
 
     def __post_init__(self):
         for fmt in ("hf", "gguf"):
@@ -85,8 +103,8 @@ class Param:
     def patterns(self, arch: ArchConfig, fmt: str) -> tuple[Pattern, ...]:
         """This parameter's name patterns in checkpoints of ``arch`` in format ``fmt`` ("hf" or "gguf")."""
         names = self.hf if fmt == "hf" else self.gguf
-        if isinstance(names, Mapping):
-            return tuple(names.get(arch.architecture, ()))
+        if isinstance(names, Mapping):   # "*": every architecture the mapping does not name
+            return tuple(names.get(arch.architecture, names.get("*", ())))
         return names
 
 

@@ -21,6 +21,13 @@ _REGISTRY: dict[str, ModuleType] = {
     "Gemma2ForCausalLM": gemma,
     "Gemma3ForCausalLM": gemma,
     "GptOssForCausalLM": gpt_oss,   # sinks, YaRN, biased experts with the clamped SwiGLU
+    # models/families_b.py reads their configs into ArchConfig switches of the same decoder.
+    "Phi3ForCausalLM": llama,
+    "SmolLM3ForCausalLM": llama,
+    "Olmo2ForCausalLM": llama,
+    "Olmo3ForCausalLM": llama,
+    "GraniteForCausalLM": llama,
+    "Glm4MoeForCausalLM": llama,   # dense first layers, then MoE with shared experts
 }
 
 # GGUF's general.architecture -> HF architecture name.
