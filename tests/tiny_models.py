@@ -59,9 +59,9 @@ VARIANTS_B = {
     "smollm3": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2, attention_bias=True, pad_token_id=0,
                                       tie_word_embeddings=True)),
     "olmo2": ("Olmo2Config", dict(num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False)),
-    # OLMo 3 with every layer sliding: the uniform window (its mixed pattern: see families_b.py).
-    "olmo3_sliding": ("Olmo3Config", dict(num_hidden_layers=2, sliding_window=16, tie_word_embeddings=False,
-                                          layer_types=["sliding_attention", "sliding_attention"])),
+    # OLMo 3's interleaved pattern: a sliding layer (window 16) and a full one.
+    "olmo3": ("Olmo3Config", dict(num_hidden_layers=2, sliding_window=16, tie_word_embeddings=False,
+                                  layer_types=["sliding_attention", "full_attention"])),
     "granite": ("GraniteConfig", dict(num_hidden_layers=2, embedding_multiplier=4.0, residual_multiplier=0.5,
                                       attention_multiplier=0.5, logits_scaling=2.0, attention_bias=True,
                                       tie_word_embeddings=True)),

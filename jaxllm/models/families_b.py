@@ -16,10 +16,9 @@ name, the options the engine does not implement instead of ignoring them:
   dense first layers, partial rotary, q/k/v bias, optional per-head q/k norm
   (:func:`glm4_moe_fields`).
 
-Per-layer sliding windows (OLMo 3's ``layer_types``, SmolLM3's sliding NoPE layers) are
-not implemented here: a checkpoint whose layers mix sliding and full attention with a
-window shorter than its context is refused naming ``layer_types``; all-sliding is the
-uniform window the attention backends already have.
+OLMo 3's ``layer_types`` (sliding and full layers) become ``ArchConfig.layer_types``: each
+layer's window is ``ArchConfig.window(i)``, and mixed layers run unrolled.  SmolLM3's sliding
+NoPE layers are refused naming ``layer_types``.
 """
 
 from __future__ import annotations
@@ -43,23 +42,29 @@ def _rotary_dim(get, rope_params, head_dim: int) -> int:
     return 0 if dim == head_dim else dim
 
 
-def _sliding_window(get, arch: str, where: str) -> int | None:
-    """The window every layer uses, or None; refuses windows that differ between layers."""
+def _sliding_window(get, arch: str, where: str) -> tuple[int | None, tuple[str, ...]]:
+    """(the sliding layers' window or None, the per-layer types when they mix sliding and full
+    attention, else ())."""
     window = get("sliding_window")
     if arch == "SmolLM3ForCausalLM" and not get("use_sliding_window", default=False):
         window = None
     types = list(get("layer_types", default=None) or [])
     if window is None:
-        return None
+        return None, ()
     if not types or all(t == "sliding_attention" for t in types):
-        return int(window)
+        return int(window), ()
     if all(t != "sliding_attention" for t in types):
-        return None
+        return None, ()
     if int(window) >= int(get("max_position_embeddings", default=4096)):
-        return None   # the window never cuts anything off within the model's context
-    raise ModelLoadError(f"{where}: layer_types mixes sliding_attention and full_attention layers with "
-                         f"sliding_window={window} (below max_position_embeddings); per-layer sliding windows "
-                         f"are not supported for {arch}")
+        return None, ()   # the window never cuts anything off within the model's context
+    if arch != "Olmo3ForCausalLM":
+        raise ModelLoadError(f"{where}: layer_types mixes sliding_attention and full_attention layers with "
+                             f"sliding_window={window} (below max_position_embeddings); per-layer sliding windows "
+                             f"are not supported for {arch}")
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise ModelLoadError(f"{where}: layer_types {bad} are not supported (sliding_attention, full_attention)")
+    return int(window), tuple(types)
 
 
 def family_b_fields(arch: str, get, rope_params, where: str, head_dim: int) -> dict:
@@ -67,7 +72,8 @@ def family_b_fields(arch: str, get, rope_params, where: str, head_dim: int) -> d
     generic Llama reading; ``get`` reads the transformers config."""
     bias = bool(get("attention_bias", default=False))
     out: dict = {"rotary_dim": _rotary_dim(get, rope_params, head_dim),
-                 "sliding_window": _sliding_window(get, arch, where), "qkv_bias": bias, "o_bias": bias}
+                 "qkv_bias": bias, "o_bias": bias}
+    out["sliding_window"], out["layer_types"] = _sliding_window(get, arch, where)
     if arch == "SmolLM3ForCausalLM":
         flags = list(get("no_rope_layers", default=None) or [])
         if not flags:

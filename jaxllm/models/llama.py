@@ -237,7 +237,9 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
         q = jnp.where(nope, q, apply_rope(q, cos, sin))
         k = jnp.where(nope, k, apply_rope(k, cos, sin))
     scale = cfg.head_dim ** -0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
-    o, kv = attend(q, k, v, kv, layer, md, scale=scale, sliding_window=cfg.sliding_window,
+    # a layer's own window (OLMo 3's layer_types; mixed layers run unrolled, so index is an int)
+    window = cfg.window(index) if isinstance(index, int) else cfg.sliding_window
+    o, kv = attend(q, k, v, kv, layer, md, scale=scale, sliding_window=window,
                    backend=kernels.attention)                           # [T, Hq, Dh]
     o = linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm)
     if cfg.post_norms_only:
@@ -282,6 +284,10 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array, 
             x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin, kernels, index=i)
         kv = (ks, vs)
     else:
+        if len(set(cfg.layer_types)) > 1:
+            # one scanned body has one static window (engine/resolve.py unrolls these)
+            raise ValueError(f"{cfg.architecture}'s layers mix sliding and full attention: they run unrolled, "
+                             "not stacked under lax.scan")
         experts = {n: layers[n] for n in EXPERT_PARAMS if n in layers} or None
         scanned = {n: a for n, a in layers.items() if n not in EXPERT_PARAMS}
 

@@ -29,7 +29,8 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.loader import load_model
 
-# (scan_layers, matmul, attention); GLM-4-MoE's layers differ (dense first), so never scanned.
+# (scan_layers, matmul, attention); GLM-4-MoE's layers (dense first) and OLMo 3's (sliding and full) differ,
+# so they are never scanned.
 BACKENDS = {"xla": (False, "xla", "xla"), "native": (False, "native", "native"), "pallas": (True, "xla", "pallas")}
 
 
@@ -59,7 +60,7 @@ def _ref_logits(hf, ids):
 
 
 def _scan(variant: str, scan: bool) -> bool:
-    return scan and variant != "glm4_moe"
+    return scan and variant not in ("glm4_moe", "olmo3")   # layers that differ run unrolled
 
 
 # Prompt length and chunk split: 40 tokens crosses OLMo 3's window of 16 in both chunks; both
@@ -239,11 +240,9 @@ def test_glm4_moe_mtp_layer_is_skipped(ckpts, tmp_path):
 
 
 @pytest.mark.parametrize("variant,changes,option", [
-    # OLMo 3's interleaved pattern with a window that matters: per-layer windows.
-    ("olmo3_sliding", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
     # SmolLM3's sliding NoPE layers.
     ("smollm3", dict(use_sliding_window=True, sliding_window=16, layer_types=None), "layer_types"),
-    ("olmo3_sliding", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    ("olmo3", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                             "full_attention": {"rope_type": "default", "rope_theta": 5e5}}),
      "rope_parameters"),
     ("granite", dict(mlp_bias=True), "mlp_bias"),
@@ -260,9 +259,13 @@ def test_unsupported_option_is_refused(variant, changes, option, ckpts, tmp_path
         load_model(path)
 
 
-def test_olmo3_window_longer_than_the_context_loads(ckpts, tmp_path):
-    # Mixed sliding / full layers whose window never cuts anything within the context: every
-    # layer is then full attention, which is what transformers computes.
-    path = _copy(ckpts["olmo3_sliding"], tmp_path / "ckpt")
-    _edit_config(path, layer_types=["sliding_attention", "full_attention"], sliding_window=512)
-    assert load_model(path).arch.sliding_window is None
+def test_olmo3_layer_types(ckpts, tmp_path):
+    """OLMo 3's per-layer windows: the sliding layers take ``sliding_window``, the full ones
+    none (the logits and greedy sweeps above run the mixed pattern against transformers); a
+    window that never cuts anything within the context makes every layer full attention."""
+    arch = load_model(ckpts["olmo3"]).arch
+    assert [arch.window(i) for i in range(arch.num_layers)] == [16, None] and not arch.uniform_layers
+    path = _copy(ckpts["olmo3"], tmp_path / "ckpt")
+    _edit_config(path, sliding_window=512)
+    arch = load_model(path).arch
+    assert [arch.window(i) for i in range(arch.num_layers)] == [None, None] and arch.uniform_layers
