@@ -81,14 +81,20 @@ def test_n_sequences_each_follow_their_own_grammar(tiny_llm):
     assert len({o.text for o in outs}) > 1
 
 
-def test_preemption_keeps_the_grammar_state(tiny_llama):
+def test_preemption_and_prefix_cache_hits_keep_the_grammar_state(tiny_llama, tiny_llm):
+    """Under preemption (a pool too small for the batch) and on a prefix-cache hit, every
+    constrained request gives the tokens it gives alone on a roomy engine."""
     llm = LLM(tiny_llama, **{**SMALL_ENGINE, "num_blocks_override": 10, "max_model_len": 128})
     prompts = [" ".join(f"word{i}x{j}" for j in range(8)) for i in range(4)]   # ~30 tokens each
     params = [sp(SO(json=PERSON, disable_any_whitespace=True), max_tokens=80) for _ in prompts]
     outs = gen(llm, prompts, params)
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
-    for out in outs:
+    solo = [gen(tiny_llm, [p], [q])[0] for p, q in zip(prompts, params)]
+    for out, ref in zip(outs, solo):
         jsonschema.validate(json.loads(out.text), PERSON)
+        assert out.token_ids == ref.token_ids
+    hit = tiny_llm.generate(prompts[:1], params[0], use_tqdm=False)[0]   # the prompt's blocks are cached now
+    assert hit.num_cached_tokens > 0 and hit.outputs[0].token_ids == solo[0].token_ids
 
 
 @pytest.mark.parametrize("so, needle", [
