@@ -1,0 +1,27 @@
+"""The README's model table names exactly the architectures the registry serves, and says
+GGUF only where the loader maps a GGUF architecture."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from jaxllm.models.registry import GGUF_ARCHITECTURES, supported_architectures
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
+
+
+def test_readme_model_table_is_the_registry():
+    text = open(README, encoding="utf-8").read()
+    section = text[text.index("## Models"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [ln for ln in section.splitlines() if ln.startswith("|") and "ForCausalLM" in ln]
+    named, with_gguf = set(), set()
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        archs = set(re.findall(r"`(\w+ForCausalLM)`", cells[1]))
+        named |= archs
+        if cells[2] == "yes":
+            with_gguf |= archs
+    assert named == set(supported_architectures())
+    assert with_gguf == set(GGUF_ARCHITECTURES.values())
