@@ -18,7 +18,6 @@ import time
 from collections import OrderedDict
 
 import llguidance
-import llguidance.hf
 
 from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.structured.config import BACKENDS, StructuredOutputsConfig
@@ -131,6 +130,7 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary (built on first use: ~0.5 s for 49k tokens)."""
         with self._lock:
             if self._tokenizer is None:
+                import llguidance.hf   # imports transformers: only when a grammar is first needed
                 t0 = time.perf_counter()
                 n = self.n_vocab
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=n,

@@ -19,6 +19,7 @@ from test_batching import record_schedules, workload
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.inputs import input_spec, sampling_spec
+from jaxllm.sample.bitmask import mask_words
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +68,11 @@ def test_backend_is_part_of_the_compiled_step(tiny_llm, pallas_llm):
         c = runner.compiler
         args = (jax.tree.map(spec, runner.params), jax.tree.map(spec, runner.kv),
                 jax.tree.map(spec, runner.sampler_rows.state), input_spec(runner.cfg, T, S, None))
-        # The sampler is its own program (runner/step.py): its arguments are the state and the logits.
-        sample_args = (args[2], jax.ShapeDtypeStruct((S, runner.arch.vocab_size), jnp.float32),
-                       sampling_spec(S, None))
+        # The sampler is its own program (runner/step.py): its arguments are the state, the
+        # logits, the sampling metadata and the grammar bitmask.
+        V = runner.arch.vocab_size
+        sample_args = (args[2], jax.ShapeDtypeStruct((S, V), jnp.float32), sampling_spec(S, None),
+                       jax.ShapeDtypeStruct((S, mask_words(V)), jnp.uint32))
         jaxprs[name] = str(jax.make_jaxpr(c.step_fn)(*args)) + str(jax.make_jaxpr(c.sample_fn)(*sample_args))
         hlos[name] = jax.jit(c.step_fn).lower(*args).as_text() + jax.jit(c.sample_fn).lower(*sample_args).as_text()
     kernels = set(re.findall(r"name=(ragged_paged_attention|gumbel_argmax)", jaxprs["pallas"]))
