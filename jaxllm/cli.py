@@ -82,6 +82,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         '{"backend": "auto"|"guidance", '
                         '"disable_any_whitespace": false, "disable_additional_properties": false, '
                         '"enable_in_reasoning": false, "reasoning_end_token_ids": [], "cache_size": 256}')
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", '
+                        '"model": PATH, "num_speculative_tokens": 4}; outputs are the same tokens as without it')
     g = p.add_argument_group("parallelism (docs/scale-out.md)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices one model replica is split over (heads, MLP width, vocabulary)")
@@ -116,7 +120,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, distributed_coordinator=args.distributed_coordinator,
         num_hosts=args.num_hosts, host_index=args.host_index,
-        structured_outputs_config=args.structured_outputs_config)
+        structured_outputs_config=args.structured_outputs_config,
+        speculative_config=args.speculative_config)
 
 
 def simulate_cpu_devices(args: argparse.Namespace) -> None:

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from jaxllm.spec.config import SpeculativeConfig
 from jaxllm.structured.config import StructuredOutputsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -268,10 +269,14 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     """Structured outputs (``--structured-outputs-config``, vLLM's shape; a dict or JSON text
     is parsed): the grammar backend and its engine-wide options."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (``--speculative-config``, vLLM's shape; a dict or JSON text is
+    parsed); None: off."""
 
     def __post_init__(self):
         object.__setattr__(self, "structured_outputs_config",
                            StructuredOutputsConfig.parse(self.structured_outputs_config))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"--seed must be an integer, got {self.seed!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -50,6 +50,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]
     """Requests that ended (finished, aborted or preempted) since the last step: the runner drops them."""
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: the proposals each decoding request verifies this step (its
+    ``num_scheduled_tokens`` counts them: 1 + len)."""
 
     @property
     def is_empty(self) -> bool:
@@ -95,6 +98,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, LogprobsArrays] = field(default_factory=dict)
     """Only for requests that asked for prompt_logprobs, with their first sampled token: one
     entry per prompt token after the first (the token itself first, then the top ones)."""
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: tokens proposed for each request's next step (none: no proposal)."""
 
 
 EMPTY_RUNNER_OUTPUT = RunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -94,6 +94,8 @@ class Request:
         """Order of arrival at the scheduler (ties of every policy go to the earlier one)."""
         self.arrival_step = 0
         """The scheduler step at which it arrived (for the starvation guard)."""
+        self.spec_token_ids: list[int] = []
+        """Speculative decoding: tokens proposed after its last step, verified in its next one."""
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest, child_id: str, seed: int) -> "Request":

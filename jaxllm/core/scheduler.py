@@ -20,6 +20,13 @@ fcfs and lpm the victim is the most recently admitted request, which is never it
 later arrivals run).  A newly admitted request first
 takes the longest cached prefix of its tokens (see ``kv_cache_manager``) and computes only
 the rest.  Pure Python: tested without a device by feeding hand-made ``RunnerOutput``s.
+
+Speculative decoding: a decoding request with proposals (``RunnerOutput.draft_token_ids``
+of its last step) computes its last token and the proposals in one step, as many as the
+token budget, ``max_model_len`` and what is left of ``max_tokens`` allow.  The runner returns
+the tokens plain decoding would have drawn up to and including the first rejected proposal;
+the KV of the rejected ones is not counted as computed (it is overwritten later), and the
+stop rules run token by token, so a stop inside an accepted run ends the request there.
 """
 
 from __future__ import annotations
@@ -34,6 +41,26 @@ from jaxllm.request import Request, RequestStatus
 
 
 POLICIES = SCHEDULING_POLICIES
+
+
+class SpecDecodingStats:
+    """Speculative decoding since start, in vLLM's terms: verifications with proposals
+    (drafts), proposed and accepted tokens, and accepted tokens by position."""
+
+    def __init__(self):
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos: list[int] = []
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos += [0] * (num_draft_tokens - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
 
 
 class Scheduler:
@@ -57,6 +84,7 @@ class Scheduler:
         # Requests the runner has state for (sent as new once, then as diffs).
         self._runner_knows: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
 
     # ------------------------------------------------------------------ intake
 
@@ -94,6 +122,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
+        spec: dict[str, list[int]] = {}
         preempted_now = False
 
         # 1. Running requests in admission order; preempt by policy when blocks run out.
@@ -104,6 +133,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = self._drafts(req, n, budget)
+            n += len(drafts)
             while True:
                 blocks = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n)
                 if blocks is not None:
@@ -114,6 +145,7 @@ class Scheduler:
                 if victim.request_id in num_scheduled:      # scheduled earlier in this step: undo
                     budget += num_scheduled.pop(victim.request_id)
                     new_blocks.pop(victim.request_id, None)
+                    spec.pop(victim.request_id, None)
                 self._preempt(victim)
                 preempted_now = True
                 if victim is req:
@@ -124,6 +156,8 @@ class Scheduler:
                 continue  # req itself was preempted; running[i] is now the next one
             num_scheduled[req.request_id] = n
             new_blocks[req.request_id] = blocks
+            if drafts:
+                spec[req.request_id] = drafts
             budget -= n
             i += 1
 
@@ -168,7 +202,7 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids)
+            finished_req_ids=self._finished_req_ids, scheduled_spec_decode_tokens=spec)
         self._finished_req_ids = set()
         return out
 
@@ -180,9 +214,16 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished:
                 continue  # aborted while the step ran
+            new_tokens = sampled.get(rid) or []
+            drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            if drafts:
+                # 1 + accepted tokens came back: the KV of the rejected proposals is not valid.
+                accepted = len(new_tokens) - 1
+                n -= len(drafts) - accepted
+                self.spec_stats.observe(len(drafts), accepted)
             req.num_computed_tokens += n
             self.kv.cache_computed_blocks(req)
-            new_tokens = sampled.get(rid) or []
+            req.spec_token_ids = result.draft_token_ids.get(rid) or []
             if req.num_computed_tokens < req.num_tokens or not new_tokens:
                 continue  # a prefill chunk that is not the last samples nothing
             logprobs = result.logprobs.get(rid)
@@ -242,6 +283,16 @@ class Scheduler:
         return self.running[-1]
 
     # ------------------------------------------------------------------ helpers
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """The proposals ``req`` verifies this step: none unless it decodes (one token to
+        compute), then as many as fit the token budget, ``max_model_len`` (the last one's
+        position) and ``max_tokens`` (a verification emits up to 1 + len(proposals) tokens)."""
+        if not req.spec_token_ids or n != 1:
+            return []
+        k = min(len(req.spec_token_ids), budget - 1, self.max_model_len - req.num_tokens,
+                req.max_tokens - len(req.output_token_ids) - 1)
+        return req.spec_token_ids[:max(k, 0)]
 
     def _check_stop(self, req: Request) -> bool:
         sp = req.sampling_params

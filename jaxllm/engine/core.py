@@ -23,6 +23,7 @@ from jaxllm.engine.resolve import resolve_config
 from jaxllm.request import Request
 from jaxllm.runner import compile as cc
 from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.spec.controller import make_controller
 
 log = logging.getLogger("jaxllm.engine")
 
@@ -54,6 +55,8 @@ class EngineCore:
                                    max_num_batched_tokens=r.step.max_num_batched_tokens,
                                    max_model_len=r.step.max_model_len,
                                    policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps)
+        if config.speculative_config is not None:
+            self.runner.proposer = make_controller(config.speculative_config)
         # auto: on demand for one-shot use; a server compiles the rest when it starts
         # (AsyncEngine), and every host of a multi-host engine compiles all up front.
         mode = config.runner.precompile

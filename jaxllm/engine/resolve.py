@@ -198,5 +198,10 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
                       sampler_backend=sampler, block_size=cache.block_size,
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                       max_logprobs=rc.max_logprobs, logprobs_mode=rc.logprobs_mode, use_fp64_gumbel=rc.use_fp64_gumbel,
-                      kv_cache_dtype=kv_name)
+                      kv_cache_dtype=kv_name, num_speculative_tokens=_num_speculative_tokens(config))
     return ResolvedConfig(step=step, kv=kv, kv_sizing=sizing, compile_cache_dir=cache_dir)
+
+
+def _num_speculative_tokens(config: EngineConfig) -> int:
+    spec = config.speculative_config
+    return 0 if spec is None else spec.num_speculative_tokens

@@ -5,6 +5,12 @@ A step's token count T is padded up to a bucket: powers of two, then linear step
 bucket, ``S = min(T, max_num_seqs)``: decode steps (S = T) waste nothing, and a prefill
 only computes logits for a few padding rows more than it needs, which costs far less
 than compiling (and, on every start, lowering) a second dimension of buckets.
+
+S counts the step's sampling rows (a sequence is one row, except that a speculative
+verification samples each of its k + 1 positions, spec/), so with speculation on a request
+can take up to 1 + k rows: token buckets that can hold more rows than ``max_num_seqs`` get a
+second sequence bucket, ``S = min(T, max_num_seqs * (1 + k))``, picked only by steps that need
+the rows, so a prefill step still computes logits for ``max_num_seqs`` rows at most.
 """
 
 from __future__ import annotations
@@ -27,15 +33,22 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
     return sorted(set(out))
 
 
-def step_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[tuple[int, int]]:
-    """Every (T, S) shape compiled at start-up."""
-    return [(t, min(t, max_num_seqs)) for t in token_buckets(max_num_batched_tokens)]
+def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, max_rows: int | None = None) -> list[tuple[int, int]]:
+    """Every (T, S) shape compiled at start-up, sorted; ``max_rows``: the most sampling rows a
+    step can have (``max_num_seqs`` when None: no speculation)."""
+    out = set()
+    for t in token_buckets(max_num_batched_tokens):
+        out.add((t, min(t, max_num_seqs)))
+        if max_rows is not None:
+            out.add((t, min(t, max_rows)))
+    return sorted(out)
 
 
-def pick(num_tokens: int, num_seqs: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
-    """The smallest bucket that holds ``num_tokens`` tokens of ``num_seqs`` sequences."""
-    i = bisect.bisect_left([t for t, _ in buckets], num_tokens)
-    if i == len(buckets) or buckets[i][1] < num_seqs:
-        raise ValueError(f"no step bucket holds {num_tokens} tokens of {num_seqs} sequences "
-                         f"(largest: {buckets[-1]})")
-    return buckets[i]
+def pick(num_tokens: int, num_rows: int, buckets: list[tuple[int, int]]) -> tuple[int, int]:
+    """The smallest bucket (fewest tokens, then fewest rows) that holds ``num_tokens`` tokens
+    in ``num_rows`` sampling rows; ``buckets`` sorted."""
+    i = bisect.bisect_left(buckets, (num_tokens, 0))
+    for b in buckets[i:]:
+        if b[1] >= num_rows:
+            return b
+    raise ValueError(f"no step bucket holds {num_tokens} tokens in {num_rows} rows (largest: {buckets[-1]})")

@@ -47,9 +47,11 @@ class CompilationManager:
         # What decides the programs besides their arguments (the program cache's keys).
         self._step_desc = (f"step|{cfg.arch!r}|{model_module.__name__}|max_logprobs={cfg.max_logprobs}|"
                            f"{cfg.kernels!r}|"
-                           f"blocks_per_seq={cfg.max_blocks_per_seq}|rules={sorted(rules.items())!r}")
+                           f"blocks_per_seq={cfg.max_blocks_per_seq}|drafts={cfg.num_speculative_tokens}|"
+                           f"rules={sorted(rules.items())!r}")
         self._sample_desc = (f"sample|max_logprobs={cfg.max_logprobs}|sampler={cfg.sampler_backend}|"
-                             f"logprobs_mode={cfg.logprobs_mode}|fp64={cfg.use_fp64_gumbel}|vocab={cfg.arch.vocab_size}")
+                             f"logprobs_mode={cfg.logprobs_mode}|fp64={cfg.use_fp64_gumbel}|vocab={cfg.arch.vocab_size}|"
+                             f"drafts={cfg.num_speculative_tokens}")
         self.steps: dict[tuple[int, int], object] = {}      # bucket (T, S) -> compiled step
         self.samplers: dict[int, object] = {}               # S -> compiled sampler
         self.seconds = 0.0
@@ -86,7 +88,7 @@ class CompilationManager:
         """The sampler of sequence bucket S: (sampler state, logits [S, V], packed sampling
         metadata, grammar bitmask [S, ceil(V / 32)] uint32) -> SamplerOutput; the state is
         read, not donated (the step updated it)."""
-        md = rin.sampling_spec(S, self._rep)
+        md = rin.sampling_spec(S, self._rep, self.cfg.num_speculative_tokens)
         sample_fn = self.sample_fn
 
         def sample_step(sstate, logits, words, allowed):   # words: the sampling metadata, packing.pack'ed

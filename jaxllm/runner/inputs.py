@@ -28,76 +28,125 @@ class PreparedStep:
     inputs: StepInputs
     """numpy arrays, padded to ``bucket``."""
     req_ids: tuple[str, ...]
-    """Batch row -> request id (real rows only)."""
+    """Sequence -> request id, in the scheduler's order (real sequences only)."""
     samples: tuple[bool, ...]
-    """Per row: whether it samples a token (False for a prefill chunk that is not the last)."""
+    """Per sequence: whether it samples (False for a prefill chunk that is not the last)."""
     prompt_plan: tuple[tuple[str, int, int], ...]
     """(request id, first flat token, count) of the positions whose prompt logprobs this step
     computes."""
+    first_row: tuple[int, ...] = ()
+    """Per sequence: its first sampling row (a verification has 1 + len(drafts) rows)."""
+    drafts: tuple[tuple[int, ...], ...] = ()
+    """Per sequence: the proposals it verifies this step (empty: a plain step)."""
+
+    @property
+    def num_rows(self) -> int:
+        return self.first_row[-1] + 1 + len(self.drafts[-1]) if self.first_row else 0
+
+    def rows(self):
+        """(sampling row, request id, draft index j) of every row that samples: row j of a
+        verification draws as if the request's first j proposals had been sampled."""
+        for i, rid in enumerate(self.req_ids):
+            if self.samples[i]:
+                for j in range(1 + len(self.drafts[i])):
+                    yield self.first_row[i] + j, rid, j
+
+
+def num_rows(so: SchedulerOutput) -> int:
+    """Sampling rows the step of ``so`` needs: one per sequence, plus one per proposal."""
+    return len(so.num_scheduled_tokens) + sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
 
 
 def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket: tuple[int, int]) -> PreparedStep:
     """``bucket``: the step's (T, S), picked by the caller (runner/buckets.pick).  Also tells
-    the sampler rows which requests take their first step (``states.rows``)."""
-    rows = list(so.num_scheduled_tokens.items())
-    S = len(rows)
+    the sampler rows which requests take their first step (``states.rows``).
+
+    A request verifying proposals d_1..d_k (``so.scheduled_spec_decode_tokens``) feeds its last
+    token and the k proposals as one sequence, and takes k + 1 sampling rows: row j draws
+    after token j, at output position out_pos + j, with min_tokens, bad words and penalties
+    applied as if d_1..d_j had been sampled (sample/arrays.py)."""
+    seqs = list(so.num_scheduled_tokens.items())
+    spec = so.scheduled_spec_decode_tokens
     Tb, Sb = bucket
     BS = cfg.block_size
+    K = cfg.num_speculative_tokens
     input_ids = np.zeros(Tb, np.int32)
     positions = np.zeros(Tb, np.int32)
     slots = np.zeros(Tb, np.int32)   # padding tokens write into the null block 0
     token_seq = np.zeros(Tb, np.int32)
+    token_row = np.zeros(Tb, np.int32)
     tables = np.zeros((Sb, cfg.max_blocks_per_seq), np.int32)
     seq_lens = np.zeros(Sb, np.int32)
     qsl = np.zeros(Sb + 1, np.int32)
     logits_idx = np.zeros(Sb, np.int32)
     prompt_targets = np.full(Tb, -1, np.int32)
-    md = smd.empty_metadata(Sb)
+    md = smd.empty_metadata(Sb, K)
     md["slot"][:] = states.rows.scratch
-    samples, plan = [], []
-    off = 0
-    for i, (rid, n) in enumerate(rows):
+    samples, plan, first_rows, drafts_of = [], [], [], []
+    off = r = 0
+    for i, (rid, n) in enumerate(seqs):
         st = states[rid]
         c = st.num_computed_tokens
+        drafts = tuple(spec.get(rid, ()))
         pos = np.arange(c, c + n, dtype=np.int32)
         blocks = np.asarray(st.block_ids, np.int32)
-        input_ids[off:off + n] = st.token_ids[c:c + n]
+        input_ids[off:off + n] = (st.token_ids[c:c + n] if not drafts else [st.token_ids[c], *drafts])
         positions[off:off + n] = pos
         slots[off:off + n] = blocks[pos // BS] * BS + pos % BS
         token_seq[off:off + n] = i
+        token_row[off:off + n] = r
         tables[i, :len(blocks)] = blocks
         seq_lens[i] = c + n
         if st.prompt_lps is not None and c < st.num_prompt_tokens - 1:
             m = min(c + n, st.num_prompt_tokens - 1) - c   # positions whose next token is a prompt token
             prompt_targets[off:off + m] = st.token_ids[c + 1:c + 1 + m]
             plan.append((rid, off, m))
-        off += n
-        qsl[i + 1] = off
-        logits_idx[i] = off - 1
-        samples.append(c + n == len(st.token_ids))
+        sampled = c + n - len(drafts) == len(st.token_ids)
+        samples.append(sampled)
+        first_rows.append(r)
+        drafts_of.append(drafts)
         p = st.sampling
         # Only min_tokens and multi-token bad words look at the outputs: no per-step copy otherwise.
-        needs_outputs = samples[-1] and (p.min_tokens > 0 or p.bad_word_seqs)
+        needs_outputs = sampled and (p.min_tokens > 0 or p.bad_word_seqs)
+        outputs = st.token_ids[st.num_prompt_tokens:] if needs_outputs else None
         reset = states.rows.first_step(rid, p, st.token_ids, st.num_prompt_tokens, c)
-        smd.fill_row(md, i, p, slot=states.rows.row(rid), out_pos=len(st.token_ids) - st.num_prompt_tokens,
-                     num_prompt=st.num_prompt_tokens, reset=reset,
-                     suppress=p.suppressed(st.token_ids[st.num_prompt_tokens:]) if needs_outputs else [],
-                     num_logprobs=p.num_logprobs if samples[-1] else -1)
-    qsl[S + 1:] = off
+        slot = states.rows.row(rid)
+        out_pos = len(st.token_ids) - st.num_prompt_tokens
+        pending = st.take_pending_counts() if p.uses_penalties else ()
+        if pending:
+            md["count_extra"][r, :len(pending)] = pending
+        for j in range(1 + len(drafts)):
+            row = r + j
+            smd.fill_row(md, row, p, slot=slot, out_pos=out_pos + j, num_prompt=st.num_prompt_tokens, reset=reset,
+                         suppress=p.suppressed([*outputs, *drafts[:j]]) if needs_outputs else [],
+                         num_logprobs=p.num_logprobs if sampled else -1)
+            reset = False
+            logits_idx[row] = off + n - 1 - len(drafts) + j
+            if drafts:
+                token_row[off + j] = row
+                md["group_start"][row] = r
+                md["count_fed"][row] = j == 0
+                md["view_extra"][row, :j] = drafts[:j]
+                md["draft_next"][row] = drafts[j] if j < len(drafts) else -1
+        off += n
+        r += 1 + len(drafts)
+        qsl[i + 1] = off
+    qsl[len(seqs) + 1:] = off
     inputs = StepInputs(
         input_ids=input_ids,
         attn=AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
                                block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl),
         logits_indices=logits_idx,
+        token_row=token_row,
         sampling=smd.to_metadata(md),
         prompt_targets=prompt_targets)
-    return PreparedStep(bucket=(Tb, Sb), inputs=inputs, req_ids=tuple(r for r, _ in rows), samples=tuple(samples),
-                        prompt_plan=tuple(plan))
+    return PreparedStep(bucket=(Tb, Sb), inputs=inputs, req_ids=tuple(rid for rid, _ in seqs), samples=tuple(samples),
+                        prompt_plan=tuple(plan), first_row=tuple(first_rows), drafts=tuple(drafts_of))
 
 
-def sampling_spec(S: int, sharding) -> SamplingMetadata:
+def sampling_spec(S: int, sharding, draft_width: int = 0) -> SamplingMetadata:
     return smd.to_metadata({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
-                            for k, v in smd.empty_metadata(S).items()})
+                            for k, v in smd.empty_metadata(S, draft_width).items()})
 
 
 def input_spec(cfg: StepConfig, T: int, S: int, sharding) -> StepInputs:
@@ -111,5 +160,6 @@ def input_spec(cfg: StepConfig, T: int, S: int, sharding) -> StepInputs:
                                block_tables=sds((S, cfg.max_blocks_per_seq)), seq_lens=sds((S,)),
                                query_start_loc=sds((S + 1,))),
         logits_indices=sds((S,)),
-        sampling=sampling_spec(S, sharding),
+        token_row=sds((T,)),
+        sampling=sampling_spec(S, sharding, cfg.num_speculative_tokens),
         prompt_targets=sds((T,)))

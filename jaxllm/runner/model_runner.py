@@ -36,7 +36,7 @@ from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner import packing, weights
 from jaxllm.runner.compilation import CompilationManager
-from jaxllm.runner.inputs import PreparedStep, prepare
+from jaxllm.runner.inputs import PreparedStep, num_rows, prepare
 from jaxllm.runner.program_cache import ProgramCache
 from jaxllm.runner.requests import RequestStates, SampledStep
 from jaxllm.runner.step_config import StepConfig
@@ -83,6 +83,9 @@ class ModelRunner:
         self.warm = False
         # Held before sampling when set (tests use it to pause the first step).
         self.before_step_hook = None
+        # Speculative decoding: proposes each sampling request's next tokens after its step
+        # (spec/proposer.py); the scheduler schedules them for verification.
+        self.proposer = None
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -146,12 +149,14 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         self.requests.update(so)
         self.grammars.update(so)
+        if self.proposer is not None:
+            self.proposer.update(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_RUNNER_OUTPUT
         if not self.warm:
             raise RuntimeError("ModelRunner.execute called before warmup()")
         S = len(so.num_scheduled_tokens)
-        bucket = bk.pick(so.total_num_scheduled_tokens, S, self.buckets)
+        bucket = bk.pick(so.total_num_scheduled_tokens, num_rows(so), self.buckets)
         if not self.compiler.ready(bucket):
             # On demand: this bucket, and the decode step of as many requests, which follows
             # (compiled side by side); the guard covers both from now on.
@@ -172,11 +177,13 @@ class ModelRunner:
             if self.strict:
                 raise CompileGuardError(msg)
             log.warning(msg)
-        result = self.requests.record(step.req_ids, step.samples, step.prompt_plan, step.inputs.prompt_targets, out)
+        result = self.requests.record(step, out)
         if len(self.grammars):
             for rid, toks in zip(result.req_ids, result.sampled_token_ids):
                 for tok in toks:
                     self.grammars.accept(rid, tok)
+        if self.proposer is not None:
+            result = self.proposer.propose(result, step, self.requests, self.grammars)
         return result
 
     def _run(self, step: PreparedStep) -> SampledStep:
@@ -193,9 +200,9 @@ class ModelRunner:
             self.params, self.kv, rows.state, words)
         # Dispatched, not finished: the grammar masks are computed while the device runs.
         S = step.bucket[1]
-        masked = self.grammars.masked_rows(step.req_ids, step.samples)
+        masked = self.grammars.masked_rows(step.rows()) if len(self.grammars) else []
         if masked:
-            allowed = self.grammars.fill(masked, S)
+            allowed = self.grammars.fill(masked, S, dict(zip(step.req_ids, step.drafts)))
             if jax.process_count() > 1:
                 allowed = self._put(allowed)
         else:
@@ -204,7 +211,8 @@ class ModelRunner:
                 allowed = self._all_allowed[S] = self._put(
                     np.full((S, mask_words(self.arch.vocab_size)), 0xFFFFFFFF, np.uint32))
         out = self.compiler.samplers[S](rows.state, logits, sampling_words, allowed)
-        host = pmesh.to_host((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs))
+        host = pmesh.to_host((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs,
+                              out.emitted))
         return SampledStep(*host, prompt=pmesh.to_host(plp) if step.prompt_plan else None)
 
     def _put(self, host) -> jax.Array:

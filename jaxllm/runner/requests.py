@@ -23,6 +23,13 @@ class RequestState:
     sampling: RowParams
     prompt_lps: list[LogprobsArrays] | None = None
     """prompt_logprobs gathered chunk by chunk, delivered with the first sampled token."""
+    pending_counts: list[int] | None = None
+    """Proposals the last verification accepted: fed uncounted, the penalty counts take them
+    in the request's next step (sample/processing.update_state)."""
+
+    def take_pending_counts(self) -> list[int]:
+        out, self.pending_counts = self.pending_counts or [], None
+        return out
 
     @classmethod
     def from_new(cls, nr: NewRequestData, vocab_size: int) -> "RequestState":
@@ -43,6 +50,7 @@ class SampledStep:
     rank: np.ndarray             # [S] i32
     top_ids: np.ndarray          # [S, K] i32
     top_logprobs: np.ndarray     # [S, K] f32
+    emitted: np.ndarray          # [S] bool, the row's token is an output (sampler.accept)
     prompt: tuple | None = None
     """(logprob [T], rank [T], top ids [T, K], top logprobs [T, K]) when a row asked for
     prompt logprobs this step."""
@@ -71,31 +79,39 @@ class RequestStates:
             st.block_ids.extend(blocks)
             st.num_computed_tokens = n
 
-    def record(self, req_ids: tuple[str, ...], samples: tuple[bool, ...], prompt_plan, prompt_targets: np.ndarray,
-               out: SampledStep) -> RunnerOutput:
-        """Appends each sampling row's token to its request and assembles the step's output."""
+    def record(self, step, out: SampledStep) -> RunnerOutput:
+        """Appends each sampling request's output tokens (its row's, or for a verification the
+        rows the sampler emitted) to its request and assembles the step's output."""
         if out.prompt is not None:
-            self._gather_prompt_logprobs(prompt_plan, prompt_targets, out.prompt)
+            self._gather_prompt_logprobs(step.prompt_plan, step.inputs.prompt_targets, out.prompt)
         sampled: list[list[int]] = []
         logprobs: dict[str, LogprobsArrays] = {}
         prompt_out: dict[str, LogprobsArrays] = {}
-        for i, rid in enumerate(req_ids):
-            if not samples[i]:
+        for i, rid in enumerate(step.req_ids):
+            if not step.samples[i]:
                 sampled.append([])
                 continue
             st = self._states[rid]
-            tok = int(out.token_ids[i])
-            st.token_ids.append(tok)
-            sampled.append([tok])
+            r0, drafts = step.first_row[i], step.drafts[i]
+            n = 1 + len(drafts)
+            if drafts:
+                # The emitted rows are a prefix of the request's rows (sampler.accept).
+                n = int(np.argmin(np.append(out.emitted[r0:r0 + n], False)))
+                if n > 1 and st.sampling.uses_penalties:
+                    st.pending_counts = list(drafts[:n - 1])
+            rows = slice(r0, r0 + n)
+            toks = [int(t) for t in out.token_ids[rows]]
+            st.token_ids.extend(toks)
+            sampled.append(toks)
             k = st.sampling.num_logprobs
             if k >= 0:
                 logprobs[rid] = LogprobsArrays(
-                    np.concatenate([out.token_ids[i:i + 1], out.top_ids[i, :k]])[None],
-                    np.concatenate([out.logprob[i:i + 1], out.top_logprobs[i, :k]])[None], out.rank[i:i + 1])
-            if st.prompt_lps is not None and len(st.token_ids) == st.num_prompt_tokens + 1:
+                    np.concatenate([out.token_ids[rows, None], out.top_ids[rows, :k]], axis=1),
+                    np.concatenate([out.logprob[rows, None], out.top_logprobs[rows, :k]], axis=1), out.rank[rows])
+            if st.prompt_lps is not None and len(st.token_ids) > st.num_prompt_tokens:
                 prompt_out[rid] = LogprobsArrays.concat(st.prompt_lps, st.sampling.num_prompt_logprobs)
                 st.prompt_lps = None
-        return RunnerOutput(req_ids=list(req_ids), sampled_token_ids=sampled, logprobs=logprobs,
+        return RunnerOutput(req_ids=list(step.req_ids), sampled_token_ids=sampled, logprobs=logprobs,
                             prompt_logprobs=prompt_out)
 
     def _gather_prompt_logprobs(self, plan, targets: np.ndarray, plp) -> None:

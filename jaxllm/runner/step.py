@@ -34,7 +34,8 @@ from jaxllm.sample.sampler import SamplerState, SamplingMetadata, prompt_logprob
 class StepInputs:
     input_ids: jax.Array        # [T] int32
     attn: AttentionMetadata
-    logits_indices: jax.Array   # [S] int32, the flat index of each row's last token
+    logits_indices: jax.Array   # [S] int32, the flat index of the token each sampling row draws after
+    token_row: jax.Array        # [T] int32, the sampling row each token's penalty counts go through
     sampling: SamplingMetadata
     prompt_targets: jax.Array   # [T] int32, next prompt token for prompt_logprobs, -1: not asked
 
@@ -54,7 +55,7 @@ def make_step(cfg: StepConfig, model: ModuleType):
             # Pallas reduction, run on whole rows on every device.
             logits = jax.lax.with_sharding_constraint(logits, P())
         attn = inputs.attn
-        sstate = update_state(sstate, inputs.sampling, inputs.input_ids, attn.token_seq, attn.positions,
+        sstate = update_state(sstate, inputs.sampling, inputs.input_ids, inputs.token_row, attn.positions,
                               attn.query_start_loc[-1])
         T = inputs.input_ids.shape[0]
 

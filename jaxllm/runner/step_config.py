@@ -38,6 +38,9 @@ class StepConfig:
     kv_cache_dtype: str = "auto"
     """``--kv-cache-dtype``: "auto" (the cache in ``dtype``) or a quantized format
     (``layers/kv_quant.py``)."""
+    num_speculative_tokens: int = 0
+    """Most proposed tokens a request verifies in one step (0: no speculation); sets the
+    sampling rows a step may need and the width of the sampler's per-row draft arrays."""
 
     @property
     def packed_bf16(self) -> bool:
@@ -64,4 +67,6 @@ class StepConfig:
     @functools.cached_property
     def buckets(self) -> list[tuple[int, int]]:
         """Computed once: every step picks its bucket from it."""
-        return bk.step_buckets(self.max_num_batched_tokens, self.max_num_seqs)
+        k = self.num_speculative_tokens
+        return bk.step_buckets(self.max_num_batched_tokens, self.max_num_seqs,
+                               self.max_num_seqs * (1 + k) if k else None)

@@ -36,6 +36,14 @@ class SamplingMetadata:
     frequency_penalty: jax.Array   # [S] f32, 0: off
     use_bias: jax.Array            # [S] bool, add the slot's bias row
     suppress: jax.Array            # [S, SUPPRESS_WIDTH] i32, ids set to -inf this step, -1: none
+    # Speculative decoding (spec/): a request verifying k proposals has k + 1 consecutive rows,
+    # row j drawing output position out_pos + j as if proposals 1..j had been sampled.  Without
+    # speculation every row is its own group and the draft arrays are [S, 0].
+    count_fed: jax.Array           # [S] bool, count the token this row feeds (False: a proposal)
+    count_extra: jax.Array         # [S, K] i32, accepted proposals of the last step, counted now; -1: none
+    view_extra: jax.Array          # [S, K] i32, proposals before this row, counted for its draw only
+    draft_next: jax.Array          # [S] i32, the proposal this row's draw must equal for the next row, -1: none
+    group_start: jax.Array         # [S] i32, the request's first row
 
 
 @jax.tree_util.register_dataclass
@@ -57,3 +65,4 @@ class SamplerOutput:
     sampled_rank: jax.Array     # [S] i32, 1-based
     top_ids: jax.Array          # [S, K] i32
     top_logprobs: jax.Array     # [S, K] f32
+    emitted: jax.Array          # [S] bool, the row's token is an output (every earlier proposal of its request accepted)

@@ -92,15 +92,19 @@ def suppress_capacity_error(sp: SamplingParams) -> str | None:
     return None
 
 
-def empty_metadata(S: int) -> dict[str, np.ndarray]:
-    """Padding rows: greedy, no logprobs, nothing tracked (slot filled in by the caller)."""
+def empty_metadata(S: int, draft_width: int = 0) -> dict[str, np.ndarray]:
+    """Padding rows: greedy, no logprobs, nothing tracked, each its own group (slot filled in
+    by the caller); ``draft_width``: the most proposals a request verifies (0: no speculation)."""
     return dict(temperature=np.zeros(S, np.float32), top_k=np.zeros(S, np.int32), top_p=np.ones(S, np.float32),
                 log_min_p=np.full(S, -np.inf, np.float32), seed_lo=np.zeros(S, np.uint32),
                 seed_hi=np.zeros(S, np.uint32), out_pos=np.zeros(S, np.int32), num_logprobs=np.full(S, -1, np.int32),
                 slot=np.zeros(S, np.int32), reset=np.zeros(S, bool), track=np.zeros(S, bool),
                 num_prompt=np.zeros(S, np.int32), repetition_penalty=np.ones(S, np.float32),
                 presence_penalty=np.zeros(S, np.float32), frequency_penalty=np.zeros(S, np.float32),
-                use_bias=np.zeros(S, bool), suppress=np.full((S, SUPPRESS_WIDTH), -1, np.int32))
+                use_bias=np.zeros(S, bool), suppress=np.full((S, SUPPRESS_WIDTH), -1, np.int32),
+                count_fed=np.ones(S, bool), count_extra=np.full((S, draft_width), -1, np.int32),
+                view_extra=np.full((S, draft_width), -1, np.int32), draft_next=np.full(S, -1, np.int32),
+                group_start=np.arange(S, dtype=np.int32))
 
 
 def fill_row(a: dict[str, np.ndarray], i: int, p: RowParams, *, slot: int, out_pos: int, num_prompt: int,

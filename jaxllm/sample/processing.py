@@ -53,7 +53,13 @@ def update_state(state: SamplerState, md: SamplingMetadata, input_ids: jax.Array
     later positions (sampled tokens fed back, or recomputed after preemption) into
     ``counts``.  A decode step feeds the token sampled last, so the counts a row sees when
     it samples cover all its earlier output tokens.  ``input_ids``/``token_row``/``positions``
-    [T]; ``num_tokens`` [] the real tokens (the rest is padding)."""
+    [T], ``token_row`` the sampling row of each token's request (of its position, for a
+    verification); ``num_tokens`` [] the real tokens (the rest is padding).
+
+    Speculation: the proposals a verification feeds are not counted (``count_fed``), since
+    only some will be accepted; each row's draw sees the ones before it (``view_extra``, in
+    :func:`_penalize`) and the accepted ones are counted in the request's next step
+    (``count_extra``)."""
     counts, prompt = state.counts, state.prompt_mask
     scratch = counts.shape[0] - 1
 
@@ -64,11 +70,16 @@ def update_state(state: SamplerState, md: SamplingMetadata, input_ids: jax.Array
     counts, prompt = jax.lax.cond(jnp.any(md.reset), reset, lambda cp: cp, (counts, prompt))
     T = input_ids.shape[0]
     row = token_row
-    tracked = (jnp.arange(T) < num_tokens) & md.track[row]               # [T]
+    tracked = (jnp.arange(T) < num_tokens) & md.track[row] & md.count_fed[row]   # [T]
     tslot = jnp.where(tracked, md.slot[row], scratch)                    # [T]
     in_prompt = positions < md.num_prompt[row]                           # [T]
     counts = counts.at[tslot, input_ids].add((tracked & ~in_prompt).astype(jnp.int32))
     prompt = prompt.at[tslot, input_ids].max(tracked & in_prompt)
+    if md.count_extra.shape[1]:
+        extra = md.count_extra                                           # [S, K]
+        keep = md.track[:, None] & (extra >= 0)
+        eslot = jnp.where(keep, md.slot[:, None], scratch)
+        counts = counts.at[eslot, jnp.maximum(extra, 0)].add(keep.astype(jnp.int32))
     return SamplerState(counts=counts, prompt_mask=prompt, bias=state.bias)
 
 
@@ -82,6 +93,11 @@ def _penalize(x: jax.Array, md: SamplingMetadata, state: SamplerState, zero: jax
               penalized: jax.Array) -> jax.Array:
     """Repetition, frequency and presence penalties of the ``penalized`` [S] rows: x [S, V] -> [S, V]."""
     c = state.counts[md.slot]                                            # [S, V] i32
+    if md.view_extra.shape[1]:
+        # A verification row draws as if the proposals before it had been sampled.
+        S, V = x.shape
+        ids = jnp.where(md.view_extra >= 0, md.view_extra, V)            # [S, K], out of range: dropped
+        c = c.at[jnp.arange(S)[:, None], ids].add(1, mode="drop")
     out = c > 0
     occurred = state.prompt_mask[md.slot] | out
     rep = md.repetition_penalty[:, None]

@@ -30,6 +30,7 @@ is computed inside it, since a value a branch captures is computed whether it ru
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxllm.config import LOGPROBS_MODES
 from jaxllm.sample.arrays import SUPPRESS_WIDTH, SamplerOutput, SamplerState, SamplingMetadata
@@ -41,7 +42,7 @@ from jaxllm.sample.processing import (init_state, process_logits, state_shapes, 
                                       write_penalty_row)
 
 # The sampler's interface for the runner and the step (one import for all of it).
-__all__ = ["KERNEL_BACKENDS", "LOGPROBS_MODES", "SUPPRESS_WIDTH", "SamplerOutput", "SamplerState", "SamplingMetadata",
+__all__ = ["KERNEL_BACKENDS", "accept", "LOGPROBS_MODES", "SUPPRESS_WIDTH", "SamplerOutput", "SamplerState", "SamplingMetadata",
            "init_state", "prompt_logprobs", "sample", "state_shapes", "update_state", "write_bias_row",
            "write_penalty_row"]
 
@@ -71,4 +72,17 @@ def sample(logits: jax.Array, md: SamplingMetadata, state: SamplerState, allowed
         tokens, processed = draw_xla(x, md, zero, fp64, processed_mode)
     chosen, rank, top_ids, top_lp = sampled_logprobs(logits, processed, tokens, md.num_logprobs,
                                                      max_logprobs=max_logprobs, logprobs_mode=logprobs_mode)
-    return SamplerOutput(tokens, chosen, rank, top_ids, top_lp)
+    return SamplerOutput(tokens, chosen, rank, top_ids, top_lp, accept(tokens, md))
+
+
+def accept(tokens: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """Speculative acceptance: tokens [S] as drawn -> [S] bool, whether each row's token is an
+    output.  A proposal is accepted exactly when it equals the token drawn at its position from
+    the target's own logits and the noise plain decoding uses there, so a row's token is an
+    output when every proposal of its request before it was accepted; the first row that
+    rejects still emits its own token (the correction), and a fully accepted run ends with the
+    last row's token (the bonus).  Output = plain decoding's, token for token, at any
+    temperature (rows outside a verification are their own group: always emitted)."""
+    rejects = ((md.draft_next >= 0) & (tokens != md.draft_next)).astype(jnp.int32)   # [S]
+    before = jnp.cumsum(rejects) - rejects                               # [S] rejections in rows < r
+    return before == before[md.group_start]

@@ -85,15 +85,46 @@ class GrammarStates:
                 log.warning("request %s: its grammar rejects the output it resumes with: %s", nr.req_id,
                             g.matcher.get_error())
 
-    def masked_rows(self, req_ids, samples) -> list[tuple[int, str]]:
-        """(batch row, request id) of the rows whose draw the grammar constrains this step."""
-        return [(i, rid) for i, rid in enumerate(req_ids)
-                if samples[i] and (g := self._states.get(rid)) is not None and g.active]
+    def masked_rows(self, rows) -> list[tuple[int, str, int]]:
+        """Of ``rows`` (sampling row, request id, draft index j), those whose draw the grammar
+        constrains this step."""
+        return [(i, rid, j) for i, rid, j in rows if (g := self._states.get(rid)) is not None and g.active]
 
-    def fill(self, rows: list[tuple[int, str]], num_rows: int) -> np.ndarray:
+    def valid_prefix(self, req_id: str, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the request's grammar accepts (all of them when
+        unconstrained or still reasoning: proposals past a reasoning end are not checked, so
+        a reasoning request does not propose, see spec/controller.py)."""
+        g = self._states.get(req_id)
+        if g is None or not drafts:
+            return drafts
+        return drafts[:g.matcher.validate_tokens(drafts)]
+
+    def proposes(self, req_id: str) -> bool:
+        """Whether the request may get speculative proposals: unconstrained, or its grammar
+        is active (while reasoning, proposals past the end tag could not be checked)."""
+        g = self._states.get(req_id)
+        return g is None or g.active
+
+    def fill(self, rows: list[tuple[int, str, int]], num_rows: int, drafts: dict[str, tuple[int, ...]] | None = None
+             ) -> np.ndarray:
         """The step's bitmask ``[num_rows, words]`` uint32: the allowed tokens of each of
-        ``rows``, all ones elsewhere."""
+        ``rows``, all ones elsewhere.  Row j of a verification is masked as if the request's
+        first j proposals (``drafts``, checked by :meth:`valid_prefix` when proposed) had been
+        sampled: its matcher consumes them for the masks, then rolls back."""
         mask = np.full((num_rows, self._ll_words), -1, np.int32)
+        spec = [(i, rid, j) for i, rid, j in rows if drafts and drafts.get(rid)]
+        rows = [(i, rid) for i, rid, j in rows if not (drafts and drafts.get(rid))]
+        for rid in dict.fromkeys(rid for _, rid, _ in spec):
+            m, d = self._states[rid].matcher, drafts[rid]
+            own = sorted((j, i) for i, r, j in spec if r == rid)
+            consumed = 0
+            for j, i in own:
+                while consumed < j:
+                    m.consume_token(d[consumed])
+                    consumed += 1
+                llnp.fill_next_token_bitmask(m, mask, i)
+            if consumed:
+                m.rollback(consumed)
         if len(rows) == 1:
             (i, rid), = rows
             llnp.fill_next_token_bitmask(self._states[rid].matcher, mask, i)
@@ -104,7 +135,7 @@ class GrammarStates:
                                              mask)
         if self._ll_words != self.words:
             mask = np.ascontiguousarray(mask[:, :self.words])
-        for i, rid in rows:
+        for i, rid in [*rows, *((i, rid) for i, rid, _ in spec)]:
             g = self._states[rid]
             if g.matcher.is_error():
                 if not g.warned:

@@ -1,0 +1,1 @@
+"""Speculative decoding: the configuration, the proposers and the per-request controller."""

@@ -1,0 +1,96 @@
+"""The runner's side of speculative decoding: after each step, which requests propose and
+what (a proposer: spec/ngram.py, spec/draft_model.py), and the off-switch.
+
+Everything is keyed by request id, never batch row (rows are rebuilt every step).  A request
+proposes after every step that sampled for it, unless:
+
+- its grammar is not active yet (structured outputs after reasoning): proposals past the
+  end of reasoning could not be checked; a constrained request's proposals are cut to the
+  prefix its grammar accepts;
+- its proposals have been rarely accepted: over its last ``acceptance_window`` proposed
+  tokens fewer than ``min_acceptance_rate`` were accepted.  It then stops proposing for
+  ``probe_interval`` steps, twice as long after every further failed probe (at most 16
+  times), so a workload speculation cannot help pays for a few probes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jaxllm.outputs import RunnerOutput, SchedulerOutput
+from jaxllm.spec.config import SpeculativeConfig
+
+
+@dataclasses.dataclass
+class _Acceptance:
+    window: deque = dataclasses.field(default_factory=deque)   # (proposed, accepted) per verification
+    proposed: int = 0
+    accepted: int = 0
+    off_until: int = 0
+    """The step from which the request proposes again."""
+    backoff: int = 0
+
+    def observe(self, proposed: int, accepted: int, cfg: SpeculativeConfig, step: int) -> None:
+        self.window.append((proposed, accepted))
+        self.proposed += proposed
+        self.accepted += accepted
+        while self.window and self.proposed - self.window[0][0] >= cfg.acceptance_window:
+            p, a = self.window.popleft()
+            self.proposed -= p
+            self.accepted -= a
+        if self.proposed >= cfg.acceptance_window and self.accepted < cfg.min_acceptance_rate * self.proposed:
+            self.backoff = min(max(1, 2 * self.backoff), 16)
+            self.off_until = step + cfg.probe_interval * self.backoff
+            # The probe after the pause is judged on its own proposals.
+            self.window.clear()
+            self.proposed = self.accepted = 0
+        elif self.proposed >= cfg.acceptance_window:
+            self.backoff = 0
+
+
+class SpecController:
+    def __init__(self, cfg: SpeculativeConfig, proposer):
+        self.cfg = cfg
+        self.proposer = proposer
+        self._acceptance: dict[str, _Acceptance] = {}
+        self._step = 0
+
+    def update(self, so: SchedulerOutput) -> None:
+        """Drops the state of requests that ended or were preempted."""
+        for rid in so.finished_req_ids:
+            self._acceptance.pop(rid, None)
+            self.proposer.remove(rid)
+
+    def propose(self, result: RunnerOutput, step, states, grammars) -> RunnerOutput:
+        """``result`` with ``draft_token_ids`` for the requests that propose; ``step``: the
+        PreparedStep just run (its verified proposals), ``states``: the runner's RequestStates."""
+        self._step += 1
+        k = self.cfg.num_speculative_tokens
+        drafts: dict[str, list[int]] = {}
+        verified = dict(zip(step.req_ids, step.drafts))
+        for rid, toks in zip(result.req_ids, result.sampled_token_ids):
+            if not toks:
+                continue
+            acc = self._acceptance.get(rid)
+            if acc is None:
+                acc = self._acceptance[rid] = _Acceptance()
+            if verified.get(rid):
+                acc.observe(len(verified[rid]), len(toks) - 1, self.cfg, self._step)
+            if self.cfg.min_acceptance_rate > 0 and self._step < acc.off_until:
+                continue
+            if not grammars.proposes(rid):
+                continue
+            d = self.proposer.propose(rid, states[rid].token_ids, k)
+            d = grammars.valid_prefix(rid, d)
+            if d:
+                drafts[rid] = d
+        return dataclasses.replace(result, draft_token_ids=drafts) if drafts else result
+
+
+def make_controller(cfg: SpeculativeConfig) -> SpecController:
+    """The runner's controller for ``cfg`` (its method's proposer inside)."""
+    if cfg.method == "ngram":
+        from jaxllm.spec.ngram import NgramProposer
+        return SpecController(cfg, NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
+    raise ValueError(f"--speculative-config: method {cfg.method!r} is not available yet")
