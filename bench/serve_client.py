@@ -26,6 +26,7 @@ import sys
 import time
 from datetime import datetime
 
+from bench import spec_metrics
 from bench.datasets import DATASET_ALIASES, DATASETS, SampleRequest
 from bench.metrics import (GOODPUT_METRICS, METRICS, BenchmarkMetrics, RequestOutput, StreamRecorder,
                            calculate_metrics, percentile_word)
@@ -559,6 +560,7 @@ async def _main(args) -> int:
     print(f"Traffic request rate: {args.request_rate}")
     print(f"Burstiness factor: {args.burstiness} ({distribution})")
     print(f"Maximum request concurrency: {args.max_concurrency}")
+    spec_before = await spec_metrics.fetch(base_url, headers, verify)
     outputs, duration = await run_benchmark(
         url=url, backend=args.backend, model=model_name, requests=requests, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, seed=args.seed,
@@ -577,6 +579,11 @@ async def _main(args) -> int:
     text, metric_keys = summary_text(m, duration=duration, max_concurrency=args.max_concurrency,
                                      request_rate=args.request_rate, selected_metrics=args.selected_metrics,
                                      goodput=bool(args.goodput_slos))
+    spec_after = await spec_metrics.fetch(base_url, headers, verify) if spec_before is not None else None
+    if spec_after is not None and spec_after.num_drafts > spec_before.num_drafts:
+        lines, spec_keys = spec_metrics.summary(spec_after.minus(spec_before))
+        text = text[:text.rindex("=" * 50)] + "\n".join(lines) + "\n" + "=" * 50
+        metric_keys.update(spec_keys)
     print(text)
 
     date = datetime.now().strftime("%Y%m%d-%H%M%S")

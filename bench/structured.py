@@ -93,9 +93,9 @@ def cmd_structured(args) -> int:
     grammars = engine.core.runner.grammars
     fill, fills = grammars.fill, []
 
-    def timed_fill(rows, n):
+    def timed_fill(rows, n, drafts=None):
         t = time.perf_counter()
-        out = fill(rows, n)
+        out = fill(rows, n, drafts)
         fills.append((len(rows), time.perf_counter() - t))
         return out
 

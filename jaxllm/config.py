@@ -372,6 +372,8 @@ class ServingConfig:
     """A Python file that registers more tool parsers (``--tool-parser-plugin``)."""
     reasoning_parser: str | None = None
     """Splits reasoning from content (``--reasoning-parser``: deepseek_r1, qwen3)."""
+    disable_log_stats: bool = False
+    """No periodic stats line in the log (``--disable-log-stats``; serve/stat_logger.py)."""
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:

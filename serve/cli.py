@@ -46,6 +46,8 @@ def register(subparsers) -> None:
     g.add_argument("--profiler-dir", default=None, metavar="DIR",
                    help="enable POST /start_profile and /stop_profile, which record XLA traces into DIR "
                         "(open them with Perfetto, TensorBoard or xprof)")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic log line (throughput, KV usage, speculative acceptance) every 10 s")
     t = s.add_argument_group("tool calling and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request sends tools); needs --tool-call-parser')
@@ -74,7 +76,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         chat_template=args.chat_template, response_role=args.response_role,
         profiler_dir=None if args.profiler_dir is None else os.path.abspath(args.profiler_dir),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser)
+        tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser,
+        disable_log_stats=args.disable_log_stats)
 
 
 def with_reasoning_end(engine_config, serving: ServingConfig):

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from jaxllm.engine.async_engine import IterationStats
 from jaxllm.engine.llm_engine import EngineStats
+from serve.stat_logger import StatLogger
 
 # vLLM's buckets.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -41,6 +42,12 @@ class _EngineMetrics:
         self.prefix_cache_hits = m._prefix_cache_hits.labels(*lv)
         self.seen_queries = 0
         self.seen_hits = 0
+        self.spec_drafts = m._spec_drafts.labels(*lv)
+        self.spec_draft_tokens = m._spec_draft_tokens.labels(*lv)
+        self.spec_accepted = m._spec_accepted.labels(*lv)
+        self.spec_per_pos = m._spec_per_pos
+        self.seen_spec = (0, 0, 0)
+        self.seen_per_pos: list[int] = []
         self.prompt_tokens = m._prompt_tokens.labels(*lv)
         self.generation_tokens = m._generation_tokens.labels(*lv)
         self.ttft = m._ttft.labels(*lv)
@@ -56,7 +63,9 @@ class Metrics:
     replica, ``"0"`` with one engine): with ``-dp N`` each replica's engine thread records its
     own series, and a dashboard sums over ``engine`` for the server's totals."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, log_stats_interval: float | None = None):
+        """``log_stats_interval``: seconds between the periodic log lines (serve/stat_logger.py), None: none."""
+        self.stat_logger = None if log_stats_interval is None else StatLogger(log_stats_interval)
         self.registry = r = CollectorRegistry()
         labels = ["model_name", "engine"]
         self._model = model_name
@@ -74,6 +83,15 @@ class Metrics:
         self._prefix_cache_hits = Counter(
             "jaxllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens served from the cache.",
             labels, registry=r)
+        self._spec_drafts = Counter("jaxllm:spec_decode_num_drafts",
+                                    "Speculative verifications that had proposals.", labels, registry=r)
+        self._spec_draft_tokens = Counter("jaxllm:spec_decode_num_draft_tokens", "Proposed tokens verified.",
+                                          labels, registry=r)
+        self._spec_accepted = Counter("jaxllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                                      labels, registry=r)
+        self._spec_per_pos = Counter("jaxllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Proposed tokens accepted, by position in the proposal.",
+                                     labels + ["position"], registry=r)
         self._prompt_tokens = Counter("jaxllm:prompt_tokens", "Prompt tokens prefilled.", labels, registry=r)
         self._generation_tokens = Counter("jaxllm:generation_tokens", "Tokens generated.", labels, registry=r)
         self._success = Counter("jaxllm:request_success", "Finished requests, by finish reason.",
@@ -112,10 +130,23 @@ class Metrics:
             if s.prefix_cache_hits > m.seen_hits:
                 m.prefix_cache_hits.inc(s.prefix_cache_hits - m.seen_hits)
                 m.seen_hits = s.prefix_cache_hits
+            spec = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
+            for counter, new, seen in zip((m.spec_drafts, m.spec_draft_tokens, m.spec_accepted), spec, m.seen_spec):
+                if new > seen:
+                    counter.inc(new - seen)
+            m.seen_spec = tuple(max(a, b) for a, b in zip(spec, m.seen_spec))
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                seen = m.seen_per_pos[pos] if pos < len(m.seen_per_pos) else 0
+                if n > seen:
+                    m.spec_per_pos.labels(*m.labels, str(pos)).inc(n - seen)
+            if len(s.spec_accepted_per_pos) >= len(m.seen_per_pos):
+                m.seen_per_pos = list(s.spec_accepted_per_pos)
 
     def record(self, stats: IterationStats, engine: int = 0) -> None:
         """The engine's stats sink (called from engine ``engine``'s thread)."""
         self.update_engine(stats.engine, engine)
+        if self.stat_logger is not None:
+            self.stat_logger.record(stats, engine)
         m = self._for(engine)
         if stats.num_prompt_tokens:
             m.prompt_tokens.inc(stats.num_prompt_tokens)

@@ -46,6 +46,14 @@ class EngineStats:
     """Prompt tokens looked up in the prefix cache since start (newly admitted requests)."""
     prefix_cache_hits: int = 0
     """Of those, tokens served from the cache."""
+    spec_num_drafts: int = 0
+    """Speculative decoding since start: verifications that had proposals, ..."""
+    spec_num_draft_tokens: int = 0
+    """... the tokens proposed in them, ..."""
+    spec_num_accepted_tokens: int = 0
+    """... the ones accepted, ..."""
+    spec_accepted_per_pos: tuple[int, ...] = ()
+    """... and those by position in the proposal (0: the first proposed token)."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -124,11 +132,15 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         sched, kv = self.core.scheduler, self.core.kv_manager
+        spec = sched.spec_stats
         parent = self.output_processor.parent_id
         return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
                            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
                            num_preemptions=sched.num_preemptions,
                            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
+                           spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                           spec_num_accepted_tokens=spec.num_accepted_tokens,
+                           spec_accepted_per_pos=tuple(spec.accepted_per_pos),
                            running_request_ids=frozenset(parent(r.request_id) for r in sched.running))
 
     def compile_all(self) -> None:

@@ -1,0 +1,241 @@
+"""The parts of speculative decoding that need no device: the configuration (vLLM's shape,
+bad values named), the ngram proposer, the off-switch, the scheduler's cut of proposals, the
+acceptance rule on the device arrays, the periodic log line and the bench's /metrics parser."""
+
+from __future__ import annotations
+
+import logging
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import EngineConfig
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.scheduler import Scheduler
+from jaxllm.outputs import RunnerOutput
+from jaxllm.request import Request
+from jaxllm.sample import metadata as smd
+from jaxllm.sample.sampler import accept
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.spec.config import SpeculativeConfig
+from jaxllm.spec.controller import SpecController
+from jaxllm.spec.ngram import NgramProposer
+
+
+# ---------------------------------------------------------------------------- configuration
+
+def test_config_in_vllms_shape():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)           # vLLM's defaults
+    c = SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 4)
+    c = SpeculativeConfig.parse({"model": "/some/draft", "num_speculative_tokens": 2})
+    assert c.method == "draft_model"
+    assert EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 2}).speculative_config.method \
+        == "ngram"
+    assert EngineConfig().speculative_config is None
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("{", "not valid JSON"),
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle' is not available"),
+    ({"method": "magic", "num_speculative_tokens": 2}, "unknown method 'magic'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min=4 is larger"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speculative_disable_by_batch_size": 4}, "unknown key"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+    ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": 2}, "min_acceptance_rate"),
+])
+def test_bad_config_is_refused_by_name(value, needle):
+    with pytest.raises(ValueError, match="--speculative-config") as e:
+        SpeculativeConfig.parse(value)
+    assert needle in str(e.value)
+
+
+def test_draft_model_is_refused_until_it_exists(tiny_llama):
+    from jaxllm import LLM
+    with pytest.raises(ValueError, match="method 'draft_model' is not available yet"):
+        LLM(tiny_llama, speculative_config={"model": tiny_llama, "num_speculative_tokens": 2},
+            max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+
+
+# ---------------------------------------------------------------------------- ngram
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    p = NgramProposer(1, 3)
+    toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    # The suffix [1, 2, 3] last occurred before [7, 8, 5, ...]; never matches itself.
+    assert p.propose("a", toks, 3) == [7, 8, 5]
+    assert p.propose("a", toks + [7], 2) == [8, 5]                        # the index grows
+    assert p.propose("b", [4, 5, 6], 3) == []                             # nothing repeats
+    # Shorter n only when the longer ones do not occur.
+    assert NgramProposer(1, 3).propose("c", [5, 1, 2, 6, 2], 2) == [6, 2]
+    assert NgramProposer(2, 3).propose("c", [5, 1, 2, 6, 2], 2) == []
+    # A continuation running into the end is cut there.
+    assert NgramProposer(1, 1).propose("d", [4, 4], 3) == [4]
+
+
+def test_controller_off_switch_pauses_a_request_that_rejects():
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, acceptance_window=8, min_acceptance_rate=0.5,
+                            probe_interval=10)
+
+    class Always:
+        def propose(self, rid, toks, k):
+            return [1] * k
+
+        def remove(self, rid):
+            pass
+
+    class Step:
+        def __init__(self, drafts):
+            self.req_ids, self.drafts = ("r",), (tuple(drafts),)
+
+    class Grammars:
+        def proposes(self, rid):
+            return True
+
+        def valid_prefix(self, rid, d):
+            return d
+
+    class States(dict):
+        pass
+
+    states = States(r=type("S", (), {"token_ids": [5, 6]})())
+    ctl = SpecController(cfg, Always())
+    drafts, proposing = (), []
+    for _ in range(40):
+        # Every verification accepts nothing: 1 token comes back.
+        res = ctl.propose(RunnerOutput(["r"], [[3]]), Step(drafts), states, Grammars())
+        drafts = tuple(res.draft_token_ids.get("r", ()))
+        proposing.append(bool(drafts))
+    # Two verifications of 4 fill the window at rate 0: off for 10 steps, then one probe pair,
+    # then off for 20.
+    assert proposing[:3] == [True, True, False]
+    assert sum(proposing) < 10
+    assert proposing.index(True, 3) == 12          # steps 3..12 paused (index i is step i + 1)
+
+
+# ---------------------------------------------------------------------------- scheduler
+
+def make_scheduler(budget=16, max_model_len=64):
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    return Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=max_model_len)
+
+
+def decode_one(s, req, proposals):
+    so = s.schedule()
+    s.update_from_output(so, RunnerOutput([req.request_id], [[7]], draft_token_ids={req.request_id: proposals}))
+    return so
+
+
+def test_scheduler_verifies_proposals_and_rolls_back_rejected_kv():
+    s = make_scheduler()
+    req = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20, ignore_eos=True), max_tokens=20)
+    s.add_request(req)
+    decode_one(s, req, [8, 9, 10])                    # the prefill samples 7 and proposes 3 tokens
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 4} and so.scheduled_spec_decode_tokens == {"a": [8, 9, 10]}
+    computed = req.num_computed_tokens
+    # 8 accepted, 9 rejected (the correction 4 comes back): 2 of the 4 positions stay computed.
+    s.update_from_output(so, RunnerOutput(["a"], [[8, 4]]))
+    assert req.output_token_ids[-2:] == [8, 4]
+    assert req.num_computed_tokens == computed + 2 == req.num_tokens - 1
+    assert s.spec_stats.num_draft_tokens == 3 and s.spec_stats.num_accepted_tokens == 1
+    assert s.spec_stats.accepted_per_pos == [1, 0, 0]
+
+
+@pytest.mark.parametrize("limit, expect", [("budget", 2), ("max_model_len", 1), ("max_tokens", 3)])
+def test_scheduler_cuts_proposals_to_what_fits(limit, expect):
+    s = make_scheduler(budget=3 if limit == "budget" else 16, max_model_len=8 if limit == "max_model_len" else 64)
+    max_tokens = 5 if limit == "max_tokens" else 20
+    req = Request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                  max_tokens=max_tokens)
+    s.add_request(req)
+    if limit == "budget":
+        while req.num_computed_tokens < 6:
+            s.update_from_output(s.schedule(), RunnerOutput(["a"], [[7]], draft_token_ids={"a": [1, 2, 3, 4]}))
+    else:
+        decode_one(s, req, [1, 2, 3, 4, 5, 6])
+    so = s.schedule()
+    # budget 3: 1 + 2 proposals; max_model_len 8 with 7 tokens: the last position is 7, so 1;
+    # max_tokens 5 with 1 output: at most 4 more tokens, 1 + 3.
+    assert len(so.scheduled_spec_decode_tokens["a"]) == expect
+
+
+def test_a_stop_inside_an_accepted_run_ends_the_request_there():
+    s = make_scheduler()
+    req = Request("a", [1, 2, 3], SamplingParams(max_tokens=20, stop_token_ids=[9], ignore_eos=True), max_tokens=20)
+    s.add_request(req)
+    decode_one(s, req, [8, 9, 10])
+    so = s.schedule()
+    outs = s.update_from_output(so, RunnerOutput(["a"], [[8, 9, 10, 11]]))
+    assert outs[0].new_token_ids == [8, 9] and outs[0].finish_reason == "stop" and outs[0].stop_reason == 9
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+# ---------------------------------------------------------------------------- acceptance rule
+
+def test_accept_emits_up_to_and_including_the_first_rejection():
+    a = smd.empty_metadata(8, 3)
+    # rows 0-3: one request proposing [5, 6, 7]; rows 4-6: another proposing [1, 2]; row 7 plain.
+    a["draft_next"][:7] = [5, 6, 7, -1, 1, 2, -1]
+    a["group_start"][:7] = [0, 0, 0, 0, 4, 4, 4]
+    md = smd.to_metadata(a)
+    drawn = jnp.asarray([5, 6, 9, 3, 4, 2, 8, 0], jnp.int32)   # first: rejects at row 2; second: at row 4
+    assert np.asarray(accept(drawn, md)).tolist() == [True, True, True, False, True, False, False, True]
+    drawn = jnp.asarray([5, 6, 7, 3, 1, 2, 8, 0], jnp.int32)   # every proposal accepted: bonus rows too
+    assert np.asarray(accept(drawn, md)).all()
+
+
+# ---------------------------------------------------------------------------- reporting
+
+def test_periodic_log_line_reports_acceptance(caplog):
+    from jaxllm.engine.async_engine import IterationStats
+    from jaxllm.engine.llm_engine import EngineStats
+    from serve.stat_logger import StatLogger
+
+    now = [0.0]
+    logger = StatLogger(10.0, clock=lambda: now[0])
+
+    def stats(drafts, proposed, accepted, per_pos, gen):
+        e = EngineStats(num_running=2, num_waiting=1, num_free_blocks=5, num_blocks=10, num_preemptions=0,
+                        running_request_ids=frozenset(), spec_num_drafts=drafts, spec_num_draft_tokens=proposed,
+                        spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
+        return IterationStats(engine=e, num_prompt_tokens=0, num_generation_tokens=gen, time_to_first_token=(),
+                              inter_token_latency=(), finished=())
+
+    with caplog.at_level(logging.INFO, logger="jaxllm.serve"):
+        logger.record(stats(10, 40, 20, (8, 6, 4, 2), 0))
+        now[0] = 5.0
+        logger.record(stats(20, 80, 50, (18, 14, 10, 8), 50))
+        assert not caplog.records
+        now[0] = 10.0
+        logger.record(stats(30, 120, 70, (26, 20, 14, 10), 50))
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Avg generation throughput: 10.0 tokens/s" in text and "KV cache usage: 50.0%" in text
+    # Since the first record: 20 verifications, 80 proposed, 50 accepted.
+    assert "Mean acceptance length: 3.50" in text and "Accepted: 50 tokens, Drafted: 80 tokens" in text
+    assert "Per-position acceptance rate: 0.900, 0.700, 0.500, 0.400" in text
+
+
+def test_bench_reads_the_servers_counters():
+    from bench import spec_metrics
+    from serve.metrics import Metrics
+    from jaxllm.engine.llm_engine import EngineStats
+
+    m = Metrics("m")
+    e = lambda d, t, a, p: EngineStats(num_running=0, num_waiting=0, num_free_blocks=1, num_blocks=1,  # noqa: E731
+                                       num_preemptions=0, running_request_ids=frozenset(), spec_num_drafts=d,
+                                       spec_num_draft_tokens=t, spec_num_accepted_tokens=a, spec_accepted_per_pos=p)
+    m.update_engine(e(4, 16, 6, (3, 2, 1, 0)))
+    before = spec_metrics.parse(m.render().decode())
+    m.update_engine(e(10, 40, 20, (8, 6, 4, 2)))
+    run = spec_metrics.parse(m.render().decode()).minus(before)
+    assert (run.num_drafts, run.num_draft_tokens, run.num_accepted_tokens) == (6, 24, 14)
+    assert run.per_pos == (5, 4, 3, 2)
+    lines, keys = spec_metrics.summary(run)
+    assert keys["spec_decode_acceptance_length"] == pytest.approx(1 + 14 / 6)
+    assert spec_metrics.parse("# nothing here\n") is None
