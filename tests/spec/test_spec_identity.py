@@ -54,8 +54,9 @@ class OracleProposer:
     told about get no proposals."""
 
     def __init__(self, plain_runs, seed=0):
-        self.full = [tuple(o.prompt_token_ids) + tuple(o.outputs[0].token_ids) for o in plain_runs]
-        self.prompts = [tuple(o.prompt_token_ids) for o in plain_runs]
+        # Every sample of every run (n > 1: each child continues its own output).
+        self.full = [tuple(o.prompt_token_ids) + tuple(c.token_ids) for o in plain_runs for c in o.outputs]
+        self.prompts = [tuple(o.prompt_token_ids) for o in plain_runs for _ in o.outputs]
         self.rng = np.random.default_rng(seed)
         self.calls = 0
 
@@ -247,3 +248,47 @@ def test_prefix_cache_hits_still_propose(spec_llm, plain_outputs):
     assert kv.prefix_cache_hits > hits
     assert tokens(outs) == tokens(plain_outputs)
     assert_speculated(spec_llm, before)
+
+
+def test_n_samples_each_verify_their_own_proposals(spec_llm, tiny_llm):
+    """n = 3 seeded samples of one prompt: each child is its own request id with its own
+    proposals, and each equals its plain counterpart."""
+    rng = np.random.default_rng(5)
+    prompt = {"prompt_token_ids": repetitive(rng, 3, 5)}
+    params = SamplingParams(n=3, temperature=0.9, seed=21, top_p=0.95, max_tokens=24, ignore_eos=True)
+    plain = tiny_llm.generate([prompt], params, use_tqdm=False)
+    before = snapshot(spec_llm)
+    with oracle(spec_llm, plain):
+        out = spec_llm.generate([prompt], params, use_tqdm=False)
+    assert [c.token_ids for c in out[0].outputs] == [c.token_ids for c in plain[0].outputs]
+    assert len({tuple(c.token_ids) for c in plain[0].outputs}) == 3
+    assert_speculated(spec_llm, before)
+
+
+def test_structured_outputs_with_proposals(spec_llm, tiny_llm):
+    """Constrained requests: proposals are cut to the prefix the grammar accepts, each row of a
+    verification is masked as if the proposals before it had been sampled, and the output
+    equals plain decoding's (and obeys the grammar)."""
+    import json
+    import re
+
+    from jaxllm.sampling_params import StructuredOutputsParams as SO
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    email = r"[a-z]{2,6}@(foo|bar)\.(com|org)"
+    prompts = ["A person:", "An email:", "A person:", "Free text:"]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=person, disable_any_whitespace=True)),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=30, structured_outputs=SO(regex=email)),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=40,
+                             structured_outputs=SO(json=person, disable_any_whitespace=True)),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    plain = tiny_llm.generate(prompts, params, use_tqdm=False)
+    before = snapshot(spec_llm)
+    with oracle(spec_llm, plain) as o:
+        out = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert tokens(out) == tokens(plain)
+    assert json.loads(out[0].outputs[0].text)["age"] >= 0
+    assert re.fullmatch(email, out[1].outputs[0].text)
+    assert_speculated(spec_llm, before)
+    assert o.calls > 0
