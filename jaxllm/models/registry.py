@@ -1,7 +1,7 @@
 """Architecture registry, keyed by the HF architecture name in ``config.json``.
 
 Each entry names the module that implements the forward; architectures that differ only
-in ``ArchConfig`` flags share one module.  GGUF loading covers the dense architectures only.
+in ``ArchConfig`` flags share one module.
 """
 
 from __future__ import annotations
@@ -36,6 +36,15 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    # models/gguf_arch.py (olmo2 also carries OLMo 3: sliding layers make it Olmo3ForCausalLM)
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "glm4moe": "Glm4MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 
 
