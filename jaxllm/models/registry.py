@@ -48,6 +48,11 @@ GGUF_ARCHITECTURES = {
 }
 
 
+def gguf_hf_architectures() -> set[str]:
+    """The HF architectures a GGUF file can load as (OLMo 3 comes as llama.cpp's olmo2)."""
+    return set(GGUF_ARCHITECTURES.values()) | {"Olmo3ForCausalLM"}
+
+
 def config_reader(architecture: str):
     """The family's own config reader (``arch_config(hf, arch, where)``) for an architecture
     whose module has one, else None (``models/config.arch_config_from_hf`` reads it)."""
