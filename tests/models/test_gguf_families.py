@@ -280,3 +280,18 @@ def test_unexpected_tensor_is_named(twins, tmp_path):
     with pytest.raises(ModelLoadError, match=r"unexpected tensor 'blk\.0\.ffn_gate_inp\.weight'"):
         load_model(path)
 
+
+
+def test_engine_serves_a_gguf_family(twins, smollm_tokenizer_dir):
+    """GPT-OSS's GGUF (sinks, alternating windows, biased experts, YaRN) through the engine on
+    its default backends: 16 greedy tokens equal to the safetensors twin's."""
+    from conftest import SMALL_ENGINE
+
+    from jaxllm import LLM, SamplingParams
+    hf_path, f32, _ = twins["gpt_oss"]
+    ids = prompt_ids(PROMPT_LEN, seed=7)
+    _, want = Runner(load_model(hf_path), PROMPT_LEN + GREEDY).greedy(ids, GREEDY)
+    llm = LLM(f32, tokenizer=smollm_tokenizer_dir, **{**SMALL_ENGINE, "precompile": "auto", "max_num_batched_tokens": 64})
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=GREEDY, ignore_eos=True),
+                       use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want
