@@ -40,9 +40,11 @@ def _rope(cfg: dict) -> dict:
     return rp.get("full_attention", rp)
 
 
-def write_gguf(hf_path: str, out: str, matrix_type=None, drop: str | None = None, extra: dict | None = None) -> str:
+def write_gguf(hf_path: str, out: str, matrix_type=None, drop: str | None = None, extra: dict | None = None,
+               extra_tensors: dict | None = None) -> str:
     """Writes the HF folder ``hf_path`` as llama.cpp's converter would; ``drop``: a GGUF tensor
-    name to leave out; ``extra``: further metadata keys (name -> int / float / str)."""
+    name to leave out; ``extra``: further metadata keys (name -> int / float / str);
+    ``extra_tensors``: further tensors (GGUF name -> float32 array)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -210,6 +212,7 @@ def write_gguf(hf_path: str, out: str, matrix_type=None, drop: str | None = None
     for (layer, proj), got in sorted(experts.items()):
         put(f"model.layers.{layer}.mlp.experts.{proj}.weight", np.stack([got[e] for e in range(len(got))]))
 
+    out_tensors.update(extra_tensors or {})
     for name, t in out_tensors.items():
         if name == drop:
             continue

@@ -311,7 +311,9 @@ def _gemma(m: _Meta, base: dict, tensors: dict) -> dict:
     out["attn_scale"] = scale
     out["final_soft_cap"] = m.scalar("final_logit_softcapping", float) or None
     if m.arch == "gemma2":
-        out["attn_soft_cap"] = m.scalar("attn_logit_softcapping", float) or None
+        # llama.cpp reads both caps as optional, defaulting to Gemma 2's 50 and 30 (llama-hparams.h)
+        out["attn_soft_cap"] = m.scalar("attn_logit_softcapping", float, default=50.0) or None
+        out["final_soft_cap"] = m.scalar("final_logit_softcapping", float, default=30.0) or None
         _refuse_scaling(m)
     else:
         out["qk_norm"] = True
@@ -581,8 +583,8 @@ def load(reader, path: str, name: str | None, dequantize: bool):
         if gguf_arch == "phi3" and t.name in _PHI3_FACTORS and arch.longrope:
             continue
         rule, layer = names.lookup(t.name)
-        if rule is not None and layer is not None and layer >= arch.num_layers and gguf_arch == "glm4moe":
-            continue   # GLM-4-MoE's multi-token-prediction block (transformers skips it too)
+        if gguf_arch == "glm4moe" and t.name.startswith("blk.") and layer is not None and layer >= arch.num_layers:
+            continue   # GLM-4-MoE's multi-token-prediction block(s), nextn.* included (transformers skips them too)
         if rule is None or ("{layer}" in rule.gguf) != (layer is not None) or (
                 layer is not None and layer >= arch.num_layers):
             raise ModelLoadError(f"{path}: unexpected tensor {t.name!r} (not a tensor of {gguf_arch} with "

@@ -259,26 +259,20 @@ def test_sliding_window_pattern_becomes_layer_types(twins):
 
 
 def test_unexpected_tensor_is_named(twins, tmp_path):
-    import gguf
-    from jaxllm.models.gguf_file import read_gguf
-    src = read_gguf(twins["granite"][1])
-    path = str(tmp_path / "extra-tensor.gguf")
-    w = gguf.GGUFWriter(path, "granite")
-    for k, v in src.fields.items():
-        if k.startswith("granite.") and k != "general.architecture":
-            if isinstance(v, float):
-                w.add_float32(k, v)
-            elif isinstance(v, int):
-                w.add_uint32(k, v)
-    for t in src.tensors:
-        w.add_tensor(t.name, np.array(t.data))
-    w.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((4, BASE["hidden_size"]), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_gguf(twins["granite"][0], str(tmp_path / "extra-tensor.gguf"),
+                      extra_tensors={"blk.0.ffn_gate_inp.weight": np.zeros((4, BASE["hidden_size"]), np.float32)})
     with pytest.raises(ModelLoadError, match=r"unexpected tensor 'blk\.0\.ffn_gate_inp\.weight'"):
         load_model(path)
+
+
+def test_glm4_moe_nextn_block_is_skipped(twins, tmp_path):
+    """GLM-4-MoE's GGUF counts the multi-token-prediction block in block_count and holds its
+    tensors (nextn.* and a decoder layer's) after the decoder's: skipped, as transformers does."""
+    D = BASE["hidden_size"]
+    extra = {"blk.3.nextn.eh_proj.weight": np.ones((D, 2 * D), np.float32),
+             "blk.3.nextn.enorm.weight": np.ones(D, np.float32), "blk.3.attn_norm.weight": np.ones(D, np.float32)}
+    got = load_model(write_gguf(twins["glm4_moe"][0], str(tmp_path / "nextn.gguf"), extra_tensors=extra))
+    assert got.arch.num_layers == 3 and len(got.layers) == 3
 
 
 
