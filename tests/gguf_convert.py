@@ -48,7 +48,8 @@ def write_gguf(hf_path: str, out: str, matrix_type=None, drop: str | None = None
     import gguf
     from safetensors.numpy import load_file
 
-    cfg = json.load(open(os.path.join(hf_path, "config.json")))
+    with open(os.path.join(hf_path, "config.json")) as f:
+        cfg = json.load(f)
     hf_arch = cfg["architectures"][0]
     arch = getattr(gguf.MODEL_ARCH, GGUF_ARCH[hf_arch])
     tensors = {k: np.asarray(v, np.float32) for k, v in load_file(os.path.join(hf_path, "model.safetensors")).items()}

@@ -278,18 +278,18 @@ def arch_config(fields: dict, tensors: dict, gguf_arch: str, path: str) -> ArchC
             raise ModelLoadError(f"{path}: missing tensor 'token_embd.weight'")
         vocab = int(embd[-1])
     eos = fields.get("tokenizer.ggml.eos_token_id")
-    base = dict(
-        architecture=ARCHITECTURES[gguf_arch], vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=m.scalar("feed_forward_length", default=0) or 0, num_layers=L,
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=m.scalar("attention.layer_norm_rms_epsilon", float, default=1e-6),
-        rope_theta=m.scalar("rope.freq_base", float, default=10000.0), rope_scaling=RopeScaling(),
-        max_position_embeddings=m.scalar("context_length", default=4096),
-        tie_word_embeddings="output.weight" not in tensors,
-        qkv_bias="blk.0.attn_q.bias" in tensors, o_bias="blk.0.attn_output.bias" in tensors,
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
+    base = {
+        "architecture": ARCHITECTURES[gguf_arch], "vocab_size": int(vocab), "hidden_size": hidden,
+        "intermediate_size": m.scalar("feed_forward_length", default=0) or 0, "num_layers": L,
+        "num_heads": heads, "num_kv_heads": kv_heads, "head_dim": head_dim,
+        "rms_norm_eps": m.scalar("attention.layer_norm_rms_epsilon", float, default=1e-6),
+        "rope_theta": m.scalar("rope.freq_base", float, default=10000.0), "rope_scaling": RopeScaling(),
+        "max_position_embeddings": m.scalar("context_length", default=4096),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "qkv_bias": "blk.0.attn_q.bias" in tensors, "o_bias": "blk.0.attn_output.bias" in tensors,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_ids": () if eos is None else (int(eos),),
+    }
     extra = _READERS[gguf_arch](m, base, tensors)
     base.update(extra)
     rotary = base.get("rotary_dim") or head_dim
@@ -544,8 +544,14 @@ def load(reader, path: str, name: str | None, dequantize: bool):
     :data:`ARCHITECTURES`."""
     from gguf.quants import dequantize as gguf_dequantize
 
-    from jaxllm.models.loader import LoadedModel, TokenizerSource, _dequantize_gguf_tensor, _rope_tables
     from jaxllm.layers.rotary import inv_frequencies
+    from jaxllm.models.loader import (
+        LoadedModel,
+        TokenizerSource,
+        _cpu_count,
+        _dequantize_gguf_tensor,
+        _rope_tables,
+    )
     from jaxllm.models.registry import get_model_module
     from jaxllm.quant import gguf_blocks
 
@@ -579,6 +585,8 @@ def load(reader, path: str, name: str | None, dequantize: bool):
         given[layer, param] = source
         placed[layer, param] = arr
 
+    # Pass 1: each tensor's rule, and whether it stays in its blocks or is decoded.
+    todo = []   # (tensor, rule, layer, logical shape, packed)
     for t in reader.tensors:
         if gguf_arch == "phi3" and t.name in _PHI3_FACTORS and arch.longrope:
             continue
@@ -594,14 +602,31 @@ def load(reader, path: str, name: str | None, dequantize: bool):
         packed = (not dequantize and t.tensor_type.name in gguf_blocks.SUPPORTED_TYPES and rule.transform in ROW_OPS
                   and len(shape) == 2 and all(p is not None and p.kind == MATRIX and len(p.shape(arch)) == 2
                                               for p in params))
+        todo.append((t, rule, layer, shape, packed))
+
+    # Pass 2: decoding is most of a load; numpy releases the GIL in its long passes, so
+    # tensors decode in parallel (results and the first failure in file order).
+    decode = [t for t, *_, packed in todo if not packed]
+    workers = min(4, _cpu_count(), len(decode))
+    if workers > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(workers, thread_name_prefix="gguf-dequantize") as pool:
+            decoded = list(pool.map(lambda t: _dequantize_gguf_tensor(gguf_dequantize, t), decode))
+    else:
+        decoded = [_dequantize_gguf_tensor(gguf_dequantize, t) for t in decode]
+    floats = {}
+    for t, (arr, err) in zip(decode, decoded):
+        if err is not None:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} uses quantization {t.tensor_type.name}, "
+                                 f"which the gguf package cannot dequantize ({err})") from None
+        floats[t.name] = arr
+
+    # Pass 3: undo the converter's changes and place each parameter.
+    for t, rule, layer, shape, packed in todo:
         if packed:
             arr = gguf_blocks.pack(t.data, t.tensor_type, shape)
         else:
-            arr, err = _dequantize_gguf_tensor(gguf_dequantize, t)
-            if err is not None:
-                raise ModelLoadError(f"{path}: tensor {t.name!r} uses quantization {t.tensor_type.name}, "
-                                     f"which the gguf package cannot dequantize ({err})") from None
-            arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+            arr = np.asarray(floats.pop(t.name), dtype=np.float32).reshape(shape)
         if rule.transform == GATE_UP_PAIR:
             pairs.setdefault((layer, rule.params[0]), {})[rule.slot] = (arr, t.name)
             continue

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import torch
 from gguf_convert import write_gguf
-from tiny_models import BASE, VARIANTS_B, build_tiny, load_hf
 from tiny_families import FAMILY_VARIANTS
+from tiny_models import BASE, VARIANTS_B, build_tiny, load_hf
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.loader import load_model
