@@ -185,14 +185,11 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 class _Meta:
-    """The file's metadata under ``<arch>.``: typed reads, and a record of what was read so
-    that an unknown key can be refused."""
+    """The file's metadata under ``<arch>.``: typed reads, and the refusal of keys no reader
+    here understands."""
 
     def __init__(self, fields: dict, arch: str, path: str):
         self.fields, self.arch, self.path = fields, arch, path
-
-    def has(self, key: str) -> bool:
-        return f"{self.arch}.{key}" in self.fields
 
     def get(self, key: str, default=None, required: bool = False):
         full = f"{self.arch}.{key}"

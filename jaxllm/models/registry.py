@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import gemma, gpt_oss, llama
+from jaxllm.models import gemma, gguf_arch, gpt_oss, llama
 
 _REGISTRY: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -36,15 +36,8 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
-    # models/gguf_arch.py (olmo2 also carries OLMo 3: sliding layers make it Olmo3ForCausalLM)
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "smollm3": "SmolLM3ForCausalLM",
-    "olmo2": "Olmo2ForCausalLM",
-    "granite": "GraniteForCausalLM",
-    "glm4moe": "Glm4MoeForCausalLM",
-    "gpt-oss": "GptOssForCausalLM",
+    # Gemma 2/3, Phi-3, SmolLM3, OLMo 2 (and 3), Granite, GLM-4-MoE, GPT-OSS: models/gguf_arch.py
+    **gguf_arch.ARCHITECTURES,
 }
 
 
