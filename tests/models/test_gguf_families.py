@@ -289,3 +289,42 @@ def test_engine_serves_a_gguf_family(twins, smollm_tokenizer_dir):
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=GREEDY, ignore_eos=True),
                        use_tqdm=False)
     assert out[0].outputs[0].token_ids == want
+
+
+# ----------------------------------------------------------------------------- metadata rules
+
+def _fields(arch: str, L: int, **extra) -> dict:
+    f = {"general.architecture": arch, f"{arch}.block_count": L, f"{arch}.embedding_length": 64,
+         f"{arch}.feed_forward_length": 128, f"{arch}.attention.head_count": 4,
+         f"{arch}.attention.head_count_kv": 2, f"{arch}.attention.key_length": 32,
+         f"{arch}.attention.value_length": 32, f"{arch}.attention.layer_norm_rms_epsilon": 1e-6}
+    return {**f, **{f"{arch}.{k}": v for k, v in extra.items()}}
+
+
+_EMBED = {"token_embd.weight": (64, 1000)}
+
+
+def test_gemma_metadata_follows_llama_cpp():
+    """llama.cpp's Gemma rules where the file is silent: the 27B layer counts take
+    (hidden / heads) ** -0.5 as the softmax scale, the others head_dim ** -0.5; Gemma 2's caps
+    default to 50 / 30 and its window to 4096; Gemma 3 without a window is global everywhere."""
+    from jaxllm.models.gguf_arch import arch_config
+    big = arch_config(_fields("gemma2", 46), _EMBED, "gemma2", "f.gguf")
+    assert big.attn_scale == (64 // 4) ** -0.5
+    small = arch_config(_fields("gemma2", 26), _EMBED, "gemma2", "f.gguf")
+    assert small.attn_scale == 32 ** -0.5
+    assert (small.attn_soft_cap, small.final_soft_cap, small.sliding_window) == (50.0, 30.0, 4096)
+    assert small.layer_types[:2] == ("sliding_attention", "full_attention")
+    g3 = arch_config(_fields("gemma3", 62), _EMBED, "gemma3", "f.gguf")
+    assert g3.attn_scale == 16 ** -0.5 and g3.layer_types == ("full_attention",) * 62
+    assert g3.rope_local_theta == 10000.0 and g3.final_soft_cap is None and g3.vocab_size == 1000
+
+
+def test_per_layer_metadata_is_refused_by_name():
+    from jaxllm.models.gguf_arch import arch_config
+    fields = _fields("granite", 2)
+    fields["granite.attention.head_count_kv"] = [2, 1]
+    with pytest.raises(ModelLoadError, match=r"granite\.attention\.head_count_kv differs between layers"):
+        arch_config(fields, _EMBED, "granite", "f.gguf")
+    with pytest.raises(ModelLoadError, match=r"value_length \(16\) differs from key_length"):
+        arch_config(_fields("olmo2", 2, **{"attention.value_length": 16}), _EMBED, "olmo2", "f.gguf")
