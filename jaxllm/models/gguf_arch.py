@@ -274,7 +274,13 @@ def arch_config(fields: dict, tensors: dict, gguf_arch: str, path: str) -> ArchC
         if embd is None:
             raise ModelLoadError(f"{path}: missing tensor 'token_embd.weight'")
         vocab = int(embd[-1])
-    eos = fields.get("tokenizer.ggml.eos_token_id")
+    # The ids that end a generation: llama.cpp's end-of-generation set (eos, eot, eom), which
+    # for chat models (Phi-3's <|end|>, GLM's <|user|>) is more than eos alone.
+    eog = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        v = fields.get(f"tokenizer.ggml.{key}")
+        if v is not None and int(v) not in eog:
+            eog.append(int(v))
     base = {
         "architecture": ARCHITECTURES[gguf_arch], "vocab_size": int(vocab), "hidden_size": hidden,
         "intermediate_size": m.scalar("feed_forward_length", default=0) or 0, "num_layers": L,
@@ -285,7 +291,7 @@ def arch_config(fields: dict, tensors: dict, gguf_arch: str, path: str) -> ArchC
         "tie_word_embeddings": "output.weight" not in tensors,
         "qkv_bias": "blk.0.attn_q.bias" in tensors, "o_bias": "blk.0.attn_output.bias" in tensors,
         "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_ids": () if eos is None else (int(eos),),
+        "eos_token_ids": tuple(eog),
     }
     extra = _READERS[gguf_arch](m, base, tensors)
     base.update(extra)

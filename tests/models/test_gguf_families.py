@@ -320,6 +320,15 @@ def test_gemma_metadata_follows_llama_cpp():
     assert g3.rope_local_theta == 10000.0 and g3.final_soft_cap is None and g3.vocab_size == 1000
 
 
+def test_end_of_generation_ids_are_llama_cpps():
+    """eos, eot and eom all end a generation (llama.cpp's end-of-generation set)."""
+    from jaxllm.models.gguf_arch import arch_config
+    fields = {**_fields("phi3", 2), "tokenizer.ggml.eos_token_id": 32000, "tokenizer.ggml.eot_token_id": 32007,
+              "tokenizer.ggml.bos_token_id": 1}
+    arch = arch_config(fields, _EMBED, "phi3", "f.gguf")
+    assert arch.eos_token_ids == (32000, 32007) and arch.bos_token_id == 1
+
+
 def test_per_layer_metadata_is_refused_by_name():
     from jaxllm.models.gguf_arch import arch_config
     fields = _fields("granite", 2)
