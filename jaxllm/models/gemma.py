@@ -92,7 +92,7 @@ PARAMS = ParamTable(params=(
     Fused("qkv_bias", ("q_bias", "k_bias", "v_bias"), ("fused_qkv",)),
     Fused("gate_up", ("gate", "up"), ("fused_mlp", "embed")),
 ))
-"""Gemma 2/3's parameters (safetensors names; no GGUF mapping yet)."""
+"""Gemma 2/3's parameters (safetensors names; GGUF names: models/gguf_arch.py)."""
 
 
 # ----------------------------------------------------------------------------- config

@@ -83,7 +83,7 @@ PARAMS = ParamTable(params=(
     Fused("qkv", ("q", "k", "v"), ("fused_qkv", "embed")),
     Fused("qkv_bias", ("q_bias", "k_bias", "v_bias"), ("fused_qkv",)),
 ))
-"""GPT-OSS's parameters (safetensors names, bf16/float32 checkpoints; no GGUF mapping yet)."""
+"""GPT-OSS's parameters (safetensors names, bf16/float32 checkpoints; GGUF names: models/gguf_arch.py)."""
 
 EXPERT_PARAMS = ("experts_gate_up", "experts_gate_up_bias", "experts_down", "experts_down_bias")
 

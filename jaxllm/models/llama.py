@@ -115,7 +115,7 @@ PARAMS = ParamTable(params=(
     Param("down", LAYER, MATRIX, ("embed", "mlp"), lambda a: (a.hidden_size, a.intermediate_size),
           _hf("mlp.down_proj.weight"), _gguf("ffn_down.weight"), when=_if("dense_mlp"), in_layer=_dense_layer,
           native=always),
-    # The MoE MLP (no GGUF support).  The experts never use the native matmul: their weights
+    # The MoE MLP (GGUF: GLM-4-MoE only, models/gguf_arch.py).  The experts never use the native matmul: their weights
     # are sliced per expert.
     Param("router", LAYER, MATRIX, ("expert_logits", "embed"), lambda a: (a.num_experts, a.hidden_size),
           _moe_hf("gate.weight", "gate.weight"), when=_if("is_moe"), in_layer=_moe_layer),

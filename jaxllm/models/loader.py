@@ -368,6 +368,9 @@ def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> L
         return default if v is None else v
 
     gguf_arch = field("general.architecture")
+    from jaxllm.models import gguf_arch as families
+    if gguf_arch in families.ARCHITECTURES:   # Gemma, Phi-3, OLMo, GPT-OSS, ...: their own tables
+        return families.load(reader, path, name, dequantize)
     from jaxllm.models.registry import GGUF_ARCHITECTURES
     if gguf_arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{path}: GGUF architecture {gguf_arch!r} is not supported; "

@@ -1,7 +1,7 @@
 """Architecture registry, keyed by the HF architecture name in ``config.json``.
 
 Each entry names the module that implements the forward; architectures that differ only
-in ``ArchConfig`` flags share one module.  GGUF loading covers the dense architectures only.
+in ``ArchConfig`` flags share one module.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import gemma, gpt_oss, llama
+from jaxllm.models import gemma, gguf_arch, gpt_oss, llama
 
 _REGISTRY: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -36,7 +36,14 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    # Gemma 2/3, Phi-3, SmolLM3, OLMo 2 (and 3), Granite, GLM-4-MoE, GPT-OSS: models/gguf_arch.py
+    **gguf_arch.ARCHITECTURES,
 }
+
+
+def gguf_hf_architectures() -> set[str]:
+    """The HF architectures a GGUF file can load as (OLMo 3 comes as llama.cpp's olmo2)."""
+    return set(GGUF_ARCHITECTURES.values()) | {"Olmo3ForCausalLM"}
 
 
 def config_reader(architecture: str):

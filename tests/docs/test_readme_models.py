@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from jaxllm.models.registry import GGUF_ARCHITECTURES, supported_architectures
+from jaxllm.models.registry import gguf_hf_architectures, supported_architectures
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 
@@ -24,4 +24,4 @@ def test_readme_model_table_is_the_registry():
         if cells[2] == "yes":
             with_gguf |= archs
     assert named == set(supported_architectures())
-    assert with_gguf == set(GGUF_ARCHITECTURES.values())
+    assert with_gguf == gguf_hf_architectures()
