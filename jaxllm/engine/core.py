@@ -55,12 +55,17 @@ class EngineCore:
                                    max_num_batched_tokens=r.step.max_num_batched_tokens,
                                    max_model_len=r.step.max_model_len,
                                    policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps)
-        if config.speculative_config is not None:
-            self.runner.proposer = make_controller(config.speculative_config)
+        self.draft_runner = None
+        spec = config.speculative_config
+        if spec is not None:
+            draft = self._draft(config, model, devices, r) if spec.method == "draft_model" else None
+            self.runner.proposer = make_controller(spec, draft)
         # auto: on demand for one-shot use; a server compiles the rest when it starts
         # (AsyncEngine), and every host of a multi-host engine compiles all up front.
         mode = config.runner.precompile
-        self.runner.warmup(every_bucket=mode == "all" or (mode == "auto" and pc.multi_host))
+        for runner in (self.runner, self.draft_runner):
+            if runner is not None:
+                runner.warmup(every_bucket=mode == "all" or (mode == "auto" and pc.multi_host))
         # Data-parallel replicas must not hand their unseeded requests the same seeds.
         self._seed_rng = random.Random(config.seed if replica == 0 else f"{config.seed}/replica{replica}")
         # Multi-host: host 0 schedules and publishes each step; the others follow (follow()).
@@ -107,6 +112,34 @@ class EngineCore:
     def compile_all(self) -> None:
         """Makes every bucket's programs ready (a server calls it before taking requests)."""
         self.runner.compile_buckets(self.runner.buckets)
+        if self.draft_runner is not None:
+            self.draft_runner.compile_buckets(self.draft_runner.buckets)
+
+    def _draft(self, config: EngineConfig, model: LoadedModel, devices, r):
+        """The draft model's runner for ``method: draft_model``, and its KV pool: room for
+        ``max_num_seqs`` sequences of ``max_model_len`` (kept apart from the target's budget)."""
+        from jaxllm.models.loader import load_model
+        spec = config.speculative_config
+        draft = load_model(spec.model)
+        if draft.arch.vocab_size != model.arch.vocab_size:
+            raise ValueError(f"--speculative-config: the draft model {spec.model} has {draft.arch.vocab_size} "
+                             f"tokens in its vocabulary and the target {model.arch.vocab_size}: they must be equal")
+        dcfg = dataclasses.replace(config, model=spec.model, speculative_config=None, quantization=None,
+                                   scheduler=dataclasses.replace(config.scheduler,
+                                                                 max_model_len=r.step.max_model_len))
+        try:
+            d = resolve_config(dcfg, draft)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: the draft model {spec.model}: {e}") from None
+        bs = r.step.block_size
+        num_blocks = r.step.max_num_seqs * -(-r.step.max_model_len // bs) + 1
+        self.draft_runner = ModelRunner(
+            draft, d.step, num_blocks=num_blocks, devices=devices, program_dir=os.path.join(r.compile_cache_dir,
+                                                                                            "programs"),
+            strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress)
+        log.info("draft model %s (%s): %d KV blocks, %.1f MiB", spec.model, draft.arch.architecture, num_blocks,
+                 self.draft_runner.kv_cache_bytes() / 2**20)
+        return self.draft_runner, num_blocks, bs, r.step.max_num_batched_tokens, r.step.max_model_len
 
     def new_seed(self) -> int:
         """A 64-bit seed for an unseeded request (reproducible from ``--seed``)."""

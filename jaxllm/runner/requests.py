@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxllm.outputs import LogprobsArrays, NewRequestData, RunnerOutput, SchedulerOutput
 from jaxllm.sample.metadata import RowParams
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.sample.states import SamplerRows
 
 
@@ -23,6 +24,8 @@ class RequestState:
     sampling: RowParams
     prompt_lps: list[LogprobsArrays] | None = None
     """prompt_logprobs gathered chunk by chunk, delivered with the first sampled token."""
+    params: SamplingParams | None = None
+    seed: int = 0
     pending_counts: list[int] | None = None
     """Proposals the last verification accepted: fed uncounted, the penalty counts take them
     in the request's next step (sample/processing.update_state)."""
@@ -38,7 +41,7 @@ class RequestState:
         wants_plp = p.num_prompt_logprobs >= 0 and len(nr.token_ids) == nr.num_prompt_tokens
         return cls(token_ids=list(nr.token_ids), num_prompt_tokens=nr.num_prompt_tokens,
                    block_ids=list(nr.block_ids), num_computed_tokens=nr.num_computed_tokens,
-                   sampling=p, prompt_lps=[] if wants_plp else None)
+                   sampling=p, prompt_lps=[] if wants_plp else None, params=nr.sampling_params, seed=nr.seed)
 
 
 @dataclass(frozen=True)

@@ -69,6 +69,7 @@ class SpecController:
         k = self.cfg.num_speculative_tokens
         drafts: dict[str, list[int]] = {}
         verified = dict(zip(step.req_ids, step.drafts))
+        asking: list[str] = []
         for rid, toks in zip(result.req_ids, result.sampled_token_ids):
             if not toks:
                 continue
@@ -79,18 +80,30 @@ class SpecController:
                 acc.observe(len(verified[rid]), len(toks) - 1, self.cfg, self._step)
             if self.cfg.min_acceptance_rate > 0 and self._step < acc.off_until:
                 continue
-            if not grammars.proposes(rid):
-                continue
-            d = self.proposer.propose(rid, states[rid].token_ids, k)
-            d = grammars.valid_prefix(rid, d)
+            if grammars.proposes(rid):
+                asking.append(rid)
+        if not asking:
+            return result
+        if hasattr(self.proposer, "propose_batch"):
+            # A model proposes for every asking request in one batch per draft step.
+            got = self.proposer.propose_batch(
+                {rid: states[rid].token_ids for rid in asking}, k,
+                {rid: (states[rid].params, states[rid].seed, states[rid].num_prompt_tokens) for rid in asking})
+        else:
+            got = {rid: self.proposer.propose(rid, states[rid].token_ids, k) for rid in asking}
+        for rid in asking:
+            d = grammars.valid_prefix(rid, got.get(rid) or [])
             if d:
                 drafts[rid] = d
         return dataclasses.replace(result, draft_token_ids=drafts) if drafts else result
 
 
-def make_controller(cfg: SpeculativeConfig) -> SpecController:
-    """The runner's controller for ``cfg`` (its method's proposer inside)."""
+def make_controller(cfg: SpeculativeConfig, draft_runner=None) -> SpecController:
+    """The runner's controller for ``cfg`` (its method's proposer inside); ``draft_runner``:
+    the draft model's (runner, num_blocks, block_size, max_num_batched_tokens, max_model_len)
+    for ``draft_model`` (engine/core.py builds it)."""
     if cfg.method == "ngram":
         from jaxllm.spec.ngram import NgramProposer
         return SpecController(cfg, NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
-    raise ValueError(f"--speculative-config: method {cfg.method!r} is not available yet")
+    from jaxllm.spec.draft_model import DraftModelProposer
+    return SpecController(cfg, DraftModelProposer(*draft_runner))

@@ -292,3 +292,27 @@ def test_structured_outputs_with_proposals(spec_llm, tiny_llm):
     assert re.fullmatch(email, out[1].outputs[0].text)
     assert_speculated(spec_llm, before)
     assert o.calls > 0
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_draft_model_batch_equals_plain_decoding(tiny_llama, tiny_checkpoints, plain_outputs, draft):
+    """A draft model run by the engine's machinery: the target itself as its own draft (it
+    proposes what the target will draw, at every temperature: the same noise) and another
+    tiny model (it mostly proposes wrong tokens).  Both equal plain decoding."""
+    path = tiny_llama if draft == "same" else tiny_checkpoints["qwen3_qk_norm"]
+    llm = LLM(tiny_llama, **{**SMALL_ENGINE, "precompile": "on-demand"},
+              speculative_config={"model": path, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0})
+    prompts, params = workload()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert tokens(outs) == tokens(plain_outputs)
+    drafts, proposed, accepted = snapshot(llm)
+    assert drafts > 0
+    if draft == "same":
+        assert accepted > 0.9 * proposed, (accepted, proposed)
+    else:
+        assert accepted < 0.5 * proposed, (accepted, proposed)
+    # The draft's KV pool is whole again once the runner has heard every request ended (the
+    # next step tells it, as it tells the target's runner).
+    llm.llm_engine.step()
+    proposer = llm.llm_engine.core.runner.proposer.proposer
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks

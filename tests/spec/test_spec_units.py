@@ -55,10 +55,13 @@ def test_bad_config_is_refused_by_name(value, needle):
     assert needle in str(e.value)
 
 
-def test_draft_model_is_refused_until_it_exists(tiny_llama):
+def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
     from jaxllm import LLM
-    with pytest.raises(ValueError, match="method 'draft_model' is not available yet"):
-        LLM(tiny_llama, speculative_config={"model": tiny_llama, "num_speculative_tokens": 2},
+    from tiny_models import build_tiny
+    other = build_tiny("small_vocab", str(tmp_path / "small_vocab"),
+                       variants={"small_vocab": ("LlamaConfig", dict(vocab_size=512, tie_word_embeddings=True))})
+    with pytest.raises(ValueError, match="--speculative-config: the draft model .* 512 tokens"):
+        LLM(tiny_llama, speculative_config={"model": other, "num_speculative_tokens": 2},
             max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
 
 

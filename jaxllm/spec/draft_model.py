@@ -1,0 +1,140 @@
+"""Draft-model proposals (``method: draft_model``): a smaller checkpoint with the same
+vocabulary proposes k tokens by decoding them, run by the engine's own machinery: a
+``ModelRunner`` with its own weights, its own paged KV cache and block pool
+(``KVCacheManager``), its buckets compiled ahead of time at start-up like the target's.
+
+Per request id the proposer keeps the tokens whose KV the draft cache holds.  After each
+target step it keeps the longest prefix of them that is still the request's sequence (what
+the target accepted), computes the rest (chunked under the token budget: a request's first
+proposal prefills its prompt), draws the first proposal, then decodes k - 1 more, all
+proposing requests batched in every step.  The draft draws with the request's own sampling
+parameters and seed, so at each output position its noise is the noise the target will use
+there: a draft that agrees with the target's distribution proposes the target's token at any
+temperature.  Structured outputs are not applied in the draft (the controller cuts its
+proposals to the prefix the grammar accepts) and it computes no logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.sampling_params import SamplingParams
+
+log = logging.getLogger("jaxllm.spec")
+
+
+@dataclasses.dataclass
+class _Draft:
+    params: SamplingParams
+    seed: int
+    num_prompt: int
+    fed: list[int]
+    """Tokens whose KV is in the draft cache, from position 0."""
+
+
+class _Request:
+    """Just what the KV manager reads from a request (prefix caching is off for the draft)."""
+
+    def __init__(self, rid: str):
+        self.request_id = rid
+
+
+class DraftModelProposer:
+    def __init__(self, runner, num_blocks: int, block_size: int, max_num_batched_tokens: int, max_model_len: int):
+        self.runner = runner
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.budget = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self._drafts: dict[str, _Draft] = {}
+        self._finished: set[str] = set()
+
+    # ------------------------------------------------------------------ the proposer interface
+
+    def remove(self, req_id: str) -> None:
+        if self._drafts.pop(req_id, None) is not None:
+            self.kv.free(req_id)
+            self._finished.add(req_id)
+
+    def propose(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
+        return self.propose_batch({req_id: token_ids}, k, {}).get(req_id, [])
+
+    def propose_batch(self, requests: dict[str, list[int]], k: int, params: dict) -> dict[str, list[int]]:
+        """Up to ``k`` proposals for each of ``requests`` (id -> prompt and outputs);
+        ``params``: id -> (SamplingParams, seed, number of prompt tokens) of ids seen first."""
+        active: dict[str, list[int]] = {}
+        for rid, toks in requests.items():
+            d = self._drafts.get(rid)
+            if d is None:
+                if rid not in params:
+                    continue
+                sp, seed, num_prompt = params[rid]
+                sp = dataclasses.replace(sp.clone(), structured_outputs=None, logprobs=None, prompt_logprobs=None)
+                d = self._drafts[rid] = _Draft(sp, seed, num_prompt, [])
+            # Keep the KV of the longest prefix the target kept.
+            n = 0
+            for a, b in zip(d.fed, toks):
+                if a != b:
+                    break
+                n += 1
+            del d.fed[n:]
+            kk = min(k, self.max_model_len - len(toks))
+            if kk > 0:
+                active[rid] = toks
+        if not active:
+            return {}
+        out: dict[str, list[int]] = {rid: [] for rid in active}
+        # Catch up (chunks of the token budget), drawing each request's first proposal.
+        pending = {rid: len(toks) - len(self._drafts[rid].fed) for rid, toks in active.items()}
+        while pending:
+            sched: dict[str, int] = {}
+            budget = self.budget
+            for rid, n in pending.items():
+                if budget <= 0:
+                    break
+                sched[rid] = min(n, budget)
+                budget -= sched[rid]
+            got = self._step(sched, active)
+            for rid, n in sched.items():
+                self._drafts[rid].fed.extend(active[rid][len(self._drafts[rid].fed):len(self._drafts[rid].fed) + n])
+                pending[rid] -= n
+                if pending[rid] == 0:
+                    del pending[rid]
+                    out[rid].extend(got.get(rid, []))
+        # Decode the rest: each step feeds every request's latest proposal.
+        for j in range(1, k):
+            live = {rid: toks for rid, toks in active.items() if len(out[rid]) == j and
+                    len(toks) + j < self.max_model_len}
+            if not live:
+                break
+            seqs = {rid: toks + out[rid] for rid, toks in live.items()}
+            got = self._step({rid: 1 for rid in live}, seqs)
+            for rid in live:
+                self._drafts[rid].fed.append(seqs[rid][-1])
+                out[rid].extend(got.get(rid, []))
+        return {rid: d for rid, d in out.items() if d}
+
+    # ------------------------------------------------------------------ one draft step
+
+    def _step(self, sched: dict[str, int], seqs: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Runs the draft's runner on ``sched`` (id -> tokens to compute this step); every id is
+        sent in full (tokens, blocks, computed count), since the tokens it holds may have been
+        cut back since its last step.  Returns the tokens drawn."""
+        new = []
+        for rid, n in sched.items():
+            d = self._drafts[rid]
+            c = len(d.fed)
+            blocks = self.kv.allocate_slots(rid, c + n)
+            if blocks is None:
+                raise RuntimeError(f"draft KV pool exhausted ({self.kv.num_blocks} blocks)")
+            new.append(NewRequestData(req_id=rid, token_ids=list(seqs[rid][:c + n]), num_prompt_tokens=d.num_prompt,
+                                      sampling_params=d.params, seed=d.seed,
+                                      block_ids=list(self.kv.get_block_ids(rid)), num_computed_tokens=c))
+        so = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(),
+                             num_scheduled_tokens=dict(sched), total_num_scheduled_tokens=sum(sched.values()),
+                             finished_req_ids=self._finished)
+        self._finished = set()
+        res = self.runner.execute(so)
+        return {rid: toks for rid, toks in zip(res.req_ids, res.sampled_token_ids) if toks}
