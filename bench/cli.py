@@ -6,7 +6,8 @@ from __future__ import annotations
 def register(subparsers) -> None:
     b = subparsers.add_parser("bench", help="benchmarks: serve (HTTP client), throughput, latency")
     sub = b.add_subparsers(dest="bench_command", required=True)
-    from bench import offline, serve_client, structured
+    from bench import offline, serve_client, spec_decode, structured
     serve_client.register(sub)
     offline.register(sub)
     structured.register(sub)
+    spec_decode.register(sub)

@@ -1,0 +1,134 @@
+"""``jaxllm bench spec-decode``: output tokens/s with ngram speculation against without, offline.
+
+    jaxllm bench spec-decode [--model M] [--ks 2,4,8] [--concurrency 1,4,8] [--repeats 3]
+                             [--prompt-lookup-min 2] [--prompt-lookup-max 5] [--output-json F]
+
+Two workloads on the same engines:
+
+* ``copy``: chat requests whose answer is mostly in the prompt (rewrite a Python module
+  with one function renamed; copy a list of names), greedy, ended by EOS or 160 tokens;
+* ``random``: prompts of random token ids, 64 output tokens (``ignore_eos``), greedy: ngram
+  rarely finds anything to propose, and what it proposes is rarely right, so this measures
+  what speculation costs when it cannot help (the off-switch's case).
+
+For every concurrency c, c requests run together to completion; output tokens/s is their
+output tokens over the wall time.  One engine per arm (off, and ngram with each k), all
+built before measuring, each arm's buckets compiled by a warm-up run; the arms alternate
+within every repeat (the machine is shared: ratios of alternated runs are what hold), and
+the report is the median over repeats.  Outputs are checked equal to the off arm's (the
+identity speculation promises), and the acceptance length is 1 + accepted / verifications.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from bench.offline import _check_json_path, random_prompts
+
+NAMES = ["Alice Johnson", "Bob Smith", "Carol White", "David Brown", "Eve Davis", "Frank Miller", "Grace Wilson",
+         "Henry Moore", "Irene Clark", "Jack Lewis", "Karen Hall", "Leo Young"]
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("spec-decode", help="output tokens/s with ngram speculation vs without",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: the built-in model)")
+    p.add_argument("--ks", default="2,4,8", help="num_speculative_tokens of the ngram arms")
+    p.add_argument("--concurrency", default="1,4,8", help="requests running together")
+    p.add_argument("--repeats", type=int, default=3, help="alternated runs of each arm (default 3)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=5)
+    p.add_argument("--workloads", default="copy,random")
+    p.add_argument("--output-json", default=None, metavar="FILE")
+    p.set_defaults(func=cmd_spec_decode)
+
+
+def copy_messages(i: int) -> list[dict]:
+    """The i-th copy-heavy request: most of its answer is in its prompt."""
+    if i % 2 == 0:
+        f, g = ("total_price", "average_price") if i % 4 == 0 else ("order_cost", "mean_cost")
+        code = (f"def {f}(items, tax_rate):\n    subtotal = 0\n    for item in items:\n"
+                f"        subtotal += item.price * item.quantity\n    tax = subtotal * tax_rate\n"
+                f"    return subtotal + tax\n\n\ndef {g}(items):\n    if not items:\n        return 0\n"
+                f"    return sum(item.price for item in items) / len(items)\n")
+        return [{"role": "user", "content": f"Rewrite this Python code, renaming the function {f} to "
+                                            f"compute_{i}. Output only the code.\n\n{code}"}]
+    names = NAMES[i % 5:] + NAMES[:i % 5]
+    return [{"role": "user", "content": "Copy this list exactly, one name per line:\n" + "\n".join(names) + "\n"}]
+
+
+def workload(name: str, tok, c: int, vocab: int, round_: int):
+    from jaxllm import SamplingParams
+    if name == "copy":
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(copy_messages(round_ * 8 + i), add_generation_prompt=True,
+                                                                tokenize=True, return_dict=False)} for i in range(c)]
+        return prompts, SamplingParams(temperature=0, max_tokens=160)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(c, 128, vocab, 1000 * round_ + c)]
+    return prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+def run(llm, prompts, params) -> tuple[float, list, tuple]:
+    s = llm.llm_engine.core.scheduler.spec_stats
+    before = (s.num_drafts, s.num_accepted_tokens)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    toks = [o.outputs[0].token_ids for o in outs]
+    return sum(map(len, toks)) / dt, toks, (s.num_drafts - before[0], s.num_accepted_tokens - before[1])
+
+
+def cmd_spec_decode(args: argparse.Namespace) -> int:
+    from jaxllm import LLM
+    _check_json_path(args.output_json)
+    ks = [int(k) for k in args.ks.split(",")]
+    cs = [int(c) for c in args.concurrency.split(",")]
+    arms = {"off": None}
+    for k in ks:
+        arms[f"k={k}"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": args.prompt_lookup_min,
+                          "prompt_lookup_max": args.prompt_lookup_max}
+    # Every bucket compiled up front, and a step that compiles fails: none may in a measured run.
+    common = dict(max_num_seqs=max(cs), max_model_len=1024, show_progress=False, precompile="all",
+                  strict_compile_guard=True)
+    engines = {a: LLM(args.model, speculative_config=spec, **common) for a, spec in arms.items()}
+    tok = engines["off"].get_tokenizer()
+    vocab = engines["off"].llm_engine.arch.vocab_size
+    results = []
+    for name in args.workloads.split(","):
+        for c in cs:
+            for llm in engines.values():      # warm-up: compiles the buckets this workload needs
+                run(llm, *workload(name, tok, c, vocab, 99))
+            tps = {a: [] for a in arms}
+            acc = {a: [0, 0] for a in arms}
+            for r in range(args.repeats):
+                order = list(arms) if r % 2 == 0 else list(arms)[::-1]
+                ref = {}
+                for a in order:
+                    t, toks, (drafts, accepted) = run(engines[a], *workload(name, tok, c, vocab, r))
+                    ref[a] = toks
+                    tps[a].append(t)
+                    acc[a][0] += drafts
+                    acc[a][1] += accepted
+                for a in arms:
+                    if ref[a] != ref["off"]:
+                        raise SystemExit(f"{name} c={c} {a}: outputs differ from speculation off")
+            off = statistics.median(tps["off"])
+            for a in arms:
+                med = statistics.median(tps[a])
+                d, n = acc[a]
+                results.append(dict(workload=name, concurrency=c, arm=a, output_tok_s=med, ratio=med / off,
+                                    acceptance_length=1 + n / d if d else None, runs=tps[a]))
+    print(f"\n{engines['off'].llm_engine.model_name}, ngram prompt_lookup {args.prompt_lookup_min}-"
+          f"{args.prompt_lookup_max}, median of {args.repeats} alternated repeats")
+    print("| workload | concurrency | arm | output tok/s | vs off | acceptance length |")
+    print("|---|---:|---|---:|---:|---:|")
+    for r in results:
+        al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+        print(f"| {r['workload']} | {r['concurrency']} | {r['arm']} | {r['output_tok_s']:.1f} | {r['ratio']:.2f}x | "
+              f"{al} |")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
