@@ -30,8 +30,9 @@ def repetitive(rng, period, reps):
 
 
 def workload(seed=0):
-    """16 requests: repetitive prompts (ngram proposes from them) and random ones (it rarely
-    does), under every kind of sampling parameter."""
+    """18 requests: repetitive prompts (ngram proposes from them) and random ones (it rarely
+    does), under every kind of sampling parameter: greedy; temperature with top-k / top-p,
+    min-p, logit bias and allowed tokens; the three penalties; min_tokens; logprobs."""
     rng = np.random.default_rng(seed)
     prompts, params = [], []
     kinds = [
@@ -39,12 +40,14 @@ def workload(seed=0):
         dict(temperature=0.8, top_p=0.9, top_k=20, seed=11),
         dict(temperature=0.8, seed=5, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3),
         dict(temperature=0, min_tokens=6, logprobs=2),
+        dict(temperature=0.7, seed=13, min_p=0.05, logit_bias={100: 5.0, 2000: -100.0}),
+        dict(temperature=0.9, seed=17, allowed_token_ids=list(range(3, 400))),
     ]
-    for i in range(16):
+    for i in range(18):
         toks = repetitive(rng, int(rng.integers(2, 7)), int(rng.integers(3, 8))) if i % 4 != 3 else \
             rng.integers(3, 5000, size=int(rng.integers(4, 40))).tolist()
         prompts.append({"prompt_token_ids": toks})
-        params.append(SamplingParams(max_tokens=int(rng.integers(8, 40)), ignore_eos=True, **kinds[i % 4]))
+        params.append(SamplingParams(max_tokens=int(rng.integers(8, 40)), ignore_eos=True, **kinds[i % len(kinds)]))
     return prompts, params
 
 
