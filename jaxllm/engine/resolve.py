@@ -13,7 +13,14 @@ import jax
 import numpy as np
 
 from jaxllm.config import EngineConfig, default_cache_dir, platform_defaults
-from jaxllm.core.kv_budget import CacheKind, KVPlan, available_memory_bytes, kv_kind, plan_kv_cache, utilization_budget
+from jaxllm.core.kv_budget import (
+    CacheKind,
+    KVPlan,
+    available_memory_bytes,
+    kv_kind,
+    plan_kv_cache,
+    utilization_budget,
+)
 from jaxllm.layers import kv_quant
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import LoadedModel, gguf_file

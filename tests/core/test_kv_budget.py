@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from jaxllm.core import kv_budget
-from jaxllm.core.kv_budget import bytes_per_block, cgroup_room_bytes, plan_kv_cache, utilization_budget
+from jaxllm.core.kv_budget import (
+    bytes_per_block,
+    cgroup_room_bytes,
+    plan_kv_cache,
+    utilization_budget,
+)
 
 ARCH = dict(num_layers=3, token_bytes=2 * 2 * 32 * 4, block_size=16)   # K and V, 2 heads of 32, float32
 
