@@ -90,9 +90,10 @@ VARIANTS_MLA = {
     "deepseek_v2_lite": ("DeepseekV2Config", dict(_MLA, num_hidden_layers=2, q_lora_rank=None, topk_method="greedy",
                                                   n_shared_experts=2, first_k_dense_replace=1,
                                                   routed_scaling_factor=1.5, rope_parameters=_DEEPSEEK_YARN)),
-    # V2: low-rank q with its norm, group-limited routing (4 groups, best 2), every layer MoE (scannable).
+    # V2: low-rank q with its norm, group-limited routing (4 groups of 2, both experts from the best one),
+    # every layer MoE (scannable).
     "deepseek_v2": ("DeepseekV2Config", dict(_MLA, num_hidden_layers=2, q_lora_rank=24,
-                                             topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                             topk_method="group_limited_greedy", n_group=4, topk_group=1,
                                              n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=2.0,
                                              rope_parameters=_DEEPSEEK_YARN)),
     # V3: sigmoid grouped routing with the correction bias, renormalised and scaled; a dense
