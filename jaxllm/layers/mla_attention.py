@@ -16,18 +16,21 @@ one KV head of width R + Dr whose first R values are also the value): a decode s
 the latent cache and nothing else per token.  Prefill runs the same form (the expanded form
 would do less arithmetic for long prompts; not implemented).
 
-``paged_mla_xla`` is the XLA path and runs on every platform; ``mla_reference`` is its
-plain, unpaged oracle.  The native CPU kernel and the Pallas kernel have no MLA variant
-yet: :func:`attend_mla` runs the XLA path for every ``--attention-backend``.
+``paged_mla_xla`` is the XLA path and runs on every platform; ``mla_reference`` is the
+plain, unpaged oracle of it and of the Pallas kernel (``pallas/mla_paged_attention.py``,
+``--attention-backend pallas``).  The native CPU attention kernel has no MLA variant yet:
+with ``--attention-backend native`` MLA runs the XLA path.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers import kv_quant
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk_tokens
+from jaxllm.parallel.mesh import TP, tp_size
 
 MLACache = tuple
 """``(pages,)``: each layer's latent pages ``[num_blocks, block_size, R + Dr]`` (the latent
@@ -104,9 +107,28 @@ def attend_mla(q_lat: jax.Array, q_pe: jax.Array, latent: jax.Array, k_pe: jax.A
                md: AttentionMetadata, *, scale: float, backend: str = "xla") -> tuple[jax.Array, jax.Array]:
     """Writes this step's ``[c, k_pe]`` (latent ``[T, R]``, k_pe ``[T, Dr]``, rotated) into the
     pages and attends: q_lat ``[T, H, R]``, q_pe ``[T, H, Dr]`` -> (o_lat ``[T, H, R]``
-    float32, pages).  Every ``backend`` runs the XLA path (module docstring)."""
-    del backend
+    float32, pages).  ``backend`` "pallas": the kernel of ``pallas/mla_paged_attention.py``
+    (per device on its heads under tensor parallelism; the pages are replicated); "xla" and
+    "native": :func:`paged_mla_xla` (no native CPU MLA kernel yet)."""
     entry = jnp.concatenate([latent.astype(jnp.float32), k_pe.astype(jnp.float32)], axis=-1)   # [T, R + Dr]
     pages = write_latent(pages, layer, md.slot_mapping, entry)
+    if backend == "pallas":
+        return _pallas(q_lat, q_pe, pages, layer, md, scale), pages
     q = jnp.concatenate([q_lat.astype(jnp.float32), q_pe.astype(jnp.float32)], axis=-1)      # [T, H, R + Dr]
     return paged_mla_xla(q, pages, layer, md, scale=scale, latent_dim=latent.shape[-1]), pages
+
+
+def _pallas(q_lat, q_pe, pages, layer, md: AttentionMetadata, scale: float) -> jax.Array:
+    from jaxllm.pallas.mla_paged_attention import paged_mla
+
+    def run(q_lat, q_pe, pages, md, *li):
+        return paged_mla(q_lat, q_pe, pages, md.token_seq, md.positions, md.block_tables, scale=scale,
+                         layer=li[0] if li else None)
+    layer_arg = () if layer is None else (layer,)
+    if tp_size() > 1:
+        # The kernel is opaque to XLA's partitioner: each device runs its own heads over the
+        # whole (replicated) pages.
+        heads = P(None, TP, None)                                    # [T, H, *]
+        return jax.shard_map(run, in_specs=(heads, heads, P(), P(), *(P() for _ in layer_arg)), out_specs=heads,
+                             check_vma=False)(q_lat, q_pe, pages, md, *layer_arg)
+    return run(q_lat, q_pe, pages, md, *layer_arg)

@@ -20,8 +20,9 @@ A pre-norm decoder with:
   sigmoid scores with ``e_score_correction_bias``, grouped top-k and renormalised weights
   (``layers/moe.Routing``, shared with GLM-4-MoE).
 
-Options the engine does not implement are refused by name (:func:`arch_config`).  The
-native CPU and Pallas attention backends run the XLA path of MLA (``layers/mla_attention``).
+Options the engine does not implement are refused by name (:func:`arch_config`).  MLA runs
+its XLA path, or its Pallas kernel with ``--attention-backend pallas``; the native CPU
+backend runs the XLA path (``layers/mla_attention``).
 """
 
 from __future__ import annotations

@@ -44,25 +44,28 @@ def _ref_logits(hf, ids):
         return hf(torch.tensor([ids])).logits[0].numpy()
 
 
-# (variant, scan_layers, matmul): every variant on the XLA path unrolled; V2 scanned; V3 with
-# the native CPU matmul for its projections (MLA attention runs its XLA path on every backend).
-CASES = [("deepseek_v2_lite", False, "xla"), ("deepseek_v2", False, "xla"), ("deepseek_v2", True, "xla"),
-         ("deepseek_v3", False, "xla"), ("deepseek_v3", False, "native")]
+# (variant, scan_layers, matmul, attention): every variant on the XLA path unrolled; V2 scanned;
+# V3 with the native CPU matmul for its projections (MLA attention has no native kernel: its
+# XLA path); V2 and V3 through the Pallas MLA kernel (interpret mode).
+CASES = [("deepseek_v2_lite", False, "xla", "xla"), ("deepseek_v2", False, "xla", "xla"),
+         ("deepseek_v2", True, "xla", "xla"), ("deepseek_v3", False, "xla", "xla"),
+         ("deepseek_v3", False, "native", "native"), ("deepseek_v2", True, "xla", "pallas"),
+         ("deepseek_v3", False, "xla", "pallas")]
 
 
-@pytest.mark.parametrize("variant,scan,matmul", CASES, ids=[f"{v}-{'scan' if s else 'unrolled'}-{m}"
-                                                              for v, s, m in CASES])
-def test_prompt_logits_match_transformers(variant, scan, matmul, ckpts, hf_models):
+@pytest.mark.parametrize("variant,scan,matmul,attention", CASES,
+                         ids=[f"{v}-{'scan' if s else 'unrolled'}-{m}-{a}" for v, s, m, a in CASES])
+def test_prompt_logits_match_transformers(variant, scan, matmul, attention, ckpts, hf_models):
     if matmul == "native":
         from jaxllm.cpu import native
         if not native.available():
             pytest.skip("the native CPU kernels do not build here")
     ids = prompt_ids(45, seed=1)
     # Three prefill chunks: the later ones attend to latents cached by the earlier ones.
-    ours = paged_logits(ckpts[variant], ids, scan, split=(9, 30), matmul=matmul)
+    ours = paged_logits(ckpts[variant], ids, scan, split=(9, 30), matmul=matmul, attention=attention)
     ref = _ref_logits(hf_models[variant], ids)
     rel = np.abs(ours - ref).max() / np.abs(ref).max()
-    assert rel < 1e-4, f"{variant}: max relative logit error {rel:.2e}"
+    assert rel < 1e-4, f"{variant} ({attention}): max relative logit error {rel:.2e}"
 
 
 def test_config_reading(ckpts, hf_models):
