@@ -84,6 +84,9 @@ def paged_mla(q_lat: jax.Array, q_pe: jax.Array, pages: jax.Array, token_seq: ja
     if pages.shape[-1] != R + Dr:
         raise ValueError(f"pages hold {pages.shape[-1]} values per token, expected R + Dr = {R} + {Dr}")
     page = pages.shape[2]
+    if not interpret and (min(R, Dr, page) < 16 or any(n & (n - 1) for n in (R, Dr, page))):
+        raise ValueError(f"the compiled MLA kernel needs kv_lora_rank ({R}), qk_rope_head_dim ({Dr}) and the block "
+                         f"size ({page}) to be powers of two of at least 16; use --attention-backend xla")
     M = max(16, pl.next_power_of_2(H))
     pad = ((0, 0), (0, M - H), (0, 0))
     ql = jnp.pad(q_lat.astype(pages.dtype), pad)                     # [T, M, R]
