@@ -194,3 +194,18 @@ def test_unsupported_options_are_refused_by_name(edit, match, ckpts, tmp_path):
 def test_quantized_kv_cache_is_refused(ckpts):
     with pytest.raises(ValueError, match="--kv-cache-dtype int8 is not supported for DeepseekV2ForCausalLM"):
         LLM(ckpts["deepseek_v2"], kv_cache_dtype="int8", **SMALL_ENGINE)
+
+
+def test_bfloat16_on_cpu(ckpts, hf_models):
+    """bf16 weights and latent cache as the CPU stores them (uint16 bit patterns), the native
+    matmul: no worse than transformers' own bf16 run of the model."""
+    from tiny_families import hf_bf16_error
+
+    from jaxllm.cpu import native
+    matmul = "native" if native.available() else "xla"      # available() also registers the kernels
+    ids = prompt_ids(45, seed=1)
+    ours = paged_logits(ckpts["deepseek_v3"], ids, False, split=(9, 30), matmul=matmul, bf16=True)
+    ref = _ref_logits(hf_models["deepseek_v3"], ids)
+    rel = np.abs(ours - ref).max() / np.abs(ref).max()
+    bound = max(3e-2, hf_bf16_error(ckpts["deepseek_v3"], ids, ref))
+    assert rel < bound, f"deepseek_v3 bf16 max relative logit error {rel:.2e} (transformers' bf16: {bound:.2e})"
