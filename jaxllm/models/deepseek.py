@@ -21,8 +21,8 @@ A pre-norm decoder with:
   (``layers/moe.Routing``, shared with GLM-4-MoE).
 
 Options the engine does not implement are refused by name (:func:`arch_config`).  MLA runs
-its XLA path, or its Pallas kernel with ``--attention-backend pallas``; the native CPU
-backend runs the XLA path (``layers/mla_attention``).
+on each attention backend: XLA, the Pallas MLA kernel, the native CPU kernel
+(``layers/mla_attention``).
 """
 
 from __future__ import annotations

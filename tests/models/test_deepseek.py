@@ -45,11 +45,12 @@ def _ref_logits(hf, ids):
 
 
 # (variant, scan_layers, matmul, attention): every variant on the XLA path unrolled; V2 scanned;
-# V3 with the native CPU matmul for its projections (MLA attention has no native kernel: its
-# XLA path); V2 and V3 through the Pallas MLA kernel (interpret mode).
+# V3 and V2-Lite on the native CPU kernels (matmul and attention, the CPU default); V2 and V3
+# through the Pallas MLA kernel (interpret mode).
 CASES = [("deepseek_v2_lite", False, "xla", "xla"), ("deepseek_v2", False, "xla", "xla"),
          ("deepseek_v2", True, "xla", "xla"), ("deepseek_v3", False, "xla", "xla"),
-         ("deepseek_v3", False, "native", "native"), ("deepseek_v2", True, "xla", "pallas"),
+         ("deepseek_v3", False, "native", "native"), ("deepseek_v2_lite", False, "native", "native"),
+         ("deepseek_v2", True, "xla", "pallas"),
          ("deepseek_v3", False, "xla", "pallas")]
 
 
@@ -198,13 +199,13 @@ def test_quantized_kv_cache_is_refused(ckpts):
 
 def test_bfloat16_on_cpu(ckpts, hf_models):
     """bf16 weights and latent cache as the CPU stores them (uint16 bit patterns), the native
-    matmul: no worse than transformers' own bf16 run of the model."""
+    kernels: no worse than transformers' own bf16 run of the model."""
     from tiny_families import hf_bf16_error
 
     from jaxllm.cpu import native
     matmul = "native" if native.available() else "xla"      # available() also registers the kernels
     ids = prompt_ids(45, seed=1)
-    ours = paged_logits(ckpts["deepseek_v3"], ids, False, split=(9, 30), matmul=matmul, bf16=True)
+    ours = paged_logits(ckpts["deepseek_v3"], ids, False, split=(9, 30), matmul=matmul, attention=matmul, bf16=True)
     ref = _ref_logits(hf_models["deepseek_v3"], ids)
     rel = np.abs(ours - ref).max() / np.abs(ref).max()
     bound = max(3e-2, hf_bf16_error(ckpts["deepseek_v3"], ids, ref))
