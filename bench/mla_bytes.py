@@ -79,8 +79,8 @@ def cache_bytes(arch, batch: int, context: int, itemsize: int = 2) -> tuple[int,
 
 
 def table(contexts, batches) -> str:
-    rows = ["| model | batch | context | weights MiB | latent cache MiB | expanded K/V MiB | step, MLA MiB | "
-            "step, expanded MiB | expanded / MLA |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [("| model | batch | context | weights MiB | latent cache MiB | expanded K/V MiB | step, MLA MiB | "
+             "step, expanded MiB | expanded / MLA |"), "|---|---|---|---|---|---|---|---|---|"]
     for name, arch in _configs().items():
         for b in batches:
             w = weight_bytes(arch, b)
