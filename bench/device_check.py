@@ -27,7 +27,8 @@ Sections, in order (each checks the budget first and is "skipped: time budget" w
 estimate does not fit; a section that raises is "failed" with its traceback in the JSON, and
 the exit status is 1 when anything failed, 2 when the script refused to run):
 
-* ``pytest``: ``tests/kernels/test_ragged_paged_attention.py`` and ``tests/kernels/test_gumbel_argmax.py``
+* ``pytest``: ``tests/kernels/test_ragged_paged_attention.py``, ``tests/kernels/test_gumbel_argmax.py`` and
+  ``tests/kernels/test_mla_paged_attention.py``
   in a background process (compiled kernels on a GPU where the tests leave ``interpret=None``);
   it overlaps with the next two sections and is waited for before any timing starts.
 * ``correctness``: each kernel on one realistic shape against its reference, with the kernel
@@ -90,7 +91,8 @@ SECTIONS = ("pytest", "correctness", "attention", "sampler", "e2e_builtin", "e2e
 SKIP_BUDGET = "skipped: time budget"
 PEAK_HBM = (("H200", 4.8e12), ("H100", 3.35e12), ("A100", 2.0e12))
 """Vendor peak HBM bandwidth (bytes/s) by a substring of ``device_kind``."""
-KERNEL_TESTS = ("tests/kernels/test_ragged_paged_attention.py", "tests/kernels/test_gumbel_argmax.py")
+KERNEL_TESTS = ("tests/kernels/test_ragged_paged_attention.py", "tests/kernels/test_gumbel_argmax.py",
+                "tests/kernels/test_mla_paged_attention.py")
 SMOKE_PYTEST_K = "test_kv_splits_heuristic or test_refuses_fp64_and_odd_blocks or test_bad_arguments_are_refused"
 
 SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,

@@ -8,6 +8,7 @@ larger-than-default spread so that greedy decoding has clear winners instead of 
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -75,6 +76,33 @@ VARIANTS_B = {
 }
 
 
+# DeepSeek's YaRN: factor 4 over 64 original positions, with mscale and mscale_all_dim (the
+# softmax scale's correction); unequal, so cos and sin carry an attention factor too.
+_DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                  "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+            intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+            max_position_embeddings=256, tie_word_embeddings=False)
+
+VARIANTS_MLA = {
+    # MLA (jaxllm/models/deepseek.py), built by tests/models/test_deepseek.py and the budget test.
+    # V2-Lite's shape: one q_proj (q_lora_rank None), softmax greedy routing, a dense first layer.
+    "deepseek_v2_lite": ("DeepseekV2Config", dict(_MLA, num_hidden_layers=2, q_lora_rank=None, topk_method="greedy",
+                                                  n_shared_experts=2, first_k_dense_replace=1,
+                                                  routed_scaling_factor=1.5, rope_parameters=_DEEPSEEK_YARN)),
+    # V2: low-rank q with its norm, group-limited routing (4 groups of 2, both experts from the best one),
+    # every layer MoE (scannable).
+    "deepseek_v2": ("DeepseekV2Config", dict(_MLA, num_hidden_layers=2, q_lora_rank=24,
+                                             topk_method="group_limited_greedy", n_group=4, topk_group=1,
+                                             n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=2.0,
+                                             rope_parameters=_DEEPSEEK_YARN)),
+    # V3: sigmoid grouped routing with the correction bias, renormalised and scaled; a dense
+    # first layer; interleaved rope with YaRN.
+    "deepseek_v3": ("DeepseekV3Config", dict(_MLA, num_hidden_layers=3, q_lora_rank=24, n_group=4, topk_group=2,
+                                             n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                                             norm_topk_prob=True, rope_parameters=_DEEPSEEK_YARN)),
+}
+
 
 def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, seed: int = 0,
                variants: dict | None = None) -> str:
@@ -83,7 +111,7 @@ def build_tiny(variant: str, out_dir: str, tokenizer_dir: str | None = None, see
     import torch
     import transformers
 
-    cls_name, overrides = (variants or {**VARIANTS, **VARIANTS_B})[variant]
+    cls_name, overrides = (variants or {**VARIANTS, **VARIANTS_B, **VARIANTS_MLA})[variant]
     cfg_cls = getattr(transformers, cls_name)
     cfg = cfg_cls(**{**BASE, **overrides})
     cfg.architectures = [ARCHITECTURE_NAMES.get(cls_name, cls_name.replace("Config", "ForCausalLM"))]
@@ -124,7 +152,7 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
                  bf16: bool = False, attention: str = "xla", block: int = 16,
                  quantization: str | None = None, kv_cache_dtype: str = "auto") -> np.ndarray:
     """Logits of every prompt position of the checkpoint at ``path`` (or a ``LoadedModel``),
-    computed in two chunks [0, split) and [split, T) through a paged cache whose block table
+    computed in two chunks [0, split) and [split, T) (``split`` a tuple: more chunks) through a paged cache whose block table
     is deliberately not in order, with the given matmul and attention backends (and
     ``--quantization``, ``--kv-cache-dtype``)."""
     import jax
@@ -132,8 +160,8 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
 
     from jaxllm.layers.attention import AttentionMetadata
     from jaxllm.models.kernels import Kernels
-    from jaxllm.models.registry import get_model_module
     from jaxllm.models.loader import load_model
+    from jaxllm.models.registry import get_model_module
     from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 
     model = load_model(path, quantization=quantization) if isinstance(path, str) else path
@@ -147,13 +175,17 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
     table = np.random.default_rng(0).permutation(num_blocks)[:n_blocks].astype(np.int32)
     from jaxllm.layers import kv_quant
     kv_dtype = kv_quant.kv_format(kv_cache_dtype, "cpu") or (jnp.uint16 if bf16 else jnp.float32)
-    kv = allocate_kv_cache(arch.num_layers, num_blocks, block, arch.num_kv_heads, arch.head_dim,
-                           kv_dtype, stacked=scan_layers)
-    kernels = Kernels(matmul=matmul, attention=attention)
     module = get_model_module(arch.architecture)   # the family's forward (llama, gemma, ...)
+    if hasattr(module, "allocate_cache"):          # a family's own cache (MLA's latent pages)
+        kv = module.allocate_cache(arch, num_blocks, block, kv_dtype, stacked=scan_layers)
+    else:
+        kv = allocate_kv_cache(arch.num_layers, num_blocks, block, arch.num_kv_heads, arch.head_dim,
+                               kv_dtype, stacked=scan_layers)
+    kernels = Kernels(matmul=matmul, attention=attention)
     fwd = jax.jit(lambda p, kv, ids, md: module.forward(arch, p, kv, ids, md, kernels))
     out = []
-    for lo, hi in ((0, split), (split, T)):
+    bounds = [0, *((split,) if isinstance(split, int) else split), T]   # several chunks: a tuple of splits
+    for lo, hi in itertools.pairwise(bounds):
         pos = np.arange(lo, hi, dtype=np.int32)
         md = AttentionMetadata(
             positions=pos, slot_mapping=(table[pos // block] * block + pos % block).astype(np.int32),
@@ -184,6 +216,7 @@ def write_gguf(hf_path, out, drop=None, matrix_type=None):
     tensor ``drop``; ``matrix_type``: a GGMLQuantizationType for every other matrix (default:
     float32).  Returns the HF checkpoint as ``load_model`` reads it."""
     import gguf
+
     from jaxllm.models.loader import load_model, read_safetensors
     loaded = load_model(hf_path)
     a = loaded.arch

@@ -13,7 +13,14 @@ import jax
 import numpy as np
 
 from jaxllm.config import EngineConfig, default_cache_dir, platform_defaults
-from jaxllm.core.kv_budget import KVPlan, available_memory_bytes, plan_kv_cache, utilization_budget
+from jaxllm.core.kv_budget import (
+    CacheKind,
+    KVPlan,
+    available_memory_bytes,
+    kv_kind,
+    plan_kv_cache,
+    utilization_budget,
+)
 from jaxllm.layers import kv_quant
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import LoadedModel, gguf_file
@@ -40,9 +47,13 @@ class KVSizing:
     model_dtype: str = ""
     model_token_bytes: int = 0
     """``token_bytes`` at the model dtype: the quantized cache's gain is stated against it."""
+    kinds: tuple[CacheKind, ...] = ()
+    """What the cache holds per group of layers (the model family's ``cache_kinds``; K/V pages
+    of every layer by default)."""
 
     def plan(self, budget_bytes: int | None, measured: bool = False, budget_flag: str | None = None) -> KVPlan:
-        plan = plan_kv_cache(num_layers=self.num_layers, token_bytes=self.token_bytes, block_size=self.block_size,
+        plan = plan_kv_cache(kinds=self.kinds or (kv_kind(self.num_layers, self.token_bytes),),
+                             block_size=self.block_size,
                              max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                              budget_bytes=budget_bytes, num_blocks_override=self.num_blocks_override,
                              budget_flag=budget_flag, platform=self.platform, measured=measured)
@@ -103,6 +114,17 @@ def _check_quantization(config: EngineConfig, model: LoadedModel) -> bool:
         raise ValueError(f"--quantization {config.quantization} is for HF checkpoints; "
                          f"{config.model or 'the built-in model'} is a GGUF file (its blocks are served as they are)")
     return any(qops.is_quantized(w) for w in model.tensors())
+
+
+def _cache_kinds(arch, itemsize: int, kv_name: str) -> tuple[CacheKind, ...]:
+    """The model family's cache kinds (its module's ``cache_kinds(arch, itemsize,
+    kv_cache_dtype)``: MLA's latent pages, a hybrid model's recurrent state), else K/V pages
+    in every layer."""
+    from jaxllm.models.registry import get_model_module
+    kinds = getattr(get_model_module(arch.architecture), "cache_kinds", None)
+    if kinds is not None:
+        return tuple(kinds(arch, itemsize, kv_name))
+    return (kv_kind(arch.num_layers, kv_quant.token_bytes(arch.num_kv_heads, arch.head_dim, itemsize, kv_name)),)
 
 
 def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
@@ -178,7 +200,8 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
                       block_size=cache.block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                       num_blocks_override=cache.num_blocks_override, platform=platform,
                       kv_dtype=dtype if kv_name == "auto" else kv_name, model_dtype=dtype,
-                      model_token_bytes=kv_quant.token_bytes(a.num_kv_heads, a.head_dim, itemsize))
+                      model_token_bytes=kv_quant.token_bytes(a.num_kv_heads, a.head_dim, itemsize),
+                      kinds=_cache_kinds(a, itemsize, kv_name))
     util = cache.gpu_memory_utilization
     if util is not None and cache.kv_cache_memory_bytes is None and cache.num_blocks_override is None:
         if platform == "cpu":
@@ -190,6 +213,11 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
             kv = None    # sized by EngineCore once the weights are on the device
     else:
         kv = sizing.plan(cache.kv_cache_memory_bytes)
+    if kv is not None and kv.seqs_asked:
+        # Per-sequence state (a recurrent layer's) for fewer sequences than asked: no more run at once.
+        log.info("max_num_seqs %d clamped to %d: the KV budget holds the per-sequence state of %d sequences",
+                 max_num_seqs, kv.seq_slots, kv.seq_slots)
+        max_num_seqs = kv.seq_slots
     cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
     kernels = Kernels(matmul=matmul, attention=backend,
                       int8_activations=matmul == "native" and quantized and rc.cpu_matmul == "native-int8",

@@ -113,6 +113,20 @@ class ArchConfig:
     """Grouped top-k: experts in ``n_group`` groups, only the best ``topk_group`` groups eligible."""
     routed_scaling_factor: float = 1.0
 
+    # MLA (models/deepseek.py: DeepSeek-V2/V3).  ``head_dim`` is then the rope dims of a head
+    # (``qk_rope_head_dim``) and ``attn_scale`` the softmax scale (YaRN's mscale included).
+    kv_lora_rank: int = 0
+    """The latent each token caches; 0: not an MLA model."""
+    q_lora_rank: int = 0
+    """The query's low-rank width (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``); 0: one ``q_proj``."""
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    """RoPE rotates interleaved pairs (DeepSeek's layout), not the two halves of the rope dims."""
+    topk_method: str = "greedy"
+    """DeepSeek-V2's softmax routing: "greedy" (top-k of all) or "group_limited_greedy"
+    (top-k within the ``topk_group`` groups of best single expert)."""
+
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_attention_heads ({self.num_heads}) is not a multiple of "

@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import gemma, gguf_arch, gpt_oss, llama
+from jaxllm.models import deepseek, gemma, gguf_arch, gpt_oss, llama
 
 _REGISTRY: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -28,6 +28,9 @@ _REGISTRY: dict[str, ModuleType] = {
     "Olmo3ForCausalLM": llama,
     "GraniteForCausalLM": llama,
     "Glm4MoeForCausalLM": llama,   # dense first layers, then MoE with shared experts
+    # MLA: one latent per token in the cache (layers/mla_attention.py), routed + shared experts.
+    "DeepseekV2ForCausalLM": deepseek,
+    "DeepseekV3ForCausalLM": deepseek,
 }
 
 # GGUF's general.architecture -> HF architecture name.

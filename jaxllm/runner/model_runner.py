@@ -97,10 +97,17 @@ class ModelRunner:
         """The (K, V) cache laid out over the mesh (``kv_heads`` split when the rules say so);
         ``shapes_only``: ShapeDtypeStructs carrying the shardings, nothing allocated."""
         a, cfg = self.arch, self.cfg
-        sharding = NamedSharding(self.mesh, psh.kv_spec(self.rules, cfg.scan_layers))
-        specs = weights.allocate_kv_cache(a.num_layers, num_blocks, cfg.block_size, a.num_kv_heads, a.head_dim,
-                                          cfg.kv_dtype, stacked=cfg.scan_layers,
-                                          make=functools.partial(jax.ShapeDtypeStruct, sharding=sharding))
+        family = getattr(get_model_module(a.architecture), "allocate_cache", None)
+        if family is not None:
+            # The family's own cache (MLA's latent pages): one entry per token shared by every
+            # head, so every device keeps all of it.
+            specs = family(a, num_blocks, cfg.block_size, cfg.kv_dtype, cfg.scan_layers,
+                           make=functools.partial(jax.ShapeDtypeStruct, sharding=self._rep))
+        else:
+            sharding = NamedSharding(self.mesh, psh.kv_spec(self.rules, cfg.scan_layers))
+            specs = weights.allocate_kv_cache(a.num_layers, num_blocks, cfg.block_size, a.num_kv_heads, a.head_dim,
+                                              cfg.kv_dtype, stacked=cfg.scan_layers,
+                                              make=functools.partial(jax.ShapeDtypeStruct, sharding=sharding))
         if shapes_only:
             return specs
         # One program zeroes every layer's K and V; each device allocates only its own shards.

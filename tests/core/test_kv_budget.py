@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from jaxllm.core import kv_budget
-from jaxllm.core.kv_budget import bytes_per_block, cgroup_room_bytes, plan_kv_cache, utilization_budget
+from jaxllm.core.kv_budget import (
+    bytes_per_block,
+    cgroup_room_bytes,
+    plan_kv_cache,
+    utilization_budget,
+)
 
 ARCH = dict(num_layers=3, token_bytes=2 * 2 * 32 * 4, block_size=16)   # K and V, 2 heads of 32, float32
 
@@ -97,3 +102,69 @@ def test_measured_sizes_are_rounded_to_a_coarse_grain(monkeypatch):
     b = plan_kv_cache(**ARCH, max_model_len=256, max_num_seqs=10_000, budget_bytes=None,
                       num_blocks_override=None, platform="gpu")
     assert a.num_blocks == b.num_blocks == 7168
+
+
+# ----------------------------------------------------------------------------- cache kinds
+
+# A hybrid layout where counting one layer per group shows: two full-attention layers' K/V
+# pages and four linear-attention layers' recurrent state (per sequence); and an MLA layout.
+HYBRID = (kv_budget.CacheKind("K/V", 2, token_bytes=2 * 2 * 32 * 4),
+          kv_budget.CacheKind("recurrent state", 4, seq_bytes=3 * 4096 * 4))
+MLA = (kv_budget.CacheKind("MLA latent + rope key", 3, token_bytes=(64 + 16) * 4),)
+
+
+def _allocate(plan):
+    """Arrays of the plan's shapes, per layer of every kind (as a runner would), read back."""
+    import numpy as np
+    arrays = []
+    for k in plan.kinds:
+        for _ in range(k.num_layers):
+            shape = (plan.num_blocks, plan.block_size, k.token_bytes) if k.paged else (plan.seq_slots, k.seq_bytes)
+            arrays.append(np.zeros(shape, np.uint8))
+    return sum(a.nbytes for a in arrays)
+
+
+@pytest.mark.parametrize("kinds", [HYBRID, MLA], ids=["hybrid", "mla"])
+@pytest.mark.parametrize("budget", [1 << 20, 5 * (1 << 20) + 4321])
+def test_every_kind_of_every_layer_stays_within_the_budget(kinds, budget):
+    plan = plan_kv_cache(kinds=kinds, block_size=16, max_model_len=256, max_num_seqs=8, budget_bytes=budget,
+                         num_blocks_override=None)
+    nbytes = _allocate(plan)
+    assert nbytes == plan.total_bytes == sum(plan.kind_bytes(k) for k in kinds)
+    assert nbytes <= budget
+    assert budget - nbytes < plan.bytes_per_block            # the rest of the budget went to blocks
+    # Every layer of every group counted: a block of the hybrid layout is 2 layers of K/V,
+    # a slot 4 layers of state.
+    assert plan.bytes_per_block == sum(k.num_layers * 16 * k.token_bytes for k in kinds if k.paged)
+    assert plan.bytes_per_slot == sum(k.num_layers * k.seq_bytes for k in kinds if not k.paged)
+    line = plan.describe(256)
+    for k in kinds:
+        assert f"{k.name} {k.num_layers} layers" in line
+
+
+def test_hybrid_state_slots_clamp_max_num_seqs_to_what_the_budget_seats():
+    kv, state = HYBRID
+    per_block, per_slot = 2 * 16 * kv.token_bytes, 4 * state.seq_bytes
+    need = 256 // 16 + 1
+    budget = need * per_block + 5 * per_slot + 100           # one full sequence and 5 states
+    plan = plan_kv_cache(kinds=HYBRID, block_size=16, max_model_len=256, max_num_seqs=64, budget_bytes=budget,
+                         num_blocks_override=None)
+    assert plan.seq_slots == 5 and plan.seqs_asked == 64 and plan.total_bytes <= budget
+    assert "max_num_seqs=64 clamped" in plan.describe(256)
+    roomy = plan_kv_cache(kinds=HYBRID, block_size=16, max_model_len=256, max_num_seqs=4, budget_bytes=budget,
+                          num_blocks_override=None)
+    assert roomy.seq_slots == 4 and roomy.seqs_asked == 0
+    with pytest.raises(ValueError, match="one sequence's state"):
+        plan_kv_cache(kinds=HYBRID, block_size=16, max_model_len=256, max_num_seqs=4,
+                      budget_bytes=need * per_block + per_slot - 1, num_blocks_override=None)
+    # Without a budget the CPU default holds the states too.
+    default = plan_kv_cache(kinds=HYBRID, block_size=16, max_model_len=256, max_num_seqs=4, budget_bytes=None,
+                            num_blocks_override=None)
+    assert default.seq_slots == 4 and default.total_bytes <= kv_budget.CPU_DEFAULT_KV_BYTES
+
+
+def test_a_cache_kind_stores_per_token_or_per_sequence():
+    with pytest.raises(ValueError, match="either per token or per sequence"):
+        kv_budget.CacheKind("x", 2, token_bytes=4, seq_bytes=4)
+    with pytest.raises(ValueError, match="num_layers must be positive"):
+        kv_budget.CacheKind("x", 0, token_bytes=4)

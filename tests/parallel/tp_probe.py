@@ -46,13 +46,17 @@ def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = 
     total = len(PROMPT) + STEPS
     nb = -(-total // BLOCK)
     table = np.random.default_rng(0).permutation(nb + 3)[:nb].astype(np.int32)   # pages out of order
-    kv_sh = NamedSharding(mesh, psh.kv_spec(rules, scan))
-    kv = allocate_kv_cache(arch.num_layers, nb + 3, BLOCK, arch.num_kv_heads, arch.head_dim, jnp.float32, scan,
-                           make=lambda s, d: jax.device_put(jnp.zeros(s, d), kv_sh))
+    module = get_model_module(arch.architecture)
+    if hasattr(module, "allocate_cache"):      # MLA's latent pages: replicated, as the runner places them
+        rep_sh = pmesh.replicated(mesh)
+        kv = module.allocate_cache(arch, nb + 3, BLOCK, jnp.float32, scan,
+                                   make=lambda s, d: jax.device_put(jnp.zeros(s, d), rep_sh))
+    else:
+        kv_sh = NamedSharding(mesh, psh.kv_spec(rules, scan))
+        kv = allocate_kv_cache(arch.num_layers, nb + 3, BLOCK, arch.num_kv_heads, arch.head_dim, jnp.float32, scan,
+                               make=lambda s, d: jax.device_put(jnp.zeros(s, d), kv_sh))
 
     kernels = Kernels(attention=attention, moe="expert_parallel" if expert_parallel else "grouped")
-
-    module = get_model_module(arch.architecture)
 
     def fwd(p, kv, ids, md):
         hidden, kv = module.forward(arch, p, kv, ids, md, kernels)
