@@ -39,10 +39,6 @@ class PreparedStep:
     drafts: tuple[tuple[int, ...], ...] = ()
     """Per sequence: the proposals it verifies this step (empty: a plain step)."""
 
-    @property
-    def num_rows(self) -> int:
-        return self.first_row[-1] + 1 + len(self.drafts[-1]) if self.first_row else 0
-
     def rows(self):
         """(sampling row, request id, draft index j) of every row that samples: row j of a
         verification draws as if the request's first j proposals had been sampled."""

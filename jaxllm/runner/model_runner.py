@@ -84,7 +84,7 @@ class ModelRunner:
         # Held before sampling when set (tests use it to pause the first step).
         self.before_step_hook = None
         # Speculative decoding: proposes each sampling request's next tokens after its step
-        # (spec/proposer.py); the scheduler schedules them for verification.
+        # (spec/controller.py); the scheduler schedules them for verification.
         self.proposer = None
 
     @property

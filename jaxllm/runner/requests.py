@@ -10,8 +10,8 @@ import numpy as np
 
 from jaxllm.outputs import LogprobsArrays, NewRequestData, RunnerOutput, SchedulerOutput
 from jaxllm.sample.metadata import RowParams
-from jaxllm.sampling_params import SamplingParams
 from jaxllm.sample.states import SamplerRows
+from jaxllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -25,6 +25,8 @@ class RequestState:
     prompt_lps: list[LogprobsArrays] | None = None
     """prompt_logprobs gathered chunk by chunk, delivered with the first sampled token."""
     params: SamplingParams | None = None
+    """As the engine sent them, with the request's resolved ``seed``: what a draft model
+    samples with (spec/draft_model.py)."""
     seed: int = 0
     pending_counts: list[int] | None = None
     """Proposals the last verification accepted: fed uncounted, the penalty counts take them
