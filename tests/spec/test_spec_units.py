@@ -55,6 +55,17 @@ def test_bad_config_is_refused_by_name(value, needle):
     assert needle in str(e.value)
 
 
+def test_speculative_config_flag():
+    from jaxllm import cli
+    p = cli.build_parser()
+    args = p.parse_args(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    cfg = cli.engine_config_from_args(args).speculative_config
+    assert (cfg.method, cfg.num_speculative_tokens) == ("ngram", 4)
+    args = p.parse_args(["generate", "--speculative-config", "nope", "hi"])
+    with pytest.raises(ValueError, match="--speculative-config: not valid JSON"):
+        cli.engine_config_from_args(args)
+
+
 def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
     from jaxllm import LLM
     from tiny_models import build_tiny
