@@ -46,7 +46,7 @@ def _l2norm(x: jax.Array) -> jax.Array:
 def _prepare(q, k, v, g, beta, length, use_qk_l2norm, scale):
     """Shared front end: float32, q/k heads repeated to the value heads, normalised, scaled,
     padding tokens' k/v/g/beta zeroed.  -> q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta [B, T, H]."""
-    B, T, Hk, Dk = k.shape
+    T, Hk, Dk = k.shape[1:]
     H = v.shape[2]
     if H % Hk:
         raise ValueError(f"value heads ({H}) must be a multiple of key heads ({Hk})")
@@ -74,7 +74,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, length=None, *, chunk_size: 
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     B, T = k.shape[:2]
     q, k, v, g, beta = _prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
-    H, Dk, Dv = v.shape[2], k.shape[-1], v.shape[-1]
+    H, Dv = v.shape[2], v.shape[-1]
     C = chunk_size
     pad = (-T) % C
     N = (T + pad) // C
@@ -150,8 +150,8 @@ def reference_gated_delta_rule(q, k, v, g, beta, state, *, use_qk_l2norm: bool =
     """The token loop in numpy float64 (the oracle): same shapes as the JAX functions, every
     row's tokens all real."""
     q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, state))
-    B, T, Hk, Dk = k.shape
-    H = v.shape[2]
+    Hk, Dk = k.shape[2:]
+    T, H = v.shape[1:3]
     q, k = np.repeat(q, H // Hk, axis=2), np.repeat(k, H // Hk, axis=2)
     if use_qk_l2norm:
         q = q / np.sqrt((q * q).sum(-1, keepdims=True) + L2_EPS)

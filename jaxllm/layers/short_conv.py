@@ -21,7 +21,7 @@ def conv_prefill(x: jax.Array, weight: jax.Array, state: jax.Array, length: jax.
 
     ``length [B]`` (optional): the real tokens of each row (the rest padding); the new state
     is then the ``K - 1`` inputs before token ``length``, as if the padding was never there."""
-    B, T, C = x.shape
+    T = x.shape[1]
     K = weight.shape[1]
     xs = jnp.concatenate([state.astype(jnp.float32), x.astype(jnp.float32)], axis=1)   # [B, K - 1 + T, C]
     w = weight.astype(jnp.float32)

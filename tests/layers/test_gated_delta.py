@@ -9,15 +9,17 @@ of magnitude ~1 (measured errors are ~1e-6; the chunked form's triangular solve 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
-from jaxllm.layers.gated_delta import (chunk_gated_delta_rule, recurrent_gated_delta_rule,
-                                       reference_gated_delta_rule)
+from jaxllm.layers.gated_delta import (
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    reference_gated_delta_rule,
+)
 from jaxllm.layers.short_conv import conv_prefill, conv_step
 
 TOL = dict(atol=2e-5, rtol=2e-5)
