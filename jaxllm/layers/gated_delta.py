@@ -43,9 +43,10 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
 
 
-def _prepare(q, k, v, g, beta, length, use_qk_l2norm, scale):
-    """Shared front end: float32, q/k heads repeated to the value heads, normalised, scaled,
-    padding tokens' k/v/g/beta zeroed.  -> q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta [B, T, H]."""
+def prepare(q, k, v, g, beta, length, use_qk_l2norm, scale):
+    """The implementations' shared front end (the Pallas kernel's too): float32, q/k heads
+    repeated to the value heads, normalised, scaled, padding tokens' k/v/g/beta zeroed
+    -> q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta [B, T, H]."""
     T, Hk, Dk = k.shape[1:]
     H = v.shape[2]
     if H % Hk:
@@ -73,7 +74,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, length=None, *, chunk_size: 
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     B, T = k.shape[:2]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
+    q, k, v, g, beta = prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
     H, Dv = v.shape[2], v.shape[-1]
     C = chunk_size
     pad = (-T) % C
@@ -127,7 +128,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, length=None, *, use_qk_l
                                scale: float | None = None):
     """Same arguments and results as :func:`chunk_gated_delta_rule`, token by token."""
     T = k.shape[1]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
+    q, k, v, g, beta = prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
 
     def step(s, xs):
         # s [B, H, Dk, Dv]; q_t, k_t [B, H, Dk], v_t [B, H, Dv], g_t, b_t [B, H]
