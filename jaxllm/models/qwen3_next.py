@@ -52,16 +52,8 @@ from jaxllm.layers.rotary import apply_rope, cos_sin, inv_frequencies
 from jaxllm.layers.short_conv import conv_prefill, conv_step
 from jaxllm.models.config import RopeScaling, _eos_tuple
 from jaxllm.models.loader import _PLACEHOLDERS, NameMap, _assemble, read_safetensors
-from jaxllm.models.params import (
-    GLOBAL,
-    LAYER,
-    MATRIX,
-    VECTOR,
-    Chunk,
-    Param,
-    ParamTable,
-    always,
-)
+from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Chunk, Param, ParamTable, always
+from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -441,9 +433,15 @@ def _gdn_projections(cfg: HybridConfig, h, lp):
     return mixed, linear(h, lp["in_z"]).reshape(N, Hv, Dv), linear(h, lp["in_b"]), linear(h, lp["in_a"])
 
 
-def gdn_layer(cfg: HybridConfig, h, lp, state, *, chunk_size: int):
+GDN_DECODE = ("xla", "pallas")
+"""Implementations of the GDN decode step: ``layers/gated_delta.py``'s scan, or
+``pallas/gated_delta.py``'s kernel (interpret mode on CPU)."""
+
+
+def gdn_layer(cfg: HybridConfig, h, lp, state, *, chunk_size: int, decode: str = "xla"):
     """A Gated DeltaNet token mixer: h [B, T, D] (normed), state (conv [B, K - 1, C], delta
-    [B, Hv, Dk, Dv]) -> ([B, T, D], state).  T == 1 takes the recurrent (decode) form."""
+    [B, Hv, Dk, Dv]) -> ([B, T, D], state).  T == 1 takes the recurrent (decode) form,
+    computed by ``decode`` (one of :data:`GDN_DECODE`)."""
     B, T, D = h.shape
     conv_state, delta_state = state
     mixed, z, b, a = _gdn_projections(cfg, h.reshape(B * T, D), lp)
@@ -462,7 +460,8 @@ def gdn_layer(cfg: HybridConfig, h, lp, state, *, chunk_size: int):
     g = (-jnp.exp(lp["A_log"].astype(jnp.float32))
          * jax.nn.softplus(a.astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))).reshape(B, T, Hv)
     if T == 1:
-        o, delta_state = recurrent_gated_delta_rule(q, k, v, g, beta, delta_state)
+        rule = recurrent_gated_delta_rule_pallas if decode == "pallas" else recurrent_gated_delta_rule
+        o, delta_state = rule(q, k, v, g, beta, delta_state)
     else:
         o, delta_state = chunk_gated_delta_rule(q, k, v, g, beta, delta_state, chunk_size=chunk_size)
     # The gated RMSNorm per value head: norm(o) * weight * silu(z).
@@ -526,12 +525,14 @@ def init_cache(cfg: HybridConfig, batch: int, max_len: int, dtype=jnp.float32) -
     return {"pos": jnp.zeros((), jnp.int32), "layers": layers}
 
 
-@partial(jax.jit, static_argnames=("cfg", "chunk_size"))
+@partial(jax.jit, static_argnames=("cfg", "chunk_size", "gdn_decode"))
 def forward(cfg: HybridConfig, params: dict, cache: dict, input_ids: jax.Array, *,
-            chunk_size: int = 64) -> tuple[jax.Array, dict]:
+            chunk_size: int = 64, gdn_decode: str = "xla") -> tuple[jax.Array, dict]:
     """input_ids [B, T] (every row real, continuing the cache's sequences) -> (float32 logits
     [B, T, V], the cache after them).  T > 1: chunked prefill (GDN in chunks of
-    ``chunk_size``); T == 1: a decode step (the recurrent form)."""
+    ``chunk_size``); T == 1: a decode step (the recurrent form, by ``gdn_decode``)."""
+    if gdn_decode not in GDN_DECODE:
+        raise ValueError(f"gdn_decode must be one of {GDN_DECODE}, got {gdn_decode!r}")
     B, T = input_ids.shape
     pos = cache["pos"]
     x = params["embed"][input_ids]                                     # [B, T, D]
@@ -541,7 +542,7 @@ def forward(cfg: HybridConfig, params: dict, cache: dict, input_ids: jax.Array, 
     for i, (lp, st) in enumerate(zip(params["layers"], cache["layers"])):
         h = _norm(x, lp["input_norm"], cfg.rms_norm_eps)
         if cfg.is_linear(i):
-            y, st = gdn_layer(cfg, h, lp, st, chunk_size=chunk_size)
+            y, st = gdn_layer(cfg, h, lp, st, chunk_size=chunk_size, decode=gdn_decode)
         else:
             y, st = attention_layer(cfg, h, lp, st, pos, cos, sin)
         x = x + y
@@ -555,7 +556,8 @@ def forward(cfg: HybridConfig, params: dict, cache: dict, input_ids: jax.Array, 
 
 
 def generate(cfg: HybridConfig, params: dict, prompt: np.ndarray, max_new_tokens: int, *,
-             prefill_chunks: int = 1, chunk_size: int = 64, max_len: int | None = None) -> np.ndarray:
+             prefill_chunks: int = 1, chunk_size: int = 64, max_len: int | None = None,
+             gdn_decode: str = "xla") -> np.ndarray:
     """Greedy tokens after ``prompt [B, P]`` (a dense batch): the prompt prefilled in
     ``prefill_chunks`` calls (the states carried between them), then one decode step per
     token -> [B, max_new_tokens]."""
@@ -573,6 +575,6 @@ def generate(cfg: HybridConfig, params: dict, prompt: np.ndarray, max_new_tokens
         out.append(tok)
         if len(out) == max_new_tokens:
             break
-        logits, cache = forward(cfg, params, cache, tok[:, None], chunk_size=chunk_size)
+        logits, cache = forward(cfg, params, cache, tok[:, None], chunk_size=chunk_size, gdn_decode=gdn_decode)
         tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
     return np.stack([np.asarray(t) for t in out], axis=1)

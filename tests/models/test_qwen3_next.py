@@ -10,6 +10,9 @@ is prefilled in two calls whose GDN/conv states and KV cache carry over.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -97,6 +100,50 @@ def test_logits_and_greedy_match_transformers(hybrid):
     tokens = qn.generate(cfg, params, prompt, NEW_TOKENS, prefill_chunks=2, chunk_size=CHUNK)
     assert len(set(tokens[0].tolist())) > 3, "degenerate greedy run: the test would not see a wrong token"
     np.testing.assert_array_equal(tokens, want_tokens)
+
+
+def test_pallas_decode_matches_transformers(tmp_path):
+    # The GDN decode steps through the Pallas kernel (interpret mode here): same greedy tokens.
+    arch = "Qwen3_5ForCausalLM"
+    path = build(arch, str(tmp_path))
+    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+    prompt = _prompt(B=1)
+    with torch.no_grad():
+        want = model.generate(torch.from_numpy(prompt).long(), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              min_new_tokens=NEW_TOKENS)[:, PROMPT_LEN:].numpy()
+    cfg, params = qn.load(path)
+    got = qn.generate(cfg, params, prompt, NEW_TOKENS, prefill_chunks=2, chunk_size=CHUNK, gdn_decode="pallas")
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fused_expert_tensors_load_alike(tmp_path):
+    # transformers 5's fused experts (mlp.experts.gate_up_proj [E, 2F, D], down_proj [E, D, F])
+    # load to the same parameters as the per-expert tensors transformers 5.24 saves.
+    from safetensors.numpy import load_file, save_file
+    path = build("Qwen3NextForCausalLM", str(tmp_path / "per_expert"))
+    _, want = qn.load(path)
+    tensors = load_file(f"{path}/model.safetensors")
+    fused = {n: a for n, a in tensors.items() if ".mlp.experts." not in n}
+    E = MOE["num_experts"]
+    for i in range(COMMON["num_hidden_layers"]):
+        pre = f"model.layers.{i}.mlp.experts"
+        if f"{pre}.0.gate_proj.weight" in tensors:
+            fused[f"{pre}.gate_up_proj"] = np.stack([
+                np.concatenate([tensors[f"{pre}.{e}.gate_proj.weight"], tensors[f"{pre}.{e}.up_proj.weight"]])
+                for e in range(E)])
+            fused[f"{pre}.down_proj"] = np.stack([tensors[f"{pre}.{e}.down_proj.weight"] for e in range(E)])
+    out = tmp_path / "fused"
+    out.mkdir()
+    for f in os.listdir(path):
+        if not f.endswith(".safetensors"):
+            shutil.copy(os.path.join(path, f), out)
+    save_file(fused, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _, got = qn.load(str(out))
+    assert sum("experts_gate" in lp for lp in got["layers"]) == 4
+    for lw, lg in zip(want["layers"], got["layers"]):
+        assert lw.keys() == lg.keys()
+        for n in lw:
+            np.testing.assert_array_equal(lg[n], lw[n])
 
 
 def test_config_reads_the_family(hybrid):
