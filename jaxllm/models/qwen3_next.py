@@ -52,7 +52,16 @@ from jaxllm.layers.rotary import apply_rope, cos_sin, inv_frequencies
 from jaxllm.layers.short_conv import conv_prefill, conv_step
 from jaxllm.models.config import RopeScaling, _eos_tuple
 from jaxllm.models.loader import _PLACEHOLDERS, NameMap, _assemble, read_safetensors
-from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Chunk, Param, ParamTable, always
+from jaxllm.models.params import (
+    GLOBAL,
+    LAYER,
+    MATRIX,
+    VECTOR,
+    Chunk,
+    Param,
+    ParamTable,
+    always,
+)
 from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")

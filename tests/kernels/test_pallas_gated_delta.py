@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "layers"))
-from test_gated_delta import TOL, _inputs  # noqa: E402
+from test_gated_delta import TOL, _inputs
 
-from jaxllm.layers.gated_delta import recurrent_gated_delta_rule, reference_gated_delta_rule  # noqa: E402
-from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas  # noqa: E402
+from jaxllm.layers.gated_delta import (
+    recurrent_gated_delta_rule,
+    reference_gated_delta_rule,
+)
+from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas
 
 
 @pytest.mark.parametrize("T,Hk,H", [(1, 2, 4), (6, 2, 4), (3, 3, 3)])
