@@ -33,10 +33,10 @@ against transformers.
 Wiring it into the engine needs: a per-sequence cache kind of :meth:`HybridConfig.state_bytes`
 per request (slots keyed by request id, allocated from the same budget as the K/V pages of
 the full-attention layers, ``max_num_seqs`` clamped to the slots); the step gathering each
-scheduled sequence's slot before the GDN layers and scattering it back after (a sequence's
-tokens of one step are contiguous: prefill chunks run :func:`chunk_gated_delta_rule` with
-``length`` masking the bucket padding, decodes the recurrent form); a new request's slot
-zeroed; preemption freeing the slot and recomputing the state from the prompt; prefix
+scheduled sequence's slot before the GDN layers and scattering it back after; the step's
+flat ragged tokens ``[T]`` regrouped per sequence (``[S, T_max]`` rows by ``query_start_loc``,
+``length`` masking the padding; the conv likewise) for :func:`chunk_gated_delta_rule`, decode
+rows through the recurrent form or the Pallas kernel; a new request's slot zeroed; preemption freeing the slot and recomputing the state from the prompt; prefix
 caching off for these models (or a state checkpoint at each cached block boundary).
 """
 
