@@ -456,10 +456,11 @@ GDN_DECODE = ("xla", "pallas")
 ``pallas/gated_delta.py``'s kernel (interpret mode on CPU)."""
 
 
-def gdn_layer(cfg: HybridConfig, h, lp, state, *, chunk_size: int, decode: str = "xla"):
+def gdn_layer(cfg: HybridConfig, h, lp, state, length=None, *, chunk_size: int, decode: str = "xla"):
     """A Gated DeltaNet token mixer: h [B, T, D] (normed), state (conv [B, K - 1, C], delta
-    [B, Hv, Dk, Dv]) -> ([B, T, D], state).  T == 1 takes the recurrent (decode) form,
-    computed by ``decode`` (one of :data:`GDN_DECODE`)."""
+    [B, Hv, Dk, Dv]), length [B] (the real tokens of each row; None: all) -> ([B, T, D],
+    state).  T == 1 takes the recurrent (decode) form, computed by ``decode`` (one of
+    :data:`GDN_DECODE`), every row real."""
     B, T, D = h.shape
     conv_state, delta_state = state
     mixed, z, b, a = _gdn_projections(cfg, h.reshape(B * T, D), lp)
@@ -469,7 +470,7 @@ def gdn_layer(cfg: HybridConfig, h, lp, state, *, chunk_size: int, decode: str =
         y, conv_state = conv_step(mixed[:, 0], w, conv_state)
         mixed = y[:, None]
     else:
-        mixed, conv_state = conv_prefill(mixed, w, conv_state)
+        mixed, conv_state = conv_prefill(mixed, w, conv_state, length)
     Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
         cfg.linear_value_head_dim
     q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
@@ -481,7 +482,7 @@ def gdn_layer(cfg: HybridConfig, h, lp, state, *, chunk_size: int, decode: str =
         rule = recurrent_gated_delta_rule_pallas if decode == "pallas" else recurrent_gated_delta_rule
         o, delta_state = rule(q, k, v, g, beta, delta_state)
     else:
-        o, delta_state = chunk_gated_delta_rule(q, k, v, g, beta, delta_state, chunk_size=chunk_size)
+        o, delta_state = chunk_gated_delta_rule(q, k, v, g, beta, delta_state, length, chunk_size=chunk_size)
     # The gated RMSNorm per value head: norm(o) * weight * silu(z).
     o = rms_norm(o, lp["gdn_norm"].astype(jnp.float32), cfg.rms_norm_eps)            # [B, T, Hv, Dv]
     o = o * jax.nn.silu(z.reshape(B, T, Hv, Dv).astype(jnp.float32))
@@ -489,9 +490,10 @@ def gdn_layer(cfg: HybridConfig, h, lp, state, *, chunk_size: int, decode: str =
     return out.reshape(B, T, D), (conv_state, delta_state)
 
 
-def attention_layer(cfg: HybridConfig, h, lp, kv, pos, cos, sin):
+def attention_layer(cfg: HybridConfig, h, lp, kv, pos, length, cos, sin):
     """Gated full attention over a dense cache: h [B, T, D] (normed), kv (k, v [B, S, Hkv, Dh]),
-    pos: the tokens before this call (a scalar) -> ([B, T, D], kv)."""
+    pos [B]: each row's tokens before this call, length [B]: its real tokens in it ->
+    ([B, T, D], kv).  Padding tokens write nothing."""
     B, T, D = h.shape
     H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     x = h.reshape(B * T, D)
@@ -503,13 +505,16 @@ def attention_layer(cfg: HybridConfig, h, lp, kv, pos, cos, sin):
     q = apply_rope(q, cos, sin).reshape(B, T, H, Dh)                   # partial: first rotary_dim dims
     k = apply_rope(k, cos, sin).reshape(B, T, Hkv, Dh)
     kc, vc = kv
-    kc = jax.lax.dynamic_update_slice(kc, k.astype(kc.dtype), (0, pos, 0, 0))
-    vc = jax.lax.dynamic_update_slice(vc, v.astype(vc.dtype), (0, pos, 0, 0))
     S = kc.shape[1]
+    qpos = pos[:, None] + jnp.arange(T)[None, :]                       # [B, T] each token's position
+    slot = jnp.where(jnp.arange(T)[None, :] < length[:, None], qpos, S)   # padding: out of range, dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    kc = kc.at[rows, slot].set(k.astype(kc.dtype), mode="drop")
+    vc = vc.at[rows, slot].set(v.astype(vc.dtype), mode="drop")
     qh = q.reshape(B, T, Hkv, H // Hkv, Dh).astype(jnp.float32)
     scores = jnp.einsum("btgrd,bsgd->bgrts", qh, kc.astype(jnp.float32)) * Dh ** -0.5
-    visible = jnp.arange(S)[None, :] <= (pos + jnp.arange(T))[:, None]            # [T, S] causal
-    scores = jnp.where(visible, scores, -jnp.inf)
+    visible = jnp.arange(S)[None, None, :] <= qpos[:, :, None]        # [B, T, S] causal
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     p = jax.nn.softmax(scores, axis=-1)
     o = jnp.einsum("bgrts,bsgd->btgrd", p, vc.astype(jnp.float32)).reshape(B, T, H * Dh)
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32))
@@ -530,7 +535,7 @@ def mlp(cfg: HybridConfig, h, lp):
 def init_cache(cfg: HybridConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """The harness's cache: per full-attention layer dense K/V ``[B, max_len, Hkv, Dh]``, per
     GDN layer its conv state ``[B, K - 1, C]`` and delta state ``[B, Hv, Dk, Dv]`` (float32),
-    and ``pos``: the tokens seen so far (every row the same)."""
+    and ``pos [B]``: each row's tokens so far."""
     layers = []
     for i in range(cfg.num_layers):
         if cfg.is_linear(i):
@@ -540,29 +545,35 @@ def init_cache(cfg: HybridConfig, batch: int, max_len: int, dtype=jnp.float32) -
         else:
             shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
             layers.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
-    return {"pos": jnp.zeros((), jnp.int32), "layers": layers}
+    return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
 
 
 @partial(jax.jit, static_argnames=("cfg", "chunk_size", "gdn_decode"))
-def forward(cfg: HybridConfig, params: dict, cache: dict, input_ids: jax.Array, *,
+def forward(cfg: HybridConfig, params: dict, cache: dict, input_ids: jax.Array, length: jax.Array | None = None, *,
             chunk_size: int = 64, gdn_decode: str = "xla") -> tuple[jax.Array, dict]:
-    """input_ids [B, T] (every row real, continuing the cache's sequences) -> (float32 logits
-    [B, T, V], the cache after them).  T > 1: chunked prefill (GDN in chunks of
-    ``chunk_size``); T == 1: a decode step (the recurrent form, by ``gdn_decode``)."""
+    """input_ids [B, T] continuing the cache's sequences, the first ``length [B]`` of each row
+    real (None: all; the rest padding, which changes no state) -> (float32 logits [B, T, V],
+    garbage at padding, and the cache after them).  T > 1: chunked prefill (GDN in chunks of
+    ``chunk_size``); T == 1: a decode step (the recurrent form, by ``gdn_decode``; every row
+    real)."""
     if gdn_decode not in GDN_DECODE:
         raise ValueError(f"gdn_decode must be one of {GDN_DECODE}, got {gdn_decode!r}")
     B, T = input_ids.shape
-    pos = cache["pos"]
+    if T == 1 and length is not None:
+        raise ValueError("a decode step (T == 1) takes every row as real: pass length=None")
+    pos = cache["pos"]                                                 # [B]
+    gdn_length = length
+    length = jnp.full((B,), T, jnp.int32) if length is None else length.astype(jnp.int32)
     x = params["embed"][input_ids]                                     # [B, T, D]
-    positions = pos + jnp.arange(T, dtype=jnp.int32)
-    cos, sin = cos_sin(jnp.tile(positions, B), params["rope_inv_freq"])       # [B * T, R/2]
+    positions = pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]   # [B, T]
+    cos, sin = cos_sin(positions.reshape(B * T), params["rope_inv_freq"])   # [B * T, R/2]
     new_layers = []
     for i, (lp, st) in enumerate(zip(params["layers"], cache["layers"])):
         h = _norm(x, lp["input_norm"], cfg.rms_norm_eps)
         if cfg.is_linear(i):
-            y, st = gdn_layer(cfg, h, lp, st, chunk_size=chunk_size, decode=gdn_decode)
+            y, st = gdn_layer(cfg, h, lp, st, gdn_length, chunk_size=chunk_size, decode=gdn_decode)
         else:
-            y, st = attention_layer(cfg, h, lp, st, pos, cos, sin)
+            y, st = attention_layer(cfg, h, lp, st, pos, length, cos, sin)
         x = x + y
         h = _norm(x, lp["post_norm"], cfg.rms_norm_eps)
         x = x + mlp(cfg, h.reshape(B * T, -1), lp).reshape(B, T, -1)
@@ -570,25 +581,37 @@ def forward(cfg: HybridConfig, params: dict, cache: dict, input_ids: jax.Array, 
     x = _norm(x, params["final_norm"], cfg.rms_norm_eps)
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = matmul(x.reshape(B * T, -1), w).reshape(B, T, -1)
-    return logits, {"pos": pos + T, "layers": new_layers}
+    return logits, {"pos": pos + length, "layers": new_layers}
 
 
-def generate(cfg: HybridConfig, params: dict, prompt: np.ndarray, max_new_tokens: int, *,
+def generate(cfg: HybridConfig, params: dict, prompts, max_new_tokens: int, *,
              prefill_chunks: int = 1, chunk_size: int = 64, max_len: int | None = None,
              gdn_decode: str = "xla") -> np.ndarray:
-    """Greedy tokens after ``prompt [B, P]`` (a dense batch): the prompt prefilled in
-    ``prefill_chunks`` calls (the states carried between them), then one decode step per
-    token -> [B, max_new_tokens]."""
-    prompt = np.asarray(prompt, np.int32)
-    B, P = prompt.shape
+    """Greedy tokens after each prompt (a [B, P] array, or a list of B token lists of any
+    lengths, padded at the end into one batch): the prompts prefilled together in
+    ``prefill_chunks`` calls over the longest one's length (a row whose prompt has ended
+    pads, leaving its states as they are), then one decode step per token for all rows ->
+    [B, max_new_tokens]."""
+    rows = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    lens = np.asarray([len(r) for r in rows], np.int32)
+    if lens.min() < 1:
+        raise ValueError("every prompt needs at least one token")
+    B, P = len(rows), int(lens.max())
     if not 1 <= prefill_chunks <= P:
-        raise ValueError(f"prefill_chunks must be in [1, {P}] (the prompt's length), got {prefill_chunks}")
+        raise ValueError(f"prefill_chunks must be in [1, {P}] (the longest prompt), got {prefill_chunks}")
+    batch = np.zeros((B, P), np.int32)
+    for b, r in enumerate(rows):
+        batch[b, :len(r)] = r
     cache = init_cache(cfg, B, max_len or P + max_new_tokens)
-    cuts = np.linspace(0, P, prefill_chunks + 1).astype(int)
-    for lo, hi in itertools.pairwise(cuts):
-        logits, cache = forward(cfg, params, cache, jnp.asarray(prompt[:, lo:hi]), chunk_size=chunk_size)
+    last = np.zeros((B, cfg.vocab_size), np.float32)     # each row's logits after its last prompt token
+    for lo, hi in itertools.pairwise(np.linspace(0, P, prefill_chunks + 1).astype(int)):
+        n = np.clip(lens - lo, 0, hi - lo).astype(np.int32)                # [B] real tokens in this call
+        logits, cache = forward(cfg, params, cache, jnp.asarray(batch[:, lo:hi]), jnp.asarray(n),
+                                chunk_size=chunk_size)
+        ends = (lens > lo) & (lens <= hi)
+        last[ends] = np.asarray(logits)[np.flatnonzero(ends), lens[ends] - 1 - lo]
     out = []
-    tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    tok = jnp.asarray(last.argmax(axis=-1).astype(np.int32))
     for _ in range(max_new_tokens):
         out.append(tok)
         if len(out) == max_new_tokens:

@@ -187,3 +187,19 @@ def test_missing_and_unexpected_tensors_named(tmp_path):
     save_file(tensors, f, metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model.layers.0.self_attn.q_norm.weight'"):
         qn.load(path)
+
+
+def test_ragged_batch_equals_transformers_solo(hybrid):
+    # Three prompts of different lengths batched (padded at the end, two prefill calls in
+    # which the short ones end early and then pad): each row's 32 greedy tokens equal
+    # transformers' generate on that prompt alone.
+    path, model = hybrid
+    cfg, params = qn.load(path)
+    r = np.random.default_rng(3)
+    prompts = [r.integers(0, VOCAB, n).astype(np.int32) for n in (PROMPT_LEN, 41, 17)]
+    got = qn.generate(cfg, params, prompts, NEW_TOKENS, prefill_chunks=2, chunk_size=CHUNK)
+    for p, row in zip(prompts, got):
+        with torch.no_grad():
+            want = model.generate(torch.from_numpy(p[None]).long(), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  min_new_tokens=NEW_TOKENS)[0, len(p):].numpy()
+        np.testing.assert_array_equal(row, want)
