@@ -57,7 +57,10 @@ def build(arch: str, out_dir: str, seed: int = 0, **overrides) -> str:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
-                continue   # keep transformers' log(U(0.01, 16)) decays
+                # Slow decays (transformers draws A from U(0.01, 16)): a state that forgets
+                # within a few tokens would hide a wrongly carried one from the greedy tokens.
+                p.copy_(torch.empty_like(p).uniform_(0.01, 0.3).log())
+                continue
             if name.endswith("linear_attn.norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             elif p.ndim == 1:
