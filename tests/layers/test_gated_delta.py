@@ -9,6 +9,8 @@ of magnitude ~1 (measured errors are ~1e-6; the chunked form's triangular solve 
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,8 +23,15 @@ from jaxllm.layers.gated_delta import (
     reference_gated_delta_rule,
 )
 from jaxllm.layers.short_conv import conv_prefill, conv_step
+from jaxllm.runner.compile import enable_persistent_cache
 
 TOL = dict(atol=2e-5, rtol=2e-5)
+
+@pytest.fixture(scope="module", autouse=True)
+def _persistent_xla_cache():
+    # The engines' cache folder (conftest sets JAXLLM_CACHE_DIR): reruns skip the compiles.
+    enable_persistent_cache(os.path.join(os.environ["JAXLLM_CACHE_DIR"], "xla"))
+
 
 
 def _inputs(seed, B=2, T=37, Hk=2, H=4, Dk=8, Dv=6):

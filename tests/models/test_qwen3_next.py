@@ -20,6 +20,7 @@ import transformers
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models import qwen3_next as qn
+from jaxllm.runner.compile import enable_persistent_cache
 
 VOCAB = 320
 PROMPT_LEN, NEW_TOKENS, CHUNK = 70, 32, 16
@@ -30,6 +31,12 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=5, num_attenti
                            "full_attention"],
               bos_token_id=None, eos_token_id=None, pad_token_id=None)
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+@pytest.fixture(scope="module", autouse=True)
+def _persistent_xla_cache():
+    # The engines' cache folder (conftest sets JAXLLM_CACHE_DIR): reruns skip the compiles.
+    enable_persistent_cache(os.path.join(os.environ["JAXLLM_CACHE_DIR"], "xla"))
+
 
 VARIANTS = {
     "Qwen3NextForCausalLM": ("Qwen3NextConfig", dict(COMMON, **MOE, intermediate_size=48, mlp_only_layers=[2],
@@ -105,11 +112,10 @@ def test_logits_and_greedy_match_transformers(hybrid):
     np.testing.assert_array_equal(tokens, want_tokens)
 
 
-def test_pallas_decode_matches_transformers(tmp_path):
+@pytest.mark.parametrize("hybrid", ["Qwen3_5ForCausalLM"], indirect=True)
+def test_pallas_decode_matches_transformers(hybrid):
     # The GDN decode steps through the Pallas kernel (interpret mode here): same greedy tokens.
-    arch = "Qwen3_5ForCausalLM"
-    path = build(arch, str(tmp_path))
-    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+    path, model = hybrid
     prompt = _prompt(B=1)
     with torch.no_grad():
         want = model.generate(torch.from_numpy(prompt).long(), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -192,10 +198,11 @@ def test_missing_and_unexpected_tensors_named(tmp_path):
         qn.load(path)
 
 
+@pytest.mark.parametrize("hybrid", ["Qwen3NextForCausalLM"], indirect=True)
 def test_ragged_batch_equals_transformers_solo(hybrid):
     # Three prompts of different lengths batched (padded at the end, two prefill calls in
     # which the short ones end early and then pad): each row's 32 greedy tokens equal
-    # transformers' generate on that prompt alone.
+    # transformers' generate on that prompt alone.  (Qwen3-Next: MoE, dense and fused projections.)
     path, model = hybrid
     cfg, params = qn.load(path)
     r = np.random.default_rng(3)
