@@ -1,0 +1,168 @@
+"""The gated delta rule (Gated DeltaNet, the linear attention of Qwen3-Next / Qwen3.5) in JAX.
+
+Per value head, a state ``S [Dk, Dv]`` is carried along the sequence; at token ``t``, with
+``a_t = exp(g_t)`` (``g_t <= 0``: the decay in log space) and the write strength ``beta_t``:
+
+    S    <- a_t * S
+    S    <- S + k_t (beta_t (v_t - S^T k_t))^T      # the delta rule: write the error
+    o_t   = S^T q_t
+
+with ``q`` and ``k`` L2-normalised per head (``use_qk_l2norm``) and ``q`` scaled by
+``Dk ** -0.5``.  q / k heads may be fewer than value heads (each serves ``Hv / Hk``
+consecutive value heads, as transformers and FLA group them).
+
+Three implementations of the same function, all taking and returning the per-sequence
+state ``[B, Hv, Dk, Dv]`` (float32):
+
+* :func:`chunk_gated_delta_rule` (prefill): the sequence cut into chunks of ``chunk_size``;
+  within a chunk the sequential delta updates are condensed into matmuls by the WY / UT
+  transform (one unit-lower-triangular solve per chunk), and a ``lax.scan`` carries the state
+  from chunk to chunk.  Work is O(T C (Dk + Dv)) + O(T Dk Dv), all of it in matmuls.
+* :func:`recurrent_gated_delta_rule` (decode, or any short run): a ``lax.scan`` over tokens.
+* :func:`reference_gated_delta_rule`: the token loop in numpy float64, the tests' oracle.
+
+Padding: ``length [B]`` (optional) says how many leading tokens of each row are real; the
+others have their k, v, g and beta zeroed, which leaves the state exactly as the last real
+token left it (a zero key writes nothing, a zero log-decay keeps everything), and their
+outputs are zero.  A chunk-size-ragged tail is padded the same way inside.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+L2_EPS = 1e-6
+"""transformers' (and FLA's) epsilon in ``x * rsqrt(sum(x^2) + eps)``."""
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def prepare(q, k, v, g, beta, length, use_qk_l2norm, scale):
+    """The implementations' shared front end (the Pallas kernel's too): float32, q/k heads
+    repeated to the value heads, normalised, scaled, padding tokens' k/v/g/beta zeroed
+    -> q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta [B, T, H]."""
+    T, Hk, Dk = k.shape[1:]
+    H = v.shape[2]
+    if H % Hk:
+        raise ValueError(f"value heads ({H}) must be a multiple of key heads ({Hk})")
+    q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    if H != Hk:
+        q, k = jnp.repeat(q, H // Hk, axis=2), jnp.repeat(k, H // Hk, axis=2)
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * (Dk ** -0.5 if scale is None else scale)
+    if length is not None:
+        valid = jnp.arange(T)[None, :] < length[:, None]                  # [B, T]
+        k = jnp.where(valid[..., None, None], k, 0.0)
+        v = jnp.where(valid[..., None, None], v, 0.0)
+        g = jnp.where(valid[..., None], g, 0.0)
+        beta = jnp.where(valid[..., None], beta, 0.0)
+    return q, k, v, g, beta
+
+
+@partial(jax.jit, static_argnames=("chunk_size", "use_qk_l2norm", "scale"))
+def chunk_gated_delta_rule(q, k, v, g, beta, state, length=None, *, chunk_size: int = 64,
+                           use_qk_l2norm: bool = True, scale: float | None = None):
+    """q, k [B, T, Hk, Dk], v [B, T, H, Dv], g, beta [B, T, H], state [B, H, Dk, Dv]
+    -> (o [B, T, H, Dv] float32, state [B, H, Dk, Dv] float32), chunk by chunk."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    B, T = k.shape[:2]
+    q, k, v, g, beta = prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
+    H, Dv = v.shape[2], v.shape[-1]
+    C = chunk_size
+    pad = (-T) % C
+    N = (T + pad) // C
+
+    def chunks(x):   # [B, T, H, ...] -> [B, H, N, C, ...], the tail zero-padded
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.moveaxis(x, 2, 1)
+        return x.reshape(B, H, N, C, *x.shape[3:])
+
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))       # [B, H, N, C, D] / [B, H, N, C]
+    gc = jnp.cumsum(g, axis=-1)                                        # [B, H, N, C] log decay since chunk start
+    causal = jnp.tril(jnp.ones((C, C), bool))                          # i >= j
+    # decay[i, j] = exp(gc_i - gc_j) for j <= i (<= 1: no overflow), else 0
+    diff = gc[..., :, None] - gc[..., None, :]                         # [B, H, N, C, C]
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+    k_beta = k * beta[..., None]                                       # [B, H, N, C, Dk]
+    v_beta = v * beta[..., None]                                       # [B, H, N, C, Dv]
+    # The UT transform: (I + L) u = v_beta, (I + L) w = k_beta * exp(gc), L the strictly
+    # lower part of (k_beta k^T) * decay; u are the chunk's new values before the old state
+    # is subtracted, w the decayed keys reading the old state.
+    lower = jnp.einsum("bhncd,bhnsd->bhncs", k_beta, k) * decay
+    lower = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), lower, 0.0) + jnp.eye(C, dtype=jnp.float32)
+    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(gc)[..., None]], axis=-1)   # [B, H, N, C, Dv + Dk]
+    uw = jax.lax.linalg.triangular_solve(lower, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u, w = uw[..., :Dv], uw[..., Dv:]
+    attn = jnp.einsum("bhncd,bhnsd->bhncs", q, k) * decay              # [B, H, N, C, C] intra-chunk
+    q_dec = q * jnp.exp(gc)[..., None]                                 # reads the state at chunk start
+    k_dec = k * jnp.exp(gc[..., -1:] - gc)[..., None]                  # writes decayed to chunk end
+    chunk_decay = jnp.exp(gc[..., -1])                                 # [B, H, N]
+
+    def step(s, xs):
+        # s [B, H, Dk, Dv]; one chunk's [B, H, C, ...] slices
+        u_i, w_i, q_i, k_i, a_i, d_i = xs
+        v_new = u_i - jnp.einsum("bhcd,bhde->bhce", w_i, s)            # [B, H, C, Dv]
+        o = jnp.einsum("bhcd,bhde->bhce", q_i, s) + jnp.einsum("bhcs,bhse->bhce", a_i, v_new)
+        s = s * d_i[..., None, None] + jnp.einsum("bhcd,bhce->bhde", k_i, v_new)
+        return s, o
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q_dec, k_dec, attn, chunk_decay))   # N leading
+    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)      # o [N, B, H, C, Dv]
+    o = jnp.moveaxis(o, 0, 2).reshape(B, H, N * C, Dv)[:, :, :T]      # [B, H, T, Dv]
+    o = jnp.moveaxis(o, 1, 2)                                          # [B, T, H, Dv]
+    if length is not None:
+        o = jnp.where((jnp.arange(T)[None, :] < length[:, None])[..., None, None], o, 0.0)
+    return o, state
+
+
+@partial(jax.jit, static_argnames=("use_qk_l2norm", "scale"))
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, length=None, *, use_qk_l2norm: bool = True,
+                               scale: float | None = None):
+    """Same arguments and results as :func:`chunk_gated_delta_rule`, token by token."""
+    T = k.shape[1]
+    q, k, v, g, beta = prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
+
+    def step(s, xs):
+        # s [B, H, Dk, Dv]; q_t, k_t [B, H, Dk], v_t [B, H, Dv], g_t, b_t [B, H]
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s * jnp.exp(g_t)[..., None, None]
+        delta = (v_t - jnp.einsum("bhd,bhde->bhe", k_t, s)) * b_t[..., None]   # [B, H, Dv]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhd,bhde->bhe", q_t, s)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))       # T leading
+    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)       # o [T, B, H, Dv]
+    o = jnp.moveaxis(o, 0, 1)
+    if length is not None:
+        o = jnp.where((jnp.arange(T)[None, :] < length[:, None])[..., None, None], o, 0.0)
+    return o, state
+
+
+def reference_gated_delta_rule(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True,
+                               scale: float | None = None):
+    """The token loop in numpy float64 (the oracle): same shapes as the JAX functions, every
+    row's tokens all real."""
+    q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, state))
+    Hk, Dk = k.shape[2:]
+    T, H = v.shape[1:3]
+    q, k = np.repeat(q, H // Hk, axis=2), np.repeat(k, H // Hk, axis=2)
+    if use_qk_l2norm:
+        q = q / np.sqrt((q * q).sum(-1, keepdims=True) + L2_EPS)
+        k = k / np.sqrt((k * k).sum(-1, keepdims=True) + L2_EPS)
+    q = q * (Dk ** -0.5 if scale is None else scale)
+    s = s.copy()
+    o = np.zeros(v.shape, np.float64)
+    for t in range(T):
+        s *= np.exp(g[:, t])[..., None, None]
+        delta = (v[:, t] - np.einsum("bhd,bhde->bhe", k[:, t], s)) * beta[:, t][..., None]
+        s += k[:, t][..., :, None] * delta[..., None, :]
+        o[:, t] = np.einsum("bhd,bhde->bhe", q[:, t], s)
+    return o, s

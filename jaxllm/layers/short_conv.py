@@ -1,0 +1,46 @@
+"""The short causal depthwise convolution of Gated DeltaNet layers, with its per-sequence state.
+
+Each channel ``c`` is convolved with its own ``K`` taps over the last ``K`` tokens, then
+SiLU: ``y_t[c] = silu(sum_j w[c, j] * x_{t - K + 1 + j}[c])`` (transformers' ``conv1d`` with
+``groups=C`` and ``K - 1`` left padding, no bias in Qwen3-Next / Qwen3.5).  Across calls
+the tokens before the first are read from the conv state ``[B, K - 1, C]``: the last
+``K - 1`` inputs of the sequence so far (zeros at its start).  Prefill and the one-token
+decode update are the same function of (state, new tokens); :func:`conv_step` is the
+one-token case written without the window gather.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def conv_prefill(x: jax.Array, weight: jax.Array, state: jax.Array, length: jax.Array | None = None,
+                 activation: bool = True) -> tuple[jax.Array, jax.Array]:
+    """x [B, T, C], weight [C, K], state [B, K - 1, C] -> (y [B, T, C] float32, state [B, K - 1, C]).
+
+    ``length [B]`` (optional): the real tokens of each row (the rest padding); the new state
+    is then the ``K - 1`` inputs before token ``length``, as if the padding was never there."""
+    T = x.shape[1]
+    K = weight.shape[1]
+    xs = jnp.concatenate([state.astype(jnp.float32), x.astype(jnp.float32)], axis=1)   # [B, K - 1 + T, C]
+    w = weight.astype(jnp.float32)
+    y = sum(xs[:, j:j + T] * w[:, j] for j in range(K))                             # [B, T, C]
+    if activation:
+        y = jax.nn.silu(y)
+    if length is None:
+        new_state = xs[:, T:]
+    else:   # rows length .. length + K - 2 of xs: the K - 1 inputs before token `length`
+        idx = length[:, None] + jnp.arange(K - 1)[None, :]                           # [B, K - 1]
+        new_state = jnp.take_along_axis(xs, idx[..., None], axis=1)
+    return y, new_state.astype(state.dtype)
+
+
+def conv_step(x: jax.Array, weight: jax.Array, state: jax.Array,
+              activation: bool = True) -> tuple[jax.Array, jax.Array]:
+    """One token: x [B, C], weight [C, K], state [B, K - 1, C] -> (y [B, C] float32, state)."""
+    window = jnp.concatenate([state.astype(jnp.float32), x.astype(jnp.float32)[:, None]], axis=1)  # [B, K, C]
+    y = jnp.einsum("bkc,ck->bc", window, weight.astype(jnp.float32))
+    if activation:
+        y = jax.nn.silu(y)
+    return y, window[:, 1:].astype(state.dtype)

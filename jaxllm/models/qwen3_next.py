@@ -1,0 +1,621 @@
+"""Qwen3-Next and Qwen3.5 (text) hybrid decoders as pure functions, after transformers'
+``modeling_qwen3_next`` / ``modeling_qwen3_5`` / ``modeling_qwen3_5_moe``.
+
+Architectures: ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``.
+A pre-norm decoder whose layers are of two kinds (``layer_types``):
+
+* ``linear_attention``: a Gated DeltaNet layer.  The input is projected to q, k, v (the conv
+  channels), z (the output gate) and b, a (write strength and decay); q/k/v pass the short
+  causal conv (``layers/short_conv.py``), then the gated delta rule
+  (``layers/gated_delta.py``) with ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a +
+  dt_bias)``; its output is RMS-normed per value head, multiplied by ``silu(z)``, projected
+  out.  Qwen3-Next stores the projections fused and interleaved by key-head group
+  (``in_proj_qkvz`` / ``in_proj_ba``: per group q, k, then the group's v and z heads), Qwen3.5
+  as four plain matrices (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``).
+  State per sequence and layer: the conv state ``[K - 1, C]`` and the delta-rule state
+  ``[Hv, Dk, Dv]``; nothing grows with the sequence.
+* ``full_attention``: GQA attention with per-head q/k RMSNorm, partial rotary (the first
+  ``partial_rotary_factor`` of each head), and an output gate: ``q_proj`` gives each head its
+  query and a gate, the attention output is multiplied by ``sigmoid(gate)`` before ``o_proj``.
+
+The MLP is dense SwiGLU or a sparse MoE (softmax top-k, renormalised) plus a shared expert
+scaled by ``sigmoid(shared_expert_gate(x))``.  Every RMSNorm except the GDN output norm is
+zero-centred: it multiplies by ``1 + weight``.  Qwen3.5's multimodal RoPE (``mrope_section``)
+is plain RoPE for text (all three position streams equal), which is all this module serves.
+
+The engine does not serve these models yet (no registry entry): the recurrent state needs a
+per-sequence cache kind.  What is here is the model math over one parameter table
+(:data:`PARAMS`), the checkpoint loader, and a self-contained dense-batch harness
+(:func:`init_cache`, :func:`forward`, :func:`generate`) with a dense KV cache for the
+full-attention layers and the GDN states, enough to run chunked prefill and greedy decode
+against transformers.
+
+Wiring it into the engine needs: a per-sequence cache kind of :meth:`HybridConfig.state_bytes`
+per request (slots keyed by request id, allocated from the same budget as the K/V pages of
+the full-attention layers, ``max_num_seqs`` clamped to the slots); the step gathering each
+scheduled sequence's slot before the GDN layers and scattering it back after; the step's
+flat ragged tokens ``[T]`` regrouped per sequence (``[S, T_max]`` rows by ``query_start_loc``,
+``length`` masking the padding; the conv likewise) for :func:`chunk_gated_delta_rule`, decode
+rows through the recurrent form or the Pallas kernel; a new request's slot zeroed; preemption freeing the slot and recomputing the state from the prompt; prefix
+caching off for these models (or a state checkpoint at each cached block boundary).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.errors import ModelLoadError
+from jaxllm.layers.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from jaxllm.layers.linear import linear, matmul
+from jaxllm.layers.moe import moe_mlp
+from jaxllm.layers.norm import rms_norm
+from jaxllm.layers.rotary import apply_rope, cos_sin, inv_frequencies
+from jaxllm.layers.short_conv import conv_prefill, conv_step
+from jaxllm.models.config import RopeScaling, _eos_tuple
+from jaxllm.models.loader import _PLACEHOLDERS, NameMap, _assemble, read_safetensors
+from jaxllm.models.params import (
+    GLOBAL,
+    LAYER,
+    MATRIX,
+    VECTOR,
+    Chunk,
+    Param,
+    ParamTable,
+    always,
+)
+from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas
+
+ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+LINEAR, FULL = "linear_attention", "full_attention"
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """What the model functions need of a Qwen3-Next / Qwen3.5 config (read by :func:`config_from_hf`)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    # full-attention layers
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rotary_dim: int
+    # GDN layers
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    # MLPs
+    intermediate_size: int
+    moe_layers: tuple[bool, ...]
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
+
+    @property
+    def fused_projections(self) -> bool:
+        """Qwen3-Next's interleaved ``in_proj_qkvz`` / ``in_proj_ba`` (Qwen3.5: four matrices)."""
+        return self.architecture == "Qwen3NextForCausalLM"
+
+    @property
+    def key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv's channels: q, k and v of a GDN layer."""
+        return 2 * self.key_dim + self.value_dim
+
+    def is_linear(self, i: int) -> bool:
+        return self.layer_types[i] == LINEAR
+
+    def state_bytes(self, dtype_bytes: int = 4) -> int:
+        """One sequence's recurrent state over all GDN layers (conv + delta rule), in bytes:
+        what a per-sequence cache kind must reserve per request."""
+        per_layer = ((self.conv_kernel - 1) * self.conv_dim
+                     + self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim)
+        return per_layer * dtype_bytes * sum(map(self.is_linear, range(self.num_layers)))
+
+
+def config_from_hf(hf, arch: str, where: str) -> HybridConfig:
+    """A transformers ``Qwen3NextConfig`` / ``Qwen3_5TextConfig`` / ``Qwen3_5MoeTextConfig``
+    -> :class:`HybridConfig`; what the model does not implement is refused by name."""
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(f"{where}: architecture {arch!r} is not one of {', '.join(ARCHITECTURES)}")
+    if getattr(hf, "text_config", None) is not None and getattr(hf, "model_type", "") in ("qwen3_5", "qwen3_5_moe"):
+        raise ModelLoadError(f"{where}: a multimodal Qwen3.5 config; only the text models ({arch} with a "
+                             "qwen3_5_text / qwen3_5_moe_text config) are supported")
+
+    def get(name, default=None):
+        v = getattr(hf, name, None)
+        return default if v is None else v
+
+    act = get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (silu only)")
+    if get("attention_bias", False):
+        raise ModelLoadError(f"{where}: attention_bias=true is not supported for {arch}")
+    rope = dict(get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ModelLoadError(f"{where}: rope_parameters.rope_type {rope_type!r} is not supported for {arch} "
+                             "(default only)")
+    L = int(get("num_hidden_layers"))
+    layer_types = tuple(get("layer_types") or ())
+    if len(layer_types) != L or set(layer_types) - {LINEAR, FULL}:
+        raise ModelLoadError(f"{where}: layer_types must name {LINEAR} or {FULL} for each of the {L} layers, "
+                             f"got {list(layer_types)}")
+    heads = int(get("num_attention_heads"))
+    head_dim = int(get("head_dim") or int(get("hidden_size")) // heads)
+    partial_rotary = float(rope.get("partial_rotary_factor", get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial_rotary)
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ModelLoadError(f"{where}: partial_rotary_factor {partial_rotary} gives {rotary_dim} rotary dims of "
+                             f"{head_dim}; need an even number in (0, head_dim]")
+    hk, hv = int(get("linear_num_key_heads")), int(get("linear_num_value_heads"))
+    if hv % hk:
+        raise ModelLoadError(f"{where}: linear_num_value_heads ({hv}) must be a multiple of "
+                             f"linear_num_key_heads ({hk})")
+    if arch == "Qwen3_5ForCausalLM":
+        moe_layers, num_experts = (False,) * L, 0
+    else:
+        num_experts = int(get("num_experts", 0))
+        if arch == "Qwen3_5MoeForCausalLM":
+            if num_experts <= 0:
+                raise ModelLoadError(f"{where}: num_experts must be positive for {arch}, got {num_experts}")
+            moe_layers = (True,) * L
+        else:
+            step = int(get("decoder_sparse_step", 1))
+            only = set(get("mlp_only_layers") or ())
+            moe_layers = tuple(num_experts > 0 and i not in only and (i + 1) % step == 0 for i in range(L))
+    is_moe = any(moe_layers)
+    # Qwen3.5-MoE's router always renormalises (its config has no norm_topk_prob).
+    norm_topk = True if arch == "Qwen3_5MoeForCausalLM" else bool(get("norm_topk_prob", True))
+    return HybridConfig(
+        architecture=arch,
+        vocab_size=int(get("vocab_size")),
+        hidden_size=int(get("hidden_size")),
+        num_layers=L,
+        layer_types=layer_types,
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+        max_position_embeddings=int(get("max_position_embeddings", 32768)),
+        num_heads=heads,
+        num_kv_heads=int(get("num_key_value_heads", heads)),
+        head_dim=head_dim,
+        rope_theta=float(rope.get("rope_theta", get("rope_theta", 10000.0))),
+        rotary_dim=rotary_dim,
+        linear_num_key_heads=hk,
+        linear_num_value_heads=hv,
+        linear_key_head_dim=int(get("linear_key_head_dim")),
+        linear_value_head_dim=int(get("linear_value_head_dim")),
+        conv_kernel=int(get("linear_conv_kernel_dim", 4)),
+        # Qwen3.5-MoE has no dense MLP (its config has no intermediate_size).
+        intermediate_size=int(getattr(hf, "intermediate_size", 0) or 0) if arch != "Qwen3_5MoeForCausalLM" else 0,
+        moe_layers=moe_layers,
+        num_experts=num_experts if is_moe else 0,
+        num_experts_per_tok=int(get("num_experts_per_tok", 0)) if is_moe else 0,
+        moe_intermediate_size=int(get("moe_intermediate_size", 0)) if is_moe else 0,
+        shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 0)) if is_moe else 0,
+        norm_topk_prob=norm_topk,
+        bos_token_id=get("bos_token_id"),
+        eos_token_ids=_eos_tuple(get("eos_token_id")),
+    )
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def _hf(suffix: str) -> str:
+    return "model.layers.{layer}." + suffix
+
+
+def _linear_layer(a: HybridConfig, i: int) -> bool:
+    return a.is_linear(i)
+
+
+def _full_layer(a: HybridConfig, i: int) -> bool:
+    return not a.is_linear(i)
+
+
+def _moe_layer(a: HybridConfig, i: int) -> bool:
+    return a.moe_layers[i]
+
+
+def _dense_layer(a: HybridConfig, i: int) -> bool:
+    return not a.moe_layers[i]
+
+
+def _fused(a: HybridConfig) -> bool:
+    return a.fused_projections
+
+
+def _split(a: HybridConfig) -> bool:
+    return not a.fused_projections
+
+
+def _qkv_sizes(a: HybridConfig) -> tuple[int, int, int]:
+    return a.key_dim, a.key_dim, a.value_dim
+
+
+_IN_QKV = _hf("linear_attn.in_proj_qkv.weight")     # Qwen3.5: [2 Kd + Vd, D], q then k then v rows
+_FUSED_GATE_UP = _hf("mlp.experts.gate_up_proj")    # transformers 5's fused experts: [E, 2F, D]
+
+PARAMS = ParamTable(params=(
+    Param("embed", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
+          "model.embed_tokens.weight"),
+    Param("final_norm", GLOBAL, VECTOR, ("embed",), lambda a: (a.hidden_size,), "model.norm.weight"),
+    Param("lm_head", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
+          "lm_head.weight", when=lambda a: not a.tie_word_embeddings, native=always),
+    Param("rope_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.rotary_dim // 2,), from_checkpoint=False),
+    Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("input_layernorm.weight")),
+    Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
+          _hf("post_attention_layernorm.weight")),
+    # Full-attention layers.  q: each head's query rows then its gate rows ([H, 2, Dh] flattened).
+    Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (2 * a.num_heads * a.head_dim, a.hidden_size),
+          _hf("self_attn.q_proj.weight"), in_layer=_full_layer, native=always),
+    Param("k", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.num_kv_heads * a.head_dim, a.hidden_size),
+          _hf("self_attn.k_proj.weight"), in_layer=_full_layer, native=always),
+    Param("v", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.num_kv_heads * a.head_dim, a.hidden_size),
+          _hf("self_attn.v_proj.weight"), in_layer=_full_layer, native=always),
+    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.num_heads * a.head_dim),
+          _hf("self_attn.o_proj.weight"), in_layer=_full_layer, native=always),
+    Param("q_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,), _hf("self_attn.q_norm.weight"),
+          in_layer=_full_layer),
+    Param("k_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,), _hf("self_attn.k_norm.weight"),
+          in_layer=_full_layer),
+    # GDN layers, Qwen3-Next's fused projections: per key-head group [q, k, v heads, z heads] / [b, a].
+    Param("in_qkvz", LAYER, MATRIX, ("gdn_heads", "embed"),
+          lambda a: (2 * a.key_dim + 2 * a.value_dim, a.hidden_size), _hf("linear_attn.in_proj_qkvz.weight"),
+          when=_fused, in_layer=_linear_layer, native=always),
+    Param("in_ba", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (2 * a.linear_num_value_heads, a.hidden_size),
+          _hf("linear_attn.in_proj_ba.weight"), when=_fused, in_layer=_linear_layer, native=always),
+    # Qwen3.5's: q, k, v rows of one tensor (split at load), z, b, a.
+    Param("in_q", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.key_dim, a.hidden_size),
+          Chunk(_IN_QKV, 0, 3, 0, _qkv_sizes), when=_split, in_layer=_linear_layer, native=always),
+    Param("in_k", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.key_dim, a.hidden_size),
+          Chunk(_IN_QKV, 1, 3, 0, _qkv_sizes), when=_split, in_layer=_linear_layer, native=always),
+    Param("in_v", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.value_dim, a.hidden_size),
+          Chunk(_IN_QKV, 2, 3, 0, _qkv_sizes), when=_split, in_layer=_linear_layer, native=always),
+    Param("in_z", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.value_dim, a.hidden_size),
+          _hf("linear_attn.in_proj_z.weight"), when=_split, in_layer=_linear_layer, native=always),
+    Param("in_b", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.linear_num_value_heads, a.hidden_size),
+          _hf("linear_attn.in_proj_b.weight"), when=_split, in_layer=_linear_layer, native=always),
+    Param("in_a", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.linear_num_value_heads, a.hidden_size),
+          _hf("linear_attn.in_proj_a.weight"), when=_split, in_layer=_linear_layer, native=always),
+    # The depthwise conv over the q, k, v channels: [C, 1, K] as nn.Conv1d stores it.
+    Param("conv", LAYER, VECTOR, ("gdn_heads", None, None), lambda a: (a.conv_dim, 1, a.conv_kernel),
+          _hf("linear_attn.conv1d.weight"), in_layer=_linear_layer),
+    Param("dt_bias", LAYER, VECTOR, ("gdn_value_heads",), lambda a: (a.linear_num_value_heads,),
+          _hf("linear_attn.dt_bias"), in_layer=_linear_layer),
+    Param("A_log", LAYER, VECTOR, ("gdn_value_heads",), lambda a: (a.linear_num_value_heads,),
+          _hf("linear_attn.A_log"), in_layer=_linear_layer),
+    Param("gdn_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.linear_value_head_dim,),
+          _hf("linear_attn.norm.weight"), in_layer=_linear_layer),
+    Param("out", LAYER, MATRIX, ("embed", "gdn_heads"), lambda a: (a.hidden_size, a.value_dim),
+          _hf("linear_attn.out_proj.weight"), in_layer=_linear_layer, native=always),
+    # Dense SwiGLU MLP.
+    Param("gate", LAYER, MATRIX, ("mlp", "embed"), lambda a: (a.intermediate_size, a.hidden_size),
+          _hf("mlp.gate_proj.weight"), in_layer=_dense_layer, native=always),
+    Param("up", LAYER, MATRIX, ("mlp", "embed"), lambda a: (a.intermediate_size, a.hidden_size),
+          _hf("mlp.up_proj.weight"), in_layer=_dense_layer, native=always),
+    Param("down", LAYER, MATRIX, ("embed", "mlp"), lambda a: (a.hidden_size, a.intermediate_size),
+          _hf("mlp.down_proj.weight"), in_layer=_dense_layer, native=always),
+    # Sparse MoE: router, experts (per-expert tensors or transformers 5's fused stacks), shared expert.
+    Param("router", LAYER, MATRIX, ("expert_logits", "embed"), lambda a: (a.num_experts, a.hidden_size),
+          _hf("mlp.gate.weight"), when=lambda a: a.is_moe, in_layer=_moe_layer),
+    Param("experts_gate", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
+          lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size),
+          (_hf("mlp.experts.{expert}.gate_proj.weight"), Chunk(_FUSED_GATE_UP, 0, 2, 1)),
+          when=lambda a: a.is_moe, in_layer=_moe_layer),
+    Param("experts_up", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
+          lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size),
+          (_hf("mlp.experts.{expert}.up_proj.weight"), Chunk(_FUSED_GATE_UP, 1, 2, 1)),
+          when=lambda a: a.is_moe, in_layer=_moe_layer),
+    Param("experts_down", LAYER, MATRIX, ("expert", "embed", "moe_mlp"),
+          lambda a: (a.num_experts, a.hidden_size, a.moe_intermediate_size),
+          (_hf("mlp.experts.{expert}.down_proj.weight"), _hf("mlp.experts.down_proj")),
+          when=lambda a: a.is_moe, in_layer=_moe_layer),
+    Param("shared_gate", LAYER, MATRIX, ("moe_mlp", "embed"),
+          lambda a: (a.shared_expert_intermediate_size, a.hidden_size), _hf("mlp.shared_expert.gate_proj.weight"),
+          when=lambda a: a.is_moe, in_layer=_moe_layer, native=always),
+    Param("shared_up", LAYER, MATRIX, ("moe_mlp", "embed"),
+          lambda a: (a.shared_expert_intermediate_size, a.hidden_size), _hf("mlp.shared_expert.up_proj.weight"),
+          when=lambda a: a.is_moe, in_layer=_moe_layer, native=always),
+    Param("shared_down", LAYER, MATRIX, ("embed", "moe_mlp"),
+          lambda a: (a.hidden_size, a.shared_expert_intermediate_size), _hf("mlp.shared_expert.down_proj.weight"),
+          when=lambda a: a.is_moe, in_layer=_moe_layer, native=always),
+    Param("shared_expert_gate", LAYER, MATRIX, (None, "embed"), lambda a: (1, a.hidden_size),
+          _hf("mlp.shared_expert_gate.weight"), when=lambda a: a.is_moe, in_layer=_moe_layer),
+))
+"""The hybrid family's parameters (safetensors names; no GGUF mapping)."""
+
+
+# ----------------------------------------------------------------------------- loading
+
+class _TableNames(NameMap):
+    """The loader's name map over :data:`PARAMS` (these architectures are not in the registry)."""
+
+    def __init__(self, arch: HybridConfig):   # NameMap's, with the table given
+        self.table = PARAMS
+        self._by_key, self._first = {}, {}
+        for p in PARAMS.present(arch):
+            if not p.from_checkpoint:
+                continue
+            patterns = p.patterns(arch, "hf")
+            self._first[p.name] = patterns[0].pattern if isinstance(patterns[0], Chunk) else patterns[0]
+            for pat in patterns:
+                chunk = pat if isinstance(pat, Chunk) else None
+                parts = (chunk.pattern if chunk else pat).split(".")
+                key = tuple("#" if c in _PLACEHOLDERS else c for c in parts)
+                slots = tuple(c[1:-1] for c in parts if c in _PLACEHOLDERS)
+                self._by_key.setdefault(key, []).append((p, slots, chunk))
+
+
+def rope_inv_freq(cfg: HybridConfig) -> np.ndarray:
+    """[rotary_dim / 2] float32, as transformers computes them."""
+    return inv_frequencies(cfg.rotary_dim, cfg.rope_theta, RopeScaling())
+
+
+def load(path: str, dtype=jnp.float32) -> tuple[HybridConfig, dict]:
+    """An HF folder (config.json + *.safetensors) -> (config, params): ``params["layers"]`` a
+    list of per-layer dicts (the layer kinds differ), every array ``dtype`` (vectors float32)."""
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{cfg_path}: cannot read it ({e})") from None
+    archs = raw.get("architectures") or []
+    if not archs or archs[0] not in ARCHITECTURES:
+        raise ModelLoadError(f"{cfg_path}: architectures {archs} is not one of {', '.join(ARCHITECTURES)}")
+    from transformers import AutoConfig
+    try:
+        hf = AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 -- transformers raises many types for a bad config
+        raise ModelLoadError(f"{cfg_path}: transformers cannot read it ({e})") from None
+    cfg = config_from_hf(hf, archs[0], cfg_path)
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights")
+    tensors = {}
+    for fname in files:
+        for name, arr in read_safetensors(os.path.join(path, fname)).items():
+            # Multi-token-prediction heads and a Qwen3.5 vision tower are not used (transformers
+            # skips them too); a tied head saved anyway is the embedding.
+            if name.startswith(("mtp.", "model.visual.")) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue
+            tensors[name] = (arr, fname)
+    layers, globals_ = _assemble(cfg, tensors, _TableNames(cfg), where=path)
+    matrices = PARAMS.matrices()
+
+    def dev(name, a):
+        return jnp.asarray(np.asarray(a, np.float32), dtype if name in matrices else jnp.float32)
+
+    params = {n: dev(n, a) for n, a in globals_.items()}
+    params["rope_inv_freq"] = jnp.asarray(rope_inv_freq(cfg))
+    params["layers"] = [{n: dev(n, a) for n, a in lp.items()} for lp in layers]
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------- model
+
+def _norm(x, w, eps):
+    """The zero-centred RMSNorm: weight ``1 + w``."""
+    return rms_norm(x, 1.0 + w.astype(jnp.float32), eps)
+
+
+def _gdn_projections(cfg: HybridConfig, h, lp):
+    """h [N, D] -> mixed q|k|v [N, C], z [N, Hv, Dv], b, a [N, Hv]."""
+    N = h.shape[0]
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+        cfg.linear_value_head_dim
+    r = Hv // Hk
+    if cfg.fused_projections:
+        # Per key-head group: q [Dk], k [Dk], the group's r v heads, its r z heads; then [b (r), a (r)].
+        qkvz = linear(h, lp["in_qkvz"]).reshape(N, Hk, 2 * Dk + 2 * r * Dv)
+        q, k, v, z = jnp.split(qkvz, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
+        b, a = jnp.split(linear(h, lp["in_ba"]).reshape(N, Hk, 2 * r), 2, axis=-1)
+        mixed = jnp.concatenate([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], axis=-1)
+        return mixed, z.reshape(N, Hv, Dv), b.reshape(N, Hv), a.reshape(N, Hv)
+    mixed = jnp.concatenate([linear(h, lp["in_q"]), linear(h, lp["in_k"]), linear(h, lp["in_v"])], axis=-1)
+    return mixed, linear(h, lp["in_z"]).reshape(N, Hv, Dv), linear(h, lp["in_b"]), linear(h, lp["in_a"])
+
+
+GDN_DECODE = ("xla", "pallas")
+"""Implementations of the GDN decode step: ``layers/gated_delta.py``'s scan, or
+``pallas/gated_delta.py``'s kernel (interpret mode on CPU)."""
+
+
+def gdn_layer(cfg: HybridConfig, h, lp, state, length=None, *, chunk_size: int, decode: str = "xla"):
+    """A Gated DeltaNet token mixer: h [B, T, D] (normed), state (conv [B, K - 1, C], delta
+    [B, Hv, Dk, Dv]), length [B] (the real tokens of each row; None: all) -> ([B, T, D],
+    state).  T == 1 takes the recurrent (decode) form, computed by ``decode`` (one of
+    :data:`GDN_DECODE`), every row real."""
+    B, T, D = h.shape
+    conv_state, delta_state = state
+    mixed, z, b, a = _gdn_projections(cfg, h.reshape(B * T, D), lp)
+    mixed = mixed.reshape(B, T, cfg.conv_dim)                          # [B, T, C]
+    w = lp["conv"][:, 0, :]                                            # [C, K]
+    if T == 1:
+        y, conv_state = conv_step(mixed[:, 0], w, conv_state)
+        mixed = y[:, None]
+    else:
+        mixed, conv_state = conv_prefill(mixed, w, conv_state, length)
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+        cfg.linear_value_head_dim
+    q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    q, k, v = q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32)).reshape(B, T, Hv)
+    g = (-jnp.exp(lp["A_log"].astype(jnp.float32))
+         * jax.nn.softplus(a.astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))).reshape(B, T, Hv)
+    if T == 1:
+        rule = recurrent_gated_delta_rule_pallas if decode == "pallas" else recurrent_gated_delta_rule
+        o, delta_state = rule(q, k, v, g, beta, delta_state)
+    else:
+        o, delta_state = chunk_gated_delta_rule(q, k, v, g, beta, delta_state, length, chunk_size=chunk_size)
+    # The gated RMSNorm per value head: norm(o) * weight * silu(z).
+    o = rms_norm(o, lp["gdn_norm"].astype(jnp.float32), cfg.rms_norm_eps)            # [B, T, Hv, Dv]
+    o = o * jax.nn.silu(z.reshape(B, T, Hv, Dv).astype(jnp.float32))
+    out = linear(o.reshape(B * T, cfg.value_dim).astype(h.dtype), lp["out"])
+    return out.reshape(B, T, D), (conv_state, delta_state)
+
+
+def attention_layer(cfg: HybridConfig, h, lp, kv, pos, length, cos, sin):
+    """Gated full attention over a dense cache: h [B, T, D] (normed), kv (k, v [B, S, Hkv, Dh]),
+    pos [B]: each row's tokens before this call, length [B]: its real tokens in it ->
+    ([B, T, D], kv).  Padding tokens write nothing."""
+    B, T, D = h.shape
+    H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    x = h.reshape(B * T, D)
+    qg = linear(x, lp["q"]).reshape(B * T, H, 2 * Dh)
+    q, gate = qg[..., :Dh], qg[..., Dh:].reshape(B, T, H * Dh)        # each head: query, then its gate
+    q = _norm(q, lp["q_norm"], cfg.rms_norm_eps)
+    k = _norm(linear(x, lp["k"]).reshape(B * T, Hkv, Dh), lp["k_norm"], cfg.rms_norm_eps)
+    v = linear(x, lp["v"]).reshape(B, T, Hkv, Dh)
+    q = apply_rope(q, cos, sin).reshape(B, T, H, Dh)                   # partial: first rotary_dim dims
+    k = apply_rope(k, cos, sin).reshape(B, T, Hkv, Dh)
+    kc, vc = kv
+    S = kc.shape[1]
+    qpos = pos[:, None] + jnp.arange(T)[None, :]                       # [B, T] each token's position
+    slot = jnp.where(jnp.arange(T)[None, :] < length[:, None], qpos, S)   # padding: out of range, dropped
+    rows = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    kc = kc.at[rows, slot].set(k.astype(kc.dtype), mode="drop")
+    vc = vc.at[rows, slot].set(v.astype(vc.dtype), mode="drop")
+    qh = q.reshape(B, T, Hkv, H // Hkv, Dh).astype(jnp.float32)
+    scores = jnp.einsum("btgrd,bsgd->bgrts", qh, kc.astype(jnp.float32)) * Dh ** -0.5
+    visible = jnp.arange(S)[None, None, :] <= qpos[:, :, None]        # [B, T, S] causal
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    p = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("bgrts,bsgd->btgrd", p, vc.astype(jnp.float32)).reshape(B, T, H * Dh)
+    o = o * jax.nn.sigmoid(gate.astype(jnp.float32))
+    out = linear(o.reshape(B * T, H * Dh).astype(h.dtype), lp["o"])
+    return out.reshape(B, T, D), (kc, vc)
+
+
+def mlp(cfg: HybridConfig, h, lp):
+    """h [N, D] -> [N, D]: dense SwiGLU, or the routed experts plus the gated shared expert."""
+    if "router" not in lp:
+        return linear(jax.nn.silu(linear(h, lp["gate"])) * linear(h, lp["up"]), lp["down"])
+    y = moe_mlp(h, lp["router"], lp["experts_gate"], lp["experts_up"], lp["experts_down"],
+                cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    shared = linear(jax.nn.silu(linear(h, lp["shared_gate"])) * linear(h, lp["shared_up"]), lp["shared_down"])
+    return y + jax.nn.sigmoid(matmul(h, lp["shared_expert_gate"])).astype(h.dtype) * shared
+
+
+def init_cache(cfg: HybridConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """The harness's cache: per full-attention layer dense K/V ``[B, max_len, Hkv, Dh]``, per
+    GDN layer its conv state ``[B, K - 1, C]`` and delta state ``[B, Hv, Dk, Dv]`` (float32),
+    and ``pos [B]``: each row's tokens so far."""
+    layers = []
+    for i in range(cfg.num_layers):
+        if cfg.is_linear(i):
+            layers.append((jnp.zeros((batch, cfg.conv_kernel - 1, cfg.conv_dim), jnp.float32),
+                           jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                      cfg.linear_value_head_dim), jnp.float32)))
+        else:
+            shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+            layers.append((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+    return {"pos": jnp.zeros((batch,), jnp.int32), "layers": layers}
+
+
+@partial(jax.jit, static_argnames=("cfg", "chunk_size", "gdn_decode"))
+def forward(cfg: HybridConfig, params: dict, cache: dict, input_ids: jax.Array, length: jax.Array | None = None, *,
+            chunk_size: int = 64, gdn_decode: str = "xla") -> tuple[jax.Array, dict]:
+    """input_ids [B, T] continuing the cache's sequences, the first ``length [B]`` of each row
+    real (None: all; the rest padding, which changes no state) -> (float32 logits [B, T, V],
+    garbage at padding, and the cache after them).  T > 1: chunked prefill (GDN in chunks of
+    ``chunk_size``); T == 1: a decode step (the recurrent form, by ``gdn_decode``; every row
+    real)."""
+    if gdn_decode not in GDN_DECODE:
+        raise ValueError(f"gdn_decode must be one of {GDN_DECODE}, got {gdn_decode!r}")
+    B, T = input_ids.shape
+    if T == 1 and length is not None:
+        raise ValueError("a decode step (T == 1) takes every row as real: pass length=None")
+    pos = cache["pos"]                                                 # [B]
+    gdn_length = length
+    length = jnp.full((B,), T, jnp.int32) if length is None else length.astype(jnp.int32)
+    x = params["embed"][input_ids]                                     # [B, T, D]
+    positions = pos[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]   # [B, T]
+    cos, sin = cos_sin(positions.reshape(B * T), params["rope_inv_freq"])   # [B * T, R/2]
+    new_layers = []
+    for i, (lp, st) in enumerate(zip(params["layers"], cache["layers"])):
+        h = _norm(x, lp["input_norm"], cfg.rms_norm_eps)
+        if cfg.is_linear(i):
+            y, st = gdn_layer(cfg, h, lp, st, gdn_length, chunk_size=chunk_size, decode=gdn_decode)
+        else:
+            y, st = attention_layer(cfg, h, lp, st, pos, length, cos, sin)
+        x = x + y
+        h = _norm(x, lp["post_norm"], cfg.rms_norm_eps)
+        x = x + mlp(cfg, h.reshape(B * T, -1), lp).reshape(B, T, -1)
+        new_layers.append(st)
+    x = _norm(x, params["final_norm"], cfg.rms_norm_eps)
+    w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    logits = matmul(x.reshape(B * T, -1), w).reshape(B, T, -1)
+    return logits, {"pos": pos + length, "layers": new_layers}
+
+
+def generate(cfg: HybridConfig, params: dict, prompts, max_new_tokens: int, *,
+             prefill_chunks: int = 1, chunk_size: int = 64, max_len: int | None = None,
+             gdn_decode: str = "xla") -> np.ndarray:
+    """Greedy tokens after each prompt (a [B, P] array, or a list of B token lists of any
+    lengths, padded at the end into one batch): the prompts prefilled together in
+    ``prefill_chunks`` calls over the longest one's length (a row whose prompt has ended
+    pads, leaving its states as they are), then one decode step per token for all rows ->
+    [B, max_new_tokens]."""
+    rows = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    lens = np.asarray([len(r) for r in rows], np.int32)
+    if lens.min() < 1:
+        raise ValueError("every prompt needs at least one token")
+    B, P = len(rows), int(lens.max())
+    if not 1 <= prefill_chunks <= P:
+        raise ValueError(f"prefill_chunks must be in [1, {P}] (the longest prompt), got {prefill_chunks}")
+    batch = np.zeros((B, P), np.int32)
+    for b, r in enumerate(rows):
+        batch[b, :len(r)] = r
+    cache = init_cache(cfg, B, max_len or P + max_new_tokens)
+    last = np.zeros((B, cfg.vocab_size), np.float32)     # each row's logits after its last prompt token
+    for lo, hi in itertools.pairwise(np.linspace(0, P, prefill_chunks + 1).astype(int)):
+        n = np.clip(lens - lo, 0, hi - lo).astype(np.int32)                # [B] real tokens in this call
+        logits, cache = forward(cfg, params, cache, jnp.asarray(batch[:, lo:hi]), jnp.asarray(n),
+                                chunk_size=chunk_size)
+        ends = (lens > lo) & (lens <= hi)
+        last[ends] = np.asarray(logits)[np.flatnonzero(ends), lens[ends] - 1 - lo]
+    out = []
+    tok = jnp.asarray(last.argmax(axis=-1).astype(np.int32))
+    for _ in range(max_new_tokens):
+        out.append(tok)
+        if len(out) == max_new_tokens:
+            break
+        logits, cache = forward(cfg, params, cache, tok[:, None], chunk_size=chunk_size, gdn_decode=gdn_decode)
+        tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+    return np.stack([np.asarray(t) for t in out], axis=1)
