@@ -60,6 +60,7 @@ class EngineCore:
         if spec is not None:
             draft = self._draft(config, model, devices, r) if spec.method == "draft_model" else None
             self.runner.proposer = make_controller(spec, draft)
+            self.runner.proposer.step_cost = self.runner.measured_step_seconds
         # auto: on demand for one-shot use; a server compiles the rest when it starts
         # (AsyncEngine), and every host of a multi-host engine compiles all up front.
         mode = config.runner.precompile

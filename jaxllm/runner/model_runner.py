@@ -86,6 +86,7 @@ class ModelRunner:
         # Speculative decoding: proposes each sampling request's next tokens after its step
         # (spec/controller.py); the scheduler schedules them for verification.
         self.proposer = None
+        self.step_seconds: dict[tuple[int, int], float] = {}
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -154,6 +155,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ one step
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
         self.requests.update(so)
         self.grammars.update(so)
         if self.proposer is not None:
@@ -164,7 +166,8 @@ class ModelRunner:
             raise RuntimeError("ModelRunner.execute called before warmup()")
         S = len(so.num_scheduled_tokens)
         bucket = bk.pick(so.total_num_scheduled_tokens, num_rows(so), self.buckets)
-        if not self.compiler.ready(bucket):
+        timed = self.compiler.ready(bucket)
+        if not timed:
             # On demand: this bucket, and the decode step of as many requests, which follows
             # (compiled side by side); the guard covers both from now on.
             self.compile_buckets([bucket, bk.pick(S, S, self.buckets)])
@@ -189,9 +192,22 @@ class ModelRunner:
             for rid, toks in zip(result.req_ids, result.sampled_token_ids):
                 for tok in toks:
                     self.grammars.accept(rid, tok)
+        if timed:
+            # Each bucket's step time (moving average): what speculation's cost model reads.
+            dt = time.perf_counter() - t0
+            old = self.step_seconds.get(bucket)
+            self.step_seconds[bucket] = dt if old is None else 0.8 * old + 0.2 * dt
         if self.proposer is not None:
             result = self.proposer.propose(result, step, self.requests, self.grammars)
         return result
+
+    def measured_step_seconds(self, num_tokens: int, num_rows: int) -> float | None:
+        """The moving average of the steps run in the bucket of ``num_tokens`` in ``num_rows``
+        rows, None if none ran yet (or no bucket holds them)."""
+        try:
+            return self.step_seconds.get(bk.pick(num_tokens, num_rows, self.buckets))
+        except ValueError:
+            return None
 
     def _run(self, step: PreparedStep) -> SampledStep:
         """The device part of a step: staged row writes, the compiled step, the sampler."""

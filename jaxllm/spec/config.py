@@ -46,6 +46,9 @@ class SpeculativeConfig:
     probe_interval: int = 64
     """Steps a switched-off request waits before it proposes again (doubling each time the rate
     is still too low, up to 16 times this)."""
+    cost_model: bool = True
+    """Choose each step's k by the measured step time of its bucket against the expected
+    accepted tokens (spec/controller.py); off: always k."""
 
     def __post_init__(self):
         if self.method in _NOT_HERE:
@@ -79,6 +82,8 @@ class SpeculativeConfig:
         r = self.min_acceptance_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise ValueError(f"{FLAG}: min_acceptance_rate must be a number in [0, 1], got {r!r}")
+        if not isinstance(self.cost_model, bool):
+            raise ValueError(f"{FLAG}: cost_model must be true or false, got {self.cost_model!r}")
         for name in ("acceptance_window", "probe_interval"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

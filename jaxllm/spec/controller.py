@@ -11,6 +11,15 @@ proposes after every step that sampled for it, unless:
   tokens fewer than ``min_acceptance_rate`` were accepted.  It then stops proposing for
   ``probe_interval`` steps, twice as long after every further failed probe (at most 16
   times), so a workload speculation cannot help pays for a few probes only.
+
+With ``cost_model`` on (the default) the step's k is also chosen by cost: verifying k more
+tokens per request makes the step bigger, and on hardware that is compute-bound at that size
+(a CPU at a few requests) it costs more than the accepted tokens save.  For each k the
+expected output tokens of the step (1 per request, plus each request's expected accepted
+proposals from its per-position acceptance so far, Laplace-smoothed) are divided by the
+measured time of the bucket that step would run in (the runner's moving average per bucket;
+a bucket not measured yet counts as cheap, so it gets tried), and the best k caps every
+request's proposals.  k = 0 proposes nothing this step.
 """
 
 from __future__ import annotations
@@ -30,8 +39,26 @@ class _Acceptance:
     off_until: int = 0
     """The step from which the request proposes again."""
     backoff: int = 0
+    tried: list = dataclasses.field(default_factory=list)   # per proposal position: verified ...
+    ok: list = dataclasses.field(default_factory=list)      # ... and accepted, since the request began
+
+    def expected_accepted(self, k: int) -> float:
+        """Expected accepted tokens of a k-token proposal: sum over j of P(first j+1 accepted)."""
+        e, p = 0.0, 1.0
+        for j in range(k):
+            t, o = (self.tried[j], self.ok[j]) if j < len(self.tried) else (0, 0)
+            p *= (o + 1) / (t + 2)
+            e += p
+        return e
 
     def observe(self, proposed: int, accepted: int, cfg: SpeculativeConfig, step: int) -> None:
+        if len(self.tried) < proposed:
+            self.tried += [0] * (proposed - len(self.tried))
+            self.ok += [0] * (proposed - len(self.ok))
+        for j in range(proposed):
+            self.tried[j] += 1
+        for j in range(accepted):
+            self.ok[j] += 1
         self.window.append((proposed, accepted))
         self.proposed += proposed
         self.accepted += accepted
@@ -55,6 +82,29 @@ class SpecController:
         self.proposer = proposer
         self._acceptance: dict[str, _Acceptance] = {}
         self._step = 0
+        self.step_cost = None
+        """(tokens, rows) -> measured seconds of the bucket such a step runs in, or None; set
+        by the runner (its per-bucket moving average)."""
+        self.last_k: int | None = None
+        """The k the cost model chose for the next step (None: not consulted)."""
+
+    def _choose_k(self, num_sampling: int, asking: list[str]) -> int:
+        """The k that maximises expected output tokens per second of the next step."""
+        K = self.cfg.num_speculative_tokens
+        if not self.cfg.cost_model or self.step_cost is None:
+            return K
+        best_k, best, known = 0, -1.0, None
+        for k in range(K + 1):
+            T = num_sampling + len(asking) * k
+            cost = self.step_cost(T, T)
+            if cost is None:
+                cost = known if known is not None else 1.0   # not measured: as cheap as the last known
+            else:
+                known = cost
+            tokens = num_sampling + sum(self._acceptance[rid].expected_accepted(k) for rid in asking)
+            if tokens / cost > best:
+                best_k, best = k, tokens / cost
+        return best_k
 
     def update(self, so: SchedulerOutput) -> None:
         """Drops the state of requests that ended or were preempted."""
@@ -84,6 +134,9 @@ class SpecController:
                 asking.append(rid)
         if not asking:
             return result
+        k = self.last_k = self._choose_k(sum(1 for t in result.sampled_token_ids if t), asking)
+        if k == 0:
+            return result
         if hasattr(self.proposer, "propose_batch"):
             # A model proposes for every asking request in one batch per draft step.
             got = self.proposer.propose_batch(
@@ -92,7 +145,7 @@ class SpecController:
         else:
             got = {rid: self.proposer.propose(rid, states[rid].token_ids, k) for rid in asking}
         for rid in asking:
-            d = grammars.valid_prefix(rid, got.get(rid) or [])
+            d = grammars.valid_prefix(rid, (got.get(rid) or [])[:k])
             if d:
                 drafts[rid] = d
         return dataclasses.replace(result, draft_token_ids=drafts) if drafts else result

@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
 
 from jaxllm import SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+        "cost_model": False}
 PROMPTS = ["one two three four five six seven eight nine ten " * 3,
            "The list: apple, banana, cherry, apple, banana, cherry, apple,",
            "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef"]

@@ -20,8 +20,9 @@ from conftest import SMALL_ENGINE
 
 from jaxllm import LLM, SamplingParams
 
+# Both off-switches off: these tests need proposals in every step that can have them.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-        "min_acceptance_rate": 0.0}
+        "min_acceptance_rate": 0.0, "cost_model": False}
 
 
 def repetitive(rng, period, reps):
@@ -304,7 +305,8 @@ def test_draft_model_batch_equals_plain_decoding(tiny_llama, tiny_checkpoints, p
     tiny model (it mostly proposes wrong tokens).  Both equal plain decoding."""
     path = tiny_llama if draft == "same" else tiny_checkpoints["qwen3_qk_norm"]
     llm = LLM(tiny_llama, **{**SMALL_ENGINE, "precompile": "on-demand"},
-              speculative_config={"model": path, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0})
+              speculative_config={"model": path, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
+                                  "cost_model": False})
     prompts, params = workload()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert tokens(outs) == tokens(plain_outputs)

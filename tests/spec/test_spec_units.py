@@ -19,7 +19,7 @@ from jaxllm.sample import metadata as smd
 from jaxllm.sample.sampler import accept
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec.config import SpeculativeConfig
-from jaxllm.spec.controller import SpecController
+from jaxllm.spec.controller import SpecController, _Acceptance
 from jaxllm.spec.ngram import NgramProposer
 
 
@@ -130,6 +130,30 @@ def test_controller_off_switch_pauses_a_request_that_rejects():
     assert proposing[:3] == [True, True, False]
     assert sum(proposing) < 10
     assert proposing.index(True, 3) == 12          # steps 3..12 paused (index i is step i + 1)
+
+
+def test_cost_model_picks_the_k_that_pays():
+    """Expected output tokens per measured second: with a step time flat in T (memory-bound)
+    the longest proposals win; when every extra token costs a full step's time (compute-bound),
+    k = 0; a bucket not measured yet counts as cheap, so it is tried."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    ctl = SpecController(cfg, None)
+    for rid in ("a", "b"):
+        acc = ctl._acceptance[rid] = _Acceptance()
+        for _ in range(20):
+            acc.observe(4, 2, cfg, 0)       # positions 0, 1 always accepted, 2, 3 never
+    assert ctl._acceptance["a"].expected_accepted(4) == pytest.approx(21 / 22 + (21 / 22) ** 2 + (21 / 22) ** 2 / 22
+                                                                      + (21 / 22) ** 2 / 22 ** 2)
+    ctl.step_cost = lambda T, rows: 0.01                               # flat
+    assert ctl._choose_k(2, ["a", "b"]) == 4
+    ctl.step_cost = lambda T, rows: 0.01 * T                           # every token costs a step
+    assert ctl._choose_k(2, ["a", "b"]) == 0
+    ctl.step_cost = lambda T, rows: 0.01 if T <= 6 else 0.05           # k = 2 is the last cheap one
+    assert ctl._choose_k(2, ["a", "b"]) == 2
+    ctl.step_cost = lambda T, rows: 0.01 if T == 2 else None           # nothing measured beyond k = 0
+    assert ctl._choose_k(2, ["a", "b"]) == 4
+    assert SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=3, cost_model=False),
+                          None)._choose_k(2, ["a"]) == 3
 
 
 # ---------------------------------------------------------------------------- scheduler
