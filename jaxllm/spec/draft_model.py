@@ -58,9 +58,6 @@ class DraftModelProposer:
             self.kv.free(req_id)
             self._finished.add(req_id)
 
-    def propose(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
-        return self.propose_batch({req_id: token_ids}, k, {}).get(req_id, [])
-
     def propose_batch(self, requests: dict[str, list[int]], k: int, params: dict) -> dict[str, list[int]]:
         """Up to ``k`` proposals for each of ``requests`` (id -> prompt and outputs);
         ``params``: id -> (SamplingParams, seed, number of prompt tokens) of ids seen first."""
