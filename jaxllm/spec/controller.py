@@ -16,7 +16,7 @@ With ``cost_model`` on (the default) the step's k is also chosen by cost: verify
 tokens per request makes the step bigger, and on hardware that is compute-bound at that size
 (a CPU at a few requests) it costs more than the accepted tokens save.  For each k the
 expected output tokens of the step (1 per request, plus each request's expected accepted
-proposals from its per-position acceptance so far, Laplace-smoothed) are divided by the
+proposals from its per-position acceptance so far, smoothed towards every request's) are divided by the
 measured time of the bucket that step would run in (the runner's moving average per bucket;
 a bucket not measured yet counts as cheap, so it gets tried), and the best k caps every
 request's proposals.  k = 0 proposes nothing this step.
@@ -42,16 +42,22 @@ class _Acceptance:
     tried: list = dataclasses.field(default_factory=list)   # per proposal position: verified ...
     ok: list = dataclasses.field(default_factory=list)      # ... and accepted, since the request began
 
-    def expected_accepted(self, k: int) -> float:
-        """Expected accepted tokens of a k-token proposal: sum over j of P(first j+1 accepted)."""
+    def expected_accepted(self, k: int, prior: "_Acceptance | None" = None) -> float:
+        """Expected accepted tokens of a k-token proposal: sum over j of P(first j+1 accepted).
+        Each position's rate is this request's, pulled towards ``prior``'s (every request's
+        so far; 1/2 without one) by two pseudo-verifications, so a new request starts from
+        what the workload has shown."""
         e, p = 0.0, 1.0
         for j in range(k):
             t, o = (self.tried[j], self.ok[j]) if j < len(self.tried) else (0, 0)
-            p *= (o + 1) / (t + 2)
+            g = 0.5
+            if prior is not None and j < len(prior.tried) and prior.tried[j]:
+                g = prior.ok[j] / prior.tried[j]
+            p *= (o + 2 * g) / (t + 2)
             e += p
         return e
 
-    def observe(self, proposed: int, accepted: int, cfg: SpeculativeConfig, step: int) -> None:
+    def count(self, proposed: int, accepted: int) -> None:
         if len(self.tried) < proposed:
             self.tried += [0] * (proposed - len(self.tried))
             self.ok += [0] * (proposed - len(self.ok))
@@ -59,6 +65,9 @@ class _Acceptance:
             self.tried[j] += 1
         for j in range(accepted):
             self.ok[j] += 1
+
+    def observe(self, proposed: int, accepted: int, cfg: SpeculativeConfig, step: int) -> None:
+        self.count(proposed, accepted)
         self.window.append((proposed, accepted))
         self.proposed += proposed
         self.accepted += accepted
@@ -81,6 +90,8 @@ class SpecController:
         self.cfg = cfg
         self.proposer = proposer
         self._acceptance: dict[str, _Acceptance] = {}
+        self._all = _Acceptance()
+        """Every request's per-position acceptance: the prior of a request's own."""
         self._step = 0
         self.step_cost = None
         """(tokens, rows) -> measured seconds of the bucket such a step runs in, or None; set
@@ -101,7 +112,7 @@ class SpecController:
                 cost = known if known is not None else 1.0   # not measured: as cheap as the last known
             else:
                 known = cost
-            tokens = num_sampling + sum(self._acceptance[rid].expected_accepted(k) for rid in asking)
+            tokens = num_sampling + sum(self._acceptance[rid].expected_accepted(k, self._all) for rid in asking)
             if tokens / cost > best:
                 best_k, best = k, tokens / cost
         return best_k
@@ -128,6 +139,7 @@ class SpecController:
                 acc = self._acceptance[rid] = _Acceptance()
             if verified.get(rid):
                 acc.observe(len(verified[rid]), len(toks) - 1, self.cfg, self._step)
+                self._all.count(len(verified[rid]), len(toks) - 1)
             if self.cfg.min_acceptance_rate > 0 and self._step < acc.off_until:
                 continue
             if grammars.proposes(rid):

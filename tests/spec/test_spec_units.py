@@ -144,6 +144,11 @@ def test_cost_model_picks_the_k_that_pays():
             acc.observe(4, 2, cfg, 0)       # positions 0, 1 always accepted, 2, 3 never
     assert ctl._acceptance["a"].expected_accepted(4) == pytest.approx(21 / 22 + (21 / 22) ** 2 + (21 / 22) ** 2 / 22
                                                                       + (21 / 22) ** 2 / 22 ** 2)
+    # A new request starts from every request's rates (here: 1, 1, 0, 0), not from 1/2.
+    ctl._all = ctl._acceptance["a"]
+    assert _Acceptance().expected_accepted(4, ctl._all) == pytest.approx(2.0)
+    assert _Acceptance().expected_accepted(2) == pytest.approx(0.5 + 0.25)
+    ctl._all = _Acceptance()
     ctl.step_cost = lambda T, rows: 0.01                               # flat
     assert ctl._choose_k(2, ["a", "b"]) == 4
     ctl.step_cost = lambda T, rows: 0.01 * T                           # every token costs a step
