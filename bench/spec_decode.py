@@ -128,7 +128,19 @@ def cmd_spec_decode(args: argparse.Namespace) -> int:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         print(f"| {r['workload']} | {r['concurrency']} | {r['arm']} | {r['output_tok_s']:.1f} | {r['ratio']:.2f}x | "
               f"{al} |")
+    # What a verification costs: the runner's moving average of step time per bucket (T, S),
+    # for the steps of at most 16 tokens (a decode of T requests, or verifications of T tokens).
+    steps = {}
+    for a, llm in engines.items():
+        for (T, S), sec in sorted(llm.llm_engine.core.runner.step_seconds.items()):
+            if T <= 16 and S == T:
+                steps.setdefault(T, {})[a] = sec * 1e3
+    print("\nstep time by bucket T = S (ms, moving average, every arm's steps of that shape)")
+    print("| T | " + " | ".join(arms) + " |")
+    print("|---:|" + "---:|" * len(arms))
+    for T, by in sorted(steps.items()):
+        print(f"| {T} | " + " | ".join(f"{by[a]:.1f}" if a in by else "-" for a in arms) + " |")
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump({"results": results, "step_ms": steps}, f, indent=2)
     return 0
