@@ -67,6 +67,11 @@ class EngineCore:
             grammar=grammar)
         if r.kv is None:
             self.resolved = r = dataclasses.replace(r, kv=self._size_kv_from_device(r.kv_sizing))
+            if r.kv.seqs_asked:
+                # The runner and scheduler were built for max_num_seqs state slots already.
+                raise ValueError(f"--gpu-memory-utilization={config.cache.gpu_memory_utilization}: the KV budget "
+                                 f"holds the per-sequence state of {r.kv.seq_slots} sequences, fewer than "
+                                 f"--max-num-seqs {r.kv.seqs_asked}; use --max-num-seqs {r.kv.seq_slots} or less")
             self.runner.allocate_kv(r.kv.num_blocks)
         log.info("%s; prefix caching %s; scheduling policy %s", r.kv.describe(r.step.max_model_len),
                  "on" if prefix_caching else "off", config.scheduler.scheduling_policy)
@@ -140,8 +145,13 @@ class EngineCore:
         """The draft model's runner for ``method: draft_model``, and its KV pool: room for
         ``max_num_seqs`` sequences of ``max_model_len`` (kept apart from the target's budget)."""
         from jaxllm.models.loader import load_model
+        from jaxllm.models.registry import get_model_module
         spec = config.speculative_config
         draft = load_model(spec.model)
+        if getattr(get_model_module(draft.arch.architecture), "PER_SEQUENCE_STATE", False):
+            raise ValueError(f"--speculative-config: the draft model {spec.model} ({draft.arch.architecture}) keeps a "
+                             "recurrent state per sequence, which rejected proposals would leave advanced; "
+                             "use an attention-only draft model")
         if draft.arch.vocab_size != model.arch.vocab_size:
             raise ValueError(f"--speculative-config: the draft model {spec.model} has {draft.arch.vocab_size} "
                              f"tokens in its vocabulary and the target {model.arch.vocab_size}: they must be equal")

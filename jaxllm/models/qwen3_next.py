@@ -23,21 +23,22 @@ scaled by ``sigmoid(shared_expert_gate(x))``.  Every RMSNorm except the GDN outp
 zero-centred: it multiplies by ``1 + weight``.  Qwen3.5's multimodal RoPE (``mrope_section``)
 is plain RoPE for text (all three position streams equal), which is all this module serves.
 
-The engine does not serve these models yet (no registry entry): the recurrent state needs a
-per-sequence cache kind.  What is here is the model math over one parameter table
-(:data:`PARAMS`), the checkpoint loader, and a self-contained dense-batch harness
-(:func:`init_cache`, :func:`dense_forward`, :func:`generate`) with a dense KV cache for the
-full-attention layers and the GDN states, enough to run chunked prefill and greedy decode
-against transformers.
+The engine serves them (the registry's entry; :func:`forward`, :func:`compute_logits`,
+:func:`cache_kinds`, :func:`allocate_cache` at the end of this module): the full-attention
+layers cache K/V pages (``layers/attention.attend``, every backend), each GDN layer keeps its
+conv and delta-rule states in slots, one per sequence the KV budget seats (a per-sequence
+cache kind of :meth:`HybridConfig.state_bytes`, ``max_num_seqs`` clamped to the slots),
+owned by request id (``runner/state_slots.py``).  A step gathers each scheduled sequence's
+slot before a GDN layer and scatters it back after; the flat ragged tokens are regrouped
+into ``[S, T]`` rows by ``query_start_loc`` (``length`` masking the padding) for the conv and
+:func:`chunk_gated_delta_rule`, or, when every sequence has one token, the recurrent form
+(the Pallas kernel on the pallas backend).  A sequence whose first token is at position 0
+starts from zeros: a new request, or one recomputed after preemption.  Prefix caching is off
+for these models and speculative decoding refused (``engine/core.py``).
 
-Wiring it into the engine needs: a per-sequence cache kind of :meth:`HybridConfig.state_bytes`
-per request (slots keyed by request id, allocated from the same budget as the K/V pages of
-the full-attention layers, ``max_num_seqs`` clamped to the slots); the step gathering each
-scheduled sequence's slot before the GDN layers and scattering it back after; the step's
-flat ragged tokens ``[T]`` regrouped per sequence (``[S, T_max]`` rows by ``query_start_loc``,
-``length`` masking the padding; the conv likewise) for :func:`chunk_gated_delta_rule`, decode
-rows through the recurrent form or the Pallas kernel; a new request's slot zeroed; preemption freeing the slot and recomputing the state from the prompt; prefix
-caching off for these models (or a state checkpoint at each cached block boundary).
+Also here, for the model tests: a self-contained dense-batch harness (:func:`init_cache`,
+:func:`dense_forward`, :func:`generate`) with a dense KV cache for the full-attention layers
+and the GDN states, enough to run chunked prefill and greedy decode against transformers.
 """
 
 from __future__ import annotations
