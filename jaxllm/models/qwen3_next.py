@@ -63,7 +63,6 @@ from jaxllm.layers.short_conv import conv_prefill, conv_step
 from jaxllm.layers.linear import embed
 from jaxllm.models.config import ArchConfig, RopeScaling, _eos_tuple
 from jaxllm.models.kernels import Kernels
-from jaxllm.models.loader import _PLACEHOLDERS, NameMap, _assemble, read_safetensors
 from jaxllm.models.params import (
     GLOBAL,
     LAYER,
@@ -365,25 +364,6 @@ PARAMS = ParamTable(params=(
 
 # ----------------------------------------------------------------------------- loading
 
-class _TableNames(NameMap):
-    """The loader's name map over :data:`PARAMS` (these architectures are not in the registry)."""
-
-    def __init__(self, arch: HybridConfig):   # NameMap's, with the table given
-        self.table = PARAMS
-        self._by_key, self._first = {}, {}
-        for p in PARAMS.present(arch):
-            if not p.from_checkpoint:
-                continue
-            patterns = p.patterns(arch, "hf")
-            self._first[p.name] = patterns[0].pattern if isinstance(patterns[0], Chunk) else patterns[0]
-            for pat in patterns:
-                chunk = pat if isinstance(pat, Chunk) else None
-                parts = (chunk.pattern if chunk else pat).split(".")
-                key = tuple("#" if c in _PLACEHOLDERS else c for c in parts)
-                slots = tuple(c[1:-1] for c in parts if c in _PLACEHOLDERS)
-                self._by_key.setdefault(key, []).append((p, slots, chunk))
-
-
 def rope_inv_freq(cfg: HybridConfig) -> np.ndarray:
     """[rotary_dim / 2] float32, as transformers computes them."""
     return inv_frequencies(cfg.rotary_dim, cfg.rope_theta, RopeScaling())
@@ -392,6 +372,8 @@ def rope_inv_freq(cfg: HybridConfig) -> np.ndarray:
 def load(path: str, dtype=jnp.float32) -> tuple[HybridConfig, dict]:
     """An HF folder (config.json + *.safetensors) -> (config, params): ``params["layers"]`` a
     list of per-layer dicts (the layer kinds differ), every array ``dtype`` (vectors float32)."""
+    # The loader imports the registry, which imports this module: imported here.
+    from jaxllm.models.loader import NameMap, _assemble, read_safetensors
     cfg_path = os.path.join(path, "config.json")
     try:
         with open(cfg_path) as f:
@@ -418,7 +400,7 @@ def load(path: str, dtype=jnp.float32) -> tuple[HybridConfig, dict]:
             if name.startswith(("mtp.", "model.visual.")) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
             tensors[name] = (arr, fname)
-    layers, globals_ = _assemble(cfg, tensors, _TableNames(cfg), where=path)
+    layers, globals_ = _assemble(cfg, tensors, NameMap(cfg, "hf"), where=path)
     matrices = PARAMS.matrices()
 
     def dev(name, a):
