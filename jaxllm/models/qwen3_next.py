@@ -55,12 +55,11 @@ import numpy as np
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.layers.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from jaxllm.layers.linear import linear, matmul
+from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin, inv_frequencies
 from jaxllm.layers.short_conv import conv_prefill, conv_step
-from jaxllm.layers.linear import embed
 from jaxllm.models.config import ArchConfig, RopeScaling, _eos_tuple
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.params import (
@@ -634,6 +633,8 @@ to :func:`forward`; prefix caching is off and speculative decoding refused (engi
 CHUNK_SIZE = 64
 """The chunked gated delta rule's chunk in the engine's prefill (transformers' too)."""
 
+_XLA = Kernels()
+
 
 @dataclass(frozen=True)
 class HybridArch(ArchConfig):
@@ -769,7 +770,7 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
     return _gdn_out(cfg, lp, o.reshape(T, Hv, Dv), z, h.dtype, kernels.linear), conv_all, delta_all
 
 
-def forward(arch: HybridArch, params: dict, kv, input_ids: jax.Array, md, kernels: Kernels = Kernels(),
+def forward(arch: HybridArch, params: dict, kv, input_ids: jax.Array, md, kernels: Kernels = _XLA,
                    state_slots: jax.Array | None = None):
     """The engine's forward over one ragged step: input_ids [T], md (layers/attention.py's
     AttentionMetadata), kv :func:`allocate_cache`'s pytree, state_slots [S] each sequence's
@@ -798,7 +799,7 @@ def forward(arch: HybridArch, params: dict, kv, input_ids: jax.Array, md, kernel
     return _norm(x, params["final_norm"], cfg.rms_norm_eps), (ks, vs, convs, deltas)
 
 
-def compute_logits(arch: HybridArch, params: dict, hidden: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:
+def compute_logits(arch: HybridArch, params: dict, hidden: jax.Array, kernels: Kernels = _XLA) -> jax.Array:
     """hidden [S, D] -> float32 logits [S, V]."""
     w = params["embed"] if arch.tie_word_embeddings else params["lm_head"]
     return matmul(hidden, w, kernels.linear)

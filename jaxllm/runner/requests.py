@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxllm.outputs import LogprobsArrays, NewRequestData, RunnerOutput, SchedulerOutput
-from jaxllm.sample.metadata import RowParams
 from jaxllm.runner.state_slots import StateSlots
+from jaxllm.sample.metadata import RowParams
 from jaxllm.sample.states import SamplerRows
 from jaxllm.sampling_params import SamplingParams
 

@@ -5,9 +5,10 @@ and the per-sequence GDN states in slots keyed by request id (runner/state_slots
 Tiny random-weight checkpoints of tests/models/test_qwen3_next.py (5 layers: GDN, full, GDN,
 GDN, full).  Float32 prompt logits of the engine's forward over a 150-token prompt in three
 prefill chunks (the GDN chunk at 16, so each call spans several chunks and a ragged tail)
-within 1e-4 of transformers on the XLA path and the native CPU kernels; through ``LLM``: 32
-greedy tokens equal to transformers' ``generate`` with prompts longer than one GDN chunk
-prefilled over several steps; 16 requests batched under a small token budget equal to each
+within 1e-4 of transformers on the XLA path, the native CPU kernels and the Pallas attention
+kernel; through ``LLM``: 32 greedy tokens equal to transformers' ``generate`` with prompts
+longer than one GDN chunk prefilled over several steps, on the XLA path and with the Pallas
+kernels (the GDN decode steps through pallas/gated_delta.py); 16 requests batched under a small token budget equal to each
 alone, with preemption; the cache arrays the runner allocated read back within a byte budget
 for a layout of 3 full-attention and 6 GDN layers; the AOT warm-up with the strict guard
 (every bucket compiled up front, none compiled while serving); prefix caching off and
@@ -30,8 +31,8 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.models import qwen3_next as qn
 from jaxllm.models.loader import load_model
 
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=24, max_model_len=192, dtype="float32",
-              strict_compile_guard=True, show_progress=False, skip_tokenizer_init=True)
+ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 24, "max_model_len": 192, "dtype": "float32",
+          "strict_compile_guard": True, "show_progress": False, "skip_tokenizer_init": True}
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def _hf_greedy(model, prompt, n=32):
 
 
 CASES = [("Qwen3NextForCausalLM", "xla"), ("Qwen3_5ForCausalLM", "xla"), ("Qwen3_5MoeForCausalLM", "xla"),
-         ("Qwen3NextForCausalLM", "native")]
+         ("Qwen3NextForCausalLM", "native"), ("Qwen3_5MoeForCausalLM", "pallas")]
 
 
 @pytest.mark.parametrize("arch,kernels", CASES, ids=[f"{a}-{k}" for a, k in CASES])
@@ -68,7 +69,8 @@ def test_prompt_logits_match_transformers(arch, kernels, ckpts, hf_models, monke
         pytest.skip("the native CPU kernels are unavailable")
     monkeypatch.setattr(qn, "CHUNK_SIZE", 16)
     ids = _ids(150, seed=3)
-    ours = paged_logits(ckpts[arch], ids, False, split=(40, 100), matmul=kernels, attention=kernels)
+    matmul = "xla" if kernels == "pallas" else kernels     # pallas: the attention kernel (interpret mode)
+    ours = paged_logits(ckpts[arch], ids, False, split=(40, 100), matmul=matmul, attention=kernels)
     with torch.no_grad():
         ref = hf_models[arch](torch.tensor([ids])).logits[0].numpy()
     err = np.abs(ours - ref).max()
@@ -90,6 +92,16 @@ def test_greedy_tokens_match_transformers(engine, hf_models):
         want = _hf_greedy(hf_models["Qwen3NextForCausalLM"], p)
         assert len(set(want)) > 3, "degenerate greedy run"
         assert out.outputs[0].token_ids == want, f"prompt of {len(p)} tokens"
+
+
+def test_pallas_decode_in_the_engine_matches_transformers(ckpts, hf_models):
+    """--attention-backend pallas (interpret mode on CPU): the full-attention layers through
+    the ragged paged kernel and every GDN decode step through the Pallas recurrent kernel."""
+    llm = LLM(ckpts["Qwen3_5ForCausalLM"], **ENGINE, attention_backend="pallas", precompile="auto")
+    prompt = _ids(70, seed=7)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == _hf_greedy(hf_models["Qwen3_5ForCausalLM"], prompt)
 
 
 def test_batching_equals_solo_and_preemption_keeps_outputs_equal(engine):
@@ -157,7 +169,7 @@ def test_cache_bytes_stay_within_the_budget(tmp_path, budget, caplog):
     assert len(k_pages) == 3 and len(convs) == len(deltas) == 6
     slots = r.kv.seq_slots
     assert 1 <= slots < 256 and r.step.max_num_seqs == slots == convs[0].shape[0] == deltas[0].shape[0]
-    assert "max_num_seqs 256 clamped to %d" % slots in caplog.text
+    assert f"max_num_seqs 256 clamped to {slots}" in caplog.text
     state = (h.conv_kernel - 1) * h.conv_dim + h.linear_num_value_heads * 32 * 32
     assert r.kv.bytes_per_slot == 6 * state * 4
     assert r.kv.bytes_per_block == 3 * r.kv.block_size * 2 * h.num_kv_heads * h.head_dim * 4
