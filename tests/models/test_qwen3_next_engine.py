@@ -56,8 +56,10 @@ def _hf_greedy(model, prompt, n=32):
     return out[0, len(prompt):].tolist()
 
 
-CASES = [("Qwen3NextForCausalLM", "xla"), ("Qwen3_5ForCausalLM", "xla"), ("Qwen3_5MoeForCausalLM", "xla"),
-         ("Qwen3NextForCausalLM", "native"), ("Qwen3_5MoeForCausalLM", "pallas")]
+# Qwen3-Next: fused projections, MoE with a dense layer; Qwen3.5: split projections, dense, tied
+# head; Qwen3.5-MoE (MoE everywhere) on the Pallas attention kernel.
+CASES = [("Qwen3NextForCausalLM", "xla"), ("Qwen3_5ForCausalLM", "xla"), ("Qwen3NextForCausalLM", "native"),
+         ("Qwen3_5MoeForCausalLM", "pallas")]
 
 
 @pytest.mark.parametrize("arch,kernels", CASES, ids=[f"{a}-{k}" for a, k in CASES])
