@@ -236,7 +236,8 @@ class AsyncEngine:
 
     @property
     def prefix_caching(self) -> bool:
-        return self.engine.config.cache.enable_prefix_caching
+        # What runs: a hybrid model turns it off whatever the flag says (engine/core.py).
+        return self.engine.core.kv_manager.enable_prefix_caching
 
     @property
     def input_processor(self) -> InputProcessor:

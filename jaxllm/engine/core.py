@@ -28,6 +28,27 @@ from jaxllm.spec.controller import make_controller
 log = logging.getLogger("jaxllm.engine")
 
 
+def _check_per_sequence_state(config: EngineConfig, model: LoadedModel) -> bool:
+    """Whether prefix caching runs.  A model with per-sequence state (a hybrid model's GDN
+    layers, models/qwen3_next.py) turns it off: a cached prefix's blocks hold the K/V of its
+    full-attention layers but not the recurrent state after it.  Speculative decoding and
+    tensor parallelism are refused for such a model, naming the flag."""
+    from jaxllm.models.registry import get_model_module
+    arch = model.arch.architecture
+    if not getattr(get_model_module(arch), "PER_SEQUENCE_STATE", False):
+        return config.cache.enable_prefix_caching
+    if config.speculative_config is not None:
+        raise ValueError(f"--speculative-config is not supported for {arch}: its linear-attention layers' recurrent "
+                         "state would advance over proposals that are then rejected")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size} is not supported for "
+                         f"{arch} yet (its GDN heads are not split); use --tensor-parallel-size 1")
+    if config.cache.enable_prefix_caching:
+        log.info("prefix caching off: %s keeps a recurrent state per sequence (its GDN layers), which cached "
+                 "prefix blocks do not hold", arch)
+    return False
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel, replica: int = 0, grammar=None):
         """``replica``: which data-parallel replica this is (it runs on that slice of the devices);
@@ -35,6 +56,7 @@ class EngineCore:
         self.config = config
         pc = config.parallel
         devices = replica_devices(pc.tensor_parallel_size, pc.data_parallel_size, replica)
+        prefix_caching = _check_per_sequence_state(config, model)
         self.resolved = r = resolve_config(config, model)
         cc.enable_persistent_cache(r.compile_cache_dir)
         cc.install_listeners()
@@ -45,11 +67,15 @@ class EngineCore:
             grammar=grammar)
         if r.kv is None:
             self.resolved = r = dataclasses.replace(r, kv=self._size_kv_from_device(r.kv_sizing))
+            if r.kv.seqs_asked:
+                # The runner and scheduler were built for max_num_seqs state slots already.
+                raise ValueError(f"--gpu-memory-utilization={config.cache.gpu_memory_utilization}: the KV budget "
+                                 f"holds the per-sequence state of {r.kv.seq_slots} sequences, fewer than "
+                                 f"--max-num-seqs {r.kv.seqs_asked}; use --max-num-seqs {r.kv.seq_slots} or less")
             self.runner.allocate_kv(r.kv.num_blocks)
         log.info("%s; prefix caching %s; scheduling policy %s", r.kv.describe(r.step.max_model_len),
-                 "on" if config.cache.enable_prefix_caching else "off", config.scheduler.scheduling_policy)
-        self.kv_manager = KVCacheManager(r.kv.num_blocks, r.kv.block_size,
-                                         enable_prefix_caching=config.cache.enable_prefix_caching)
+                 "on" if prefix_caching else "off", config.scheduler.scheduling_policy)
+        self.kv_manager = KVCacheManager(r.kv.num_blocks, r.kv.block_size, enable_prefix_caching=prefix_caching)
         sc = config.scheduler
         self.scheduler = Scheduler(self.kv_manager, max_num_seqs=r.step.max_num_seqs,
                                    max_num_batched_tokens=r.step.max_num_batched_tokens,
@@ -120,8 +146,13 @@ class EngineCore:
         """The draft model's runner for ``method: draft_model``, and its KV pool: room for
         ``max_num_seqs`` sequences of ``max_model_len`` (kept apart from the target's budget)."""
         from jaxllm.models.loader import load_model
+        from jaxllm.models.registry import get_model_module
         spec = config.speculative_config
         draft = load_model(spec.model)
+        if getattr(get_model_module(draft.arch.architecture), "PER_SEQUENCE_STATE", False):
+            raise ValueError(f"--speculative-config: the draft model {spec.model} ({draft.arch.architecture}) keeps a "
+                             "recurrent state per sequence, which rejected proposals would leave advanced; "
+                             "use an attention-only draft model")
         if draft.arch.vocab_size != model.arch.vocab_size:
             raise ValueError(f"--speculative-config: the draft model {spec.model} has {draft.arch.vocab_size} "
                              f"tokens in its vocabulary and the target {model.arch.vocab_size}: they must be equal")

@@ -137,7 +137,9 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
             idx = name.split(".")[2]
             if idx.isdigit() and arch.num_layers <= int(idx) < arch.num_layers + mtp:
                 return True
-        return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and arch.tie_word_embeddings)
+        # Qwen3-Next's multi-token-prediction head ("mtp.*") likewise.
+        return (name.endswith("rotary_emb.inv_freq") or name.startswith("mtp.")
+                or (name == "lm_head.weight" and arch.tie_word_embeddings))
 
     layers, globals_ = _assemble(arch, {n: t for n, t in tensors.items() if not skip(n)}, NameMap(arch, "hf"),
                                  where=path)

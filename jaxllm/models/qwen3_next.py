@@ -23,21 +23,22 @@ scaled by ``sigmoid(shared_expert_gate(x))``.  Every RMSNorm except the GDN outp
 zero-centred: it multiplies by ``1 + weight``.  Qwen3.5's multimodal RoPE (``mrope_section``)
 is plain RoPE for text (all three position streams equal), which is all this module serves.
 
-The engine does not serve these models yet (no registry entry): the recurrent state needs a
-per-sequence cache kind.  What is here is the model math over one parameter table
-(:data:`PARAMS`), the checkpoint loader, and a self-contained dense-batch harness
-(:func:`init_cache`, :func:`forward`, :func:`generate`) with a dense KV cache for the
-full-attention layers and the GDN states, enough to run chunked prefill and greedy decode
-against transformers.
+The engine serves them (the registry's entry; :func:`forward`, :func:`compute_logits`,
+:func:`cache_kinds`, :func:`allocate_cache` at the end of this module): the full-attention
+layers cache K/V pages (``layers/attention.attend``, every backend), each GDN layer keeps its
+conv and delta-rule states in slots, one per sequence the KV budget seats (a per-sequence
+cache kind of :meth:`HybridConfig.state_bytes`, ``max_num_seqs`` clamped to the slots),
+owned by request id (``runner/state_slots.py``).  A step gathers each scheduled sequence's
+slot before a GDN layer and scatters it back after; the flat ragged tokens are regrouped
+into ``[S, T]`` rows by ``query_start_loc`` (``length`` masking the padding) for the conv and
+:func:`chunk_gated_delta_rule`, or, when every sequence has one token, the recurrent form
+(the Pallas kernel on the pallas backend).  A sequence whose first token is at position 0
+starts from zeros: a new request, or one recomputed after preemption.  Prefix caching is off
+for these models and speculative decoding refused (``engine/core.py``).
 
-Wiring it into the engine needs: a per-sequence cache kind of :meth:`HybridConfig.state_bytes`
-per request (slots keyed by request id, allocated from the same budget as the K/V pages of
-the full-attention layers, ``max_num_seqs`` clamped to the slots); the step gathering each
-scheduled sequence's slot before the GDN layers and scattering it back after; the step's
-flat ragged tokens ``[T]`` regrouped per sequence (``[S, T_max]`` rows by ``query_start_loc``,
-``length`` masking the padding; the conv likewise) for :func:`chunk_gated_delta_rule`, decode
-rows through the recurrent form or the Pallas kernel; a new request's slot zeroed; preemption freeing the slot and recomputing the state from the prompt; prefix
-caching off for these models (or a state checkpoint at each cached block boundary).
+Also here, for the model tests: a self-contained dense-batch harness (:func:`init_cache`,
+:func:`dense_forward`, :func:`generate`) with a dense KV cache for the full-attention layers
+and the GDN states, enough to run chunked prefill and greedy decode against transformers.
 """
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ import numpy as np
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.layers.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from jaxllm.layers.linear import linear, matmul
+from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin, inv_frequencies
 from jaxllm.layers.short_conv import conv_prefill, conv_step
-from jaxllm.models.config import RopeScaling, _eos_tuple
-from jaxllm.models.loader import _PLACEHOLDERS, NameMap, _assemble, read_safetensors
+from jaxllm.models.config import ArchConfig, RopeScaling, _eos_tuple
+from jaxllm.models.kernels import Kernels
 from jaxllm.models.params import (
     GLOBAL,
     LAYER,
@@ -272,7 +273,7 @@ _FUSED_GATE_UP = _hf("mlp.experts.gate_up_proj")    # transformers 5's fused exp
 
 PARAMS = ParamTable(params=(
     Param("embed", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
-          "model.embed_tokens.weight"),
+          "model.embed_tokens.weight", native=lambda a: a.tie_word_embeddings),
     Param("final_norm", GLOBAL, VECTOR, ("embed",), lambda a: (a.hidden_size,), "model.norm.weight"),
     Param("lm_head", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
           "lm_head.weight", when=lambda a: not a.tie_word_embeddings, native=always),
@@ -362,25 +363,6 @@ PARAMS = ParamTable(params=(
 
 # ----------------------------------------------------------------------------- loading
 
-class _TableNames(NameMap):
-    """The loader's name map over :data:`PARAMS` (these architectures are not in the registry)."""
-
-    def __init__(self, arch: HybridConfig):   # NameMap's, with the table given
-        self.table = PARAMS
-        self._by_key, self._first = {}, {}
-        for p in PARAMS.present(arch):
-            if not p.from_checkpoint:
-                continue
-            patterns = p.patterns(arch, "hf")
-            self._first[p.name] = patterns[0].pattern if isinstance(patterns[0], Chunk) else patterns[0]
-            for pat in patterns:
-                chunk = pat if isinstance(pat, Chunk) else None
-                parts = (chunk.pattern if chunk else pat).split(".")
-                key = tuple("#" if c in _PLACEHOLDERS else c for c in parts)
-                slots = tuple(c[1:-1] for c in parts if c in _PLACEHOLDERS)
-                self._by_key.setdefault(key, []).append((p, slots, chunk))
-
-
 def rope_inv_freq(cfg: HybridConfig) -> np.ndarray:
     """[rotary_dim / 2] float32, as transformers computes them."""
     return inv_frequencies(cfg.rotary_dim, cfg.rope_theta, RopeScaling())
@@ -389,6 +371,8 @@ def rope_inv_freq(cfg: HybridConfig) -> np.ndarray:
 def load(path: str, dtype=jnp.float32) -> tuple[HybridConfig, dict]:
     """An HF folder (config.json + *.safetensors) -> (config, params): ``params["layers"]`` a
     list of per-layer dicts (the layer kinds differ), every array ``dtype`` (vectors float32)."""
+    # The loader imports the registry, which imports this module: imported here.
+    from jaxllm.models.loader import NameMap, _assemble, read_safetensors
     cfg_path = os.path.join(path, "config.json")
     try:
         with open(cfg_path) as f:
@@ -415,7 +399,7 @@ def load(path: str, dtype=jnp.float32) -> tuple[HybridConfig, dict]:
             if name.startswith(("mtp.", "model.visual.")) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
             tensors[name] = (arr, fname)
-    layers, globals_ = _assemble(cfg, tensors, _TableNames(cfg), where=path)
+    layers, globals_ = _assemble(cfg, tensors, NameMap(cfg, "hf"), where=path)
     matrices = PARAMS.matrices()
 
     def dev(name, a):
@@ -434,21 +418,22 @@ def _norm(x, w, eps):
     return rms_norm(x, 1.0 + w.astype(jnp.float32), eps)
 
 
-def _gdn_projections(cfg: HybridConfig, h, lp):
-    """h [N, D] -> mixed q|k|v [N, C], z [N, Hv, Dv], b, a [N, Hv]."""
+def _gdn_projections(cfg: HybridConfig, h, lp, mm: str = "xla"):
+    """h [N, D] -> mixed q|k|v [N, C], z [N, Hv, Dv], b, a [N, Hv] (``mm``: the linear backend)."""
     N = h.shape[0]
     Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
         cfg.linear_value_head_dim
     r = Hv // Hk
     if cfg.fused_projections:
         # Per key-head group: q [Dk], k [Dk], the group's r v heads, its r z heads; then [b (r), a (r)].
-        qkvz = linear(h, lp["in_qkvz"]).reshape(N, Hk, 2 * Dk + 2 * r * Dv)
+        qkvz = linear(h, lp["in_qkvz"], backend=mm).reshape(N, Hk, 2 * Dk + 2 * r * Dv)
         q, k, v, z = jnp.split(qkvz, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
-        b, a = jnp.split(linear(h, lp["in_ba"]).reshape(N, Hk, 2 * r), 2, axis=-1)
+        b, a = jnp.split(linear(h, lp["in_ba"], backend=mm).reshape(N, Hk, 2 * r), 2, axis=-1)
         mixed = jnp.concatenate([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], axis=-1)
         return mixed, z.reshape(N, Hv, Dv), b.reshape(N, Hv), a.reshape(N, Hv)
-    mixed = jnp.concatenate([linear(h, lp["in_q"]), linear(h, lp["in_k"]), linear(h, lp["in_v"])], axis=-1)
-    return mixed, linear(h, lp["in_z"]).reshape(N, Hv, Dv), linear(h, lp["in_b"]), linear(h, lp["in_a"])
+    mixed = jnp.concatenate([linear(h, lp[n], backend=mm) for n in ("in_q", "in_k", "in_v")], axis=-1)
+    return (mixed, linear(h, lp["in_z"], backend=mm).reshape(N, Hv, Dv), linear(h, lp["in_b"], backend=mm),
+            linear(h, lp["in_a"], backend=mm))
 
 
 GDN_DECODE = ("xla", "pallas")
@@ -462,9 +447,19 @@ def gdn_layer(cfg: HybridConfig, h, lp, state, length=None, *, chunk_size: int, 
     state).  T == 1 takes the recurrent (decode) form, computed by ``decode`` (one of
     :data:`GDN_DECODE`), every row real."""
     B, T, D = h.shape
-    conv_state, delta_state = state
     mixed, z, b, a = _gdn_projections(cfg, h.reshape(B * T, D), lp)
-    mixed = mixed.reshape(B, T, cfg.conv_dim)                          # [B, T, C]
+    Hv = cfg.linear_num_value_heads
+    o, state = _gdn_mix(cfg, lp, mixed.reshape(B, T, cfg.conv_dim), b.reshape(B, T, Hv), a.reshape(B, T, Hv),
+                        state, length, chunk_size=chunk_size, decode=decode)
+    out = _gdn_out(cfg, lp, o.reshape(B * T, Hv, -1), z, h.dtype)
+    return out.reshape(B, T, D), state
+
+
+def _gdn_mix(cfg: HybridConfig, lp, mixed, b, a, state, length, *, chunk_size: int, decode: str):
+    """The conv and the gated delta rule of rows of tokens: mixed [B, T, C], b, a [B, T, Hv],
+    state (conv, delta), length [B] or None -> (o [B, T, Hv, Dv] float32, state)."""
+    B, T = mixed.shape[:2]
+    conv_state, delta_state = state
     w = lp["conv"][:, 0, :]                                            # [C, K]
     if T == 1:
         y, conv_state = conv_step(mixed[:, 0], w, conv_state)
@@ -475,19 +470,23 @@ def gdn_layer(cfg: HybridConfig, h, lp, state, length=None, *, chunk_size: int, 
         cfg.linear_value_head_dim
     q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
     q, k, v = q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32)).reshape(B, T, Hv)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = (-jnp.exp(lp["A_log"].astype(jnp.float32))
-         * jax.nn.softplus(a.astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32))).reshape(B, T, Hv)
+         * jax.nn.softplus(a.astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32)))
     if T == 1:
         rule = recurrent_gated_delta_rule_pallas if decode == "pallas" else recurrent_gated_delta_rule
         o, delta_state = rule(q, k, v, g, beta, delta_state)
     else:
         o, delta_state = chunk_gated_delta_rule(q, k, v, g, beta, delta_state, length, chunk_size=chunk_size)
-    # The gated RMSNorm per value head: norm(o) * weight * silu(z).
-    o = rms_norm(o, lp["gdn_norm"].astype(jnp.float32), cfg.rms_norm_eps)            # [B, T, Hv, Dv]
-    o = o * jax.nn.silu(z.reshape(B, T, Hv, Dv).astype(jnp.float32))
-    out = linear(o.reshape(B * T, cfg.value_dim).astype(h.dtype), lp["out"])
-    return out.reshape(B, T, D), (conv_state, delta_state)
+    return o, (conv_state, delta_state)
+
+
+def _gdn_out(cfg: HybridConfig, lp, o, z, dtype, mm: str = "xla"):
+    """The gated RMSNorm per value head, norm(o) * weight * silu(z), and the output
+    projection: o, z [N, Hv, Dv] -> [N, D]."""
+    o = rms_norm(o, lp["gdn_norm"].astype(jnp.float32), cfg.rms_norm_eps)
+    o = o * jax.nn.silu(z.astype(jnp.float32))
+    return linear(o.reshape(o.shape[0], cfg.value_dim).astype(dtype), lp["out"], backend=mm)
 
 
 def attention_layer(cfg: HybridConfig, h, lp, kv, pos, length, cos, sin):
@@ -522,13 +521,16 @@ def attention_layer(cfg: HybridConfig, h, lp, kv, pos, length, cos, sin):
     return out.reshape(B, T, D), (kc, vc)
 
 
-def mlp(cfg: HybridConfig, h, lp):
-    """h [N, D] -> [N, D]: dense SwiGLU, or the routed experts plus the gated shared expert."""
+def mlp(cfg: HybridConfig, h, lp, mm: str = "xla", moe: str = "grouped", num_tokens=None):
+    """h [N, D] -> [N, D]: dense SwiGLU, or the routed experts plus the gated shared expert
+    (``mm``: the linear backend, ``moe``: the experts' implementation)."""
     if "router" not in lp:
-        return linear(jax.nn.silu(linear(h, lp["gate"])) * linear(h, lp["up"]), lp["down"])
+        return linear(jax.nn.silu(linear(h, lp["gate"], backend=mm)) * linear(h, lp["up"], backend=mm), lp["down"],
+                      backend=mm)
     y = moe_mlp(h, lp["router"], lp["experts_gate"], lp["experts_up"], lp["experts_down"],
-                cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    shared = linear(jax.nn.silu(linear(h, lp["shared_gate"])) * linear(h, lp["shared_up"]), lp["shared_down"])
+                cfg.num_experts_per_tok, cfg.norm_topk_prob, moe, num_tokens=num_tokens)
+    shared = linear(jax.nn.silu(linear(h, lp["shared_gate"], backend=mm)) * linear(h, lp["shared_up"], backend=mm),
+                    lp["shared_down"], backend=mm)
     return y + jax.nn.sigmoid(matmul(h, lp["shared_expert_gate"])).astype(h.dtype) * shared
 
 
@@ -549,7 +551,7 @@ def init_cache(cfg: HybridConfig, batch: int, max_len: int, dtype=jnp.float32) -
 
 
 @partial(jax.jit, static_argnames=("cfg", "chunk_size", "gdn_decode"))
-def forward(cfg: HybridConfig, params: dict, cache: dict, input_ids: jax.Array, length: jax.Array | None = None, *,
+def dense_forward(cfg: HybridConfig, params: dict, cache: dict, input_ids: jax.Array, length: jax.Array | None = None, *,
             chunk_size: int = 64, gdn_decode: str = "xla") -> tuple[jax.Array, dict]:
     """input_ids [B, T] continuing the cache's sequences, the first ``length [B]`` of each row
     real (None: all; the rest padding, which changes no state) -> (float32 logits [B, T, V],
@@ -606,7 +608,7 @@ def generate(cfg: HybridConfig, params: dict, prompts, max_new_tokens: int, *,
     last = np.zeros((B, cfg.vocab_size), np.float32)     # each row's logits after its last prompt token
     for lo, hi in itertools.pairwise(np.linspace(0, P, prefill_chunks + 1).astype(int)):
         n = np.clip(lens - lo, 0, hi - lo).astype(np.int32)                # [B] real tokens in this call
-        logits, cache = forward(cfg, params, cache, jnp.asarray(batch[:, lo:hi]), jnp.asarray(n),
+        logits, cache = dense_forward(cfg, params, cache, jnp.asarray(batch[:, lo:hi]), jnp.asarray(n),
                                 chunk_size=chunk_size)
         ends = (lens > lo) & (lens <= hi)
         last[ends] = np.asarray(logits)[np.flatnonzero(ends), lens[ends] - 1 - lo]
@@ -616,6 +618,188 @@ def generate(cfg: HybridConfig, params: dict, prompts, max_new_tokens: int, *,
         out.append(tok)
         if len(out) == max_new_tokens:
             break
-        logits, cache = forward(cfg, params, cache, tok[:, None], chunk_size=chunk_size, gdn_decode=gdn_decode)
+        logits, cache = dense_forward(cfg, params, cache, tok[:, None], chunk_size=chunk_size, gdn_decode=gdn_decode)
         tok = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
     return np.stack([np.asarray(t) for t in out], axis=1)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+PER_SEQUENCE_STATE = True
+"""This family keeps state per sequence (the GDN layers' recurrent state): the runner gives
+each request a state slot by request id (runner/state_slots.py) and passes the step's slots
+to :func:`forward`; prefix caching is off and speculative decoding refused (engine/core.py)."""
+
+CHUNK_SIZE = 64
+"""The chunked gated delta rule's chunk in the engine's prefill (transformers' too)."""
+
+_XLA = Kernels()
+
+
+@dataclass(frozen=True)
+class HybridArch(ArchConfig):
+    """The engine's config of a hybrid model: an :class:`ArchConfig` (what the engine reads
+    of every model: vocabulary, the full-attention layers' heads, rope, context length) with
+    the whole :class:`HybridConfig` in ``hybrid``; what ArchConfig lacks (the GDN dims, the
+    layer kinds) is read from it, so the parameter table takes either."""
+
+    hybrid: HybridConfig | None = None
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name == "hybrid":
+            raise AttributeError(name)
+        return getattr(object.__getattribute__(self, "hybrid"), name)
+
+
+def arch_config(hf, arch: str, where: str) -> HybridArch:
+    """A transformers Qwen3-Next / Qwen3.5 text config -> :class:`HybridArch` (the registry's
+    config reader; refusals by name in :func:`config_from_hf`)."""
+    h = config_from_hf(hf, arch, where)
+    return HybridArch(
+        architecture=arch, vocab_size=h.vocab_size, hidden_size=h.hidden_size, intermediate_size=h.intermediate_size,
+        num_layers=h.num_layers, num_heads=h.num_heads, num_kv_heads=h.num_kv_heads, head_dim=h.head_dim,
+        rms_norm_eps=h.rms_norm_eps, rope_theta=h.rope_theta, rope_scaling=RopeScaling(),
+        max_position_embeddings=h.max_position_embeddings, tie_word_embeddings=h.tie_word_embeddings, qk_norm=True,
+        bos_token_id=h.bos_token_id, eos_token_ids=h.eos_token_ids, num_experts=h.num_experts,
+        num_experts_per_tok=h.num_experts_per_tok, moe_intermediate_size=h.moe_intermediate_size,
+        norm_topk_prob=h.norm_topk_prob,
+        # The layer kinds differ: engine/resolve.py runs them unrolled (uniform_layers is False).
+        layer_types=h.layer_types, rotary_dim=h.rotary_dim, hybrid=h)
+
+
+def num_full_layers(cfg: HybridConfig) -> int:
+    return cfg.num_layers - num_gdn_layers(cfg)
+
+
+def num_gdn_layers(cfg: HybridConfig) -> int:
+    return sum(map(cfg.is_linear, range(cfg.num_layers)))
+
+
+def cache_kinds(arch: HybridArch, itemsize: int, kv_cache_dtype: str = "auto"):
+    """K/V pages in each full-attention layer, a recurrent state (conv + delta rule, float32)
+    per sequence in each GDN layer (core/kv_budget.py)."""
+    from jaxllm.core.kv_budget import CacheKind
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported for {arch.architecture} "
+                         "(its full-attention layers' cache is kept in the model dtype); use --kv-cache-dtype auto")
+    h = arch.hybrid
+    return (CacheKind("K/V", num_full_layers(h), token_bytes=2 * h.num_kv_heads * h.head_dim * itemsize),
+            CacheKind("recurrent state", num_gdn_layers(h), seq_bytes=h.state_bytes(4) // num_gdn_layers(h)))
+
+
+def allocate_cache(arch: HybridArch, num_blocks: int, block_size: int, dtype, stacked: bool, make=jnp.zeros,
+                   num_seqs: int = 1):
+    """Zeroed ``(K pages, V pages, conv states, delta states)``: per full-attention layer K and
+    V ``[num_blocks, block_size, Hkv, Dh]``, per GDN layer ``[num_seqs, K - 1, C]`` and
+    ``[num_seqs, Hv, Dk, Dv]`` float32, one slot per sequence the budget seats (padding
+    sequences read zeros and write nothing: no scratch slot beyond the budget).
+    ``make=jax.ShapeDtypeStruct`` gives the shapes without allocating."""
+    from jaxllm.layers import kv_quant
+    h = arch.hybrid
+    if stacked:
+        raise ValueError(f"{arch.architecture}: its GDN and full-attention layers differ and cannot run under "
+                         "lax.scan; use --no-scan-layers")
+    if isinstance(dtype, kv_quant.KVFormat):   # refused earlier by cache_kinds, named by its flag
+        raise ValueError(f"{arch.architecture}: a quantized KV cache is not supported; "  # noqa: TRY004
+                         "use --kv-cache-dtype auto")
+    page = (num_blocks, block_size, h.num_kv_heads, h.head_dim)
+    n_full, n_gdn = num_full_layers(h), num_gdn_layers(h)
+    conv = (num_seqs, h.conv_kernel - 1, h.conv_dim)
+    delta = (num_seqs, h.linear_num_value_heads, h.linear_key_head_dim, h.linear_value_head_dim)
+    return ([make(page, dtype) for _ in range(n_full)], [make(page, dtype) for _ in range(n_full)],
+            [make(conv, jnp.float32) for _ in range(n_gdn)], [make(delta, jnp.float32) for _ in range(n_gdn)])
+
+
+def _paged_attention(cfg: HybridConfig, h, lp, kv, md, cos, sin, kernels: Kernels):
+    """The gated full attention over the paged cache: h [T, D] (normed) -> ([T, D], (K, V))."""
+    from jaxllm.layers.attention import attend
+    T = h.shape[0]
+    H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    mm = kernels.linear
+    qg = linear(h, lp["q"], backend=mm).reshape(T, H, 2 * Dh)
+    q, gate = qg[..., :Dh], qg[..., Dh:].reshape(T, H * Dh)           # each head: query, then its gate
+    q = apply_rope(_norm(q, lp["q_norm"], cfg.rms_norm_eps), cos, sin)
+    k = _norm(linear(h, lp["k"], backend=mm).reshape(T, Hkv, Dh), lp["k_norm"], cfg.rms_norm_eps)
+    k = apply_rope(k, cos, sin)
+    v = linear(h, lp["v"], backend=mm).reshape(T, Hkv, Dh)
+    o, kv = attend(q.astype(h.dtype), k.astype(h.dtype), v.astype(h.dtype), kv, None, md, scale=Dh ** -0.5,
+                   sliding_window=None, backend=kernels.attention)      # [T, H, Dh]
+    o = o.reshape(T, H * Dh).astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return linear(o.astype(h.dtype), lp["o"], backend=mm), kv
+
+
+def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernels: Kernels):
+    """A GDN layer over the step's flat ragged tokens: h [T, D] (normed); conv_all, delta_all
+    the layer's states of every slot; slots [S] each sequence's slot (out of range: a padding
+    sequence, which reads zeros and writes nothing) -> ([T, D], conv_all, delta_all).
+
+    The projections run on the flat tokens; the conv and the delta rule on the tokens
+    regrouped into rows ``[S, T]`` by ``query_start_loc`` (``length`` masking the padding),
+    or, when no sequence has more than one token (a decode step), in the recurrent form on
+    ``[S, 1]``.  A sequence whose first token this step is at position 0 starts from a zeroed
+    state (a new request, or one recomputed after preemption: prefix caching is off)."""
+    T = h.shape[0]
+    Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    mixed, z, b, a = _gdn_projections(cfg, h, lp, kernels.linear)      # [T, C], [T, Hv, Dv], [T, Hv]
+    mixed = mixed.astype(jnp.float32)
+    qsl = md.query_start_loc                                          # [S + 1]
+    start, length = qsl[:-1], qsl[1:] - qsl[:-1]                      # [S]
+    fresh = md.positions[jnp.clip(start, 0, T - 1)] == 0               # [S]
+    conv0 = jnp.take(conv_all, slots, axis=0, mode="fill", fill_value=0)     # [S, K - 1, C]
+    delta0 = jnp.take(delta_all, slots, axis=0, mode="fill", fill_value=0)   # [S, Hv, Dk, Dv]
+    conv0 = jnp.where(fresh[:, None, None], 0.0, conv0)
+    delta0 = jnp.where(fresh[:, None, None, None], 0.0, delta0)
+    decode = "pallas" if kernels.attention == "pallas" else "xla"
+
+    def prefill(mixed, b, a, conv0, delta0):
+        rows = jnp.clip(start[:, None] + jnp.arange(T)[None, :], 0, T - 1)   # [S, T] flat index of (s, j)
+        o, st = _gdn_mix(cfg, lp, mixed[rows], b[rows], a[rows], (conv0, delta0), length,
+                         chunk_size=CHUNK_SIZE, decode=decode)           # [S, T, Hv, Dv]
+        j = jnp.clip(jnp.arange(T) - start[md.token_seq], 0, T - 1)     # [T] each token's index in its row
+        return o[md.token_seq, j], st
+
+    def one_token(mixed, b, a, conv0, delta0):
+        first = jnp.clip(start, 0, T - 1)                              # [S] each sequence's token
+        o, st = _gdn_mix(cfg, lp, mixed[first][:, None], b[first][:, None], a[first][:, None], (conv0, delta0),
+                         None, chunk_size=CHUNK_SIZE, decode=decode)     # [S, 1, Hv, Dv]
+        return o[md.token_seq, 0], st
+
+    o, (conv1, delta1) = jax.lax.cond(jnp.max(length) <= 1, one_token, prefill, mixed, b, a, conv0, delta0)
+    conv_all = conv_all.at[slots].set(conv1.astype(conv_all.dtype), mode="drop")
+    delta_all = delta_all.at[slots].set(delta1.astype(delta_all.dtype), mode="drop")
+    return _gdn_out(cfg, lp, o.reshape(T, Hv, Dv), z, h.dtype, kernels.linear), conv_all, delta_all
+
+
+def forward(arch: HybridArch, params: dict, kv, input_ids: jax.Array, md, kernels: Kernels = _XLA,
+                   state_slots: jax.Array | None = None):
+    """The engine's forward over one ragged step: input_ids [T], md (layers/attention.py's
+    AttentionMetadata), kv :func:`allocate_cache`'s pytree, state_slots [S] each sequence's
+    state slot (None: sequence s in slot s) -> final hidden states [T, D] and the cache."""
+    cfg = arch.hybrid
+    native = kernels.matmul == "native"
+    x = embed(params["embed"], input_ids, panels=native and cfg.tie_word_embeddings)   # [T, D]
+    if native:
+        x = x.astype(jnp.float32)
+    cos, sin = cos_sin(md.positions, params["rope_inv_freq"])            # [T, R/2]
+    S = md.query_start_loc.shape[0] - 1
+    slots = jnp.arange(S, dtype=jnp.int32) if state_slots is None else state_slots
+    ks, vs, convs, deltas = (list(c) for c in kv)
+    fi = gi = 0
+    for i, lp in enumerate(params["layers"]):
+        h = _norm(x, lp["input_norm"], cfg.rms_norm_eps)
+        if cfg.is_linear(i):
+            y, convs[gi], deltas[gi] = _ragged_gdn(cfg, h, lp, convs[gi], deltas[gi], slots, md, kernels)
+            gi += 1
+        else:
+            y, (ks[fi], vs[fi]) = _paged_attention(cfg, h, lp, (ks[fi], vs[fi]), md, cos, sin, kernels)
+            fi += 1
+        x = x + y.astype(x.dtype)
+        h = _norm(x, lp["post_norm"], cfg.rms_norm_eps).astype(x.dtype)
+        x = x + mlp(cfg, h, lp, kernels.linear, kernels.moe, md.query_start_loc[-1]).astype(x.dtype)
+    return _norm(x, params["final_norm"], cfg.rms_norm_eps), (ks, vs, convs, deltas)
+
+
+def compute_logits(arch: HybridArch, params: dict, hidden: jax.Array, kernels: Kernels = _XLA) -> jax.Array:
+    """hidden [S, D] -> float32 logits [S, V]."""
+    w = params["embed"] if arch.tie_word_embeddings else params["lm_head"]
+    return matmul(hidden, w, kernels.linear)

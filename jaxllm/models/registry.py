@@ -9,7 +9,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import deepseek, gemma, gguf_arch, gpt_oss, llama
+from jaxllm.models import deepseek, gemma, gguf_arch, gpt_oss, llama, qwen3_next
 
 _REGISTRY: dict[str, ModuleType] = {
     "LlamaForCausalLM": llama,
@@ -31,6 +31,10 @@ _REGISTRY: dict[str, ModuleType] = {
     # MLA: one latent per token in the cache (layers/mla_attention.py), routed + shared experts.
     "DeepseekV2ForCausalLM": deepseek,
     "DeepseekV3ForCausalLM": deepseek,
+    # Hybrid: Gated DeltaNet layers (a recurrent state per sequence) and gated full attention.
+    "Qwen3NextForCausalLM": qwen3_next,
+    "Qwen3_5ForCausalLM": qwen3_next,
+    "Qwen3_5MoeForCausalLM": qwen3_next,
 }
 
 # GGUF's general.architecture -> HF architecture name.

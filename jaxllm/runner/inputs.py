@@ -78,6 +78,8 @@ def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket:
     prompt_targets = np.full(Tb, -1, np.int32)
     md = smd.empty_metadata(Sb, K)
     md["slot"][:] = states.rows.scratch
+    # Per-sequence state slots (a hybrid model's): padding sequences take an out-of-range one.
+    state_slots = np.full(Sb, 0 if states.slots is None else states.slots.padding, np.int32)
     samples, plan, first_rows, drafts_of = [], [], [], []
     off = r = 0
     for i, (rid, n) in enumerate(seqs):
@@ -92,6 +94,8 @@ def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket:
         token_seq[off:off + n] = i
         token_row[off:off + n] = r
         tables[i, :len(blocks)] = blocks
+        if states.slots is not None:
+            state_slots[i] = states.slots.slot(rid)
         seq_lens[i] = c + n
         if st.prompt_lps is not None and c < st.num_prompt_tokens - 1:
             m = min(c + n, st.num_prompt_tokens - 1) - c   # positions whose next token is a prompt token
@@ -135,7 +139,8 @@ def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket:
         logits_indices=logits_idx,
         token_row=token_row,
         sampling=smd.to_metadata(md),
-        prompt_targets=prompt_targets)
+        prompt_targets=prompt_targets,
+        state_slots=state_slots)
     return PreparedStep(bucket=(Tb, Sb), inputs=inputs, req_ids=tuple(rid for rid, _ in seqs), samples=tuple(samples),
                         prompt_plan=tuple(plan), first_row=tuple(first_rows), drafts=tuple(drafts_of))
 
@@ -158,4 +163,5 @@ def input_spec(cfg: StepConfig, T: int, S: int, sharding) -> StepInputs:
         logits_indices=sds((S,)),
         token_row=sds((T,)),
         sampling=sampling_spec(S, sharding, cfg.num_speculative_tokens),
-        prompt_targets=sds((T,)))
+        prompt_targets=sds((T,)),
+        state_slots=sds((S,)))

@@ -39,6 +39,7 @@ from jaxllm.runner.compilation import CompilationManager
 from jaxllm.runner.inputs import PreparedStep, num_rows, prepare
 from jaxllm.runner.program_cache import ProgramCache
 from jaxllm.runner.requests import RequestStates, SampledStep
+from jaxllm.runner.state_slots import StateSlots
 from jaxllm.runner.step_config import StepConfig
 from jaxllm.sample.bitmask import mask_words
 from jaxllm.sample.states import SamplerRows
@@ -73,7 +74,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)
-        self.requests = RequestStates(model.arch.vocab_size, self.sampler_rows)
+        module = get_model_module(model.arch.architecture)
+        self.state_slots = StateSlots(cfg.max_num_seqs) if getattr(module, "PER_SEQUENCE_STATE", False) else None
+        self.requests = RequestStates(model.arch.vocab_size, self.sampler_rows, self.state_slots)
         self.grammars = GrammarStates(grammar, model.arch.vocab_size)
         self._all_allowed: dict[int, jax.Array] = {}   # S -> [S, W] all-ones bitmask on the device
         # Multi-process programs are not saved: each host would load its own copy unchecked.
@@ -98,12 +101,15 @@ class ModelRunner:
         """The (K, V) cache laid out over the mesh (``kv_heads`` split when the rules say so);
         ``shapes_only``: ShapeDtypeStructs carrying the shardings, nothing allocated."""
         a, cfg = self.arch, self.cfg
-        family = getattr(get_model_module(a.architecture), "allocate_cache", None)
+        module = get_model_module(a.architecture)
+        family = getattr(module, "allocate_cache", None)
         if family is not None:
-            # The family's own cache (MLA's latent pages): one entry per token shared by every
-            # head, so every device keeps all of it.
+            # The family's own cache (MLA's latent pages: one entry per token shared by every
+            # head, so every device keeps all of it; a hybrid model's K/V pages and recurrent
+            # states, one slot per sequence the budget seats).
+            seqs = {"num_seqs": cfg.max_num_seqs} if getattr(module, "PER_SEQUENCE_STATE", False) else {}
             specs = family(a, num_blocks, cfg.block_size, cfg.kv_dtype, cfg.scan_layers,
-                           make=functools.partial(jax.ShapeDtypeStruct, sharding=self._rep))
+                           make=functools.partial(jax.ShapeDtypeStruct, sharding=self._rep), **seqs)
         else:
             sharding = NamedSharding(self.mesh, psh.kv_spec(self.rules, cfg.scan_layers))
             specs = weights.allocate_kv_cache(a.num_layers, num_blocks, cfg.block_size, a.num_kv_heads, a.head_dim,

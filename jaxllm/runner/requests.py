@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxllm.outputs import LogprobsArrays, NewRequestData, RunnerOutput, SchedulerOutput
+from jaxllm.runner.state_slots import StateSlots
 from jaxllm.sample.metadata import RowParams
 from jaxllm.sample.states import SamplerRows
 from jaxllm.sampling_params import SamplingParams
@@ -62,9 +63,11 @@ class SampledStep:
 
 
 class RequestStates:
-    def __init__(self, vocab_size: int, sampler_rows: SamplerRows):
+    def __init__(self, vocab_size: int, sampler_rows: SamplerRows, state_slots: StateSlots | None = None):
+        """``state_slots``: the per-sequence state slots of a model that has some, else None."""
         self.vocab_size = vocab_size
         self.rows = sampler_rows
+        self.slots = state_slots
         self._states: dict[str, RequestState] = {}
 
     def __getitem__(self, req_id: str) -> RequestState:
@@ -75,9 +78,15 @@ class RequestStates:
         for rid in so.finished_req_ids:
             if self._states.pop(rid, None) is not None:
                 self.rows.remove_request(rid)
+                if self.slots is not None:
+                    self.slots.remove(rid)
         for nr in so.scheduled_new_reqs:
             st = self._states[nr.req_id] = RequestState.from_new(nr, self.vocab_size)
             self.rows.add_request(nr.req_id, st.sampling)
+            if self.slots is not None:
+                # A request seen again after preemption comes back from position 0: the step
+                # zeroes the slot's state before its first token (models/qwen3_next.py).
+                self.slots.add(nr.req_id)
         c = so.scheduled_cached_reqs
         for rid, blocks, n in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             st = self._states[rid]

@@ -38,17 +38,21 @@ class StepInputs:
     token_row: jax.Array        # [T] int32, the sampling row each token's penalty counts go through
     sampling: SamplingMetadata
     prompt_targets: jax.Array   # [T] int32, next prompt token for prompt_logprobs, -1: not asked
+    state_slots: jax.Array      # [S] int32, each sequence's per-sequence state slot (runner/state_slots.py)
 
 
 def make_step(cfg: StepConfig, model: ModuleType):
     """``model``: the model family's module (models/registry.py)."""
     arch, kernels, K = cfg.arch, cfg.kernels, max(cfg.max_logprobs, 1)
+    # A family with per-sequence state (models/qwen3_next.py) reads each sequence's slot.
+    stateful = getattr(model, "PER_SEQUENCE_STATE", False)
 
     def logits_of(params, hidden):
         return model.compute_logits(arch, params, hidden, kernels)
 
     def step(params, kv, sstate: SamplerState, inputs: StepInputs):
-        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels)   # [T, D]
+        extra = {"state_slots": inputs.state_slots} if stateful else {}
+        hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels, **extra)   # [T, D]
         logits = logits_of(params, hidden[inputs.logits_indices])        # [S, V]
         if tp_size() > 1:
             # Vocabulary-parallel LM head: gather the (small) logits so the sampler, and its

@@ -102,7 +102,7 @@ def test_logits_and_greedy_match_transformers(hybrid):
     cache = qn.init_cache(cfg, prompt.shape[0], PROMPT_LEN + NEW_TOKENS)
     got = []
     for lo, hi in ((0, 35), (35, PROMPT_LEN)):
-        logits, cache = qn.forward(cfg, params, cache, prompt[:, lo:hi], chunk_size=CHUNK)
+        logits, cache = qn.dense_forward(cfg, params, cache, prompt[:, lo:hi], chunk_size=CHUNK)
         got.append(np.asarray(logits))
     got = np.concatenate(got, axis=1)
     assert got.shape == want.shape
