@@ -74,7 +74,7 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 5000, size=n).tolist()
 
 
-_GREEDY_REFS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GREEDY_REFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """model -> {(prompt, n): tokens}: each backend's test compares with the same reference, so
 transformers generates it once (the entries go with the model)."""
 
