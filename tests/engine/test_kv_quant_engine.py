@@ -14,6 +14,8 @@ from jaxllm.cpu import native
 
 PROMPT_LENS = [3, 40, 70, 120, 9, 25]
 MAX_TOKENS = 32
+# Each engine compiles the buckets its generate runs (5 of SMALL_ENGINE's 6), under the strict guard.
+ENGINE = {**SMALL_ENGINE, "precompile": "auto"}
 
 
 def _prompts():
@@ -46,7 +48,7 @@ def float_run(tiny_llm):
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
 def test_quantized_engine(tiny_llama, float_run, kv_cache_dtype):
     from jaxllm import LLM
-    llm = LLM(tiny_llama, **SMALL_ENGINE, kv_cache_dtype=kv_cache_dtype)
+    llm = LLM(tiny_llama, **ENGINE, kv_cache_dtype=kv_cache_dtype)
     core = llm.llm_engine.core
     want_backend = "native" if native.available() else "xla"
     assert core.resolved.step.kernels.attention == want_backend
@@ -55,7 +57,7 @@ def test_quantized_engine(tiny_llama, float_run, kv_cache_dtype):
     tokens, logprobs = _greedy(llm)
     # The native kernel and the XLA path read the same quantized pages: the same tokens.
     if want_backend == "native":
-        xla = LLM(tiny_llama, **SMALL_ENGINE, kv_cache_dtype=kv_cache_dtype, attention_backend="xla")
+        xla = LLM(tiny_llama, **ENGINE, kv_cache_dtype=kv_cache_dtype, attention_backend="xla")
         assert _greedy(xla)[0] == tokens
     ftokens, flogprobs = float_run
     agree = [_agree(a, b) for a, b in zip(tokens, ftokens)]
@@ -95,7 +97,7 @@ def test_pallas_engine_equals_the_xla_engine_over_a_quantized_stacked_cache(tiny
     """Layers under lax.scan (the stacked cache, as on a GPU): the Pallas kernel (interpret
     mode on CPU, fused quantized write) and the XLA path give the same greedy tokens."""
     from jaxllm import LLM
-    kw = dict(SMALL_ENGINE, kv_cache_dtype=kv_cache_dtype, scan_layers=True)
+    kw = dict(ENGINE, kv_cache_dtype=kv_cache_dtype, scan_layers=True)
     pallas = LLM(tiny_llama, **kw, attention_backend="pallas")
     assert pallas.llm_engine.core.resolved.step.kernels.attention == "pallas"
     xla = LLM(tiny_llama, **kw, attention_backend="xla")

@@ -17,12 +17,14 @@ import json
 import os
 import re
 import shutil
+import weakref
 
 import numpy as np
 import pytest
 import torch
 from conftest import SMALL_ENGINE
 from safetensors.numpy import load_file, save_file
+from tiny_families import hf_greedy
 from tiny_models import VARIANTS_B, build_tiny, load_hf, paged_logits
 
 from jaxllm import LLM, SamplingParams
@@ -54,9 +56,17 @@ def hf_models(ckpts):
     return {name: load_hf(path) for name, path in ckpts.items()}
 
 
+_REF_LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {ids: logits}
+
+
 def _ref_logits(hf, ids):
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].numpy()
+    """transformers' float32 logits of ``ids``, once per model and prompt (the three backends
+    compare with the same reference)."""
+    refs = _REF_LOGITS.setdefault(hf, {})
+    if tuple(ids) not in refs:
+        with torch.no_grad():
+            refs[tuple(ids)] = hf(torch.tensor([ids])).logits[0].numpy()
+    return refs[tuple(ids)]
 
 
 def _scan(variant: str, scan: bool) -> bool:
@@ -103,12 +113,9 @@ def test_greedy_tokens_match_transformers(variant, backend, ckpts, hf_models):
     outs = [o for b in batches for o in llm.generate(
         [{"prompt_token_ids": p} for p in b], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
         use_tqdm=False)]
-    hf = hf_models[variant]
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
     for p, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p):].tolist()
+        # transformers' generate, once per prompt for the three backends (tiny_families.hf_greedy)
+        ref = hf_greedy(hf_models[variant], p, 32)
         assert out.outputs[0].token_ids == ref, f"{variant} ({backend}), prompt of {len(p)} tokens"
 
 
