@@ -16,6 +16,7 @@ from jaxllm.core.kv_budget import KVPlan, utilization_budget
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.models.loader import LoadedModel
+from jaxllm.models.registry import keeps_sequence_state
 from jaxllm.outputs import EngineCoreOutput
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import replica_devices
@@ -33,9 +34,8 @@ def _check_per_sequence_state(config: EngineConfig, model: LoadedModel) -> bool:
     layers, models/qwen3_next.py) turns it off: a cached prefix's blocks hold the K/V of its
     full-attention layers but not the recurrent state after it.  Speculative decoding and
     tensor parallelism are refused for such a model, naming the flag."""
-    from jaxllm.models.registry import get_model_module
     arch = model.arch.architecture
-    if not getattr(get_model_module(arch), "PER_SEQUENCE_STATE", False):
+    if not keeps_sequence_state(arch):
         return config.cache.enable_prefix_caching
     if config.speculative_config is not None:
         raise ValueError(f"--speculative-config is not supported for {arch}: its linear-attention layers' recurrent "
@@ -49,6 +49,22 @@ def _check_per_sequence_state(config: EngineConfig, model: LoadedModel) -> bool:
     return False
 
 
+def _load_draft(config: EngineConfig, model: LoadedModel) -> LoadedModel:
+    """The draft model of ``method: draft_model``, refused by name when it cannot propose for
+    ``model``."""
+    from jaxllm.models.loader import load_model
+    spec = config.speculative_config
+    draft = load_model(spec.model)
+    if keeps_sequence_state(draft.arch.architecture):
+        raise ValueError(f"--speculative-config: the draft model {spec.model} ({draft.arch.architecture}) keeps a "
+                         "recurrent state per sequence, which rejected proposals would leave advanced; "
+                         "use an attention-only draft model")
+    if draft.arch.vocab_size != model.arch.vocab_size:
+        raise ValueError(f"--speculative-config: the draft model {spec.model} has {draft.arch.vocab_size} "
+                         f"tokens in its vocabulary and the target {model.arch.vocab_size}: they must be equal")
+    return draft
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel, replica: int = 0, grammar=None):
         """``replica``: which data-parallel replica this is (it runs on that slice of the devices);
@@ -57,7 +73,9 @@ class EngineCore:
         pc = config.parallel
         devices = replica_devices(pc.tensor_parallel_size, pc.data_parallel_size, replica)
         prefix_caching = _check_per_sequence_state(config, model)
-        self.resolved = r = resolve_config(config, model)
+        spec = config.speculative_config
+        draft = _load_draft(config, model) if spec is not None and spec.method == "draft_model" else None
+        self.resolved = r = resolve_config(config, model, draft)
         cc.enable_persistent_cache(r.compile_cache_dir)
         cc.install_listeners()
         self.runner = ModelRunner(
@@ -82,10 +100,9 @@ class EngineCore:
                                    max_model_len=r.step.max_model_len,
                                    policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps)
         self.draft_runner = None
-        spec = config.speculative_config
         if spec is not None:
-            draft = self._draft(config, model, devices, r) if spec.method == "draft_model" else None
-            self.runner.proposer = make_controller(spec, draft)
+            proposer = self._draft(config, draft, devices, r) if draft is not None else None
+            self.runner.proposer = make_controller(spec, proposer)
             self.runner.proposer.step_cost = self.runner.measured_step_seconds
         # auto: on demand for one-shot use; a server compiles the rest when it starts
         # (AsyncEngine), and every host of a multi-host engine compiles all up front.
@@ -142,20 +159,10 @@ class EngineCore:
         if self.draft_runner is not None:
             self.draft_runner.compile_buckets(self.draft_runner.buckets)
 
-    def _draft(self, config: EngineConfig, model: LoadedModel, devices, r):
-        """The draft model's runner for ``method: draft_model``, and its KV pool: room for
-        ``max_num_seqs`` sequences of ``max_model_len`` (kept apart from the target's budget)."""
-        from jaxllm.models.loader import load_model
-        from jaxllm.models.registry import get_model_module
+    def _draft(self, config: EngineConfig, draft: LoadedModel, devices, r):
+        """The draft model's runner for ``method: draft_model``, and its KV pool: as many blocks
+        as the target's, counted in the same budget (resolve._draft_kinds)."""
         spec = config.speculative_config
-        draft = load_model(spec.model)
-        if getattr(get_model_module(draft.arch.architecture), "PER_SEQUENCE_STATE", False):
-            raise ValueError(f"--speculative-config: the draft model {spec.model} ({draft.arch.architecture}) keeps a "
-                             "recurrent state per sequence, which rejected proposals would leave advanced; "
-                             "use an attention-only draft model")
-        if draft.arch.vocab_size != model.arch.vocab_size:
-            raise ValueError(f"--speculative-config: the draft model {spec.model} has {draft.arch.vocab_size} "
-                             f"tokens in its vocabulary and the target {model.arch.vocab_size}: they must be equal")
         dcfg = dataclasses.replace(config, model=spec.model, speculative_config=None, quantization=None,
                                    scheduler=dataclasses.replace(config.scheduler,
                                                                  max_model_len=r.step.max_model_len))
@@ -163,8 +170,7 @@ class EngineCore:
             d = resolve_config(dcfg, draft)
         except ValueError as e:
             raise ValueError(f"--speculative-config: the draft model {spec.model}: {e}") from None
-        bs = r.step.block_size
-        num_blocks = r.step.max_num_seqs * -(-r.step.max_model_len // bs) + 1
+        bs, num_blocks = r.step.block_size, r.kv.num_blocks
         self.draft_runner = ModelRunner(
             draft, d.step, num_blocks=num_blocks, devices=devices, program_dir=os.path.join(r.compile_cache_dir,
                                                                                             "programs"),

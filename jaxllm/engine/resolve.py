@@ -127,7 +127,17 @@ def _cache_kinds(arch, itemsize: int, kv_name: str) -> tuple[CacheKind, ...]:
     return (kv_kind(arch.num_layers, kv_quant.token_bytes(arch.num_kv_heads, arch.head_dim, itemsize, kv_name)),)
 
 
-def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
+def _draft_kinds(draft: LoadedModel | None, itemsize: int, kv_name: str) -> tuple[CacheKind, ...]:
+    """A draft model's cache, in the target's budget: its runner allocates as many blocks as
+    the target's (it only holds sequences the target holds), so each of its layers counts in
+    every block like one of the target's (as vLLM sizes the draft's layers with the target's)."""
+    if draft is None:
+        return ()
+    return tuple(dataclasses.replace(k, name=f"draft {k.name}") for k in _cache_kinds(draft.arch, itemsize, kv_name))
+
+
+def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel | None = None) -> ResolvedConfig:
+    """``draft``: the draft model of ``method: draft_model``; its cache shares the budget."""
     platform = jax.default_backend()
     defaults = platform_defaults(platform)
     rc, sc, cache = config.runner, config.scheduler, config.cache
@@ -201,7 +211,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel) -> ResolvedConfig:
                       num_blocks_override=cache.num_blocks_override, platform=platform,
                       kv_dtype=dtype if kv_name == "auto" else kv_name, model_dtype=dtype,
                       model_token_bytes=kv_quant.token_bytes(a.num_kv_heads, a.head_dim, itemsize),
-                      kinds=_cache_kinds(a, itemsize, kv_name))
+                      kinds=_cache_kinds(a, itemsize, kv_name) + _draft_kinds(draft, itemsize, kv_name))
     util = cache.gpu_memory_utilization
     if util is not None and cache.kv_cache_memory_bytes is None and cache.num_blocks_override is None:
         if platform == "cpu":

@@ -71,3 +71,10 @@ def get_model_module(architecture: str) -> ModuleType:
         raise ModelLoadError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
         ) from None
+
+
+def keeps_sequence_state(architecture: str) -> bool:
+    """Whether the family keeps state per sequence besides its K/V pages (a hybrid model's
+    recurrent GDN state, models/qwen3_next.py): the runner then gives each request a state
+    slot, and prefix caching and speculative decoding do not apply."""
+    return getattr(get_model_module(architecture), "PER_SEQUENCE_STATE", False)

@@ -7,6 +7,8 @@ null block 0 and padding rows sample into the sampler state's scratch row.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import jax
@@ -34,10 +36,13 @@ class PreparedStep:
     prompt_plan: tuple[tuple[str, int, int], ...]
     """(request id, first flat token, count) of the positions whose prompt logprobs this step
     computes."""
-    first_row: tuple[int, ...] = ()
-    """Per sequence: its first sampling row (a verification has 1 + len(drafts) rows)."""
     drafts: tuple[tuple[int, ...], ...] = ()
     """Per sequence: the proposals it verifies this step (empty: a plain step)."""
+
+    @functools.cached_property
+    def first_row(self) -> tuple[int, ...]:
+        """Per sequence: its first sampling row (a verification has 1 + len(drafts) rows)."""
+        return tuple(itertools.accumulate((1 + len(d) for d in self.drafts), initial=0))[:-1]
 
     def rows(self):
         """(sampling row, request id, draft index j) of every row that samples: row j of a
@@ -80,7 +85,7 @@ def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket:
     md["slot"][:] = states.rows.scratch
     # Per-sequence state slots (a hybrid model's): padding sequences take an out-of-range one.
     state_slots = np.full(Sb, 0 if states.slots is None else states.slots.padding, np.int32)
-    samples, plan, first_rows, drafts_of = [], [], [], []
+    samples, plan, drafts_of = [], [], []
     off = r = 0
     for i, (rid, n) in enumerate(seqs):
         st = states[rid]
@@ -103,7 +108,6 @@ def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket:
             plan.append((rid, off, m))
         sampled = c + n - len(drafts) == len(st.token_ids)
         samples.append(sampled)
-        first_rows.append(r)
         drafts_of.append(drafts)
         p = st.sampling
         # Only min_tokens and multi-token bad words look at the outputs: no per-step copy otherwise.
@@ -142,7 +146,7 @@ def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket:
         prompt_targets=prompt_targets,
         state_slots=state_slots)
     return PreparedStep(bucket=(Tb, Sb), inputs=inputs, req_ids=tuple(rid for rid, _ in seqs), samples=tuple(samples),
-                        prompt_plan=tuple(plan), first_row=tuple(first_rows), drafts=tuple(drafts_of))
+                        prompt_plan=tuple(plan), drafts=tuple(drafts_of))
 
 
 def sampling_spec(S: int, sharding, draft_width: int = 0) -> SamplingMetadata:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionMetadata
+from jaxllm.models.registry import keeps_sequence_state
 from jaxllm.parallel.mesh import tp_size
 from jaxllm.runner.step_config import StepConfig
 from jaxllm.sample.sampler import SamplerState, SamplingMetadata, prompt_logprobs, sample, update_state
@@ -45,7 +46,7 @@ def make_step(cfg: StepConfig, model: ModuleType):
     """``model``: the model family's module (models/registry.py)."""
     arch, kernels, K = cfg.arch, cfg.kernels, max(cfg.max_logprobs, 1)
     # A family with per-sequence state (models/qwen3_next.py) reads each sequence's slot.
-    stateful = getattr(model, "PER_SEQUENCE_STATE", False)
+    stateful = keeps_sequence_state(arch.architecture)
 
     def logits_of(params, hidden):
         return model.compute_logits(arch, params, hidden, kernels)

@@ -18,8 +18,9 @@ tokens per request makes the step bigger, and on hardware that is compute-bound 
 expected output tokens of the step (1 per request, plus each request's expected accepted
 proposals from its per-position acceptance so far, smoothed towards every request's) are divided by the
 measured time of the bucket that step would run in (the runner's moving average per bucket;
-a bucket not measured yet counts as cheap, so it gets tried), and the best k caps every
-request's proposals.  k = 0 proposes nothing this step.
+a bucket not measured yet counts as cheap, so it gets tried), plus what proposing k tokens
+costs when the proposer says (a draft model's k steps: its ``cost(k, requests)``), and the
+best k caps every request's proposals.  k = 0 proposes nothing this step.
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class SpecController:
         by the runner (its per-bucket moving average)."""
         self.last_k: int | None = None
         """The k the cost model chose for the next step (None: not consulted)."""
+        self._propose_cost = getattr(proposer, "cost", None)
+        """(k, requests) -> seconds the proposer takes for them, or None (unmeasured); a
+        proposer without it (ngram) costs nothing next to a step."""
 
     def _choose_k(self, num_sampling: int, asking: list[str]) -> int:
         """The k that maximises expected output tokens per second of the next step."""
@@ -112,6 +116,8 @@ class SpecController:
                 cost = known if known is not None else 1.0   # not measured: as cheap as the last known
             else:
                 known = cost
+            if self._propose_cost is not None:
+                cost += self._propose_cost(k, len(asking)) or 0.0
             tokens = num_sampling + sum(self._acceptance[rid].expected_accepted(k, self._all) for rid in asking)
             if tokens / cost > best:
                 best_k, best = k, tokens / cost

@@ -50,6 +50,8 @@ class DraftModelProposer:
         self.max_model_len = max_model_len
         self._drafts: dict[str, _Draft] = {}
         self._finished: set[str] = set()
+        self.num_left_out = 0
+        """Proposals not made because the draft's pool was full (for the log and the tests)."""
 
     # ------------------------------------------------------------------ the proposer interface
 
@@ -93,7 +95,15 @@ class DraftModelProposer:
                     break
                 sched[rid] = min(n, budget)
                 budget -= sched[rid]
-            got = self._step(sched, active)
+            got, full = self._step(sched, active)
+            self.num_left_out += len(full)
+            for rid in full:
+                # No room in the draft's pool (it holds as many blocks as the target's, and
+                # the target may have just seated more): this request does not propose this
+                # time, and gives its blocks back to the others.
+                del pending[rid], active[rid], sched[rid], out[rid]
+                self.kv.free(rid)
+                self._drafts[rid].fed.clear()
             for rid, n in sched.items():
                 self._drafts[rid].fed.extend(active[rid][len(self._drafts[rid].fed):len(self._drafts[rid].fed) + n])
                 pending[rid] -= n
@@ -107,31 +117,53 @@ class DraftModelProposer:
             if not live:
                 break
             seqs = {rid: toks + out[rid] for rid, toks in live.items()}
-            got = self._step({rid: 1 for rid in live}, seqs)
-            for rid in live:
+            got, full = self._step({rid: 1 for rid in live}, seqs, resend=False)
+            self.num_left_out += len(full)
+            for rid in live.keys() - full:
                 self._drafts[rid].fed.append(seqs[rid][-1])
                 out[rid].extend(got.get(rid, []))
         return {rid: d for rid, d in out.items() if d}
 
+    def cost(self, k: int, n: int) -> float | None:
+        """Seconds proposing ``k`` tokens for ``n`` requests takes: a catch-up step and k - 1
+        decode rounds, each counted at the draft's measured time for n requests' decode (None
+        until the draft has run such a step)."""
+        if k == 0:
+            return 0.0
+        t = self.runner.measured_step_seconds(n, n)
+        return None if t is None else k * t
+
     # ------------------------------------------------------------------ one draft step
 
-    def _step(self, sched: dict[str, int], seqs: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Runs the draft's runner on ``sched`` (id -> tokens to compute this step); every id is
-        sent in full (tokens, blocks, computed count), since the tokens it holds may have been
-        cut back since its last step.  Returns the tokens drawn."""
-        new = []
-        for rid, n in sched.items():
+    def _step(self, sched: dict[str, int], seqs: dict[str, list[int]], resend: bool = True
+              ) -> tuple[dict[str, list[int]], set[str]]:
+        """Runs the draft's runner on ``sched`` (id -> tokens to compute this step).  A catch-up
+        step (``resend``) sends every id in full (tokens, blocks, computed count): the tokens
+        the runner holds may have been cut back by the target since.  A decode round sends
+        only new blocks and the computed count: the runner appended its own draw, which is
+        the token fed.  Returns the tokens drawn, and the ids left out for want of blocks."""
+        new, cached, full = [], CachedRequestData(), set()
+        for rid, n in list(sched.items()):
             d = self._drafts[rid]
             c = len(d.fed)
             blocks = self.kv.allocate_slots(rid, c + n)
             if blocks is None:
-                raise RuntimeError(f"draft KV pool exhausted ({self.kv.num_blocks} blocks)")
-            new.append(NewRequestData(req_id=rid, token_ids=list(seqs[rid][:c + n]), num_prompt_tokens=d.num_prompt,
-                                      sampling_params=d.params, seed=d.seed,
-                                      block_ids=list(self.kv.get_block_ids(rid)), num_computed_tokens=c))
-        so = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=CachedRequestData(),
-                             num_scheduled_tokens=dict(sched), total_num_scheduled_tokens=sum(sched.values()),
+                full.add(rid)
+                continue
+            if resend:
+                new.append(NewRequestData(req_id=rid, token_ids=list(seqs[rid][:c + n]), num_prompt_tokens=d.num_prompt,
+                                          sampling_params=d.params, seed=d.seed,
+                                          block_ids=list(self.kv.get_block_ids(rid)), num_computed_tokens=c))
+            else:
+                cached.req_ids.append(rid)
+                cached.new_block_ids.append(list(blocks))
+                cached.num_computed_tokens.append(c)
+        run = {rid: n for rid, n in sched.items() if rid not in full}
+        if not run:
+            return {}, full
+        so = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                             num_scheduled_tokens=run, total_num_scheduled_tokens=sum(run.values()),
                              finished_req_ids=self._finished)
         self._finished = set()
         res = self.runner.execute(so)
-        return {rid: toks for rid, toks in zip(res.req_ids, res.sampled_token_ids) if toks}
+        return {rid: toks for rid, toks in zip(res.req_ids, res.sampled_token_ids) if toks}, full

@@ -321,3 +321,40 @@ def test_draft_model_batch_equals_plain_decoding(tiny_llama, tiny_checkpoints, p
     llm.llm_engine.step()
     proposer = llm.llm_engine.core.runner.proposer.proposer
     assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
+
+
+def draft_llm(tiny_llama, **engine):
+    return LLM(tiny_llama, **{**SMALL_ENGINE, "precompile": "on-demand", **engine},
+               speculative_config={"model": tiny_llama, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
+                                   "cost_model": False})
+
+
+def test_draft_model_cache_is_inside_the_kv_budget(tiny_llama):
+    """--kv-cache-memory-bytes bounds the target's and the draft's caches together: the bytes
+    both runners allocated, read back from their arrays, are within the budget, and the draft
+    holds as many blocks as the target."""
+    budget = 3 * (1 << 20) + 12345
+    llm = draft_llm(tiny_llama, kv_cache_memory_bytes=budget, num_blocks_override=None)
+    core = llm.llm_engine.core
+    target, draft = core.runner.kv_cache_bytes(), core.draft_runner.kv_cache_bytes()
+    assert draft > 0 and target + draft <= budget
+    assert core.draft_runner.num_blocks == core.runner.num_blocks
+    assert budget - (target + draft) < core.resolved.kv.bytes_per_block   # the budget is used
+
+
+def test_draft_model_with_a_full_pool_keeps_outputs_equal(tiny_llama, plain_outputs):
+    """A pool too small for the batch: the target preempts, and the draft (as many blocks)
+    runs out of room; a request it cannot seat does not propose that step, nothing fails, the
+    outputs equal plain decoding, and both pools are whole at the end."""
+    llm = draft_llm(tiny_llama, num_blocks_override=8, max_model_len=112)
+    prompts, params = workload()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    core = llm.llm_engine.core
+    proposer = core.runner.proposer.proposer
+    assert core.scheduler.num_preemptions > 0 and proposer.num_left_out > 0
+    assert tokens(outs) == tokens(plain_outputs)
+    drafts, proposed, accepted = snapshot(llm)
+    assert drafts > 0 and accepted > 0.9 * proposed      # the target as its own draft
+    llm.llm_engine.step()
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks

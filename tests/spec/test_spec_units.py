@@ -161,6 +161,32 @@ def test_cost_model_picks_the_k_that_pays():
                           None)._choose_k(2, ["a"]) == 3
 
 
+def test_cost_model_counts_the_draft_models_steps():
+    """A draft model's k steps are part of what k costs: with a flat target step, where
+    proposals are free k = 4 wins; a draft step of 0.4 target steps per proposed token makes
+    the third and fourth proposal (rarely accepted) cost more than they bring."""
+    class Draft:
+        def __init__(self):
+            self.asked, self.measured = [], True
+
+        def cost(self, k, n):
+            self.asked.append((k, n))
+            return 0.004 * k if self.measured else None
+
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    draft = Draft()
+    ctl = SpecController(cfg, draft)
+    for rid in ("a", "b"):
+        acc = ctl._acceptance[rid] = _Acceptance()
+        for _ in range(20):
+            acc.observe(4, 2, cfg, 0)
+    ctl.step_cost = lambda T, rows: 0.01
+    assert ctl._choose_k(2, ["a", "b"]) == 2
+    assert (4, 2) in draft.asked            # asked for the two proposing requests
+    draft.measured = False                  # not measured yet: only the target's step counts
+    assert ctl._choose_k(2, ["a", "b"]) == 4
+
+
 # ---------------------------------------------------------------------------- scheduler
 
 def make_scheduler(budget=16, max_model_len=64):
