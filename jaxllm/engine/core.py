@@ -32,17 +32,14 @@ log = logging.getLogger("jaxllm.engine")
 def _check_per_sequence_state(config: EngineConfig, model: LoadedModel) -> bool:
     """Whether prefix caching runs.  A model with per-sequence state (a hybrid model's GDN
     layers, models/qwen3_next.py) turns it off: a cached prefix's blocks hold the K/V of its
-    full-attention layers but not the recurrent state after it.  Speculative decoding and
-    tensor parallelism are refused for such a model, naming the flag."""
+    full-attention layers but not the recurrent state after it.  Speculative decoding is
+    refused for such a model, naming the flag."""
     arch = model.arch.architecture
     if not keeps_sequence_state(arch):
         return config.cache.enable_prefix_caching
     if config.speculative_config is not None:
         raise ValueError(f"--speculative-config is not supported for {arch}: its linear-attention layers' recurrent "
                          "state would advance over proposals that are then rejected")
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError(f"--tensor-parallel-size {config.parallel.tensor_parallel_size} is not supported for "
-                         f"{arch} yet (its GDN heads are not split); use --tensor-parallel-size 1")
     if config.cache.enable_prefix_caching:
         log.info("prefix caching off: %s keeps a recurrent state per sequence (its GDN layers), which cached "
                  "prefix blocks do not hold", arch)

@@ -252,16 +252,21 @@ def cache_kinds(arch: ArchConfig, itemsize: int, kv_cache_dtype: str = "auto") -
     return (CacheKind("MLA latent + rope key", arch.num_layers, token_bytes=latent_width(arch) * itemsize),)
 
 
-def allocate_cache(arch: ArchConfig, num_blocks: int, block_size: int, dtype, stacked: bool, make=jnp.zeros) -> MLACache:
+def allocate_cache(arch: ArchConfig, num_blocks: int, block_size: int, dtype, stacked: bool, make=jnp.zeros,
+                   sharding=None) -> MLACache:
     """Zeroed latent pages (``layers/mla_attention.MLACache``); ``make=jax.ShapeDtypeStruct``
-    gives the shapes without allocating."""
+    gives the shapes without allocating.  ``sharding``: logical axes -> the array's sharding
+    (parallel/sharding.py); none of the pages' axes splits: one latent per token serves every
+    head, so every device keeps all of them."""
     shape = (num_blocks, block_size, latent_width(arch))
     if isinstance(dtype, kv_quant.KVFormat):   # refused earlier by cache_kinds, named by its flag
         raise ValueError(f"{arch.architecture}: a quantized KV cache is not supported for MLA; "  # noqa: TRY004
                          "use --kv-cache-dtype auto")
+    from jaxllm.parallel.sharding import LAYERS, cache_array
+    axes = ("kv_blocks", "block", "latent")
     if stacked:
-        return (make((arch.num_layers, *shape), dtype),)
-    return ([make(shape, dtype) for _ in range(arch.num_layers)],)
+        return (cache_array(make, sharding, (arch.num_layers, *shape), dtype, (LAYERS, *axes)),)
+    return ([cache_array(make, sharding, shape, dtype, axes) for _ in range(arch.num_layers)],)
 
 
 # ----------------------------------------------------------------------------- model

@@ -246,7 +246,7 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
 
     Per-expert tensors are stacked into their parameter, every expert of each layer required.
     ``transform(param, array)``: applied to each tensor once its shape is checked."""
-    from jaxllm.quant.ops import is_quantized
+    from jaxllm.quant.ops import is_quantized, map_fields
     E, L = arch.num_experts, arch.num_layers
     want = {p.name: tuple(p.shape(arch)) for p in names.table.present(arch) if p.from_checkpoint}
     layers: list[dict[str, np.ndarray]] = [{} for _ in range(L)]
@@ -280,6 +280,10 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
             a = arr
             if chunk is not None:
                 a = a[(slice(None),) * chunk.axis + (slice(start, start + shape[chunk.axis]),)]
+            if p.row_order is not None:
+                rows = p.row_order(arch)
+                # A quantized tensor's every field has the output rows first.
+                a = map_fields(a, lambda f, rows=rows: f[rows]) if is_quantized(a) else a[rows]
             if transform is not None:
                 a = transform(p, a)
             if expert is not None and is_quantized(a):

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from jaxllm.models.config import ArchConfig
 
 GLOBAL, LAYER = "global", "layer"
@@ -89,6 +91,10 @@ class Param:
     in_layer: Callable[[ArchConfig, int], bool] | None = None
     """For LAYER parameters present in some layers only (GLM-4-MoE's dense first layers):
     whether layer ``i`` has it; None: every layer."""
+    row_order: Callable[[ArchConfig], np.ndarray] | None = None
+    """The stored tensor's rows (axis 0, after any :class:`Chunk`) in the order the parameter
+    holds them, when the model wants a layout the checkpoint does not store (a hybrid
+    model's GDN channels grouped by key head, so tensor parallelism splits whole groups)."""
 
     def has(self, arch: ArchConfig, layer: int | None) -> bool:
         """Whether layer ``layer`` (None: a global) of ``arch`` holds this parameter."""

@@ -34,7 +34,11 @@ into ``[S, T]`` rows by ``query_start_loc`` (``length`` masking the padding) for
 :func:`chunk_gated_delta_rule`, or, when every sequence has one token, the recurrent form
 (the Pallas kernel on the pallas backend).  A sequence whose first token is at position 0
 starts from zeros: a new request, or one recomputed after preemption.  Prefix caching is off
-for these models and speculative decoding refused (``engine/core.py``).
+for these models and speculative decoding refused (``engine/core.py``).  Tensor parallelism
+splits the GDN layers by key-head group: the conv channels are kept grouped by key head
+(:func:`grouped_channels`, applied to the checkpoint's rows at load), so a device's slice of
+the projections, the conv, the states and the output projection's columns are its own heads'
+and only the output projection's all-reduce joins them.
 
 Also here, for the model tests: a self-contained dense-batch harness (:func:`init_cache`,
 :func:`dense_forward`, :func:`generate`) with a dense KV cache for the full-attention layers
@@ -52,6 +56,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.layers.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
@@ -73,6 +78,7 @@ from jaxllm.models.params import (
     always,
 )
 from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas
+from jaxllm.parallel.mesh import TP, tp_size
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -264,8 +270,15 @@ def _split(a: HybridConfig) -> bool:
     return not a.fused_projections
 
 
-def _qkv_sizes(a: HybridConfig) -> tuple[int, int, int]:
-    return a.key_dim, a.key_dim, a.value_dim
+def grouped_channels(a: HybridConfig) -> np.ndarray:
+    """[C] the conv channels in the order this module keeps them, as indices into the
+    checkpoint's (every q head, every k head, every v head): per key head its q, its k and
+    the v heads of its group, so a split into whole key-head groups (tensor parallelism)
+    gives each device the channels of its own heads and nothing else."""
+    Hk, Dk, Dv = a.linear_num_key_heads, a.linear_key_head_dim, a.linear_value_head_dim
+    gv = a.linear_num_value_heads // Hk * Dv                               # one group's v channels
+    return np.concatenate([np.r_[g * Dk:(g + 1) * Dk, a.key_dim + g * Dk:a.key_dim + (g + 1) * Dk,
+                                 2 * a.key_dim + g * gv:2 * a.key_dim + (g + 1) * gv] for g in range(Hk)])
 
 
 _IN_QKV = _hf("linear_attn.in_proj_qkv.weight")     # Qwen3.5: [2 Kd + Vd, D], q then k then v rows
@@ -300,22 +313,18 @@ PARAMS = ParamTable(params=(
           when=_fused, in_layer=_linear_layer, native=always),
     Param("in_ba", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (2 * a.linear_num_value_heads, a.hidden_size),
           _hf("linear_attn.in_proj_ba.weight"), when=_fused, in_layer=_linear_layer, native=always),
-    # Qwen3.5's: q, k, v rows of one tensor (split at load), z, b, a.
-    Param("in_q", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.key_dim, a.hidden_size),
-          Chunk(_IN_QKV, 0, 3, 0, _qkv_sizes), when=_split, in_layer=_linear_layer, native=always),
-    Param("in_k", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.key_dim, a.hidden_size),
-          Chunk(_IN_QKV, 1, 3, 0, _qkv_sizes), when=_split, in_layer=_linear_layer, native=always),
-    Param("in_v", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.value_dim, a.hidden_size),
-          Chunk(_IN_QKV, 2, 3, 0, _qkv_sizes), when=_split, in_layer=_linear_layer, native=always),
+    # Qwen3.5's: the conv channels' rows (regrouped by key head at load), z, b, a.
+    Param("in_qkv", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.conv_dim, a.hidden_size), _IN_QKV,
+          when=_split, in_layer=_linear_layer, native=always, row_order=grouped_channels),
     Param("in_z", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.value_dim, a.hidden_size),
           _hf("linear_attn.in_proj_z.weight"), when=_split, in_layer=_linear_layer, native=always),
     Param("in_b", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.linear_num_value_heads, a.hidden_size),
           _hf("linear_attn.in_proj_b.weight"), when=_split, in_layer=_linear_layer, native=always),
     Param("in_a", LAYER, MATRIX, ("gdn_heads", "embed"), lambda a: (a.linear_num_value_heads, a.hidden_size),
           _hf("linear_attn.in_proj_a.weight"), when=_split, in_layer=_linear_layer, native=always),
-    # The depthwise conv over the q, k, v channels: [C, 1, K] as nn.Conv1d stores it.
+    # The depthwise conv over the q, k, v channels: [C, 1, K] as nn.Conv1d stores it, regrouped.
     Param("conv", LAYER, VECTOR, ("gdn_heads", None, None), lambda a: (a.conv_dim, 1, a.conv_kernel),
-          _hf("linear_attn.conv1d.weight"), in_layer=_linear_layer),
+          _hf("linear_attn.conv1d.weight"), in_layer=_linear_layer, row_order=grouped_channels),
     Param("dt_bias", LAYER, VECTOR, ("gdn_value_heads",), lambda a: (a.linear_num_value_heads,),
           _hf("linear_attn.dt_bias"), in_layer=_linear_layer),
     Param("A_log", LAYER, VECTOR, ("gdn_value_heads",), lambda a: (a.linear_num_value_heads,),
@@ -419,7 +428,8 @@ def _norm(x, w, eps):
 
 
 def _gdn_projections(cfg: HybridConfig, h, lp, mm: str = "xla"):
-    """h [N, D] -> mixed q|k|v [N, C], z [N, Hv, Dv], b, a [N, Hv] (``mm``: the linear backend)."""
+    """h [N, D] -> mixed [N, C] (per key head: its q, k and its group's v heads; see
+    :func:`grouped_channels`), z [N, Hv, Dv], b, a [N, Hv] (``mm``: the linear backend)."""
     N = h.shape[0]
     Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
         cfg.linear_value_head_dim
@@ -429,9 +439,9 @@ def _gdn_projections(cfg: HybridConfig, h, lp, mm: str = "xla"):
         qkvz = linear(h, lp["in_qkvz"], backend=mm).reshape(N, Hk, 2 * Dk + 2 * r * Dv)
         q, k, v, z = jnp.split(qkvz, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=-1)
         b, a = jnp.split(linear(h, lp["in_ba"], backend=mm).reshape(N, Hk, 2 * r), 2, axis=-1)
-        mixed = jnp.concatenate([q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)], axis=-1)
+        mixed = jnp.concatenate([q, k, v], axis=-1).reshape(N, -1)
         return mixed, z.reshape(N, Hv, Dv), b.reshape(N, Hv), a.reshape(N, Hv)
-    mixed = jnp.concatenate([linear(h, lp[n], backend=mm) for n in ("in_q", "in_k", "in_v")], axis=-1)
+    mixed = linear(h, lp["in_qkv"], backend=mm)
     return (mixed, linear(h, lp["in_z"], backend=mm).reshape(N, Hv, Dv), linear(h, lp["in_b"], backend=mm),
             linear(h, lp["in_a"], backend=mm))
 
@@ -468,17 +478,28 @@ def _gdn_mix(cfg: HybridConfig, lp, mixed, b, a, state, length, *, chunk_size: i
         mixed, conv_state = conv_prefill(mixed, w, conv_state, length)
     Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
         cfg.linear_value_head_dim
-    q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
-    q, k, v = q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv)
+    q, k, v = jnp.split(mixed.reshape(B, T, Hk, -1), [Dk, 2 * Dk], axis=-1)   # per key head: q, k, its v heads
+    v = v.reshape(B, T, Hv, Dv)
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = (-jnp.exp(lp["A_log"].astype(jnp.float32))
          * jax.nn.softplus(a.astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32)))
     if T == 1:
-        rule = recurrent_gated_delta_rule_pallas if decode == "pallas" else recurrent_gated_delta_rule
+        rule = _pallas_decode if decode == "pallas" else recurrent_gated_delta_rule
         o, delta_state = rule(q, k, v, g, beta, delta_state)
     else:
         o, delta_state = chunk_gated_delta_rule(q, k, v, g, beta, delta_state, length, chunk_size=chunk_size)
     return o, (conv_state, delta_state)
+
+
+def _pallas_decode(q, k, v, g, beta, state):
+    """The Pallas recurrent kernel; under tensor parallelism each device runs it on its own
+    heads (the kernel is opaque to XLA's partitioner): q, k [B, 1, Hk, Dk], v [B, 1, Hv, Dv],
+    g, beta [B, 1, Hv], state [B, Hv, Dk, Dv] -> (o [B, 1, Hv, Dv], state)."""
+    if tp_size() == 1:
+        return recurrent_gated_delta_rule_pallas(q, k, v, g, beta, state)
+    heads, gates, st = P(None, None, TP, None), P(None, None, TP), P(None, TP, None, None)
+    return jax.shard_map(recurrent_gated_delta_rule_pallas, in_specs=(heads, heads, heads, gates, gates, st),
+                         out_specs=(heads, st), check_vma=False)(q, k, v, g, beta, state)
 
 
 def _gdn_out(cfg: HybridConfig, lp, o, z, dtype, mm: str = "xla"):
@@ -688,13 +709,16 @@ def cache_kinds(arch: HybridArch, itemsize: int, kv_cache_dtype: str = "auto"):
 
 
 def allocate_cache(arch: HybridArch, num_blocks: int, block_size: int, dtype, stacked: bool, make=jnp.zeros,
-                   num_seqs: int = 1):
+                   num_seqs: int = 1, sharding=None):
     """Zeroed ``(K pages, V pages, conv states, delta states)``: per full-attention layer K and
     V ``[num_blocks, block_size, Hkv, Dh]``, per GDN layer ``[num_seqs, K - 1, C]`` and
     ``[num_seqs, Hv, Dk, Dv]`` float32, one slot per sequence the budget seats (padding
     sequences read zeros and write nothing: no scratch slot beyond the budget).
-    ``make=jax.ShapeDtypeStruct`` gives the shapes without allocating."""
+    ``make=jax.ShapeDtypeStruct`` gives the shapes without allocating; ``sharding``: logical
+    axes -> the array's sharding (parallel/sharding.py): the pages split by KV head, the
+    states by key-head group (C, grouped by :func:`grouped_channels`) and value head."""
     from jaxllm.layers import kv_quant
+    from jaxllm.parallel.sharding import KV_AXES, cache_array
     h = arch.hybrid
     if stacked:
         raise ValueError(f"{arch.architecture}: its GDN and full-attention layers differ and cannot run under "
@@ -702,12 +726,15 @@ def allocate_cache(arch: HybridArch, num_blocks: int, block_size: int, dtype, st
     if isinstance(dtype, kv_quant.KVFormat):   # refused earlier by cache_kinds, named by its flag
         raise ValueError(f"{arch.architecture}: a quantized KV cache is not supported; "  # noqa: TRY004
                          "use --kv-cache-dtype auto")
+    new = partial(cache_array, make, sharding)
     page = (num_blocks, block_size, h.num_kv_heads, h.head_dim)
     n_full, n_gdn = num_full_layers(h), num_gdn_layers(h)
     conv = (num_seqs, h.conv_kernel - 1, h.conv_dim)
     delta = (num_seqs, h.linear_num_value_heads, h.linear_key_head_dim, h.linear_value_head_dim)
-    return ([make(page, dtype) for _ in range(n_full)], [make(page, dtype) for _ in range(n_full)],
-            [make(conv, jnp.float32) for _ in range(n_gdn)], [make(delta, jnp.float32) for _ in range(n_gdn)])
+    conv_axes, delta_axes = ("state_slots", None, "gdn_heads"), ("state_slots", "gdn_value_heads", None, None)
+    return ([new(page, dtype, KV_AXES) for _ in range(n_full)], [new(page, dtype, KV_AXES) for _ in range(n_full)],
+            [new(conv, jnp.float32, conv_axes) for _ in range(n_gdn)],
+            [new(delta, jnp.float32, delta_axes) for _ in range(n_gdn)])
 
 
 def _paged_attention(cfg: HybridConfig, h, lp, kv, md, cos, sin, kernels: Kernels):

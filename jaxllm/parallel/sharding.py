@@ -7,7 +7,8 @@ parallel configuration, which logical axes are split over the ``tp`` mesh axis. 
 q/k/v, gate/up split by output rows (heads, MLP width) and o/down by input columns, so each
 device computes its heads and its slice of the MLP and one all-reduce per block joins them
 (XLA's SPMD partitioner inserts it).  The embedding and LM head are split over the
-vocabulary; the sampler sees the logits gathered.
+vocabulary; the sampler sees the logits gathered.  A hybrid model's GDN layers split by key-head
+group (``gdn_heads``, ``gdn_value_heads``), their recurrent states with them.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def rules_for(arch: ArchConfig, tp: int, expert_parallel: bool = False) -> dict[
     if arch.num_kv_heads % tp and tp % arch.num_kv_heads:
         raise ValueError(f"{flag} {tp} and the number of KV heads ({arch.num_kv_heads}) must divide one another")
     rules["kv_heads"] = kv_heads_axis(arch.num_kv_heads, tp)
+    gdn_key_heads = getattr(arch, "linear_num_key_heads", 0)
+    if gdn_key_heads:
+        # A hybrid model's GDN layers split by key-head group: a group's q, k and v channels,
+        # its value heads' z, b, a and state all land on one device (models/qwen3_next.py).
+        if gdn_key_heads % tp:
+            raise ValueError(f"{flag} {tp} must divide the number of linear-attention key heads ({gdn_key_heads})")
+        rules["gdn_heads"] = rules["gdn_value_heads"] = TP
     for axis, size in (("vocab", arch.vocab_size), ("mlp", arch.intermediate_size)):
         rules[axis] = TP if size % tp == 0 else None
         if size % tp:
@@ -116,6 +124,12 @@ def param_specs(params: dict, rules: dict[str, str | None], axes: Mapping[str, t
 
 def kv_spec(rules: dict[str, str | None], stacked: bool) -> P:
     return spec(((LAYERS,) if stacked else ()) + KV_AXES, rules)
+
+
+def cache_array(make, sharding, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...]):
+    """``make(shape, dtype)`` of a model family's cache array (``allocate_cache``), laid out by
+    ``sharding`` (logical axes -> a sharding; None: ``make``'s own placement)."""
+    return make(shape, dtype) if sharding is None else make(shape, dtype, sharding=sharding(axes))
 
 
 def named(mesh: Mesh, specs):

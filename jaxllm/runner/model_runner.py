@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 
 from jaxllm.errors import CompileGuardError
 from jaxllm.models.loader import LoadedModel
-from jaxllm.models.registry import get_model_module
+from jaxllm.models.registry import get_model_module, keeps_sequence_state
 from jaxllm.outputs import EMPTY_RUNNER_OUTPUT, RunnerOutput, SchedulerOutput
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
@@ -74,8 +74,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)
-        module = get_model_module(model.arch.architecture)
-        self.state_slots = StateSlots(cfg.max_num_seqs) if getattr(module, "PER_SEQUENCE_STATE", False) else None
+        self.state_slots = StateSlots(cfg.max_num_seqs) if keeps_sequence_state(model.arch.architecture) else None
         self.requests = RequestStates(model.arch.vocab_size, self.sampler_rows, self.state_slots)
         self.grammars = GrammarStates(grammar, model.arch.vocab_size)
         self._all_allowed: dict[int, jax.Array] = {}   # S -> [S, W] all-ones bitmask on the device
@@ -104,12 +103,12 @@ class ModelRunner:
         module = get_model_module(a.architecture)
         family = getattr(module, "allocate_cache", None)
         if family is not None:
-            # The family's own cache (MLA's latent pages: one entry per token shared by every
-            # head, so every device keeps all of it; a hybrid model's K/V pages and recurrent
-            # states, one slot per sequence the budget seats).
-            seqs = {"num_seqs": cfg.max_num_seqs} if getattr(module, "PER_SEQUENCE_STATE", False) else {}
-            specs = family(a, num_blocks, cfg.block_size, cfg.kv_dtype, cfg.scan_layers,
-                           make=functools.partial(jax.ShapeDtypeStruct, sharding=self._rep), **seqs)
+            # The family's own cache (MLA's latent pages; a hybrid model's K/V pages and
+            # recurrent states, one slot per sequence the budget seats), laid out over the mesh
+            # by the logical axes the family gives each array.
+            seqs = {"num_seqs": cfg.max_num_seqs} if keeps_sequence_state(a.architecture) else {}
+            specs = family(a, num_blocks, cfg.block_size, cfg.kv_dtype, cfg.scan_layers, make=jax.ShapeDtypeStruct,
+                           sharding=lambda axes: NamedSharding(self.mesh, psh.spec(axes, self.rules)), **seqs)
         else:
             sharding = NamedSharding(self.mesh, psh.kv_spec(self.rules, cfg.scan_layers))
             specs = weights.allocate_kv_cache(a.num_layers, num_blocks, cfg.block_size, a.num_kv_heads, a.head_dim,

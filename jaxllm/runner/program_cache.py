@@ -71,6 +71,17 @@ def describe_args(*args) -> str:
     return f"{tree}|" + ",".join(leaf(x) for x in leaves)
 
 
+@functools.cache
+def _prepare_cpu_runtime() -> None:
+    """Readies the LAPACK kernels jaxlib registers lazily, when a program calling one is first
+    lowered: a loaded program is never lowered, and on XLA:CPU one that calls an uninitialised
+    kernel (the GDN prefill's ``triangular_solve``: ``lapack_strsm_ffi``) crashes the process
+    when run.  Lowering one such call (nothing compiles; once per process, before any load)
+    initialises them all."""
+    one = np.ones((1, 1), np.float32)
+    jax.jit(lambda a, b: jax.lax.linalg.triangular_solve(a, b, left_side=True, lower=True)).lower(one, one)
+
+
 class ProgramCache:
     """Serialized executables under ``root``, keyed by :meth:`key`; ``root=None`` keeps none."""
 
@@ -78,6 +89,8 @@ class ProgramCache:
         self.root = root
         self.devices = list(devices)
         self._env = _environment(self.devices)
+        if self.devices[0].platform == "cpu":
+            _prepare_cpu_runtime()
 
     def key(self, description: str) -> str:
         return hashlib.sha256(f"{self._env}\n{description}".encode()).hexdigest()[:32]

@@ -78,3 +78,37 @@ def test_a_damaged_file_is_not_trusted(tmp_path, caplog):
         assert cache.load(key) is None
     assert "compiling it again" in caplog.text
     assert not ProgramCache(None, jax.devices()[:1]).has(key)   # no folder: nothing saved or loaded
+
+
+_LAPACK_PROGRAM = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from jaxllm.runner.program_cache import ProgramCache
+root, scale, mode = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+a = np.tril(np.full((8, 8), scale, np.float32), -1) + np.eye(8, dtype=np.float32)
+b = np.arange(16, dtype=np.float32).reshape(8, 2)
+cache = ProgramCache(root, jax.devices()[:1])
+key = cache.key(f"lapack|scale={scale}")
+if mode == "save":
+    lower = lambda: jax.jit(lambda a, b: jax.lax.linalg.triangular_solve(  # noqa: E731
+        a, b, left_side=True, lower=True, unit_diagonal=True)).lower(a, b)
+    cache.compile(key, lower)
+    assert cache.has(key), "precondition: the program was saved"
+else:
+    got = np.asarray(cache.load(key)(jnp.asarray(a), jnp.asarray(b)))
+    np.testing.assert_allclose(got, np.linalg.solve(a.astype(np.float64), b), rtol=1e-4, atol=1e-4)
+    print("ran")
+"""
+
+
+def test_a_loaded_program_that_calls_lapack_runs_in_a_fresh_process(tmp_path):
+    """A GDN layer's chunked prefill solves triangular systems (LAPACK on XLA:CPU, a kernel
+    jaxlib readies only when it lowers such a call): a process that loads the program
+    without lowering anything crashed when it ran it (a hybrid model's second start)."""
+    import subprocess
+    import sys
+    scale = random.random()      # a program JAX's persistent cache has never seen: really compiled
+    run = [sys.executable, "-c", _LAPACK_PROGRAM, str(tmp_path), str(scale)]
+    saved = subprocess.run([*run, "save"], capture_output=True, text=True, timeout=300)
+    assert saved.returncode == 0, saved.stderr[-3000:]
+    loaded = subprocess.run([*run, "load"], capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0 and "ran" in loaded.stdout, (loaded.returncode, loaded.stderr[-3000:])

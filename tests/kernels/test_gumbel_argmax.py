@@ -38,7 +38,7 @@ SMALL = dict(block_rows=2, block_vocab=1024)   # many tiles and row blocks (8192
 def host_args(rows):
     """rows: [(logits [V], RowParams, out_pos)] -> the kernel's eight arguments (numpy), with tau
     and the row maximum taken from the serial reference's truncation."""
-    S, V = len(rows), rows[0][0].shape[0]
+    S = len(rows)
     x = np.stack([ref.process_row(lg, p) for lg, p, _ in rows]).astype(_F)
     temp = np.array([p.temperature for _, p, _ in rows], _F)
     tau = np.zeros(S, np.uint32)

@@ -17,66 +17,19 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tiny_hybrid import COMMON, MOE, VARIANTS, VOCAB, build
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models import qwen3_next as qn
 from jaxllm.runner.compile import enable_persistent_cache
 
-VOCAB = 320
 PROMPT_LEN, NEW_TOKENS, CHUNK = 70, 32, 16
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-              linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=256, rms_norm_eps=1e-6,
-              layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
-                           "full_attention"],
-              bos_token_id=None, eos_token_id=None, pad_token_id=None)
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _persistent_xla_cache():
     # The engines' cache folder (conftest sets JAXLLM_CACHE_DIR): reruns skip the compiles.
     enable_persistent_cache(os.path.join(os.environ["JAXLLM_CACHE_DIR"], "xla"))
-
-
-VARIANTS = {
-    "Qwen3NextForCausalLM": ("Qwen3NextConfig", dict(COMMON, **MOE, intermediate_size=48, mlp_only_layers=[2],
-                                                     norm_topk_prob=False, tie_word_embeddings=False)),
-    "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", dict(COMMON, intermediate_size=48, tie_word_embeddings=False)),
-    "Qwen3_5MoeForCausalLM": ("Qwen3_5MoeTextConfig", dict(COMMON, **MOE, tie_word_embeddings=True)),
-}
-
-
-OUT = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
-
-
-def build(arch: str, out_dir: str, seed: int = 0, **overrides) -> str:
-    """Saves a tiny random-weight ``arch`` checkpoint to ``out_dir``.  Weights are drawn wider
-    than transformers' init (norm weights too) so every parameter shows in the logits and
-    greedy decoding has clear winners, yet tame enough that transformers' own float32 logits
-    stay within ~1e-6 of its float64 ones (a 1e-4 bar then means something)."""
-    cls, kw = VARIANTS[arch]
-    cfg = getattr(transformers, cls)(**{**kw, **overrides})
-    torch.manual_seed(seed)
-    # A tied head scores each token by its own embedding: kept small and the blocks' outputs
-    # larger, the residual stream is not the input token's embedding (greedy would repeat it).
-    embed_std, out_std = (0.1, 1.2) if cfg.tie_word_embeddings else (1.0, 0.5)
-    model = getattr(transformers, arch)(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                # Slow decays (transformers draws A from U(0.01, 16)): a state that forgets
-                # within a few tokens would hide a wrongly carried one from the greedy tokens.
-                p.copy_(torch.empty_like(p).uniform_(0.01, 0.3).log())
-                continue
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif p.ndim == 1:
-                p.copy_(0.2 * torch.randn_like(p))
-            else:
-                std = embed_std if "embed" in name else (out_std if name.endswith(OUT) else 0.5) / p.shape[-1] ** 0.5
-                p.copy_(torch.randn_like(p) * std)
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -166,7 +119,7 @@ def test_config_reads_the_family(hybrid):
                               "Qwen3_5MoeForCausalLM": (True,) * 5}[arch]
     # conv [3, 64] + delta [4, 16, 8] floats per GDN layer, 3 GDN layers
     assert cfg.state_bytes() == 3 * 4 * (3 * (2 * 32 + 32) + 4 * 16 * 8)
-    kinds = [("in_q" in lp or "in_qkvz" in lp, "q" in lp, "router" in lp) for lp in params["layers"]]
+    kinds = [("in_qkv" in lp or "in_qkvz" in lp, "q" in lp, "router" in lp) for lp in params["layers"]]
     assert [k[0] for k in kinds] == [True, False, True, True, False]
     assert [k[1] for k in kinds] == [False, True, False, False, True]
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_qwen3_next import VARIANTS, VOCAB, build
+from tiny_hybrid import VARIANTS, VOCAB, build
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.models import qwen3_next as qn
@@ -135,8 +135,6 @@ def test_prefix_caching_off_and_speculative_refused(ckpts, caplog):
     with caplog.at_level(logging.INFO, logger="jaxllm.engine"):
         assert _check_per_sequence_state(EngineConfig.from_kwargs(enable_prefix_caching=True), model) is False
     assert "prefix caching off" in caplog.text and "recurrent state" in caplog.text
-    with pytest.raises(ValueError, match="--tensor-parallel-size 2 is not supported for Qwen3_5ForCausalLM"):
-        _check_per_sequence_state(EngineConfig.from_kwargs(tensor_parallel_size=2), model)
     with pytest.raises(ValueError, match="--speculative-config is not supported for Qwen3_5ForCausalLM"):
         LLM(ckpts["Qwen3_5ForCausalLM"], **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="--kv-cache-dtype int8 is not supported for Qwen3_5ForCausalLM"):

@@ -37,20 +37,20 @@ PROMPT = np.random.default_rng(1).integers(3, 5000, size=24).astype(np.int32)
 STEPS = 32
 
 
-def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = "xla") -> dict:
+def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = "xla", prompt=PROMPT) -> dict:
     model = load_model(path)
     arch = model.arch
     mesh = pmesh.make_mesh(jax.devices()[:tp])
     rules = psh.rules_for(arch, tp, expert_parallel)
     params = to_device_params(model, jnp.float32, scan, False, mesh, rules)
-    total = len(PROMPT) + STEPS
+    total = len(prompt) + STEPS
     nb = -(-total // BLOCK)
     table = np.random.default_rng(0).permutation(nb + 3)[:nb].astype(np.int32)   # pages out of order
     module = get_model_module(arch.architecture)
-    if hasattr(module, "allocate_cache"):      # MLA's latent pages: replicated, as the runner places them
-        rep_sh = pmesh.replicated(mesh)
+    if hasattr(module, "allocate_cache"):      # the family's cache, laid out as the runner lays it out
         kv = module.allocate_cache(arch, nb + 3, BLOCK, jnp.float32, scan,
-                                   make=lambda s, d: jax.device_put(jnp.zeros(s, d), rep_sh))
+                                   make=lambda s, d, sharding: jax.device_put(jnp.zeros(s, d), sharding),
+                                   sharding=lambda axes: NamedSharding(mesh, psh.spec(axes, rules)))
     else:
         kv_sh = NamedSharding(mesh, psh.kv_spec(rules, scan))
         kv = allocate_kv_cache(arch.num_layers, nb + 3, BLOCK, arch.num_kv_heads, arch.head_dim, jnp.float32, scan,
@@ -78,13 +78,13 @@ def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = 
     # One token per call, prompt included: one compiled shape per run keeps the probe cheap
     # (chunked prefill under tensor parallelism is what the engine runs below exercise).
     logits = []
-    for i in range(len(PROMPT)):
-        lg, kv = call(kv, i, i + 1, PROMPT[i:i + 1])
+    for i in range(len(prompt)):
+        lg, kv = call(kv, i, i + 1, prompt[i:i + 1])
         logits.append(np.asarray(lg))
     logits = np.concatenate(logits)
     tokens = [int(logits[-1].argmax())]
     for i in range(STEPS - 1):
-        n = len(PROMPT) + i
+        n = len(prompt) + i
         lg, kv = call(kv, n, n + 1, [tokens[-1]])
         tokens.append(int(np.asarray(lg)[0].argmax()))
     hlo = ""
@@ -98,18 +98,22 @@ def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = 
     shards = {k: list(v.addressable_shards[0].data.shape) for k, v in lp.items()}
     shards["embed"] = list(params["embed"].addressable_shards[0].data.shape)
     shards["kv"] = list(jax.tree.leaves(kv)[0].addressable_shards[0].data.shape)
+    shards["cache"] = [list(a.addressable_shards[0].data.shape) for a in jax.tree.leaves(kv)]
     # Result shapes of every all-gather: what the partitioner had to assemble whole.
     gathered = sorted({m.group(1) for m in re.finditer(r"= \w+\[([\d,]*)\][^=]*? all-gather\(", hlo)})
     return {"logits": logits, "tokens": tokens, "shards": shards,
             "all_reduce": "all-reduce" in hlo, "all_gathers": [[int(d) for d in g.split(",") if d] for g in gathered]}
 
 
-def engine_tokens(path: str, tp: int, ep: bool = False) -> list[int]:
-    """The whole serving path (sharded AOT warm-up, donated sharded cache, sampler) at ``tp``."""
+def engine_tokens(path: str, tp: int, ep: bool = False, scan: bool = True, prompt=PROMPT,
+                  precompile: str = "auto") -> list[int]:
+    """The whole serving path (sharded AOT warm-up, donated sharded cache, sampler) at ``tp``;
+    ``precompile="all"``: every bucket compiled before the first step, none after."""
     from jaxllm import LLM, SamplingParams
-    llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=tp, enable_expert_parallel=ep, max_num_seqs=1, max_num_batched_tokens=4,
-              max_model_len=64, dtype="float32", scan_layers=True, strict_compile_guard=True, show_progress=False)
-    out = llm.generate([{"prompt_token_ids": PROMPT.tolist()}],
+    llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=tp, enable_expert_parallel=ep, max_num_seqs=1,
+              max_num_batched_tokens=4, max_model_len=64, dtype="float32", scan_layers=scan, strict_compile_guard=True,
+              show_progress=False, precompile=precompile)
+    out = llm.generate([{"prompt_token_ids": prompt.tolist()}],
                        SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
     return list(out[0].outputs[0].token_ids)
 

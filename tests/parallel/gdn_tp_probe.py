@@ -1,0 +1,50 @@
+"""Qwen3-Next / Qwen3.5 (hybrid GDN) sharded over 1 and 2 simulated CPU devices (test_gdn_tp.py).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python gdn_tp_probe.py OUT.npz CKPT...
+
+For each checkpoint and tp in (1, 2): tp_probe.run's prompt logits and 32 greedy decode steps
+through the paged K/V and one GDN state slot, the shard shapes of the weights and of every
+cache array, and the all-gathers in the compiled step; Qwen3.5 at tp=2 again with the Pallas
+kernels (the GDN decode kernel per device under shard_map); and Qwen3-Next's tokens from the
+engine at tp=2 (every bucket compiled in the sharded AOT warm-up, chunked prefill carrying
+the sharded states, the strict compile guard: nothing compiled after warm-up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from tp_probe import engine_tokens, run
+
+PROMPT = np.random.default_rng(1).integers(0, 320, size=24).astype(np.int32)   # the tiny vocabulary
+
+
+def main():
+    from jaxllm.config import default_cache_dir
+    from jaxllm.runner import compile as cc
+    cc.enable_persistent_cache(os.path.join(default_cache_dir(), "xla"))
+    out, paths = sys.argv[1], sys.argv[2:]
+    arrays, meta = {}, {}
+    for path in paths:
+        name = os.path.basename(path)
+        runs = [(1, "xla"), (2, "xla")] + ([(2, "pallas")] if name == "Qwen3_5ForCausalLM" else [])
+        for tp, attention in runs:
+            key = f"{name}/tp{tp}" + ("/pallas" if attention == "pallas" else "")
+            r = run(path, tp, False, scan=False, attention=attention, prompt=PROMPT)
+            arrays[key] = r.pop("logits")
+            meta[key] = r
+            print(key, r["tokens"][:6], r["shards"]["cache"], r["all_gathers"], flush=True)
+        if name == "Qwen3NextForCausalLM":
+            meta[f"engine/{name}/tp2"] = {"tokens": engine_tokens(path, 2, scan=False, prompt=PROMPT, precompile="all")}
+    np.savez(out, **arrays)
+    with open(out + ".json", "w") as f:
+        json.dump(meta, f)
+
+
+if __name__ == "__main__":
+    main()
