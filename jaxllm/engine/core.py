@@ -75,19 +75,26 @@ class EngineCore:
         self.resolved = r = resolve_config(config, model, draft)
         cc.enable_persistent_cache(r.compile_cache_dir)
         cc.install_listeners()
-        self.runner = ModelRunner(
-            model, r.step, num_blocks=None if r.kv is None else r.kv.num_blocks, devices=devices,
-            program_dir=os.path.join(r.compile_cache_dir, "programs"),
-            strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
-            grammar=grammar)
+        def make_runner(step, num_blocks):
+            return ModelRunner(
+                model, step, num_blocks=num_blocks, devices=devices,
+                program_dir=os.path.join(r.compile_cache_dir, "programs"),
+                strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
+                grammar=grammar)
+        self.runner = make_runner(r.step, None if r.kv is None else r.kv.num_blocks)
         if r.kv is None:
-            self.resolved = r = dataclasses.replace(r, kv=self._size_kv_from_device(r.kv_sizing))
-            if r.kv.seqs_asked:
-                # The runner and scheduler were built for max_num_seqs state slots already.
-                raise ValueError(f"--gpu-memory-utilization={config.cache.gpu_memory_utilization}: the KV budget "
-                                 f"holds the per-sequence state of {r.kv.seq_slots} sequences, fewer than "
-                                 f"--max-num-seqs {r.kv.seqs_asked}; use --max-num-seqs {r.kv.seq_slots} or less")
-            self.runner.allocate_kv(r.kv.num_blocks)
+            kv = self._size_kv_from_device(r.kv_sizing)
+            if kv.seqs_asked:
+                # Per-sequence state for fewer sequences than asked: the runner was built for
+                # max_num_seqs slots, so it is built again for what the budget seats (its
+                # weights leave the device before the new one's arrive).
+                log.info("max_num_seqs %d clamped to %d: the KV budget holds the per-sequence state of %d "
+                         "sequences", kv.seqs_asked, kv.seq_slots, kv.seq_slots)
+                r = dataclasses.replace(r, step=dataclasses.replace(r.step, max_num_seqs=kv.seq_slots))
+                self.runner = None
+                self.runner = make_runner(r.step, None)
+            self.resolved = r = dataclasses.replace(r, kv=kv)
+            self.runner.allocate_kv(kv.num_blocks)
         log.info("%s; prefix caching %s; scheduling policy %s", r.kv.describe(r.step.max_model_len),
                  "on" if prefix_caching else "off", config.scheduler.scheduling_policy)
         self.kv_manager = KVCacheManager(r.kv.num_blocks, r.kv.block_size, enable_prefix_caching=prefix_caching)

@@ -176,6 +176,36 @@ def test_cache_bytes_stay_within_the_budget(tmp_path, budget, caplog):
     assert "recurrent state 6 layers" in r.kv.describe(256) and "K/V 3 layers" in r.kv.describe(256)
 
 
+def test_device_sizing_clamps_max_num_seqs_and_rebuilds_the_runner(ckpts, monkeypatch, caplog):
+    """--gpu-memory-utilization on an accelerator sizes the cache once the weights are on the
+    device, after the runner was built for max_num_seqs state slots: a budget that seats
+    fewer builds the runner again for them (a runner kept would index slots past its
+    arrays), the log says so, and outputs are those of a roomy cache.  On CPU the device's
+    free memory is stood in for by a fixed budget."""
+    from jaxllm.engine import core
+    path = ckpts["Qwen3NextForCausalLM"]
+    state = 3 * 4 * ((4 - 1) * 96 + 4 * 16 * 8)          # 3 GDN layers' conv + delta, float32
+    block = 2 * 16 * 2 * 2 * 16 * 4                        # 2 full-attention layers' K and V
+    budget = (1 + 192 // 16) * block + 3 * state + 100    # one full sequence and 3 slots
+    real = core.resolve_config
+    monkeypatch.setattr(core, "resolve_config", lambda *a, **k: dataclasses.replace(real(*a, **k), kv=None))
+    monkeypatch.setattr(core.EngineCore, "_size_kv_from_device", lambda self, sizing: sizing.plan(budget))
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        llm = LLM(path, **{**ENGINE, "max_num_seqs": 8}, precompile="on-demand")
+    c = llm.llm_engine.core
+    assert c.resolved.kv.seq_slots == 3 and c.resolved.kv.seqs_asked == 8, "precondition: fewer slots than asked"
+    assert c.resolved.step.max_num_seqs == c.runner.cfg.max_num_seqs == c.scheduler.max_num_seqs == 3
+    assert "max_num_seqs 8 clamped to 3" in caplog.text
+    convs = c.runner.kv[2]
+    assert convs[0].shape[0] == 3 and c.runner.kv_cache_bytes() <= budget
+    prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (5, 30, 60, 90, 12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    monkeypatch.undo()
+    roomy = LLM(path, **ENGINE, precompile="on-demand")
+    assert ([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)])
+
+
 def test_registered_and_config_read(ckpts):
     from jaxllm.models.registry import supported_architectures
     assert set(VARIANTS) <= set(supported_architectures())
