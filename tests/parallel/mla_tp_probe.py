@@ -4,7 +4,7 @@
 
 For each checkpoint and tp in (1, 2): tp_probe.run's prompt logits and 32 greedy decode steps
 with the shard shapes it saw (V3 unrolled: its dense first layer; V2 stacked), and V2's tokens
-from the engine at tp=2 (sharded AOT warm-up, strict compile guard).
+from the engine at tp=2 (every bucket compiled in the sharded AOT warm-up, strict compile guard).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main():
             meta[f"{name}/tp{tp}"] = r
             print(name, tp, r["tokens"][:6], r["shards"], flush=True)
         if scan:
-            meta[f"engine/{name}/tp2"] = {"tokens": engine_tokens(path, 2)}
+            meta[f"engine/{name}/tp2"] = {"tokens": engine_tokens(path, 2, precompile="all")}
     np.savez(out, **arrays)
     with open(out + ".json", "w") as f:
         json.dump(meta, f)
