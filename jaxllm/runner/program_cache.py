@@ -89,7 +89,7 @@ class ProgramCache:
         self.root = root
         self.devices = list(devices)
         self._env = _environment(self.devices)
-        if self.devices[0].platform == "cpu":
+        if root is not None and self.devices[0].platform == "cpu":
             _prepare_cpu_runtime()
 
     def key(self, description: str) -> str:

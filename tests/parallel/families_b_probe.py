@@ -9,36 +9,22 @@ the long factors), with the shard shapes it saw; for Phi-3 also the engine's tok
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_probe import engine_tokens, run
+from tp_probe import engine_tokens, probe_main, run
 
 
-def main():
-    from jaxllm.config import default_cache_dir
-    from jaxllm.runner import compile as cc
-    cc.enable_persistent_cache(os.path.join(default_cache_dir(), "xla"))
-    out, paths = sys.argv[1], sys.argv[2:]
-    arrays, meta = {}, {}
-    for path in paths:
-        name = os.path.basename(path)
-        scan = name != "glm4_moe"        # its dense first layer and MoE layers do not stack
-        for tp in (1, 2):
-            r = run(path, tp, False, scan=scan)
-            arrays[f"{name}/tp{tp}"] = r.pop("logits")
-            meta[f"{name}/tp{tp}"] = r
-            print(name, tp, r["tokens"][:6], flush=True)
-        if scan:
-            meta[f"engine/{name}/tp2"] = {"tokens": engine_tokens(path, 2)}
-    np.savez(out, **arrays)
-    with open(out + ".json", "w") as f:
-        json.dump(meta, f)
+def measure(path):
+    name = os.path.basename(path)
+    scan = name != "glm4_moe"        # its dense first layer and MoE layers do not stack
+    for tp in (1, 2):
+        yield f"{name}/tp{tp}", run(path, tp, False, scan=scan)
+    if scan:
+        yield f"engine/{name}/tp2", {"tokens": engine_tokens(path, 2)}
 
 
 if __name__ == "__main__":
-    main()
+    probe_main(measure)

@@ -12,39 +12,26 @@ the sharded states, the strict compile guard: nothing compiled after warm-up).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_probe import engine_tokens, run
+from tp_probe import engine_tokens, probe_main, run
 
 PROMPT = np.random.default_rng(1).integers(0, 320, size=24).astype(np.int32)   # the tiny vocabulary
 
 
-def main():
-    from jaxllm.config import default_cache_dir
-    from jaxllm.runner import compile as cc
-    cc.enable_persistent_cache(os.path.join(default_cache_dir(), "xla"))
-    out, paths = sys.argv[1], sys.argv[2:]
-    arrays, meta = {}, {}
-    for path in paths:
-        name = os.path.basename(path)
-        runs = [(1, "xla"), (2, "xla")] + ([(2, "pallas")] if name == "Qwen3_5ForCausalLM" else [])
-        for tp, attention in runs:
-            key = f"{name}/tp{tp}" + ("/pallas" if attention == "pallas" else "")
-            r = run(path, tp, False, scan=False, attention=attention, prompt=PROMPT)
-            arrays[key] = r.pop("logits")
-            meta[key] = r
-            print(key, r["tokens"][:6], r["shards"]["cache"], r["all_gathers"], flush=True)
-        if name == "Qwen3NextForCausalLM":
-            meta[f"engine/{name}/tp2"] = {"tokens": engine_tokens(path, 2, scan=False, prompt=PROMPT, precompile="all")}
-    np.savez(out, **arrays)
-    with open(out + ".json", "w") as f:
-        json.dump(meta, f)
+def measure(path):
+    name = os.path.basename(path)
+    runs = [(1, "xla"), (2, "xla")] + ([(2, "pallas")] if name == "Qwen3_5ForCausalLM" else [])
+    for tp, attention in runs:
+        key = f"{name}/tp{tp}" + ("/pallas" if attention == "pallas" else "")
+        yield key, run(path, tp, False, scan=False, attention=attention, prompt=PROMPT)
+    if name == "Qwen3NextForCausalLM":
+        yield f"engine/{name}/tp2", {"tokens": engine_tokens(path, 2, scan=False, prompt=PROMPT, precompile="all")}
 
 
 if __name__ == "__main__":
-    main()
+    probe_main(measure)

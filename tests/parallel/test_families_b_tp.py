@@ -9,31 +9,18 @@ attention heads, the MLP width and the shared experts really split; Phi-3's engi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from tiny_models import build_tiny
+from tp_probe import run_probe
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = ("phi3", "glm4_moe")
 
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     root = tmp_path_factory.mktemp("families_b_tp")
-    paths = [build_tiny(v, str(root / v)) for v in VARIANTS]
-    out = str(root / "probe.npz")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "families_b_probe.py"), out, *paths], env=env,
-                       capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    with open(out + ".json") as f:
-        meta = json.load(f)
-    return dict(np.load(out)), meta
+    return run_probe("families_b_probe.py", root, [build_tiny(v, str(root / v)) for v in VARIANTS])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -11,31 +11,18 @@ step gathers nothing but the logits; Qwen3-Next's engine at tp=2 gives the same 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from tiny_hybrid import VOCAB, build
+from tp_probe import run_probe
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 
 
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     root = tmp_path_factory.mktemp("gdn_tp")
-    paths = [build(a, str(root / a)) for a in ARCHS]
-    out = str(root / "probe.npz")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "gdn_tp_probe.py"), out, *paths], env=env,
-                       capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    with open(out + ".json") as f:
-        meta = json.load(f)
-    return dict(np.load(out)), meta
+    return run_probe("gdn_tp_probe.py", root, [build(a, str(root / a)) for a in ARCHS])
 
 
 @pytest.mark.parametrize("key", ["Qwen3NextForCausalLM/tp2", "Qwen3_5ForCausalLM/tp2", "Qwen3_5ForCausalLM/tp2/pallas"])

@@ -118,6 +118,39 @@ def engine_tokens(path: str, tp: int, ep: bool = False, scan: bool = True, promp
     return list(out[0].outputs[0].token_ids)
 
 
+def probe_main(measure) -> None:
+    """A probe script's body: ``OUT.npz CKPT...`` from argv; ``measure(path)`` yields (key,
+    result) for one checkpoint (a :func:`run` result, whose logits go to OUT.npz, or
+    ``{"tokens": ...}``); the rest is written to OUT.npz.json."""
+    from jaxllm.config import default_cache_dir
+    from jaxllm.runner import compile as cc
+    cc.enable_persistent_cache(os.path.join(default_cache_dir(), "xla"))
+    out, paths = sys.argv[1], sys.argv[2:]
+    arrays, meta = {}, {}
+    for path in paths:
+        for key, r in measure(path):
+            if "logits" in r:
+                arrays[key] = r.pop("logits")
+            meta[key] = r
+            print(key, r["tokens"][:6], r.get("shards", ""), flush=True)
+    np.savez(out, **arrays)
+    with open(out + ".json", "w") as f:
+        json.dump(meta, f)
+
+
+def run_probe(script: str, root, paths: list[str], devices: int = 2) -> tuple[dict, dict]:
+    """Runs probe ``script`` (beside this file) over ``paths`` in its own process on
+    ``devices`` simulated CPU devices (the count is fixed before JAX starts) -> (arrays, meta)."""
+    import subprocess
+    out = os.path.join(str(root), "probe.npz")
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script), out,
+                        *paths], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    with open(out + ".json") as f:
+        return dict(np.load(out)), json.load(f)
+
+
 def main():
     from jaxllm.config import default_cache_dir
     from jaxllm.runner import compile as cc
