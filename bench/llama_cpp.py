@@ -168,7 +168,10 @@ def _post(url: str, body: dict) -> dict:
 def agreement(args, res: dict, tmp: str) -> None:
     from jaxllm import LLM, SamplingParams
     n = 32
+    # packed: as served by default (int8 activations where the CPU has AVX-512 VNNI);
+    # packed float32: --cpu-matmul native; dequantized: the weights transformers computes with
     engines = {"packed": LLM(max_model_len=2048, show_progress=False),
+               "packed float32": LLM(max_model_len=2048, show_progress=False, cpu_matmul="native"),
                "dequantized": LLM(max_model_len=2048, show_progress=False, dequantize=True)}
     tok = engines["packed"].get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
@@ -177,13 +180,14 @@ def agreement(args, res: dict, tmp: str) -> None:
             for k, e in engines.items()}
     rows = []
     with server(args, "llama-server", os.path.join(tmp, "llama-agree.log")) as url:
-        for p, prompt_ids, packed, deq in zip(PROMPTS, ids, ours["packed"], ours["dequantized"]):
+        for p, prompt_ids, packed, packed_f32, deq in zip(PROMPTS, ids, ours["packed"], ours["packed float32"],
+                                                          ours["dequantized"]):
             r = _post(url + "/completion", {"prompt": prompt_ids, "n_predict": n, "temperature": 0, "top_k": 1,
                                             "ignore_eos": True, "cache_prompt": False, "n_probs": 2,
                                             "return_tokens": True, "samplers": ["top_k"]})
             theirs = r["tokens"]
             row = {"prompt": p, "llama.cpp": theirs}
-            for name, out in (("packed", packed), ("dequantized", deq)):
+            for name, out in (("packed", packed), ("packed float32", packed_f32), ("dequantized", deq)):
                 got = out.token_ids
                 k = next((i for i, (a, b) in enumerate(zip(got, theirs)) if a != b), min(len(got), len(theirs)))
                 row[name] = {"equal_prefix": k, "tokens": got}
@@ -231,11 +235,12 @@ def render(res: dict) -> str:
         lines.append("")
     if "agreement" in res:
         lines += ["Greedy agreement with llama.cpp (32 tokens; tokens equal before the first difference):", "",
-                  "| prompt | packed | dequantized float32 | jaxllm's top-2 margin where packed parts |",
-                  "|---|---:|---:|---:|"]
+                  "| prompt | packed (default) | packed, float32 activations | dequantized float32 "
+                  "| default's top-2 margin where it parts |", "|---|---:|---:|---:|---:|"]
         for row in res["agreement"]:
             m = row["packed"].get("jaxllm_top2_margin_at_split")
-            lines.append(f"| {row['prompt']!r} | {row['packed']['equal_prefix']} | {row['dequantized']['equal_prefix']} "
+            lines.append(f"| {row['prompt']!r} | {row['packed']['equal_prefix']} | "
+                         f"{row['packed float32']['equal_prefix']} | {row['dequantized']['equal_prefix']} "
                          f"| {'' if m is None else f'{m:.3f}'} |")
         lines.append("")
     return "\n".join(lines)

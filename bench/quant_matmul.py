@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import time_compiled  # noqa: E402
 from jaxllm.cpu import native  # noqa: E402
 from jaxllm.quant import block_size, matmul, pack  # noqa: E402
-from jaxllm.quant.native_matmul import NATIVE_TYPES, linear_packed  # noqa: E402
+from jaxllm.quant.native_matmul import (INT8_ACTIVATION_TYPES, NATIVE_TYPES, can_interleave,  # noqa: E402
+                                        interleave_rows, linear_packed)
 
 
 def _weight(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -58,16 +59,23 @@ def main(argv=None) -> int:
     n, k = args.shape
     rng = np.random.default_rng(0)
     native_f, xla_f = jax.jit(linear_packed), jax.jit(matmul)
-    # quant_linear.cc's two tile paths, where the CPU has AVX-512 (chosen at run time)
+    int8_f = jax.jit(lambda x, pw: linear_packed(x, pw, int8_activations=True))
+    # quant_linear.cc's two tile paths, where the CPU has AVX-512 (chosen at run time), and
+    # quant_dot.cc's (8-bit activations: VNNI where the CPU has it, else AVX2)
     isas = ["avx512", "avx2"] if native.set_quant_avx512(True) else ["avx2"]
+    dots = ["vnni", "avx2"] if native.set_quant_dot_vnni(True) else ["avx2"]
+    # the interleaved-row VNNI kernel: what the engine runs for these types on such a CPU
+    dots = (["vnni16"] if native.quant_dot_vnni() else []) + dots
     print(f"x [M, {k}] @ W[{n}, {k}]^T, median us per call")
-    print("| type | M | " + " | ".join(f"native {i.upper()}" for i in isas) + " | XLA dequantize + dot | XLA / native |")
-    print("|---|---:|" + "---:|" * (len(isas) + 2))
+    print("| type | M | " + " | ".join(f"native {i.upper()}" for i in isas) + " | "
+          + " | ".join(f"int8 activations {i.upper()}" for i in dots) + " | XLA dequantize + dot | XLA / native |")
+    print("|---|---:|" + "---:|" * (len(isas) + len(dots) + 2))
     for type_name in NATIVE_TYPES:
         if k % block_size(type_name):
             print(f"| {type_name} | - | K={k} is not a multiple of {block_size(type_name)} | | |")
             continue
         pw = pack(_weight(type_name, n, k, rng), type_name, (n, k))
+        iw = jax.device_put(interleave_rows(pw)) if can_interleave(pw) else None
         for m in args.rows:
             x = jnp.asarray(rng.standard_normal((m, k), dtype=np.float32))
 
@@ -78,8 +86,19 @@ def main(argv=None) -> int:
                 native.set_quant_avx512(isa == "avx512")
                 nat.append(us(native_f))
             native.set_quant_avx512(True)
+            dot = []
+            for isa in dots if type_name in INT8_ACTIVATION_TYPES else ():
+                if isa == "vnni16":
+                    t = time_compiled(lambda: int8_f(x, iw), warmup=2, reps=args.reps, inner=args.inner)
+                    dot.append(f"{t['median_s'] * 1e6:.0f}" if iw is not None else "")
+                    continue
+                native.set_quant_dot_vnni(isa == "vnni")
+                dot.append(f"{us(int8_f):.0f}")
+            native.set_quant_dot_vnni(True)
+            dot += [""] * (len(dots) - len(dot))
             xla = us(xla_f)
-            print(f"| {type_name} | {m} | " + " | ".join(f"{t:.0f}" for t in nat) + f" | {xla:.0f} | {xla / nat[0]:.1f}x |")
+            print(f"| {type_name} | {m} | " + " | ".join(f"{t:.0f}" for t in nat) + " | " + " | ".join(dot)
+                  + f" | {xla:.0f} | {xla / nat[0]:.1f}x |")
     return 0
 
 

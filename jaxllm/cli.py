@@ -66,7 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     g.add_argument("--cpu-matmul", default="auto",
                    help="auto | native | native-int8 | xla: the native AVX2 matmul kernels or XLA's dot on CPU; "
                         "native-int8 multiplies a GGUF's Q8_0/Q4_*/Q5_* blocks by activations rounded to int8 "
-                        "per 32 values (llama.cpp's arithmetic: faster, logits about 1e-2 off the float model)")
+                        "per 32 values (llama.cpp's and vLLM's GGUF arithmetic: faster; on the built-in model its logits "
+                        "move by up to ~3 of 31 and greedy text parts from float32's after 3-30 tokens); "
+                        "auto: native-int8 where the CPU has AVX-512 VNNI, else native (float32 activations)")
     g.add_argument("--compile-cache-dir", default=None,
                    help="persistent XLA cache and saved programs (default $JAXLLM_CACHE_DIR/xla, "
                         "~/.cache/jaxllm/xla)")

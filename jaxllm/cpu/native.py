@@ -52,7 +52,8 @@ _QUANT_KERNELS = {
                         "jaxllm_linear_gguf_bf16": "JaxllmLinearGgufBF16"},
     "quant_dot.cc": {"jaxllm_dot_q8_0": "JaxllmDotQ8_0", "jaxllm_dot_q4_0": "JaxllmDotQ4_0",
                      "jaxllm_dot_q4_1": "JaxllmDotQ4_1", "jaxllm_dot_q5_0": "JaxllmDotQ5_0",
-                     "jaxllm_dot_q5_1": "JaxllmDotQ5_1"},
+                     "jaxllm_dot_q5_1": "JaxllmDotQ5_1", "jaxllm_dot16_q8_0": "JaxllmDot16Q8_0",
+                     "jaxllm_dot16_q4_0": "JaxllmDot16Q4_0", "jaxllm_dot16_q4_1": "JaxllmDot16Q4_1"},
 }
 _HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h", "gguf_simd.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
@@ -157,6 +158,25 @@ def set_quant_avx512(on: bool) -> bool:
         raise RuntimeError("the native packed-block matmul is unavailable")
     lib = _quant_state["libs"][list(_QUANT_KERNELS).index("quant_linear.cc")]
     return bool(lib.jaxllm_quant_linear_set_avx512(int(on)))
+
+
+def set_quant_dot_vnni(on: bool) -> bool:
+    """Selects quant_dot.cc's AVX-512 VNNI tiles (the default where the CPU has
+    AVX512F/BW/VNNI) or its AVX2 ones, for every later call; returns whether VNNI is now in
+    use.  For tests and benchmarks, which run both paths on one machine."""
+    if not quant_available():
+        raise RuntimeError("the native packed-block matmul is unavailable")
+    lib = _quant_state["libs"][list(_QUANT_KERNELS).index("quant_dot.cc")]
+    return bool(lib.jaxllm_quant_dot_set_avx512(int(on)))
+
+
+def quant_dot_vnni() -> bool:
+    """Whether the CPU runs quant_dot.cc's AVX-512 VNNI kernels, the interleaved-row ones
+    (``jaxllm_dot16_*``) among them, whatever ``set_quant_dot_vnni`` selected."""
+    if not quant_available():
+        return False
+    lib = _quant_state["libs"][list(_QUANT_KERNELS).index("quant_dot.cc")]
+    return bool(lib.jaxllm_quant_dot_has_vnni())
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:

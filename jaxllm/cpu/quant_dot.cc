@@ -169,6 +169,146 @@ inline void tile(int rows, const Activations& a, int64_t r0, int64_t K, const ui
   }
 }
 
+// ---- AVX-512 VNNI: two blocks per 512-bit register, chosen at run time ----
+//
+// One vpdpbusd multiplies 64 unsigned weight bytes by 64 signed activation bytes and sums
+// each 4 adjacent products into 16 int32 lanes: lanes 0-7 hold block b's partial sums,
+// lanes 8-15 block b + 1's, so one float conversion and one FMA by the lanes' scales
+// (d * dx of each block, dx expanded to 8 lanes per block at quantization) add two blocks
+// to the accumulator.  The integer sums are the AVX2 path's exactly (signed weights lend
+// their sign to the activations the same way); only the order of the float additions differs.
+// Used when the CPU has AVX512F/BW/VNNI (jaxllm_quant_dot_set_avx512 selects the AVX2 tiles
+// so that the tests run both paths on one machine).
+#define JAXLLM_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+bool detect_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+const bool kHasVnni = detect_vnni();
+bool g_vnni = kHasVnni;
+
+// Blocks b and b + 1's 64 weights as bytes in weight order, block b in bytes 0-31.
+template <typename T>
+JAXLLM_VNNI inline __m512i pair_bytes(const uint8_t* qs, const uint8_t* qh);
+
+JAXLLM_VNNI inline __m512i nibble_pair(const uint8_t* qs) {
+  // [qs_b | qs_b+1] (16 bytes each) -> [qs_b, qs_b, qs_b+1, qs_b+1], then the low nibbles in
+  // the first copy of each and the high nibbles in the second: weights 0-15, 16-31 of each.
+  const __m512i v = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+  const __m512i twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), v);
+  const __m512i shift = _mm512_setr_epi64(0, 0, 0x0004000400040004LL, 0x0004000400040004LL, 0, 0,
+                                          0x0004000400040004LL, 0x0004000400040004LL);
+  return _mm512_and_si512(_mm512_srlv_epi16(twice, shift), _mm512_set1_epi8(0x0F));
+}
+
+// qh of blocks b and b + 1 (4 bytes each, contiguous) is a 64-bit mask of the bytes'
+// fifth bits, in the same order as the bytes.
+JAXLLM_VNNI inline __m512i add_fifth_bits(__m512i q, const uint8_t* qh) {
+  uint64_t h;
+  __builtin_memcpy(&h, qh, 8);
+  return _mm512_mask_add_epi8(q, _cvtu64_mask64(h), q, _mm512_set1_epi8(0x10));
+}
+
+template <>
+JAXLLM_VNNI inline __m512i pair_bytes<Q8_0>(const uint8_t* qs, const uint8_t*) {
+  return _mm512_loadu_si512(qs);
+}
+template <>
+JAXLLM_VNNI inline __m512i pair_bytes<Q4_0>(const uint8_t* qs, const uint8_t*) {
+  return _mm512_sub_epi8(nibble_pair(qs), _mm512_set1_epi8(8));
+}
+template <>
+JAXLLM_VNNI inline __m512i pair_bytes<Q4_1>(const uint8_t* qs, const uint8_t*) {
+  return nibble_pair(qs);
+}
+template <>
+JAXLLM_VNNI inline __m512i pair_bytes<Q5_0>(const uint8_t* qs, const uint8_t* qh) {
+  return _mm512_sub_epi8(add_fifth_bits(nibble_pair(qs), qh), _mm512_set1_epi8(16));
+}
+template <>
+JAXLLM_VNNI inline __m512i pair_bytes<Q5_1>(const uint8_t* qs, const uint8_t* qh) {
+  return add_fifth_bits(nibble_pair(qs), qh);
+}
+
+// The activations as the VNNI tiles read them: q and s as above, and d expanded to 8 lanes
+// per block ([M, nb, 8]: one 512-bit load covers two blocks' scales).
+struct Activations512 {
+  const int8_t* q;    // [M, K]
+  const float* d8;    // [M, nb * 8]
+  const float* s;     // [M, nb]
+};
+
+// m[b] * s[b] summed over the nb blocks of one weight row and one row of x.
+JAXLLM_VNNI inline float min_term(const uint16_t* m, const float* s, int64_t nb) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 16) {
+    const __mmask16 k = nb - b >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (nb - b)) - 1);
+    const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, m + b));
+    acc = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(k, s + b), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <int MR, typename T>
+JAXLLM_VNNI void row_tile_512(const Activations512& a, int64_t r0, int64_t K, const uint16_t* d, const uint16_t* m,
+                              const uint8_t* qs, const uint8_t* qh, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  const __m512i both = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    __m512i w = pair_bytes<T>(qs + b * T::kQsBytes, qh + b * T::kQhBytes);
+    __mmask64 neg = 0;
+    if (T::kSigned) {   // |w| unsigned, its sign moved onto the activations
+      neg = _mm512_movepi8_mask(w);
+      w = _mm512_abs_epi8(w);
+    }
+    uint32_t d2;
+    __builtin_memcpy(&d2, d + b, 4);
+    const __m512 dw = _mm512_permutexvar_ps(both, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(d2))));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      __m512i qa = _mm512_loadu_si512(a.q + i * kBlock);
+      if (T::kSigned) qa = _mm512_mask_sub_epi8(qa, neg, _mm512_setzero_si512(), qa);
+      const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, qa));
+      acc[r] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, _mm512_loadu_ps(a.d8 + i * 8)), acc[r]);
+    }
+  }
+  float tail[MR] = {};
+  if (b < nb) {   // an odd last block: the 8-lane form of the same products
+    __m256i w = T::load(qs + b * T::kQsBytes, qh + b * T::kQhBytes);
+    const __m256i wu = T::kSigned ? _mm256_sign_epi8(w, w) : w;
+    const float db = f16(d[b]);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + i * kBlock));
+      if (T::kSigned) qa = _mm256_sign_epi8(qa, w);
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wu, qa);
+      tail[r] = db * a.d8[i * 8] * jaxllm_simd::hsum(_mm256_cvtepi32_ps(p));
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float v = _mm512_reduce_add_ps(acc[r]) + tail[r];
+    if (T::kMin) v += min_term(m, a.s + (r0 + r) * nb, nb);
+    y[r * N] = v;
+  }
+}
+
+template <typename T>
+JAXLLM_VNNI void tile_512(int rows, const Activations512& a, int64_t r0, int64_t K, const uint16_t* d,
+                          const uint16_t* m, const uint8_t* qs, const uint8_t* qh, float* y, int64_t N) {
+  switch (rows) {
+    case 1: row_tile_512<1, T>(a, r0, K, d, m, qs, qh, y, N); break;
+    case 2: row_tile_512<2, T>(a, r0, K, d, m, qs, qh, y, N); break;
+    case 3: row_tile_512<3, T>(a, r0, K, d, m, qs, qh, y, N); break;
+    default: row_tile_512<4, T>(a, r0, K, d, m, qs, qh, y, N); break;
+  }
+}
+
 template <typename T>
 void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
             const uint8_t* qh, float* y, int64_t M, int64_t K, int64_t N) {
@@ -177,16 +317,28 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_rows(x, M, K, qx.data(), dx.data(), sx.data());
   const Activations a{qx.data(), dx.data(), sx.data()};
+  std::vector<float> d8;
+  if (g_vnni) {
+    d8.resize(M * nb * 8);
+    for (int64_t i = 0; i < M * nb; ++i) std::fill_n(d8.data() + i * 8, 8, dx[i]);
+  }
+  const Activations512 a512{qx.data(), d8.data(), sx.data()};
+  const bool vnni = g_vnni;
   const auto prefetch_row = [=](int64_t ahead) {
     jaxllm_gguf::prefetch(qs + ahead * nb * T::kQsBytes, nb * T::kQsBytes);
     jaxllm_gguf::prefetch(d + ahead * nb, nb * 2);
     if (m) jaxllm_gguf::prefetch(m + ahead * nb, nb * 2);
     if (T::kQhBytes) jaxllm_gguf::prefetch(qh + ahead * nb * T::kQhBytes, nb * T::kQhBytes);
   };
-  split_rows(pool, M, N, [&a, d, m, qs, qh, y, M, K, N, nb, &prefetch_row](int64_t n0, int64_t n1) {
-    rows_range_prefetched(M, n0, n1, prefetch_row, [&a, d, m, qs, qh, y, K, N, nb](int rows, int64_t r0, int64_t n) {
-      tile<T>(rows, a, r0, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
-              qh + n * nb * T::kQhBytes, y + r0 * N + n, N);
+  split_rows(pool, M, N, [&](int64_t n0, int64_t n1) {
+    rows_range_prefetched(M, n0, n1, prefetch_row, [&](int rows, int64_t r0, int64_t n) {
+      const uint16_t* mn = m ? m + n * nb : nullptr;
+      if (vnni)
+        tile_512<T>(rows, a512, r0, K, d + n * nb, mn, qs + n * nb * T::kQsBytes, qh + n * nb * T::kQhBytes,
+                    y + r0 * N + n, N);
+      else
+        tile<T>(rows, a, r0, K, d + n * nb, mn, qs + n * nb * T::kQsBytes, qh + n * nb * T::kQhBytes,
+                y + r0 * N + n, N);
     });
   });
 }
@@ -205,6 +357,185 @@ ffi::Error check_like_d(const std::string& name, const char* what, ffi::Span<con
                             : (od.size() == 3 && od[0] == dd[0] && od[1] == dd[1] && od[2] == last);
   if (!ok) return ffi::Error::InvalidArgument(name + ": " + what + " does not match d's [N, K/32]");
   return ffi::Error::Success();
+}
+
+// ---- AVX-512 VNNI over 16 interleaved weight rows (jaxllm/quant/native_matmul.py's
+// interleave_rows): the layout that turns a matrix-vector product into vertical sums ----
+//
+// In the row-major tiles above every weight row ends in a horizontal reduction and every
+// pair of blocks pays its unpacking and scale broadcasts for one output.  Here the weight
+// rows come in groups of 16 (N % 16 == 0), and within a group each block's bytes are stored
+// as [k][row][4]: 4 consecutive quant bytes of each of the 16 rows per 64 bytes, so one
+// vpdpbusd multiplies them by the same 4 activation bytes (broadcast) and sums into one
+// int32 lane per row.  A block is 8 such instructions per row of x (Q4: the low nibbles
+// hold weights 4k..4k+3, the high ones 16+4k..), its 16 scales one f16 load, and the result
+// is 16 outputs in one vector: no horizontal sums.  The scales' fields are [block][row] per
+// group.  Integer sums per (row, block) equal the row-major tiles' exactly:
+//   Q4_1:       sum(q * qa)                       (q = the nibble, 0..15)
+//   Q4_0, Q8_0: sum(u * qa) - o * sum(qa)         (u = q + o unsigned: o = 8, 128)
+// and y += d * dx * isum (+ m * sum(x)).
+constexpr int kGroup = 16;
+
+struct Interleaved {
+  const int8_t* q;     // [M, K]
+  const float* d;      // [M, nb]
+  const float* s;      // [M, nb] float sums of x (the min term)
+  const int32_t* is;   // [M, nb] integer sums of q (the offset term)
+};
+
+// The block's quant bytes of the group's 16 rows as unsigned bytes, k = 0..7: register k
+// holds weights 4k..4k+3 of block order (Q4: k < 4 the low nibbles, k >= 4 the high ones,
+// weights 16 + 4(k - 4)...).
+template <typename T>
+JAXLLM_VNNI inline void group_bytes(const uint8_t* qs, __m512i w[8]);
+
+JAXLLM_VNNI inline void nibble_group(const uint8_t* qs, __m512i w[8]) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i v = _mm512_loadu_si512(qs + 64 * k);
+    w[k] = _mm512_and_si512(v, mask);
+    w[k + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+  }
+}
+template <>
+JAXLLM_VNNI inline void group_bytes<Q4_0>(const uint8_t* qs, __m512i w[8]) { nibble_group(qs, w); }
+template <>
+JAXLLM_VNNI inline void group_bytes<Q4_1>(const uint8_t* qs, __m512i w[8]) { nibble_group(qs, w); }
+template <>
+JAXLLM_VNNI inline void group_bytes<Q8_0>(const uint8_t* qs, __m512i w[8]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));   // q + 128 as unsigned bytes
+  for (int k = 0; k < 8; ++k) w[k] = _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * k), flip);
+}
+// The offset group_bytes added to every quant (the quants are u - offset).
+template <typename T> constexpr int kOffset = 0;
+template <> constexpr int kOffset<Q4_0> = 8;
+template <> constexpr int kOffset<Q8_0> = 128;
+
+// Activation bytes of register k's weights within a 32-value block.
+template <typename T>
+constexpr int act_offset(int k) {
+  return T::kQsBytes == 16 ? (k < 4 ? 4 * k : 16 + 4 * (k - 4)) : 4 * k;
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return v;
+}
+
+// y[r, 16g .. 16g + 15] for r < MR rows of x (starting at r0) and weight group g.
+template <int MR, typename T>
+JAXLLM_VNNI void group_tile(const Interleaved& a, int64_t r0, int64_t K, const uint16_t* d, const uint16_t* m,
+                            const uint8_t* qs, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  constexpr int64_t kGroupBytes = kGroup * T::kQsBytes;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[8];
+    group_bytes<T>(qs + b * kGroupBytes, w);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kGroup)));
+    __m512 mv;
+    if (T::kMin) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * kGroup)));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      const int8_t* qa = a.q + i * kBlock;
+      // two chains of 4 dependent sums each; consecutive blocks' chains are independent
+      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; k += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, w[k], _mm512_set1_epi32(load_i32(qa + act_offset<T>(k))));
+        s1 = _mm512_dpbusd_epi32(s1, w[k + 1], _mm512_set1_epi32(load_i32(qa + act_offset<T>(k + 1))));
+      }
+      __m512i s = _mm512_add_epi32(s0, s1);
+      if (kOffset<T>) s = _mm512_sub_epi32(s, _mm512_set1_epi32(kOffset<T> * a.is[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.d[i])), acc[r]);
+      if (T::kMin) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+
+template <typename T>
+JAXLLM_VNNI void group_tiles(int rows, const Interleaved& a, int64_t r0, int64_t K, const uint16_t* d,
+                             const uint16_t* m, const uint8_t* qs, float* y, int64_t N) {
+  switch (rows) {
+    case 1: group_tile<1, T>(a, r0, K, d, m, qs, y, N); break;
+    case 2: group_tile<2, T>(a, r0, K, d, m, qs, y, N); break;
+    case 3: group_tile<3, T>(a, r0, K, d, m, qs, y, N); break;
+    default: group_tile<4, T>(a, r0, K, d, m, qs, y, N); break;
+  }
+}
+
+template <typename T>
+void linear_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
+                        const uint8_t* qs, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / kBlock, groups = N / kGroup;
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  std::vector<int32_t> isx(M * nb);
+  quantize_rows(x, M, K, qx.data(), dx.data(), sx.data());
+  for (int64_t i = 0; i < M * nb; ++i) {
+    int32_t t = 0;
+    for (int j = 0; j < kBlock; ++j) t += qx[i * kBlock + j];
+    isx[i] = t;
+  }
+  const Interleaved a{qx.data(), dx.data(), sx.data(), isx.data()};
+  const int64_t group_qs = nb * kGroup * T::kQsBytes, group_d = nb * kGroup;
+  const auto prefetch_group = [=](int64_t g) {
+    jaxllm_gguf::prefetch(qs + g * group_qs, group_qs);
+    jaxllm_gguf::prefetch(d + g * group_d, group_d * 2);
+    if (m) jaxllm_gguf::prefetch(m + g * group_d, group_d * 2);
+  };
+  split_rows(pool, M, groups, [&](int64_t g0, int64_t g1) {
+    // a group is 16 weight rows: 2 groups ahead is about the rows ahead of the row-major tiles
+    const int64_t tiles = (M + jaxllm_gguf::kMaxRows - 1) / jaxllm_gguf::kMaxRows;
+    for (int64_t g = g0; g < std::min(g1, g0 + 2); ++g) prefetch_group(g);
+    int64_t r0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int rows = static_cast<int>(M / tiles + (t < M % tiles));
+      for (int64_t g = g0; g < g1; ++g) {
+        if (t == 0 && g + 2 < g1) prefetch_group(g + 2);
+        group_tiles<T>(rows, a, r0, K, d + g * group_d, m ? m + g * group_d : nullptr, qs + g * group_qs,
+                       y + r0 * N + g * kGroup, N);
+      }
+      r0 += rows;
+    }
+  });
+}
+
+template <typename T>
+ffi::Error RunInterleaved(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x,
+                          ffi::Buffer<ffi::U16>& d, const uint16_t* m, ffi::Span<const int64_t> md,
+                          ffi::Buffer<ffi::U8>& qs, ffi::ResultBuffer<ffi::F32>& y) {
+  auto xd = x.dimensions();
+  auto dd = d.dimensions();
+  if (auto e = check(name, xd, dd, qs.dimensions(), T::kQsBytes); e.failure()) return e;
+  if (T::kMin)
+    if (auto e = check_like_d(name, "m", dd, md, 0); e.failure()) return e;
+  if (dd[0] % kGroup != 0)
+    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs N % 16 == 0");
+  if (!kHasVnni)
+    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs AVX512F/BW/VNNI");
+  linear_interleaved<T>(pool, x.typed_data(), d.typed_data(), m, qs.typed_data(), y->typed_data(), xd[0], xd[1],
+                        dd[0]);
+  return ffi::Error::Success();
+}
+
+ffi::Error Dot16Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U8> qs,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  return RunInterleaved<Q8_0>("jaxllm_dot16_q8_0", pool, x, d, nullptr, {}, qs, y);
+}
+
+ffi::Error Dot16Q4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U8> qs,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  return RunInterleaved<Q4_0>("jaxllm_dot16_q4_0", pool, x, d, nullptr, {}, qs, y);
+}
+
+ffi::Error Dot16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U16> m,
+                     ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
+  return RunInterleaved<Q4_1>("jaxllm_dot16_q4_1", pool, x, d, m.typed_data(), m.dimensions(), qs, y);
 }
 
 // One handler per type; m and qh are empty buffers (unused) for the types without them.
@@ -251,6 +582,16 @@ ffi::Error DotQ5_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
 
 }  // namespace
 
+// Selects the VNNI tiles (on == 1, where the CPU has them) or the AVX2 ones for every later
+// call; returns whether the VNNI tiles are now in use.
+extern "C" int jaxllm_quant_dot_set_avx512(int on) {
+  g_vnni = on && kHasVnni;
+  return g_vnni;
+}
+
+// Whether the CPU runs the interleaved (jaxllm_dot16_*) targets.
+extern "C" int jaxllm_quant_dot_has_vnni() { return kHasVnni; }
+
 // Operands in the order of jaxllm/quant/native_matmul.py: x, d, [m], [qh], qs.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDotQ8_0, DotQ8_0,
                               ffi::Ffi::Bind()
@@ -293,5 +634,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDotQ5_1, DotQ5_1,
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The interleaved layout's targets: operands as above (x, d, [m], qs), the fields interleaved.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDot16Q8_0, Dot16Q8_0,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDot16Q4_0, Dot16Q4_0,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDot16Q4_1, Dot16Q4_1,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

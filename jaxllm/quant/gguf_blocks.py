@@ -89,6 +89,9 @@ class PackedWeight:
     bits: jax.Array | None = None    # [out, in] uint16, the weight's float16 / bfloat16 bits
     type_name: str = field(default="", metadata=dict(static=True))
     shape: tuple[int, int] = field(default=(0, 0), metadata=dict(static=True))  # (out, in)
+    # 16: d, m, qs hold groups of 16 rows interleaved for quant_dot.cc's VNNI kernel
+    # (quant/native_matmul.interleave_rows); 0: row-major, the layout everything else reads.
+    interleaved: int = field(default=0, metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:

@@ -9,14 +9,71 @@ composes with other ops like any XLA custom call; ``matmul.matmul`` is the porta
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.cpu import native
 from jaxllm.quant.gguf_blocks import PackedWeight
 
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")   # quant_dot.cc
+INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1")   # quant_dot.cc's jaxllm_dot16_* (AVX-512 VNNI)
+GROUP = 16   # rows per interleaved group: one int32 lane each in a 512-bit register
+
+
+def can_interleave(w) -> bool:
+    """Whether ``w`` (one unstacked weight) can take the interleaved layout: a type the VNNI
+    kernel has, rows a multiple of 16."""
+    return (isinstance(w, PackedWeight) and not w.interleaved and w.type_name in INTERLEAVED_TYPES
+            and w.shape[0] % GROUP == 0 and np.ndim(w.d) == 2)
+
+
+def interleave_rows(w: PackedWeight) -> PackedWeight:
+    """``w`` (host arrays) with each group of 16 rows interleaved for ``jaxllm_dot16_*``:
+    the fields keep their shapes, but within a group's rows, qs [16, nb, S] is stored as
+    [nb, S / 4, 16, 4] (4 bytes of every row in turn) and d, m [16, nb] as [nb, 16]."""
+    if not can_interleave(w):
+        raise ValueError(f"a {w.type_name} weight of shape {w.shape} cannot be interleaved "
+                         f"(types {', '.join(INTERLEAVED_TYPES)}, rows a multiple of {GROUP})")
+    n, nb = np.shape(w.d)
+    g = n // GROUP
+
+    def scales(a):   # [N, nb] -> per group [nb, 16]
+        return None if a is None else np.asarray(a).reshape(g, GROUP, nb).transpose(0, 2, 1).reshape(n, nb)
+    qs = np.asarray(w.qs)
+    size = qs.shape[-1]
+    qs = qs.reshape(g, GROUP, nb, size // 4, 4).transpose(0, 2, 3, 1, 4).reshape(n, nb, size)
+    return dataclasses.replace(w, d=scales(w.d), m=scales(w.m), qs=qs, interleaved=GROUP)
+
+
+def _group_views(w: PackedWeight):
+    """The interleaved fields as [G, nb, 16] (d, m) and [G, nb, S / 4, 16, 4] (qs)."""
+    n, nb = w.d.shape
+    size = w.qs.shape[-1]
+    v = lambda a: None if a is None else a.reshape(n // GROUP, nb, GROUP)  # noqa: E731
+    return v(w.d), v(w.m), w.qs.reshape(n // GROUP, nb, size // 4, GROUP, 4)
+
+
+def take_interleaved_rows(w: PackedWeight, ids: jax.Array) -> PackedWeight:
+    """Rows ``ids`` [T] of an interleaved weight as a row-major ``PackedWeight`` [T, in]."""
+    d, m, qs = _group_views(w)
+    g, lane = ids // GROUP, ids % GROUP
+    rows = dict(d=d[g, :, lane], m=None if m is None else m[g, :, lane],
+                qs=qs[g, :, :, lane, :].reshape(ids.shape[0], d.shape[1], -1))
+    return PackedWeight(**rows, type_name=w.type_name, shape=(ids.shape[0], w.shape[1]))
+
+
+def deinterleave_rows(w: PackedWeight) -> PackedWeight:
+    """The row-major ``PackedWeight`` of an interleaved one (jittable): what every path but
+    ``jaxllm_dot16_*`` reads."""
+    d, m, qs = _group_views(w)
+    n, nb = w.d.shape
+    rows = lambda a: None if a is None else jnp.swapaxes(a, 1, 2).reshape(n, nb)  # noqa: E731
+    return PackedWeight(d=rows(d), m=rows(m), qs=jnp.transpose(qs, (0, 3, 1, 2, 4)).reshape(w.qs.shape),
+                        type_name=w.type_name, shape=w.shape)
 
 
 def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False) -> jax.Array:
@@ -46,4 +103,9 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
     # (jaxllm_linear_bf16 is the dense panel-layout kernel of linear.cc: these are row-major bits)
     name = f"gguf_{pw.type_name.lower()}" if pw.type_name in ("F16", "BF16") else pw.type_name.lower()
     target = f"jaxllm_{'dot' if int8_activations else 'linear'}_{name}"
+    if pw.interleaved:
+        if not int8_activations:
+            raise ValueError("an interleaved weight is read by the 8-bit-activation kernel only; "
+                             "deinterleave_rows it for the float32 one")
+        target = f"jaxllm_dot16_{name}"
     return jax.ffi.ffi_call(target, out)(x, *fields)                               # [M, N]

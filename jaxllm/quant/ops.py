@@ -49,7 +49,13 @@ def _rebuild(w, arrays: dict, shape: tuple[int, int]):
     """A weight of ``w``'s type and format with the field ``arrays`` and logical ``shape``."""
     if isinstance(w, QuantizedLinear):
         return QuantizedLinear(**arrays, format=w.format, group_size=w.group_size, shape=shape)
-    return PackedWeight(**arrays, type_name=w.type_name, shape=shape)
+    return PackedWeight(**arrays, type_name=w.type_name, shape=shape, interleaved=w.interleaved)
+
+
+def _row_major(parts) -> None:
+    if any(getattr(p, "interleaved", 0) for p in parts):
+        # their rows are stored 16 at a time, parts of each interleaved with the others'
+        raise ValueError("a weight in the interleaved layout cannot be concatenated or stacked; interleave it last")
 
 
 def map_fields(w, fn: Callable, shape: tuple[int, int] | None = None):
@@ -75,6 +81,7 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight | None:
     """The rows of ``parts`` as one weight (fused projections), or None when they cannot be
     one (:func:`concatenable`)."""
     first = parts[0]
+    _row_major(parts)
     if not concatenable(parts):
         return None
     fields = [_fields(p) for p in parts]
@@ -85,6 +92,7 @@ def concat_rows(parts: list[PackedWeight]) -> PackedWeight | None:
 def stack(layers: list[PackedWeight], name: str) -> PackedWeight:
     """One parameter's weights of every layer stacked ``[L, ...]`` (for ``lax.scan``, which
     slices the stack back into one layer's weight of the same shape and type)."""
+    _row_major(layers)
     kinds = {(_kind(w), w.shape) for w in layers}
     if len(kinds) > 1:
         raise ValueError(f"parameter {name!r} is quantized differently across layers "
@@ -114,8 +122,10 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     ``backend="pallas"`` (resolve's choice on a GPU), for the group sizes it takes; else, CPU
     included, the XLA path (dequantize in the step, float32 dot)."""
     if isinstance(w, PackedWeight):
+        from jaxllm.quant import native_matmul
+        if w.interleaved and backend != "native-int8":
+            w = native_matmul.deinterleave_rows(w)
         if backend in ("native", "native-int8"):
-            from jaxllm.quant import native_matmul
             if w.type_name in native_matmul.NATIVE_TYPES:
                 int8 = backend == "native-int8" and w.type_name in native_matmul.INT8_ACTIVATION_TYPES
                 return native_matmul.linear_packed(x, w, int8_activations=int8)
@@ -139,6 +149,9 @@ def take_rows(w, ids: jax.Array) -> jax.Array:
     if isinstance(w, QuantizedLinear):
         return int_weights.take_rows(w, ids)
     if isinstance(w, PackedWeight):
+        if w.interleaved:
+            from jaxllm.quant import native_matmul
+            return dequantize(native_matmul.take_interleaved_rows(w, ids))
         rows = map_fields(w, lambda a: a[ids], shape=(ids.shape[0], w.shape[1]))
         return dequantize(rows)
     raise TypeError(f"not a quantized weight: {type(w).__name__}")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxllm.cpu import native as cpu_native
 from jaxllm.errors import CompileGuardError
 from jaxllm.models.loader import LoadedModel
 from jaxllm.models.registry import get_model_module, keeps_sequence_state
@@ -65,12 +66,18 @@ class ModelRunner:
         self.rules = psh.rules_for(model.arch, self.mesh.devices.size, cfg.expert_parallel)
         self._rep = pmesh.replicated(self.mesh)
         native = cfg.kernels.matmul == "native"
+        # The 8-bit-activation kernel reads its types in groups of 16 interleaved rows where
+        # the CPU has AVX-512 VNNI (quant/native_matmul.interleave_rows).
+        interleave = native and cfg.kernels.int8_activations and cpu_native.quant_dot_vnni()
         t0 = time.perf_counter()
         self.params = weights.to_device_params(model, jnp.dtype(cfg.dtype), cfg.scan_layers, cfg.packed_bf16,
-                                               self.mesh, self.rules, native)
-        log.info("weights on the device: %.1f MiB, %s%s in %.1f s", self.weight_bytes() / 2**20,
-                 qops.summary(jax.tree.leaves(self.params, is_leaf=qops.is_quantized)),
-                 ", in the native matmul's layout" if native else "", time.perf_counter() - t0)
+                                               self.mesh, self.rules, native, interleave)
+        leaves = jax.tree.leaves(self.params, is_leaf=qops.is_quantized)
+        grouped = sum(1 for w in leaves if getattr(w, "interleaved", 0))
+        log.info("weights on the device: %.1f MiB, %s%s%s in %.1f s", self.weight_bytes() / 2**20,
+                 qops.summary(leaves), ", in the native matmul's layout" if native else "",
+                 f" ({grouped} with rows interleaved by 16 for the VNNI kernel)" if grouped else "",
+                 time.perf_counter() - t0)
         self.num_blocks = num_blocks
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)

@@ -16,6 +16,7 @@ from jaxllm.models.params import Fused, ParamTable
 from jaxllm.models.registry import get_model_module
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
+from jaxllm.quant import native_matmul
 from jaxllm.quant import ops as qops
 
 
@@ -45,12 +46,15 @@ def param_table(model: LoadedModel) -> ParamTable:
     return get_model_module(model.arch.architecture).PARAMS
 
 
-def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, native: bool = False) -> dict:
+def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, native: bool = False,
+                interleave: bool = False) -> dict:
     """Host weights in the device dtype and layout.  ``packed_bf16``: matrices as bf16 bit
     patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py);
     ``native``: laid out for the native CPU matmul: unrolled layers get fused projections
     (:func:`fused_parts`) and its matrices the panel layout (cpu/layout.py), the tied
-    embedding included since it is the LM head.  Quantized weights stay as loaded."""
+    embedding included since it is the LM head.  Quantized weights stay as loaded, except
+    that ``interleave`` (the 8-bit-activation kernel on a CPU with AVX-512 VNNI) lays out the
+    ones it can in interleaved groups of 16 rows (quant/native_matmul.interleave_rows)."""
     np_dtype = jnp.dtype(dtype)
     table = param_table(model)
     matrices = table.matrices()
@@ -59,7 +63,8 @@ def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool,
     def conv(name, *parts):   # parts: arrays whose rows are concatenated (fused projections)
         if qops.is_quantized(parts[0]):
             # kept as stored: the native kernel reads the blocks row by row, no panels
-            return parts[0] if len(parts) == 1 else qops.concat_rows(list(parts))
+            w = parts[0] if len(parts) == 1 else qops.concat_rows(list(parts))
+            return native_matmul.interleave_rows(w) if interleave and native_matmul.can_interleave(w) else w
 
         def cast(a):
             a = np.asarray(a)
@@ -89,10 +94,10 @@ def _stack(arrays: list, name: str):
 
 
 def to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False,
-                      mesh=None, rules: dict | None = None, native: bool = False) -> dict:
+                      mesh=None, rules: dict | None = None, native: bool = False, interleave: bool = False) -> dict:
     """Host weights -> device arrays, on ``mesh`` laid out by the sharding ``rules``
     (parallel/sharding.py); without a mesh, on the default device."""
-    host = host_params(model, dtype, scan_layers, packed_bf16, native)
+    host = host_params(model, dtype, scan_layers, packed_bf16, native, interleave)
     if mesh is None:
         return jax.tree.map(jax.device_put, host)
     specs = psh.param_specs(host, rules or {}, param_table(model).axes(), mesh.shape.get(pmesh.TP, 1))

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import gguf
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxllm.cpu import native
 from jaxllm.quant import dequantize_reference, matmul_reference, pack
-from jaxllm.quant.native_matmul import linear_packed
+from jaxllm.quant.native_matmul import INTERLEAVED_TYPES, deinterleave_rows, interleave_rows, linear_packed
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 # (N, K): the built-in model's shapes (q/k/v/o, gate/up, down, the LM head's width) and a tail
@@ -56,9 +57,20 @@ def emulate(x, raw, type_name, shape):
     return (isum * d[None] * dx[:, None, :]).sum(-1) + sx @ m.T, dx
 
 
+@pytest.fixture(params=["vnni", "avx2"])
+def isa(request):
+    """The kernel's two tile paths, chosen at run time (AVX-512 VNNI where the CPU has it,
+    the AVX2 maddubs tiles otherwise): each test runs on both."""
+    got = native.set_quant_dot_vnni(request.param == "vnni")
+    if request.param == "vnni" and not got:
+        pytest.skip("the CPU lacks AVX512F/BW/VNNI: only the AVX2 tiles can run here")
+    yield request.param
+    native.set_quant_dot_vnni(True)
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_int8_activation_matmul(type_name, shape):
+def test_int8_activation_matmul(type_name, shape, isa):
     rng = np.random.default_rng(hash((type_name, shape)) % 2**32)
     w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
     raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
@@ -82,3 +94,57 @@ def test_int8_activation_matmul(type_name, shape):
         if M == 1 and shape == (576, 1536):
             print(f"{type_name}: max |error| {err.max():.2e} = {(err / bound).max():.2f} of the bound, "
                   f"{err.max() / np.abs(ref).max():.1e} of max |y|")
+
+
+# The interleaved layout (quant_dot.cc's jaxllm_dot16_*): N a multiple of 16; (48, 96) has an
+# odd number of blocks per row.
+INTERLEAVED_SHAPES = [(576, 576), (960, 576), (576, 1536), (48, 96)]
+
+
+@pytest.mark.parametrize("type_name", INTERLEAVED_TYPES)
+@pytest.mark.parametrize("shape", INTERLEAVED_SHAPES)
+def test_interleaved_rows_compute_the_int8_matmul(type_name, shape):
+    """The 16-row interleaved kernel computes the same integer block sums as the row-major
+    tiles: it equals the emulation to float32 rounding of its sums, for every row count."""
+    if not native.quant_dot_vnni():
+        pytest.skip("the CPU lacks AVX512F/BW/VNNI: the interleaved kernel cannot run here")
+    rng = np.random.default_rng(hash((type_name, shape, "interleaved")) % 2**32)
+    w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    pw = pack(raw, type_name, shape)
+    iw = jax.device_put(interleave_rows(pw))
+    assert iw.interleaved == 16 and iw.nbytes == pw.nbytes
+    fn = jax.jit(lambda x, w: linear_packed(x, w, int8_activations=True))
+    wd = np.abs(dequantize_reference(raw, type_name, shape).astype(np.float64))
+    for M in ROWS:
+        x = rng.standard_normal((M, shape[1])).astype(np.float32)
+        x[:, :32] *= 40.0
+        y = np.asarray(fn(x, iw), np.float64)
+        emu, _ = emulate(x, raw, type_name, shape)
+        mag = np.abs(x).astype(np.float64) @ wd.T
+        np.testing.assert_allclose(y, emu, rtol=0, atol=float(2e-6 * mag.max()),
+                                   err_msg=f"{type_name} {shape} M={M}: not the int8 computation")
+
+
+@pytest.mark.parametrize("type_name", INTERLEAVED_TYPES)
+def test_interleaved_rows_are_read_back_exactly(type_name):
+    """Every other reader of an interleaved weight sees the row-major weight: the embedding's
+    row gather, the XLA dequantize path, and deinterleave_rows (bit-exact)."""
+    from jaxllm.quant import ops
+    shape = (64, 96)
+    rng = np.random.default_rng(1)
+    raw = gguf.quants.quantize((rng.standard_normal(shape) * 0.05).astype(np.float32),
+                               gguf.GGMLQuantizationType[type_name])
+    pw = pack(raw, type_name, shape)
+    iw = interleave_rows(pw)
+    assert not np.array_equal(np.asarray(iw.qs), np.asarray(pw.qs))   # the layout did change
+    back = deinterleave_rows(jax.device_put(iw))
+    for f in ("d", "m", "qs"):
+        if getattr(pw, f) is not None:
+            np.testing.assert_array_equal(np.asarray(getattr(back, f)), np.asarray(getattr(pw, f)), err_msg=f)
+    ids = jnp.asarray([0, 17, 5, 63, 16, 5], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(ops.take_rows(iw, ids)), np.asarray(ops.take_rows(pw, ids)))
+    x = jnp.asarray(rng.standard_normal((3, 96)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ops.matmul(x, iw, "xla")), np.asarray(ops.matmul(x, pw, "xla")))
+    with pytest.raises(ValueError, match="interleaved"):
+        ops.concat_rows([iw, iw])

@@ -13,10 +13,12 @@ amplified through 3 layers; measured: under 1e-4).
 from __future__ import annotations
 
 import gguf
+import jax
 import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.cpu import native
 from jaxllm.quant import PackedWeight
 from jaxllm.quant.native_matmul import NATIVE_TYPES
 
@@ -44,7 +46,8 @@ def _run(path, **kw):
     # The buckets this generate runs, compiled when first needed (the offline default) under the
     # strict compile guard: a packed type's programs are its own, and the unused buckets' compiles
     # would prove nothing the used ones do not.
-    llm = LLM(path, **{**SMALL_ENGINE, "precompile": "auto"}, skip_tokenizer_init=True, **kw)
+    # float32 activations unless asked: auto rounds them to int8 on a CPU with AVX-512 VNNI
+    llm = LLM(path, **{**SMALL_ENGINE, "precompile": "auto", "cpu_matmul": "native", **kw}, skip_tokenizer_init=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outs]
     lps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
@@ -81,6 +84,18 @@ def test_packed_logits_every_backend(ggufs, matmul, scan):
     assert err < 1e-3 * max(1.0, np.abs(ref).max())
 
 
+def test_auto_rounds_activations_to_int8_where_the_cpu_has_vnni(ggufs):
+    """``--cpu-matmul auto`` (the default) picks the int8-activation kernel on a CPU with
+    AVX-512 VNNI, float32 activations elsewhere; and what it runs is exactly what asking for
+    that kernel by name runs."""
+    llm, tokens, lps = _run(ggufs["Q4_0"], cpu_matmul="auto")
+    vnni = native.quant_dot_vnni()
+    print(f"AVX-512 VNNI: {vnni}; auto -> int8 activations: {llm.llm_engine.core.runner.cfg.kernels.int8_activations}")
+    assert llm.llm_engine.core.runner.cfg.kernels.int8_activations == vnni
+    _, named_tokens, named_lps = _run(ggufs["Q4_0"], cpu_matmul="native-int8" if vnni else "native")
+    assert tokens == named_tokens and lps == named_lps
+
+
 def test_int8_activations_engine(ggufs):
     """``--cpu-matmul native-int8``: the blocks meet activations rounded to int8 per 32 values
     (cpu/quant_dot.cc, tested against an exact emulation in tests/kernels/test_cpu_quant_dot.py).
@@ -88,7 +103,14 @@ def test_int8_activations_engine(ggufs):
     rounding (more than float32 summation order could), by less than the 0.5 nats the
     tiny random model's amplification of a ~1% activation error allows."""
     llm, tokens, lps = _run(ggufs["Q4_1"], cpu_matmul="native-int8")
-    assert llm.llm_engine.core.runner.cfg.kernels.int8_activations
+    runner = llm.llm_engine.core.runner
+    assert runner.cfg.kernels.int8_activations
+    # where the CPU has AVX-512 VNNI, the int8 kernel reads its weights in 16-row groups, the
+    # tied embedding (gathered by rows) included
+    packed = [w for w in jax.tree.leaves(runner.params, is_leaf=lambda w: isinstance(w, PackedWeight))
+              if isinstance(w, PackedWeight)]
+    assert {w.interleaved for w in packed} == ({16} if native.quant_dot_vnni() else {0}), \
+        [(w.type_name, w.shape, w.interleaved) for w in packed]
     _, ref_tokens, ref_lps = _run(ggufs["Q4_1"])
     first = [abs(x[0] - y[0]) for x, y in zip(lps, ref_lps)]
     agree = [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), len(r)) for t, r in zip(tokens, ref_tokens)]
