@@ -42,10 +42,10 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
     p.add_argument("--workloads", default="copy,random")
-    p.add_argument("--cpu-matmul", default="native",
-                   help="every arm's --cpu-matmul (default native: float32 activations, what auto runs with "
-                        "speculation); where auto without speculation rounds activations to int8 (a CPU with "
-                        "AVX-512 VNNI), that arm is timed too, as 'off, auto'")
+    p.add_argument("--cpu-matmul", default="auto",
+                   help="every arm's --cpu-matmul (default auto: int8 activations on a packed GGUF where the "
+                        "CPU has AVX-512 VNNI); with another, the default's arm without speculation is timed "
+                        "too, as 'off, auto'")
     p.add_argument("--output-json", default=None, metavar="FILE")
     p.set_defaults(func=cmd_spec_decode)
 
@@ -99,7 +99,7 @@ def cmd_spec_decode(args: argparse.Namespace) -> int:
     engines = {a: LLM(args.model, speculative_config=spec, cpu_matmul=args.cpu_matmul, **common)
                for a, spec in arms.items()}
     # What a user gets without speculation at the defaults, when that is not the off arm's
-    # arithmetic (int8 activations): timed beside the arms, outside the identity check.
+    # arithmetic: timed beside the arms, outside the identity check.
     default_off = LLM(args.model, **common)
     if default_off.llm_engine.core.runner.cfg.kernels != engines["off"].llm_engine.core.runner.cfg.kernels:
         engines["off, auto"] = default_off
@@ -135,7 +135,7 @@ def cmd_spec_decode(args: argparse.Namespace) -> int:
                                     acceptance_length=1 + n / d if d else None, runs=tps[a]))
     print(f"\n{engines['off'].llm_engine.model_name}, ngram prompt_lookup {args.prompt_lookup_min}-"
           f"{args.prompt_lookup_max}, --cpu-matmul {args.cpu_matmul}, median of {args.repeats} alternated repeats"
-          + ("; 'off, auto': the default without speculation (int8 activations), not checked equal"
+          + ("; 'off, auto': the default without speculation, not checked equal"
              if "off, auto" in arms else ""))
     print("| workload | concurrency | arm | output tok/s | vs off | acceptance length |")
     print("|---|---:|---|---:|---:|---:|")

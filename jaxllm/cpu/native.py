@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.config import default_cache_dir
 
@@ -40,6 +41,7 @@ _KERNELS = {
                      "jaxllm_paged_attention_int8": "JaxllmPagedAttentionInt8",
                      "jaxllm_paged_attention_fp8_e4m3": "JaxllmPagedAttentionFp8E4M3",
                      "jaxllm_paged_attention_fp8_e5m2": "JaxllmPagedAttentionFp8E5M2"},
+    "norm.cc": {"jaxllm_rms_norm_f32": "JaxllmRmsNormF32"},
 }
 # The packed-block matmuls, float32 activations (quant_linear.cc) and 8-bit activations
 # (quant_dot.cc): separate from _KERNELS so they never decide ``available()``.
@@ -177,6 +179,16 @@ def quant_dot_vnni() -> bool:
         return False
     lib = _quant_state["libs"][list(_QUANT_KERNELS).index("quant_dot.cc")]
     return bool(lib.jaxllm_quant_dot_has_vnni())
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of float32 ``x [..., D]`` by ``w [D]`` (norm.cc): every row summed in one order
+    whatever the number of rows, unlike XLA's reduction (see norm.cc)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).astype(jnp.float32)
+    out = jax.ffi.ffi_call("jaxllm_rms_norm_f32", jax.ShapeDtypeStruct(x2.shape, jnp.float32))(
+        x2, w.astype(jnp.float32), eps=np.float32(eps))
+    return out.reshape(shape)
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:

@@ -230,8 +230,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
         max_num_seqs = kv.seq_slots
     cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
     kernels = Kernels(matmul=matmul, attention=backend,
-                      int8_activations=matmul == "native" and quantized
-                      and _int8_activations(rc.cpu_matmul, config.speculative_config is not None),
+                      int8_activations=matmul == "native" and quantized and _int8_activations(rc.cpu_matmul),
                       moe="expert_parallel" if config.parallel.enable_expert_parallel else "grouped")
     step = StepConfig(arch=a, platform=platform, dtype=dtype, scan_layers=scan, kernels=kernels,
                       sampler_backend=sampler, block_size=cache.block_size,
@@ -241,28 +240,18 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
     return ResolvedConfig(step=step, kv=kv, kv_sizing=sizing, compile_cache_dir=cache_dir)
 
 
-def _int8_activations(cpu_matmul: str, speculative: bool) -> bool:
+def _int8_activations(cpu_matmul: str) -> bool:
     """Whether a GGUF's blocks meet int8-rounded activations (``cpu/quant_dot.cc``): asked for,
     or ``auto`` on a CPU with AVX-512 VNNI, where its interleaved-row kernel decodes the
     built-in model 2.3x faster than float32 activations do (and ahead of llama.cpp, whose
     arithmetic it is); on AVX2 alone the two are level, so auto keeps float32 there.
 
-    Not with speculative decoding: a verification computes a token's logits in a step of
-    other shape than plain decoding does, equal only to float32 rounding, and rounding an
-    activation to int8 turns such a last-bit difference into a whole step of the int8 grid
-    (on the built-in model, tokens then part from plain decoding within a few dozen), which
-    would break speculation's promise of plain decoding's exact tokens."""
+    Speculative decoding stays exact with it: the native path computes a token's logits
+    bit for bit alike in every step shape (its norms included, cpu/norm.cc), so a
+    verification and a decode round the same activations."""
     if cpu_matmul == "native-int8":
-        if speculative:
-            raise ValueError("--cpu-matmul native-int8 with --speculative-config: int8 activations turn the "
-                             "verification's float rounding into different tokens than plain decoding's; use "
-                             "--cpu-matmul native (auto picks it with speculation)")
         return True
     from jaxllm.cpu import native
-    if cpu_matmul == "auto" and speculative and native.quant_dot_vnni():
-        log.info("--cpu-matmul auto: float32 activations with --speculative-config (int8 rounding would let "
-                 "speculation's tokens part from plain decoding's)")
-        return False
     return cpu_matmul == "auto" and native.quant_dot_vnni()
 
 

@@ -348,10 +348,11 @@ def _attention(cfg: ArchConfig, h, lp, pages, layer, md: AttentionMetadata, cos,
 
 def _layer(cfg: ArchConfig, x, lp, pages, layer, md: AttentionMetadata, cos, sin, kernels: Kernels, experts=None):
     # x [T, D]; layer: the cache / expert-stack index under scan, or None
-    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+    nat = kernels.matmul == "native"   # cpu/norm.cc: rows summed in one order whatever the step shape
+    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps, nat)
     o, pages = _attention(cfg, h, lp, pages, layer, md, cos, sin, kernels)
     x = x + o
-    h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps, nat)
     return x + _mlp(cfg, h, lp, layer, md, kernels, experts), pages
 
 
@@ -384,7 +385,7 @@ def forward(cfg: ArchConfig, params: dict, kv: MLACache, input_ids: jax.Array, m
             return (x, pages), None
         (x, pages), _ = jax.lax.scan(body, (x, kv[0]), (scanned, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
         kv = (pages,)
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, kernels.matmul == "native"), kv
 
 
 def compute_logits(cfg: ArchConfig, params: dict, hidden: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:

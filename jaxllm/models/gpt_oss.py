@@ -181,7 +181,8 @@ def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMeta
     # x [T, D]; i: the static layer number (its window); layer: the cache / expert-stack index (scan) or None
     T = x.shape[0]
     mm = kernels.linear
-    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+    nat = kernels.matmul == "native"   # cpu/norm.cc: rows summed in one order whatever the step shape
+    h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps, nat)
     if "qkv" in lp:
         q, k, v = jnp.split(linear(h, lp["qkv"], lp.get("qkv_bias"), mm), [cfg.q_size, cfg.q_size + cfg.kv_size],
                             axis=-1)
@@ -194,7 +195,7 @@ def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMeta
     o, kv = attend(q, k, v, kv, layer, md, scale=cfg.head_dim ** -0.5, sliding_window=cfg.window(i),
                    sinks=lp["sinks"], backend=kernels.attention)        # [T, Hq, Dh]
     x = x + linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm)
-    h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
+    h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps, nat)
     weights, chosen = route(h, lp["router"], lp["router_bias"], cfg.num_experts_per_tok)   # [T, k]
     w = experts if experts is not None else lp
     # Tokens past query_start_loc[-1] are bucket padding: routed nowhere.
@@ -233,7 +234,7 @@ def forward(cfg: ArchConfig, params: dict, kv: KVCache, input_ids: jax.Array, md
             x, kv = _layer(cfg, 0, x, lp, kv, li, md, cos, sin, kernels, experts)
             return (x, kv), None
         (x, kv), _ = jax.lax.scan(body, (x, kv), (scanned, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, kernels.matmul == "native"), kv
 
 
 def compute_logits(cfg: ArchConfig, params: dict, hidden: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:

@@ -210,7 +210,9 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     # (the layer's own are in ``lp``); index: the layer's number (an int unrolled, traced under scan)
     T = x.shape[0]
     mm = kernels.linear
-    h = x if cfg.post_norms_only else rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
+    # the native CPU path's norms: rows summed in one order whatever the step shape (cpu/norm.cc)
+    nat = kernels.matmul == "native"
+    h = x if cfg.post_norms_only else rms_norm(x, lp["input_norm"], cfg.rms_norm_eps, nat)
     if "qkv" in lp:   # fused projections (runner/weights.fused_parts)
         qkv = linear(h, lp["qkv"], lp.get("qkv_bias"), mm)              # [T, q_size + 2 * kv_size]
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -219,14 +221,14 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
         k = linear(h, lp["k"], lp.get("k_bias"), mm)
         v = linear(h, lp["v"], lp.get("v_bias"), mm)
     if cfg.qk_norm and cfg.qk_norm_whole:                                # OLMo 2/3: over [T, q_size]
-        q = rms_norm(q, lp["q_norm_full"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm_full"], cfg.rms_norm_eps)
+        q = rms_norm(q, lp["q_norm_full"], cfg.rms_norm_eps, nat)
+        k = rms_norm(k, lp["k_norm_full"], cfg.rms_norm_eps, nat)
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
     k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm and not cfg.qk_norm_whole:
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, nat)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, nat)
     if not cfg.no_rope_layers:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     elif isinstance(index, int):
@@ -243,12 +245,12 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
                    backend=kernels.attention)                           # [T, Hq, Dh]
     o = linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm)
     if cfg.post_norms_only:
-        o = rms_norm(o, lp["post_norm"], cfg.rms_norm_eps)
+        o = rms_norm(o, lp["post_norm"], cfg.rms_norm_eps, nat)
     x = _residual(cfg, x, o)
-    h = x if cfg.post_norms_only else rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
+    h = x if cfg.post_norms_only else rms_norm(x, lp["post_norm"], cfg.rms_norm_eps, nat)
     y = _mlp(cfg, h, lp, layer, md, kernels, experts)
     if cfg.post_norms_only:
-        y = rms_norm(y, lp["post_ffn_norm"], cfg.rms_norm_eps)
+        y = rms_norm(y, lp["post_ffn_norm"], cfg.rms_norm_eps, nat)
     return _residual(cfg, x, y), kv
 
 
@@ -297,7 +299,7 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array, 
             x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin, kernels, experts, index=i)
             return (x, kv), None
         (x, kv), _ = jax.lax.scan(body, (x, kv), (scanned, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, native), kv
 
 
 def compute_logits(cfg: ArchConfig, params: Params, hidden: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:

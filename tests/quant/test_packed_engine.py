@@ -119,14 +119,3 @@ def test_int8_activations_engine(ggufs):
     assert [t[0] for t in tokens] == [r[0] for r in ref_tokens]
     assert 1e-4 < max(first) < 0.5
 
-
-def test_speculation_keeps_float32_activations(ggufs):
-    """With ``--speculative-config`` auto keeps float32 activations (int8 rounding would turn
-    the verification's last-bit differences into other tokens than plain decoding's), and
-    asking for int8 activations is refused by both flags' names."""
-    spec = {"method": "ngram", "num_speculative_tokens": 2}
-    llm = LLM(ggufs["Q4_0"], **{**SMALL_ENGINE, "precompile": "on-demand"}, skip_tokenizer_init=True, speculative_config=spec)
-    assert not llm.llm_engine.core.runner.cfg.kernels.int8_activations
-    with pytest.raises(ValueError, match="--cpu-matmul native-int8 with --speculative-config"):
-        LLM(ggufs["Q4_0"], **{**SMALL_ENGINE, "precompile": "on-demand"}, skip_tokenizer_init=True, speculative_config=spec,
-            cpu_matmul="native-int8")

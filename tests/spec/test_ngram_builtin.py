@@ -31,7 +31,10 @@ def spec_server():
     from jaxllm.config import ServingConfig
     from serve_helpers import ServerThread, make_engine
 
-    engine = make_engine(None, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256, speculative_config=SPEC)
+    # float32 activations, as the session's builtin_llm (tests/quant/test_builtin_int8.py
+    # checks speculation on the int8 default)
+    engine = make_engine(None, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256, speculative_config=SPEC,
+                         cpu_matmul="native")
     srv = ServerThread(engine, ServingConfig(host="127.0.0.1", port=0))
     yield srv
     srv.stop()
