@@ -22,7 +22,10 @@ def main():
     res = {}
     for path in paths:
         for tp in (1, 2):
-            llm = LLM(path, **SMALL_ENGINE, skip_tokenizer_init=True, tensor_parallel_size=tp)
+            # float32 activations on one device too (auto rounds them to int8 on a CPU with
+            # AVX-512 VNNI; the sharded run's XLA dot does not)
+            llm = LLM(path, **SMALL_ENGINE, skip_tokenizer_init=True, tensor_parallel_size=tp,
+                      cpu_matmul="native" if tp == 1 else "auto")
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
             layer = llm.llm_engine.core.runner.params["layers"]
             layer = layer[0] if isinstance(layer, list) else layer
