@@ -12,7 +12,10 @@
 // is exact.  Four times the lanes of quant_linear.cc's float32 FMAs per instruction; the
 // cost is the activations' rounding, at most dx / 2 per value (measured and bounded in
 // tests/kernels/test_cpu_quant_dot.py).  Weight rows are split over XLA's intra-op thread
-// pool as in quant_linear.cc (gguf_simd.h's split_rows).  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
+// pool as in quant_linear.cc (gguf_simd.h's split_rows).  Three tile paths compute the same
+// integer sums: AVX2 (maddubs), AVX-512 VNNI (two blocks per register), and, for weights laid
+// out in interleaved groups of 16 rows at load, the jaxllm_dot16_* targets (see "AVX-512 VNNI
+// over 16 interleaved weight rows" below).  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
 #include <immintrin.h>
 
 #include <algorithm>
