@@ -100,12 +100,13 @@ def cmd_spec_decode(args: argparse.Namespace) -> int:
                for a, spec in arms.items()}
     # What a user gets without speculation at the defaults, when that is not the off arm's
     # arithmetic: timed beside the arms, outside the identity check.
-    default_off = LLM(args.model, **common)
-    if default_off.llm_engine.core.runner.cfg.kernels != engines["off"].llm_engine.core.runner.cfg.kernels:
-        engines["off, auto"] = default_off
-        arms["off, auto"] = None
-    else:
-        del default_off
+    if args.cpu_matmul != "auto":
+        default_off = LLM(args.model, **common)
+        if default_off.llm_engine.core.runner.cfg.kernels != engines["off"].llm_engine.core.runner.cfg.kernels:
+            engines["off, auto"] = default_off
+            arms["off, auto"] = None
+        else:
+            del default_off
     tok = engines["off"].get_tokenizer()
     vocab = engines["off"].llm_engine.arch.vocab_size
     results = []

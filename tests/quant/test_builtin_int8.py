@@ -28,19 +28,12 @@ from jaxllm.cpu import native
 from jaxllm.quant import PackedWeight
 
 from conftest import BUILTIN_ENGINE
+from test_builtin_packed import PROMPTS
 from tiny_models import paged_logits
 
 pytestmark = pytest.mark.skipif(not native.quant_dot_vnni(),
                                 reason="the CPU lacks AVX512F/BW/VNNI: the default keeps float32 activations here")
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "List three uses of copper:",
-    "In 1969, the first humans",
-]
 
 
 @pytest.mark.slow
