@@ -3,10 +3,13 @@
     jaxllm bench spec-decode [--model M] [--ks 2,4,8] [--concurrency 1,4,8] [--repeats 3]
                              [--prompt-lookup-min 2] [--prompt-lookup-max 5] [--output-json F]
 
-Two workloads on the same engines:
+Three workloads on the same engines:
 
-* ``copy``: chat requests whose answer is mostly in the prompt (rewrite a Python module
-  with one function renamed; copy a list of names), greedy, ended by EOS or 160 tokens;
+* ``edit``: code editing on a long prompt that holds most of the answer: a 60-line Python
+  module (about 500 prompt tokens) with one method to rename, output whole; greedy, ended
+  by EOS or 480 tokens;
+* ``copy``: short chat requests whose answer is mostly in the prompt (rewrite two small
+  functions with one renamed; copy a list of names), greedy, ended by EOS or 160 tokens;
 * ``random``: prompts of random token ids, 64 output tokens (``ignore_eos``), greedy: ngram
   rarely finds anything to propose, and what it proposes is rarely right, so this measures
   what speculation costs when it cannot help (the off-switch's case).
@@ -41,7 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=3, help="alternated runs of each arm (default 3)")
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
-    p.add_argument("--workloads", default="copy,random")
+    p.add_argument("--workloads", default="edit,copy,random")
     p.add_argument("--cpu-matmul", default="auto",
                    help="every arm's --cpu-matmul (default auto: int8 activations on a packed GGUF where the "
                         "CPU has AVX-512 VNNI); with another, the default's arm without speculation is timed "
@@ -64,8 +67,91 @@ def copy_messages(i: int) -> list[dict]:
     return [{"role": "user", "content": "Copy this list exactly, one name per line:\n" + "\n".join(names) + "\n"}]
 
 
+# The long module of the ``edit`` workload (METHOD: the method to rename).
+MODULE = '''"""Inventory records for a small shop: items, stock levels and reorders."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Item:
+    sku: str
+    name: str
+    price: float
+    quantity: int = 0
+    tags: list = field(default_factory=list)
+
+
+class Inventory:
+    def __init__(self):
+        self.items = {}
+        self.history = []
+
+    def add_item(self, item):
+        if item.sku in self.items:
+            raise ValueError(f"duplicate sku {item.sku}")
+        self.items[item.sku] = item
+        self.history.append(("add", item.sku, item.quantity))
+
+    def remove_item(self, sku):
+        item = self.items.pop(sku)
+        self.history.append(("remove", sku, item.quantity))
+        return item
+
+    def restock(self, sku, amount):
+        if amount <= 0:
+            raise ValueError("amount must be positive")
+        self.items[sku].quantity += amount
+        self.history.append(("restock", sku, amount))
+
+    def sell(self, sku, amount):
+        item = self.items[sku]
+        if item.quantity < amount:
+            raise ValueError(f"only {item.quantity} of {sku} left")
+        item.quantity -= amount
+        self.history.append(("sell", sku, amount))
+        return amount * item.price
+
+    def METHOD(self):
+        return sum(item.price * item.quantity for item in self.items.values())
+
+    def low_stock(self, threshold=5):
+        return [item for item in self.items.values() if item.quantity < threshold]
+
+    def by_tag(self, tag):
+        return [item for item in self.items.values() if tag in item.tags]
+
+
+def reorder_list(inventory, threshold=5, target=20):
+    orders = []
+    for item in inventory.low_stock(threshold):
+        orders.append((item.sku, target - item.quantity))
+    return orders
+
+
+def report(inventory):
+    lines = [f"{len(inventory.items)} items, value {inventory.METHOD():.2f}"]
+    for sku, amount in reorder_list(inventory):
+        lines.append(f"reorder {sku}: {amount}")
+    return "\\n".join(lines)
+'''
+RENAMES = [("total_value", "stock_value"), ("inventory_value", "value_on_hand"), ("value", "worth"),
+           ("stock_total", "total_worth")]
+
+
+def edit_messages(i: int) -> list[dict]:
+    """The i-th long code-editing request: a 60-line module with one method renamed."""
+    old, new = RENAMES[i % len(RENAMES)]
+    return [{"role": "user", "content": f"{MODULE.replace('METHOD', old)}\n\nRewrite the code above, renaming the method "
+                                        f"{old} to {new}. Output only the code."}]
+
+
 def workload(name: str, tok, c: int, vocab: int, round_: int):
     from jaxllm import SamplingParams
+    if name == "edit":
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(edit_messages(round_ * 8 + i), add_generation_prompt=True,
+                                                                tokenize=True, return_dict=False)} for i in range(c)]
+        return prompts, SamplingParams(temperature=0, max_tokens=480)
     if name == "copy":
         prompts = [{"prompt_token_ids": tok.apply_chat_template(copy_messages(round_ * 8 + i), add_generation_prompt=True,
                                                                 tokenize=True, return_dict=False)} for i in range(c)]
@@ -94,7 +180,7 @@ def cmd_spec_decode(args: argparse.Namespace) -> int:
         arms[f"k={k}"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": args.prompt_lookup_min,
                           "prompt_lookup_max": args.prompt_lookup_max}
     # Every bucket compiled up front, and a step that compiles fails: none may in a measured run.
-    common = dict(max_num_seqs=max(cs), max_model_len=1024, show_progress=False, precompile="all",
+    common = dict(max_num_seqs=max(cs), max_model_len=2048, show_progress=False, precompile="all",
                   strict_compile_guard=True)
     engines = {a: LLM(args.model, speculative_config=spec, cpu_matmul=args.cpu_matmul, **common)
                for a, spec in arms.items()}

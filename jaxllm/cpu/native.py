@@ -181,6 +181,26 @@ def quant_dot_vnni() -> bool:
     return bool(lib.jaxllm_quant_dot_has_vnni())
 
 
+def set_quant_dot_amx(on: bool) -> bool:
+    """Selects AMX for the interleaved-row kernels' calls of 32 rows or more (prefill; the
+    default where the CPU has AMX-INT8 and the kernel grants the process its tile state) or
+    the VNNI tiles, for every later call; returns whether AMX is now in use.  Both give the
+    same bits."""
+    if not quant_available():
+        raise RuntimeError("the native packed-block matmul is unavailable")
+    lib = _quant_state["libs"][list(_QUANT_KERNELS).index("quant_dot.cc")]
+    return bool(lib.jaxllm_quant_dot_set_amx(int(on)))
+
+
+def quant_dot_amx() -> bool:
+    """Whether the interleaved-row kernels can run on AMX here, whatever ``set_quant_dot_amx``
+    selected."""
+    if not quant_available():
+        return False
+    lib = _quant_state["libs"][list(_QUANT_KERNELS).index("quant_dot.cc")]
+    return bool(lib.jaxllm_quant_dot_has_amx())
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     """RMSNorm of float32 ``x [..., D]`` by ``w [D]`` (norm.cc): every row summed in one order
     whatever the number of rows, unlike XLA's reduction (see norm.cc)."""

@@ -16,7 +16,10 @@
 // integer sums: AVX2 (maddubs), AVX-512 VNNI (two blocks per register), and, for weights laid
 // out in interleaved groups of 16 rows at load, the jaxllm_dot16_* targets (see "AVX-512 VNNI
 // over 16 interleaved weight rows" below).  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -467,15 +470,164 @@ JAXLLM_VNNI void group_tiles(int rows, const Interleaved& a, int64_t r0, int64_t
     case 1: group_tile<1, T>(a, r0, K, d, m, qs, y, N); break;
     case 2: group_tile<2, T>(a, r0, K, d, m, qs, y, N); break;
     case 3: group_tile<3, T>(a, r0, K, d, m, qs, y, N); break;
-    default: group_tile<4, T>(a, r0, K, d, m, qs, y, N); break;
+    case 4: group_tile<4, T>(a, r0, K, d, m, qs, y, N); break;
+    case 5: group_tile<5, T>(a, r0, K, d, m, qs, y, N); break;
+    case 6: group_tile<6, T>(a, r0, K, d, m, qs, y, N); break;
+    case 7: group_tile<7, T>(a, r0, K, d, m, qs, y, N); break;
+    default: group_tile<8, T>(a, r0, K, d, m, qs, y, N); break;
   }
 }
+
+// Rows of x per group tile: 8 accumulators + a block's 8 weight registers + 2 partial sums,
+// the scales and the broadcasts fit AVX-512's 32 registers.
+constexpr int kGroupRows = 8;
+
+// ---------------------------------------------------------------- AMX over the same groups
+//
+// Where the CPU has AMX (Sapphire Rapids and later) and a call has at least kAmxMinRows
+// rows of x, one TDPBSSD computes a block's int8 sums for 16 rows of x and a group's 16
+// weight rows at once: the interleaved layout, [k/4][row][4] bytes per block, is exactly an
+// AMX B tile (8 rows of 64 bytes), and a block of 16 rows of x is an A tile (16 rows of 32
+// bytes, the row stride K).  Q4 nibbles and Q8_0 quants are signed bytes as they are (no
+// offset).  The integer sums are those of the VNNI tile (Q8_0: sum(q * qx), where VNNI takes
+// (q + 128) * qx less 128 * sum(qx)), and the float scaling below is the VNNI tile's, op for
+// op and block by block, so the result is the same bits: a row's output does not depend on
+// how many rows the step has, which speculation's exactness relies on.  Up to 4 blocks are in
+// flight (tiles 0-3 accumulate, 4-5 hold x, 6-7 the weights).
+#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define JAXLLM_AMX_BUILD 1
+#define JAXLLM_AMX \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
+
+bool detect_amx() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!kHasVnni || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;   // AMX-TILE, AMX-INT8
+  // Linux hands a process the tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA).
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+}
+#else
+#define JAXLLM_AMX_BUILD 0
+bool detect_amx() { return false; }
+#endif
+const bool kHasAmx = detect_amx();
+bool g_amx = kHasAmx;
+// Below this many rows of x the VNNI tile is as fast or faster: the float scaling of every
+// block sum, which both paths share, costs more than the products AMX saves (measured on
+// the built-in model's shapes: 0.8x at 4-9 rows, 1.0x at 16, 1.15-1.2x at 64-128).
+constexpr int64_t kAmxMinRows = 32;
+constexpr int kAmxRows = 16;
+constexpr int64_t kBlockBytes = kGroup * kBlock;   // a group's block as signed bytes: one B tile
+
+#if JAXLLM_AMX_BUILD
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+JAXLLM_AMX void amx_config() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 4; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 64;   // int32 sums [16 x rows][16 w rows]
+  for (int t = 4; t < 6; ++t) c.rows[t] = kAmxRows, c.colsb[t] = 32;   // x: a block of 16 rows
+  for (int t = 6; t < 8; ++t) c.rows[t] = 8, c.colsb[t] = 64;          // w: a block of the group
+  _tile_loadconfig(&c);
+}
+
+// The group's blocks as signed bytes in B-tile order ([nb][k 8][row 16][4]): Q8_0's are its
+// bytes; Q4's nibbles are unpacked (register k of group_bytes is B row k: its activation
+// bytes are 4k..4k+3 of the block for every type, see act_offset).
+template <typename T>
+JAXLLM_AMX const int8_t* amx_weights(const uint8_t* qs, int64_t nb, int8_t* scratch) {
+  if (T::kQsBytes == 32) return reinterpret_cast<const int8_t*>(qs);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[8];
+    nibble_group(qs + b * kGroup * T::kQsBytes, w);
+    for (int k = 0; k < 8; ++k) _mm512_storeu_si512(scratch + b * kBlockBytes + 64 * k, w[k]);
+  }
+  return scratch;
+}
+
+// y[r0 .. r0 + rows, 16g .. 16g + 15]; x (a.q) holds at least r0 + 16 rows (zero padding).
+template <typename T>
+JAXLLM_AMX void amx_group_tile(const Interleaved& a, int64_t r0, int rows, int64_t K, const uint16_t* d,
+                               const uint16_t* m, const int8_t* w, float* y, int64_t N, int32_t* c) {
+  const int64_t nb = K / kBlock;
+  const int8_t* x = a.q + r0 * K;
+  __m512 acc[kAmxRows];
+  for (int r = 0; r < kAmxRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 4) {
+    const int64_t n = std::min<int64_t>(4, nb - b);
+    // tile numbers are immediates: the four blocks spelled out
+    _tile_zero(0);
+    _tile_loadd(4, x + b * kBlock, K);
+    _tile_loadd(6, w + b * kBlockBytes, 64);
+    _tile_dpbssd(0, 4, 6);
+    if (n > 1) {
+      _tile_zero(1);
+      _tile_loadd(5, x + (b + 1) * kBlock, K);
+      _tile_loadd(7, w + (b + 1) * kBlockBytes, 64);
+      _tile_dpbssd(1, 5, 7);
+    }
+    if (n > 2) {
+      _tile_zero(2);
+      _tile_loadd(4, x + (b + 2) * kBlock, K);
+      _tile_loadd(6, w + (b + 2) * kBlockBytes, 64);
+      _tile_dpbssd(2, 4, 6);
+    }
+    if (n > 3) {
+      _tile_zero(3);
+      _tile_loadd(5, x + (b + 3) * kBlock, K);
+      _tile_loadd(7, w + (b + 3) * kBlockBytes, 64);
+      _tile_dpbssd(3, 5, 7);
+    }
+    _tile_stored(0, c, 64);
+    if (n > 1) _tile_stored(1, c + 256, 64);
+    if (n > 2) _tile_stored(2, c + 512, 64);
+    if (n > 3) _tile_stored(3, c + 768, 64);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + (b + j) * kGroup)));
+      __m512 mv;
+      if (T::kMin)
+        mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + (b + j) * kGroup)));
+      for (int r = 0; r < rows; ++r) {
+        const int64_t i = (r0 + r) * nb + b + j;
+        __m512i s = _mm512_loadu_si512(c + j * 256 + r * 16);
+        if (kOffset<T> == 8) s = _mm512_sub_epi32(s, _mm512_set1_epi32(8 * a.is[i]));   // Q4_0: q - 8
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.d[i])), acc[r]);
+        if (T::kMin) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[i]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+
+template <typename T>
+JAXLLM_AMX void amx_groups(const Interleaved& a, int64_t M, int64_t K, const uint16_t* d, const uint16_t* m,
+                           const uint8_t* qs, float* y, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t nb = K / kBlock, group_qs = nb * kGroup * T::kQsBytes, group_d = nb * kGroup;
+  std::vector<int8_t> scratch(T::kQsBytes == 32 ? 0 : nb * kBlockBytes);
+  alignas(64) int32_t c[4 * kAmxRows * 16];
+  amx_config();   // per thread: the pool's threads each hold their own tile state
+  for (int64_t g = g0; g < g1; ++g) {
+    const int8_t* w = amx_weights<T>(qs + g * group_qs, nb, scratch.data());
+    for (int64_t r0 = 0; r0 < M; r0 += kAmxRows)
+      amx_group_tile<T>(a, r0, static_cast<int>(std::min<int64_t>(kAmxRows, M - r0)), K, d + g * group_d,
+                        m ? m + g * group_d : nullptr, w, y + r0 * N + g * kGroup, N, c);
+  }
+  _tile_release();
+}
+#endif
 
 template <typename T>
 void linear_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
                         const uint8_t* qs, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t nb = K / kBlock, groups = N / kGroup;
-  std::vector<int8_t> qx(M * K);
+  const bool amx = g_amx && M >= kAmxMinRows;
+  // AMX reads x in tiles of 16 rows: the rows past M are zeros.
+  std::vector<int8_t> qx((amx ? (M + kAmxRows - 1) / kAmxRows * kAmxRows : M) * K);
   std::vector<float> dx(M * nb), sx(M * nb);
   std::vector<int32_t> isx(M * nb);
   quantize_rows(x, M, K, qx.data(), dx.data(), sx.data());
@@ -491,19 +643,29 @@ void linear_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d
     jaxllm_gguf::prefetch(d + g * group_d, group_d * 2);
     if (m) jaxllm_gguf::prefetch(m + g * group_d, group_d * 2);
   };
+#if JAXLLM_AMX_BUILD
+  if (amx) {
+    split_rows(pool, M, groups, [&](int64_t g0, int64_t g1) { amx_groups<T>(a, M, K, d, m, qs, y, N, g0, g1); });
+    return;
+  }
+#endif
   split_rows(pool, M, groups, [&](int64_t g0, int64_t g1) {
-    // a group is 16 weight rows: 2 groups ahead is about the rows ahead of the row-major tiles
-    const int64_t tiles = (M + jaxllm_gguf::kMaxRows - 1) / jaxllm_gguf::kMaxRows;
+    // A group is 16 weight rows: 2 groups ahead is about the rows ahead of the row-major tiles.
+    // The group is the outer loop: its bytes (16 rows, 6-10 KiB at K = 576) stay in L1 for
+    // every tile of x, so the weights stream from memory once whatever M is (tiles outside
+    // would stream them once per tile: 3x the time of the 30 MB tied head at M = 8).
+    const int64_t tiles = (M + kGroupRows - 1) / kGroupRows;
     for (int64_t g = g0; g < std::min(g1, g0 + 2); ++g) prefetch_group(g);
-    int64_t r0 = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int rows = static_cast<int>(M / tiles + (t < M % tiles));
-      for (int64_t g = g0; g < g1; ++g) {
-        if (t == 0 && g + 2 < g1) prefetch_group(g + 2);
+    for (int64_t g = g0; g < g1; ++g) {
+      if (g + 2 < g1) prefetch_group(g + 2);
+      int64_t r0 = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        // tiles as even as possible (9 rows: 5 + 4, not 8 + 1)
+        const int rows = static_cast<int>(M / tiles + (t < M % tiles));
         group_tiles<T>(rows, a, r0, K, d + g * group_d, m ? m + g * group_d : nullptr, qs + g * group_qs,
                        y + r0 * N + g * kGroup, N);
+        r0 += rows;
       }
-      r0 += rows;
     }
   });
 }
@@ -591,6 +753,15 @@ extern "C" int jaxllm_quant_dot_set_avx512(int on) {
   g_vnni = on && kHasVnni;
   return g_vnni;
 }
+
+// Selects AMX for the interleaved targets' calls of kAmxMinRows rows or more (on == 1, where
+// the CPU and the OS allow it) or the VNNI tiles; returns whether AMX is now in use.
+extern "C" int jaxllm_quant_dot_set_amx(int on) {
+  g_amx = on && kHasAmx;
+  return g_amx;
+}
+
+extern "C" int jaxllm_quant_dot_has_amx() { return kHasAmx; }
 
 // Whether the CPU runs the interleaved (jaxllm_dot16_*) targets.
 extern "C" int jaxllm_quant_dot_has_vnni() { return kHasVnni; }

@@ -11,6 +11,12 @@ verification samples each of its k + 1 positions, spec/), so with speculation on
 can take up to 1 + k rows: token buckets that can hold more rows than ``max_num_seqs`` get a
 second sequence bucket, ``S = min(T, max_num_seqs * (1 + k))``, picked only by steps that need
 the rows, so a prefill step still computes logits for ``max_num_seqs`` rows at most.
+
+Speculation also adds the token buckets ``b * (1 + k)`` for ``b`` = 1, 2, 4, ... up to
+``max_num_seqs`` (below ``LINEAR_STEP``), as vLLM rounds its CUDA-graph sizes to multiples
+of ``1 + k``: b requests verifying k proposals each fill such a step exactly, where the
+next power of two would compute up to 60% padding rows (k = 4: 5 tokens in a bucket of 8)
+on hardware where every row costs (a CPU at a few requests).
 """
 
 from __future__ import annotations
@@ -33,11 +39,25 @@ def token_buckets(max_num_batched_tokens: int) -> list[int]:
     return sorted(set(out))
 
 
-def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, max_rows: int | None = None) -> list[tuple[int, int]]:
+def verification_buckets(max_num_batched_tokens: int, max_num_seqs: int, k: int) -> list[int]:
+    """The token buckets of b requests verifying k proposals each (b a power of two)."""
+    out, b = [], 1
+    while b <= max_num_seqs and b * (1 + k) < min(LINEAR_STEP, max_num_batched_tokens):
+        out.append(b * (1 + k))
+        b *= 2
+    return out
+
+
+def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, max_rows: int | None = None,
+                 num_speculative_tokens: int = 0) -> list[tuple[int, int]]:
     """Every (T, S) shape compiled at start-up, sorted; ``max_rows``: the most sampling rows a
-    step can have (``max_num_seqs`` when None: no speculation)."""
+    step can have (``max_num_seqs`` when None: no speculation); ``num_speculative_tokens``:
+    the k whose verification buckets are added."""
     out = set()
-    for t in token_buckets(max_num_batched_tokens):
+    tokens = set(token_buckets(max_num_batched_tokens))
+    if num_speculative_tokens:
+        tokens.update(verification_buckets(max_num_batched_tokens, max_num_seqs, num_speculative_tokens))
+    for t in sorted(tokens):
         out.add((t, min(t, max_num_seqs)))
         if max_rows is not None:
             out.add((t, min(t, max_rows)))

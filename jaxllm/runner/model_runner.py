@@ -96,6 +96,9 @@ class ModelRunner:
         # (spec/controller.py); the scheduler schedules them for verification.
         self.proposer = None
         self.step_seconds: dict[tuple[int, int], float] = {}
+        self._cold: set[tuple[int, int]] = set()
+        """Buckets that have run once: a program's first run pays for touching its code and
+        buffers (about 2x a warm step here), so only the runs after it are averaged."""
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -208,18 +211,27 @@ class ModelRunner:
             # Each bucket's step time (moving average): what speculation's cost model reads.
             dt = time.perf_counter() - t0
             old = self.step_seconds.get(bucket)
-            self.step_seconds[bucket] = dt if old is None else 0.8 * old + 0.2 * dt
+            if bucket not in self._cold:
+                self._cold.add(bucket)
+            else:
+                self.step_seconds[bucket] = dt if old is None else 0.8 * old + 0.2 * dt
         if self.proposer is not None:
             result = self.proposer.propose(result, step, self.requests, self.grammars)
         return result
 
     def measured_step_seconds(self, num_tokens: int, num_rows: int) -> float | None:
         """The moving average of the steps run in the bucket of ``num_tokens`` in ``num_rows``
-        rows, None if none ran yet (or no bucket holds them)."""
+        rows, capped by every measured bigger bucket's (a bucket that holds more costs at
+        least as much: this keeps a rarely run bucket's noisy average from hiding that it is
+        cheap); None if none ran yet (or no bucket holds them)."""
         try:
-            return self.step_seconds.get(bk.pick(num_tokens, num_rows, self.buckets))
+            T, S = bk.pick(num_tokens, num_rows, self.buckets)
         except ValueError:
             return None
+        held = [sec for (t, s), sec in self.step_seconds.items() if t >= T and s >= S]
+        if (T, S) not in self.step_seconds:
+            return None
+        return min(held)
 
     def _run(self, step: PreparedStep) -> SampledStep:
         """The device part of a step: staged row writes, the compiled step, the sampler."""

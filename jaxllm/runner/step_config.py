@@ -69,4 +69,4 @@ class StepConfig:
         """Computed once: every step picks its bucket from it."""
         k = self.num_speculative_tokens
         return bk.step_buckets(self.max_num_batched_tokens, self.max_num_seqs,
-                               self.max_num_seqs * (1 + k) if k else None)
+                               self.max_num_seqs * (1 + k) if k else None, k)

@@ -7,8 +7,12 @@ proposes after every step that sampled for it, unless:
 - its grammar is not active yet (structured outputs after reasoning): proposals past the
   end of reasoning could not be checked; a constrained request's proposals are cut to the
   prefix its grammar accepts;
-- its proposals have been rarely accepted: over its last ``acceptance_window`` proposed
-  tokens fewer than ``min_acceptance_rate`` were accepted.  It then stops proposing for
+- its proposals have been rarely accepted: over its last ``acceptance_window`` judged
+  tokens fewer than ``min_acceptance_rate`` were accepted.  A verification judges its
+  proposals up to the first rejected one (those after it are dropped unseen), so the rate is
+  the chance that a proposed token is right given the ones before it were, the same for any
+  k: at k = 8 an acceptance length of 3 is 2 accepted of 3 judged, not of 8 proposed (which
+  would switch off a request that speculation makes faster).  It then stops proposing for
   ``probe_interval`` steps, twice as long after every further failed probe (at most 16
   times), so a workload speculation cannot help pays for a few probes only.
 
@@ -20,7 +24,10 @@ proposals from its per-position acceptance so far, smoothed towards every reques
 measured time of the bucket that step would run in (the runner's moving average per bucket;
 a bucket not measured yet counts as cheap, so it gets tried), plus what proposing k tokens
 costs when the proposer says (a draft model's k steps: its ``cost(k, requests)``), and the
-best k caps every request's proposals.  k = 0 proposes nothing this step.
+best k caps every request's proposals.  k = 0 proposes nothing this step.  A proposer that
+costs nothing to ask (ngram) proposes first, so the choice counts the tokens it actually
+found: a request with 2 proposals adds 2 tokens to the step at any k >= 2, one with none adds
+nothing.
 """
 
 from __future__ import annotations
@@ -44,33 +51,37 @@ class _Acceptance:
     ok: list = dataclasses.field(default_factory=list)      # ... and accepted, since the request began
 
     def expected_accepted(self, k: int, prior: "_Acceptance | None" = None) -> float:
-        """Expected accepted tokens of a k-token proposal: sum over j of P(first j+1 accepted).
-        Each position's rate is this request's, pulled towards ``prior``'s (every request's
-        so far; 1/2 without one) by two pseudo-verifications, so a new request starts from
-        what the workload has shown."""
+        """Expected accepted tokens of a k-token proposal: sum over j of P(first j+1 accepted),
+        the product of each position's rate given the ones before it were accepted.  That
+        rate is this request's, pulled towards ``prior``'s (every request's so far, itself
+        pulled towards 1/2 by one pseudo-verification each way, so it is never 0 or 1) by two
+        pseudo-verifications, so a new request starts from what the workload has shown."""
         e, p = 0.0, 1.0
         for j in range(k):
             t, o = (self.tried[j], self.ok[j]) if j < len(self.tried) else (0, 0)
             g = 0.5
-            if prior is not None and j < len(prior.tried) and prior.tried[j]:
-                g = prior.ok[j] / prior.tried[j]
+            if prior is not None and j < len(prior.tried):
+                g = (prior.ok[j] + 1) / (prior.tried[j] + 2)
             p *= (o + 2 * g) / (t + 2)
             e += p
         return e
 
     def count(self, proposed: int, accepted: int) -> None:
+        """One verification: positions up to the first rejection were judged (``tried``), the
+        first ``accepted`` of them accepted; the ones after it went unseen."""
         if len(self.tried) < proposed:
             self.tried += [0] * (proposed - len(self.tried))
             self.ok += [0] * (proposed - len(self.ok))
-        for j in range(proposed):
+        for j in range(min(proposed, accepted + 1)):
             self.tried[j] += 1
         for j in range(accepted):
             self.ok[j] += 1
 
     def observe(self, proposed: int, accepted: int, cfg: SpeculativeConfig, step: int) -> None:
         self.count(proposed, accepted)
-        self.window.append((proposed, accepted))
-        self.proposed += proposed
+        judged = min(proposed, accepted + 1)     # up to the first rejection: the rest went unseen
+        self.window.append((judged, accepted))
+        self.proposed += judged
         self.accepted += accepted
         while self.window and self.proposed - self.window[0][0] >= cfg.acceptance_window:
             p, a = self.window.popleft()
@@ -103,14 +114,16 @@ class SpecController:
         """(k, requests) -> seconds the proposer takes for them, or None (unmeasured); a
         proposer without it (ngram) costs nothing next to a step."""
 
-    def _choose_k(self, num_sampling: int, asking: list[str]) -> int:
-        """The k that maximises expected output tokens per second of the next step."""
+    def _choose_k(self, num_sampling: int, asking: list[str], found: dict[str, int] | None = None) -> int:
+        """The k that maximises expected output tokens per second of the next step; ``found``:
+        how many tokens each asking request has proposed already (None: k each)."""
         K = self.cfg.num_speculative_tokens
         if not self.cfg.cost_model or self.step_cost is None:
             return K
         best_k, best, known = 0, -1.0, None
         for k in range(K + 1):
-            T = num_sampling + len(asking) * k
+            n = {rid: k if found is None else min(k, found[rid]) for rid in asking}
+            T = num_sampling + sum(n.values())
             cost = self.step_cost(T, T)
             if cost is None:
                 cost = known if known is not None else 1.0   # not measured: as cheap as the last known
@@ -118,7 +131,7 @@ class SpecController:
                 known = cost
             if self._propose_cost is not None:
                 cost += self._propose_cost(k, len(asking)) or 0.0
-            tokens = num_sampling + sum(self._acceptance[rid].expected_accepted(k, self._all) for rid in asking)
+            tokens = num_sampling + sum(self._acceptance[rid].expected_accepted(n[rid], self._all) for rid in asking)
             if tokens / cost > best:
                 best_k, best = k, tokens / cost
         return best_k
@@ -152,7 +165,19 @@ class SpecController:
                 asking.append(rid)
         if not asking:
             return result
-        k = self.last_k = self._choose_k(sum(1 for t in result.sampled_token_ids if t), asking)
+        num_sampling = sum(1 for t in result.sampled_token_ids if t)
+        if self._propose_cost is None and not hasattr(self.proposer, "propose_batch"):
+            # Free to ask (ngram): propose k, then let the cost model cut what was found.
+            for rid in asking:
+                d = grammars.valid_prefix(rid, (self.proposer.propose(rid, states[rid].token_ids, k) or [])[:k])
+                if d:
+                    drafts[rid] = d
+            if not drafts:
+                return result
+            k = self.last_k = self._choose_k(num_sampling, list(drafts), {rid: len(d) for rid, d in drafts.items()})
+            drafts = {rid: d[:k] for rid, d in drafts.items()} if k else {}
+            return dataclasses.replace(result, draft_token_ids=drafts) if drafts else result
+        k = self.last_k = self._choose_k(num_sampling, asking)
         if k == 0:
             return result
         if hasattr(self.proposer, "propose_batch"):

@@ -127,6 +127,36 @@ def test_interleaved_rows_compute_the_int8_matmul(type_name, shape):
 
 
 @pytest.mark.parametrize("type_name", INTERLEAVED_TYPES)
+@pytest.mark.parametrize("shape", [(960, 576), (48, 96)])
+def test_amx_gives_the_vnni_tiles_bits_at_every_row_count(type_name, shape):
+    """Where the CPU has AMX, calls of 32 rows or more (prefill) run on it: one TDPBSSD per
+    block for 16 rows of x and 16 weight rows.  Its integer sums and float scaling are the
+    VNNI tile's, so every row's output is the same bits as on VNNI and as the row computed
+    alone: a token's logits do not depend on the step's row count, which speculation's
+    exactness relies on."""
+    if not native.quant_dot_amx():
+        pytest.skip("the CPU lacks AMX-INT8 (or the OS refused its tile state): only VNNI runs here")
+    rng = np.random.default_rng(hash((type_name, shape, "amx")) % 2**32)
+    w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    iw = jax.device_put(interleave_rows(pack(raw, type_name, shape)))
+    fn = jax.jit(lambda x, w: linear_packed(x, w, int8_activations=True))
+    x = rng.standard_normal((100, shape[1])).astype(np.float32)
+    x[:, :32] *= 40.0
+    try:
+        assert native.set_quant_dot_amx(False) is False
+        alone = np.concatenate([np.asarray(fn(x[i:i + 1], iw)) for i in range(len(x))])
+        vnni = {M: np.asarray(fn(x[:M], iw)) for M in (5, 32, 33, 48, 100)}
+        assert native.set_quant_dot_amx(True) is True
+        for M, want in vnni.items():
+            got = np.asarray(fn(x[:M], iw))
+            np.testing.assert_array_equal(got, want, err_msg=f"{type_name} {shape} M={M}: AMX is not VNNI's bits")
+            np.testing.assert_array_equal(got, alone[:M], err_msg=f"{type_name} {shape} M={M}: rows depend on M")
+    finally:
+        native.set_quant_dot_amx(True)
+
+
+@pytest.mark.parametrize("type_name", INTERLEAVED_TYPES)
 def test_interleaved_rows_are_read_back_exactly(type_name):
     """Every other reader of an interleaved weight sees the row-major weight: the embedding's
     row gather, the XLA dequantize path, and deinterleave_rows (bit-exact)."""

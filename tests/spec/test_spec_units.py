@@ -93,7 +93,7 @@ def test_ngram_proposes_what_followed_the_latest_longest_match():
 
 
 def test_controller_off_switch_pauses_a_request_that_rejects():
-    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, acceptance_window=8, min_acceptance_rate=0.5,
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4, acceptance_window=2, min_acceptance_rate=0.5,
                             probe_interval=10)
 
     class Always:
@@ -125,8 +125,8 @@ def test_controller_off_switch_pauses_a_request_that_rejects():
         res = ctl.propose(RunnerOutput(["r"], [[3]]), Step(drafts), states, Grammars())
         drafts = tuple(res.draft_token_ids.get("r", ()))
         proposing.append(bool(drafts))
-    # Two verifications of 4 fill the window at rate 0: off for 10 steps, then one probe pair,
-    # then off for 20.
+    # A verification rejected at once judges 1 token: two fill the window at rate 0, so the
+    # request is off for 10 steps, then one probe pair, then off for 20.
     assert proposing[:3] == [True, True, False]
     assert sum(proposing) < 10
     assert proposing.index(True, 3) == 12          # steps 3..12 paused (index i is step i + 1)
@@ -142,11 +142,16 @@ def test_cost_model_picks_the_k_that_pays():
         acc = ctl._acceptance[rid] = _Acceptance()
         for _ in range(20):
             acc.observe(4, 2, cfg, 0)       # positions 0, 1 always accepted, 2, 3 never
+    # Position 3 was never judged (position 2 was always rejected first): it stays at 1/2.
+    assert ctl._acceptance["a"].tried == [20, 20, 20, 0]
     assert ctl._acceptance["a"].expected_accepted(4) == pytest.approx(21 / 22 + (21 / 22) ** 2 + (21 / 22) ** 2 / 22
-                                                                      + (21 / 22) ** 2 / 22 ** 2)
-    # A new request starts from every request's rates (here: 1, 1, 0, 0), not from 1/2.
+                                                                      + (21 / 22) ** 2 / 22 / 2)
+    # A new request starts from every request's rates (here 21/22, 21/22, 1/22 and the unjudged
+    # 1/2), not from 1/2.
     ctl._all = ctl._acceptance["a"]
-    assert _Acceptance().expected_accepted(4, ctl._all) == pytest.approx(2.0)
+    g = [21 / 22, 21 / 22, 1 / 22, 1 / 2]
+    assert _Acceptance().expected_accepted(4, ctl._all) == pytest.approx(
+        g[0] + g[0] * g[1] + g[0] * g[1] * g[2] + g[0] * g[1] * g[2] * g[3])
     assert _Acceptance().expected_accepted(2) == pytest.approx(0.5 + 0.25)
     ctl._all = _Acceptance()
     ctl.step_cost = lambda T, rows: 0.01                               # flat
@@ -159,6 +164,77 @@ def test_cost_model_picks_the_k_that_pays():
     assert ctl._choose_k(2, ["a", "b"]) == 4
     assert SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=3, cost_model=False),
                           None)._choose_k(2, ["a"]) == 3
+
+
+def test_acceptance_counts_each_position_given_the_ones_before():
+    """A verification judges its proposals up to the first rejection: a position after it was
+    never compared, so it is not a failure.  Counting it as one made the expected accepted
+    tokens of a long proposal a product of unconditional rates (here 1/2 * 1/4 * ... for a
+    run that is accepted 3 tokens in 4), and the cost model then never proposed at k = 8."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=8)
+    acc = _Acceptance()
+    for a in (3, 8, 3, 8):
+        acc.observe(8, a, cfg, 0)
+    assert acc.tried == [4, 4, 4, 4, 2, 2, 2, 2]
+    assert acc.ok == [4, 4, 4, 2, 2, 2, 2, 2]
+    # Positions 0-2 always accepted, 3 half the time, 4-7 always once reached.
+    p = [5 / 6, 5 / 6, 5 / 6, 3 / 6, 3 / 4, 3 / 4, 3 / 4, 3 / 4]
+    want, run = 0.0, 1.0
+    for x in p:
+        run *= x
+        want += run
+    assert acc.expected_accepted(8) == pytest.approx(want)
+
+
+def test_off_switch_judges_the_rate_of_the_tokens_verification_reached():
+    """k = 8 proposals of which 1 is accepted every time (an acceptance length of 2: twice the
+    tokens per step) are 1 of 2 judged tokens, not 1 of 8: the request keeps proposing at
+    min_acceptance_rate 0.25.  Proposals rejected at once still switch it off."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=8, acceptance_window=16,
+                            min_acceptance_rate=0.25, probe_interval=10)
+    good, bad = _Acceptance(), _Acceptance()
+    for step in range(40):
+        good.observe(8, 1, cfg, step)
+        bad.observe(8, 0, cfg, step)
+    assert good.off_until == 0
+    assert bad.off_until > 39
+
+
+def test_cost_model_counts_the_tokens_ngram_found():
+    """ngram proposes before the cost model chooses k, so a step is priced with the proposals
+    it will verify: here one request found 4 tokens and the other none.  Priced as k each
+    (T = 2 + 2k), k = 2 is the last cheap one and request a's 4 tokens would be cut to 2;
+    priced as found (T = 2 + k), all 4 are verified in a cheap step."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+
+    class Found:
+        def propose(self, rid, toks, k):
+            return [9, 9, 9, 9][:k] if rid == "a" else []
+
+        def remove(self, rid):
+            pass
+
+    class Step:
+        req_ids, drafts = ("a", "b"), ((), ())
+
+    class Grammars:
+        def proposes(self, rid):
+            return True
+
+        def valid_prefix(self, rid, d):
+            return d
+
+    states = {rid: type("S", (), {"token_ids": [5, 6]})() for rid in ("a", "b")}
+    ctl = SpecController(cfg, Found())
+    for rid in ("a", "b"):
+        acc = ctl._acceptance[rid] = _Acceptance()
+        for _ in range(20):
+            acc.observe(4, 4, cfg, 0)           # every proposal accepted so far
+    ctl.step_cost = lambda T, rows: 0.01 if T <= 6 else 0.05
+    assert ctl._choose_k(2, ["a", "b"]) == 2                    # priced as k tokens each
+    res = ctl.propose(RunnerOutput(["a", "b"], [[3], [3]]), Step(), states, Grammars())
+    assert res.draft_token_ids == {"a": [9, 9, 9, 9]}
+    assert ctl.last_k == 4
 
 
 def test_cost_model_counts_the_draft_models_steps():
@@ -308,3 +384,73 @@ def test_bench_reads_the_servers_counters():
     lines, keys = spec_metrics.summary(run)
     assert keys["spec_decode_acceptance_length"] == pytest.approx(1 + 14 / 6)
     assert spec_metrics.parse("# nothing here\n") is None
+
+
+# ---------------------------------------------------------------------------- step buckets and their cost
+
+def test_verification_fills_a_bucket_of_its_own():
+    """With k = 4, b requests verifying 4 proposals each fill T = 5b (b = 1, 2, 4, 8): as vLLM
+    rounds its CUDA-graph sizes to multiples of 1 + k, so a batch-1 verification computes 5
+    rows, not the 8 of the next power of two.  Without speculation nothing is added."""
+    from jaxllm.runner import buckets as bk
+    plain = bk.step_buckets(512, 8)
+    spec = bk.step_buckets(512, 8, 8 * 5, num_speculative_tokens=4)
+    assert sorted({t for t, _ in spec} - {t for t, _ in plain}) == [5, 10, 20, 40]
+    assert bk.pick(5, 5, spec) == (5, 5)
+    assert bk.pick(10, 10, spec) == (10, 10)
+    assert bk.pick(6, 6, spec) == (8, 8)
+    # A decode of 5 requests fits the new bucket too; prefill steps keep max_num_seqs rows.
+    assert bk.pick(40, 1, spec) == (40, 8)
+    assert bk.verification_buckets(16, 8, 4) == [5, 10]        # below max_num_batched_tokens
+    assert bk.verification_buckets(4096, 256, 1) == [2, 4, 8, 16, 32, 64, 128]   # below LINEAR_STEP
+
+
+def test_an_engines_buckets_with_speculation_hold_its_verifications(tiny_llm):
+    import dataclasses
+    cfg = dataclasses.replace(tiny_llm.llm_engine.core.runner.cfg, num_speculative_tokens=4)
+    assert cfg.max_num_seqs == 4
+    assert (5, 5) in cfg.buckets and (10, 10) in cfg.buckets and (20, 20) in cfg.buckets
+
+
+def test_a_bucket_costs_at_most_what_a_bigger_one_measured():
+    """The cost model reads a bucket's moving average, capped by any bigger bucket's: a rarely
+    run bucket whose few runs were slow must not look dearer than a step that holds more."""
+    from jaxllm.runner import buckets as bk
+    from jaxllm.runner.model_runner import ModelRunner
+
+    class R:
+        buckets = bk.step_buckets(64, 4, 4 * 5, num_speculative_tokens=4)
+        step_seconds = {(1, 1): 0.007, (2, 2): 0.017, (5, 5): 0.010, (8, 8): 0.015}
+
+    r = R()
+    assert ModelRunner.measured_step_seconds(r, 1, 1) == 0.007
+    assert ModelRunner.measured_step_seconds(r, 2, 2) == 0.010        # (5, 5) holds it for less
+    assert ModelRunner.measured_step_seconds(r, 4, 4) is None         # (4, 4) not measured: tried
+    assert ModelRunner.measured_step_seconds(r, 8, 8) == 0.015
+
+
+def test_a_buckets_first_run_is_not_averaged(tiny_llama):
+    """A program's first run is cold (its code and buffers touched for the first time: about
+    2x a warm step on the built-in model); averaging it in made buckets that run rarely (a
+    verification of 1 + k tokens at batch 1) look dear for the rest of the run, and the cost
+    model stopped proposing.  The runner averages from the second run on."""
+    from jaxllm import LLM
+    from tests.conftest import SMALL_ENGINE
+    llm = LLM(tiny_llama, **SMALL_ENGINE)
+    runner = llm.llm_engine.core.runner
+    runs: dict = {}
+    orig = runner.execute
+
+    def counting(so):
+        if so.total_num_scheduled_tokens:
+            from jaxllm.runner.buckets import pick
+            from jaxllm.runner.inputs import num_rows
+            b = pick(so.total_num_scheduled_tokens, num_rows(so), runner.buckets)
+            runs[b] = runs.get(b, 0) + 1
+        return orig(so)
+
+    runner.execute = counting
+    llm.generate([{"prompt_token_ids": [3, 4, 5, 6, 7]}], SamplingParams(max_tokens=6, ignore_eos=True),
+                 use_tqdm=False)
+    assert runs and any(n == 1 for n in runs.values()) and any(n > 2 for n in runs.values())
+    assert set(runner.step_seconds) == {b for b, n in runs.items() if n > 1}
