@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     dots = ["vnni", "avx2"] if native.set_quant_dot_vnni(True) else ["avx2"]
     # the interleaved-row VNNI kernel: what the engine runs for these types on such a CPU
     dots = (["vnni16"] if native.quant_dot_vnni() else []) + dots
+    # and its AMX path (calls of 32 rows or more, where the CPU has AMX-INT8)
+    dots = (["amx16"] if native.quant_dot_amx() else []) + dots
     print(f"x [M, {k}] @ W[{n}, {k}]^T, median us per call")
     print("| type | M | " + " | ".join(f"native {i.upper()}" for i in isas) + " | "
           + " | ".join(f"int8 activations {i.upper()}" for i in dots) + " | XLA dequantize + dot | XLA / native |")
@@ -88,9 +90,11 @@ def main(argv=None) -> int:
             native.set_quant_avx512(True)
             dot = []
             for isa in dots if type_name in INT8_ACTIVATION_TYPES else ():
-                if isa == "vnni16":   # only the types and shapes it takes
-                    t = None if iw is None else time_compiled(lambda: int8_f(x, iw), warmup=2, reps=args.reps,
-                                                              inner=args.inner)["median_s"]
+                if isa in ("vnni16", "amx16"):   # only the types and shapes it takes
+                    native.set_quant_dot_amx(isa == "amx16")
+                    t = None if iw is None or (isa == "amx16" and m < 32) else time_compiled(
+                        lambda: int8_f(x, iw), warmup=2, reps=args.reps, inner=args.inner)["median_s"]
+                    native.set_quant_dot_amx(True)
                     dot.append("" if t is None else f"{t * 1e6:.0f}")
                     continue
                 native.set_quant_dot_vnni(isa == "vnni")

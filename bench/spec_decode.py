@@ -2,6 +2,7 @@
 
     jaxllm bench spec-decode [--model M] [--ks 2,4,8] [--concurrency 1,4,8] [--repeats 3]
                              [--prompt-lookup-min 2] [--prompt-lookup-max 5] [--output-json F]
+                             [--draft-layers N --draft-ks 2,4]
 
 Three workloads on the same engines:
 
@@ -13,6 +14,10 @@ Three workloads on the same engines:
 * ``random``: prompts of random token ids, 64 output tokens (``ignore_eos``), greedy: ngram
   rarely finds anything to propose, and what it proposes is rarely right, so this measures
   what speculation costs when it cannot help (the off-switch's case).
+
+With ``--draft-layers N`` the same workloads also run ``draft_model`` arms, the draft being
+the built-in model's first N layers with its final norm and head (``truncated_gguf``: no
+smaller checkpoint of its vocabulary is available offline).
 
 For every concurrency c, c requests run together to completion; output tokens/s is their
 output tokens over the wall time.  One engine per arm (off, and ngram with each k), all
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -33,6 +39,39 @@ from bench.offline import _check_json_path, random_prompts
 
 NAMES = ["Alice Johnson", "Bob Smith", "Carol White", "David Brown", "Eve Davis", "Frank Miller", "Grace Wilson",
          "Henry Moore", "Irene Clark", "Jack Lewis", "Karen Hall", "Leo Young"]
+
+
+def truncated_gguf(src: str, num_layers: int, dst: str) -> str:
+    """A draft checkpoint made of ``src``'s first ``num_layers`` layers, its final norm and head
+    (an early-exit draft: the same vocabulary and embedding, no training), written to ``dst``.
+    No smaller checkpoint of the built-in model's vocabulary is available offline."""
+    import re
+
+    import gguf
+    r = gguf.GGUFReader(src)
+    arch = r.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    blocks = f"{arch}.block_count"
+    have = r.fields[blocks].contents()
+    if not 1 <= num_layers < have:
+        raise SystemExit(f"--draft-layers: expected 1..{have - 1} (the model has {have} layers), got {num_layers}")
+    w = gguf.GGUFWriter(dst, arch)
+    for f in r.fields.values():
+        if f.name == gguf.Keys.General.ARCHITECTURE or f.name.startswith("GGUF."):
+            continue
+        vtype = f.types[0]
+        sub = f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, num_layers if f.name == blocks else f.contents(), vtype, sub_type=sub)
+    keep = [t for t in r.tensors
+            if not (m := re.match(r"blk\.(\d+)\.", t.name)) or int(m.group(1)) < num_layers]
+    for t in keep:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in keep:
+        w.write_tensor_data(t.data)
+    w.close()
+    return dst
 
 
 def register(subparsers) -> None:
@@ -45,6 +84,9 @@ def register(subparsers) -> None:
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=5)
     p.add_argument("--workloads", default="edit,copy,random")
+    p.add_argument("--draft-layers", type=int, default=0, metavar="N",
+                   help="also run draft_model arms: a draft of the built-in model's first N layers (0: none)")
+    p.add_argument("--draft-ks", default="2,4", help="num_speculative_tokens of the draft_model arms")
     p.add_argument("--cpu-matmul", default="auto",
                    help="every arm's --cpu-matmul (default auto: int8 activations on a packed GGUF where the "
                         "CPU has AVX-512 VNNI); with another, the default's arm without speculation is timed "
@@ -179,6 +221,17 @@ def cmd_spec_decode(args: argparse.Namespace) -> int:
     for k in ks:
         arms[f"k={k}"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": args.prompt_lookup_min,
                           "prompt_lookup_max": args.prompt_lookup_max}
+    if args.draft_layers:
+        import tempfile
+
+        from jaxllm.models.builtin import builtin_gguf_path
+        if args.model is not None:
+            raise SystemExit("--draft-layers: drafts are cut from the built-in model; leave --model out")
+        draft = truncated_gguf(builtin_gguf_path(), args.draft_layers,
+                               os.path.join(tempfile.mkdtemp(prefix="jaxllm-draft-"), "draft.gguf"))
+        for k in (int(k) for k in args.draft_ks.split(",")):
+            arms[f"draft {args.draft_layers}L k={k}"] = {"method": "draft_model", "model": draft,
+                                                        "num_speculative_tokens": k}
     # Every bucket compiled up front, and a step that compiles fails: none may in a measured run.
     common = dict(max_num_seqs=max(cs), max_model_len=2048, show_progress=False, precompile="all",
                   strict_compile_guard=True)

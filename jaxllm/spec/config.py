@@ -40,9 +40,11 @@ class SpeculativeConfig:
     is given, else the one given for both)."""
     min_acceptance_rate: float = 0.25
     """Off-switch: when fewer than this share of a request's last ``acceptance_window``
-    proposed tokens were accepted, the request stops proposing (0 turns it off)."""
+    judged tokens were accepted, the request stops proposing (0 turns it off).  A
+    verification judges its proposals up to the first rejected one, so the rate does not fall
+    with k (spec/controller.py)."""
     acceptance_window: int = 32
-    """Proposed tokens the acceptance rate is measured over."""
+    """Judged proposed tokens the acceptance rate is measured over."""
     probe_interval: int = 64
     """Steps a switched-off request waits before it proposes again (doubling each time the rate
     is still too low, up to 16 times this)."""
