@@ -15,11 +15,14 @@
 // pool as in quant_linear.cc (gguf_simd.h's split_rows).  Three tile paths compute the same
 // integer sums: AVX2 (maddubs), AVX-512 VNNI (two blocks per register), and, for weights laid
 // out in interleaved groups of 16 rows at load, the jaxllm_dot16_* targets (see "AVX-512 VNNI
-// over 16 interleaved weight rows" below).  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
+// over 16 interleaved weight rows" below), which run on AMX for calls of 32 rows or more where
+// the CPU has it (same bits).  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
 #include <cpuid.h>
 #include <immintrin.h>
+#if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -494,8 +497,8 @@ constexpr int kGroupRows = 8;
 // op and block by block, so the result is the same bits: a row's output does not depend on
 // how many rows the step has, which speculation's exactness relies on.  Up to 4 blocks are in
 // flight (tiles 0-3 accumulate, 4-5 hold x, 6-7 the weights).
-#if defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
-                            (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#if defined(__linux__) && defined(__x86_64__) && ((defined(__clang__) && __clang_major__ >= 12) || \
+                                                (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define JAXLLM_AMX_BUILD 1
 #define JAXLLM_AMX \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))

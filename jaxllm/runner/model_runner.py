@@ -228,10 +228,9 @@ class ModelRunner:
             T, S = bk.pick(num_tokens, num_rows, self.buckets)
         except ValueError:
             return None
-        held = [sec for (t, s), sec in self.step_seconds.items() if t >= T and s >= S]
         if (T, S) not in self.step_seconds:
             return None
-        return min(held)
+        return min(sec for (t, s), sec in self.step_seconds.items() if t >= T and s >= S)
 
     def _run(self, step: PreparedStep) -> SampledStep:
         """The device part of a step: staged row writes, the compiled step, the sampler."""
