@@ -7,7 +7,7 @@
 Three workloads on the same engines:
 
 * ``edit``: code editing on a long prompt that holds most of the answer: a 60-line Python
-  module (about 500 prompt tokens) with one method to rename, output whole; greedy, ended
+  module (about 610 prompt tokens with the chat template) with one method to rename, output whole; greedy, ended
   by EOS or 480 tokens;
 * ``copy``: short chat requests whose answer is mostly in the prompt (rewrite two small
   functions with one renamed; copy a list of names), greedy, ended by EOS or 160 tokens;

@@ -169,8 +169,8 @@ def test_cost_model_picks_the_k_that_pays():
 def test_acceptance_counts_each_position_given_the_ones_before():
     """A verification judges its proposals up to the first rejection: a position after it was
     never compared, so it is not a failure.  Counting it as one made the expected accepted
-    tokens of a long proposal a product of unconditional rates (here 1/2 * 1/4 * ... for a
-    run that is accepted 3 tokens in 4), and the cost model then never proposed at k = 8."""
+    tokens of a long proposal a product of unconditional rates (positions 4-7 here at 1/2
+    instead of 1 once reached), and the cost model then never proposed at k = 8."""
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=8)
     acc = _Acceptance()
     for a in (3, 8, 3, 8):
@@ -406,6 +406,7 @@ def test_verification_fills_a_bucket_of_its_own():
 
 
 def test_an_engines_buckets_with_speculation_hold_its_verifications(tiny_llm):
+    """The engine's step configuration passes its k to the buckets."""
     import dataclasses
     cfg = dataclasses.replace(tiny_llm.llm_engine.core.runner.cfg, num_speculative_tokens=4)
     assert cfg.max_num_seqs == 4
