@@ -17,7 +17,6 @@ reasoning, content and tool-call deltas as the parsers release them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -30,7 +29,6 @@ from jaxllm.engine.protocol import OutputStream
 from jaxllm.engine.tokenizer import encode, render_chat
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import StructuredOutputsParams
 from serve.chat_parsing import ChoiceParser
 from serve.logprobs import chat_logprobs, prompt_logprobs_json
 from serve.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
@@ -38,6 +36,7 @@ from serve.protocol import (APIError, ChatCompletionRequest, ChatCompletionRespo
                             DeltaMessage, UsageInfo, bad_request, now_s, random_id)
 from serve.sse import DONE, error_frame, frame, sse_response
 from serve.state import ServerState
+from serve.structured import resolve_constraint
 from serve.tool_choice import NamedToolParser, RequiredToolParser, tool_choice_schema, tool_mode
 
 log = logging.getLogger("jaxllm.serve")
@@ -94,17 +93,15 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, add_special_tokens=req.add_special_tokens)
     if mode == "auto":
         _check_template_renders_tools(state, req, text)
-    aliases = {"logprobs": "top_logprobs", "prompt": "messages", **req.error_aliases()}
+    # required / named: the grammar makes the arguments parse and match the tools' schema.
+    constraint = resolve_constraint(req, tool_choice_schema(req, mode))
+    aliases = {"logprobs": "top_logprobs", "prompt": "messages", **constraint.error_aliases()}
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     request_id = random_id("chatcmpl")
     try:
-        params = req.to_sampling_params(state.max_tokens(len(ids), req.requested_max_tokens()), state.defaults,
-                                        state.engine.vocab_size)
-        schema = tool_choice_schema(req, mode)
-        if schema is not None:
-            # required / named: the grammar makes the arguments parse and match the schema.
-            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+        params = req.to_sampling_params(state.max_tokens(req.requested_max_tokens()), state.defaults,
+                                        state.engine.vocab_size, constraint.params)
         request = state.process(request_id, req.engine_prompt(text, ids), params, req.priority)
     except ValueError as e:
         raise state.value_error(e, CHAT_FIELDS, aliases) from None

@@ -28,6 +28,7 @@ from serve.protocol import (APIError, CompletionRequest, CompletionResponse, Com
                             CompletionResponseStreamChoice, CompletionStreamResponse, bad_request, now_s, random_id)
 from serve.sse import DONE, error_frame, frame, sse_response
 from serve.state import ServerState
+from serve.structured import resolve_constraint
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -60,15 +61,18 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
 
 
 def _process(state: ServerState, req: CompletionRequest, request_id: str) -> list[EngineRequest]:
-    """One engine request per prompt (``<id>-<i>``), each validated once by the input processor."""
+    """One engine request per prompt (``<id>-<i>``), each validated once by the input processor;
+    the constraint is resolved and the SamplingParams built once for all of them."""
+    constraint = resolve_constraint(req)
+    prompts = _prompts(state, req)
     requests = []
-    for i, (text, ids) in enumerate(_prompts(state, req)):
-        try:
-            sp = req.to_sampling_params(state.max_tokens(len(ids), req.max_tokens), state.defaults,
-                                        state.engine.vocab_size)
+    try:
+        sp = req.to_sampling_params(state.max_tokens(req.max_tokens), state.defaults, state.engine.vocab_size,
+                                    constraint.params)
+        for i, (text, ids) in enumerate(prompts):
             requests.append(state.process(f"{request_id}-{i}", req.engine_prompt(text, ids), sp, req.priority))
-        except ValueError as e:
-            raise state.value_error(e, COMPLETION_FIELDS, req.error_aliases()) from None
+    except ValueError as e:
+        raise state.value_error(e, COMPLETION_FIELDS, constraint.error_aliases()) from None
     return requests
 
 

@@ -23,8 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxllm.sampling_params import SamplingParams
-from serve.structured import constraint_field, structured_outputs
+from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Integers that reach the engine are bounded so that none can overflow a device array.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -264,7 +263,8 @@ class _SamplingRequest(OpenAIModel):
         inc = bool(so.include_usage)
         return inc, inc and bool(so.continuous_usage_stats)
 
-    def _sampling_kwargs(self, max_tokens: int, defaults: dict, vocab_size: int) -> dict:
+    def _sampling_kwargs(self, max_tokens: int | None, defaults: dict, vocab_size: int,
+                         structured: StructuredOutputsParams | None) -> dict:
         def pick(value, key, fallback):
             return value if value is not None else defaults.get(key, fallback)
 
@@ -287,12 +287,7 @@ class _SamplingRequest(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens, logit_bias=logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            structured_outputs=structured_outputs(self))
-
-    def error_aliases(self) -> dict[str, str]:
-        """The engine's ``structured_outputs`` errors reported under the field the client sent."""
-        field = constraint_field(self)
-        return {"structured_outputs": field} if field else {}
+            structured_outputs=structured)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -304,8 +299,11 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: bool = True
     response_format: dict[str, Any] | None = None
 
-    def to_sampling_params(self, max_tokens: int, defaults: dict, vocab_size: int) -> SamplingParams:
-        kw = self._sampling_kwargs(max_tokens, defaults, vocab_size)
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict, vocab_size: int,
+                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The request's SamplingParams (built once per request); ``structured``: its resolved
+        constraint (serve/structured.py:resolve_constraint)."""
+        kw = self._sampling_kwargs(max_tokens, defaults, vocab_size, structured)
         kw["logprobs"] = self.logprobs
         if self.echo and self.logprobs is not None and kw["prompt_logprobs"] is None:
             kw["prompt_logprobs"] = self.logprobs  # echo with logprobs scores the prompt too (vLLM)
@@ -331,8 +329,10 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int, defaults: dict, vocab_size: int) -> SamplingParams:
-        kw = self._sampling_kwargs(max_tokens, defaults, vocab_size)
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict, vocab_size: int,
+                           structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """As CompletionRequest's."""
+        kw = self._sampling_kwargs(max_tokens, defaults, vocab_size, structured)
         if self.logprobs:
             kw["logprobs"] = self.top_logprobs or 0
         return SamplingParams(**kw)

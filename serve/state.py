@@ -204,12 +204,10 @@ class ServerState:
             raise bad_request(f"{what} needs a tokenizer, and this server runs without one")
         return self.tokenizer
 
-    def max_tokens(self, prompt_len: int, requested: int | None) -> int | None:
-        """vLLM's rule: the smallest of what is left of the context, the request's max_tokens and
-        the generation config's max_new_tokens.  (A prompt that leaves no room is the input
-        processor's to refuse, with its one message.)"""
-        room = self.max_model_len - prompt_len
-        vals = [v for v in (room if room > 0 else None, requested, self.defaults.get("max_tokens")) if v is not None]
+    def max_tokens(self, requested: int | None) -> int | None:
+        """The request's max_tokens capped by the generation config's max_new_tokens (None: no
+        cap).  What is left of the context is the input processor's rule (the one place it lives)."""
+        vals = [v for v in (requested, self.defaults.get("max_tokens")) if v is not None]
         return min(vals) if vals else None
 
     def reasoning_end_token_ids(self) -> tuple[int, ...] | None:

@@ -7,7 +7,8 @@ scheduler) trusts the ``EngineRequest`` it returns.  Checks that need only the p
 are ``SamplingParams``' own.
 
 One length rule (vLLM's): the prompt must leave room for at least one output token, so a
-prompt of ``max_model_len`` tokens or more is refused.
+prompt of ``max_model_len`` tokens or more is refused; the output is capped at what is left of
+the context (the one place that cap is applied), and ``min_tokens`` must fit under that cap.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class InputProcessor:
         resolved = self.check_params(params)
         room = self.max_model_len - len(ids)
         max_tokens = room if resolved.max_tokens is None else min(resolved.max_tokens, room)
+        if resolved.min_tokens > max_tokens:
+            raise InvalidRequestError(f"min_tokens must be less than or equal to max_tokens={max_tokens} (what is "
+                                      f"left of max_model_len={self.max_model_len} after the prompt), got "
+                                      f"{resolved.min_tokens}.", "min_tokens")
         return EngineRequest(request_id, text, ids, resolved, max_tokens, self.eos_token_ids, priority=priority,
                              cache_salt=salt,
                              arrival_time=time.monotonic() if arrival_time is None else arrival_time)

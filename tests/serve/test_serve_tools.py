@@ -215,6 +215,23 @@ def test_bad_tools_and_tool_choice_are_400(tool_server, body, param):
     assert ok.status_code == 200, ok.text  # still serving
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("constraint", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+    {"response_format": {"type": "json_object"}},
+    {"structured_outputs": {"regex": "a+"}},
+    {"guided_choice": ["a", "b"]},
+])
+def test_a_constraint_with_a_constraining_tool_choice_is_400_naming_both(tool_server, tool_choice, constraint):
+    """Two constraints are refused, never one silently replacing the other."""
+    body = {"messages": MSGS, "max_tokens": 2, "tools": TOOLS, "tool_choice": tool_choice, **constraint}
+    r = httpx.post(tool_server.base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    field, = constraint
+    err = assert_error_shape(r.json(), 400, field)
+    assert f"got both tool_choice and {field}" in err["message"], err
+
+
 def test_auto_with_a_template_that_ignores_tools_is_400(tool_server):
     ignores = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
     body = {"messages": MSGS, "tools": TOOLS, "max_tokens": 2, "chat_template": ignores}
