@@ -1,8 +1,9 @@
 """Boundary types: the only objects that cross from one layer of the engine to the next.
 
-scheduler -> runner:           ``SchedulerOutput`` (new requests in full, then per-step diffs)
+scheduler -> runner:           ``SchedulerOutput`` (new requests in full, then per-step diffs,
+                               and the step's ``SchedulingEvent``s)
 runner -> scheduler:           ``RunnerOutput`` (token lists and logprob arrays, keyed by request id)
-engine core -> output proc.:   ``EngineCoreOutput``
+engine core -> output proc.:   ``EngineCoreOutputs`` (``EngineCoreOutput`` per request, and the events)
 engine -> API layer / user:    ``RequestOutput`` with ``CompletionOutput`` (vLLM's shape)
 """
 
@@ -41,6 +42,26 @@ class CachedRequestData:
     num_computed_tokens: list[int] = field(default_factory=list)
 
 
+class EventKind:
+    """What a :class:`SchedulingEvent` says happened (vLLM's ``EngineCoreEventType`` names)."""
+
+    SCHEDULED = "scheduled"
+    """Admitted from the waiting queue (first admission, or again after a preemption)."""
+    PREEMPTED = "preempted"
+
+
+@dataclass(frozen=True)
+class SchedulingEvent:
+    """The scheduler's stamp on a request (vLLM's ``Request.record_event``), reported in its
+    output so that metrics need not poll the scheduler's state."""
+
+    request_id: str
+    kind: str
+    """An :class:`EventKind` value."""
+    timestamp: float
+    """``time.monotonic()``, the clock of ``EngineRequest.arrival_time``."""
+
+
 @dataclass(frozen=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
@@ -53,6 +74,8 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: the proposals each decoding request verifies this step (its
     ``num_scheduled_tokens`` counts them: 1 + len)."""
+    events: list[SchedulingEvent] = field(default_factory=list)
+    """What happened to requests while this step was scheduled (admissions, preemptions)."""
 
     @property
     def is_empty(self) -> bool:
@@ -124,6 +147,14 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineCoreOutputs:
+    """One engine-core step: each request's new tokens, and the step's scheduling events."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    events: list[SchedulingEvent] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- what users see (vLLM's shape)

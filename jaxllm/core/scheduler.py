@@ -19,7 +19,9 @@ steps it is admitted ahead of every request that has not (oldest first), and und
 fcfs and lpm the victim is the most recently admitted request, which is never it while
 later arrivals run).  A newly admitted request first
 takes the longest cached prefix of its tokens (see ``kv_cache_manager``) and computes only
-the rest.  Pure Python: tested without a device by feeding hand-made ``RunnerOutput``s.
+the rest.  Each admission and preemption is stamped as a ``SchedulingEvent`` in the step's
+``SchedulerOutput`` (vLLM's ``record_event``), so that metrics such as queue time need not
+poll the scheduler.  Pure Python: tested without a device by feeding hand-made ``RunnerOutput``s.
 
 Speculative decoding: a decoding request with proposals (``RunnerOutput.draft_token_ids``
 of its last step) computes its last token and the proposals in one step, as many as the
@@ -31,12 +33,13 @@ stop rules run token by token, so a stop inside an accepted run ends the request
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from jaxllm.config import SCHEDULING_POLICIES
 from jaxllm.core.kv_cache_manager import KVCacheManager
-from jaxllm.outputs import (CachedRequestData, EngineCoreOutput, NewRequestData, RunnerOutput,
-                            SchedulerOutput)
+from jaxllm.outputs import (CachedRequestData, EngineCoreOutput, EventKind, NewRequestData, RunnerOutput,
+                            SchedulerOutput, SchedulingEvent)
 from jaxllm.request import Request, RequestStatus
 
 
@@ -65,7 +68,8 @@ class SpecDecodingStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs", starvation_steps: int = 1000):
+                 max_model_len: int, policy: str = "fcfs", starvation_steps: int = 1000, clock=time.monotonic):
+        """``clock``: the events' timestamps (the clock of ``EngineRequest.arrival_time``)."""
         if policy not in POLICIES:
             raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.kv = kv
@@ -85,6 +89,8 @@ class Scheduler:
         self._runner_knows: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats = SpecDecodingStats()
+        self.clock = clock
+        self._events: list[SchedulingEvent] = []
 
     # ------------------------------------------------------------------ intake
 
@@ -178,6 +184,7 @@ class Scheduler:
                 req.num_computed_tokens = num_hit
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                self._record(req, EventKind.SCHEDULED)
                 num_scheduled[req.request_id] = n
                 new_blocks[req.request_id] = blocks
                 budget -= n
@@ -202,8 +209,9 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids, scheduled_spec_decode_tokens=spec)
+            finished_req_ids=self._finished_req_ids, scheduled_spec_decode_tokens=spec, events=self._events)
         self._finished_req_ids = set()
+        self._events = []
         return out
 
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
@@ -312,7 +320,11 @@ class Scheduler:
             return True
         return False
 
+    def _record(self, req: Request, kind: str) -> None:
+        self._events.append(SchedulingEvent(req.request_id, kind, self.clock()))
+
     def _preempt(self, req: Request) -> None:
+        self._record(req, EventKind.PREEMPTED)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

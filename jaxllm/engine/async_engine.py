@@ -17,6 +17,8 @@ waiting for outputs that will never come.
 Timing statistics (time to first token, inter-token latency, queue time, end-to-end
 latency, token counts) are measured in the engine thread and handed to an optional
 ``stats_sink`` after every iteration; the server's Prometheus metrics are one such sink.
+Queue time ends at the scheduler's own SCHEDULED event for the request (reported in the
+step's result), not at a poll of the scheduler's state.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
-from jaxllm.engine.llm_engine import EngineStats, LLMEngine
+from jaxllm.engine.llm_engine import EngineStats, LLMEngine, StepResult
 from jaxllm.engine.output_processor import OutputKind
 from jaxllm.engine.processor import InputProcessor, PromptType
 from jaxllm.errors import EngineDeadError
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import EventKind, RequestOutput
 from jaxllm.request import EngineRequest
 from jaxllm.sampling_params import SamplingParams
 
@@ -113,6 +115,7 @@ class _Tracked:
     arrival: float
     num_prompt_tokens: int
     scheduled: float | None = None
+    """When the scheduler first admitted it (its SCHEDULED event)."""
     last_output: float | None = None
     num_generation_tokens: int = 0
     finish_reason: str | None = None
@@ -125,8 +128,6 @@ class _IterAccumulator:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
-    engine: EngineStats | None = None
-    """Taken after this iteration's step, when there was one."""
     sends: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, object]] = field(default_factory=list)
     """Outputs for the request queues, handed over after the stats are recorded, so that a
     client that has seen its output also finds it counted in the metrics."""
@@ -353,15 +354,14 @@ class AsyncEngine:
                 return
             stepped = False
             if self._error is None and engine.has_unfinished_requests():
-                t0 = time.monotonic()
                 try:
-                    outputs, new_tokens = engine.step_with_counts()
+                    result = engine.step_with_counts()
                 except Exception as e:
                     self._fail(e, streams)
                     self._publish(acc, stepped=True)
                     self._flush(acc)
                     continue
-                self._deliver(outputs, new_tokens, streams, t0, acc)
+                self._deliver(result, streams, acc)
                 stepped = True
             self._publish(acc, stepped=stepped or bool(cmds))
             self._flush(acc)
@@ -392,21 +392,16 @@ class AsyncEngine:
         tr.finish_reason = "abort"
         acc.finished.append(self._finished_stats(request_id, tr, now))
 
-    def _deliver(self, outputs: list[RequestOutput], new_tokens: dict[str, int], streams: dict[str, _Tracked],
-                 t0: float, acc: _IterAccumulator) -> None:
-        """``new_tokens``: per request, the tokens this step added (a FINAL_ONLY request's too,
-        though it has no output until it ends)."""
+    def _deliver(self, result: StepResult, streams: dict[str, _Tracked], acc: _IterAccumulator) -> None:
         now = time.monotonic()
-        acc.engine = stats = self.engine.get_stats()
-        for tr_id, tr in streams.items():
-            if tr.scheduled is None and tr_id in stats.running_request_ids:
-                tr.scheduled = t0
-        for rid, n in new_tokens.items():
+        for ev in result.events:
+            tr = streams.get(ev.request_id)
+            if tr is not None and tr.scheduled is None and ev.kind == EventKind.SCHEDULED:
+                tr.scheduled = ev.timestamp
+        for rid, n in result.new_tokens.items():
             tr = streams.get(rid)
             if tr is None or not n:
                 continue
-            if tr.scheduled is None:
-                tr.scheduled = t0  # scheduled and finished within this one step
             if tr.last_output is None:
                 acc.ttft.append(now - tr.arrival)
                 acc.num_prompt_tokens += tr.num_prompt_tokens
@@ -415,7 +410,7 @@ class AsyncEngine:
             tr.last_output = now
             tr.num_generation_tokens += n
             acc.num_generation_tokens += n
-        for out in outputs:
+        for out in result.outputs:
             tr = streams.get(out.request_id)
             if tr is None:
                 continue
@@ -452,7 +447,7 @@ class AsyncEngine:
     def _publish(self, acc: _IterAccumulator, stepped: bool) -> None:
         if not stepped:
             return
-        self._stats = stats = acc.engine or self.engine.get_stats()
+        self._stats = stats = self.engine.get_stats()
         if self.stats_sink is None:
             return
         try:

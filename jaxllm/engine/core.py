@@ -17,7 +17,7 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.models.loader import LoadedModel
 from jaxllm.models.registry import keeps_sequence_state
-from jaxllm.outputs import EngineCoreOutput
+from jaxllm.outputs import EngineCoreOutput, EngineCoreOutputs
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import replica_devices
 from jaxllm.engine.resolve import resolve_config
@@ -196,7 +196,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs:
         if self.is_follower:
             raise ValueError(f"host {self.channel.host} follows host 0's steps: call follow() there")
         so = self.scheduler.schedule()
@@ -205,6 +205,6 @@ class EngineCore:
         if so.is_empty:
             # Still deliver finished ids so the runner drops their state.
             self.runner.execute(so)
-            return []
+            return EngineCoreOutputs([], so.events)
         result = self.runner.execute(so)
-        return self.scheduler.update_from_output(so, result)
+        return EngineCoreOutputs(self.scheduler.update_from_output(so, result), so.events)

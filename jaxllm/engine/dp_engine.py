@@ -187,13 +187,12 @@ class DataParallelEngine:
         return [r.stats() for r in self.replicas]
 
     def stats(self) -> EngineStats:
-        """The replicas' snapshots summed (running ids: their union)."""
+        """The replicas' snapshots summed."""
         ss = self.replica_stats()
         return EngineStats(
             num_running=sum(s.num_running for s in ss), num_waiting=sum(s.num_waiting for s in ss),
             num_free_blocks=sum(s.num_free_blocks for s in ss), num_blocks=sum(s.num_blocks for s in ss),
             num_preemptions=sum(s.num_preemptions for s in ss),
-            running_request_ids=frozenset().union(*(s.running_request_ids for s in ss)),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in ss),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in ss))
 

@@ -21,7 +21,7 @@ from jaxllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from jaxllm.host_memory import return_freed_memory
 from jaxllm.models.builtin import BUILTIN_MODEL_NAME
 from jaxllm.models.loader import TokenizerSource, load_model
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import RequestOutput, SchedulingEvent
 from jaxllm.parallel import distributed
 from jaxllm.request import EngineRequest, Request
 from jaxllm.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ log = logging.getLogger("jaxllm.engine")
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the scheduler and the KV pool, for metrics and queue-time accounting."""
+    """A snapshot of the scheduler and the KV pool, for metrics."""
 
     num_running: int
     num_waiting: int
@@ -40,8 +40,6 @@ class EngineStats:
     num_blocks: int
     """Blocks requests can use (the null block excluded)."""
     num_preemptions: int
-    running_request_ids: frozenset[str]
-    """Ids (as given to ``add_request``) of the requests that hold KV blocks now."""
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache since start (newly admitted requests)."""
     prefix_cache_hits: int = 0
@@ -58,6 +56,18 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One engine step, as :meth:`LLMEngine.step_with_counts` reports it."""
+
+    outputs: list[RequestOutput]
+    new_tokens: dict[str, int]
+    """The output tokens each request (by the id it was added with) gained, whatever its output
+    kind (a FINAL_ONLY request has no output until it ends)."""
+    events: list[SchedulingEvent]
+    """The scheduler's events of this step, under the ids the requests were added with."""
 
 
 class LLMEngine:
@@ -133,15 +143,13 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         sched, kv = self.core.scheduler, self.core.kv_manager
         spec = sched.spec_stats
-        parent = self.output_processor.parent_id
         return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
                            num_free_blocks=kv.num_free_blocks, num_blocks=kv.num_blocks,
                            num_preemptions=sched.num_preemptions,
                            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                            spec_num_accepted_tokens=spec.num_accepted_tokens,
-                           spec_accepted_per_pos=tuple(spec.accepted_per_pos),
-                           running_request_ids=frozenset(parent(r.request_id) for r in sched.running))
+                           spec_accepted_per_pos=tuple(spec.accepted_per_pos))
 
     def compile_all(self) -> None:
         """Makes every step bucket's programs ready (a server calls it before serving), and the
@@ -152,15 +160,18 @@ class LLMEngine:
             _ = self.grammar.tokenizer
 
     def step(self) -> list[RequestOutput]:
-        return self.step_with_counts()[0]
+        return self.step_with_counts().outputs
 
-    def step_with_counts(self) -> tuple[list[RequestOutput], dict[str, int]]:
-        """:meth:`step`, and the output tokens each request (by the id it was added with) gained
-        in it, whatever its output kind (a FINAL_ONLY request has no output until it ends)."""
-        outputs, to_abort, new_tokens = self.output_processor.process(self.core.step())
+    def step_with_counts(self) -> StepResult:
+        """:meth:`step`, with each request's new token count and the step's scheduling events."""
+        core = self.core.step()
+        # Mapped before the output processor forgets the requests that finished in this step.
+        parent = self.output_processor.parent_id
+        events = [SchedulingEvent(parent(e.request_id), e.kind, e.timestamp) for e in core.events]
+        outputs, to_abort, new_tokens = self.output_processor.process(core.outputs)
         if to_abort:
             self.core.abort_requests(to_abort)
-        return outputs, new_tokens
+        return StepResult(outputs, new_tokens, events)
 
     def follow(self) -> None:
         """On a host other than 0 of a multi-host engine: run host 0's steps until it stops."""

@@ -9,7 +9,7 @@ import pytest
 
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
-from jaxllm.outputs import RunnerOutput
+from jaxllm.outputs import EventKind, RunnerOutput, SchedulingEvent
 from jaxllm.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
 
@@ -137,6 +137,26 @@ def test_preemption_frees_blocks_and_recomputes_later():
     assert preempted_at is not None, "precondition: the small pool never forced a preemption"
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == 6
+
+
+def test_admissions_and_preemptions_are_reported_as_events():
+    """The scheduler stamps each admission and preemption in its output (what queue-time
+    metrics read), with its clock, once: a running request's later steps report nothing."""
+    ticks = iter(range(100, 1000))
+    s = Scheduler(KVCacheManager(7, 4), max_num_seqs=4, max_num_batched_tokens=32, max_model_len=24,
+                  clock=lambda: float(next(ticks)))
+    s.add_request(make("old", 8, max_tokens=10))
+    s.add_request(make("new", 8, max_tokens=10))
+    so, _ = run_step(s)
+    assert so.events == [SchedulingEvent("old", EventKind.SCHEDULED, 100.0),
+                         SchedulingEvent("new", EventKind.SCHEDULED, 101.0)]
+    events = []
+    while s.has_unfinished_requests():
+        so, _ = run_step(s)
+        events += [(e.request_id, e.kind) for e in so.events]
+    assert events[0] == ("new", EventKind.PREEMPTED)
+    assert ("new", EventKind.SCHEDULED) in events[1:]      # admitted again after the preemption
+    assert events.count(("new", EventKind.SCHEDULED)) == 1 and ("old", EventKind.SCHEDULED) not in events
 
 
 def test_preempted_request_is_resent_in_full_with_its_outputs():

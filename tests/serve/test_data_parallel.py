@@ -82,7 +82,7 @@ class FakeReplica:
     def stats(self):
         i = self.index
         return EngineStats(num_running=i, num_waiting=2 * i, num_free_blocks=10 + i, num_blocks=20,
-                           num_preemptions=i, running_request_ids=frozenset({f"r{i}"}),
+                           num_preemptions=i,
                            prefix_cache_queries=100 * i, prefix_cache_hits=10 * i)
 
     def send(self, request_id, item):
@@ -196,7 +196,6 @@ def test_health_stats_and_per_replica_metrics():
     s = dp.stats()
     assert (s.num_running, s.num_waiting, s.num_free_blocks, s.num_blocks, s.num_preemptions) == (3, 6, 33, 60, 3)
     assert (s.prefix_cache_queries, s.prefix_cache_hits) == (300, 30)
-    assert s.running_request_ids == {"r0", "r1", "r2"}
     assert [x.num_running for x in dp.replica_stats()] == [0, 1, 2]
 
     dp.check_health()

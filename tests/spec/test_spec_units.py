@@ -347,7 +347,7 @@ def test_periodic_log_line_reports_acceptance(caplog):
 
     def stats(drafts, proposed, accepted, per_pos, gen):
         e = EngineStats(num_running=2, num_waiting=1, num_free_blocks=5, num_blocks=10, num_preemptions=0,
-                        running_request_ids=frozenset(), spec_num_drafts=drafts, spec_num_draft_tokens=proposed,
+                        spec_num_drafts=drafts, spec_num_draft_tokens=proposed,
                         spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
         return IterationStats(engine=e, num_prompt_tokens=0, num_generation_tokens=gen, time_to_first_token=(),
                               inter_token_latency=(), finished=())
@@ -373,7 +373,7 @@ def test_bench_reads_the_servers_counters():
 
     m = Metrics("m")
     e = lambda d, t, a, p: EngineStats(num_running=0, num_waiting=0, num_free_blocks=1, num_blocks=1,  # noqa: E731
-                                       num_preemptions=0, running_request_ids=frozenset(), spec_num_drafts=d,
+                                       num_preemptions=0, spec_num_drafts=d,
                                        spec_num_draft_tokens=t, spec_num_accepted_tokens=a, spec_accepted_per_pos=p)
     m.update_engine(e(4, 16, 6, (3, 2, 1, 0)))
     before = spec_metrics.parse(m.render().decode())
