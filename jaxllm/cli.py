@@ -177,7 +177,7 @@ def cmd_chat(args) -> int:
     import itertools
 
     from jaxllm.engine.output_processor import OutputKind
-    from jaxllm.engine.tokenizer import encode, render_chat
+    from jaxllm.engine.render import render_chat_prompt
     sp = sampling_params_from_args(args)
     llm = _make_llm(args)
     engine, tok = llm.llm_engine, llm.get_tokenizer()
@@ -193,10 +193,8 @@ def cmd_chat(args) -> int:
         if not line.strip():
             return 0
         messages.append({"role": "user", "content": line})
-        text = render_chat(tok, messages)
         rid = f"chat-{next(ids)}"
-        engine.add_request(rid, {"prompt": text, "prompt_token_ids": encode(tok, text, add_special_tokens=False)},
-                           sp, kind=OutputKind.DELTA)
+        engine.add_request(rid, render_chat_prompt(tok, messages).engine_prompt(), sp, kind=OutputKind.DELTA)
         reply = []
         try:
             while engine.has_unfinished_requests():

@@ -13,7 +13,7 @@ import itertools
 from jaxllm.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.output_processor import OutputKind
-from jaxllm.engine.tokenizer import encode, render_chat
+from jaxllm.engine.render import render_chat_prompt
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -86,12 +86,10 @@ class LLM:
         if tok is None:
             raise ValueError("chat needs a tokenizer (the engine was built with skip_tokenizer_init)")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
-        for conv in convs:
-            text = render_chat(tok, conv, add_generation_prompt=add_generation_prompt,
-                               chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
-            # The template already placed any BOS; vLLM encodes it without adding special tokens.
-            prompts.append({"prompt": text, "prompt_token_ids": encode(tok, text, add_special_tokens=False)})
+        prompts = [render_chat_prompt(tok, conv, add_generation_prompt=add_generation_prompt,
+                                      chat_template=chat_template,
+                                      chat_template_kwargs=chat_template_kwargs).engine_prompt()
+                   for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def follow(self) -> None:

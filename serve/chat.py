@@ -26,7 +26,8 @@ from pydantic import BaseModel
 from quart import Response
 
 from jaxllm.engine.protocol import OutputStream
-from jaxllm.engine.tokenizer import encode, render_chat
+from jaxllm.engine.processor import InvalidRequestError
+from jaxllm.engine.render import render_chat_prompt
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
 from serve.chat_parsing import ChoiceParser
@@ -43,38 +44,27 @@ log = logging.getLogger("jaxllm.serve")
 
 CHAT_FIELDS = set(ChatCompletionRequest.model_fields)
 
-# apply_chat_template's own arguments: not template variables a request may set.
-_RESERVED_TEMPLATE_KWARGS = {
-    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"}
-
 
 def render_messages(state: ServerState, messages, *, add_generation_prompt: bool, continue_final_message: bool,
                     chat_template: str | None, chat_template_kwargs: dict | None, tools,
-                    add_special_tokens: bool) -> tuple[str, list[int]]:
-    """Applies the chat template; returns (prompt text, prompt token ids)."""
+                    add_special_tokens: bool, documents: list[dict] | None = None) -> tuple[str, list[int]]:
+    """The request's messages through the one chat renderer (jaxllm/engine/render.py); returns
+    (prompt text, prompt token ids); a 400 naming the field when they do not render."""
     tok = state.require_tokenizer("chat")
-    if add_generation_prompt and continue_final_message:
-        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                          "continue_final_message")
-    kwargs = dict(chat_template_kwargs or {})
-    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
-    if reserved:
-        raise bad_request(f"chat_template_kwargs cannot set {', '.join(reserved)}", "chat_template_kwargs")
-    if continue_final_message:
-        kwargs["continue_final_message"] = True
-    if tools is not None:
-        kwargs["tools"] = [t.to_template_dict() for t in tools]
     template = chat_template if chat_template is not None else state.chat_template
     try:
-        text = render_chat(tok, [m.to_template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
-                           chat_template=template, chat_template_kwargs=kwargs)
-    except ValueError as e:
-        raise bad_request(str(e), "chat_template" if chat_template is not None else "messages") from None
-    if not isinstance(text, str):
-        raise bad_request("the chat template did not produce text", "chat_template_kwargs")
-    return text, encode(tok, text, add_special_tokens=add_special_tokens)
+        r = render_chat_prompt(
+            tok, [m.to_template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=template,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=None if tools is None else [t.to_template_dict() for t in tools], documents=documents,
+            add_special_tokens=add_special_tokens)
+    except InvalidRequestError as e:
+        param = e.param
+        if param == "chat_template" and chat_template is None:
+            param = "messages"  # the server's template: the messages are what the client can change
+        raise bad_request(str(e), param) from None
+    return r.text, r.token_ids
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest) -> Response | BaseModel:

@@ -1,4 +1,4 @@
-"""Tokenizer loading (HF folders and GGUF metadata) and prompt encoding, including chat templates.
+"""Tokenizer loading (HF folders and GGUF metadata) and prompt encoding (chat templates: render.py).
 
 A GGUF file's vocabulary is turned into a fast tokenizer by ``jaxllm.engine.gguf_tokenizer``
 (torch-free; transformers' own GGUF reader needs torch).  Building it (the BPE merges) takes
@@ -70,18 +70,6 @@ def eos_token_ids(tokenizer, arch_eos: tuple[int, ...], generation_config: dict)
         if t not in ids:
             ids.append(int(t))
     return tuple(ids)
-
-
-def render_chat(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True,
-                chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> str:
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template; pass chat_template")
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template, **(chat_template_kwargs or {}))
-    except Exception as e:  # jinja errors, bad message shapes
-        raise ValueError(f"cannot apply the chat template: {e}") from None
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
