@@ -73,9 +73,11 @@ async def _json_body():
 
 def _validate(model: type[BaseModel], obj):
     try:
-        return model.model_validate(obj)
+        req = model.model_validate(obj)
     except ValidationError as e:
         raise validation_error(e) from None
+    req.check_supported()
+    return req
 
 
 async def _parse(model: type[BaseModel]):

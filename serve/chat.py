@@ -34,7 +34,7 @@ from serve.chat_parsing import ChoiceParser
 from serve.logprobs import chat_logprobs, prompt_logprobs_json
 from serve.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                             ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
-                            DeltaMessage, UsageInfo, bad_request, now_s, random_id)
+                            DeltaMessage, UsageInfo, bad_request, now_s)
 from serve.sse import DONE, error_frame, frame, sse_response
 from serve.state import ServerState
 from serve.structured import resolve_constraint
@@ -80,7 +80,9 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
     text, ids = render_messages(
         state, req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, add_special_tokens=req.add_special_tokens)
+        chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, add_special_tokens=req.add_special_tokens,
+        documents=req.documents)
+    ids = req.truncated(ids, state.max_model_len)
     if mode == "auto":
         _check_template_renders_tools(state, req, text)
     # required / named: the grammar makes the arguments parse and match the tools' schema.
@@ -88,7 +90,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
     aliases = {"logprobs": "top_logprobs", "prompt": "messages", **constraint.error_aliases()}
     if req.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
-    request_id = random_id("chatcmpl")
+    request_id = state.request_id("chatcmpl", req.request_id)
     try:
         params = req.to_sampling_params(state.max_tokens(req.requested_max_tokens()), state.defaults,
                                         state.engine.vocab_size, constraint.params)
@@ -115,7 +117,8 @@ def _check_template_renders_tools(state: ServerState, req: ChatCompletionRequest
     bare, _ = render_messages(
         state, req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        chat_template_kwargs=req.chat_template_kwargs, tools=None, add_special_tokens=req.add_special_tokens)
+        chat_template_kwargs=req.chat_template_kwargs, tools=None, add_special_tokens=req.add_special_tokens,
+        documents=req.documents)
     if bare == text:
         raise bad_request('tool_choice "auto": the chat template does not render `tools`, so the model cannot see '
                           "them; use a template that does (--chat-template, or chat_template), or tool_choice "
@@ -208,7 +211,8 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
                     counts[i] += len(out.token_ids)
                     lp = None
                     if req.logprobs and out.token_ids:
-                        lp = chat_logprobs(tok, out.token_ids, out.logprobs, req.top_logprobs or 0)
+                        lp = chat_logprobs(tok, out.token_ids, out.logprobs, req.top_logprobs or 0,
+                                           bool(req.return_tokens_as_token_ids))
                     if parsers[i] is not None:
                         for ch in _parsed_choices(c, parsers[i], out, lp, want_ids):
                             yield chunk(ch, usage_for(i))
@@ -271,7 +275,8 @@ async def _full(c: _ChatCtx) -> ChatCompletionResponse:
     for out in sorted(final.outputs, key=lambda o: o.index):
         lp = None
         if req.logprobs:
-            lp = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0)
+            lp = chat_logprobs(state.tokenizer, out.token_ids, out.logprobs, req.top_logprobs or 0,
+                               bool(req.return_tokens_as_token_ids))
         parser = c.choice_parser()
         if parser is None:
             message = ChatResponseMessage(role=c.role, content=c.echo_text + out.text)

@@ -25,7 +25,7 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.request import EngineRequest
 from serve.logprobs import completion_logprobs, prompt_logprobs_json
 from serve.protocol import (APIError, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-                            CompletionResponseStreamChoice, CompletionStreamResponse, bad_request, now_s, random_id)
+                            CompletionResponseStreamChoice, CompletionStreamResponse, bad_request, now_s)
 from serve.sse import DONE, error_frame, frame, sse_response
 from serve.state import ServerState
 from serve.structured import resolve_constraint
@@ -51,8 +51,12 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
     for item in items:
         if isinstance(item, str):
             tok = state.require_tokenizer("a text prompt")
-            out.append((item, encode(tok, item, add_special_tokens=req.add_special_tokens)))
+            ids = encode(tok, item, add_special_tokens=req.add_special_tokens)
+            kept = req.truncated(ids, state.max_model_len)
+            # A truncated prompt's text is what the model saw (for echo).
+            out.append((item if kept is ids else tok.decode(kept, skip_special_tokens=False), kept))
         else:
+            item = req.truncated(item, state.max_model_len)
             text = None
             if req.echo and state.tokenizer is not None:
                 text = state.tokenizer.decode(item, skip_special_tokens=False)
@@ -83,7 +87,7 @@ async def create_completion(state: ServerState, req: CompletionRequest) -> Respo
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"best_of is not supported (only best_of == n), got best_of={req.best_of}", "best_of")
-    request_id = random_id("cmpl")
+    request_id = state.request_id("cmpl", req.request_id)
     requests = _process(state, req, request_id)
     streams = state.add_requests(requests, stream=bool(req.stream))
     ctx = _Ctx(state, req, streams, requests, request_id, now_s())
@@ -169,7 +173,8 @@ async def _stream(c: _Ctx) -> AsyncIterator[str]:
                     positions = zip(out.token_ids, out.logprobs or repeat(None))
                     if echo:
                         positions = chain(zip(prompt.prompt_token_ids, ro.prompt_logprobs or repeat(None)), positions)
-                    logprobs = completion_logprobs(tok, positions, req.logprobs, offsets[i])
+                    logprobs = completion_logprobs(tok, positions, req.logprobs, offsets[i],
+                                                   bool(req.return_tokens_as_token_ids))
                 ids_to_send = want_ids and (out.token_ids or echo)
                 if not text and out.finish_reason is None and logprobs is None and not ids_to_send:
                     continue  # nothing the client can use yet
@@ -229,7 +234,8 @@ async def _full(c: _Ctx) -> CompletionResponse:
                 positions = chain(zip(prompt.prompt_token_ids, ro.prompt_logprobs or repeat(None)), positions)
             choices.append(CompletionResponseChoice(
                 index=p_idx * n + out.index, text=text,
-                logprobs=completion_logprobs(state.tokenizer, positions, req.logprobs, 0)
+                logprobs=completion_logprobs(state.tokenizer, positions, req.logprobs, 0,
+                                             bool(req.return_tokens_as_token_ids))
                 if req.logprobs is not None else None,
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                 token_ids=out.token_ids if req.return_token_ids else None,

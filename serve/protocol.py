@@ -2,8 +2,11 @@
 
 Requests are parsed strictly from JSON (a string is not a number, 1.0 is not an integer,
 NaN and Infinity are refused) so that a malformed body is a 400 naming the field rather
-than something the engine trips over later.  Unknown fields are accepted and ignored, as
-vLLM does.  The vLLM extensions the engine supports are typed here too (top_k, min_p,
+than something the engine trips over later.  Every declared field is either honoured with
+vLLM's meaning or in its model's ``REFUSED`` table: a request that sets a refused field is a
+400 naming it (:meth:`OpenAIModel.check_supported`; tests/serve/test_request_fields.py walks
+them all).  Unknown fields are accepted and ignored, as vLLM does, with vLLM's warning that
+names them.  The vLLM extensions the engine supports are typed here too (top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, echo, add_generation_prompt, chat_template_kwargs, priority, cache_salt, seed,
 return_token_ids, allowed_token_ids, bad_words, prompt_logprobs, structured_outputs and guided_*,
@@ -15,15 +18,17 @@ input processor, whose ValueError names the parameter and becomes a 400.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
-import uuid
 from http import HTTPStatus
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+log = logging.getLogger("jaxllm.serve")
 
 # Integers that reach the engine are bounded so that none can overflow a device array.
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
@@ -119,6 +124,20 @@ class ErrorResponse(BaseModel):
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+    REFUSED: ClassVar[dict[str, str]] = {}
+    """vLLM's fields this server does not support (yet): name -> what it would need.  Setting
+    one to anything but its default is a 400 naming it."""
+
+    def check_supported(self) -> None:
+        """A 400 naming the first refused field the request sets; a warning naming the fields
+        it sends that no model declares (vLLM's, word for word)."""
+        for name, why in self.REFUSED.items():
+            value = getattr(self, name)
+            if name in self.model_fields_set and value is not None and value != type(self).model_fields[name].default:
+                raise bad_request(f"{name} is not supported by this server ({why})", name)
+        if self.model_extra:
+            log.warning("The following fields were present in the request but ignored: %s", set(self.model_extra))
 
 
 class StreamOptions(OpenAIModel):
@@ -235,6 +254,18 @@ class _SamplingRequest(OpenAIModel):
     return_token_ids: bool | None = False
     """vLLM extension: add the token ids (and, once, the prompt's) to each choice."""
     echo: bool | None = False
+    truncate_prompt_tokens: Int64 | None = Field(None, ge=-1)
+    """vLLM extension: keep only the last N prompt tokens (-1: the last max_model_len)."""
+    return_tokens_as_token_ids: bool | None = False
+    """vLLM extension: logprobs name tokens as ``token_id:N`` (for tokens that are not valid text)."""
+    request_id: str | None = None
+    """vLLM extension: the basis of the response's id (the ``X-Request-Id`` header wins)."""
+    # Refused (REFUSED below): what this server cannot do yet.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    logits_processors: list[Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
     # Structured outputs (serve/structured.py): vLLM's object and its older per-kind fields.
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -243,6 +274,25 @@ class _SamplingRequest(OpenAIModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+
+    REFUSED: ClassVar[dict[str, str]] = {
+        "use_beam_search": "beam search is not implemented",
+        "length_penalty": "it applies to beam search, which is not implemented",
+        "logits_processors": "custom logits processors are not loaded",
+        "kv_transfer_params": "disaggregated prefill (KV transfer) is not implemented",
+        "vllm_xargs": "no custom sampling extension reads them",
+    }
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """``truncate_prompt_tokens``: the last N of ``ids`` (-1: N is max_model_len)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k > max_model_len:
+            raise bad_request(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_model_len}). "
+                              "Please, select a smaller truncation size.", "truncate_prompt_tokens")
+        k = max_model_len if k == -1 else k
+        return ids[len(ids) - k:] if k < len(ids) else ids
 
     def engine_prompt(self, text: str | None, ids: list[int]) -> dict:
         """The prompt as the engine takes it (with the cache salt when there is one)."""
@@ -298,6 +348,10 @@ class CompletionRequest(_SamplingRequest):
     best_of: Int64 | None = None
     add_special_tokens: bool = True
     response_format: dict[str, Any] | None = None
+    prompt_embeds: bytes | str | list[bytes | str] | None = None
+
+    REFUSED: ClassVar[dict[str, str]] = {
+        **_SamplingRequest.REFUSED, "prompt_embeds": "prompts are token ids or text; embeddings are not taken"}
 
     def to_sampling_params(self, max_tokens: int | None, defaults: dict, vocab_size: int,
                            structured: StructuredOutputsParams | None = None) -> SamplingParams:
@@ -325,6 +379,17 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    """vLLM extension: reach the chat template as ``documents`` (retrieval-augmented templates)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+
+    REFUSED: ClassVar[dict[str, str]] = {
+        **_SamplingRequest.REFUSED,
+        "mm_processor_kwargs": "no multimodal processor runs (text-only models)",
+        "reasoning_effort": "no chat template here reads a reasoning effort",
+        "include_reasoning": "reasoning is always returned (in `reasoning`, with --reasoning-parser)"}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -355,6 +420,9 @@ class TokenizeChatRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionToolParam] | None = None
     return_token_strs: bool | None = False
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    REFUSED: ClassVar[dict[str, str]] = {"mm_processor_kwargs": "no multimodal processor runs (text-only models)"}
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -363,10 +431,6 @@ class DetokenizeRequest(OpenAIModel):
 
 
 # ---------------------------------------------------------------------------- responses
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now_s() -> int:

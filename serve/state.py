@@ -14,9 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from http import HTTPStatus
+
+from quart import g, has_request_context, request
 
 from jaxllm.config import GENERATION_CONFIG_KEYS, ServingConfig
 from jaxllm.engine.output_processor import OutputKind
@@ -149,6 +152,19 @@ class ServerState:
         """The engine's input processor: the one validation of a request (ValueError naming
         what is wrong, for the handler to answer with a 400)."""
         return self.engine.input_processor.process_inputs(request_id, prompt, params, priority=priority)
+
+    def request_id(self, prefix: str, body_id: str | None) -> str:
+        """The request's id, in responses and logs (vLLM's rule): ``<prefix>-<base>``, the base
+        being the ``X-Request-Id`` header, else the body's ``request_id``, else a random one.
+        Kept on ``quart.g.request_id`` for the request's log lines."""
+        base = body_id or uuid.uuid4().hex
+        if has_request_context():
+            base = request.headers.get("X-Request-Id") or base
+        rid = f"{prefix}-{base}"
+        if has_request_context():
+            g.request_id = rid
+        log.debug("request %s received", rid)
+        return rid
 
     def add_requests(self, requests: list[EngineRequest], stream: bool) -> list[OutputStream]:
         """Queues processed requests, all or none: a stream receives DELTA outputs, anything

@@ -1,0 +1,256 @@
+"""No silently ignored request field: a walk over every field of every request model.
+
+Each field is either honoured with vLLM's meaning (handed to SamplingParams under its name,
+which the walk checks; or served by the server, with a named test of its effect; or one that
+vLLM itself accepts without effect, with the reason) or refused (the model's ``REFUSED``
+table): a request that sets it is a 400 naming it.  A new field that is none of these fails
+:func:`test_every_field_is_classified`.  The effect tests of the fields this walk brought in
+(``truncate_prompt_tokens``, ``return_tokens_as_token_ids``, ``request_id`` and
+``X-Request-Id``, ``documents``) live here, on the shared tiny server.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import os
+import re
+
+import httpx
+import pytest
+
+pytest.register_assert_rewrite("serve_helpers")
+
+from serve_helpers import assert_error_shape  # noqa: E402
+
+from jaxllm.sampling_params import SamplingParams  # noqa: E402
+from serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,  # noqa: E402
+                            TokenizeChatRequest, TokenizeCompletionRequest)
+from serve.structured import resolve_constraint  # noqa: E402
+
+pytest_plugins = ["serve_helpers"]
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = "serve/test_request_fields.py"
+MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest]
+MSGS = [{"role": "user", "content": "Say something."}]
+
+TO_SAMPLING_PARAMS = {
+    "n": 3, "temperature": 0.5, "top_p": 0.5, "top_k": 3, "min_p": 0.1, "presence_penalty": 0.5,
+    "frequency_penalty": 0.5, "repetition_penalty": 1.5, "seed": 7, "stop": ["x"], "stop_token_ids": [5],
+    "ignore_eos": True, "min_tokens": 2, "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "logit_bias": {"5": 1.0}, "allowed_token_ids": [1, 2], "bad_words": ["x"], "prompt_logprobs": 2,
+}
+"""Fields handed to SamplingParams under the same name (a value that is not the default); their
+effects are SamplingParams' own tests (tests/sample/, tests/test_llm_api.py)."""
+
+SERVED = {
+    "model": "serve/test_serve_errors.py::test_unknown_model_is_404_and_aliases_work",
+    "prompt": "serve/test_serve_openai.py::test_completion_sync_stream_equals_non_stream",
+    "messages": "serve/test_serve_openai.py::test_chat_sync_stream_equals_non_stream",
+    "max_tokens": "serve/test_serve_openai.py::test_completion_sync_stream_equals_non_stream",
+    "max_completion_tokens": "serve/test_serve_openai.py::test_chat_sync_stream_equals_non_stream",
+    "stream": "serve/test_serve_openai.py::test_completion_sync_stream_equals_non_stream",
+    "stream_options": "serve/test_serve_openai.py::test_completion_sync_stream_equals_non_stream",
+    "logprobs": "serve/test_serve_openai.py::test_completion_logprobs_and_echo",
+    "echo": "serve/test_serve_openai.py::test_completion_logprobs_and_echo",
+    "top_logprobs": "serve/test_serve_openai.py::test_chat_logprobs",
+    "return_token_ids": "serve/test_serve_openai.py::test_stop_token_ids_and_stop_reason",
+    "return_token_strs": "serve/test_serve_openai.py::test_tokenize_detokenize_round_trip",
+    "tokens": "serve/test_serve_openai.py::test_tokenize_detokenize_round_trip",
+    "suffix": "serve/test_serve_errors.py::test_bad_parameters_are_400s_naming_the_parameter",
+    "best_of": "serve/test_serve_errors.py::test_bad_parameters_are_400s_naming_the_parameter",
+    "priority": "serve/test_serve_errors.py::test_huge_but_valid_values_are_served",
+    "cache_salt": "serve/test_serve_prefix_cache.py::test_completions_report_cached_tokens_and_salt_isolates",
+    "response_format": "serve/test_serve_structured.py::test_parse_with_a_pydantic_model",
+    "structured_outputs": "serve/test_serve_structured.py::test_regex_choice_grammar_on_both_endpoints",
+    "guided_json": "serve/test_serve_structured.py::test_regex_choice_grammar_on_both_endpoints",
+    "guided_regex": "serve/test_serve_structured.py::test_regex_choice_grammar_on_both_endpoints",
+    "guided_choice": "serve/test_serve_structured.py::test_regex_choice_grammar_on_both_endpoints",
+    "guided_grammar": "serve/test_serve_structured.py::test_regex_choice_grammar_on_both_endpoints",
+    "guided_decoding_backend": "serve/test_serve_structured.py::test_bad_constraints_are_a_400_naming_the_field",
+    "guided_whitespace_pattern": f"{HERE}::test_guided_whitespace_pattern_reaches_the_constraint",
+    "tools": "serve/test_serve_tools.py::test_named_tool_choice_arguments_validate",
+    "tool_choice": "serve/test_serve_tools.py::test_named_tool_choice_arguments_validate",
+    "parallel_tool_calls": "serve/test_serve_tools.py::test_parallel_tool_calls_false_keeps_one_call",
+    "add_special_tokens": f"{HERE}::test_chat_template_fields_through_tokenize",
+    "add_generation_prompt": f"{HERE}::test_chat_template_fields_through_tokenize",
+    "continue_final_message": f"{HERE}::test_chat_template_fields_through_tokenize",
+    "chat_template": f"{HERE}::test_chat_template_fields_through_tokenize",
+    "chat_template_kwargs": f"{HERE}::test_chat_template_fields_through_tokenize",
+    "documents": f"{HERE}::test_documents_reach_the_chat_template",
+    "truncate_prompt_tokens": f"{HERE}::test_truncate_prompt_tokens_keeps_the_last_n",
+    "return_tokens_as_token_ids": f"{HERE}::test_return_tokens_as_token_ids",
+    "request_id": f"{HERE}::test_request_id_and_header_name_the_response",
+}
+"""Fields the server itself honours -> the test of the effect (its source names the field)."""
+
+VLLM_NO_OP = {
+    "user": "OpenAI's end-user id for abuse monitoring; vLLM accepts it and does nothing with it",
+    "spaces_between_special_tokens": "only slow tokenizers read it; vLLM v1's fast-tokenizer detokenizer ignores "
+                                     "it too, and every tokenizer here is a fast one",
+}
+"""Fields vLLM also accepts without effect here, and why."""
+
+REFUSED_VALUE = {
+    "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["x"], "kv_transfer_params": {"a": 1},
+    "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA", "mm_processor_kwargs": {"a": 1}, "reasoning_effort": "low",
+    "include_reasoning": False,
+}
+"""A value (not the default) for each refused field, for the 400 check."""
+
+ENDPOINT = {
+    CompletionRequest: ("/v1/completions", {"prompt": "x", "max_tokens": 1}),
+    ChatCompletionRequest: ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 1}),
+    TokenizeCompletionRequest: ("/tokenize", {"prompt": "x"}),
+    TokenizeChatRequest: ("/tokenize", {"messages": MSGS}),
+    DetokenizeRequest: ("/detokenize", {"tokens": [1]}),
+}
+
+
+def _test_source(ref: str) -> str | None:
+    path, name = ref.split("::")
+    with open(os.path.join(TESTS, path)) as f:
+        src = f.read()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return "".join(ast.get_source_segment(src, n) for n in [*node.decorator_list, node])
+    return None
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
+def test_every_field_is_classified(model):
+    """A field that is none of honoured / vLLM's no-op / refused fails here: classify it."""
+    classes = {name: [kind for kind, table in (("sampling", TO_SAMPLING_PARAMS), ("served", SERVED),
+                                               ("no-op", VLLM_NO_OP), ("refused", model.REFUSED))
+                      if name in table] for name in model.model_fields}
+    unclassified = sorted(n for n, c in classes.items() if not c)
+    assert not unclassified, f"{model.__name__}: fields neither honoured nor refused: {unclassified}"
+    twice = {n: c for n, c in classes.items() if len(c) > 1}
+    assert not twice, f"{model.__name__}: fields classified twice: {twice}"
+
+
+@pytest.mark.parametrize("field", sorted(SERVED))
+def test_each_served_field_has_an_effect_test(field):
+    src = _test_source(SERVED[field])
+    assert src is not None, f"{field}: no test {SERVED[field]}"
+    assert re.search(rf"\b{field}\b", src), f"{field}: {SERVED[field]} does not mention it"
+
+
+@pytest.mark.parametrize("field", sorted(TO_SAMPLING_PARAMS))
+def test_sampling_fields_reach_sampling_params(field):
+    base = CompletionRequest(prompt="x").to_sampling_params(16, {}, 1000)
+    req = CompletionRequest.model_validate({"prompt": "x", field: TO_SAMPLING_PARAMS[field]})
+    got = req.to_sampling_params(16, {}, 1000)
+    assert getattr(got, field) != getattr(base, field), f"{field} did not reach SamplingParams"
+    assert field in SamplingParams.__dataclass_fields__
+
+
+REFUSED_CASES = [(m, f) for m in MODELS for f in sorted(m.REFUSED)]
+
+
+@pytest.mark.parametrize("model, field", REFUSED_CASES, ids=[f"{m.__name__}-{f}" for m, f in REFUSED_CASES])
+def test_refused_fields_are_a_400_naming_them(http, model, field):
+    path, body = ENDPOINT[model]
+    r = http.post(path, json={**body, field: REFUSED_VALUE[field]})
+    assert r.status_code == 400, r.text
+    err = assert_error_shape(r.json(), 400, field)
+    assert field in err["message"]
+    # Its default is no request for the unsupported thing: served.
+    default = model.model_fields[field].default
+    assert http.post(path, json={**body, field: default}).status_code == 200
+
+
+def test_unknown_fields_are_named_in_a_warning(caplog):
+    req = CompletionRequest.model_validate({"prompt": "x", "no_such_field": 1})
+    with caplog.at_level(logging.WARNING, logger="jaxllm.serve"):
+        req.check_supported()
+    assert "no_such_field" in caplog.text
+
+
+# ---------------------------------------------------------------------------- effect tests
+
+
+def test_truncate_prompt_tokens_keeps_the_last_n(http):
+    ids = list(range(100, 112))
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 3,
+                                          "return_token_ids": True}).json()
+    assert r["usage"]["prompt_tokens"] == 3
+    assert r["choices"][0]["prompt_token_ids"] == ids[-3:]
+    full = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": -1}).json()
+    assert full["usage"]["prompt_tokens"] == 12
+    chat = http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1, "truncate_prompt_tokens": 4,
+                                                   "return_token_ids": True}).json()
+    assert chat["usage"]["prompt_tokens"] == 4 and len(chat["prompt_token_ids"]) == 4
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 10**6})
+    assert_error_shape(r.json(), 400, "truncate_prompt_tokens")
+
+
+def test_return_tokens_as_token_ids(http):
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2, "ignore_eos": True,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}
+    c = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(re.fullmatch(r"token_id:\d+", k) for top in c["logprobs"]["top_logprobs"] for k in top)
+    chat = http.post("/v1/chat/completions", json={
+        "messages": MSGS, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+        "ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert [e["token"] for e in chat["logprobs"]["content"]] == [f"token_id:{t}" for t in chat["token_ids"]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_id_and_header_name_the_response(http, stream):
+    def ids(path, body, headers=None):
+        r = http.post(path, json={**body, "stream": stream}, headers=headers or {})
+        assert r.status_code == 200, r.text
+        if not stream:
+            return {r.json()["id"]}
+        import json
+        return {json.loads(line[6:])["id"] for line in r.text.splitlines()
+                if line.startswith("data: {")}
+
+    comp = {"prompt": "x", "max_tokens": 2, "request_id": "abc"}
+    assert ids("/v1/completions", comp) == {"cmpl-abc"}
+    assert ids("/v1/completions", comp, {"X-Request-Id": "hdr1"}) == {"cmpl-hdr1"}   # the header wins
+    chat = {"messages": MSGS, "max_tokens": 2, "request_id": "abc"}
+    assert ids("/v1/chat/completions", chat) == {"chatcmpl-abc"}
+    assert ids("/v1/chat/completions", {**chat, "request_id": None}, {"X-Request-Id": "hdr2"}) == {"chatcmpl-hdr2"}
+
+
+def test_documents_reach_the_chat_template(http):
+    template = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    body = {"messages": MSGS, "max_tokens": 1, "chat_template": template, "return_token_ids": True}
+    with_docs = http.post("/v1/chat/completions", json={
+        **body, "documents": [{"title": "Zebra", "text": "stripes"}]}).json()
+    text = http.post("/detokenize", json={"tokens": with_docs["prompt_token_ids"]}).json()["prompt"]
+    assert text == "[Zebra: stripes]Say something."
+    bare = http.post("/v1/chat/completions", json=body).json()
+    assert http.post("/detokenize", json={"tokens": bare["prompt_token_ids"]}).json()["prompt"] == "Say something."
+
+
+def test_chat_template_fields_through_tokenize(http):
+    """chat_template, chat_template_kwargs, add_generation_prompt, continue_final_message and
+    add_special_tokens as the one renderer applies them."""
+    template = ("{{ greeting }}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+    def text(**kw):
+        ids = http.post("/tokenize", json={"messages": MSGS, "chat_template": template, **kw}).json()["tokens"]
+        return http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    assert text(chat_template_kwargs={"greeting": "Hi"}) == "Hi<user>Say something.<assistant>"
+    assert text(add_generation_prompt=False) == "<user>Say something."
+    assert text(add_generation_prompt=False, continue_final_message=True) == "<user>Say something."
+    r = http.post("/tokenize", json={"messages": MSGS, "continue_final_message": True})
+    assert_error_shape(r.json(), 400, "continue_final_message")   # together with add_generation_prompt
+    plain = http.post("/tokenize", json={"messages": MSGS, "chat_template": template}).json()["tokens"]
+    special = http.post("/tokenize", json={"messages": MSGS, "chat_template": template,
+                                           "add_special_tokens": True}).json()["tokens"]
+    assert special[-len(plain):] == plain   # any special tokens the tokenizer adds come around the text
+
+
+def test_guided_whitespace_pattern_reaches_the_constraint():
+    req = CompletionRequest.model_validate({"prompt": "x", "guided_json": {"type": "object"},
+                                            "guided_whitespace_pattern": "[ ]?"})
+    assert resolve_constraint(req).params.whitespace_pattern == "[ ]?"
