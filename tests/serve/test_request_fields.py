@@ -24,7 +24,9 @@ pytest.register_assert_rewrite("serve_helpers")
 from serve_helpers import assert_error_shape  # noqa: E402
 
 from jaxllm.sampling_params import SamplingParams  # noqa: E402
-from serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,  # noqa: E402
+from serve.protocol import (ChatCompletionNamedToolChoiceParam, ChatCompletionRequest,  # noqa: E402
+                            ChatCompletionToolParam, ChatMessage, CompletionRequest, DetokenizeRequest,
+                            FunctionDefinition, NamedFunction, OpenAIModel, StreamOptions, TextContentPart,
                             TokenizeChatRequest, TokenizeCompletionRequest)
 from serve.structured import resolve_constraint  # noqa: E402
 
@@ -106,6 +108,45 @@ ENDPOINT = {
     TokenizeChatRequest: ("/tokenize", {"messages": MSGS}),
     DetokenizeRequest: ("/detokenize", {"tokens": [1]}),
 }
+
+
+NESTED = {
+    StreamOptions: {"include_usage": "serve/test_serve_openai.py::test_chat_sync_stream_equals_non_stream",
+                    "continuous_usage_stats": "serve/test_serve_openai.py::test_chat_sync_stream_equals_non_stream"},
+    NamedFunction: {"name": "serve/test_serve_tools.py::test_named_tool_choice_arguments_validate"},
+    ChatCompletionNamedToolChoiceParam: {
+        "type": "serve/test_serve_tools.py::test_bad_tools_and_tool_choice_are_400",
+        "function": "serve/test_serve_tools.py::test_named_tool_choice_arguments_validate"},
+    # What reaches the chat template as sent: test_message_and_tool_fields_reach_the_chat_template.
+    ChatMessage: {f: f"{HERE}::test_message_and_tool_fields_reach_the_chat_template" for f in
+                  ("role", "content", "name", "tool_calls", "tool_call_id")},
+    TextContentPart: {f: f"{HERE}::test_message_and_tool_fields_reach_the_chat_template" for f in ("type", "text")},
+    ChatCompletionToolParam: {f: f"{HERE}::test_message_and_tool_fields_reach_the_chat_template"
+                              for f in ("type", "function")},
+    FunctionDefinition: {f: f"{HERE}::test_message_and_tool_fields_reach_the_chat_template"
+                         for f in ("name", "description", "parameters", "strict")},
+}
+"""The models nested in requests: field -> the test of its effect."""
+
+
+def _request_models() -> set[type]:
+    """Every pydantic model a request body is parsed into (so a new one cannot hide)."""
+    import serve.protocol as p
+    return {v for v in vars(p).values() if isinstance(v, type) and issubclass(v, OpenAIModel)
+            and v is not OpenAIModel and not v.__name__.startswith("_")}
+
+
+def test_every_request_model_is_walked():
+    assert _request_models() == set(MODELS) | set(NESTED)
+
+
+@pytest.mark.parametrize("model", sorted(NESTED, key=lambda m: m.__name__), ids=lambda m: m.__name__)
+def test_every_nested_field_is_classified(model):
+    unclassified = sorted(set(model.model_fields) - set(NESTED[model]) - set(model.REFUSED))
+    assert not unclassified, f"{model.__name__}: fields neither honoured nor refused: {unclassified}"
+    for field, ref in NESTED[model].items():
+        src = _test_source(ref)
+        assert src is not None and re.search(rf"\b{field}\b", src), f"{model.__name__}.{field}: {ref}"
 
 
 def _test_source(ref: str) -> str | None:
@@ -248,6 +289,23 @@ def test_chat_template_fields_through_tokenize(http):
     special = http.post("/tokenize", json={"messages": MSGS, "chat_template": template,
                                            "add_special_tokens": True}).json()["tokens"]
     assert special[-len(plain):] == plain   # any special tokens the tokenizer adds come around the text
+
+
+def test_message_and_tool_fields_reach_the_chat_template():
+    """Every field of a message and of a tool reaches the template (set them all here)."""
+    msg = ChatMessage.model_validate({
+        "role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+        "name": "n", "tool_call_id": "t",
+        "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]})
+    d = msg.to_template_dict()
+    assert set(d) == set(ChatMessage.model_fields)
+    assert d["content"] == "a\nb" and d["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    tool = ChatCompletionToolParam.model_validate({"type": "function", "function": {
+        "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}})
+    d = tool.to_template_dict()
+    assert set(d) == set(ChatCompletionToolParam.model_fields)
+    assert set(d["function"]) == set(FunctionDefinition.model_fields)
+    assert set(TextContentPart.model_fields) == {"type", "text"}
 
 
 def test_guided_whitespace_pattern_reaches_the_constraint():
