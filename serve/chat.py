@@ -246,6 +246,10 @@ def _parsed_choices(c: _ChatCtx, parser: ChoiceParser, out, lp, want_ids: bool):
     tool calls); logprobs and token ids ride on the first, the finish reason on the last."""
     final = out.finish_reason is not None
     deltas = parser.feed(out.text, final)
+    if not c.req.include_reasoning:
+        # vLLM's include_reasoning=false: the reasoning is parsed out and not sent.
+        deltas = [DeltaMessage(**d.model_dump(exclude_unset=True, exclude={"reasoning"})) for d in deltas
+                  if d.content is not None or d.tool_calls or d.role is not None]
     if not deltas and not final and lp is None and not (want_ids and out.token_ids):
         return []  # held back (a possible tag, a stop string, an incomplete character)
     choices = [ChatCompletionResponseStreamChoice(index=out.index, delta=d, logprobs=None, finish_reason=None)
@@ -286,7 +290,8 @@ async def _full(c: _ChatCtx) -> ChatCompletionResponse:
             content = parsed.content
             if c.echo_text:
                 content = c.echo_text + (content or "")
-            message = ChatResponseMessage(role=c.role, content=content, reasoning=parsed.reasoning,
+            message = ChatResponseMessage(role=c.role, content=content,
+                                          reasoning=parsed.reasoning if req.include_reasoning else None,
                                           tool_calls=parsed.tool_calls)
             finish = c.finish_reason(out.finish_reason, bool(parsed.tool_calls))
         choices.append(ChatCompletionResponseChoice(

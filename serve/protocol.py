@@ -384,12 +384,12 @@ class ChatCompletionRequest(_SamplingRequest):
     mm_processor_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     include_reasoning: bool = True
+    """vLLM extension: false leaves the reasoning (--reasoning-parser) out of the answer."""
 
     REFUSED: ClassVar[dict[str, str]] = {
         **_SamplingRequest.REFUSED,
         "mm_processor_kwargs": "no multimodal processor runs (text-only models)",
-        "reasoning_effort": "no chat template here reads a reasoning effort",
-        "include_reasoning": "reasoning is always returned (in `reasoning`, with --reasoning-parser)"}
+        "reasoning_effort": "no chat template here reads a reasoning effort"}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -84,6 +84,7 @@ SERVED = {
     "truncate_prompt_tokens": f"{HERE}::test_truncate_prompt_tokens_keeps_the_last_n",
     "return_tokens_as_token_ids": f"{HERE}::test_return_tokens_as_token_ids",
     "request_id": f"{HERE}::test_request_id_and_header_name_the_response",
+    "include_reasoning": "serve/test_serve_tools.py::test_include_reasoning_false_leaves_the_reasoning_out",
 }
 """Fields the server itself honours -> the test of the effect (its source names the field)."""
 
@@ -97,7 +98,6 @@ VLLM_NO_OP = {
 REFUSED_VALUE = {
     "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["x"], "kv_transfer_params": {"a": 1},
     "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA", "mm_processor_kwargs": {"a": 1}, "reasoning_effort": "low",
-    "include_reasoning": False,
 }
 """A value (not the default) for each refused field, for the 400 check."""
 

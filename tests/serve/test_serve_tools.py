@@ -173,6 +173,17 @@ def test_reasoning_full_and_streamed_agree(tool_server, script):
     assert not any("think>" in (d.content or "") + ((d.model_extra or {}).get("reasoning") or "") for d in raw)
 
 
+def test_include_reasoning_false_leaves_the_reasoning_out(tool_server, script):
+    client = _client(tool_server)
+    kw = dict(model="scripted", messages=MSGS, temperature=0, max_tokens=20, logit_bias=_bias(script, "think"),
+              extra_body={"include_reasoning": False})
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert msg.model_extra.get("reasoning") is None and msg.content == "It is sunny."
+    content, reasoning, calls, finish, raw = _collect(client.chat.completions.create(**kw, stream=True))
+    assert (reasoning, content, calls, finish) == ("", "It is sunny.", [], "stop")
+    assert not any("reasoning" in (d.model_extra or {}) for d in raw)
+
+
 def test_tools_reach_the_template_and_tool_results_round_trip(tool_server):
     msgs = [MSGS[0],
             {"role": "assistant", "content": None, "tool_calls": [
