@@ -48,7 +48,8 @@ def completion_logprobs(tokenizer, positions: Iterable[tuple[int, Step | None]],
         token = token_str(tokenizer, tid, lp, as_token_ids)
         token_lps.append(_value(lp) if lp is not None else None)
         tops.append(None if step is None else
-                    {token_str(tokenizer, k, v, as_token_ids): _value(v) for j, (k, v) in enumerate(step.items()) if j <= num})
+                    {token_str(tokenizer, k, v, as_token_ids): _value(v)
+                     for j, (k, v) in enumerate(step.items()) if j <= num})
         tokens.append(token)
         offsets.append(offset)
         offset += len(token)

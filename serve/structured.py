@@ -51,13 +51,13 @@ def constraint_field(req, tool_constrained: bool = False) -> str | None:
     sent += [name for name in GUIDED if getattr(req, name, None) is not None]
     if len(sent) > 1:
         raise bad_request(f"only one kind of constraint may be given per request, got both {sent[0]} and {sent[1]}"
-                   + (f" (and {', '.join(sent[2:])})" if len(sent) > 2 else "")
-                   + ("; a tool_choice of \"required\" or a named function already constrains the output to the "
-                      "tools' JSON" if sent[0] == "tool_choice" else ""), sent[1])
+                          + (f" (and {', '.join(sent[2:])})" if len(sent) > 2 else "")
+                          + ("; a tool_choice of \"required\" or a named function already constrains the output "
+                             "to the tools' JSON" if sent[0] == "tool_choice" else ""), sent[1])
     backend = getattr(req, "guided_decoding_backend", None)
     if backend is not None and backend not in (*BACKENDS, "llguidance"):
         raise bad_request(f"guided_decoding_backend {backend!r} is not available; this server has "
-                   f"{', '.join(BACKENDS)}", "guided_decoding_backend")
+                          f"{', '.join(BACKENDS)}", "guided_decoding_backend")
     return sent[0] if sent else None
 
 
@@ -65,7 +65,7 @@ def _response_format(rf: dict) -> StructuredOutputsParams:
     kind = rf.get("type", "text")
     if kind not in RESPONSE_FORMATS:
         raise bad_request(f"response_format: unknown type {kind!r}; expected one of {', '.join(RESPONSE_FORMATS)}",
-                   "response_format")
+                          "response_format")
     if kind == "json_object":
         return StructuredOutputsParams(json_object=True)
     if kind == "structural_tag":
@@ -73,8 +73,8 @@ def _response_format(rf: dict) -> StructuredOutputsParams:
         return StructuredOutputsParams(structural_tag=tag)
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
-        raise bad_request("response_format: type json_schema needs a json_schema object ({\"name\": ..., \"schema\": ...})",
-                   "response_format")
+        raise bad_request("response_format: type json_schema needs a json_schema object "
+                          "({\"name\": ..., \"schema\": ...})", "response_format")
     schema = spec.get("schema", spec.get("json_schema"))
     if schema is None:
         raise bad_request("response_format.json_schema: 'schema' is missing", "response_format")

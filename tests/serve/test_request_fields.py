@@ -227,6 +227,15 @@ def test_truncate_prompt_tokens_keeps_the_last_n(http):
     assert_error_shape(r.json(), 400, "truncate_prompt_tokens")
 
 
+def test_min_tokens_must_fit_what_the_prompt_leaves(http):
+    """The context-room cap lives in the input processor alone; min_tokens above it is a 400."""
+    ids = [100] * 250   # max_model_len 256: 6 tokens of room
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 100, "min_tokens": 10})
+    assert "max_tokens=6" in assert_error_shape(r.json(), 400, "min_tokens")["message"]
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 100, "min_tokens": 6, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 6
+
+
 def test_return_tokens_as_token_ids(http):
     body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 2, "ignore_eos": True,
             "return_token_ids": True, "return_tokens_as_token_ids": True}
