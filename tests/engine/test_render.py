@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from jaxllm.engine.processor import InvalidRequestError
 from jaxllm.engine.render import RESERVED_TEMPLATE_KWARGS, render_chat_prompt
+from jaxllm.sampling_params import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MSGS = [{"role": "user", "content": "hi"}]
@@ -59,3 +60,29 @@ def test_callers_render_through_the_one_renderer(path):
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | attrs
     if path != "serve/app.py":
         assert "render_chat_prompt" in names
+
+
+def test_cli_chat_and_llm_chat_send_the_renderers_prompt(tiny_llm, monkeypatch, capsys):
+    """``jaxllm chat`` and ``LLM.chat`` hand the engine exactly what the renderer makes (the
+    server's path is tests/serve/test_request_fields.py's)."""
+    from jaxllm import cli
+
+    sent = []
+    engine = tiny_llm.llm_engine
+    add = engine.add_request
+    monkeypatch.setattr(engine, "add_request", lambda rid, prompt, *a, **kw: (sent.append(prompt),
+                                                                               add(rid, prompt, *a, **kw))[1])
+    process = engine.input_processor.process_inputs
+    monkeypatch.setattr(engine.input_processor, "process_inputs",
+                        lambda rid, prompt, *a, **kw: (sent.append(prompt), process(rid, prompt, *a, **kw))[1])
+    monkeypatch.setattr(cli, "_make_llm", lambda args: tiny_llm)
+    lines = iter(["Hello there", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    args = cli.build_parser().parse_args(["chat", "--system", "Be brief.", "--max-tokens", "2"])
+    assert cli.cmd_chat(args) == 0
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    expected = render_chat_prompt(tiny_llm.get_tokenizer(), msgs).engine_prompt()
+    assert sent[0] == expected
+    sent.clear()
+    tiny_llm.chat(msgs, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert sent == [expected]
