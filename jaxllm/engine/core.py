@@ -24,7 +24,7 @@ from jaxllm.engine.resolve import resolve_config
 from jaxllm.request import Request
 from jaxllm.runner import compile as cc
 from jaxllm.runner.model_runner import ModelRunner
-from jaxllm.spec.controller import make_controller
+from jaxllm.spec_decode.controller import make_controller
 
 log = logging.getLogger("jaxllm.engine")
 

@@ -93,7 +93,7 @@ class ModelRunner:
         # Held before sampling when set (tests use it to pause the first step).
         self.before_step_hook = None
         # Speculative decoding: proposes each sampling request's next tokens after its step
-        # (spec/controller.py); the scheduler schedules them for verification.
+        # (spec_decode/controller.py); the scheduler schedules them for verification.
         self.proposer = None
         self.step_seconds: dict[tuple[int, int], float] = {}
         self._cold: set[tuple[int, int]] = set()

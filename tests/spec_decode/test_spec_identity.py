@@ -9,7 +9,7 @@ plain decoding produced, with every third proposal run corrupted at a random pos
 that long accepted runs, rejections and corrections all occur.  Identity must hold whatever
 is proposed.  Each test checks that speculation really happened (proposals verified, some
 accepted and some rejected), so an engine that never proposes cannot pass.  ngram itself is
-checked on the built-in model (tests/spec/test_ngram_builtin.py)."""
+checked on the built-in model (tests/spec_decode/test_ngram_builtin.py)."""
 
 from __future__ import annotations
 

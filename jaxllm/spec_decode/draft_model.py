@@ -23,7 +23,7 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.outputs import CachedRequestData, NewRequestData, SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
 
-log = logging.getLogger("jaxllm.spec")
+log = logging.getLogger("jaxllm.spec_decode")
 
 
 @dataclasses.dataclass

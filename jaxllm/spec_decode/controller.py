@@ -1,5 +1,5 @@
 """The runner's side of speculative decoding: after each step, which requests propose and
-what (a proposer: spec/ngram.py, spec/draft_model.py), and the off-switch.
+what (a proposer: spec_decode/ngram.py, spec_decode/draft_model.py), and the off-switch.
 
 Everything is keyed by request id, never batch row (rows are rebuilt every step).  A request
 proposes after every step that sampled for it, unless:
@@ -36,7 +36,7 @@ import dataclasses
 from collections import deque
 
 from jaxllm.outputs import RunnerOutput, SchedulerOutput
-from jaxllm.spec.config import SpeculativeConfig
+from jaxllm.spec_decode.config import SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -199,7 +199,7 @@ def make_controller(cfg: SpeculativeConfig, draft_runner=None) -> SpecController
     the draft model's (runner, num_blocks, block_size, max_num_batched_tokens, max_model_len)
     for ``draft_model`` (engine/core.py builds it)."""
     if cfg.method == "ngram":
-        from jaxllm.spec.ngram import NgramProposer
+        from jaxllm.spec_decode.ngram import NgramProposer
         return SpecController(cfg, NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
-    from jaxllm.spec.draft_model import DraftModelProposer
+    from jaxllm.spec_decode.draft_model import DraftModelProposer
     return SpecController(cfg, DraftModelProposer(*draft_runner))

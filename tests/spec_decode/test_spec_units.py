@@ -18,9 +18,9 @@ from jaxllm.request import Request
 from jaxllm.sample import metadata as smd
 from jaxllm.sample.sampler import accept
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.spec.config import SpeculativeConfig
-from jaxllm.spec.controller import SpecController, _Acceptance
-from jaxllm.spec.ngram import NgramProposer
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.controller import SpecController, _Acceptance
+from jaxllm.spec_decode.ngram import NgramProposer
 
 
 # ---------------------------------------------------------------------------- configuration
