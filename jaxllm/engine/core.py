@@ -25,6 +25,7 @@ from jaxllm.request import Request
 from jaxllm.runner import compile as cc
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.spec_decode.controller import make_controller
+from jaxllm.spec_decode.draft_model import DraftSetup
 
 log = logging.getLogger("jaxllm.engine")
 
@@ -105,9 +106,8 @@ class EngineCore:
                                    policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps)
         self.draft_runner = None
         if spec is not None:
-            proposer = self._draft(config, draft, devices, r) if draft is not None else None
-            self.runner.proposer = make_controller(spec, proposer)
-            self.runner.proposer.step_cost = self.runner.measured_step_seconds
+            setup = self._draft(config, draft, devices, r) if draft is not None else None
+            self.runner.proposer = make_controller(spec, self.runner.measured_step_seconds, setup)
         # auto: on demand for one-shot use; a server compiles the rest when it starts
         # (AsyncEngine), and every host of a multi-host engine compiles all up front.
         mode = config.runner.precompile
@@ -181,7 +181,7 @@ class EngineCore:
             strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress)
         log.info("draft model %s (%s): %d KV blocks, %.1f MiB", spec.model, draft.arch.architecture, num_blocks,
                  self.draft_runner.kv_cache_bytes() / 2**20)
-        return self.draft_runner, num_blocks, bs, r.step.max_num_batched_tokens, r.step.max_model_len
+        return DraftSetup(self.draft_runner, num_blocks, bs, r.step.max_num_batched_tokens, r.step.max_model_len)
 
     def new_seed(self) -> int:
         """A 64-bit seed for an unseeded request (reproducible from ``--seed``)."""

@@ -64,7 +64,12 @@ class OracleProposer:
         self.rng = np.random.default_rng(seed)
         self.calls = 0
 
-    def propose(self, req_id, token_ids, k):
+    free = True
+
+    def propose(self, requests, k):
+        return {rid: self._one(r.token_ids, k) for rid, r in requests.items()}
+
+    def _one(self, token_ids, k):
         for prompt, full in zip(self.prompts, self.full):
             if tuple(token_ids[:len(prompt)]) == prompt and tuple(token_ids) == full[:len(token_ids)]:
                 d = list(full[len(token_ids):len(token_ids) + k])
@@ -74,6 +79,9 @@ class OracleProposer:
                     d[j] = (d[j] + 1 + int(self.rng.integers(100))) % 49152
                 return d
         return []
+
+    def cost(self, k, num_requests):
+        return 0.0
 
     def remove(self, req_id):
         pass
