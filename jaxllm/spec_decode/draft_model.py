@@ -1,7 +1,8 @@
 """Draft-model proposals (``method: draft_model``): a smaller checkpoint with the same
 vocabulary proposes k tokens by decoding them, run by the engine's own machinery: a
-``ModelRunner`` with its own weights, its own paged KV cache and block pool
-(``KVCacheManager``), its buckets compiled ahead of time at start-up like the target's.
+``ModelRunner`` (built by the target's runner from ``DraftModel``) with its own weights, its
+own paged KV cache and block pool (``KVCacheManager``), its buckets compiled ahead of time at
+start-up like the target's.
 
 Per request id the proposer keeps the tokens whose KV the draft cache holds.  After each
 target step it keeps the longest prefix of them that is still the request's sequence (what
@@ -22,7 +23,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.models.loader import LoadedModel
 from jaxllm.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.runner.step_config import StepConfig
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.proposer import ProposalRequest
 
@@ -36,6 +39,18 @@ class _Draft:
     num_prompt: int
     fed: list[int]
     """Tokens whose KV is in the draft cache, from position 0."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    """The draft model of ``method: draft_model`` as the engine hands it to the target's runner,
+    which builds the draft's runner from it once the KV size is known."""
+
+    model: LoadedModel
+    step: StepConfig
+    """The draft's step configuration, resolved with the target's ``max_model_len``."""
+    name: str
+    """The checkpoint, for the log."""
 
 
 @dataclasses.dataclass(frozen=True)

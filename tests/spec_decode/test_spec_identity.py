@@ -91,7 +91,7 @@ class oracle:
     """Swaps the engine's proposer for an OracleProposer of ``plain_runs`` while active."""
 
     def __init__(self, llm, plain_runs):
-        self.controller = llm.llm_engine.core.runner.proposer
+        self.controller = llm.llm_engine.core.runner.speculation
         self.proposer = OracleProposer(plain_runs)
 
     def __enter__(self):
@@ -327,7 +327,7 @@ def test_draft_model_batch_equals_plain_decoding(tiny_llama, tiny_checkpoints, p
     # The draft's KV pool is whole again once the runner has heard every request ended (the
     # next step tells it, as it tells the target's runner).
     llm.llm_engine.step()
-    proposer = llm.llm_engine.core.runner.proposer.proposer
+    proposer = llm.llm_engine.core.runner.speculation.proposer
     assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
 
 
@@ -344,9 +344,9 @@ def test_draft_model_cache_is_inside_the_kv_budget(tiny_llama):
     budget = 3 * (1 << 20) + 12345
     llm = draft_llm(tiny_llama, kv_cache_memory_bytes=budget, num_blocks_override=None)
     core = llm.llm_engine.core
-    target, draft = core.runner.kv_cache_bytes(), core.draft_runner.kv_cache_bytes()
+    target, draft = core.runner.kv_cache_bytes(), core.runner.draft_runner.kv_cache_bytes()
     assert draft > 0 and target + draft <= budget
-    assert core.draft_runner.num_blocks == core.runner.num_blocks
+    assert core.runner.draft_runner.num_blocks == core.runner.num_blocks
     assert budget - (target + draft) < core.resolved.kv.bytes_per_block   # the budget is used
 
 
@@ -358,7 +358,7 @@ def test_draft_model_with_a_full_pool_keeps_outputs_equal(tiny_llama, plain_outp
     prompts, params = workload()
     outs = llm.generate(prompts, params, use_tqdm=False)
     core = llm.llm_engine.core
-    proposer = core.runner.proposer.proposer
+    proposer = core.runner.speculation.proposer
     assert core.scheduler.num_preemptions > 0 and proposer.num_left_out > 0
     assert tokens(outs) == tokens(plain_outputs)
     drafts, proposed, accepted = snapshot(llm)
