@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from jaxllm.spec.config import SpeculativeConfig
+from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.structured.config import StructuredOutputsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -20,11 +20,11 @@ from jaxllm.models.registry import keeps_sequence_state
 from jaxllm.outputs import EngineCoreOutput, EngineCoreOutputs
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import replica_devices
-from jaxllm.engine.resolve import resolve_config
+from jaxllm.engine.resolve import ResolvedConfig, resolve_config
 from jaxllm.request import Request
 from jaxllm.runner import compile as cc
 from jaxllm.runner.model_runner import ModelRunner
-from jaxllm.spec.controller import make_controller
+from jaxllm.spec_decode.draft_model import DraftModel
 
 log = logging.getLogger("jaxllm.engine")
 
@@ -62,6 +62,19 @@ def _load_draft(config: EngineConfig, model: LoadedModel) -> LoadedModel:
     return draft
 
 
+def _draft_model(config: EngineConfig, draft: LoadedModel, r: ResolvedConfig) -> DraftModel:
+    """The draft model with its step configuration (the target's ``max_model_len``) for the
+    target's runner, which builds the draft's runner (runner/model_runner.py)."""
+    spec = config.speculative_config
+    dcfg = dataclasses.replace(config, model=spec.model, speculative_config=None, quantization=None,
+                               scheduler=dataclasses.replace(config.scheduler, max_model_len=r.step.max_model_len))
+    try:
+        d = resolve_config(dcfg, draft)
+    except ValueError as e:
+        raise ValueError(f"--speculative-config: the draft model {spec.model}: {e}") from None
+    return DraftModel(draft, d.step, spec.model)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: LoadedModel, replica: int = 0, grammar=None):
         """``replica``: which data-parallel replica this is (it runs on that slice of the devices);
@@ -73,6 +86,7 @@ class EngineCore:
         spec = config.speculative_config
         draft = _load_draft(config, model) if spec is not None and spec.method == "draft_model" else None
         self.resolved = r = resolve_config(config, model, draft)
+        draft = _draft_model(config, draft, r) if draft is not None else None
         cc.enable_persistent_cache(r.compile_cache_dir)
         cc.install_listeners()
         def make_runner(step, num_blocks):
@@ -80,7 +94,7 @@ class EngineCore:
                 model, step, num_blocks=num_blocks, devices=devices,
                 program_dir=os.path.join(r.compile_cache_dir, "programs"),
                 strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
-                grammar=grammar)
+                grammar=grammar, speculative_config=spec, draft=draft)
         self.runner = make_runner(r.step, None if r.kv is None else r.kv.num_blocks)
         if r.kv is None:
             kv = self._size_kv_from_device(r.kv_sizing)
@@ -103,17 +117,10 @@ class EngineCore:
                                    max_num_batched_tokens=r.step.max_num_batched_tokens,
                                    max_model_len=r.step.max_model_len,
                                    policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps)
-        self.draft_runner = None
-        if spec is not None:
-            proposer = self._draft(config, draft, devices, r) if draft is not None else None
-            self.runner.proposer = make_controller(spec, proposer)
-            self.runner.proposer.step_cost = self.runner.measured_step_seconds
         # auto: on demand for one-shot use; a server compiles the rest when it starts
         # (AsyncEngine), and every host of a multi-host engine compiles all up front.
         mode = config.runner.precompile
-        for runner in (self.runner, self.draft_runner):
-            if runner is not None:
-                runner.warmup(every_bucket=mode == "all" or (mode == "auto" and pc.multi_host))
+        self.runner.warmup(every_bucket=mode == "all" or (mode == "auto" and pc.multi_host))
         # Data-parallel replicas must not hand their unseeded requests the same seeds.
         self._seed_rng = random.Random(config.seed if replica == 0 else f"{config.seed}/replica{replica}")
         # Multi-host: host 0 schedules and publishes each step; the others follow (follow()).
@@ -159,29 +166,7 @@ class EngineCore:
 
     def compile_all(self) -> None:
         """Makes every bucket's programs ready (a server calls it before taking requests)."""
-        self.runner.compile_buckets(self.runner.buckets)
-        if self.draft_runner is not None:
-            self.draft_runner.compile_buckets(self.draft_runner.buckets)
-
-    def _draft(self, config: EngineConfig, draft: LoadedModel, devices, r):
-        """The draft model's runner for ``method: draft_model``, and its KV pool: as many blocks
-        as the target's, counted in the same budget (resolve._draft_kinds)."""
-        spec = config.speculative_config
-        dcfg = dataclasses.replace(config, model=spec.model, speculative_config=None, quantization=None,
-                                   scheduler=dataclasses.replace(config.scheduler,
-                                                                 max_model_len=r.step.max_model_len))
-        try:
-            d = resolve_config(dcfg, draft)
-        except ValueError as e:
-            raise ValueError(f"--speculative-config: the draft model {spec.model}: {e}") from None
-        bs, num_blocks = r.step.block_size, r.kv.num_blocks
-        self.draft_runner = ModelRunner(
-            draft, d.step, num_blocks=num_blocks, devices=devices, program_dir=os.path.join(r.compile_cache_dir,
-                                                                                            "programs"),
-            strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress)
-        log.info("draft model %s (%s): %d KV blocks, %.1f MiB", spec.model, draft.arch.architecture, num_blocks,
-                 self.draft_runner.kv_cache_bytes() / 2**20)
-        return self.draft_runner, num_blocks, bs, r.step.max_num_batched_tokens, r.step.max_model_len
+        self.runner.compile_all()
 
     def new_seed(self) -> int:
         """A 64-bit seed for an unseeded request (reproducible from ``--seed``)."""

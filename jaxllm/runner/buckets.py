@@ -7,7 +7,7 @@ only computes logits for a few padding rows more than it needs, which costs far 
 than compiling (and, on every start, lowering) a second dimension of buckets.
 
 S counts the step's sampling rows (a sequence is one row, except that a speculative
-verification samples each of its k + 1 positions, spec/), so with speculation on a request
+verification samples each of its k + 1 positions, spec_decode/), so with speculation on a request
 can take up to 1 + k rows: token buckets that can hold more rows than ``max_num_seqs`` get a
 second sequence bucket, ``S = min(T, max_num_seqs * (1 + k))``, picked only by steps that need
 the rows, so a prefill step still computes logits for ``max_num_seqs`` rows at most.

@@ -44,6 +44,9 @@ from jaxllm.runner.state_slots import StateSlots
 from jaxllm.runner.step_config import StepConfig
 from jaxllm.sample.bitmask import mask_words
 from jaxllm.sample.states import SamplerRows
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.controller import SpecController, make_controller
+from jaxllm.spec_decode.draft_model import DraftModel, DraftSetup
 from jaxllm.structured.grammar import GrammarCompiler
 from jaxllm.structured.matchers import GrammarStates
 
@@ -53,10 +56,13 @@ log = logging.getLogger("jaxllm.runner")
 class ModelRunner:
     def __init__(self, model: LoadedModel, cfg: StepConfig, *, num_blocks: int | None, devices: list | None = None,
                  program_dir: str | None = None, strict_compile_guard: bool = False, show_progress: bool = True,
-                 grammar: GrammarCompiler | None = None):
+                 grammar: GrammarCompiler | None = None, speculative_config: SpeculativeConfig | None = None,
+                 draft: DraftModel | None = None):
         """``num_blocks``: KV blocks per layer (None: allocated later, :meth:`allocate_kv`);
         ``program_dir``: where compiled programs are saved and loaded (None keeps none);
-        ``grammar``: compiles structured-output constraints (None: the engine has no tokenizer)."""
+        ``grammar``: compiles structured-output constraints (None: the engine has no tokenizer);
+        ``speculative_config``: speculation on (None: off), ``draft``: its draft model for
+        ``method: draft_model``."""
         self.cfg = cfg
         self.arch = model.arch
         self.strict = strict_compile_guard
@@ -92,13 +98,19 @@ class ModelRunner:
         self.warm = False
         # Held before sampling when set (tests use it to pause the first step).
         self.before_step_hook = None
-        # Speculative decoding: proposes each sampling request's next tokens after its step
-        # (spec/controller.py); the scheduler schedules them for verification.
-        self.proposer = None
         self.step_seconds: dict[tuple[int, int], float] = {}
         self._cold: set[tuple[int, int]] = set()
         """Buckets that have run once: a program's first run pays for touching its code and
         buffers (about 2x a warm step here), so only the runs after it are averaged."""
+        # Speculative decoding: proposes each sampling request's next tokens after its step
+        # (spec_decode/controller.py); the scheduler schedules them for verification.  Built
+        # once the KV size is known (a draft model's cache has as many blocks as this one's).
+        self.speculation: SpecController | None = None
+        self.draft_runner: ModelRunner | None = None
+        self._spec = (speculative_config, draft, devices, program_dir, show_progress)
+        """What the draft's runner is built with, beside the config and the draft."""
+        if num_blocks is not None:
+            self._start_speculation()
 
     @property
     def buckets(self) -> list[tuple[int, int]]:
@@ -134,6 +146,25 @@ class ModelRunner:
         """Allocates the KV cache (a runner built with ``num_blocks=None`` waits for its size)."""
         self.num_blocks = num_blocks
         self.kv = self._kv_arrays(num_blocks)
+        self._start_speculation()
+
+    def _start_speculation(self) -> None:
+        """The speculation controller and its proposer (spec_decode/), for ``method:
+        draft_model`` with the draft's runner: as many KV blocks as this one, counted in the
+        same budget (engine/resolve._draft_kinds)."""
+        cfg, draft, devices, program_dir, show_progress = self._spec
+        if cfg is None or self.speculation is not None:
+            return
+        setup = None
+        if draft is not None:
+            self.draft_runner = ModelRunner(draft.model, draft.step, num_blocks=self.num_blocks, devices=devices,
+                                            program_dir=program_dir, strict_compile_guard=self.strict,
+                                            show_progress=show_progress)
+            log.info("draft model %s (%s): %d KV blocks, %.1f MiB", draft.name, draft.model.arch.architecture,
+                     self.num_blocks, self.draft_runner.kv_cache_bytes() / 2**20)
+            setup = DraftSetup(self.draft_runner, self.num_blocks, self.cfg.block_size,
+                               self.cfg.max_num_batched_tokens, self.cfg.max_model_len)
+        self.speculation = make_controller(cfg, self.measured_step_seconds, setup)
 
     def activation_bytes(self) -> int:
         """The largest step's temporary memory as XLA compiled it: what
@@ -159,9 +190,17 @@ class ModelRunner:
         self.warm = True
         if every_bucket:
             self.compile_buckets(self.buckets)
+        if self.draft_runner is not None:
+            self.draft_runner.warmup(every_bucket)
 
     def compile_buckets(self, buckets) -> None:
         self.compiler.compile_buckets(buckets, self.params, self.kv, self.sampler_rows.state)
+
+    def compile_all(self) -> None:
+        """Makes every bucket's programs ready, the draft model's too."""
+        self.compile_buckets(self.buckets)
+        if self.draft_runner is not None:
+            self.draft_runner.compile_buckets(self.draft_runner.buckets)
 
     @property
     def all_compiled(self) -> bool:
@@ -173,8 +212,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.requests.update(so)
         self.grammars.update(so)
-        if self.proposer is not None:
-            self.proposer.update(so)
+        if self.speculation is not None:
+            self.speculation.update(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_RUNNER_OUTPUT
         if not self.warm:
@@ -215,8 +254,8 @@ class ModelRunner:
                 self._cold.add(bucket)
             else:
                 self.step_seconds[bucket] = dt if old is None else 0.8 * old + 0.2 * dt
-        if self.proposer is not None:
-            result = self.proposer.propose(result, step, self.requests, self.grammars)
+        if self.speculation is not None:
+            result = self.speculation.propose(result, step, self.requests, self.grammars)
         return result
 
     def measured_step_seconds(self, num_tokens: int, num_rows: int) -> float | None:

@@ -27,7 +27,7 @@ class RequestState:
     """prompt_logprobs gathered chunk by chunk, delivered with the first sampled token."""
     params: SamplingParams | None = None
     """As the engine sent them, with the request's resolved ``seed``: what a draft model
-    samples with (spec/draft_model.py)."""
+    samples with (spec_decode/draft_model.py)."""
     seed: int = 0
     pending_counts: list[int] | None = None
     """Proposals the last verification accepted: fed uncounted, the penalty counts take them

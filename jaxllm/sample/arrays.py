@@ -36,7 +36,7 @@ class SamplingMetadata:
     frequency_penalty: jax.Array   # [S] f32, 0: off
     use_bias: jax.Array            # [S] bool, add the slot's bias row
     suppress: jax.Array            # [S, SUPPRESS_WIDTH] i32, ids set to -inf this step, -1: none
-    # Speculative decoding (spec/): a request verifying k proposals has k + 1 consecutive rows,
+    # Speculative decoding (spec_decode/): a request verifying k proposals has k + 1 consecutive rows,
     # row j drawing output position out_pos + j as if proposals 1..j had been sampled.  Without
     # speculation every row is its own group and the draft arrays are [S, 0].
     count_fed: jax.Array           # [S] bool, count the token this row feeds (False: a proposal)

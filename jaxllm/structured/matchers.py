@@ -93,7 +93,7 @@ class GrammarStates:
     def valid_prefix(self, req_id: str, drafts: list[int]) -> list[int]:
         """The longest prefix of ``drafts`` the request's grammar accepts (all of them when
         unconstrained or still reasoning: proposals past a reasoning end are not checked, so
-        a reasoning request does not propose, see spec/controller.py)."""
+        a reasoning request does not propose, see spec_decode/controller.py)."""
         g = self._states.get(req_id)
         if g is None or not drafts:
             return drafts

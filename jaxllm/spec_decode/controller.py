@@ -1,5 +1,5 @@
 """The runner's side of speculative decoding: after each step, which requests propose and
-what (a proposer: spec/ngram.py, spec/draft_model.py), and the off-switch.
+what (a proposer: spec_decode/ngram.py, spec_decode/draft_model.py), and the off-switch.
 
 Everything is keyed by request id, never batch row (rows are rebuilt every step).  A request
 proposes after every step that sampled for it, unless:
@@ -34,9 +34,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 
 from jaxllm.outputs import RunnerOutput, SchedulerOutput
-from jaxllm.spec.config import SpeculativeConfig
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.draft_model import DraftModelProposer, DraftSetup
+from jaxllm.spec_decode.ngram import NgramProposer
+from jaxllm.spec_decode.proposer import Proposer
 
 
 @dataclasses.dataclass
@@ -98,21 +102,19 @@ class _Acceptance:
 
 
 class SpecController:
-    def __init__(self, cfg: SpeculativeConfig, proposer):
+    def __init__(self, cfg: SpeculativeConfig, proposer: Proposer,
+                 step_cost: Callable[[int, int], float | None] | None = None):
+        """``step_cost``: (tokens, rows) -> measured seconds of the bucket such a step runs in,
+        or None (the runner's per-bucket moving average); None: the cost model always picks k."""
         self.cfg = cfg
         self.proposer = proposer
         self._acceptance: dict[str, _Acceptance] = {}
         self._all = _Acceptance()
         """Every request's per-position acceptance: the prior of a request's own."""
         self._step = 0
-        self.step_cost = None
-        """(tokens, rows) -> measured seconds of the bucket such a step runs in, or None; set
-        by the runner (its per-bucket moving average)."""
+        self.step_cost = step_cost
         self.last_k: int | None = None
         """The k the cost model chose for the next step (None: not consulted)."""
-        self._propose_cost = getattr(proposer, "cost", None)
-        """(k, requests) -> seconds the proposer takes for them, or None (unmeasured); a
-        proposer without it (ngram) costs nothing next to a step."""
 
     def _choose_k(self, num_sampling: int, asking: list[str], found: dict[str, int] | None = None) -> int:
         """The k that maximises expected output tokens per second of the next step; ``found``:
@@ -129,8 +131,7 @@ class SpecController:
                 cost = known if known is not None else 1.0   # not measured: as cheap as the last known
             else:
                 known = cost
-            if self._propose_cost is not None:
-                cost += self._propose_cost(k, len(asking)) or 0.0
+            cost += self.proposer.cost(k, len(asking)) or 0.0
             tokens = num_sampling + sum(self._acceptance[rid].expected_accepted(n[rid], self._all) for rid in asking)
             if tokens / cost > best:
                 best_k, best = k, tokens / cost
@@ -166,40 +167,32 @@ class SpecController:
         if not asking:
             return result
         num_sampling = sum(1 for t in result.sampled_token_ids if t)
-        if self._propose_cost is None and not hasattr(self.proposer, "propose_batch"):
-            # Free to ask (ngram): propose k, then let the cost model cut what was found.
-            for rid in asking:
-                d = grammars.valid_prefix(rid, (self.proposer.propose(rid, states[rid].token_ids, k) or [])[:k])
-                if d:
-                    drafts[rid] = d
-            if not drafts:
+        if not self.proposer.free:
+            # A model: k is chosen by what its k steps cost, then it proposes that many.
+            k = self.last_k = self._choose_k(num_sampling, asking)
+            if k == 0:
                 return result
-            k = self.last_k = self._choose_k(num_sampling, list(drafts), {rid: len(d) for rid, d in drafts.items()})
-            drafts = {rid: d[:k] for rid, d in drafts.items()} if k else {}
-            return dataclasses.replace(result, draft_token_ids=drafts) if drafts else result
-        k = self.last_k = self._choose_k(num_sampling, asking)
-        if k == 0:
-            return result
-        if hasattr(self.proposer, "propose_batch"):
-            # A model proposes for every asking request in one batch per draft step.
-            got = self.proposer.propose_batch(
-                {rid: states[rid].token_ids for rid in asking}, k,
-                {rid: (states[rid].params, states[rid].seed, states[rid].num_prompt_tokens) for rid in asking})
-        else:
-            got = {rid: self.proposer.propose(rid, states[rid].token_ids, k) for rid in asking}
+        got = self.proposer.propose({rid: states[rid] for rid in asking}, k)
         for rid in asking:
             d = grammars.valid_prefix(rid, (got.get(rid) or [])[:k])
             if d:
                 drafts[rid] = d
+        if self.proposer.free and drafts:
+            # Free to ask (ngram): k proposed, the cost model cuts what was found.
+            k = self.last_k = self._choose_k(num_sampling, list(drafts), {rid: len(d) for rid, d in drafts.items()})
+            drafts = {rid: d[:k] for rid, d in drafts.items()} if k else {}
         return dataclasses.replace(result, draft_token_ids=drafts) if drafts else result
 
 
-def make_controller(cfg: SpeculativeConfig, draft_runner=None) -> SpecController:
-    """The runner's controller for ``cfg`` (its method's proposer inside); ``draft_runner``:
-    the draft model's (runner, num_blocks, block_size, max_num_batched_tokens, max_model_len)
-    for ``draft_model`` (engine/core.py builds it)."""
+def make_controller(cfg: SpeculativeConfig, step_cost: Callable[[int, int], float | None] | None = None,
+                    draft: DraftSetup | None = None) -> SpecController:
+    """The runner's controller for ``cfg`` with its method's proposer; ``step_cost``: the
+    runner's measured step time (SpecController); ``draft``: what the draft model of
+    ``draft_model`` runs on (the runner builds it)."""
     if cfg.method == "ngram":
-        from jaxllm.spec.ngram import NgramProposer
-        return SpecController(cfg, NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max))
-    from jaxllm.spec.draft_model import DraftModelProposer
-    return SpecController(cfg, DraftModelProposer(*draft_runner))
+        proposer: Proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    elif draft is None:
+        raise ValueError("--speculative-config: method draft_model needs the draft model's runner")
+    else:
+        proposer = DraftModelProposer(draft)
+    return SpecController(cfg, proposer, step_cost)

@@ -12,7 +12,7 @@ Methods:
 Whatever proposes, a proposal is accepted only where it equals the token plain decoding
 draws at that position (``sample/sampler.accept``), so speculation changes the speed, never
 the output.  ``min_acceptance_rate`` is jaxllm's off-switch: a request whose recent proposals
-are rarely accepted stops proposing for a while (``spec/controller.py``).
+are rarely accepted stops proposing for a while (``spec_decode/controller.py``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class SpeculativeConfig:
     """Off-switch: when fewer than this share of a request's last ``acceptance_window``
     judged tokens were accepted, the request stops proposing (0 turns it off).  A
     verification judges its proposals up to the first rejected one, so the rate does not fall
-    with k (spec/controller.py)."""
+    with k (spec_decode/controller.py)."""
     acceptance_window: int = 32
     """Judged proposed tokens the acceptance rate is measured over."""
     probe_interval: int = 64
@@ -50,7 +50,7 @@ class SpeculativeConfig:
     is still too low, up to 16 times this)."""
     cost_model: bool = True
     """Choose each step's k by the measured step time of its bucket against the expected
-    accepted tokens (spec/controller.py); off: always k."""
+    accepted tokens (spec_decode/controller.py); off: always k."""
 
     def __post_init__(self):
         if self.method in _NOT_HERE:

@@ -10,6 +10,10 @@ so a step costs a few dict operations per new token, not a scan of the sequence.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from jaxllm.spec_decode.proposer import ProposalRequest
+
 
 class _Index:
     def __init__(self, sizes: range):
@@ -37,18 +41,29 @@ class _Index:
 
 
 class NgramProposer:
+    """The ``Proposer`` of ``method: ngram`` (spec_decode/proposer.py)."""
+
+    free = True
+    """A few dict operations per request: the controller asks first and prices what was found."""
+
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.sizes = range(prompt_lookup_min, prompt_lookup_max + 1)
         self._index: dict[str, _Index] = {}
 
-    def propose(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens to follow ``token_ids`` (the request's prompt and outputs)."""
+    def propose(self, requests: Mapping[str, ProposalRequest], k: int) -> dict[str, list[int]]:
+        """Up to ``k`` tokens to follow each request's ``token_ids`` (its prompt and outputs)."""
+        return {rid: self._lookup(rid, r.token_ids, k) for rid, r in requests.items()}
+
+    def _lookup(self, req_id: str, token_ids: list[int], k: int) -> list[int]:
         index = self._index.get(req_id)
         if index is None:
             index = self._index[req_id] = _Index(self.sizes)
         # The index covers continuations before the last token: the suffix never matches itself.
         index.extend(token_ids)
         return index.lookup(token_ids, k)
+
+    def cost(self, k: int, num_requests: int) -> float:
+        return 0.0
 
     def remove(self, req_id: str) -> None:
         self._index.pop(req_id, None)

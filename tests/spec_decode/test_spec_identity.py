@@ -9,7 +9,7 @@ plain decoding produced, with every third proposal run corrupted at a random pos
 that long accepted runs, rejections and corrections all occur.  Identity must hold whatever
 is proposed.  Each test checks that speculation really happened (proposals verified, some
 accepted and some rejected), so an engine that never proposes cannot pass.  ngram itself is
-checked on the built-in model (tests/spec/test_ngram_builtin.py)."""
+checked on the built-in model (tests/spec_decode/test_ngram_builtin.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,12 @@ class OracleProposer:
         self.rng = np.random.default_rng(seed)
         self.calls = 0
 
-    def propose(self, req_id, token_ids, k):
+    free = True
+
+    def propose(self, requests, k):
+        return {rid: self._one(r.token_ids, k) for rid, r in requests.items()}
+
+    def _one(self, token_ids, k):
         for prompt, full in zip(self.prompts, self.full):
             if tuple(token_ids[:len(prompt)]) == prompt and tuple(token_ids) == full[:len(token_ids)]:
                 d = list(full[len(token_ids):len(token_ids) + k])
@@ -75,6 +80,9 @@ class OracleProposer:
                 return d
         return []
 
+    def cost(self, k, num_requests):
+        return 0.0
+
     def remove(self, req_id):
         pass
 
@@ -83,7 +91,7 @@ class oracle:
     """Swaps the engine's proposer for an OracleProposer of ``plain_runs`` while active."""
 
     def __init__(self, llm, plain_runs):
-        self.controller = llm.llm_engine.core.runner.proposer
+        self.controller = llm.llm_engine.core.runner.speculation
         self.proposer = OracleProposer(plain_runs)
 
     def __enter__(self):
@@ -319,7 +327,7 @@ def test_draft_model_batch_equals_plain_decoding(tiny_llama, tiny_checkpoints, p
     # The draft's KV pool is whole again once the runner has heard every request ended (the
     # next step tells it, as it tells the target's runner).
     llm.llm_engine.step()
-    proposer = llm.llm_engine.core.runner.proposer.proposer
+    proposer = llm.llm_engine.core.runner.speculation.proposer
     assert proposer.kv.num_free_blocks == proposer.kv.num_blocks
 
 
@@ -336,9 +344,9 @@ def test_draft_model_cache_is_inside_the_kv_budget(tiny_llama):
     budget = 3 * (1 << 20) + 12345
     llm = draft_llm(tiny_llama, kv_cache_memory_bytes=budget, num_blocks_override=None)
     core = llm.llm_engine.core
-    target, draft = core.runner.kv_cache_bytes(), core.draft_runner.kv_cache_bytes()
+    target, draft = core.runner.kv_cache_bytes(), core.runner.draft_runner.kv_cache_bytes()
     assert draft > 0 and target + draft <= budget
-    assert core.draft_runner.num_blocks == core.runner.num_blocks
+    assert core.runner.draft_runner.num_blocks == core.runner.num_blocks
     assert budget - (target + draft) < core.resolved.kv.bytes_per_block   # the budget is used
 
 
@@ -350,7 +358,7 @@ def test_draft_model_with_a_full_pool_keeps_outputs_equal(tiny_llama, plain_outp
     prompts, params = workload()
     outs = llm.generate(prompts, params, use_tqdm=False)
     core = llm.llm_engine.core
-    proposer = core.runner.proposer.proposer
+    proposer = core.runner.speculation.proposer
     assert core.scheduler.num_preemptions > 0 and proposer.num_left_out > 0
     assert tokens(outs) == tokens(plain_outputs)
     drafts, proposed, accepted = snapshot(llm)

@@ -18,9 +18,9 @@ from jaxllm.request import Request
 from jaxllm.sample import metadata as smd
 from jaxllm.sample.sampler import accept
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.spec.config import SpeculativeConfig
-from jaxllm.spec.controller import SpecController, _Acceptance
-from jaxllm.spec.ngram import NgramProposer
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.controller import SpecController, _Acceptance
+from jaxllm.spec_decode.ngram import NgramProposer
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -78,18 +78,30 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
 
 # ---------------------------------------------------------------------------- ngram
 
+class Req:
+    """What a proposer reads of a request (spec_decode/proposer.ProposalRequest)."""
+
+    def __init__(self, token_ids):
+        self.token_ids = token_ids
+
+
+def ngram(p, rid, toks, k):
+    return p.propose({rid: Req(toks)}, k)[rid]
+
+
 def test_ngram_proposes_what_followed_the_latest_longest_match():
     p = NgramProposer(1, 3)
     toks = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
     # The suffix [1, 2, 3] last occurred before [7, 8, 5, ...]; never matches itself.
-    assert p.propose("a", toks, 3) == [7, 8, 5]
-    assert p.propose("a", toks + [7], 2) == [8, 5]                        # the index grows
-    assert p.propose("b", [4, 5, 6], 3) == []                             # nothing repeats
+    assert ngram(p, "a", toks, 3) == [7, 8, 5]
+    assert ngram(p, "a", toks + [7], 2) == [8, 5]                         # the index grows
+    assert ngram(p, "b", [4, 5, 6], 3) == []                              # nothing repeats
     # Shorter n only when the longer ones do not occur.
-    assert NgramProposer(1, 3).propose("c", [5, 1, 2, 6, 2], 2) == [6, 2]
-    assert NgramProposer(2, 3).propose("c", [5, 1, 2, 6, 2], 2) == []
+    assert ngram(NgramProposer(1, 3), "c", [5, 1, 2, 6, 2], 2) == [6, 2]
+    assert ngram(NgramProposer(2, 3), "c", [5, 1, 2, 6, 2], 2) == []
     # A continuation running into the end is cut there.
-    assert NgramProposer(1, 1).propose("d", [4, 4], 3) == [4]
+    assert ngram(NgramProposer(1, 1), "d", [4, 4], 3) == [4]
+    assert p.free and p.cost(4, 2) == 0.0                                 # asked first, priced as found
 
 
 def test_controller_off_switch_pauses_a_request_that_rejects():
@@ -97,8 +109,13 @@ def test_controller_off_switch_pauses_a_request_that_rejects():
                             probe_interval=10)
 
     class Always:
-        def propose(self, rid, toks, k):
-            return [1] * k
+        free = True
+
+        def propose(self, requests, k):
+            return {rid: [1] * k for rid in requests}
+
+        def cost(self, k, n):
+            return 0.0
 
         def remove(self, rid):
             pass
@@ -137,7 +154,7 @@ def test_cost_model_picks_the_k_that_pays():
     the longest proposals win; when every extra token costs a full step's time (compute-bound),
     k = 0; a bucket not measured yet counts as cheap, so it is tried."""
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
-    ctl = SpecController(cfg, None)
+    ctl = SpecController(cfg, NgramProposer(1, 1))
     for rid in ("a", "b"):
         acc = ctl._acceptance[rid] = _Acceptance()
         for _ in range(20):
@@ -163,7 +180,7 @@ def test_cost_model_picks_the_k_that_pays():
     ctl.step_cost = lambda T, rows: 0.01 if T == 2 else None           # nothing measured beyond k = 0
     assert ctl._choose_k(2, ["a", "b"]) == 4
     assert SpecController(SpeculativeConfig(method="ngram", num_speculative_tokens=3, cost_model=False),
-                          None)._choose_k(2, ["a"]) == 3
+                          NgramProposer(1, 1), lambda T, rows: 0.01 * T)._choose_k(2, ["a"]) == 3
 
 
 def test_acceptance_counts_each_position_given_the_ones_before():
@@ -208,8 +225,13 @@ def test_cost_model_counts_the_tokens_ngram_found():
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
 
     class Found:
-        def propose(self, rid, toks, k):
-            return [9, 9, 9, 9][:k] if rid == "a" else []
+        free = True
+
+        def propose(self, requests, k):
+            return {rid: [9, 9, 9, 9][:k] if rid == "a" else [] for rid in requests}
+
+        def cost(self, k, n):
+            return 0.0
 
         def remove(self, rid):
             pass
@@ -225,12 +247,11 @@ def test_cost_model_counts_the_tokens_ngram_found():
             return d
 
     states = {rid: type("S", (), {"token_ids": [5, 6]})() for rid in ("a", "b")}
-    ctl = SpecController(cfg, Found())
+    ctl = SpecController(cfg, Found(), lambda T, rows: 0.01 if T <= 6 else 0.05)
     for rid in ("a", "b"):
         acc = ctl._acceptance[rid] = _Acceptance()
         for _ in range(20):
             acc.observe(4, 4, cfg, 0)           # every proposal accepted so far
-    ctl.step_cost = lambda T, rows: 0.01 if T <= 6 else 0.05
     assert ctl._choose_k(2, ["a", "b"]) == 2                    # priced as k tokens each
     res = ctl.propose(RunnerOutput(["a", "b"], [[3], [3]]), Step(), states, Grammars())
     assert res.draft_token_ids == {"a": [9, 9, 9, 9]}
@@ -242,6 +263,8 @@ def test_cost_model_counts_the_draft_models_steps():
     proposals are free k = 4 wins; a draft step of 0.4 target steps per proposed token makes
     the third and fourth proposal (rarely accepted) cost more than they bring."""
     class Draft:
+        free = False
+
         def __init__(self):
             self.asked, self.measured = [], True
 
@@ -251,12 +274,11 @@ def test_cost_model_counts_the_draft_models_steps():
 
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     draft = Draft()
-    ctl = SpecController(cfg, draft)
+    ctl = SpecController(cfg, draft, lambda T, rows: 0.01)
     for rid in ("a", "b"):
         acc = ctl._acceptance[rid] = _Acceptance()
         for _ in range(20):
             acc.observe(4, 2, cfg, 0)
-    ctl.step_cost = lambda T, rows: 0.01
     assert ctl._choose_k(2, ["a", "b"]) == 2
     assert (4, 2) in draft.asked            # asked for the two proposing requests
     draft.measured = False                  # not measured yet: only the target's step counts

@@ -1,7 +1,8 @@
 """Draft-model proposals (``method: draft_model``): a smaller checkpoint with the same
 vocabulary proposes k tokens by decoding them, run by the engine's own machinery: a
-``ModelRunner`` with its own weights, its own paged KV cache and block pool
-(``KVCacheManager``), its buckets compiled ahead of time at start-up like the target's.
+``ModelRunner`` (built by the target's runner from ``DraftModel``) with its own weights, its
+own paged KV cache and block pool (``KVCacheManager``), its buckets compiled ahead of time at
+start-up like the target's.
 
 Per request id the proposer keeps the tokens whose KV the draft cache holds.  After each
 target step it keeps the longest prefix of them that is still the request's sequence (what
@@ -18,12 +19,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.models.loader import LoadedModel
 from jaxllm.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.runner.step_config import StepConfig
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.spec_decode.proposer import ProposalRequest
 
-log = logging.getLogger("jaxllm.spec")
+log = logging.getLogger("jaxllm.spec_decode")
 
 
 @dataclasses.dataclass
@@ -35,19 +41,43 @@ class _Draft:
     """Tokens whose KV is in the draft cache, from position 0."""
 
 
-class _Request:
-    """Just what the KV manager reads from a request (prefix caching is off for the draft)."""
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    """The draft model of ``method: draft_model`` as the engine hands it to the target's runner,
+    which builds the draft's runner from it once the KV size is known."""
 
-    def __init__(self, rid: str):
-        self.request_id = rid
+    model: LoadedModel
+    step: StepConfig
+    """The draft's step configuration, resolved with the target's ``max_model_len``."""
+    name: str
+    """The checkpoint, for the log."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSetup:
+    """What the draft model's proposer runs on (the target's runner builds it)."""
+
+    runner: Any
+    """The draft model's ``ModelRunner`` (its weights, its KV arrays, its compiled buckets)."""
+    num_blocks: int
+    """KV blocks of the draft's cache: as many as the target's."""
+    block_size: int
+    max_num_batched_tokens: int
+    """The target's token budget: a catch-up step is cut into chunks of it."""
+    max_model_len: int
 
 
 class DraftModelProposer:
-    def __init__(self, runner, num_blocks: int, block_size: int, max_num_batched_tokens: int, max_model_len: int):
-        self.runner = runner
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.budget = max_num_batched_tokens
-        self.max_model_len = max_model_len
+    """The ``Proposer`` of ``method: draft_model`` (spec_decode/proposer.py)."""
+
+    free = False
+    """k steps of a model: the controller chooses k by ``cost`` before asking."""
+
+    def __init__(self, setup: DraftSetup):
+        self.runner = setup.runner
+        self.kv = KVCacheManager(setup.num_blocks, setup.block_size, enable_prefix_caching=False)
+        self.budget = setup.max_num_batched_tokens
+        self.max_model_len = setup.max_model_len
         self._drafts: dict[str, _Draft] = {}
         self._finished: set[str] = set()
         self.num_left_out = 0
@@ -60,18 +90,16 @@ class DraftModelProposer:
             self.kv.free(req_id)
             self._finished.add(req_id)
 
-    def propose_batch(self, requests: dict[str, list[int]], k: int, params: dict) -> dict[str, list[int]]:
-        """Up to ``k`` proposals for each of ``requests`` (id -> prompt and outputs);
-        ``params``: id -> (SamplingParams, seed, number of prompt tokens) of ids seen first."""
+    def propose(self, requests: Mapping[str, ProposalRequest], k: int) -> dict[str, list[int]]:
+        """Up to ``k`` proposals for each of ``requests``, all of them batched in every draft step."""
         active: dict[str, list[int]] = {}
-        for rid, toks in requests.items():
+        for rid, r in requests.items():
+            toks = r.token_ids
             d = self._drafts.get(rid)
             if d is None:
-                if rid not in params:
-                    continue
-                sp, seed, num_prompt = params[rid]
-                sp = dataclasses.replace(sp.clone(), structured_outputs=None, logprobs=None, prompt_logprobs=None)
-                d = self._drafts[rid] = _Draft(sp, seed, num_prompt, [])
+                sp = dataclasses.replace(r.params.clone(), structured_outputs=None, logprobs=None,
+                                         prompt_logprobs=None)
+                d = self._drafts[rid] = _Draft(sp, r.seed, r.num_prompt_tokens, [])
             # Keep the KV of the longest prefix the target kept.
             n = 0
             for a, b in zip(d.fed, toks):
