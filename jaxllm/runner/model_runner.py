@@ -90,8 +90,6 @@ class ModelRunner:
         self.compiler = CompilationManager(cfg, get_model_module(model.arch.architecture), self.mesh, self._rep,
                                            self.rules, programs, show_progress)
         self.warm = False
-        # Held before sampling when set (tests use it to pause the first step).
-        self.before_step_hook = None
         # Speculative decoding: proposes each sampling request's next tokens after its step
         # (spec/controller.py); the scheduler schedules them for verification.
         self.proposer = None
@@ -188,8 +186,6 @@ class ModelRunner:
             self.compile_buckets([bucket, bk.pick(S, S, self.buckets)])
         before = cc.counts()
         step = prepare(so, self.requests, self.cfg, bucket)
-        if self.before_step_hook is not None:
-            self.before_step_hook()
         if self.strict:
             with jax.no_tracing(True):
                 out = self._run(step)
