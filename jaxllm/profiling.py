@@ -73,10 +73,6 @@ _lock = threading.Lock()
 _active: dict | None = None
 
 
-def is_active() -> bool:
-    return _active is not None
-
-
 def start(log_dir: str, *, perfetto: bool = True, python: bool = False) -> None:
     """Starts an XLA trace that :func:`stop` writes under ``log_dir`` (created if missing).
 

@@ -7,5 +7,5 @@ scripts/setup.sh test
 # Two workers, whole files per worker (module fixtures such as a shared engine stay in one
 # process): most tests wait on single-threaded XLA compiles, so two cores run two at once.
 # JAXLLM_TEST_WORKERS=0 runs in one process.  The 20 slowest items are listed at the end: the
-# suite's time is budgeted (25 minutes on a 2-core machine).
+# suite's time is budgeted (20 minutes on a quiet 2-core machine).
 exec python -m pytest -n "${JAXLLM_TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"

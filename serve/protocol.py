@@ -108,17 +108,6 @@ def error_param(e: ValueError, fields: set[str], aliases: dict[str, str] | None 
     return name if name in fields else None
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
 # ---------------------------------------------------------------------------- requests
 
 

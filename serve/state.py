@@ -226,13 +226,6 @@ class ServerState:
         vals = [v for v in (requested, self.defaults.get("max_tokens")) if v is not None]
         return min(vals) if vals else None
 
-    def reasoning_end_token_ids(self) -> tuple[int, ...] | None:
-        """The token ids that end reasoning under ``--reasoning-parser`` (None without one): a
-        grammar (structured outputs, a required or named tool call) starts after them."""
-        if self.reasoning_parser is None:
-            return None
-        return self.reasoning_parser(self.tokenizer).end_token_ids()
-
     @property
     def prefix_caching(self) -> bool:
         return self.engine.prefix_caching

@@ -96,8 +96,6 @@ class ModelRunner:
         self.compiler = CompilationManager(cfg, get_model_module(model.arch.architecture), self.mesh, self._rep,
                                            self.rules, programs, show_progress)
         self.warm = False
-        # Held before sampling when set (tests use it to pause the first step).
-        self.before_step_hook = None
         self.step_seconds: dict[tuple[int, int], float] = {}
         self._cold: set[tuple[int, int]] = set()
         """Buckets that have run once: a program's first run pays for touching its code and
@@ -227,8 +225,6 @@ class ModelRunner:
             self.compile_buckets([bucket, bk.pick(S, S, self.buckets)])
         before = cc.counts()
         step = prepare(so, self.requests, self.cfg, bucket)
-        if self.before_step_hook is not None:
-            self.before_step_hook()
         if self.strict:
             with jax.no_tracing(True):
                 out = self._run(step)

@@ -199,9 +199,3 @@ def float_key(x, xp=jnp):
     b = bitcast(x, np.uint32, xp)
     neg = (b >> np.uint32(31)) == np.uint32(1)
     return xp.where(neg, ~b, b | np.uint32(0x80000000))
-
-
-def key_float(k, xp=jnp):
-    """Inverse of :func:`float_key`."""
-    pos = (k >> np.uint32(31)) == np.uint32(1)
-    return bitcast(xp.where(pos, k & np.uint32(0x7FFFFFFF), ~k), np.float32, xp)

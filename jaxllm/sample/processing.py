@@ -23,12 +23,6 @@ from jaxllm.sample.arrays import SamplerState, SamplingMetadata
 from jaxllm.sample.blocked import NEG_INF
 
 
-def state_shapes(num_rows: int, vocab_size: int) -> SamplerState:
-    return SamplerState(counts=jax.ShapeDtypeStruct((num_rows, vocab_size), jnp.int32),
-                        prompt_mask=jax.ShapeDtypeStruct((num_rows, vocab_size), jnp.bool_),
-                        bias=jax.ShapeDtypeStruct((num_rows, vocab_size), jnp.float32))
-
-
 def init_state(num_rows: int, vocab_size: int) -> SamplerState:
     return SamplerState(counts=jnp.zeros((num_rows, vocab_size), jnp.int32),
                         prompt_mask=jnp.zeros((num_rows, vocab_size), jnp.bool_),

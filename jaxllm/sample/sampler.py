@@ -38,12 +38,12 @@ from jaxllm.sample.bitmask import apply_bitmask
 from jaxllm.sample.draw import KERNEL_BACKENDS, draw_pallas, draw_xla
 from jaxllm.sample.gumbel import runtime_zero
 from jaxllm.sample.logprobs import prompt_logprobs, sampled_logprobs
-from jaxllm.sample.processing import (init_state, process_logits, state_shapes, update_state, write_bias_row,
+from jaxllm.sample.processing import (init_state, process_logits, update_state, write_bias_row,
                                       write_penalty_row)
 
 # The sampler's interface for the runner and the step (one import for all of it).
 __all__ = ["KERNEL_BACKENDS", "accept", "LOGPROBS_MODES", "SUPPRESS_WIDTH", "SamplerOutput", "SamplerState", "SamplingMetadata",
-           "init_state", "prompt_logprobs", "sample", "state_shapes", "update_state", "write_bias_row",
+           "init_state", "prompt_logprobs", "sample", "update_state", "write_bias_row",
            "write_penalty_row"]
 
 

@@ -35,10 +35,26 @@ pytestmark = pytest.mark.skipif(not native.quant_dot_vnni(),
                                 reason="the CPU lacks AVX512F/BW/VNNI: the default keeps float32 activations here")
 
 
+# One engine at the default (--cpu-matmul auto) and one load of the model for the module's
+# tests: the built-in model's 30 layers make each a few seconds.
+
+
+@pytest.fixture(scope="module")
+def int8_llm():
+    """The built-in model's engine at the CPU default (int8 activations here)."""
+    return LLM(**BUILTIN_ENGINE)
+
+
+@pytest.fixture(scope="module")
+def builtin_model():
+    """The built-in model as loaded (packed Q4_1/Q8_0 blocks)."""
+    from jaxllm.models.loader import load_model
+    return load_model(None)
+
 
 @pytest.mark.slow
-def test_default_engine_runs_the_interleaved_int8_kernel(builtin_llm):
-    llm = LLM(**BUILTIN_ENGINE)   # --cpu-matmul auto
+def test_default_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
+    llm = int8_llm
     runner = llm.llm_engine.core.runner
     assert runner.cfg.kernels.int8_activations
     packed = [w for w in jax.tree.leaves(runner.params, is_leaf=lambda w: isinstance(w, PackedWeight))
@@ -65,10 +81,10 @@ def test_default_engine_runs_the_interleaved_int8_kernel(builtin_llm):
 
 
 @pytest.mark.slow
-def test_int8_logits_error_against_the_dequantized_model():
+def test_int8_logits_error_against_the_dequantized_model(builtin_model):
     from jaxllm.models.loader import load_model
     ids = [1] + list(range(300, 340))
-    got = paged_logits(load_model(None), ids, scan_layers=False, split=24, matmul="native-int8")
+    got = paged_logits(builtin_model, ids, scan_layers=False, split=24, matmul="native-int8")
     ref = paged_logits(load_model(None, dequantize=True), ids, scan_layers=False, split=24)
     err = np.abs(got - ref).max()
     agree = (got.argmax(-1) == ref.argmax(-1)).mean()
@@ -80,13 +96,12 @@ def test_int8_logits_error_against_the_dequantized_model():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("matmul", ["native-int8", "native"])
-def test_a_tokens_logits_do_not_depend_on_the_step_shape(matmul):
+def test_a_tokens_logits_do_not_depend_on_the_step_shape(builtin_model, matmul):
     """The same positions computed one token per step and five per step (then 12 and 13 per
     step) give bit-identical logits on the native CPU path.  XLA's own norms did not: it sums
     a row's squares in an order that depends on the step's shape (cpu/norm.cc), which with
     int8 activations moved the logits by up to 1.7 after 30 layers."""
-    from jaxllm.models.loader import load_model
-    model = load_model(None)
+    model = builtin_model
     ids = [1] + list(range(300, 340))
     one = paged_logits(model, ids, scan_layers=False, split=(24, 25, 26, 27, 28), matmul=matmul, attention="native")
     five = paged_logits(model, ids, scan_layers=False, split=(24, 29), matmul=matmul, attention="native")
@@ -100,13 +115,13 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
 
 
 @pytest.mark.slow
-def test_speculation_on_the_int8_default_returns_plain_decodings_tokens():
+def test_speculation_on_the_int8_default_returns_plain_decodings_tokens(int8_llm):
     prompts = ["one two three four five six seven eight nine ten " * 3,
                "The list: apple, banana, cherry, apple, banana, cherry, apple,",
                "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef"]
     params = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0),
               SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7)]
-    plain = LLM(**BUILTIN_ENGINE)
+    plain = int8_llm
     spec = LLM(**BUILTIN_ENGINE, speculative_config=SPEC)
     assert plain.llm_engine.core.runner.cfg.kernels.int8_activations
     assert spec.llm_engine.core.runner.cfg.kernels.int8_activations

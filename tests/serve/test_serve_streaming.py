@@ -48,6 +48,23 @@ def _received_within(sock, seconds: float) -> bytes:
     return got
 
 
+def _before_step(runner, hook):
+    """Runs ``hook`` before each of ``runner``'s device calls from now on (None: no longer).
+
+    It wraps ``_run`` on this one runner object (an instance attribute shadowing the method),
+    so the production runner carries no hook for tests."""
+    runner.__dict__.pop("_run", None)
+    if hook is None:
+        return
+    run = runner._run
+
+    def hooked(step):
+        hook()
+        return run(step)
+
+    runner._run = hooked
+
+
 def _hold_first_step(core):
     """Installs a runner hook that blocks the next step before its device call."""
     entered, release = threading.Event(), threading.Event()
@@ -57,7 +74,7 @@ def _hold_first_step(core):
         if not release.wait(30):
             raise RuntimeError("the test never released the held step")
 
-    core.runner.before_step_hook = hold
+    _before_step(core.runner, hold)
     return entered, release
 
 
@@ -78,7 +95,7 @@ def test_nothing_reaches_the_client_before_the_engines_first_result(server, idle
         head, sep, body_bytes = early.partition(b"\r\n\r\n")
         assert body_bytes == b"", f"a frame reached the client before any token existed: {early!r}"
     finally:
-        core.runner.before_step_hook = None
+        _before_step(core.runner, None)
         release.set()
     sock.settimeout(30)
     status, headers, raw = read_http_response(sock, early)
@@ -111,7 +128,7 @@ def test_keep_alive_comments_fill_a_silent_stream(serve_engine, idle_engine):
             assert entered.wait(20)
             time.sleep(0.6)
         finally:
-            core.runner.before_step_hook = None
+            _before_step(core.runner, None)
             release.set()
         status, _, raw = read_http_response(sock)
         text = raw.decode()
@@ -186,7 +203,7 @@ def test_error_before_the_first_token_is_the_first_frame(tiny_llama):
         release.wait(30)
         raise RuntimeError("injected device failure")
 
-    engine.engine.core.runner.before_step_hook = fail
+    _before_step(engine.engine.core.runner, fail)
     srv = ServerThread(engine, ServingConfig(port=0))
     try:
         # A raw client whose request is in the failing step ...
@@ -234,7 +251,7 @@ def test_error_mid_stream_is_an_error_frame_then_done(tiny_llama):
         if any(len(r.output_token_ids) >= 2 for r in sched.requests.values()):
             raise RuntimeError("injected device failure")
 
-    engine.engine.core.runner.before_step_hook = fail_after_two_tokens
+    _before_step(engine.engine.core.runner, fail_after_two_tokens)
     srv = ServerThread(engine, ServingConfig(port=0))
     try:
         r = httpx.post(srv.base + "/v1/chat/completions", json={**CHAT, "max_tokens": 20}, timeout=30)
@@ -260,7 +277,7 @@ def test_client_disconnect_aborts_and_frees_kv_blocks(server, idle_engine, strea
     assert kv.num_free_blocks == kv.num_blocks, "blocks held before the test"
     aborted, lengths = metrics.finished_count("abort"), metrics.finished_count("length")
     # Slow steps: a request that is not aborted would run for about 5 s.
-    core.runner.before_step_hook = lambda: time.sleep(0.02)
+    _before_step(core.runner, lambda: time.sleep(0.02))
     body = {"prompt": "word " * 40, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": stream}
     try:
         if stream:
@@ -294,4 +311,4 @@ def test_client_disconnect_aborts_and_frees_kv_blocks(server, idle_engine, strea
         wait_until(lambda: metrics.finished_count("abort") == aborted + 1, timeout=3.0, what="the abort")
         assert metrics.finished_count("length") == lengths, "the request ran to its end instead of being aborted"
     finally:
-        core.runner.before_step_hook = None
+        _before_step(core.runner, None)
