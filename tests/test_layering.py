@@ -65,12 +65,14 @@ with its reason."""
 LOCAL_IMPORT_ALLOWED_PACKAGES = {
     "jaxllm.models": "being restructured in issue 36",
     "jaxllm.spec": "being restructured in issue 36",
+    "jaxllm.spec_decode": "being restructured in issue 36 (spec/ renamed)",
 }
 """Packages whose own function-local imports are not checked yet, with the reason."""
 
 CYCLE_ALLOWED_PACKAGES = {
     "jaxllm.models": "being restructured in issue 36",
     "jaxllm.spec": "being restructured in issue 36",
+    "jaxllm.spec_decode": "being restructured in issue 36 (spec/ renamed)",
 }
 """A circle whose members all lie in these packages is tolerated for now."""
 
