@@ -7,6 +7,7 @@ long) prints one line naming the problem and exits with status 2, never a traceb
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import sys
@@ -14,6 +15,7 @@ import sys
 from jaxllm.config import (KV_CACHE_DTYPES, LOGPROBS_MODES, PRECOMPILE_MODES, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
                            EngineConfig, parse_size)
 from jaxllm.errors import JaxllmError
+from jaxllm.sampling_params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -149,7 +151,6 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
 
 
 def sampling_params_from_args(args):
-    from jaxllm.sampling_params import SamplingParams
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop)
 
@@ -174,8 +175,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    import itertools
-
+    # The engine is imported by the command that runs it (see _make_llm).
     from jaxllm.engine.output_processor import OutputKind
     from jaxllm.engine.render import render_chat_prompt
     sp = sampling_params_from_args(args)
@@ -209,6 +209,9 @@ def cmd_chat(args) -> int:
 
 
 def _make_llm(args):
+    # Imported when a command starts an engine, not with the parser: `jaxllm --help` and a flag
+    # error answer without importing JAX and the engine (~60 ms instead of ~4 s), and
+    # simulate_cpu_devices sets XLA_FLAGS before any of it loads.
     from jaxllm.llm import LLM
     return LLM.from_engine_config(engine_config_from_args(args))
 

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from jaxllm.paths import default_cache_dir  # noqa: F401  (public here too: config.default_cache_dir)
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.structured.config import StructuredOutputsConfig
 
@@ -52,13 +53,6 @@ def parse_size(value: str | int, flag: str) -> int:
     if not m or m.group(2) is not None and m.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"{flag}: cannot read {value!r} as a size (examples: 1073741824, 512MiB, 2GiB)")
     return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
-
-
-def default_cache_dir() -> str:
-    """Where compiled programs and converted tokenizers persist between runs."""
-    root = os.environ.get("JAXLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxllm")
-    return root
 
 
 def _positive(name: str, flag: str, value, allow_none: bool = True) -> None:

@@ -29,12 +29,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.layers import storage
+from jaxllm.errors import ModelLoadError
+from jaxllm.formats import storage
 from jaxllm.layers.linear import linear, matmul
 from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
 from jaxllm.models.config import ArchConfig
+from jaxllm.models.families_b import FAMILY_B
+from jaxllm.models.loader import gguf_file, load_model
+from jaxllm.runner.weights import to_device_params
 
 _MASK_VALUE = -1e30
 
@@ -109,9 +113,7 @@ def logits(cfg: ArchConfig, params: dict, tokens: jax.Array) -> jax.Array:
 
 def make_forward(cfg: ArchConfig):
     """``jax.jit``-ed ``forward(params, tokens [B, L]) -> logits [B, L, V]`` for one architecture."""
-    from jaxllm.models.families_b import FAMILY_B
     if cfg.architecture in FAMILY_B:
-        from jaxllm.errors import ModelLoadError
         raise ModelLoadError(f"jaxllm.functional does not implement {cfg.architecture} (its norms, rotary and "
                              "multipliers differ from Llama's); serve it with jaxllm.LLM")
     def forward(params, tokens):
@@ -129,9 +131,6 @@ def load(model: str | None = None, dtype: str = "float32"):
     and returns float32 logits ``[B, L, V]``.  ``dtype``: "float32" or "bfloat16" (on CPU bf16
     matrices are kept as their uint16 bit patterns and activations stay float32, as in the
     engine).  A quantized GGUF is dequantized (the plain arrays this module computes with)."""
-    from jaxllm.models.loader import gguf_file, load_model
-    from jaxllm.runner.weights import to_device_params
-
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype!r}")
     loaded = load_model(model, dequantize=gguf_file(model) is not None)

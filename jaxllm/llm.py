@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+from tqdm import tqdm
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
@@ -106,7 +107,6 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
-            from tqdm import tqdm
             bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
         try:
             while len(done) < len(ids) and engine.has_unfinished_requests():

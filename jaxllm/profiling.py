@@ -30,6 +30,9 @@ import re
 import threading
 from dataclasses import dataclass
 
+import jax
+from jax.profiler import ProfileData
+
 PERFETTO_FILE = "perfetto_trace.json.gz"
 
 
@@ -80,7 +83,6 @@ def start(log_dir: str, *, perfetto: bool = True, python: bool = False) -> None:
     ``python``: also record every Python function call (JAX's Python tracer): the call tree of
     the host side, at the price of ~10x more events and a much slower host while it records."""
     global _active
-    import jax
     log_dir = os.path.abspath(log_dir)
     if os.path.exists(log_dir) and not os.path.isdir(log_dir):
         raise ProfilerError(f"{log_dir} exists and is not a directory")
@@ -101,7 +103,6 @@ def start(log_dir: str, *, perfetto: bool = True, python: bool = False) -> None:
 def stop() -> Trace:
     """Stops the trace :func:`start` began, writes its files and returns where they are."""
     global _active
-    import jax
     with _lock:
         if _active is None:
             raise ProfilerError("no profile is running; start one first")
@@ -212,7 +213,6 @@ def _prefer_device(events: list[OpEvent]) -> list[OpEvent]:
 
 
 def _events_from_xplane(path: str) -> list[OpEvent]:
-    from jax.profiler import ProfileData
     data = ProfileData.from_file(path)
     out = []
     for plane in data.planes:

@@ -11,7 +11,7 @@
 // via XLA's FFI.
 //
 //   q            [T, Hq, Dh]              float32
-//   k/v cache    [NB, BS, Hkv, Dh]        float32 or uint16 (bfloat16 bits, see layers/storage.py),
+//   k/v cache    [NB, BS, Hkv, Dh]        float32 or uint16 (bfloat16 bits, see formats/storage.py),
 //                or [L, NB, BS, Hkv, Dh]  stacked over layers, read at layer[]; or quantized
 //                (--kv-cache-dtype, layers/kv_quant.py): int8 with k/v scales [.., Hkv, 1]
 //                float16 beside it, or fp8 e4m3fn / e5m2 as uint8 bits (scale 1.0)
@@ -550,7 +550,7 @@ ffi::Error PagedAttentionInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionF32, (PagedAttentionImpl<ffi::DataType::F32, float>),
                               JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::F32));
 
-// U16 caches are bfloat16 bit patterns (see layers/storage.py).
+// U16 caches are bfloat16 bit patterns (see formats/storage.py).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionBF16, (PagedAttentionImpl<ffi::DataType::U16, uint16_t>),
                               JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U16));
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.cpu import native
-from jaxllm.layers import storage
-from jaxllm.layers.kv_quant import QuantPages
+from jaxllm.formats import storage
+from jaxllm.formats.kv_pages import QuantPages
 
 _TARGETS = {jnp.dtype(jnp.float32): "jaxllm_paged_attention_f32",
             storage.PACKED_BF16: "jaxllm_paged_attention_bf16"}
@@ -31,8 +31,8 @@ def paged_attention_native(q: jax.Array, kv, layer, md, *, scale: float,
     ``kv``: one layer's (K, V), each ``[NB, BS, Hkv, Dh]``, with ``layer`` None; or the
     stacked cache ``[L, NB, BS, Hkv, Dh]`` with ``layer`` the (possibly traced) index, which
     the kernel reads at that layer's offset: no slice of the cache is made.  The cache is
-    float32 or bf16 (as bf16, or as its uint16 bits, see ``layers/storage.py``), or a
-    quantized :class:`~jaxllm.layers.kv_quant.QuantPages` (int8 with its float16 scales, or
+    float32 or bf16 (as bf16, or as its uint16 bits, see ``formats/storage.py``), or a
+    quantized :class:`~jaxllm.formats.kv_pages.QuantPages` (int8 with its float16 scales, or
     fp8 as uint8 bits), dequantized by the kernel as it reads.
 
     The engine picks this kernel only where it can run (``engine/resolve.py``: CPU, one

@@ -6,7 +6,7 @@ k-major (panel ``p``'s 16 weights for input ``k`` are contiguous), the last ``N 
 stay row-major after them.  The kernel then reads each panel as one sequential stream and
 multiplies 16 columns by a broadcast ``x[m, k]`` per load, instead of reducing dot
 products across vector lanes.  Inside a bf16 panel (uint16 bit patterns, see
-layers/storage.py) the columns are interleaved so that the low halves of the eight 32-bit
+formats/storage.py) the columns are interleaved so that the low halves of the eight 32-bit
 lanes are columns 0..7 and the high halves 8..15: one shift and one mask widen them.
 
 Weights are laid out once, on the host, when the runner places them (:func:`pack`); the

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.config import default_cache_dir
+from jaxllm.paths import default_cache_dir
 
 log = logging.getLogger("jaxllm.cpu")
 
@@ -214,7 +214,7 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [M, K] (any float dtype) . w[N, K]^T -> [M, N] float32, with ``w`` in the panel
     layout (cpu/layout.py): float32, bfloat16, or bfloat16 bits as uint16 (how bf16 weights
-    are stored on CPU, see layers/storage.py)."""
+    are stored on CPU, see formats/storage.py)."""
     if w.dtype == jnp.bfloat16:
         w = jax.lax.bitcast_convert_type(w, jnp.uint16)
     target = _TARGETS[jnp.dtype(w.dtype)]

@@ -1,5 +1,5 @@
 // Vector helpers shared by the native CPU kernels (linear.cc, attention.cc, quant_linear.cc): AVX2 loads
-// that widen bf16 (stored as uint16 bit patterns, see layers/storage.py) to float32, and
+// that widen bf16 (stored as uint16 bit patterns, see formats/storage.py) to float32, and
 // horizontal sum and max.  Header-only; native.py hashes it with each source it builds.
 #pragma once
 

@@ -15,7 +15,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.kv_budget import KVPlan, utilization_budget
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
-from jaxllm.models.loader import LoadedModel
+from jaxllm.models.loader import LoadedModel, load_model
 from jaxllm.models.registry import keeps_sequence_state
 from jaxllm.outputs import EngineCoreOutput, EngineCoreOutputs
 from jaxllm.parallel import distributed
@@ -49,7 +49,6 @@ def _check_per_sequence_state(config: EngineConfig, model: LoadedModel) -> bool:
 def _load_draft(config: EngineConfig, model: LoadedModel) -> LoadedModel:
     """The draft model of ``method: draft_model``, refused by name when it cannot propose for
     ``model``."""
-    from jaxllm.models.loader import load_model
     spec = config.speculative_config
     draft = load_model(spec.model)
     if keeps_sequence_state(draft.arch.architecture):

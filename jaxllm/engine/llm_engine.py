@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from jaxllm.config import EngineConfig, default_cache_dir
+from jaxllm.config import EngineConfig
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.output_processor import OutputKind, OutputProcessor
 from jaxllm.engine.processor import InputProcessor, PromptType
@@ -23,6 +23,7 @@ from jaxllm.models.builtin import BUILTIN_MODEL_NAME
 from jaxllm.models.loader import TokenizerSource, load_model
 from jaxllm.outputs import RequestOutput, SchedulingEvent
 from jaxllm.parallel import distributed
+from jaxllm.paths import default_cache_dir
 from jaxllm.request import EngineRequest, Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured.grammar import GrammarCompiler

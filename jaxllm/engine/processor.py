@@ -20,6 +20,7 @@ from jaxllm.engine.tokenizer import encode
 from jaxllm.request import EngineRequest
 from jaxllm.sample.metadata import suppress_capacity_error
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.structured.grammar import GrammarError
 
 PromptType = str | dict | list
 """Text, token ids, or vLLM's prompt dict: ``prompt`` and/or ``prompt_token_ids`` (the ids win
@@ -147,7 +148,6 @@ class InputProcessor:
     def _check_grammar(self, params: SamplingParams) -> None:
         """Compiles the constraint (cached for the runner), so that one that does not compile
         is refused here, before anything is queued."""
-        from jaxllm.structured.grammar import GrammarError
         if self.grammar is None:
             raise InvalidRequestError("structured_outputs needs a tokenizer (this engine runs with "
                                       "skip_tokenizer_init)", "structured_outputs")

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxllm.config import EngineConfig, default_cache_dir, platform_defaults
+from jaxllm.config import EngineConfig, platform_defaults
+from jaxllm.cpu import native
 from jaxllm.core.kv_budget import (
     CacheKind,
     KVPlan,
@@ -24,6 +25,8 @@ from jaxllm.core.kv_budget import (
 from jaxllm.layers import kv_quant
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import LoadedModel, gguf_file
+from jaxllm.models.registry import get_model_module
+from jaxllm.paths import default_cache_dir
 from jaxllm.quant import ops as qops
 from jaxllm.runner.step_config import StepConfig
 
@@ -83,7 +86,6 @@ def _attention_backend(asked: str, platform: str, dtype: str, tp: int, scan: boo
         if on_gpu:
             return "pallas"
         if platform == "cpu" and tp == 1 and not scan and dtype in ("float32", "bfloat16"):
-            from jaxllm.cpu import native
             if native.available():
                 return "native"
         return "xla"
@@ -97,7 +99,6 @@ def _attention_backend(asked: str, platform: str, dtype: str, tp: int, scan: boo
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"--attention-backend native takes a float32 or bfloat16 KV cache, not --dtype {dtype}; "
                              "use --attention-backend xla")
-        from jaxllm.cpu import native
         if not native.available():
             raise ValueError("--attention-backend native: the native CPU kernel is unavailable on this machine "
                              "(see the warning above); use --attention-backend xla")
@@ -120,7 +121,6 @@ def _cache_kinds(arch, itemsize: int, kv_name: str) -> tuple[CacheKind, ...]:
     """The model family's cache kinds (its module's ``cache_kinds(arch, itemsize,
     kv_cache_dtype)``: MLA's latent pages, a hybrid model's recurrent state), else K/V pages
     in every layer."""
-    from jaxllm.models.registry import get_model_module
     kinds = getattr(get_model_module(arch.architecture), "cache_kinds", None)
     if kinds is not None:
         return tuple(kinds(arch, itemsize, kv_name))
@@ -187,7 +187,6 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
         raise ValueError("--cpu-matmul native does not shard; with --tensor-parallel-size > 1 use "
                          "--cpu-matmul xla (auto picks it)")
     if platform == "cpu" and rc.cpu_matmul != "xla" and tp == 1:
-        from jaxllm.cpu import native
         if native.available() and (not quantized or native.quant_available()):
             matmul = "native"
         elif rc.cpu_matmul in ("native", "native-int8"):
@@ -251,7 +250,6 @@ def _int8_activations(cpu_matmul: str) -> bool:
     verification and a decode round the same activations."""
     if cpu_matmul == "native-int8":
         return True
-    from jaxllm.cpu import native
     return cpu_matmul == "auto" and native.quant_dot_vnni()
 
 

@@ -18,6 +18,8 @@ from jaxllm.models.loader import TokenizerSource
 
 
 def _gguf_cache_dir(src: TokenizerSource, cache_root: str) -> str:
+    # Imported here, inside load_tokenizer's try: the converter needs the optional-at-runtime
+    # gguf / tokenizers packages, and a missing one must be a ModelLoadError naming it.
     from jaxllm.engine.gguf_tokenizer import CONVERTER_VERSION
 
     path = os.path.abspath(os.path.join(src.path, src.gguf_file))
@@ -30,6 +32,8 @@ def _gguf_cache_dir(src: TokenizerSource, cache_root: str) -> str:
 def load_tokenizer(src: TokenizerSource, cache_root: str):
     where = src.path if src.gguf_file is None else os.path.join(src.path, src.gguf_file)
     try:
+        # The imports sit inside the try: a package that is missing (gguf, tokenizers,
+        # transformers) becomes a ModelLoadError naming it (tests/models/test_gguf_tokenizer.py).
         if src.gguf_file is None:
             from transformers import AutoTokenizer
             return AutoTokenizer.from_pretrained(src.path)

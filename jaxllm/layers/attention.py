@@ -21,13 +21,15 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.cpu.attention import paged_attention_native
 from jaxllm.layers import kv_quant
+from jaxllm.pallas.ragged_paged_attention import default_kv_splits, ragged_paged_attention
 from jaxllm.parallel.mesh import TP, tp_size
 from jaxllm.parallel.sharding import kv_heads_axis
 
 KVCache = tuple
 """(K, V), each a model-dtype array, or with ``--kv-cache-dtype`` int8/fp8 a
-:class:`~jaxllm.layers.kv_quant.QuantPages` of the same shape (values, and int8's scales
+:class:`~jaxllm.formats.kv_pages.QuantPages` of the same shape (values, and int8's scales
 beside them).  Stacked: each ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``
 (layers under ``lax.scan``).  Unrolled: each a list of per-layer ``[num_blocks, block_size,
 num_kv_heads, head_dim]`` arrays: with one stacked buffer, XLA:CPU copied the whole cache
@@ -152,7 +154,6 @@ ATTENTION_IMPLS = ("xla", "pallas", "native")
 
 
 def _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window, soft_cap, sinks):
-    from jaxllm.pallas.ragged_paged_attention import default_kv_splits, ragged_paged_attention
     k_cache, v_cache = kv
     splits = default_kv_splits(q.shape[0], md.seq_lens.shape[0], q.shape[1] // k.shape[1], k.shape[1],
                                md.block_tables.shape[1] * k_cache.shape[-3])
@@ -194,7 +195,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
             return fn(q, k, v, kv, md, *layer_arg, *sink_arg)
         return _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window, soft_cap, sinks)
     if backend == "native":
-        from jaxllm.cpu.attention import paged_attention_native
         kv = write_kv(kv, layer, md.slot_mapping, k, v)
         return paged_attention_native(q, kv, layer, md, scale=scale, sinks=sinks, **feats), kv
     if backend != "xla":

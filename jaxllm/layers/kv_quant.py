@@ -1,38 +1,17 @@
-"""The quantized KV cache (``--kv-cache-dtype``): its storage formats, the pages that carry
-their scales, and the quantize / dequantize rules every attention backend shares.
-
-``auto`` keeps the model dtype: the cache is a plain array per layer and K/V, as before.
-The others make each cache array a :class:`QuantPages`: the 1-byte values and, for int8,
-one float16 scale per token per KV head stored beside them (same rank as the values, last
-axis 1, so the cache's sharding spec and every index apply to both unchanged).
-
-* ``int8``: symmetric, ``scale = max|x| / 127`` over head_dim, ``q = round(x / scale)``.
-* ``fp8`` (= ``fp8_e4m3``, as vLLM) and ``fp8_e5m2``: the values cast to the format with
-  scale 1.0, saturated at the format's largest finite value so that an outlier stays
-  finite (e4m3fn has no infinity: an unclipped cast makes it NaN).  vLLM would take
-  per-layer ``k_scale`` / ``v_scale`` from the checkpoint; we do not read them.
-
-On CPU fp8 values are stored as their uint8 bit patterns: XLA:CPU has no fp8 scatter and
-converted the whole cache to float16 and back on every write (measured in the compiled
-HLO), the same reason bf16 is kept as uint16 (``layers/storage.py``).  int8 and float16
-scatter in place.
+"""The quantized KV cache (``--kv-cache-dtype``) as the layers use it: which storage format a
+flag value names, its bytes per token, and the XLA path's scatter / gather of a cache that
+may be quantized.  The formats themselves (``QuantPages``, quantize / dequantize) are
+``formats/kv_pages.py``'s, shared with the attention kernels.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
 
 from jaxllm.config import KV_CACHE_DTYPES
-from jaxllm.layers import storage
-
-_FP8 = {"fp8_e4m3": jnp.dtype(jnp.float8_e4m3fn), "fp8_e5m2": jnp.dtype(jnp.float8_e5m2)}
-SCALE_DTYPE = jnp.dtype(jnp.float16)
-"""int8 scales: 2 bytes per token per KV head (float32 would take the int8 cache from 1.94x
-to 1.88x the tokens of bf16 at head_dim 64; float16's 11-bit mantissa is far finer than
-int8's step)."""
+from jaxllm.formats import storage
+from jaxllm.formats.kv_pages import FP8, SCALE_DTYPE, KVFormat, QuantPages, dequantize, quantize
 
 
 def canonical(kv_cache_dtype: str) -> str:
@@ -42,21 +21,6 @@ def canonical(kv_cache_dtype: str) -> str:
     return "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype
 
 
-@dataclass(frozen=True)
-class KVFormat:
-    """How a quantized cache is stored: ``name`` ("int8", "fp8_e4m3", "fp8_e5m2") and the
-    arrays' dtypes (``scale_dtype`` None: no scales)."""
-
-    name: str
-    data_dtype: jnp.dtype
-    scale_dtype: jnp.dtype | None
-
-    @property
-    def value_dtype(self) -> jnp.dtype:
-        """The dtype the stored bytes mean (int8, or the fp8 format)."""
-        return jnp.dtype(jnp.int8) if self.name == "int8" else _FP8[self.name]
-
-
 def kv_format(kv_cache_dtype: str, platform: str) -> KVFormat | None:
     """The storage of ``--kv-cache-dtype`` on ``platform``; None for "auto" (the model dtype)."""
     name = canonical(kv_cache_dtype)
@@ -64,7 +28,7 @@ def kv_format(kv_cache_dtype: str, platform: str) -> KVFormat | None:
         return None
     if name == "int8":
         return KVFormat(name, jnp.dtype(jnp.int8), SCALE_DTYPE)
-    return KVFormat(name, jnp.dtype(jnp.uint8) if platform == "cpu" else _FP8[name], None)
+    return KVFormat(name, jnp.dtype(jnp.uint8) if platform == "cpu" else FP8[name], None)
 
 
 def token_bytes(num_kv_heads: int, head_dim: int, itemsize: int, kv_cache_dtype: str = "auto") -> int:
@@ -75,60 +39,6 @@ def token_bytes(num_kv_heads: int, head_dim: int, itemsize: int, kv_cache_dtype:
         return 2 * num_kv_heads * head_dim * itemsize
     scale = SCALE_DTYPE.itemsize if name == "int8" else 0
     return 2 * num_kv_heads * (head_dim + scale)
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class QuantPages:
-    """One quantized K or V cache: ``data`` ``[(L,) NB, BS, Hkv, Dh]`` and, for int8,
-    ``scale`` ``[(L,) NB, BS, Hkv, 1]``.  ``format`` is static (part of the pytree's
-    structure, so of every compiled program's signature)."""
-
-    data: jax.Array
-    scale: jax.Array | None
-    format: str = field(default="int8", metadata=dict(static=True))
-
-    @property
-    def shape(self):
-        return self.data.shape
-
-    @property
-    def ndim(self) -> int:
-        return self.data.ndim
-
-
-def _values(data: jax.Array, fmt: str) -> jax.Array:
-    """Stored bytes -> float32 (fp8 bit patterns reinterpreted first)."""
-    if fmt in _FP8 and data.dtype == jnp.uint8:
-        data = jax.lax.bitcast_convert_type(data, _FP8[fmt])
-    return data.astype(jnp.float32)
-
-
-def quantize(x: jax.Array, fmt: KVFormat | str, data_dtype=None) -> tuple[jax.Array, jax.Array | None]:
-    """x ``[..., Dh]`` float -> (values ``[..., Dh]`` of ``data_dtype``, scale ``[..., 1]``
-    float16 or None)."""
-    name = fmt.name if isinstance(fmt, KVFormat) else fmt
-    x = x.astype(jnp.float32)
-    if name == "int8":
-        amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)                     # [..., 1]
-        # The scale is rounded to float16 first and the values divided by the rounded one,
-        # so dequantizing with the stored scale is exact up to int8's own rounding.
-        scale = jnp.minimum(amax / 127.0, jnp.finfo(SCALE_DTYPE).max).astype(SCALE_DTYPE)
-        s = scale.astype(jnp.float32)
-        q = jnp.where(s > 0, x / jnp.where(s > 0, s, 1.0), 0.0)
-        return jnp.clip(jnp.round(q), -127, 127).astype(jnp.int8), scale
-    f8 = _FP8[name]
-    big = float(jnp.finfo(f8).max)
-    v = jnp.clip(x, -big, big).astype(f8)                                     # saturate, never inf/NaN
-    if data_dtype is not None and jnp.dtype(data_dtype) == jnp.uint8:
-        v = jax.lax.bitcast_convert_type(v, jnp.uint8)
-    return v, None
-
-
-def dequantize(pages: QuantPages) -> jax.Array:
-    """The float32 values a (slice of a) quantized cache holds."""
-    v = _values(pages.data, pages.format)
-    return v if pages.scale is None else v * pages.scale.astype(jnp.float32)
 
 
 def scatter(cache, index, x: jax.Array):
@@ -149,10 +59,3 @@ def gather(cache, index) -> jax.Array:
         return storage.load(cache[index])
     return dequantize(QuantPages(cache.data[index], None if cache.scale is None else cache.scale[index],
                                  cache.format))
-
-
-def allocate(fmt: KVFormat, shape: tuple, make) -> QuantPages:
-    """Zeroed pages of ``shape`` ``[(L,) NB, BS, Hkv, Dh]`` (``make``: jnp.zeros, or
-    ShapeDtypeStruct for the shapes only)."""
-    scale = None if fmt.scale_dtype is None else make((*shape[:-1], 1), fmt.scale_dtype)
-    return QuantPages(make(shape, fmt.data_dtype), scale, fmt.name)

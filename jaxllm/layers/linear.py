@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.cpu import layout
-from jaxllm.layers import storage
-from jaxllm.layers.storage import PACKED_BF16
+from jaxllm.cpu import native
+from jaxllm.formats import storage
+from jaxllm.formats.storage import PACKED_BF16
 from jaxllm.quant import ops as qops
 
 
@@ -23,7 +24,6 @@ def matmul(x: jax.Array, w, backend: str = "xla") -> jax.Array:
     if qops.is_quantized(w):
         return qops.matmul(x, w, backend)
     if backend in ("native", "native-int8"):
-        from jaxllm.cpu import native
         return native.linear(x, w)
     if w.dtype == PACKED_BF16:
         w = jax.lax.bitcast_convert_type(w, jnp.bfloat16)

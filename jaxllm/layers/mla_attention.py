@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.cpu.attention import paged_attention_native
 from jaxllm.layers import kv_quant
 from jaxllm.layers.attention import AttentionMetadata, kv_chunk_tokens
+from jaxllm.pallas.mla_paged_attention import paged_mla
 from jaxllm.parallel.mesh import TP, tp_size
 
 MLACache = tuple
@@ -123,7 +125,6 @@ def attend_mla(q_lat: jax.Array, q_pe: jax.Array, latent: jax.Array, k_pe: jax.A
         # and value are both the whole entry (a free reshape of the pages), every query head
         # in its group; the value's rope columns come out too and are dropped (Dr / (R + Dr)
         # of the value work: 11% at DeepSeek's 512 + 64).
-        from jaxllm.cpu.attention import paged_attention_native
         one_head = pages[..., None, :]                                # [(L,) NB, BS, 1, R + Dr]
         out = paged_attention_native(q, (one_head, one_head), layer, md, scale=scale)   # [T, H, R + Dr]
         return out[..., :R], pages
@@ -131,8 +132,6 @@ def attend_mla(q_lat: jax.Array, q_pe: jax.Array, latent: jax.Array, k_pe: jax.A
 
 
 def _pallas(q_lat, q_pe, pages, layer, md: AttentionMetadata, scale: float) -> jax.Array:
-    from jaxllm.pallas.mla_paged_attention import paged_mla
-
     def run(q_lat, q_pe, pages, md, *li):
         return paged_mla(q_lat, q_pe, pages, md.token_seq, md.positions, md.block_tables, scale=scale,
                          layer=li[0] if li else None)

@@ -35,7 +35,7 @@ than even the dense einsum (``bench/moe.py --block``: one block of 32 experts at
 ~105 ms vs ~9 ms dense and ~1 ms grouped).
 
 Weights keep transformers' ``[out, in]`` layout: gate/up ``[E, F, D]``, down ``[E, D, F]``,
-router ``[E, D]``; float32 or packed bf16 (``layers/storage.py``: only the sliced expert is
+router ``[E, D]``; float32 or packed bf16 (``formats/storage.py``: only the sliced expert is
 bit-cast, and dots accumulate in float32).
 """
 
@@ -47,8 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.formats.storage import PACKED_BF16
 from jaxllm.layers.linear import matmul
-from jaxllm.layers.storage import PACKED_BF16
 from jaxllm.parallel.mesh import TP, tp_size
 
 IMPLS = ("grouped", "dense", "expert_parallel")

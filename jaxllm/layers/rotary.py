@@ -7,12 +7,33 @@ computes them, and enter the compiled step as an argument, not a constant.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models.config import RopeScaling
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How the rotary frequencies are scaled (a checkpoint's ``rope_scaling``; read by
+    ``models/config.py``)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    """YaRN: the ramp's bounds (rotations) and whether they are rounded to whole dimensions."""
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    """YaRN and LongRoPE: cos and sin are multiplied by this (transformers' ``attention_scaling``)."""
+    short_factor: tuple[float, ...] = ()
+    """LongRoPE (Phi-3): per-frequency divisors while a sequence fits the original context."""
+    long_factor: tuple[float, ...] = ()
+    """LongRoPE: the divisors once it is longer than ``original_max_position_embeddings``."""
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: RopeScaling,

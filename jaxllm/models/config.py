@@ -11,29 +11,11 @@ import math
 from dataclasses import dataclass
 
 from jaxllm.errors import ModelLoadError
+from jaxllm.layers.rotary import RopeScaling
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0
-    """YaRN: the ramp's bounds (rotations) and whether they are rounded to whole dimensions."""
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float = 1.0
-    """YaRN and LongRoPE: cos and sin are multiplied by this (transformers' ``attention_scaling``)."""
-    short_factor: tuple[float, ...] = ()
-    """LongRoPE (Phi-3): per-frequency divisors while a sequence fits the original context."""
-    long_factor: tuple[float, ...] = ()
-    """LongRoPE: the divisors once it is longer than ``original_max_position_embeddings``."""
 
 
 @dataclass(frozen=True)

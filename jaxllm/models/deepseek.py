@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 from jaxllm.core.kv_budget import CacheKind
 from jaxllm.errors import ModelLoadError
-from jaxllm.layers import kv_quant, storage
+from jaxllm.formats import storage
+from jaxllm.layers import kv_quant
 from jaxllm.layers.attention import AttentionMetadata
 from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.mla_attention import MLACache, attend_mla

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.errors import ModelLoadError
+from jaxllm.formats.storage import PACKED_BF16
 from jaxllm.layers.attention import AttentionMetadata, KVCache, attend
 from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import routed_experts
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
-from jaxllm.layers.storage import PACKED_BF16
 from jaxllm.models.config import ArchConfig, _eos_tuple, rope_scaling_from_dict
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Fused, Param, ParamTable, always

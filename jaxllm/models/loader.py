@@ -169,7 +169,7 @@ _LINEAR_PARAMS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
 def _check_quantization_flag(flag: str | None, method: str | None, path: str) -> str | None:
     """Refuses a ``--quantization`` the checkpoint is not; returns the online method to apply
     (``int8`` / ``fp8`` on a float checkpoint) or None."""
-    from jaxllm.quant.int_weights import ONLINE
+    from jaxllm.formats.int_weights import ONLINE
     if flag is None or flag == method:
         return None
     if flag in ONLINE and method is None:
@@ -187,7 +187,7 @@ def _check_quantization_flag(flag: str | None, method: str | None, path: str) ->
 def _quantize_online(method: str, layers: list[dict], globals_: dict) -> None:
     """Every float linear layer's matrix quantized in place by ``int_weights.ONLINE[method]``."""
     from jaxllm.quant import ops
-    from jaxllm.quant.int_weights import ONLINE
+    from jaxllm.formats.int_weights import ONLINE
     for params in (*layers, globals_):
         for name in _LINEAR_PARAMS:
             w = params.get(name)

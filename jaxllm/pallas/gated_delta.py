@@ -17,7 +17,7 @@ transposed (``[B, H, Dk, T]``, token ``t`` a column) so that every operation is 
 elementwise product or a reduction over the state's rows: no in-kernel transposes or
 small-K dots, which the portable Pallas subset (Triton's, Mosaic's) lowers poorly.  The
 L2 normalisation, scaling, the repeat of q/k heads over their value heads and the padding
-mask are the XLA front end's (``gated_delta.prepare``), elementwise and cheap.
+mask are the XLA front end's (``formats/gdn_inputs.prepare``), elementwise and cheap.
 
 Where the chunked (prefill) form would pay: its inner work is already batched matmuls that
 XLA maps to the MXU / tensor cores; a fused kernel (FLA's ``chunk_gated_delta_rule``) would
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxllm.layers.gated_delta import prepare
+from jaxllm.formats.gdn_inputs import prepare
 
 
 def _kernel(qT_ref, kT_ref, v_ref, g_ref, b_ref, s_ref, o_ref, s_out_ref, *, T: int):

@@ -46,8 +46,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.extend import core as jex_core
 
-from jaxllm.sample import numerics as nx
-from jaxllm.sample.gumbel import element_bits, gumbel_from_bits, row_keys, runtime_zero
+from jaxllm.formats import numerics as nx
+from jaxllm.formats.gumbel import element_bits, gumbel_from_bits, row_keys, runtime_zero
 
 _NEG_INF = -np.inf
 _BIG = np.iinfo(np.int32).max           # "no index": above every vocabulary index

@@ -27,6 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 _MASK = -1e30
 _EXACT = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)   # IEEE float32 dots on the GPU lowering
@@ -96,7 +97,6 @@ def paged_mla(q_lat: jax.Array, q_pe: jax.Array, pages: jax.Array, token_seq: ja
     whole = lambda shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))  # noqa: E731
     extra = {}
     if not interpret:
-        from jax.experimental.pallas import triton as plgpu
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     out = pl.pallas_call(
         functools.partial(_kernel, page=page, latent=R, rope=Dr, scale=float(scale)),

@@ -1,4 +1,4 @@
-"""``x @ W^T`` for a weight-only quantized weight (``quant/int_weights.QuantizedLinear``:
+"""``x @ W^T`` for a weight-only quantized weight (``formats/int_weights.QuantizedLinear``:
 int8, int4 with group scales and zero points, fp8 with per-channel / per-tensor / block
 scales) as a Pallas kernel: the weight is read in its stored width and widened tile by tile
 in registers, never as a float32 copy.
@@ -30,8 +30,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from jaxllm.quant.int_weights import QuantizedLinear, dequantize
+from jaxllm.formats.int_weights import QuantizedLinear, dequantize
 
 _EXACT = jax.lax.Precision.HIGHEST
 _DEFAULT_ZERO = {"int8": 0.0, "int4": 8.0, "fp8": 0.0}
@@ -110,7 +111,6 @@ def _call(x, w: QuantizedLinear, *, block_m, block_n, interpret, num_warps, num_
     whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * a.ndim)  # noqa: E731
     extra = {}
     if not interpret:
-        from jax.experimental.pallas import triton as plgpu
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     out = pl.pallas_call(
         kernel,
@@ -139,7 +139,7 @@ def quant_matmul(x: jax.Array, w: QuantizedLinear, *, block_m: int | None = None
             raise ValueError(f"{name} must be a power of two, got {b}")
     if not interpret and not supported(w):
         raise ValueError(f"the Pallas quantized matmul takes groups of a power of two >= 32 on a GPU, not "
-                         f"{w.group_size} ({w.type_name}); use jaxllm.quant.int_weights.matmul")
+                         f"{w.group_size} ({w.type_name}); use jaxllm.formats.int_weights.matmul")
     return _call(x, w, block_m=block_m, block_n=block_n, interpret=interpret, num_warps=num_warps,
                  num_stages=num_stages)
 

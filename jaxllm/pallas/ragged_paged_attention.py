@@ -27,7 +27,7 @@ How the work is cut (everything static per bucket, so one compiled kernel per bu
   them.  It pays when ``items * kv_heads`` programs are too few to fill the GPU and the
   contexts are long (decode of a few long sequences).
 
-* **Quantized caches** (``--kv-cache-dtype``, ``layers/kv_quant.py``).  The wrapper
+* **Quantized caches** (``--kv-cache-dtype``, ``formats/kv_pages.py``).  The wrapper
   quantizes the step's K/V once (as the XLA path's write does); the kernel dequantizes each
   page after its load (int8 values times their per-token scale, or fp8 widened) and the
   step's own quantized keys alike, so it computes on exactly what the cache holds, and
@@ -45,8 +45,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from jaxllm.layers import kv_quant
+from jaxllm.formats import kv_pages
 
 _MASK = -1e30   # finite: a split with no visible key keeps a finite max (weight exp(-huge) = 0)
 # Pallas' GPU lowering runs a default-precision float32 dot in TF32 (10-bit mantissas): far
@@ -87,8 +88,8 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
         if kv_format is None:
             return x
         if sc is None:
-            return kv_quant.dequantize(kv_quant.QuantPages(x, None, kv_format)).astype(q.dtype)
-        return kv_quant.dequantize(kv_quant.QuantPages(x, sc, kv_format)).astype(q.dtype)
+            return kv_pages.dequantize(kv_pages.QuantPages(x, None, kv_format)).astype(q.dtype)
+        return kv_pages.dequantize(kv_pages.QuantPages(x, sc, kv_format)).astype(q.dtype)
 
     # Running max and sum stay 1-D ([M]) and are broadcast with [:, None]: the GPU lowering
     # takes expand-dims but not every squeeze.
@@ -211,7 +212,7 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
     G = Hq // Hkv
     L, NB, page, _, _ = k_cache.shape
     S = kv_lens.shape[0]
-    quant = isinstance(k_cache, kv_quant.QuantPages)
+    quant = isinstance(k_cache, kv_pages.QuantPages)
     fmt = k_cache.format if quant else None
     if block_q is None:
         block_q = default_block_q(T, S, G)
@@ -227,7 +228,7 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
     pad_new = lambda x: jnp.pad(x.transpose(1, 0, 2), ((0, 0), (0, block_new), (0, 0)))  # noqa: E731  [Hkv, T+, *]
     if quant:
         # Quantized once here, as the XLA path's write does; the kernel reads and stores these.
-        (kn, kns), (vn, vns) = (kv_quant.quantize(x, fmt, k_cache.data.dtype) for x in (k_new, v_new))
+        (kn, kns), (vn, vns) = (kv_pages.quantize(x, fmt, k_cache.data.dtype) for x in (k_new, v_new))
         kn, vn = pad_new(kn), pad_new(vn)
         caches = [k_cache.data, v_cache.data]
         new_scales, cache_scales = ([pad_new(kns), pad_new(vns)], [k_cache.scale, v_cache.scale]) if kns is not None \
@@ -242,7 +243,6 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h, sp: (0,) * len(shape))  # noqa: E731
     extra = {}
     if not interpret:
-        from jax.experimental.pallas import triton as plgpu
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     first_written = 8 + len(new_scales)
     acc, m, l, *written = pl.pallas_call(
@@ -267,7 +267,7 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
       jnp.reshape(layer, (1,)).astype(jnp.int32), qr, kn, vn, *new_scales, *written)
     if quant:
         scales = written[2:] or [None, None]
-        k_cache, v_cache = (kv_quant.QuantPages(d, sc, fmt) for d, sc in zip(written[:2], scales))
+        k_cache, v_cache = (kv_pages.QuantPages(d, sc, fmt) for d, sc in zip(written[:2], scales))
     else:
         k_cache, v_cache = written
 
@@ -306,7 +306,7 @@ def ragged_paged_attention(q, k_new, v_new, k_cache, v_cache, kv_lens, page_tabl
 
     q [T, Hq, D]; k_new, v_new [T, Hkv, D] (this step's keys/values, same flat order);
     k_cache, v_cache [NB, page, Hkv, D], or stacked [L, NB, page, Hkv, D] with ``layer``
-    (each an array, or a quantized cache's ``kv_quant.QuantPages`` of that shape);
+    (each an array, or a quantized cache's ``kv_pages.QuantPages`` of that shape);
     kv_lens [S] (KV length after this step; 0 for padding rows); page_table [S, P];
     cu_q_lens [S + 1] (padding rows repeat the last offset; tokens past ``cu_q_lens[-1]``
     are padding: no write, zero output).  ``sliding_window`` W: a token sees its last W
@@ -368,14 +368,14 @@ def ragged_paged_attention_reference(q, k_new, v_new, k_cache, v_cache, kv_lens,
     pos = kv_lens[seq] - q_len + (tok - cu_q_lens[seq])                             # [T]
     blk = jnp.where(real, page_table[seq, pos // page], NB)                         # NB: dropped
     def put(c, x):
-        if not isinstance(c, kv_quant.QuantPages):
+        if not isinstance(c, kv_pages.QuantPages):
             return c.at[blk, pos % page].set(x.astype(c.dtype), mode="drop")
-        data, sc = kv_quant.quantize(x, c.format, c.data.dtype)
-        return kv_quant.QuantPages(c.data.at[blk, pos % page].set(data, mode="drop"),
+        data, sc = kv_pages.quantize(x, c.format, c.data.dtype)
+        return kv_pages.QuantPages(c.data.at[blk, pos % page].set(data, mode="drop"),
                                    None if sc is None else c.scale.at[blk, pos % page].set(sc, mode="drop"), c.format)
 
     def values(c):
-        return kv_quant.dequantize(c) if isinstance(c, kv_quant.QuantPages) else c.astype(jnp.float32)
+        return kv_pages.dequantize(c) if isinstance(c, kv_pages.QuantPages) else c.astype(jnp.float32)
 
     kc, vc = put(kc, k_new), put(vc, v_new)
     P = page_table.shape[1]

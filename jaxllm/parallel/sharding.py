@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Protocol
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxllm.models.config import ArchConfig
 from jaxllm.parallel.mesh import TP
 from jaxllm.quant import ops as qops
 
@@ -29,13 +29,24 @@ KV_AXES = ("kv_blocks", "block", "kv_heads", "head_dim")   # one layer's K or V
 LAYERS = "layers"
 
 
+class ShardedModel(Protocol):
+    """What :func:`rules_for` reads of a model's ``ArchConfig`` (``models/config.py``; typed
+    here by its fields, so that this module, which the layers import, imports no model)."""
+
+    architecture: str
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    intermediate_size: int
+
+
 def kv_heads_axis(num_kv_heads: int, tp: int) -> str | None:
     """KV heads are split when they divide evenly, else replicated: every device keeps all
     of them (fewer KV heads than devices; vLLM's rule)."""
     return TP if num_kv_heads % tp == 0 else None
 
 
-def rules_for(arch: ArchConfig, tp: int, expert_parallel: bool = False) -> dict[str, str | None]:
+def rules_for(arch: ShardedModel, tp: int, expert_parallel: bool = False) -> dict[str, str | None]:
     """Logical axis -> mesh axis (or None: replicated) for ``arch`` on a ``tp``-way mesh.
 
     Heads must divide evenly; KV heads are replicated when there are fewer of them than

@@ -111,7 +111,7 @@ def _type_name(ggml_type) -> str:
     elif hasattr(ggml_type, "name"):          # a GGMLQuantizationType
         name = ggml_type.name
     else:
-        from gguf.constants import GGMLQuantizationType
+        from gguf.constants import GGMLQuantizationType   # optional at import: a missing gguf is named at load
         try:
             name = GGMLQuantizationType(ggml_type).name
         except ValueError:
@@ -255,7 +255,7 @@ def dequantize(pw: PackedWeight) -> jax.Array:
 
 def dequantize_reference(raw: np.ndarray, ggml_type, shape) -> np.ndarray:
     """The oracle: ``gguf.quants.dequantize`` of the raw bytes, as float32 ``[out, in]``."""
-    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import dequantize as gguf_dequantize   # optional (the tests' oracle)
     name = _type_name(ggml_type)
     n_out, n_in = _check_shape(name, shape)
     rows = np.ascontiguousarray(raw).view(np.uint8).reshape(n_out, -1)

@@ -39,7 +39,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.quant import int_weights
+from jaxllm.formats import int_weights
 
 log = logging.getLogger("jaxllm.quant")
 

@@ -18,9 +18,11 @@ from collections.abc import Callable, Iterable
 import jax
 import numpy as np
 
-from jaxllm.quant import int_weights
+from jaxllm.formats import int_weights
+from jaxllm.formats.int_weights import QuantizedLinear
+from jaxllm.pallas.quant_matmul import quant_matmul, supported
+from jaxllm.quant import native_matmul
 from jaxllm.quant.gguf_blocks import PackedWeight, dequantize
-from jaxllm.quant.int_weights import QuantizedLinear
 from jaxllm.quant.matmul import matmul as dequantize_matmul
 
 QUANTIZED_TYPES = (PackedWeight, QuantizedLinear)
@@ -122,7 +124,6 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     ``backend="pallas"`` (resolve's choice on a GPU), for the group sizes it takes; else, CPU
     included, the XLA path (dequantize in the step, float32 dot)."""
     if isinstance(w, PackedWeight):
-        from jaxllm.quant import native_matmul
         if w.interleaved and backend != "native-int8":
             w = native_matmul.deinterleave_rows(w)
         if backend in ("native", "native-int8"):
@@ -132,14 +133,12 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
         return dequantize_matmul(x, w)
     if isinstance(w, QuantizedLinear):
         if _pallas(backend, w):
-            from jaxllm.pallas.quant_matmul import quant_matmul
             return quant_matmul(x, w)
         return int_weights.matmul(x, w)
     raise TypeError(f"not a quantized weight: {type(w).__name__}")
 
 
 def _pallas(backend: str, w: QuantizedLinear) -> bool:
-    from jaxllm.pallas.quant_matmul import supported
     return backend == "pallas" and supported(w)
 
 
@@ -150,7 +149,6 @@ def take_rows(w, ids: jax.Array) -> jax.Array:
         return int_weights.take_rows(w, ids)
     if isinstance(w, PackedWeight):
         if w.interleaved:
-            from jaxllm.quant import native_matmul
             return dequantize(native_matmul.take_interleaved_rows(w, ids))
         rows = map_fields(w, lambda a: a[ids], shape=(ids.shape[0], w.shape[1]))
         return dequantize(rows)

@@ -17,6 +17,7 @@ from types import ModuleType
 
 import jax
 import jax.numpy as jnp
+from tqdm import tqdm
 
 from jaxllm.host_memory import return_freed_memory
 from jaxllm.runner import compile as cc
@@ -139,7 +140,6 @@ class CompilationManager:
             log.info("compiling %d programs (%d from the cache)", len(jobs), len(cached))
         bar = None
         if self.show_progress:
-            from tqdm import tqdm
             bar = tqdm(total=len(jobs), unit="program", leave=False,
                        desc=f"loading {len(cached)} programs from the cache" if everything_cached
                        else f"compiling {len(jobs) - len(cached)} programs, {len(cached)} from the cache")

@@ -24,7 +24,9 @@ import pickle
 import tempfile
 
 import jax
+import jaxlib
 import numpy as np
+from jax.experimental import serialize_executable as se
 
 from jaxllm.runner import compile as cc
 
@@ -50,7 +52,6 @@ def source_digest() -> str:
 
 
 def _environment(devices) -> str:
-    import jaxlib
     backend = devices[0].client
     return "|".join([
         source_digest(), jax.__version__, jaxlib.__version__, np.__version__,
@@ -105,7 +106,6 @@ class ProgramCache:
         """The compiled program saved under ``key``, or None (absent, or unreadable: logged)."""
         if not self.has(key):
             return None
-        from jax.experimental import serialize_executable as se
         try:
             with open(self._path(key), "rb") as f:
                 payload, in_tree, out_tree = pickle.load(f)
@@ -132,7 +132,6 @@ class ProgramCache:
         """Saves ``compiled`` under ``key`` (atomically; a program that cannot be serialized is skipped)."""
         if self.root is None:
             return
-        from jax.experimental import serialize_executable as se
         try:
             blob = pickle.dumps(se.serialize(compiled))
         except Exception as e:

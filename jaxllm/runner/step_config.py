@@ -49,7 +49,7 @@ class StepConfig:
 
     @property
     def kv_dtype(self):
-        """The cache arrays' dtype, or the :class:`~jaxllm.layers.kv_quant.KVFormat` of a
+        """The cache arrays' dtype, or the :class:`~jaxllm.formats.kv_pages.KVFormat` of a
         quantized cache (``runner/weights.allocate_kv_cache`` takes either)."""
         fmt = kv_quant.kv_format(self.kv_cache_dtype, self.platform)
         if fmt is not None:

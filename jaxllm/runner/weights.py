@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.cpu import layout
-from jaxllm.layers import kv_quant
+from jaxllm.formats import kv_pages
 from jaxllm.models.loader import LoadedModel
 from jaxllm.models.params import Fused, ParamTable
 from jaxllm.models.registry import get_model_module
@@ -49,7 +49,7 @@ def param_table(model: LoadedModel) -> ParamTable:
 def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, native: bool = False,
                 interleave: bool = False) -> dict:
     """Host weights in the device dtype and layout.  ``packed_bf16``: matrices as bf16 bit
-    patterns in uint16 and vectors (norms, biases) as float32 (see layers/storage.py);
+    patterns in uint16 and vectors (norms, biases) as float32 (see formats/storage.py);
     ``native``: laid out for the native CPU matmul: unrolled layers get fused projections
     (:func:`fused_parts`) and its matrices the panel layout (cpu/layout.py), the tied
     embedding included since it is the LM head.  Quantized weights stay as loaded, except
@@ -108,12 +108,12 @@ def to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: 
 def allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, stacked: bool,
                       make=jnp.zeros):
     """Zeroed (K, V): stacked over layers for the scanned model, per-layer lists for the unrolled one.
-    ``dtype``: the arrays' dtype, or a quantized cache's ``kv_quant.KVFormat`` (each K or V
+    ``dtype``: the arrays' dtype, or a quantized cache's ``kv_pages.KVFormat`` (each K or V
     then a ``QuantPages``: values and scales).  ``make=jax.ShapeDtypeStruct`` gives the
     shapes without allocating."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if isinstance(dtype, kv_quant.KVFormat):
-        one = lambda s: kv_quant.allocate(dtype, s, make)  # noqa: E731
+    if isinstance(dtype, kv_pages.KVFormat):
+        one = lambda s: kv_pages.allocate(dtype, s, make)  # noqa: E731
     else:
         one = lambda s: make(s, dtype)  # noqa: E731
     if stacked:

@@ -7,9 +7,12 @@
 * ``logprobs.py``      sampled-token and prompt logprobs (top-k, chosen, rank)
 * ``blocked.py``     blocked argmax / top-k / candidate blocks (order-independent reductions)
 * ``arrays.py``      the device-side dataclasses: SamplingMetadata, SamplerState, SamplerOutput
-* ``gumbel.py``      counter-based noise: (seed, output position, vocabulary index) -> noise
-* ``numerics.py``    exactly rounded log / exp / fixed-point masses, identical in jnp and numpy
 * ``metadata.py``    host side: a request's parameters as the per-row arrays of a step
 * ``reference.py``   the serial numpy reference the device draw must equal bit for bit, and
                      the sort-based device baseline of the truncation
+
+The noise recipe and the exact float operations they share with the Pallas kernel are
+``formats/gumbel.py`` (counter-based noise: (seed, output position, vocabulary index) -> noise)
+and ``formats/numerics.py`` (exactly rounded log / exp / fixed-point masses, identical in jnp
+and numpy).
 """

@@ -25,10 +25,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxllm.sample import numerics as nx
+from jaxllm.formats import numerics as nx
+from jaxllm.formats.gumbel import element_bits, noise_at, noise_upper_bound, row_keys, runtime_zero
+from jaxllm.pallas.gumbel_argmax import gumbel_argmax as pallas_gumbel_argmax
 from jaxllm.sample.arrays import SamplingMetadata
 from jaxllm.sample.blocked import CAND_BLOCK, NEG_INF, blocked_argmax, blocks, candidates, first_index
-from jaxllm.sample.gumbel import element_bits, noise_at, noise_upper_bound, row_keys, runtime_zero
 from jaxllm.sample.truncation import Truncation, apply_key, mass, limbs, truncate, whole_key
 
 KERNEL_BACKENDS = ("xla", "pallas")
@@ -229,7 +230,6 @@ def draw_pallas(x: jax.Array, md: SamplingMetadata, zero: jax.Array, processed_m
     One key threshold per row holds all of top-k and top-p (:func:`truncation.whole_key`);
     the kernel applies it with temperature, min_p and the noise, and reduces over the
     vocabulary."""
-    from jaxllm.pallas.gumbel_argmax import gumbel_argmax as pallas_gumbel_argmax
 
     S = x.shape[0]
     is_random = md.temperature > 0.0

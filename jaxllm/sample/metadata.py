@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxllm.sample.gumbel import split_seed
+from jaxllm.formats.gumbel import split_seed
 from jaxllm.sample.sampler import SUPPRESS_WIDTH, SamplingMetadata
 from jaxllm.sampling_params import SamplingParams
 

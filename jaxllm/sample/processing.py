@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.sample import numerics as nx
+from jaxllm.formats import numerics as nx
 from jaxllm.sample.arrays import SamplerState, SamplingMetadata
 from jaxllm.sample.blocked import NEG_INF
 

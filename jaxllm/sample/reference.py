@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.sample import numerics as nx
+from jaxllm.formats import numerics as nx
+from jaxllm.formats.gumbel import gumbel_noise_np, runtime_zero
 from jaxllm.sample.arrays import SamplerState, SamplingMetadata
 from jaxllm.sample.blocked import NEG_INF, blocked_argmax
 from jaxllm.sample.draw import gumbel_argmax
-from jaxllm.sample.gumbel import gumbel_noise_np, runtime_zero
 from jaxllm.sample.metadata import RowParams, log_min_p
 from jaxllm.sample.processing import process_logits
 from jaxllm.sample.truncation import apply_key, kept_mass, scaled_logits

@@ -33,10 +33,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import LOGPROBS_MODES
+from jaxllm.formats.gumbel import runtime_zero
 from jaxllm.sample.arrays import SUPPRESS_WIDTH, SamplerOutput, SamplerState, SamplingMetadata
 from jaxllm.sample.bitmask import apply_bitmask
 from jaxllm.sample.draw import KERNEL_BACKENDS, draw_pallas, draw_xla
-from jaxllm.sample.gumbel import runtime_zero
 from jaxllm.sample.logprobs import prompt_logprobs, sampled_logprobs
 from jaxllm.sample.processing import (init_state, process_logits, update_state, write_bias_row,
                                       write_penalty_row)

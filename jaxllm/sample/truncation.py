@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxllm.sample import numerics as nx
+from jaxllm.formats import numerics as nx
 from jaxllm.sample.arrays import SamplingMetadata
 from jaxllm.sample.blocked import CAND_BLOCK, NEG_INF, candidates, count_at_least
 

@@ -20,7 +20,7 @@ from conftest import SMALL_ENGINE
 from tiny_models import paged_logits
 
 from jaxllm.cpu import native
-from jaxllm.layers import storage
+from jaxllm.formats import storage
 from jaxllm.layers.attention import AttentionMetadata, attend, paged_attention_xla
 
 pytestmark = pytest.mark.skipif(not native.available(),
@@ -385,16 +385,16 @@ def test_fp8_table_covers_every_byte():
     # does: a token at position 0 sees one V row (weight exactly 1), so the output is that
     # row's decoded values; the 16 rows of 16 bytes are brought to offset 0 in turn.
     from jaxllm.cpu.attention import paged_attention_native
-    from jaxllm.layers import kv_quant
+    from jaxllm.formats.kv_pages import FP8, QuantPages
     bits = np.arange(256, dtype=np.uint8).reshape(1, 16, 1, 16)           # [NB, BS, Hkv, Dh]
     md = AttentionMetadata(positions=jnp.array([0], jnp.int32), slot_mapping=jnp.array([0], jnp.int32),
                            token_seq=jnp.array([0], jnp.int32), block_tables=jnp.array([[0]], jnp.int32),
                            seq_lens=jnp.array([1], jnp.int32), query_start_loc=jnp.array([0, 1], jnp.int32))
-    for name, f8 in kv_quant._FP8.items():
+    for name, f8 in FP8.items():
         want = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(bits), f8).astype(jnp.float32))[0, :, 0]
-        k = kv_quant.QuantPages(jnp.zeros_like(jnp.asarray(bits)), None, name)
+        k = QuantPages(jnp.zeros_like(jnp.asarray(bits)), None, name)
         got = np.stack([np.asarray(paged_attention_native(
-            jnp.ones((1, 1, 16)), (k, kv_quant.QuantPages(jnp.asarray(np.roll(bits, -r, axis=1)), None, name)),
+            jnp.ones((1, 1, 16)), (k, QuantPages(jnp.asarray(np.roll(bits, -r, axis=1)), None, name)),
             None, md, scale=1.0))[0, 0] for r in range(16)])                # [16 rows, 16]
         np.testing.assert_array_equal(got, want)                           # NaN where NaN, +-inf where inf
         assert np.isnan(want).any() and (want != 0).sum() > 250                # the special patterns were met

@@ -22,11 +22,11 @@ import pytest
 
 from jaxllm.pallas import gumbel_argmax as ga
 from jaxllm.sample import metadata as smd
-from jaxllm.sample import numerics as nx
+from jaxllm.formats import numerics as nx
 from jaxllm.sample import reference as ref
 from jaxllm.sample import sampler as sm
 from jaxllm.sample import truncation
-from jaxllm.sample.gumbel import gumbel_noise_np, split_seed
+from jaxllm.formats.gumbel import gumbel_noise_np, split_seed
 from jaxllm.sample.metadata import RowParams
 
 _F = np.float32

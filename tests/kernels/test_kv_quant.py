@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.formats import kv_pages
 from jaxllm.layers import kv_quant
 from jaxllm.layers.attention import AttentionMetadata, attend
 
@@ -39,7 +40,7 @@ def test_round_trip_error_is_within_the_format_precision(name):
     if name == "int8":
         err = np.abs(back - x) / np.abs(x).max(axis=-1, keepdims=True)
     else:
-        normal = np.abs(x) > float(jnp.finfo(kv_quant._FP8[name]).smallest_normal)
+        normal = np.abs(x) > float(jnp.finfo(kv_pages.FP8[name]).smallest_normal)
         err = np.where(normal, np.abs(back - x) / np.maximum(np.abs(x), 1e-30), 0)
     assert err.max() <= VALUE_TOL[name] * 1.0001, err.max()
     assert err.max() > VALUE_TOL[name] / 8             # really quantized, not stored in float
@@ -58,7 +59,7 @@ def test_outliers_saturate_and_zeros_stay_zero(name):
         back_y = np.asarray(kv_quant.dequantize(quant_cache(y, name)))
         assert back_y[0, 0, 0] == pytest.approx(1e5, rel=1e-3) and back_y[1, 0, 3] == pytest.approx(-3e4, rel=1e-3)
     else:
-        big = float(jnp.finfo(kv_quant._FP8[name]).max)       # vLLM's scale 1.0, clipped
+        big = float(jnp.finfo(kv_pages.FP8[name]).max)       # vLLM's scale 1.0, clipped
         assert back[0, 0, 0] == big and back[1, 0, 3] == -big
     np.testing.assert_array_equal(back[2], 0)                 # an all-zero row: scale 0, no NaN
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxllm.pallas.quant_matmul import quant_matmul, quant_matmul_jit, quant_matmul_reference
-from jaxllm.quant import int_weights as iw
+from jaxllm.formats import int_weights as iw
 
 
 def random_weight(rng, fmt, N, K, group, zero, per_tensor=False):

@@ -47,7 +47,7 @@ def test_prompt_logits_match_transformers(variant, scan_layers, matmul, tiny_che
 @pytest.mark.parametrize("matmul", matmul_backends())
 @pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
 def test_bf16_weights_and_cache_stay_close(scan_layers, matmul, tiny_checkpoints, hf_models):
-    # bf16 on CPU is stored as uint16 bit patterns (layers/storage.py); the result must still
+    # bf16 on CPU is stored as uint16 bit patterns (formats/storage.py); the result must still
     # be the model's function, to bf16 precision.
     variant = "qwen3_qk_norm"
     ids = prompt_ids(40, seed=2)

@@ -106,7 +106,8 @@ def test_loaded_weights_are_the_dequantized_ones(quantized):
     """Every quantized weight the loader builds dequantizes (float64 oracle) to exactly the
     float32 weight the writer meant, for every format written above."""
     from jaxllm.models.loader import load_model
-    from jaxllm.quant import int_weights, ops
+    from jaxllm.formats import int_weights
+    from jaxllm.quant import ops
     for name, (qpath, ref) in quantized.items():
         qm, rm = load_model(qpath), load_model(ref)
         n = 0

@@ -1,4 +1,4 @@
-"""``jaxllm/quant/int_weights.py``: the jnp dequantization (the XLA path) against the float64
+"""``jaxllm/formats/int_weights.py``: the jnp dequantization (the XLA path) against the float64
 reference, bit for bit after rounding to float32; the online quantizers' error bounds; and
 ``quant/ops.py`` treating the type like any quantized weight (fusing, stacking, rows)."""
 
@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxllm.quant import int_weights as iw
+from jaxllm.formats import int_weights as iw
 from jaxllm.quant import ops
 
 import sys, os  # noqa: E401

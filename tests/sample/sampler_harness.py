@@ -73,7 +73,7 @@ def reference_tokens(rows: list[Row], fp64: bool = False) -> list[int]:
 
 def tie_pair(seed: int, out_pos: int, V: int) -> tuple[int, int] | None:
     """Two vocabulary indices whose noise is identical for (seed, out_pos), if any."""
-    from jaxllm.sample.gumbel import gumbel_noise_np
+    from jaxllm.formats.gumbel import gumbel_noise_np
     g = gumbel_noise_np(seed, out_pos, V)
     order = np.argsort(g, kind="stable")
     same = np.flatnonzero(g[order][1:] == g[order][:-1])

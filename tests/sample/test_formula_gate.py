@@ -19,7 +19,7 @@ from scipy import stats
 
 from sampler_harness import Row, device_tokens, reference_tokens
 
-from jaxllm.sample import gumbel as G
+from jaxllm.formats import gumbel as G
 from jaxllm.sample import reference as ref
 from jaxllm.sample.metadata import RowParams
 

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.sample import gumbel as G
-from jaxllm.sample import numerics as nx
+from jaxllm.formats import gumbel as G
+from jaxllm.formats import numerics as nx
 
 ALL_K = np.arange(1 << 24, dtype=np.int32)
 

@@ -25,7 +25,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.sample.numerics import F32, F64, as_zero, bitcast, log_positive, neg_log_uniform
+from jaxllm.formats.numerics import F32, F64, as_zero, bitcast, log_positive, neg_log_uniform
 
 _GOLDEN = 0x9E3779B9
 _C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32 multipliers (Wellons' hash prospector)
