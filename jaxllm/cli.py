@@ -293,7 +293,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
-    logging.basicConfig(level=(args.log_level or "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=(args.log_level or "WARNING").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
     if args.log_level is None:
         # What the start-up does (weights, tokenizer, kernels, KV cache, compiling) is worth
         # seeing by default: it takes seconds to minutes.  Libraries stay at WARNING.
