@@ -7,6 +7,7 @@ long) prints one line naming the problem and exits with status 2, never a traceb
 from __future__ import annotations
 
 import argparse
+import difflib
 import itertools
 import logging
 import os
@@ -19,74 +20,78 @@ from jaxllm.sampling_params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
-    g = p.add_argument_group("engine")
+    model = p.add_argument_group('model')
+    mem = p.add_argument_group('memory and batching (sizes: 1073741824, 512MiB, 1GB)')
+    kern = p.add_argument_group('kernels')
+    comp = p.add_argument_group('compilation')
+    out = p.add_argument_group('requests and outputs')
     if model_positional:
-        g.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
+        model.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                        help="HF folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
-    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: built-in SmolLM2-135M-Instruct)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer folder, when it differs from the model's")
-    g.add_argument("--dtype", default="auto",
+    model.add_argument("--model", default=None, help="HF folder or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+    model.add_argument("--tokenizer", default=None, help="tokenizer folder, when it differs from the model's")
+    model.add_argument("--dtype", default="auto",
                    help="auto | float32 | bfloat16 | float16: the activations and the KV cache (and the weights "
                         "of an unquantized checkpoint); auto: float32 on CPU")
-    g.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
+    model.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="how the weights are quantized (default: what the checkpoint says: a quantized GGUF is "
                         "served as its blocks, gguf; an HF folder by its config.json quantization_config: "
                         "compressed-tensors, gptq or fp8, which a flag must match); int8 / fp8 on a float HF "
                         "checkpoint: quantize its linear layers at load (per-channel int8 / e4m3)")
-    g.add_argument("--dequantize", action="store_true",
+    model.add_argument("--dequantize", action="store_true",
                    help="load a quantized GGUF as float weights instead of keeping its blocks")
-    g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="most requests per step (CPU default 32)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+    mem.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    mem.add_argument("--max-num-seqs", type=int, default=None, help="most requests per step (CPU default 32)")
+    mem.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step, prefill chunks and decodes together (CPU default 512)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory_bytes", default=None,
+    mem.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    mem.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory_bytes", default=None,
                    help="budget for the whole KV cache across all layers, e.g. 1073741824 or 1GiB")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
-    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+    mem.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
+    mem.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of the memory left after weights and activations (CPU: of the memory "
                         "available to the process) for the KV cache, when --kv-cache-memory-bytes is not given")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+    mem.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto (the model dtype), int8 (per-token, per-head scales), "
                         "fp8 (= fp8_e4m3) or fp8_e5m2: the same memory holds ~2-4x the tokens")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    mem.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (default on; --no-enable-prefix-caching turns it off)")
-    g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+    mem.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="fcfs (arrival order), priority (lowest request priority first) or lpm "
                         "(longest cached prefix first)")
-    g.add_argument("--seed", type=int, default=0, help="seed for the seeds of unseeded requests")
-    g.add_argument("--attention-backend", default="auto",
+    out.add_argument("--seed", type=int, default=0, help="seed for the seeds of unseeded requests")
+    kern.add_argument("--attention-backend", default="auto",
                    help="auto | xla | pallas | native: paged attention (auto: the Pallas kernel on GPU; on CPU "
                         "the native AVX2 kernel when it builds, on one device with unrolled layers; else XLA)")
-    g.add_argument("--sampler-backend", default="auto",
+    kern.add_argument("--sampler-backend", default="auto",
                    help="auto | xla | pallas: the sampler's vocabulary reduction (auto: Pallas on GPU)")
-    g.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=None,
+    comp.add_argument("--scan-layers", dest="scan_layers", action="store_true", default=None,
                    help="run layers under lax.scan (default on accelerators)")
-    g.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
+    comp.add_argument("--no-scan-layers", dest="scan_layers", action="store_false",
                    help="unroll the layers (default on CPU: faster decode, slower compile)")
-    g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
-    g.add_argument("--cpu-matmul", default="auto",
+    out.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
+    kern.add_argument("--cpu-matmul", default="auto",
                    help="auto | native | native-int8 | xla: the native AVX2 matmul kernels or XLA's dot on CPU; "
                         "native-int8 multiplies a GGUF's Q8_0/Q4_*/Q5_* blocks by activations rounded to int8 "
                         "per 32 values (llama.cpp's and vLLM's GGUF arithmetic: faster; on the built-in model its logits "
                         "move by up to ~3 of 31 and greedy text parts from float32's after 3-30 tokens); "
                         "auto: native-int8 where the CPU has AVX-512 VNNI, else native (float32 activations)")
-    g.add_argument("--compile-cache-dir", default=None,
+    comp.add_argument("--compile-cache-dir", default=None,
                    help="persistent XLA cache and saved programs (default $JAXLLM_CACHE_DIR/xla, "
                         "~/.cache/jaxllm/xla)")
-    g.add_argument("--precompile", default="auto", choices=PRECOMPILE_MODES,
+    comp.add_argument("--precompile", default="auto", choices=PRECOMPILE_MODES,
                    help="compile every step bucket before the first step (all), or each when first "
                         "needed (on-demand); auto: all for serve, on demand for generate and chat")
-    g.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+    out.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
                    help="what logprobs report: the raw model output (default) or the processed one, as logprobs or logits")
-    g.add_argument("--use-fp64-gumbel", action="store_true",
+    out.add_argument("--use-fp64-gumbel", action="store_true",
                    help="draw with float64 Gumbel noise (53-bit uniforms) instead of float32")
-    g.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+    out.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                    help='structured outputs, vLLM\'s shape: '
                         '{"backend": "auto"|"guidance", '
                         '"disable_any_whitespace": false, "disable_additional_properties": false, '
                         '"enable_in_reasoning": false, "reasoning_end_token_ids": [], "cache_size": 256}')
-    g.add_argument("--speculative-config", default=None, metavar="JSON",
+    out.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", '
                         '"model": PATH, "num_speculative_tokens": 4}; outputs are the same tokens as without it')
@@ -157,11 +162,12 @@ def sampling_params_from_args(args):
 
 def cmd_generate(args) -> int:
     sp = sampling_params_from_args(args)  # validate before the (slow) engine start
+    prompts = args.prompt or _prompt_from_stdin()
+    engine_config_from_args(args)          # the flags' values too
     llm = _make_llm(args)
     if llm.llm_engine.core.is_follower:
         llm.follow()   # multi-host: host 0 prints the results
         return 0
-    prompts = args.prompt or [sys.stdin.read()]
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], sp, use_tqdm=False)
     else:
@@ -172,6 +178,17 @@ def cmd_generate(args) -> int:
             print("-" * 40)
     sys.stdout.flush()   # the text is out now, not when the process has torn JAX down
     return 0
+
+
+def _prompt_from_stdin() -> list[str]:
+    """The prompt piped on stdin, read before the model loads; none (a terminal, or nothing
+    piped) is refused now rather than after the start-up."""
+    if sys.stdin is None or sys.stdin.isatty():
+        raise ValueError("no prompt: give one as an argument (jaxllm generate \"Hello\") or pipe it on stdin")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise ValueError("no prompt: stdin was empty; give one as an argument (jaxllm generate \"Hello\")")
+    return [text]
 
 
 def cmd_chat(args) -> int:
@@ -247,10 +264,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:   # argparse keeps its subparsers there and nowhere public
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser
+
+
+def _unknown_flags_message(sub: argparse.ArgumentParser, extras: list[str]) -> str:
+    """``unrecognized argument --x; did you mean --y?`` for the first unknown argument."""
+    flag = extras[0].split("=", 1)[0]
+    known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6) if flag.startswith("-") else []
+    more = f" (and {len(extras) - 1} more: {' '.join(extras[1:])})" if len(extras) > 1 else ""
+    hint = f"; did you mean {close[0]}?" if close else f"; {sub.prog} --help lists them"
+    return f"unrecognized argument {flag}{hint}{more}"
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, except that an unknown argument is reported by its subcommand (its
+    usage, not the top-level one) with the closest flag it knows; exit status 2."""
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = _subparser(parser, args.command)
+        sub.error(_unknown_flags_message(sub, extras))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=(args.log_level or "WARNING").upper(), format="%(levelname)s %(name)s: %(message)s")
+    args = parse_args(parser, argv)
+    logging.basicConfig(level=(args.log_level or "WARNING").upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
     if args.log_level is None:
         # What the start-up does (weights, tokenizer, kernels, KV cache, compiling) is worth
         # seeing by default: it takes seconds to minutes.  Libraries stay at WARNING.

@@ -369,6 +369,9 @@ class ServingConfig:
     """Splits reasoning from content (``--reasoning-parser``: deepseek_r1, qwen3)."""
     disable_log_stats: bool = False
     """No periodic stats line in the log (``--disable-log-stats``; serve/stat_logger.py)."""
+    log_requests: bool = True
+    """One access line per request: method, path, status, tokens, time (``--enable-log-requests``,
+    the default, as uvicorn's access log is vLLM's; ``--disable-log-requests`` turns it off)."""
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:

@@ -23,12 +23,14 @@ import hmac
 import json
 import logging
 import socket
+import time
 from http import HTTPStatus
 from typing import Callable
 
 import pydantic_core
 from pydantic import BaseModel, ValidationError
-from quart import Quart, Response, request
+from quart import Quart, Response, g, request
+from quart.wrappers.response import DataBody
 from werkzeug.exceptions import HTTPException
 
 import jaxllm
@@ -80,6 +82,22 @@ def _validate(model: type[BaseModel], obj):
     return req
 
 
+async def _access_record(response: Response) -> str:
+    """One access line: method, path, status, prompt and output tokens (from a JSON answer's
+    ``usage``; a stream's are counted when it ends, so shown as ``-``), and the time to answer."""
+    prompt = output = "-"
+    if response.mimetype == "application/json" and isinstance(response.response, DataBody):
+        try:
+            usage = json.loads(await response.get_data()).get("usage") or {}
+            prompt = usage.get("prompt_tokens", prompt)
+            output = usage.get("completion_tokens", output)
+        except (ValueError, AttributeError):
+            pass
+    seconds = time.perf_counter() - g.get("jaxllm_t0", time.perf_counter())
+    return (f'{request.remote_addr or "-"} "{request.method} {request.path}" {response.status_code} '
+            f"prompt_tokens={prompt} output_tokens={output} {seconds:.3f}s")
+
+
 async def _parse(model: type[BaseModel]):
     return _validate(model, await _json_body())
 
@@ -94,6 +112,10 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
     app = Quart("jaxllm.serve")
     app.extensions["jaxllm"] = state
     app.config["MAX_CONTENT_LENGTH"] = 16 * 1024 * 1024
+
+    @app.before_request
+    async def _start_clock():
+        g.jaxllm_t0 = time.perf_counter()
 
     @app.before_request
     async def _read_body():
@@ -112,6 +134,12 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
             return json_response(error_body(HTTPStatus.UNAUTHORIZED, "Unauthorized: a valid API key is required "
                                             "(Authorization: Bearer <key>)"), HTTPStatus.UNAUTHORIZED)
         return None
+
+    @app.after_request
+    async def _access_line(response: Response):
+        if config.log_requests:
+            log.info("%s", await _access_record(response))
+        return response
 
     @app.errorhandler(APIError)
     async def _api_error(e: APIError):

@@ -48,6 +48,11 @@ def register(subparsers) -> None:
                         "(open them with Perfetto, TensorBoard or xprof)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic log line (throughput, KV usage, speculative acceptance) every 10 s")
+    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
+                   help="one access line per request: method, path, status, prompt and output tokens, time "
+                        "(default on)")
+    g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="no access line per request")
     t = s.add_argument_group("tool calling and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request sends tools); needs --tool-call-parser')
@@ -77,7 +82,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         profiler_dir=None if args.profiler_dir is None else os.path.abspath(args.profiler_dir),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser,
-        disable_log_stats=args.disable_log_stats)
+        disable_log_stats=args.disable_log_stats, log_requests=args.log_requests)
 
 
 def with_reasoning_end(engine_config, serving: ServingConfig):
@@ -133,6 +138,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(_serve(engine, serving, sock))
     finally:
         engine.shutdown()
+    # Last: the engine (and its periodic stats line) has stopped, so nothing is logged after it.
+    log.info("server stopped")
     return 0
 
 
@@ -144,4 +151,3 @@ async def _serve(engine, serving: ServingConfig, sock) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await run_server(engine, serving, stop, sock=sock)
-    log.info("server stopped")

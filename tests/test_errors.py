@@ -191,3 +191,32 @@ def test_sampling_params_validation_names_the_parameter():
 def test_unknown_engine_argument():
     with pytest.raises(ValueError, match="unknown engine argument 'max_num_seq'"):
         LLM(max_num_seq=3)
+
+
+def test_an_unknown_flag_gets_the_subcommands_usage_and_the_closest_flag():
+    rc, lines, _ = cli("serve", "--max-model-length", "2048", timeout=120)
+    text = "\n".join(lines)
+    assert rc == 2, text
+    assert lines[0].startswith("usage: jaxllm serve"), text
+    assert "unrecognized argument --max-model-length; did you mean --max-model-len?" in text, text
+    rc, lines, _ = cli("generate", "hi", "--temprature", "0.5", timeout=120)
+    assert rc == 2 and lines[0].startswith("usage: jaxllm generate"), lines
+    assert "did you mean --temperature?" in lines[-1], lines
+
+
+def test_generate_without_a_prompt_refuses_before_loading():
+    r = subprocess.run([sys.executable, "-m", "jaxllm.cli", "generate"], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert_one_line_error(r.returncode, lines, "no prompt")
+    assert not any("loading weights" in ln for ln in lines), lines
+
+
+def test_help_splits_the_flags_into_groups():
+    from jaxllm.cli import build_parser, _subparser
+    text = _subparser(build_parser(), "serve").format_help()
+    for group in ("model:", "memory and batching", "kernels:", "compilation:", "requests and outputs:", "server:"):
+        assert f"\n{group}" in text, group
+    # Each group holds its flags: --cpu-matmul among the kernels, not in the memory group.
+    kernels = text.split("\nkernels:")[1].split("\ncompilation:")[0]
+    assert "--cpu-matmul" in kernels and "--max-model-len" not in kernels

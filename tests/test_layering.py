@@ -40,6 +40,7 @@ LEAF_MODULES = {
     "jaxllm.formats.numerics": "exactly rounded float recipes shared by jnp and numpy",
     "jaxllm.formats.gumbel": "the counter-based Gumbel noise recipe",
     "jaxllm.paths": "where jaxllm keeps files between runs",
+    "jaxllm.cache_files": "atomic writes and seals of cache entries (the native kernels use it)",
 }
 """Modules the kernels may import beside their own packages: each imports nothing of jaxllm
 except other modules of this list."""

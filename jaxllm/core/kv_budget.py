@@ -51,6 +51,14 @@ class CacheKind:
         return self.token_bytes > 0
 
 
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in the unit a person reads: KiB, MiB or GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} bytes"
+
 def kv_kind(num_layers: int, token_bytes: int) -> CacheKind:
     """The K/V pages of ``num_layers`` attention layers (``token_bytes``: K and V of one layer)."""
     return CacheKind("K/V", num_layers, token_bytes=token_bytes)
@@ -268,10 +276,13 @@ def plan_kv_cache(*, block_size: int, max_model_len: int, max_num_seqs: int, bud
         num_blocks = coarse_blocks(num_blocks, need)
     if num_blocks < need or (per_slot and slots < 1):
         fits = max(num_blocks - 1, 0) * block_size
-        state = f" and one sequence's state ({per_slot} bytes)" if per_slot else ""
+        state = f" and one sequence's state ({human_bytes(per_slot)})" if per_slot else ""
+        needed = need * per_block + per_slot
+        # The suggestions are values the flags accept: whole MiB, rounded up; a positive length.
+        shorter = f", or use --max-model-len {fits} or less" if fits > 0 else ""
         raise ValueError(
-            f"{flag} holds {num_blocks} blocks ({per_block} bytes per block "
+            f"{flag} holds {num_blocks} blocks ({human_bytes(per_block)} per block "
             f"across all layers, one reserved) = {fits} tokens, fewer than one sequence of "
-            f"max_model_len={max_model_len}{state}; it needs at least {need * per_block + per_slot} "
-            f"bytes, or use --max-model-len {fits} or less")
+            f"max_model_len={max_model_len}{state}; it needs at least {human_bytes(needed)}: "
+            f"use --kv-cache-memory-bytes {-(-needed // 2**20)}MiB or more{shorter}")
     return plan(num_blocks, flag, budget_bytes, slots)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import cache_files
 from jaxllm.paths import default_cache_dir
 
 log = logging.getLogger("jaxllm.cpu")
@@ -90,8 +91,12 @@ def _build(source: str, flags: list[str] = _FLAGS) -> str:
     out_dir = os.path.join(default_cache_dir(), "kernels")
     lib = os.path.join(out_dir, f"libjaxllm_{os.path.splitext(source)[0]}_{key}.so")
     if os.path.isfile(lib):
-        log.info("native CPU kernel %s: reusing %s", source, lib)
-        return lib
+        # Checked before dlopen: a truncated or overwritten library could crash the process there.
+        problem = cache_files.seal_problem(lib)
+        if problem is None:
+            log.info("native CPU kernel %s: reusing %s", source, lib)
+            return lib
+        cache_files.report_rebuild(lib, problem, "compiling it again")
     log.info("native CPU kernel %s: compiling with %s (once; cached under %s)", source, os.path.basename(cxx),
              out_dir)
     t0 = time.perf_counter()
@@ -103,6 +108,7 @@ def _build(source: str, flags: list[str] = _FLAGS) -> str:
         os.unlink(tmp)
         raise RuntimeError(f"compiling {src_path} failed: {r.stderr.strip()[-2000:]}")
     os.replace(tmp, lib)
+    cache_files.seal(lib)   # after the rename: a library without its seal is never trusted
     log.info("native CPU kernel %s: compiled in %.1f s", source, time.perf_counter() - t0)
     return lib
 

@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 
+from jaxllm import cache_files
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.loader import TokenizerSource
 
@@ -29,6 +30,22 @@ def _gguf_cache_dir(src: TokenizerSource, cache_root: str) -> str:
     return os.path.join(cache_root, "tokenizers", key)
 
 
+def _load_cached(folder: str):
+    """The tokenizer saved in ``folder``, or None when the folder is damaged, truncated or
+    foreign (then it is removed, with one log line, and the caller converts it again)."""
+    from transformers import PreTrainedTokenizerFast
+
+    problem = cache_files.folder_problem(folder)
+    if problem is None:
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(folder)
+        except Exception as e:  # sealed but unreadable: another transformers' format
+            problem = f"{type(e).__name__}: {e}"
+    cache_files.report_rebuild(folder, problem, "converting the tokenizer again")
+    shutil.rmtree(folder, ignore_errors=True)
+    return None
+
+
 def load_tokenizer(src: TokenizerSource, cache_root: str):
     where = src.path if src.gguf_file is None else os.path.join(src.path, src.gguf_file)
     try:
@@ -37,16 +54,17 @@ def load_tokenizer(src: TokenizerSource, cache_root: str):
         if src.gguf_file is None:
             from transformers import AutoTokenizer
             return AutoTokenizer.from_pretrained(src.path)
-        from transformers import PreTrainedTokenizerFast
-
         from jaxllm.engine.gguf_tokenizer import tokenizer_from_gguf
         cached = _gguf_cache_dir(src, cache_root)
-        if os.path.isfile(os.path.join(cached, "tokenizer.json")):
-            return PreTrainedTokenizerFast.from_pretrained(cached)
+        if os.path.isdir(cached):
+            loaded = _load_cached(cached)
+            if loaded is not None:
+                return loaded
         tok = tokenizer_from_gguf(where)
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
         tok.save_pretrained(tmp)
+        cache_files.seal_folder(tmp)   # sealed before the rename: the folder appears whole or not at all
         try:
             os.rename(tmp, cached)
         except OSError:  # another process got there first

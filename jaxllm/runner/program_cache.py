@@ -10,7 +10,7 @@ The key is a digest of: jaxllm's own source (every .py and native kernel source)
 versions of jax, jaxlib and numpy, the backend, its devices and ``XLA_FLAGS``, and the
 program's description (its static configuration and the shape, dtype and sharding of every
 argument).  A change to any of them is a different key; a file that fails to load is
-compiled again and replaced.  JAX's persistent cache stays underneath, for programs whose
+compiled again and replaced (``jaxllm/cache_files.py``).  JAX's persistent cache stays underneath, for programs whose
 lowering did not change when the key did (what it loads is not saved here: :meth:`compile`).
 """
 
@@ -21,19 +21,21 @@ import hashlib
 import logging
 import os
 import pickle
-import tempfile
 
 import jax
 import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable as se
 
+from jaxllm import cache_files
 from jaxllm.runner import compile as cc
 
 log = logging.getLogger("jaxllm.runner")
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
+# A program file: this magic, the SHA-256 of the rest, then the pickled serialized executable.
+_MAGIC = b"jaxllm-program-1\n"
 
 
 @functools.cache
@@ -103,17 +105,29 @@ class ProgramCache:
         return self.root is not None and os.path.isfile(self._path(key))
 
     def load(self, key: str):
-        """The compiled program saved under ``key``, or None (absent, or unreadable: logged)."""
+        """The compiled program saved under ``key``, or None (absent; or damaged, truncated or
+        written by another jaxlib: then removed, with one log line, and compiled again)."""
         if not self.has(key):
             return None
+        path = self._path(key)
         try:
-            with open(self._path(key), "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
+            with open(path, "rb") as f:
+                data = f.read()
+            head = len(_MAGIC) + 32
+            # The digest is checked before unpickling: garbage never reaches the deserializer.
+            if data[:len(_MAGIC)] != _MAGIC:
+                raise ValueError("not a jaxllm program file")
+            if hashlib.sha256(data[head:]).digest() != data[len(_MAGIC):head]:
+                raise ValueError(f"{len(data)} bytes that do not match their digest")
+            payload, in_tree, out_tree = pickle.loads(data[head:])
             return se.deserialize_and_load(payload, in_tree, out_tree, backend=self.devices[0].client,
                                            execution_devices=self.devices)
         except Exception as e:  # a truncated file, another jaxlib's format: compile it again
-            log.warning("cannot load the compiled program %s (%s: %s); compiling it again",
-                        self._path(key), type(e).__name__, e)
+            cache_files.report_rebuild(path, f"{type(e).__name__}: {e}", "compiling it again")
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
             return None
 
     def compile(self, key: str, lower):
@@ -138,12 +152,7 @@ class ProgramCache:
             log.debug("program %s not saved: %s", key, e)
             return
         os.makedirs(self.root, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, self._path(key))
+            cache_files.atomic_write(self._path(key), _MAGIC + hashlib.sha256(blob).digest() + blob)
         except OSError as e:
             log.warning("cannot save a compiled program under %s: %s", self.root, e)
-            if os.path.exists(tmp):
-                os.unlink(tmp)

@@ -5,10 +5,11 @@ on CPU sizes it from the memory available to the process.  No step is compiled h
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
-from jaxllm.config import EngineConfig
+from jaxllm.config import EngineConfig, parse_size
 from jaxllm.core import kv_budget
 from jaxllm.engine import resolve as engine_resolve
 from jaxllm.engine.resolve import resolve_config
@@ -157,3 +158,18 @@ def test_vllm_num_gpu_blocks_override_is_accepted(tiny_llama):
         EngineConfig.from_kwargs(num_gpu_blocks_override=40, num_blocks_override=50)
     with pytest.raises(ValueError, match="--num-gpu-blocks-override must be a positive integer"):
         EngineConfig.from_kwargs(num_gpu_blocks_override=0)
+
+
+def test_too_small_a_budget_says_what_it_needs_in_mib_and_a_valid_value(model):
+    cfg = EngineConfig.from_kwargs(kv_cache_memory_bytes=1000, max_model_len=256, dtype="float32")
+    with pytest.raises(ValueError) as e:
+        resolve_config(cfg, model)
+    msg = str(e.value)
+    assert "or less" not in msg, msg          # no "--max-model-len 0 or less": 0 is refused
+    assert re.search(r"needs at least [\d.]+ (KiB|MiB|GiB)", msg), msg
+    m = re.search(r"use --kv-cache-memory-bytes (\S+) or more", msg)
+    assert m, msg
+    # The suggestion is itself accepted, as the flag reads it.
+    ok = EngineConfig.from_kwargs(kv_cache_memory_bytes=parse_size(m.group(1), "--kv-cache-memory-bytes"),
+                                  max_model_len=256, dtype="float32")
+    assert resolve_config(ok, model).kv.num_blocks >= 256 // ok.cache.block_size

@@ -74,7 +74,7 @@ def test_a_damaged_file_is_not_trusted(tmp_path, caplog):
     assert os.path.isfile(path)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
-    with caplog.at_level(logging.WARNING, logger="jaxllm.runner"):
+    with caplog.at_level(logging.WARNING, logger="jaxllm.cache"):
         assert cache.load(key) is None
     assert "compiling it again" in caplog.text
     assert not ProgramCache(None, jax.devices()[:1]).has(key)   # no folder: nothing saved or loaded

@@ -9,6 +9,7 @@ the process exits 0 within seconds.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -106,6 +107,7 @@ def test_cli_serve_defaults_api_key_and_graceful_sigterm(tiny_llama, tmp_path):
             # The request's own temperature wins.
             sampled = {complete(temperature=1.0, seed=s)["choices"][0]["text"] for s in range(3)}
             assert len(sampled) > 1
+            assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}, headers=auth).status_code == 400
             # max_new_tokens caps max_tokens (the context would allow 250 more here).
             assert complete(prompt=[5] * 6, max_tokens=1000)["usage"]["completion_tokens"] == 200
 
@@ -134,6 +136,14 @@ def test_cli_serve_defaults_api_key_and_graceful_sigterm(tiny_llama, tmp_path):
         assert "'temperature': 0.0" in log and "'top_p': 0.9" in log and "'max_tokens': 200" in log
         assert log.count("Default sampling parameters") == 1
         assert f"http://127.0.0.1:{port}" in log
+        # Logs: a timestamp on every log line, an access line per request (a client's 400 too),
+        # and nothing after "server stopped".
+        logged = [ln for ln in log.splitlines() if re.match(r"\S+ \S+ (INFO|WARNING|ERROR) ", ln)]
+        assert logged and all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", ln) for ln in logged), log
+        assert re.search(r'"POST /v1/completions" 200 prompt_tokens=\d+ output_tokens=12 [\d.]+s', log), log
+        assert re.search(r'"POST /v1/completions" 400 prompt_tokens=- output_tokens=- [\d.]+s', log), log
+        assert re.search(r'"GET /v1/models" 401 ', log), log
+        assert "server stopped" in lines[-1], lines[-3:]
     finally:
         if proc.poll() is None:
             proc.kill()
