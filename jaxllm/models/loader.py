@@ -21,7 +21,7 @@ from jaxllm.errors import ModelLoadError
 from jaxllm.models import gguf_tensors
 from jaxllm.models.config import ArchConfig, arch_config_from_hf
 from jaxllm.models.params import GLOBAL, Chunk, Param
-from jaxllm.models.registry import get_model_module
+from jaxllm.models.registry import get_family, get_model_module
 from jaxllm.layers.rotary import inv_frequencies
 
 
@@ -155,8 +155,8 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
 
 
 def _rope_tables(arch: ArchConfig) -> dict[str, np.ndarray]:
-    """The model family's further frequency tables (``rope_tables(arch)``: name -> theta, scaling)."""
-    tables = getattr(get_model_module(arch.architecture), "rope_tables", None)
+    """The model family's further frequency tables (``Family.rope_tables``: name -> theta, scaling)."""
+    tables = get_family(arch.architecture).rope_tables
     if tables is None:
         return {}
     return {name: inv_frequencies(arch.rope_dim, theta, scaling) for name, (theta, scaling) in tables(arch).items()}
