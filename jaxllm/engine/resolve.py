@@ -25,7 +25,7 @@ from jaxllm.core.kv_budget import (
 from jaxllm.layers import kv_quant
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import LoadedModel, gguf_file
-from jaxllm.models.registry import get_model_module
+from jaxllm.models.registry import get_family
 from jaxllm.paths import default_cache_dir
 from jaxllm.quant import ops as qops
 from jaxllm.runner.step_config import StepConfig
@@ -118,10 +118,9 @@ def _check_quantization(config: EngineConfig, model: LoadedModel) -> bool:
 
 
 def _cache_kinds(arch, itemsize: int, kv_name: str) -> tuple[CacheKind, ...]:
-    """The model family's cache kinds (its module's ``cache_kinds(arch, itemsize,
-    kv_cache_dtype)``: MLA's latent pages, a hybrid model's recurrent state), else K/V pages
-    in every layer."""
-    kinds = getattr(get_model_module(arch.architecture), "cache_kinds", None)
+    """The model family's cache kinds (``Family.cache_kinds(arch, itemsize, kv_cache_dtype)``:
+    MLA's latent pages, a hybrid model's recurrent state), else K/V pages in every layer."""
+    kinds = get_family(arch.architecture).cache_kinds
     if kinds is not None:
         return tuple(kinds(arch, itemsize, kv_name))
     return (kv_kind(arch.num_layers, kv_quant.token_bytes(arch.num_kv_heads, arch.head_dim, itemsize, kv_name)),)

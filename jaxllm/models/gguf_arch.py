@@ -35,7 +35,8 @@ import numpy as np
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.config import ArchConfig, RopeScaling, rope_scaling_from_dict
-from jaxllm.models.params import GLOBAL, MATRIX
+from jaxllm.models.gguf_tensors import dequantize_all, keeps_packed, map_rows, unpermute_rope_rows
+from jaxllm.models.params import GLOBAL
 
 # GGUF general.architecture -> HF architecture.  OLMo 3 is written as olmo2 (with sliding
 # window keys); it runs as Olmo3ForCausalLM when its layers mix sliding and full attention.
@@ -456,24 +457,12 @@ _READERS: dict[str, Callable] = {"gemma2": _gemma, "gemma3": _gemma, "phi3": _ph
 
 # ------------------------------------------------------------------ tensors
 
-def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's LlamaModel.permute of Q/K rows (interleaved -> rotate-half pairs);
-    ``w`` [out, ...] (a weight or a bias)."""
-    out = w.shape[0]
-    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _rows(a, lo: int, hi: int):
     """Rows [lo, hi) of a float matrix or a packed weight (every field alike)."""
     from jaxllm.quant import ops
     if ops.is_quantized(a):
         return ops.map_fields(a, lambda f: f[lo:hi], shape=(hi - lo, a.shape[1]))
     return a[lo:hi]
-
-
-def _row_map(a, fn):
-    from jaxllm.quant import ops
-    return ops.map_fields(a, fn) if ops.is_quantized(a) else fn(a)
 
 
 def _shape(a) -> tuple[int, ...]:
@@ -486,9 +475,9 @@ def _convert(rule: Rule, arch: ArchConfig, a, name: str, path: str) -> list[tupl
     if t == AS_IS or t == GATE_UP_PAIR:
         return [(rule.params[0], a)]
     if t == ROPE_Q:
-        return [(rule.params[0], _row_map(a, lambda x: _unpermute_rows(x, arch.num_heads)))]
+        return [(rule.params[0], map_rows(a, lambda x: unpermute_rope_rows(x, arch.num_heads)))]
     if t == ROPE_K:
-        return [(rule.params[0], _row_map(a, lambda x: _unpermute_rows(x, arch.num_kv_heads)))]
+        return [(rule.params[0], map_rows(a, lambda x: unpermute_rope_rows(x, arch.num_kv_heads)))]
     if t == MINUS_ONE:
         return [(rule.params[0], a - np.float32(1.0))]
     if t == EXPERTS_T:
@@ -548,13 +537,7 @@ def load(reader, path: str, name: str | None, dequantize: bool):
     from gguf.quants import dequantize as gguf_dequantize
 
     from jaxllm.layers.rotary import inv_frequencies
-    from jaxllm.models.loader import (
-        LoadedModel,
-        TokenizerSource,
-        _cpu_count,
-        _dequantize_gguf_tensor,
-        _rope_tables,
-    )
+    from jaxllm.models.loader import LoadedModel, TokenizerSource, _rope_tables
     from jaxllm.models.registry import get_model_module
     from jaxllm.quant import gguf_blocks
 
@@ -602,34 +585,18 @@ def load(reader, path: str, name: str | None, dequantize: bool):
                                  f"{arch.num_layers} layers)")
         shape = tuple(int(n) for n in reversed(t.shape))   # GGUF lists dims innermost first
         params = [want.get(p) for p in rule.params]
-        packed = (not dequantize and t.tensor_type.name in gguf_blocks.SUPPORTED_TYPES and rule.transform in ROW_OPS
-                  and len(shape) == 2 and all(p is not None and p.kind == MATRIX and len(p.shape(arch)) == 2
-                                              for p in params))
+        packed = rule.transform in ROW_OPS and len(shape) == 2 and keeps_packed(t, params, arch, dequantize)
         todo.append((t, rule, layer, shape, packed))
 
-    # Pass 2: decoding is most of a load; numpy releases the GIL in its long passes, so
-    # tensors decode in parallel (results and the first failure in file order).
-    decode = [t for t, *_, packed in todo if not packed]
-    workers = min(4, _cpu_count(), len(decode))
-    if workers > 1:
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(workers, thread_name_prefix="gguf-dequantize") as pool:
-            decoded = list(pool.map(lambda t: _dequantize_gguf_tensor(gguf_dequantize, t), decode))
-    else:
-        decoded = [_dequantize_gguf_tensor(gguf_dequantize, t) for t in decode]
-    floats = {}
-    for t, (arr, err) in zip(decode, decoded):
-        if err is not None:
-            raise ModelLoadError(f"{path}: tensor {t.name!r} uses quantization {t.tensor_type.name}, "
-                                 f"which the gguf package cannot dequantize ({err})") from None
-        floats[t.name] = arr
+    # Pass 2: the rest decoded (in parallel).
+    floats = dequantize_all([t for t, *_, packed in todo if not packed], path)
 
     # Pass 3: undo the converter's changes and place each parameter.
     for t, rule, layer, shape, packed in todo:
         if packed:
             arr = gguf_blocks.pack(t.data, t.tensor_type, shape)
         else:
-            arr = np.asarray(floats.pop(t.name), dtype=np.float32).reshape(shape)
+            arr = floats.pop(t.name).reshape(shape)
         if rule.transform == GATE_UP_PAIR:
             pairs.setdefault((layer, rule.params[0]), {})[rule.slot] = (arr, t.name)
             continue

@@ -18,9 +18,10 @@ import ml_dtypes
 import numpy as np
 
 from jaxllm.errors import ModelLoadError
+from jaxllm.models import gguf_tensors
 from jaxllm.models.config import ArchConfig, arch_config_from_hf
-from jaxllm.models.params import GLOBAL, MATRIX, Chunk, Param
-from jaxllm.models.registry import get_model_module
+from jaxllm.models.params import GLOBAL, Chunk, Param
+from jaxllm.models.registry import get_family, get_model_module
 from jaxllm.layers.rotary import inv_frequencies
 
 
@@ -154,8 +155,8 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
 
 
 def _rope_tables(arch: ArchConfig) -> dict[str, np.ndarray]:
-    """The model family's further frequency tables (``rope_tables(arch)``: name -> theta, scaling)."""
-    tables = getattr(get_model_module(arch.architecture), "rope_tables", None)
+    """The model family's further frequency tables (``Family.rope_tables``: name -> theta, scaling)."""
+    tables = get_family(arch.architecture).rope_tables
     if tables is None:
         return {}
     return {name: inv_frequencies(arch.rope_dim, theta, scaling) for name, (theta, scaling) in tables(arch).items()}
@@ -310,52 +311,6 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
 
 # ------------------------------------------------------------------ GGUF
 
-def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's conversion permute of Q/K rows (interleaved -> rotate-half RoPE)."""
-    out = w.shape[0]
-    return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-# gguf.quants decodes a quantized tensor 16 rows at a time, a dozen numpy calls per group;
-# on the built-in model's narrow rows (576 x Q4_1 = 360 bytes) that per-call overhead is a
-# large share of the time, and it holds the GIL.  Rows of about this many bytes amortize it;
-# much longer ones make each group's temporaries big enough that, in a fresh process, the
-# allocator maps and unmaps them on every call and page faults eat the gain (measured:
-# 32 KiB rows were slower than no merging at all, 2-4 KiB the fastest).
-_DEQUANT_ROW_BYTES = 2048
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def _dequantize_gguf_tensor(dequantize, t):
-    """``(gguf.quants.dequantize(t.data, t.tensor_type), None)``, or ``(None, error)`` when the
-    gguf package cannot decode the type.
-
-    A quantized tensor's bytes are independent blocks laid out row after row, and every
-    ggml block format decodes block by block, so ``k`` consecutive rows decode exactly like
-    one row ``k`` times as long: the tensor is handed over as fewer, longer rows (``k``
-    divides the row count) and the result reshaped back, bit for bit what the plain call
-    gives."""
-    data = t.data
-    try:
-        if data.dtype == np.uint8 and data.ndim >= 2 and data.size:
-            row_bytes = data.shape[-1]
-            n_rows = data.size // row_bytes
-            k = max(1, min(n_rows, _DEQUANT_ROW_BYTES // row_bytes))
-            while n_rows % k:
-                k -= 1
-            out = dequantize(data.reshape(n_rows // k, k * row_bytes), t.tensor_type)
-            return out.reshape(*data.shape[:-1], -1), None
-        return dequantize(data, t.tensor_type), None
-    except NotImplementedError as e:
-        return None, e
-
-
 def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> LoadedModel:
     """A GGUF file's model.  Its quantized and 16-bit matrices stay in their blocks
     (``quant/gguf_blocks.PackedWeight``, the file's bytes), as llama.cpp and vLLM serve them;
@@ -363,7 +318,7 @@ def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> L
     transformers on the dequantized weights)."""
     from gguf.quants import dequantize as gguf_dequantize
     from jaxllm.models.gguf_file import read_gguf
-    from jaxllm.quant import gguf_blocks, ops
+    from jaxllm.quant import gguf_blocks
 
     # Our own container parser (gguf.GGUFReader takes seconds on a tokenizer's string
     # arrays); it raises ModelLoadError naming the file for anything malformed.
@@ -425,9 +380,7 @@ def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> L
     names_map = NameMap(arch, "gguf")
 
     def keep_packed(t) -> bool:
-        hits = names_map.lookup(t.name)
-        return (not dequantize and t.tensor_type.name in gguf_blocks.SUPPORTED_TYPES and bool(hits)
-                and all(p.kind == MATRIX and len(p.shape(arch)) == 2 for p, *_ in hits))
+        return gguf_tensors.keeps_packed(t, [p for p, *_ in names_map.lookup(t.name)], arch, dequantize)
 
     weights = []
     for t in reader.tensors:
@@ -441,39 +394,19 @@ def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> L
             tensors[t.name] = (gguf_blocks.pack(t.data, t.tensor_type, shape), base)
         else:
             weights.append(t)
-    # Dequantization is most of the load; numpy releases the GIL in the long passes that
-    # _dequantize_gguf_tensor makes, so tensors decode in parallel.  Results (and the first
-    # failure, in file order) come back in file order.
-    workers = min(4, _cpu_count(), len(weights))
-    if workers > 1:
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(workers, thread_name_prefix="gguf-dequantize") as pool:
-            futures = [pool.submit(_dequantize_gguf_tensor, gguf_dequantize, t) for t in weights]
-            try:
-                decoded = [f.result() for f in futures]
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
-    else:
-        decoded = [_dequantize_gguf_tensor(gguf_dequantize, t) for t in weights]
-    for t, (arr, err) in zip(weights, decoded):
-        if err is not None:
-            raise ModelLoadError(f"{path}: tensor {t.name!r} uses quantization {t.tensor_type.name}, "
-                                 f"which the gguf package cannot dequantize ({err})") from None
-        tensors[t.name] = (np.asarray(arr, dtype=np.float32), base)
+    for t_name, arr in gguf_tensors.dequantize_all(weights, path).items():
+        tensors[t_name] = (arr, base)
 
     def transform(p: Param, arr):
         if not (permuted and p.rope_heads):
             return arr
-        unpermute = lambda a: _unpermute_rope_rows(a, p.rope_heads(arch))  # noqa: E731
         # a packed weight's fields all have the rows first: each is permuted alike
-        return ops.map_fields(arr, unpermute) if ops.is_quantized(arr) else unpermute(arr)
+        return gguf_tensors.map_rows(arr, lambda a: gguf_tensors.unpermute_rope_rows(a, p.rope_heads(arch)))
 
     layers, globals_ = _assemble(arch, tensors, names_map, where=path, transform=transform)
     return LoadedModel(
         name=name or path, arch=arch, layers=layers, globals=globals_,
-        rope_inv_freq=inv_frequencies(arch.head_dim, arch.rope_theta, arch.rope_scaling, freq_factors),
+        rope_inv_freq=inv_frequencies(arch.rope_dim, arch.rope_theta, arch.rope_scaling, freq_factors),
         tokenizer=TokenizerSource(os.path.dirname(os.path.abspath(path)), gguf_file=base),
         generation_config={})
 

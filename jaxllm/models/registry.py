@@ -1,40 +1,74 @@
 """Architecture registry, keyed by the HF architecture name in ``config.json``.
 
-Each entry names the module that implements the forward; architectures that differ only
-in ``ArchConfig`` flags share one module.
+Each entry is a :class:`Family`: the module that implements the forward (its ``PARAMS``,
+``forward``, ``compute_logits``) and what else the family provides the engine, declared
+once; architectures that differ only in ``ArchConfig`` flags share one family.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models import deepseek, gemma, gguf_arch, gpt_oss, llama, qwen3_next
 
-_REGISTRY: dict[str, ModuleType] = {
-    "LlamaForCausalLM": llama,
-    "MistralForCausalLM": llama,
-    "Qwen2ForCausalLM": llama,
-    "Qwen3ForCausalLM": llama,
-    "Qwen3MoeForCausalLM": llama,   # sparse MoE MLP: layers/moe.py
-    "MixtralForCausalLM": llama,
-    "Gemma2ForCausalLM": gemma,
-    "Gemma3ForCausalLM": gemma,
-    "GptOssForCausalLM": gpt_oss,   # sinks, YaRN, biased experts with the clamped SwiGLU
+
+@dataclass(frozen=True)
+class Family:
+    """A model family's contract with the loader, the runner and the engine.  A capability
+    left None is the default: the decoder's config reader, K/V pages in every layer, one RoPE
+    table, no state per sequence."""
+
+    module: ModuleType
+    """Its parameter table (``PARAMS``), ``forward`` and ``compute_logits``."""
+    read_config: Callable | None = None
+    """``(hf_config, architecture, where) -> ArchConfig``; None: ``config.arch_config_from_hf``."""
+    cache_kinds: Callable | None = None
+    """``(arch, itemsize, kv_cache_dtype) -> CacheKind``s the KV budget sizes (engine/resolve.py)."""
+    allocate_cache: Callable | None = None
+    """``(arch, num_blocks, block_size, dtype, stacked, make=, sharding=[, num_seqs=])``: the
+    family's own cache arrays (runner/model_runner.py); None: ``runner/weights.allocate_kv_cache``."""
+    rope_tables: Callable | None = None
+    """``arch -> {name: (theta, RopeScaling)}``: further RoPE frequency tables (Gemma 3's local base)."""
+    per_sequence_state: bool = False
+    """A state per sequence besides the K/V pages (a hybrid model's recurrent GDN state): the
+    runner gives each request a state slot; prefix caching and speculative decoding do not apply."""
+
+
+DECODER = Family(llama)
+GEMMA = Family(gemma, read_config=gemma.arch_config, rope_tables=gemma.rope_tables)
+GPT_OSS = Family(gpt_oss, read_config=gpt_oss.arch_config)
+MLA = Family(deepseek, read_config=deepseek.arch_config, cache_kinds=deepseek.cache_kinds,
+             allocate_cache=deepseek.allocate_cache)
+HYBRID = Family(qwen3_next, read_config=qwen3_next.arch_config, cache_kinds=qwen3_next.cache_kinds,
+                allocate_cache=qwen3_next.allocate_cache, per_sequence_state=qwen3_next.PER_SEQUENCE_STATE)
+
+_REGISTRY: dict[str, Family] = {
+    "LlamaForCausalLM": DECODER,
+    "MistralForCausalLM": DECODER,
+    "Qwen2ForCausalLM": DECODER,
+    "Qwen3ForCausalLM": DECODER,
+    "Qwen3MoeForCausalLM": DECODER,   # sparse MoE MLP: layers/moe.py
+    "MixtralForCausalLM": DECODER,
+    "Gemma2ForCausalLM": GEMMA,
+    "Gemma3ForCausalLM": GEMMA,
+    "GptOssForCausalLM": GPT_OSS,   # sinks, YaRN, biased experts with the clamped SwiGLU
     # models/families_b.py reads their configs into ArchConfig switches of the same decoder.
-    "Phi3ForCausalLM": llama,
-    "SmolLM3ForCausalLM": llama,
-    "Olmo2ForCausalLM": llama,
-    "Olmo3ForCausalLM": llama,
-    "GraniteForCausalLM": llama,
-    "Glm4MoeForCausalLM": llama,   # dense first layers, then MoE with shared experts
+    "Phi3ForCausalLM": DECODER,
+    "SmolLM3ForCausalLM": DECODER,
+    "Olmo2ForCausalLM": DECODER,
+    "Olmo3ForCausalLM": DECODER,
+    "GraniteForCausalLM": DECODER,
+    "Glm4MoeForCausalLM": DECODER,   # dense first layers, then MoE with shared experts
     # MLA: one latent per token in the cache (layers/mla_attention.py), routed + shared experts.
-    "DeepseekV2ForCausalLM": deepseek,
-    "DeepseekV3ForCausalLM": deepseek,
+    "DeepseekV2ForCausalLM": MLA,
+    "DeepseekV3ForCausalLM": MLA,
     # Hybrid: Gated DeltaNet layers (a recurrent state per sequence) and gated full attention.
-    "Qwen3NextForCausalLM": qwen3_next,
-    "Qwen3_5ForCausalLM": qwen3_next,
-    "Qwen3_5MoeForCausalLM": qwen3_next,
+    "Qwen3NextForCausalLM": HYBRID,
+    "Qwen3_5ForCausalLM": HYBRID,
+    "Qwen3_5MoeForCausalLM": HYBRID,
 }
 
 # GGUF's general.architecture -> HF architecture name.
@@ -54,17 +88,17 @@ def gguf_hf_architectures() -> set[str]:
 
 
 def config_reader(architecture: str):
-    """The family's own config reader (``arch_config(hf, arch, where)``) for an architecture
-    whose module has one, else None (``models/config.arch_config_from_hf`` reads it)."""
-    module = _REGISTRY.get(architecture)
-    return getattr(module, "arch_config", None) if module is not None else None
+    """The family's own config reader (``read_config(hf, arch, where)``) for a registered
+    architecture whose family has one, else None (``models/config.arch_config_from_hf`` reads it)."""
+    family = _REGISTRY.get(architecture)
+    return family.read_config if family is not None else None
 
 
 def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_model_module(architecture: str) -> ModuleType:
+def get_family(architecture: str) -> Family:
     try:
         return _REGISTRY[architecture]
     except KeyError:
@@ -73,8 +107,11 @@ def get_model_module(architecture: str) -> ModuleType:
         ) from None
 
 
+def get_model_module(architecture: str) -> ModuleType:
+    """The module that implements ``architecture``'s forward (its family's ``module``)."""
+    return get_family(architecture).module
+
+
 def keeps_sequence_state(architecture: str) -> bool:
-    """Whether the family keeps state per sequence besides its K/V pages (a hybrid model's
-    recurrent GDN state, models/qwen3_next.py): the runner then gives each request a state
-    slot, and prefix caching and speculative decoding do not apply."""
-    return getattr(get_model_module(architecture), "PER_SEQUENCE_STATE", False)
+    """Whether the family keeps state per sequence besides its K/V pages (:attr:`Family.per_sequence_state`)."""
+    return get_family(architecture).per_sequence_state

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jaxllm.cpu import native as cpu_native
 from jaxllm.errors import CompileGuardError
 from jaxllm.models.loader import LoadedModel
-from jaxllm.models.registry import get_model_module, keeps_sequence_state
+from jaxllm.models.registry import get_family, get_model_module, keeps_sequence_state
 from jaxllm.outputs import EMPTY_RUNNER_OUTPUT, RunnerOutput, SchedulerOutput
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
@@ -120,8 +120,7 @@ class ModelRunner:
         """The (K, V) cache laid out over the mesh (``kv_heads`` split when the rules say so);
         ``shapes_only``: ShapeDtypeStructs carrying the shardings, nothing allocated."""
         a, cfg = self.arch, self.cfg
-        module = get_model_module(a.architecture)
-        family = getattr(module, "allocate_cache", None)
+        family = get_family(a.architecture).allocate_cache
         if family is not None:
             # The family's own cache (MLA's latent pages; a hybrid model's K/V pages and
             # recurrent states, one slot per sequence the budget seats), laid out over the mesh

@@ -304,7 +304,7 @@ def test_loader_dequantizes_long_rows_bit_for_bit():
     import gguf
     from types import SimpleNamespace
     from gguf.quants import _type_traits, dequantize
-    from jaxllm.models.loader import _dequantize_gguf_tensor
+    from jaxllm.models.gguf_tensors import _dequantize_gguf_tensor
     rng = np.random.default_rng(1)
     for qtype in [*_type_traits, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32]:
         block, size = gguf.GGML_QUANT_SIZES[qtype]

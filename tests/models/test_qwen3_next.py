@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from support import qwen3_next_dense as qn
 from tiny_hybrid import COMMON, MOE, VARIANTS, VOCAB, build
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import qwen3_next as qn
 from jaxllm.runner.compile import enable_persistent_cache
 
 PROMPT_LEN, NEW_TOKENS, CHUNK = 70, 32, 16
