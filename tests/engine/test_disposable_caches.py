@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jaxllm.config import default_cache_dir
+from jaxllm import cache_files
 from jaxllm.cpu import native
 
 # A tiny Llama whose GGUF carries a tokenizer (converted and cached like the built-in model's).
@@ -73,11 +73,16 @@ def clean_start(tmp_path_factory):
     """A start from a fresh cache (its kernels copied from the suite's, so no compiler runs),
     and a stand-in compiler for the rebuilds."""
     assert native.available() and native.quant_available()   # built and sealed in the suite's cache
+    # Only the libraries of today's sources (the suite's cache may also hold older builds,
+    # which a start never opens and so never reports).
+    loaded = [lib._name for lib in native._state["libs"] + native._quant_state["libs"]]
     cache = str(tmp_path_factory.mktemp("cache"))
-    shutil.copytree(os.path.join(default_cache_dir(), "kernels"), os.path.join(cache, "kernels"))
     built = str(tmp_path_factory.mktemp("built"))
-    for name in os.listdir(os.path.join(cache, "kernels")):
-        shutil.copy(os.path.join(cache, "kernels", name), built)
+    os.makedirs(os.path.join(cache, "kernels"))
+    for path in loaded:
+        for name in (path, path + cache_files.SEAL_SUFFIX):
+            shutil.copy(name, os.path.join(cache, "kernels"))
+        shutil.copy(path, built)
     r = _generate(cache)
     entries = _entries(cache)
     for kind, paths in entries.items():
