@@ -99,7 +99,7 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
     compressed-tensors, gptq, fp8) keeps its linear layers quantized
     (``quant/hf_formats.py``); ``quantization`` (``--quantization``): None takes what the
     checkpoint is, a checkpoint method must match it, and ``int8`` / ``fp8`` on a float
-    checkpoint quantize its linear layers at load (``quant/int_weights.ONLINE``)."""
+    checkpoint quantize its linear layers at load (``formats/int_weights.ONLINE``)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{path}: no config.json (expected an HF model folder or a .gguf file)")

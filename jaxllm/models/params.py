@@ -25,7 +25,7 @@ from jaxllm.models.config import ArchConfig
 GLOBAL, LAYER = "global", "layer"
 
 MATRIX = "matrix"
-"""A weight matrix (or a stack of them): bf16 bit patterns on CPU (``layers/storage.py``)."""
+"""A weight matrix (or a stack of them): bf16 bit patterns on CPU (``formats/storage.py``)."""
 VECTOR = "vector"
 """Norm weights, biases, frequencies: float32 on CPU whatever the weight dtype."""
 
