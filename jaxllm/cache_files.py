@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 
 log = logging.getLogger("jaxllm.cache")
@@ -94,3 +95,16 @@ def folder_problem(folder: str) -> str | None:
 def report_rebuild(path: str, reason: str, action: str = "rebuilding it") -> None:
     """The one log line for a cache entry that is not trusted."""
     log.warning("damaged cache entry %s (%s); %s", path, reason, action)
+
+
+def discard(path: str, reason: str, action: str) -> None:
+    """Reports the untrusted entry ``path`` (a file or a folder) and removes it; one already
+    gone (another process discarded it first) is no error."""
+    report_rebuild(path, reason, action)
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

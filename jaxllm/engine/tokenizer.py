@@ -41,8 +41,7 @@ def _load_cached(folder: str):
             return PreTrainedTokenizerFast.from_pretrained(folder)
         except Exception as e:  # sealed but unreadable: another transformers' format
             problem = f"{type(e).__name__}: {e}"
-    cache_files.report_rebuild(folder, problem, "converting the tokenizer again")
-    shutil.rmtree(folder, ignore_errors=True)
+    cache_files.discard(folder, problem, "converting the tokenizer again")
     return None
 
 

@@ -109,11 +109,7 @@ def check_persistent_cache(cache_dir: str) -> None:
         if known.get(name) != stamp:
             problem = _jax_entry_problem(path)
             if problem is not None:
-                cache_files.report_rebuild(path, problem, "removed; JAX compiles its program again")
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+                cache_files.discard(path, problem, "removed; JAX compiles its program again")
                 continue
         verified[name] = stamp
     if verified != known:

@@ -123,11 +123,7 @@ class ProgramCache:
             return se.deserialize_and_load(payload, in_tree, out_tree, backend=self.devices[0].client,
                                            execution_devices=self.devices)
         except Exception as e:  # a truncated file, another jaxlib's format: compile it again
-            cache_files.report_rebuild(path, f"{type(e).__name__}: {e}", "compiling it again")
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            cache_files.discard(path, f"{type(e).__name__}: {e}", "compiling it again")
             return None
 
     def compile(self, key: str, lower):
