@@ -27,8 +27,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     out = p.add_argument_group('requests and outputs')
     if model_positional:
         model.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
-                       help="HF folder or .gguf file (default: the built-in SmolLM2-135M-Instruct)")
-    model.add_argument("--model", default=None, help="HF folder or .gguf file (default: built-in SmolLM2-135M-Instruct)")
+                       help="HF folder, .gguf file or Hub repo id (org/name, org/name:Q4_K_M for one GGUF) "
+                            "(default: the built-in SmolLM2-135M-Instruct)")
+    model.add_argument("--model", default=None, help="HF folder, .gguf file or Hub repo id (org/name, "
+                                                     "org/name:Q4_K_M) (default: built-in SmolLM2-135M-Instruct)")
+    model.add_argument("--revision", default=None,
+                       help="branch, tag or commit of a Hub model id (default: main)")
+    model.add_argument("--download-dir", default=None,
+                       help="where a Hub model id is downloaded (default: the Hugging Face cache, $HF_HOME/hub); "
+                            "HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE=1 (cache only) are read from the environment")
+    model.add_argument("--gguf-file", default=None, metavar="NAME",
+                       help="the .gguf file of a Hub repo to serve (or tag the model id: org/name:Q4_K_M)")
     model.add_argument("--tokenizer", default=None, help="tokenizer folder, when it differs from the model's")
     model.add_argument("--dtype", default="auto",
                    help="auto | float32 | bfloat16 | float16: the activations and the KV cache (and the weights "
@@ -114,7 +123,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kv_bytes = None if args.kv_cache_memory_bytes is None else parse_size(
         args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
     return EngineConfig.from_kwargs(
-        model=model, tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
+        model=model, revision=args.revision, download_dir=args.download_dir, gguf_file=args.gguf_file,
+        tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
         quantization=args.quantization, dequantize=args.dequantize,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from jaxllm.hub import check_args as check_hub_args
 from jaxllm.paths import default_cache_dir  # noqa: F401  (public here too: config.default_cache_dir)
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.structured.config import StructuredOutputsConfig
@@ -245,7 +246,14 @@ class EngineConfig:
     """Everything the engine needs; built from CLI flags or ``LLM(...)`` keyword arguments."""
 
     model: str | None = None
-    """Checkpoint: an HF folder, a .gguf file, or None for the built-in SmolLM2-135M-Instruct."""
+    """Checkpoint: an HF folder, a .gguf file, a Hub repo id (``org/name``, or ``org/name:Q4_K_M``
+    for one GGUF of a repo: see jaxllm/hub.py), or None for the built-in SmolLM2-135M-Instruct."""
+    revision: str | None = None
+    """The branch, tag or commit of a Hub model id (``--revision``); None: main."""
+    download_dir: str | None = None
+    """Where a Hub model id is downloaded (``--download-dir``); None: the Hugging Face cache."""
+    gguf_file: str | None = None
+    """The GGUF file to take from a Hub repo (``--gguf-file``), instead of a ``:QUANT`` tag."""
     tokenizer: str | None = None
     """Tokenizer folder when it differs from the model's (``--tokenizer``)."""
     skip_tokenizer_init: bool = False
@@ -272,6 +280,7 @@ class EngineConfig:
         object.__setattr__(self, "structured_outputs_config",
                            StructuredOutputsConfig.parse(self.structured_outputs_config))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        check_hub_args(self.model, self.revision, self.download_dir, self.gguf_file)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"--seed must be an integer, got {self.seed!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -9,10 +9,12 @@ is logged (jaxllm.engine) with its size and time.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 
+from jaxllm import hub
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.output_processor import OutputKind, OutputProcessor
@@ -74,10 +76,16 @@ class StepResult:
 class LLMEngine:
     def __init__(self, config: EngineConfig, replica: int = 0):
         """``replica``: the data-parallel replica this engine is (it runs on that slice of the devices)."""
-        self.config = config
         distributed.initialize(config.parallel)   # before anything touches a device
+        # A Hub model id becomes its local files here, once (jaxllm/hub.py): the engine then
+        # sees a local path, and the id stays the model's name (as vLLM reports it).
+        hub_id = config.model if hub.is_hub_id(config.model) else None
+        if hub_id is not None:
+            local = hub.resolve(config.model, config.revision, config.download_dir, config.gguf_file)
+            config = dataclasses.replace(config, model=local, revision=None, gguf_file=None)
+        self.config = config
         model, self.tokenizer = self._load(config)
-        self.model_name = model.name
+        self.model_name = hub_id or model.name
         self.arch = model.arch
         self.generation_config = dict(model.generation_config)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.generation_config)

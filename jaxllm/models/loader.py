@@ -436,8 +436,8 @@ def gguf_file(model: str | None) -> str | None:
         from jaxllm.models.builtin import builtin_gguf_path
         return builtin_gguf_path()
     if not os.path.exists(model):
-        raise ModelLoadError(f"model path {model!r} does not exist (hub downloads are not supported: "
-                             f"pass a local HF folder or .gguf file, or omit it for the built-in model)")
+        raise ModelLoadError(f"model path {model!r} does not exist (pass a local HF folder or .gguf file, "
+                             f"a Hub repo id such as org/name, or omit it for the built-in model)")
     if os.path.isfile(model):
         if not model.endswith(".gguf"):
             raise ModelLoadError(f"{model}: a model file must be a .gguf (or pass an HF folder)")
