@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -150,9 +152,15 @@ def _tokens(llm) -> list[int]:
     return out.prompt_token_ids + out.outputs[0].token_ids
 
 
-def test_download_to_a_clean_cache_then_offline_serves_the_same_tokens(fake_hub, tmp_path, monkeypatch):
+def test_download_to_a_clean_cache_then_offline_serves_the_same_tokens(fake_hub, tmp_path, monkeypatch, caplog):
     cache = str(tmp_path / "hf_cache")
-    llm = LLM("tiny/llama", download_dir=cache, **ENGINE)
+    with caplog.at_level(logging.INFO, logger="jaxllm.hub"):
+        llm = LLM("tiny/llama", download_dir=cache, **ENGINE)
+    # not a terminal: one line per file instead of huggingface_hub's bars
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxllm.hub"]
+    assert lines[0].startswith(f"downloading tiny/llama from {fake_hub.url}: ") and lines[-1].startswith(
+        "downloaded tiny/llama in ")
+    assert any(re.fullmatch(r"downloading model\.safetensors \(\d+\.\d (KiB|MiB)\)", line) for line in lines), lines
     assert llm.llm_engine.model_name == "tiny/llama"
     online = _tokens(llm)
     del llm
