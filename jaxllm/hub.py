@@ -119,21 +119,23 @@ class _Resolver:
         self.token = os.environ.get("HF_TOKEN") or None
         self.shown_endpoint = endpoint or constants.ENDPOINT
         self.where = self.repo + (f"@{revision}" if revision else "")
+        pick = gguf_file or self.quant
+        self.asked = self.where + (f" ({pick})" if pick else "")   # what was asked, for the cache's messages
 
     def run(self) -> str:
         if self.offline:
-            return self._from_cache(f"HF_HUB_OFFLINE is set and the cache ({self._cache()}) lacks {self.where}: "
+            return self._from_cache(f"HF_HUB_OFFLINE is set and the cache ({self._cache()}) lacks {self.asked}: "
                                     "run once online first, or unset HF_HUB_OFFLINE")
         try:
             files = self._list_files()
         except Exception as e:   # noqa: BLE001 - every huggingface_hub / httpx failure gets its one line
             if not _is_connection_error(e):
                 raise HubError(self._explain(e)) from None
-            unreachable = (f"cannot reach the Hub at {self.shown_endpoint} to get {self.where} "
+            unreachable = (f"cannot reach the Hub at {self.shown_endpoint} to get {self.asked} "
                            f"({_cause(e)}), and the cache ({self._cache()}) lacks it: check the network "
                            "or HF_ENDPOINT")
             path = self._from_cache(unreachable)
-            log.warning("cannot reach the Hub at %s (%s): using the cached %s", self.shown_endpoint, _cause(e), self.where)
+            log.warning("cannot reach the Hub at %s (%s): using the cached %s", self.shown_endpoint, _cause(e), self.asked)
             return path
         wanted = self._pick(files)
         try:

@@ -182,7 +182,7 @@ def test_unreachable_hub_falls_back_to_the_cache(fake_hub, tmp_path, monkeypatch
     assert hub.resolve("tiny/llama", revision="main", download_dir=cache) == folder
 
 
-def test_gguf_picked_from_a_repo_by_tag_or_name(fake_hub, tmp_path):
+def test_gguf_picked_from_a_repo_by_tag_or_name(fake_hub, tmp_path, monkeypatch):
     cache = str(tmp_path / "hf_cache")
     path = hub.resolve("tiny/llama-GGUF:q8_0", download_dir=cache)
     assert os.path.basename(path) == "tiny-Q8_0.gguf"
@@ -194,6 +194,8 @@ def test_gguf_picked_from_a_repo_by_tag_or_name(fake_hub, tmp_path):
         hub.resolve("tiny/llama-GGUF", download_dir=cache)
     with pytest.raises(hub.HubError, match=r"has no GGUF file tagged Q4_K_M \(its GGUF files: tiny-F32.gguf, tiny-Q8"):
         hub.resolve("tiny/llama-GGUF:Q4_K_M", download_dir=cache)
+    _go_offline(monkeypatch)   # the pick from the cached snapshot
+    assert hub.resolve("tiny/llama-GGUF:Q8_0", download_dir=cache) == path
 
 
 def test_gated_repo_downloads_with_hf_token(fake_hub, tmp_path, monkeypatch):
