@@ -65,7 +65,8 @@ def check_args(model: str | None, revision: str | None, download_dir: str | None
     if gguf_file is not None:
         if not hub:
             raise ValueError(f"--gguf-file {gguf_file} picks a file of a Hub repo; the model "
-                             f"{model or '(the built-in model)'} is not a Hub id (pass a local .gguf file as the model)")
+                             f"{model or '(the built-in model)'} is not a Hub id (pass a local .gguf file as "
+                             "the model)")
         if not gguf_file.endswith(".gguf"):
             raise ValueError(f"--gguf-file {gguf_file}: expected the name of a .gguf file in the repo")
         if split_quant(model)[1] is not None:
@@ -87,6 +88,7 @@ def resolve(model: str | None, revision: str | None = None, download_dir: str | 
     if not is_hub_id(model):
         return model
     offline = _offline()
+    download_dir = None if download_dir is None else os.path.expanduser(download_dir)
     endpoint = (os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None
     key = (model, revision, download_dir, gguf_file, offline, endpoint)
     with _lock:
@@ -135,7 +137,8 @@ class _Resolver:
                            f"({_cause(e)}), and the cache ({self._cache()}) lacks it: check the network "
                            "or HF_ENDPOINT")
             path = self._from_cache(unreachable)
-            log.warning("cannot reach the Hub at %s (%s): using the cached %s", self.shown_endpoint, _cause(e), self.asked)
+            log.warning("cannot reach the Hub at %s (%s): using the cached %s", self.shown_endpoint, _cause(e),
+                        self.asked)
             return path
         wanted = self._pick(files)
         try:
