@@ -94,6 +94,7 @@ def resolve(model: str | None, revision: str | None = None, download_dir: str | 
     with _lock:
         if key not in _resolved:
             _resolved[key] = _Resolver(model, revision, download_dir, gguf_file, offline, endpoint).run()
+            log.info("Hub model %s%s: %s", model, f"@{revision}" if revision else "", _resolved[key])
         return _resolved[key]
 
 

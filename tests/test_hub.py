@@ -158,8 +158,8 @@ def test_download_to_a_clean_cache_then_offline_serves_the_same_tokens(fake_hub,
         llm = LLM("tiny/llama", download_dir=cache, **ENGINE)
     # not a terminal: one line per file instead of huggingface_hub's bars
     lines = [r.getMessage() for r in caplog.records if r.name == "jaxllm.hub"]
-    assert lines[0].startswith(f"downloading tiny/llama from {fake_hub.url}: ") and lines[-1].startswith(
-        "downloaded tiny/llama in ")
+    assert lines[0].startswith(f"downloading tiny/llama from {fake_hub.url}: ")
+    assert lines[-2].startswith("downloaded tiny/llama in ") and lines[-1].startswith(f"Hub model tiny/llama: {cache}")
     assert any(re.fullmatch(r"downloading model\.safetensors \(\d+\.\d (KiB|MiB)\)", line) for line in lines), lines
     assert llm.llm_engine.model_name == "tiny/llama"
     online = _tokens(llm)
