@@ -90,11 +90,12 @@ def all_blocks() -> list[Block]:
 def commands(body: str) -> list[str]:
     """A shell block's commands: continuation lines and open quotes joined, comments and blank
     lines dropped."""
-    out, cur = [], ""
+    out, cur, continued = [], "", False
     for raw in body.splitlines():
         line = raw.rstrip()
-        cur = cur + "\n" + line if cur else line
-        if cur.endswith("\\"):
+        cur = cur + line.lstrip() if continued else (cur + "\n" + line if cur else line)
+        continued = cur.endswith("\\")
+        if continued:
             cur = cur[:-1].rstrip() + " "
             continue
         try:
