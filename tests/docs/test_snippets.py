@@ -105,6 +105,15 @@ def _point_at(text: str, base: str) -> str:
     return text
 
 
+def _parse_jaxllm(block, argv: list[str]) -> None:
+    """``jaxllm ARGV`` through the CLI's own parser; its one-line error becomes the failure."""
+    from jaxllm import cli
+    try:
+        cli.parse_args(cli.build_parser(), argv[1:])
+    except SystemExit as e:
+        raise AssertionError(f"{block.where}: `{' '.join(argv)}` is refused by jaxllm's parser (exit {e.code})") from None
+
+
 def _check_expect(block, out: str, report: list[str]) -> None:
     expect = block.attrs.get("expect")
     if expect is not None:
@@ -143,12 +152,11 @@ def run_python(block, env, tmp_path, request, report):
 
 
 def run_shell(block, env, tmp_path, request, report):
-    from jaxllm import cli
     out = []
     for cmd in commands(_substituted(block, block.body, report)):
         argv = argv_of(cmd)
         if argv[:2] == ["jaxllm", "serve"]:
-            cli.parse_args(cli.build_parser(), argv[1:])
+            _parse_jaxllm(block, argv)
             base = request.getfixturevalue("docs_server")
             report.append(f"  `{cmd}`: flags parse; served by the shared server {base}")
             continue
@@ -166,7 +174,6 @@ def _script_flags(path: str) -> str:
 
 
 def check_flags(block, env, tmp_path, request, report):
-    from jaxllm import cli
     assert block.attrs.get("reason"), f"{block.where}: a `flags` block says why it does not run (reason=...)"
     report.append(f"  not run ({block.attrs['reason']}); flags checked:")
     for cmd in commands(block.body):
@@ -177,7 +184,7 @@ def check_flags(block, env, tmp_path, request, report):
             report.append(f"  `{cmd}`: shell syntax")
             continue
         if argv[0] == "jaxllm":
-            cli.parse_args(cli.build_parser(), argv[1:])
+            _parse_jaxllm(block, argv)
             report.append(f"  `{' '.join(argv)[:100]}`: jaxllm's parser accepts it")
         elif argv[:2] == ["python", "-c"]:
             compile(argv[2], block.where, "exec")
