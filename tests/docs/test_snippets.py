@@ -27,6 +27,7 @@ import time
 import httpx
 import pytest
 
+from jaxllm import cli
 from snippets import KINDS, ROOT, all_blocks, argv_of, commands
 
 BLOCKS = all_blocks()
@@ -107,7 +108,6 @@ def _point_at(text: str, base: str) -> str:
 
 def _parse_jaxllm(block, argv: list[str]) -> None:
     """``jaxllm ARGV`` through the CLI's own parser; its one-line error becomes the failure."""
-    from jaxllm import cli
     try:
         cli.parse_args(cli.build_parser(), argv[1:])
     except SystemExit as e:
