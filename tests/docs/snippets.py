@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 KINDS = {
     "python": "executed in a fresh interpreter in a temp dir (server URL pointed at the shared server)",
     "shell": "its commands run in a temp dir: `jaxllm serve` is the shared server, `curl` talks to it",
-    "flags": "each command's flags checked against its parser, not run (reason says why)",
+    "flags": "each command's flags checked against its parser, not run (reason says why; run=N: the first N run)",
     "output-of-previous": "each line with `expect` must appear in what the previous block printed",
     "skip": "not run; reason printed",
 }

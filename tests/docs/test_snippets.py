@@ -10,7 +10,8 @@ that talks to it.  Documented substitutions keep the file near two minutes:
   address;
 - a block annotated ``flags`` (benchmarks that take minutes, commands needing GPUs, several
   hosts or llama.cpp) has each command's flags checked against the parser it will meet:
-  ``jaxllm``'s (jaxllm/cli.py) or the ``add_argument`` strings of the ``bench/`` script;
+  ``jaxllm``'s (jaxllm/cli.py) or the ``add_argument`` strings of the ``bench/`` script
+  (``run="N"``: its first N commands run as written);
 - a block annotated ``skip`` is not run, and its reason is printed.
 """
 
@@ -175,8 +176,16 @@ def _script_flags(path: str) -> str:
 
 def check_flags(block, env, tmp_path, request, report):
     assert block.attrs.get("reason"), f"{block.where}: a `flags` block says why it does not run (reason=...)"
-    report.append(f"  not run ({block.attrs['reason']}); flags checked:")
-    for cmd in commands(block.body):
+    cmds = commands(_substituted(block, block.body, report))
+    n_run = int(block.attrs.get("run", 0))
+    out = []
+    for cmd in cmds[:n_run]:   # ``run="N"``: the first N commands do run
+        r = _run(cmd, env, str(tmp_path), shell=True)
+        assert r.returncode == 0, f"{block.where}: `{cmd}` exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        report.append(f"  `{cmd[:100]}`: run, exit 0, printed {r.stdout.strip()[:120]!r}")
+        out.append(r.stdout)
+    report.append(f"  {'the rest ' if n_run else ''}not run ({block.attrs['reason']}); flags checked:")
+    for cmd in cmds[n_run:]:
         argv = argv_of(cmd)
         # Shell variables of a loop stand for numbers in every docs block that uses them.
         argv = [re.sub(r"\$\w+", "1", a) for a in argv]
@@ -202,7 +211,7 @@ def check_flags(block, env, tmp_path, request, report):
             report.append(f"  `{cmd[:100]}`: an install, not run")
         else:
             raise AssertionError(f"{block.where}: no way to check the flags of `{cmd}`")
-    return ""
+    return "".join(out)
 
 
 def output_of_previous(block, env, tmp_path, request, report):
