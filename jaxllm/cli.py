@@ -98,7 +98,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     out.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                    help='structured outputs, vLLM\'s shape: '
                         '{"backend": "auto"|"guidance", '
-                        '"disable_any_whitespace": false, "disable_additional_properties": false, '
+                        '"disable_any_whitespace": true (compact JSON; false: any whitespace), '
+                        '"disable_additional_properties": false, '
                         '"enable_in_reasoning": false, "reasoning_end_token_ids": [], "cache_size": 256}')
     out.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '

@@ -19,8 +19,12 @@ BACKENDS = ("auto", "guidance")
 class StructuredOutputsConfig:
     backend: str = "auto"
     """``auto`` or ``guidance`` (llguidance)."""
-    disable_any_whitespace: bool = False
-    """JSON grammars allow no whitespace between tokens (compact output) for every request."""
+    disable_any_whitespace: bool = True
+    """JSON grammars allow no whitespace between tokens (compact output), the default: sampled
+    outputs of a small model complete within ``max_tokens`` more often than with flexible
+    whitespace (bench/structured_whitespace.py, docs/BENCHMARKS.md).  ``False``: any run of
+    whitespace between tokens (vLLM's default); a request's own ``disable_any_whitespace``
+    then makes it compact."""
     disable_additional_properties: bool = False
     """JSON schemas that do not say otherwise get ``additionalProperties: false``."""
     enable_in_reasoning: bool = False

@@ -172,6 +172,49 @@ def test_structured_outputs_config_flag():
             cli.engine_config_from_args(args)
 
 
+def test_json_whitespace_is_compact_by_default_and_flexible_on_request():
+    """Compact JSON by default (docs/BENCHMARKS.md, "Structured outputs: whitespace": sampled
+    outputs complete within max_tokens more often); ``disable_any_whitespace: false``
+    engine-wide gives llguidance's flexible whitespace, where a request's own flag still makes
+    it compact."""
+    from jaxllm.structured.config import StructuredOutputsConfig
+    from jaxllm.structured.grammar import grammar_text
+
+    def flexible(so, config=None):
+        return json.loads(grammar_text(so, config))["grammars"][0]["json_schema"]["x-guidance"]["whitespace_flexible"]
+
+    engine_flexible = StructuredOutputsConfig.parse('{"disable_any_whitespace": false}')
+    assert flexible(SO(json=PERSON)) is False
+    assert flexible(SO(json_object=True)) is False
+    assert flexible(SO(json=PERSON), engine_flexible) is True
+    assert flexible(SO(json=PERSON, disable_any_whitespace=True), engine_flexible) is False
+
+
+def test_what_json_whitespace_each_setting_accepts(smollm_tokenizer_dir):
+    """The README's rule, on llguidance's matcher: compact accepts no whitespace between JSON
+    tokens, flexible any (newlines too), a request's whitespace pattern exactly its pattern."""
+    import llguidance
+    import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxllm.structured.config import StructuredOutputsConfig
+    from jaxllm.structured.grammar import grammar_text
+
+    tok = PreTrainedTokenizerFast.from_pretrained(smollm_tokenizer_dir)
+    ll_tok = llguidance.hf.from_tokenizer(tok)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    flexible = StructuredOutputsConfig(disable_any_whitespace=False)
+
+    def accepts(grammar, text):
+        m = llguidance.LLMatcher(ll_tok, grammar)
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) and not m.is_error()
+
+    texts = ['{"a":1}', '{"a": 1}', '{\n  "a" : 1 }']
+    assert [accepts(grammar_text(SO(json=schema)), t) for t in texts] == [True, False, False]
+    assert [accepts(grammar_text(SO(json=schema), flexible), t) for t in texts] == [True, True, True]
+    assert [accepts(grammar_text(SO(json=schema, whitespace_pattern="[ ]?")), t) for t in texts] == [True, True, False]
+
+
 def test_structural_tag_and_schema_options_compile(tiny_llm):
     from jaxllm.structured.grammar import GrammarError, _no_additional_properties
     gc = tiny_llm.llm_engine.grammar
