@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from jaxllm import console
+from jaxllm import console, profiling
 from jaxllm.host_memory import return_freed_memory
 from jaxllm.runner import compile as cc
 from jaxllm.runner import inputs as rin
@@ -168,6 +168,7 @@ class CompilationManager:
             bar.close()
         for (kind, key), program in built.items():
             (self.steps if kind == "step" else self.samplers)[key] = program
+        profiling.register_programs(built.values())   # so a profile's table names the native kernels
         seconds = time.perf_counter() - t0
         self.seconds += seconds
         self.compiled += counts["compiled"]
