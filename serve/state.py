@@ -140,7 +140,7 @@ class ServerState:
         else:
             log.info("No default sampling parameters from the generation config; OpenAI's defaults apply.")
         if metrics is None:
-            metrics = Metrics(names[0], None if config.disable_log_stats else 10.0)
+            metrics = Metrics(names[0], None if config.disable_log_stats else config.log_stats_interval)
         tool_parser, reasoning_parser = resolve_parsers(config)
         return cls(engine=engine, config=config, served_names=tuple(names), defaults=defaults, metrics=metrics,
                    chat_template=resolve_chat_template(config.chat_template), tool_parser=tool_parser,

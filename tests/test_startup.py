@@ -9,11 +9,24 @@ import sys
 
 from test_errors import assert_one_line_error, cli
 
+# The native kernels build on threads started before the weights load: their lines come in any
+# order with the loading's, but before the weights go to the device (the layout needs them).
+KERNELS = r"native CPU kernel linear\.cc: (reusing|compiling)"
+
 STEPS = [r"loading weights of ", r"loaded \d+ tensors, [\d.]+ MiB, in [\d.]+ s",
-         r"tokenizer: \d+ tokens, in [\d.]+ s", r"native CPU kernel linear\.cc: (reusing|compiling)",
-         r"weights on the device: [\d.]+ MiB", r"KV cache: \d+ blocks .*--kv-cache-memory-bytes sets it",
+         r"tokenizer: \d+ tokens, in [\d.]+ s", r"weights on the device: [\d.]+ MiB", r"KV cache: \d+ blocks .*--kv-cache-memory-bytes sets it",
          r"(compiling \d+ programs \(\d+ from the cache\)|loading \d+ programs from the cache)",
          r"\d+ programs ready in [\d.]+ s: \d+ compiled, \d+ loaded from the cache"]
+
+
+def assert_in_order(log: str) -> None:
+    at = 0
+    for step in STEPS:
+        m = re.compile(step).search(log, at)
+        assert m is not None, f"{step!r} missing after position {at} in:\n{log}"
+        at = m.end()
+    kernels, device = re.search(KERNELS, log), re.search(STEPS[3], log)
+    assert kernels is not None and kernels.start() < device.start(), log
 
 
 def test_generate_says_what_it_does_in_order(tiny_llama):
@@ -25,14 +38,35 @@ def test_generate_says_what_it_does_in_order(tiny_llama):
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("Hello") and len(r.stdout.strip()) > len("Hello"), r.stdout
     log = r.stderr.replace("\r", "\n")
-    at = 0
-    for step in STEPS:
-        m = re.compile(step).search(log, at)
-        assert m is not None, f"{step!r} missing after position {at} in:\n{log}"
-        at = m.end()
+    assert_in_order(log)
     # One-shot: the prompt's bucket and the decode bucket (and their samplers), not all 6 programs.
     ready = [int(n) for n in re.findall(r"(\d+) programs ready", log)]
     assert 0 < sum(ready) <= 4, log
+
+
+LLM_SCRIPT = """
+import logging, sys
+from jaxllm import LLM, SamplingParams
+if sys.argv[2] == "configured":
+    logging.basicConfig(level=logging.WARNING)   # the script's own choice wins
+llm = LLM(sys.argv[1], max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64)
+print(llm.generate(["Hello"], SamplingParams(max_tokens=3))[0].outputs[0].text != "")
+"""
+
+
+def test_llm_in_a_script_logs_the_same_phases_with_timestamps_and_no_bars(tiny_llama):
+    # stderr is a pipe here, as in a log file: one line per phase, no bar, no cursor codes.
+    run = lambda how: subprocess.run([sys.executable, "-c", LLM_SCRIPT, tiny_llama, how],  # noqa: E731
+                                     capture_output=True, text=True, timeout=600)
+    r = run("default")
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
+    assert "\r" not in r.stderr and "\x1b" not in r.stderr and "Processed prompts" not in r.stderr, r.stderr
+    assert_in_order(r.stderr)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (INFO|WARNING) jaxllm", ln) for ln in lines), r.stderr
+    # A script that set up logging itself gets what it asked for: no INFO lines from jaxllm.
+    r = run("configured")
+    assert r.returncode == 0 and "INFO" not in r.stderr and "loading weights" not in r.stderr, r.stderr
 
 
 def test_serve_refuses_on_demand_compilation_before_loading():

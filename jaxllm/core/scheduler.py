@@ -88,6 +88,9 @@ class Scheduler:
         # Requests the runner has state for (sent as new once, then as diffs).
         self._runner_knows: set[str] = set()
         self.num_preemptions = 0
+        # Prompt tokens run through the model since start, counted as each prefill chunk completes
+        # (a long chunked prefill shows in the prompt throughput while it runs, not at its end).
+        self.num_prompt_tokens_computed = 0
         self.spec_stats = SpecDecodingStats()
         self.clock = clock
         self._events: list[SchedulingEvent] = []
@@ -225,6 +228,8 @@ class Scheduler:
                 accepted = len(new_tokens) - 1
                 n -= len(drafts) - accepted
                 self.spec_stats.observe(len(drafts), accepted)
+            self.num_prompt_tokens_computed += max(
+                0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
             req.num_computed_tokens += n
             self.kv.cache_computed_blocks(req)
             req.spec_token_ids = result.draft_token_ids.get(rid) or []

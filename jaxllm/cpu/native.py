@@ -9,6 +9,14 @@ found, or the build fails; the reason is logged once.
 The packed-GGUF-block matmul (``quant_linear.cc``, which also needs F16C) is built and
 registered on its own by ``quant_available()``, with its own log line, so that its failure
 never turns off the kernels above.
+
+``python -m jaxllm.cpu.native`` builds them all now (scripts/setup.sh runs it, so that the
+first start after an install does not wait ~15-20 s for g++ on a two-core machine).
+
+``prefetch()`` starts every build at once on a thread pool and returns: an engine calls it
+before it loads the weights, so that the compilers run while the checkpoint and tokenizer load,
+all five side by side (not two groups one after the other); ``available()`` and
+``quant_available()`` then wait for the builds they need.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +73,8 @@ _TARGETS = {jnp.dtype(jnp.float32): "jaxllm_linear_f32", jnp.dtype(jnp.uint16): 
 _lock = threading.Lock()
 _state: dict = {}
 _quant_state: dict = {}
+_prefetch_lock = threading.Lock()
+_builds: dict[str, Future] = {}   # source -> its build (the library's path), once prefetch() ran
 
 
 def _cpu_flags() -> set[str]:
@@ -113,6 +123,43 @@ def _build(source: str, flags: list[str] = _FLAGS) -> str:
     return lib
 
 
+def prefetch() -> None:
+    """Starts building every kernel this CPU can run, each in its own compiler process, and
+    returns at once (once per process; a no-op off the CPU backend or when a build is cached,
+    since ``_build`` then only checks the cached library).  Failures surface later, in
+    ``available()`` / ``quant_available()``, with their usual log line."""
+    with _prefetch_lock:
+        if _builds or jax.default_backend() != "cpu":
+            return
+        have = _cpu_flags()
+        jobs = []
+        if {"avx2", "fma"} <= have:
+            jobs += [(src, _FLAGS) for src in _KERNELS]
+        if {"avx2", "fma", "f16c"} <= have:
+            jobs += [(src, _QUANT_FLAGS) for src in _QUANT_KERNELS]
+        if not jobs:
+            return
+        # One thread per source: each thread only waits on its g++, which the OS spreads over the cores.
+        pool = ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="jaxllm-kernel-build")
+        for src, flags in jobs:
+            _builds[src] = pool.submit(_build, src, flags)
+        pool.shutdown(wait=False)   # the threads end with their builds
+
+
+def build_all() -> int:
+    """Builds (or finds cached) every kernel this CPU can run and registers them; the number
+    of kernel groups that are unavailable (0 when all are ready)."""
+    prefetch()
+    return sum(not ok for ok in (available(), quant_available()))
+
+
+def _built(source: str, flags: list[str]) -> str:
+    """The library of ``source``: the prefetched build's, else built now."""
+    with _prefetch_lock:
+        future = _builds.get(source)
+    return future.result() if future is not None else _build(source, flags)
+
+
 def _load(state: dict, kernels: dict, flags: list[str], cpu_flags: set[str], unavailable: str) -> bool:
     """Builds ``kernels`` (source -> {FFI target: symbol}) with ``flags`` and registers their
     targets, once per ``state``; logs ``unavailable`` with the reason when that fails."""
@@ -128,7 +175,7 @@ def _load(state: dict, kernels: dict, flags: list[str], cpu_flags: set[str], una
             try:
                 # Each source is its own compiler process: a first start builds them side by side.
                 with ThreadPoolExecutor(max_workers=len(kernels)) as pool:
-                    paths = list(pool.map(lambda src: _build(src, flags), kernels))
+                    paths = list(pool.map(lambda src: _built(src, flags), kernels))
                 libs = []
                 for path, targets in zip(paths, kernels.values()):
                     lib = ctypes.cdll.LoadLibrary(path)
@@ -226,3 +273,9 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     target = _TARGETS[jnp.dtype(w.dtype)]
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%Y-%m-%d %H:%M:%S")
+    raise SystemExit(build_all())

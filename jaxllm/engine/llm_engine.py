@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from jaxllm import hub
 from jaxllm.config import EngineConfig
+from jaxllm.cpu import native
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.output_processor import OutputKind, OutputProcessor
 from jaxllm.engine.processor import InputProcessor, PromptType
@@ -55,6 +56,9 @@ class EngineStats:
     """... the ones accepted, ..."""
     spec_accepted_per_pos: tuple[int, ...] = ()
     """... and those by position in the proposal (0: the first proposed token)."""
+    prompt_tokens_computed: int = 0
+    """Prompt tokens run through the model since start, counted per prefill chunk (prefix-cache
+    hits excluded; a preempted request's recomputed prompt counted again)."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -77,6 +81,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, replica: int = 0):
         """``replica``: the data-parallel replica this engine is (it runs on that slice of the devices)."""
         distributed.initialize(config.parallel)   # before anything touches a device
+        rc = config.runner
+        if rc.cpu_matmul != "xla" or rc.attention_backend in ("auto", "native"):
+            # The native CPU kernels' first build (~15 s of g++ on two cores) runs beside the loading.
+            native.prefetch()
         # A Hub model id becomes its local files here, once (jaxllm/hub.py): the engine then
         # sees a local path, and the id stays the model's name (as vLLM reports it).
         hub_id = config.model if hub.is_hub_id(config.model) else None
@@ -158,7 +166,8 @@ class LLMEngine:
                            prefix_cache_queries=kv.prefix_cache_queries, prefix_cache_hits=kv.prefix_cache_hits,
                            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                            spec_num_accepted_tokens=spec.num_accepted_tokens,
-                           spec_accepted_per_pos=tuple(spec.accepted_per_pos))
+                           spec_accepted_per_pos=tuple(spec.accepted_per_pos),
+                           prompt_tokens_computed=sched.num_prompt_tokens_computed)
 
     def compile_all(self) -> None:
         """Makes every step bucket's programs ready (a server calls it before serving), and the

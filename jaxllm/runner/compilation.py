@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
+from jaxllm import console, profiling
 from jaxllm.host_memory import return_freed_memory
 from jaxllm.runner import compile as cc
 from jaxllm.runner import inputs as rin
@@ -139,7 +140,7 @@ class CompilationManager:
         else:
             log.info("compiling %d programs (%d from the cache)", len(jobs), len(cached))
         bar = None
-        if self.show_progress:
+        if self.show_progress and console.bars_allowed():   # else the two log lines around it
             bar = tqdm(total=len(jobs), unit="program", leave=False,
                        desc=f"loading {len(cached)} programs from the cache" if everything_cached
                        else f"compiling {len(jobs) - len(cached)} programs, {len(cached)} from the cache")
@@ -167,6 +168,7 @@ class CompilationManager:
             bar.close()
         for (kind, key), program in built.items():
             (self.steps if kind == "step" else self.samplers)[key] = program
+        profiling.register_programs(built.values())   # so a profile's table names the native kernels
         seconds = time.perf_counter() - t0
         self.seconds += seconds
         self.compiled += counts["compiled"]

@@ -100,10 +100,14 @@ def test_latency_profile_writes_a_trace_with_device_ops(tiny_llama, tmp_path, ca
 
     # The top-ops table names ops that are in the trace, largest first.
     table = out[out.index("top XLA ops by self time"):]
-    rows = re.findall(
-        r"^\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)\s+(\d+\.\d+)\s+(\S+)\s+jit_(?:sample_)?step(?:#\d+)?\s*$", table, re.M)
+    # The op column: the HLO instruction, or "kernel (ffi_call.N)" for a native kernel's custom call.
+    rows = re.findall(r"^\s+(\d+\.\d+)\s+(\d+\.\d+)\s+(\d+)\s+(\d+\.\d+)\s+(?:(\w+) \()?([\w.\-]+)\)?"
+                      r"\s+jit_(?:sample_)?step(?:#\d+)?\s*$", table, re.M)
     assert len(rows) >= 5, table
-    assert all(r[4] in names for r in rows), (rows, sorted(names)[:10])
+    assert all(r[5] in names for r in rows), (rows, sorted(names)[:10])
+    # The native kernels are named by their FFI targets, never as a bare ffi_call.N.
+    calls = [r for r in rows if r[5].startswith("ffi_call")]
+    assert calls and all(r[4].startswith("jaxllm_") for r in calls), table
     self_ms = [float(r[0]) for r in rows]
     assert self_ms == sorted(self_ms, reverse=True)
 
@@ -112,6 +116,25 @@ def test_latency_profile_writes_a_trace_with_device_ops(tiny_llama, tmp_path, ca
     assert res["num_decode_steps"] == 6 and res["num_prefill_steps"] == 2 and res["median_decode_step_s"] > 0
     assert set(res["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert res["profile"]["xplane"] == xplane
+
+
+def test_op_table_names_a_native_kernel_by_its_target(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    from jaxllm import profiling
+    from jaxllm.cpu import native
+
+    if not native.available():
+        pytest.skip("the native CPU kernels are unavailable here")
+    x, w = jnp.ones((4, 64)), jnp.ones((64,))
+    program = jax.jit(lambda x, w: native.rms_norm(x, w, 1e-5) * 2).lower(x, w).compile()
+    profiling.register_programs([program])   # what the engine's compilation does with its programs
+    program(x, w).block_until_ready()
+    profiling.start(str(tmp_path))
+    program(x, w).block_until_ready()
+    table = profiling.summarize(profiling.stop())
+    assert re.search(r"jaxllm_rms_norm_f32 \(ffi_call\.\d+\)", table), table
+    assert "by kind:" in table and "jaxllm_rms_norm_f32 " in table.split("by kind:")[1], table
 
 
 def test_summary_says_when_the_table_cannot_be_made(tmp_path):

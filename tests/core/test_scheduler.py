@@ -69,6 +69,18 @@ def test_chunked_prefill_respects_the_token_budget():
     assert s.requests["a"].output_token_ids == [7]   # a token only after the last chunk
 
 
+def test_prompt_tokens_are_counted_as_each_chunk_completes():
+    # The server's prompt throughput reads this counter: a long chunked prefill must show while
+    # it runs, not only when its first token comes out.
+    s = sched(budget=8)
+    s.add_request(make("a", 20))
+    counted = []
+    for _ in range(4):
+        run_step(s)
+        counted.append(s.num_prompt_tokens_computed)
+    assert counted == [8, 16, 20, 20]   # decode steps add no prompt tokens
+
+
 def test_decodes_are_served_before_new_prefills_and_share_the_budget():
     s = sched(budget=10, seqs=4)
     s.add_request(make("a", 3))

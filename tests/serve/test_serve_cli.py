@@ -9,6 +9,7 @@ the process exits 0 within seconds.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import os
 import signal
@@ -24,7 +25,11 @@ pytest.register_assert_rewrite("serve_helpers")  # before its import, so its ass
 
 from serve_helpers import free_port, parse_sse, wait_for_health  # noqa: E402
 
+from jaxllm.config import ServingConfig  # noqa: E402
+from jaxllm.engine.async_engine import IterationStats  # noqa: E402
+from jaxllm.engine.llm_engine import EngineStats  # noqa: E402
 from jaxllm.sampling_params import SamplingParams  # noqa: E402
+from serve.stat_logger import StatLogger  # noqa: E402
 from serve.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from serve.state import generation_defaults, validate_defaults  # noqa: E402
 
@@ -33,6 +38,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _check_ok(sp: SamplingParams) -> None:
     pass
+
+
+def _engine_stats(prompt_tokens_computed: int) -> IterationStats:
+    e = EngineStats(num_running=1, num_waiting=0, num_free_blocks=5, num_blocks=10, num_preemptions=0,
+                    prompt_tokens_computed=prompt_tokens_computed)
+    return IterationStats(engine=e, num_prompt_tokens=0, num_generation_tokens=0, time_to_first_token=(),
+                          inter_token_latency=(), finished=())
+
+
+def test_prompt_throughput_counts_prefill_chunks_before_the_first_token(caplog):
+    # A long chunked prefill: 512 prompt tokens per step, no request has its first token yet.
+    now = [0.0]
+    logger = StatLogger(10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="jaxllm.serve"):
+        for step in range(1, 11):
+            logger.record(_engine_stats(512 * step))
+            now[0] += 1.0
+        logger.record(_engine_stats(512 * 11))   # at t=10 s: 11 chunks in the window
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "Avg prompt throughput: 563.2 tokens/s" in lines[0], lines
+    with pytest.raises(ValueError, match="JAXLLM_LOG_STATS_INTERVAL"):
+        ServingConfig(log_stats_interval=0)
 
 
 def test_generation_defaults_follow_vllms_precedence(tmp_path):
@@ -78,7 +105,8 @@ def test_cli_serve_defaults_api_key_and_graceful_sigterm(tiny_llama, tmp_path):
     (ckpt / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.0, "max_new_tokens": 200}))
     port = free_port()
-    env = {**os.environ, "JAXLLM_API_KEY": "k3y"}
+    # A stats line every 0.2 s, so that "nothing after server stopped" is tested against a logger that is busy.
+    env = {**os.environ, "JAXLLM_API_KEY": "k3y", "JAXLLM_LOG_STATS_INTERVAL": "0.2"}
     cmd = [sys.executable, "-m", "jaxllm.cli", "serve", str(ckpt), "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "cli-model", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
            "--max-model-len", "256", "--dtype", "float32", "--override-generation-config", '{"top_p": 0.9}']
@@ -143,6 +171,7 @@ def test_cli_serve_defaults_api_key_and_graceful_sigterm(tiny_llama, tmp_path):
         assert re.search(r'"POST /v1/completions" 200 prompt_tokens=\d+ output_tokens=12 [\d.]+s', log), log
         assert re.search(r'"POST /v1/completions" 400 prompt_tokens=- output_tokens=- [\d.]+s', log), log
         assert re.search(r'"GET /v1/models" 401 ', log), log
+        assert re.search(r"Avg prompt throughput: [1-9][\d.]* tokens/s", log), log
         assert "server stopped" in lines[-1], lines[-3:]
     finally:
         if proc.poll() is None:
