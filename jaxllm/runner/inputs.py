@@ -66,8 +66,16 @@ def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket:
     token and the k proposals as one sequence, and takes k + 1 sampling rows: row j draws
     after token j, at output position out_pos + j, with min_tokens, bad words and penalties
     applied as if d_1..d_j had been sampled (sample/arrays.py)."""
-    seqs = list(so.num_scheduled_tokens.items())
-    spec = so.scheduled_spec_decode_tokens
+    return prepare_sequences(list(so.num_scheduled_tokens.items()), so.scheduled_spec_decode_tokens, states, cfg,
+                             bucket)
+
+
+def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], states: RequestStates,
+                      cfg: StepConfig, bucket: tuple[int, int]) -> PreparedStep:
+    """:func:`prepare` of ``seqs`` ((request id, tokens to compute) in batch order) and the
+    proposals they verify (``spec``): each request's tokens, computed count and block table
+    are read from ``states``.  A draft model's step (spec_decode/draft_model.py) comes here
+    directly: its states carry the target's block tables, no scheduler output is built."""
     Tb, Sb = bucket
     BS = cfg.block_size
     K = cfg.num_speculative_tokens
