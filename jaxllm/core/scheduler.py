@@ -29,6 +29,9 @@ token budget, ``max_model_len`` and what is left of ``max_tokens`` allow.  The r
 the tokens plain decoding would have drawn up to and including the first rejected proposal;
 the KV of the rejected ones is not counted as computed (it is overwritten later), and the
 stop rules run token by token, so a stop inside an accepted run ends the request there.
+With a draft model, each sampling request also gets ``num_lookahead_tokens`` slots past its
+tokens, from the blocks the step left free, for the KV of the draft's proposals: one
+allocation holds both models' pages (vLLM's lookahead slots).
 """
 
 from __future__ import annotations
@@ -68,8 +71,11 @@ class SpecDecodingStats:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, policy: str = "fcfs", starvation_steps: int = 1000, clock=time.monotonic):
-        """``clock``: the events' timestamps (the clock of ``EngineRequest.arrival_time``)."""
+                 max_model_len: int, policy: str = "fcfs", starvation_steps: int = 1000, clock=time.monotonic,
+                 num_lookahead_tokens: int = 0):
+        """``clock``: the events' timestamps (the clock of ``EngineRequest.arrival_time``);
+        ``num_lookahead_tokens``: slots allocated past a sampling request's tokens where the
+        pool has room (a draft model's proposals: spec_decode/draft_model.py)."""
         if policy not in POLICIES:
             raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.kv = kv
@@ -80,6 +86,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -187,6 +194,11 @@ class Scheduler:
                 num_scheduled[req.request_id] = n
                 new_blocks[req.request_id] = blocks
                 budget -= n
+
+        # 3. Lookahead slots, from what this step's tokens left free (never a reason to preempt).
+        if self.num_lookahead_tokens:
+            for rid, n in num_scheduled.items():
+                new_blocks[rid] = new_blocks[rid] + self._lookahead(self.requests[rid], n)
 
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
@@ -302,6 +314,16 @@ class Scheduler:
         k = min(len(req.spec_token_ids), budget - 1, self.max_model_len - req.num_tokens,
                 req.max_tokens - len(req.output_token_ids) - 1)
         return req.spec_token_ids[:max(k, 0)]
+
+    def _lookahead(self, req: Request, n: int) -> list[int]:
+        """Blocks for ``num_lookahead_tokens`` positions past the ``n`` tokens ``req`` computes
+        this step, if it samples in it and the pool has them all (else none): a draft model
+        writes its proposals' KV there after the step, in its own pages of the request's
+        blocks; the next verification computes the target's KV at the same positions."""
+        if req.num_computed_tokens + n < req.num_tokens:
+            return []       # a prefill chunk that is not the last: nothing is proposed after it
+        want = min(req.num_computed_tokens + n + self.num_lookahead_tokens, self.max_model_len)
+        return self.kv.allocate_slots(req.request_id, want) or []
 
     def _check_stop(self, req: Request) -> bool:
         sp = req.sampling_params

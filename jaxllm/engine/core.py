@@ -115,7 +115,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv_manager, max_num_seqs=r.step.max_num_seqs,
                                    max_num_batched_tokens=r.step.max_num_batched_tokens,
                                    max_model_len=r.step.max_model_len,
-                                   policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps)
+                                   policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps,
+                                   num_lookahead_tokens=spec.num_speculative_tokens if draft is not None else 0)
         # auto: on demand for one-shot use; a server compiles the rest when it starts
         # (AsyncEngine), and every host of a multi-host engine compiles all up front.
         mode = config.runner.precompile

@@ -1,5 +1,6 @@
-"""A step's inputs on the host: one ``SchedulerOutput`` and the requests' state ->
-an immutable :class:`PreparedStep` of numpy arrays padded to the step's bucket (T, S).
+"""A step's inputs on the host: the scheduled sequences (a ``SchedulerOutput``'s, or a draft
+model's) and the requests' state -> an immutable :class:`PreparedStep` of numpy arrays padded
+to the step's bucket (T, S).
 
 Batch rows are rebuilt every step in the scheduler's order; padding tokens write into the
 null block 0 and padding rows sample into the sampler state's scratch row.
@@ -58,16 +59,19 @@ def num_rows(so: SchedulerOutput) -> int:
     return len(so.num_scheduled_tokens) + sum(len(d) for d in so.scheduled_spec_decode_tokens.values())
 
 
-def prepare(so: SchedulerOutput, states: RequestStates, cfg: StepConfig, bucket: tuple[int, int]) -> PreparedStep:
-    """``bucket``: the step's (T, S), picked by the caller (runner/buckets.pick).  Also tells
-    the sampler rows which requests take their first step (``states.rows``).
+def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], states: RequestStates,
+                      cfg: StepConfig, bucket: tuple[int, int]) -> PreparedStep:
+    """The inputs of a step of ``seqs`` ((request id, tokens to compute) in the batch's order)
+    verifying ``spec`` (request id -> proposals), read from each request's state in ``states``
+    (tokens, computed count, block table).  ``bucket``: the step's (T, S), picked by the caller
+    (runner/buckets.pick).  Also tells the sampler rows which requests take their first step
+    (``states.rows``).  The target's step passes its ``SchedulerOutput``'s; a draft model's step
+    (spec_decode/draft_model.py) its own states on the target's block tables, and no proposals.
 
-    A request verifying proposals d_1..d_k (``so.scheduled_spec_decode_tokens``) feeds its last
-    token and the k proposals as one sequence, and takes k + 1 sampling rows: row j draws
-    after token j, at output position out_pos + j, with min_tokens, bad words and penalties
-    applied as if d_1..d_j had been sampled (sample/arrays.py)."""
-    seqs = list(so.num_scheduled_tokens.items())
-    spec = so.scheduled_spec_decode_tokens
+    A request verifying proposals d_1..d_k feeds its last token and the k proposals as one
+    sequence, and takes k + 1 sampling rows: row j draws after token j, at output position
+    out_pos + j, with min_tokens, bad words and penalties applied as if d_1..d_j had been
+    sampled (sample/arrays.py)."""
     Tb, Sb = bucket
     BS = cfg.block_size
     K = cfg.num_speculative_tokens

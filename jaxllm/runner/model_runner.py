@@ -37,7 +37,7 @@ from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner import packing, weights
 from jaxllm.runner.compilation import CompilationManager
-from jaxllm.runner.inputs import PreparedStep, num_rows, prepare
+from jaxllm.runner.inputs import PreparedStep, num_rows, prepare_sequences
 from jaxllm.runner.program_cache import ProgramCache
 from jaxllm.runner.requests import RequestStates, SampledStep
 from jaxllm.runner.state_slots import StateSlots
@@ -147,8 +147,9 @@ class ModelRunner:
 
     def _start_speculation(self) -> None:
         """The speculation controller and its proposer (spec_decode/), for ``method:
-        draft_model`` with the draft's runner: as many KV blocks as this one, counted in the
-        same budget (engine/resolve._draft_kinds)."""
+        draft_model`` with the draft's runner: its KV arrays have as many blocks as this one's,
+        addressed by the same block ids (one more cache kind of the one KV manager, counted in
+        the same budget: engine/resolve._draft_kinds)."""
         cfg, draft, devices, program_dir, show_progress = self._spec
         if cfg is None or self.speculation is not None:
             return
@@ -157,10 +158,10 @@ class ModelRunner:
             self.draft_runner = ModelRunner(draft.model, draft.step, num_blocks=self.num_blocks, devices=devices,
                                             program_dir=program_dir, strict_compile_guard=self.strict,
                                             show_progress=show_progress)
-            log.info("draft model %s (%s): %d KV blocks, %.1f MiB", draft.name, draft.model.arch.architecture,
-                     self.num_blocks, self.draft_runner.kv_cache_bytes() / 2**20)
-            setup = DraftSetup(self.draft_runner, self.num_blocks, self.cfg.block_size,
-                               self.cfg.max_num_batched_tokens, self.cfg.max_model_len)
+            log.info("draft model %s (%s): its pages of the %d KV blocks, %.1f MiB", draft.name,
+                     draft.model.arch.architecture, self.num_blocks, self.draft_runner.kv_cache_bytes() / 2**20)
+            setup = DraftSetup(self.draft_runner, self.cfg.block_size, self.cfg.max_num_batched_tokens,
+                               self.cfg.max_model_len)
         self.speculation = make_controller(cfg, self.measured_step_seconds, setup)
 
     def activation_bytes(self) -> int:
@@ -213,17 +214,35 @@ class ModelRunner:
             self.speculation.update(so)
         if so.total_num_scheduled_tokens == 0:
             return EMPTY_RUNNER_OUTPUT
+        step, result = self._step(list(so.num_scheduled_tokens.items()), so.scheduled_spec_decode_tokens,
+                                  so.total_num_scheduled_tokens, num_rows(so), t0)
+        if self.speculation is not None:
+            result = self.speculation.propose(result, step, self.requests, self.grammars)
+        return result
+
+    def run_sequences(self, sched: dict[str, int]) -> RunnerOutput:
+        """One step of ``sched`` (request id -> tokens to compute), read from the requests'
+        host states as they are (``self.requests``: tokens, computed count, block table): a
+        draft model's step, whose proposer keeps those states on the target's block tables
+        (spec_decode/draft_model.py).  No scheduler output, no grammar, no speculation."""
+        n = len(sched)
+        return self._step(list(sched.items()), {}, sum(sched.values()), n, time.perf_counter())[1]
+
+    def _step(self, seqs: list[tuple[str, int]], spec: dict[str, list[int]], num_tokens: int, rows: int,
+              t0: float) -> tuple[PreparedStep, RunnerOutput]:
+        """Runs ``seqs`` ((request id, tokens) in batch order, verifying ``spec``) in the bucket of
+        ``num_tokens`` tokens and ``rows`` sampling rows; the step and its output."""
         if not self.warm:
-            raise RuntimeError("ModelRunner.execute called before warmup()")
-        S = len(so.num_scheduled_tokens)
-        bucket = bk.pick(so.total_num_scheduled_tokens, num_rows(so), self.buckets)
+            raise RuntimeError("ModelRunner: a step before warmup()")
+        S = len(seqs)
+        bucket = bk.pick(num_tokens, rows, self.buckets)
         timed = self.compiler.ready(bucket)
         if not timed:
             # On demand: this bucket, and the decode step of as many requests, which follows
             # (compiled side by side); the guard covers both from now on.
             self.compile_buckets([bucket, bk.pick(S, S, self.buckets)])
         before = cc.counts()
-        step = prepare(so, self.requests, self.cfg, bucket)
+        step = prepare_sequences(seqs, spec, self.requests, self.cfg, bucket)
         if self.strict:
             with jax.no_tracing(True):
                 out = self._run(step)
@@ -249,9 +268,7 @@ class ModelRunner:
                 self._cold.add(bucket)
             else:
                 self.step_seconds[bucket] = dt if old is None else 0.8 * old + 0.2 * dt
-        if self.speculation is not None:
-            result = self.speculation.propose(result, step, self.requests, self.grammars)
-        return result
+        return step, result
 
     def measured_step_seconds(self, num_tokens: int, num_rows: int) -> float | None:
         """The moving average of the steps run in the bucket of ``num_tokens`` in ``num_rows``

@@ -76,22 +76,30 @@ class RequestStates:
     def update(self, so: SchedulerOutput) -> None:
         """Drops ended requests, adds new (or resumed) ones, applies the per-step diffs."""
         for rid in so.finished_req_ids:
-            if self._states.pop(rid, None) is not None:
-                self.rows.remove_request(rid)
-                if self.slots is not None:
-                    self.slots.remove(rid)
+            self.drop(rid)
         for nr in so.scheduled_new_reqs:
-            st = self._states[nr.req_id] = RequestState.from_new(nr, self.vocab_size)
-            self.rows.add_request(nr.req_id, st.sampling)
-            if self.slots is not None:
-                # A request seen again after preemption comes back from position 0: the step
-                # zeroes the slot's state before its first token (models/qwen3_next.py).
-                self.slots.add(nr.req_id)
+            self.seat(nr.req_id, RequestState.from_new(nr, self.vocab_size))
         c = so.scheduled_cached_reqs
         for rid, blocks, n in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
             st = self._states[rid]
             st.block_ids.extend(blocks)
             st.num_computed_tokens = n
+
+    def seat(self, req_id: str, st: RequestState) -> None:
+        """Adds a request (new, resumed, or sent again in full) with a fresh sampler row."""
+        self._states[req_id] = st
+        self.rows.add_request(req_id, st.sampling)
+        if self.slots is not None:
+            # A request seen again after preemption comes back from position 0: the step
+            # zeroes the slot's state before its first token (models/qwen3_next.py).
+            self.slots.add(req_id)
+
+    def drop(self, req_id: str) -> None:
+        """Forgets an ended (or preempted) request; an unknown id is ignored."""
+        if self._states.pop(req_id, None) is not None:
+            self.rows.remove_request(req_id)
+            if self.slots is not None:
+                self.slots.remove(req_id)
 
     def record(self, step, out: SampledStep) -> RunnerOutput:
         """Appends each sampling request's output tokens (its row's, or for a verification the

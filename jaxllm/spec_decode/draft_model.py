@@ -1,8 +1,16 @@
 """Draft-model proposals (``method: draft_model``): a smaller checkpoint with the same
 vocabulary proposes k tokens by decoding them, run by the engine's own machinery: a
-``ModelRunner`` (built by the target's runner from ``DraftModel``) with its own weights, its
-own paged KV cache and block pool (``KVCacheManager``), its buckets compiled ahead of time at
-start-up like the target's.
+``ModelRunner`` (built by the target's runner from ``DraftModel``) with its own weights and
+its buckets compiled ahead of time at start-up like the target's.
+
+The draft's KV is one more cache kind of the one KV manager (engine/resolve._draft_kinds):
+its pages are a second array indexed by the same block ids as the target's, so a request's
+blocks hold both models' pages, the budget sizes both, and preemption or an ending frees both
+at once.  There is no second block pool and no second scheduler: a draft step reads each
+request's block table from the target runner's state of it (as the last target step used
+it), and the scheduler allocates ``num_speculative_tokens`` lookahead slots beside each
+request's tokens (core/scheduler.py) for the positions the draft's proposals take; a request
+whose lookahead did not fit does not propose that step.
 
 Per request id the proposer keeps the tokens whose KV the draft cache holds.  After each
 target step it keeps the longest prefix of them that is still the request's sequence (what
@@ -22,10 +30,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.models.loader import LoadedModel
-from jaxllm.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from jaxllm.runner.requests import RequestState
 from jaxllm.runner.step_config import StepConfig
+from jaxllm.sample.metadata import RowParams
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.proposer import ProposalRequest
 
@@ -58,10 +66,10 @@ class DraftSetup:
     """What the draft model's proposer runs on (the target's runner builds it)."""
 
     runner: Any
-    """The draft model's ``ModelRunner`` (its weights, its KV arrays, its compiled buckets)."""
-    num_blocks: int
-    """KV blocks of the draft's cache: as many as the target's."""
+    """The draft model's ``ModelRunner`` (its weights, its KV arrays, its compiled buckets): its
+    KV arrays have as many blocks as the target's, addressed by the target's block ids."""
     block_size: int
+    """The target's: a block id means the same positions in both caches."""
     max_num_batched_tokens: int
     """The target's token budget: a catch-up step is cut into chunks of it."""
     max_model_len: int
@@ -75,20 +83,23 @@ class DraftModelProposer:
 
     def __init__(self, setup: DraftSetup):
         self.runner = setup.runner
-        self.kv = KVCacheManager(setup.num_blocks, setup.block_size, enable_prefix_caching=False)
+        if self.runner.cfg.block_size != setup.block_size:
+            raise ValueError(f"--speculative-config: the draft model's KV blocks hold {self.runner.cfg.block_size} "
+                             f"tokens and the target's {setup.block_size}: they share block ids, so they must be equal")
+        self.block_size = setup.block_size
         self.budget = setup.max_num_batched_tokens
         self.max_model_len = setup.max_model_len
         self._drafts: dict[str, _Draft] = {}
-        self._finished: set[str] = set()
         self.num_left_out = 0
-        """Proposals not made because the draft's pool was full (for the log and the tests)."""
+        """Proposals not made because the request's blocks had no room for them (the scheduler's
+        lookahead did not fit), for the log and the tests."""
 
     # ------------------------------------------------------------------ the proposer interface
 
     def remove(self, req_id: str) -> None:
+        # Its blocks are the target's: the scheduler has freed them (or will, with the target's).
         if self._drafts.pop(req_id, None) is not None:
-            self.kv.free(req_id)
-            self._finished.add(req_id)
+            self.runner.requests.drop(req_id)
 
     def propose(self, requests: Mapping[str, ProposalRequest], k: int) -> dict[str, list[int]]:
         """Up to ``k`` proposals for each of ``requests``, all of them batched in every draft step."""
@@ -108,10 +119,16 @@ class DraftModelProposer:
                 n += 1
             del d.fed[n:]
             kk = min(k, self.max_model_len - len(toks))
-            if kk > 0:
-                active[rid] = toks
+            if kk <= 0:
+                continue
+            # The draft writes positions up to len(toks) + kk - 2 (its last proposal is not fed).
+            if len(r.block_ids) * self.block_size < len(toks) + kk - 1:
+                self.num_left_out += 1
+                continue
+            active[rid] = toks
         if not active:
             return {}
+        blocks = {rid: requests[rid].block_ids for rid in active}
         out: dict[str, list[int]] = {rid: [] for rid in active}
         # Catch up (chunks of the token budget), drawing each request's first proposal.
         pending = {rid: len(toks) - len(self._drafts[rid].fed) for rid, toks in active.items()}
@@ -123,15 +140,7 @@ class DraftModelProposer:
                     break
                 sched[rid] = min(n, budget)
                 budget -= sched[rid]
-            got, full = self._step(sched, active)
-            self.num_left_out += len(full)
-            for rid in full:
-                # No room in the draft's pool (it holds as many blocks as the target's, and
-                # the target may have just seated more): this request does not propose this
-                # time, and gives its blocks back to the others.
-                del pending[rid], active[rid], sched[rid], out[rid]
-                self.kv.free(rid)
-                self._drafts[rid].fed.clear()
+            got = self._catch_up(sched, active, blocks)
             for rid, n in sched.items():
                 self._drafts[rid].fed.extend(active[rid][len(self._drafts[rid].fed):len(self._drafts[rid].fed) + n])
                 pending[rid] -= n
@@ -140,15 +149,12 @@ class DraftModelProposer:
                     out[rid].extend(got.get(rid, []))
         # Decode the rest: each step feeds every request's latest proposal.
         for j in range(1, k):
-            live = {rid: toks for rid, toks in active.items() if len(out[rid]) == j and
-                    len(toks) + j < self.max_model_len}
+            live = [rid for rid, toks in active.items() if len(out[rid]) == j and len(toks) + j < self.max_model_len]
             if not live:
                 break
-            seqs = {rid: toks + out[rid] for rid, toks in live.items()}
-            got, full = self._step({rid: 1 for rid in live}, seqs, resend=False)
-            self.num_left_out += len(full)
-            for rid in live.keys() - full:
-                self._drafts[rid].fed.append(seqs[rid][-1])
+            got = self._decode(live)
+            for rid in live:
+                self._drafts[rid].fed.append(out[rid][-1])
                 out[rid].extend(got.get(rid, []))
         return {rid: d for rid, d in out.items() if d}
 
@@ -163,35 +169,32 @@ class DraftModelProposer:
 
     # ------------------------------------------------------------------ one draft step
 
-    def _step(self, sched: dict[str, int], seqs: dict[str, list[int]], resend: bool = True
-              ) -> tuple[dict[str, list[int]], set[str]]:
-        """Runs the draft's runner on ``sched`` (id -> tokens to compute this step).  A catch-up
-        step (``resend``) sends every id in full (tokens, blocks, computed count): the tokens
-        the runner holds may have been cut back by the target since.  A decode round sends
-        only new blocks and the computed count: the runner appended its own draw, which is
-        the token fed.  Returns the tokens drawn, and the ids left out for want of blocks."""
-        new, cached, full = [], CachedRequestData(), set()
-        for rid, n in list(sched.items()):
+    def _catch_up(self, sched: dict[str, int], seqs: dict[str, list[int]], blocks: dict[str, list[int]]
+                  ) -> dict[str, list[int]]:
+        """A catch-up step: each request of ``sched`` (id -> tokens to compute) is seated in the
+        draft runner afresh (its tokens may have been cut back by the target since, and its
+        sampler row restarts from them) on the target's block table, computing ``n`` tokens
+        after those whose KV the draft holds.  Returns the tokens drawn."""
+        states = self.runner.requests
+        vocab = self.runner.arch.vocab_size
+        for rid, n in sched.items():
             d = self._drafts[rid]
             c = len(d.fed)
-            blocks = self.kv.allocate_slots(rid, c + n)
-            if blocks is None:
-                full.add(rid)
-                continue
-            if resend:
-                new.append(NewRequestData(req_id=rid, token_ids=list(seqs[rid][:c + n]), num_prompt_tokens=d.num_prompt,
-                                          sampling_params=d.params, seed=d.seed,
-                                          block_ids=list(self.kv.get_block_ids(rid)), num_computed_tokens=c))
-            else:
-                cached.req_ids.append(rid)
-                cached.new_block_ids.append(list(blocks))
-                cached.num_computed_tokens.append(c)
-        run = {rid: n for rid, n in sched.items() if rid not in full}
-        if not run:
-            return {}, full
-        so = SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                             num_scheduled_tokens=run, total_num_scheduled_tokens=sum(run.values()),
-                             finished_req_ids=self._finished)
-        self._finished = set()
-        res = self.runner.execute(so)
-        return {rid: toks for rid, toks in zip(res.req_ids, res.sampled_token_ids) if toks}, full
+            states.seat(rid, RequestState(token_ids=list(seqs[rid][:c + n]), num_prompt_tokens=d.num_prompt,
+                                          block_ids=blocks[rid], num_computed_tokens=c,
+                                          sampling=RowParams.from_sampling_params(d.params, d.seed, vocab),
+                                          params=d.params, seed=d.seed))
+        return self._drawn(self.runner.run_sequences(sched))
+
+    def _decode(self, live: list[str]) -> dict[str, list[int]]:
+        """A decode round: each request feeds the draft's own last draw (the runner appended
+        it to the request's tokens), one token after those computed."""
+        states = self.runner.requests
+        for rid in live:
+            st = states[rid]
+            st.num_computed_tokens = len(st.token_ids) - 1
+        return self._drawn(self.runner.run_sequences({rid: 1 for rid in live}))
+
+    @staticmethod
+    def _drawn(res) -> dict[str, list[int]]:
+        return {rid: toks for rid, toks in zip(res.req_ids, res.sampled_token_ids) if toks}

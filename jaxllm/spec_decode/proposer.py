@@ -24,6 +24,9 @@ class ProposalRequest(Protocol):
     params: SamplingParams | None
     """The request's sampling parameters as the engine sent them (a draft model draws with them)."""
     seed: int
+    block_ids: list[int]
+    """The request's block table in the one KV manager as the last step used it: a draft
+    model writes its own pages of these blocks (spec_decode/draft_model.py)."""
 
 
 class Proposer(Protocol):
