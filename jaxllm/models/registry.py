@@ -77,7 +77,7 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
-    # Gemma 2/3, Phi-3, SmolLM3, OLMo 2 (and 3), Granite, GLM-4-MoE, GPT-OSS: models/gguf_arch.py
+    # Gemma 2/3, Phi-3, SmolLM3, OLMo 2 (and 3), Granite, GLM-4-MoE, GPT-OSS (metadata: models/gguf_arch.py)
     **gguf_arch.ARCHITECTURES,
 }
 
