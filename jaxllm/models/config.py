@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from jaxllm.errors import ModelLoadError
+from jaxllm.models.families_b import FAMILY_B, family_b_fields, glm4_moe_fields
 from jaxllm.layers.rotary import RopeScaling
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -260,14 +261,12 @@ def _eos_tuple(eos) -> tuple[int, ...]:
 
 
 def arch_config_from_hf(hf, where: str) -> ArchConfig:
-    """Maps a transformers ``PretrainedConfig`` to an ArchConfig."""
+    """Maps a transformers ``PretrainedConfig`` of the Llama-family decoder (``models/llama.py``,
+    the variants of ``models/families_b.py`` included) to an ArchConfig; the registry's
+    ``Family.read_config`` of the families that read their own."""
     arch = (getattr(hf, "architectures", None) or [None])[0]
     if arch is None:
         raise ModelLoadError(f"{where}: config.json names no architecture")
-    from jaxllm.models.registry import config_reader
-    reader = config_reader(arch)
-    if reader is not None:   # a family that reads its own config (models/gemma.py, models/gpt_oss.py)
-        return reader(hf, arch, where)
 
     def get(*names, default=None):
         for n in names:
@@ -312,7 +311,6 @@ def arch_config_from_hf(hf, where: str) -> ArchConfig:
     if get("use_sliding_window", default=True) and get("sliding_window") is not None:
         sliding = int(get("sliding_window"))
     moe = _moe_fields(arch, get, where) if arch in MOE_ARCHITECTURES else {}
-    from jaxllm.models.families_b import FAMILY_B, family_b_fields
     family = family_b_fields(arch, get, rope_params, where, int(head_dim)) if arch in FAMILY_B else {}
     fields = dict(
         architecture=arch,
@@ -361,7 +359,6 @@ def _moe_fields(arch: str, get, where: str) -> dict:
         "topk_group": (get("topk_group", default=1), 1),
     }
     if arch == "Glm4MoeForCausalLM":
-        from jaxllm.models.families_b import glm4_moe_fields
         return glm4_moe_fields(get, num_experts, top_k, where)
     if arch == "Qwen3MoeForCausalLM":
         if num_experts == 0:

@@ -42,6 +42,7 @@ from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
 from jaxllm.models.config import ArchConfig, _eos_tuple, rope_scaling_from_dict
 from jaxllm.models.kernels import Kernels
+from jaxllm.parallel.sharding import LAYERS, cache_array
 from jaxllm.models.params import (
     GLOBAL,
     LAYER,
@@ -263,7 +264,6 @@ def allocate_cache(arch: ArchConfig, num_blocks: int, block_size: int, dtype, st
     if isinstance(dtype, kv_quant.KVFormat):   # refused earlier by cache_kinds, named by its flag
         raise ValueError(f"{arch.architecture}: a quantized KV cache is not supported for MLA; "  # noqa: TRY004
                          "use --kv-cache-dtype auto")
-    from jaxllm.parallel.sharding import LAYERS, cache_array
     axes = ("kv_blocks", "block", "latent")
     if stacked:
         return (cache_array(make, sharding, (arch.num_layers, *shape), dtype, (LAYERS, *axes)),)

@@ -23,6 +23,8 @@ import numpy as np
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.config import ArchConfig, RopeScaling, rope_scaling_from_dict
+from jaxllm.models.families_b import glm4_moe_fields
+from jaxllm.models.gpt_oss import ROPE_TYPES
 
 # GGUF general.architecture -> HF architecture.  OLMo 3 is written as olmo2 (with sliding
 # window keys); it runs as Olmo3ForCausalLM when its layers mix sliding and full attention.
@@ -295,7 +297,6 @@ def _glm4_moe(m: _Meta, base: dict, tensors: dict) -> dict:
         raise ModelLoadError(f"{m.path}: glm4moe.expert_gating_func {gating} is not supported (only 2, sigmoid)")
     experts = m.scalar("expert_count", required=True)
     n_group = m.scalar("expert_group_count", default=1)
-    from jaxllm.models.families_b import glm4_moe_fields
     values = {"n_group": n_group, "topk_group": m.scalar("expert_group_used_count", default=1),
               "moe_intermediate_size": m.scalar("expert_feed_forward_length", required=True),
               "norm_topk_prob": bool(m.get("expert_weights_norm", False)),
@@ -338,7 +339,6 @@ def _gpt_oss(m: _Meta, base: dict, tensors: dict) -> dict:
             v = m.scalar(key, float)
             if v is not None:
                 d[name] = v
-        from jaxllm.models.gpt_oss import ROPE_TYPES
         out["rope_scaling"] = rope_scaling_from_dict(d, m.path, ROPE_TYPES)
     elif t not in (None, "none"):
         raise ModelLoadError(f"{m.path}: gpt-oss.rope.scaling.type {t!r} is not supported (none, yarn)")

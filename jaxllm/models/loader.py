@@ -21,10 +21,10 @@ from jaxllm.errors import ModelLoadError
 from jaxllm.formats.int_weights import ONLINE
 from jaxllm.models import gguf_arch, gguf_tensors
 from jaxllm.models.builtin import BUILTIN_MODEL_NAME, builtin_gguf_path
-from jaxllm.models.config import ArchConfig, RopeScaling, arch_config_from_hf
+from jaxllm.models.config import ArchConfig, RopeScaling
 from jaxllm.models.gguf_file import read_gguf
 from jaxllm.models.params import GLOBAL, Chunk, Param, Pattern, Stored, interleave
-from jaxllm.models.registry import GGUF_ARCHITECTURES, get_family, get_model_module
+from jaxllm.models.registry import GGUF_ARCHITECTURES, get_family, get_model_module, read_config
 from jaxllm.layers.rotary import inv_frequencies
 from jaxllm.quant import gguf_blocks, hf_formats
 from jaxllm.quant.ops import is_quantized, map_fields, summary
@@ -117,7 +117,7 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
         hf = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers raises many types for a bad config
         raise ModelLoadError(f"{cfg_path}: transformers cannot read it ({e})") from None
-    arch = arch_config_from_hf(hf, cfg_path)
+    arch = read_config(hf, cfg_path)
     method = hf_formats.checkpoint_method(raw.get("quantization_config"), cfg_path)
     online = _check_quantization_flag(quantization, method, path)
 

@@ -13,6 +13,7 @@ from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models import deepseek, gemma, gguf_arch, gpt_oss, llama, qwen3_next
+from jaxllm.models.config import ArchConfig, arch_config_from_hf
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,18 @@ def config_reader(architecture: str):
     architecture whose family has one, else None (``models/config.arch_config_from_hf`` reads it)."""
     family = _REGISTRY.get(architecture)
     return family.read_config if family is not None else None
+
+
+def read_config(hf, where: str) -> ArchConfig:
+    """A transformers ``PretrainedConfig`` -> its family's ``ArchConfig`` (the family's own
+    reader, else the decoder's ``config.arch_config_from_hf``)."""
+    arch = (getattr(hf, "architectures", None) or [None])[0]
+    if arch is None:
+        raise ModelLoadError(f"{where}: config.json names no architecture")
+    reader = config_reader(arch)
+    if reader is not None:   # a family that reads its own config (models/gemma.py, models/gpt_oss.py, ...)
+        return reader(hf, arch, where)
+    return arch_config_from_hf(hf, where)
 
 
 def supported_architectures() -> list[str]:
