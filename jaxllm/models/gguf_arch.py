@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.config import ArchConfig, RopeScaling, rope_scaling_from_dict
-from jaxllm.models.families_b import glm4_moe_fields
+from jaxllm.models.llama.variants import glm4_moe_fields
 from jaxllm.models.gpt_oss import ROPE_TYPES
 
 # GGUF general.architecture -> HF architecture.  OLMo 3 is written as olmo2 (with sliding

@@ -21,8 +21,9 @@ from jaxllm.errors import ModelLoadError
 from jaxllm.formats.int_weights import ONLINE
 from jaxllm.models import gguf_arch, gguf_tensors
 from jaxllm.models.builtin import BUILTIN_MODEL_NAME, builtin_gguf_path
-from jaxllm.models.config import ArchConfig, RopeScaling
+from jaxllm.models.config import ArchConfig
 from jaxllm.models.gguf_file import read_gguf
+from jaxllm.models.llama import config as llama_config
 from jaxllm.models.params import GLOBAL, Chunk, Param, Pattern, Stored, interleave
 from jaxllm.models.registry import GGUF_ARCHITECTURES, get_family, get_model_module, read_config
 from jaxllm.layers.rotary import inv_frequencies
@@ -364,7 +365,7 @@ def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> L
         if gguf_name == "phi3" and arch.longrope:
             arch = gguf_arch.with_longrope_factors(arch, by_name, path)
     else:
-        arch = _llama_arch_config(reader.fields, set(by_name), gguf_name, path)
+        arch = llama_config.gguf_arch_config(reader.fields, set(by_name), gguf_name, GGUF_ARCHITECTURES[gguf_name], path)
     names_map = NameMap(arch, "gguf")
     # GLM-4-MoE's multi-token-prediction block(s), nextn.* included, follow the decoder's
     # layers (transformers skips them too: no speculative decoding here).
@@ -414,46 +415,6 @@ def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> L
         rope_inv_freq=inv_frequencies(arch.rope_dim, arch.rope_theta, arch.rope_scaling, freq_factors),
         tokenizer=TokenizerSource(os.path.dirname(os.path.abspath(path)), gguf_file=base),
         generation_config={}, rope_tables=_rope_tables(arch))
-
-
-def _llama_arch_config(fields: dict, names: set[str], a: str, path: str) -> ArchConfig:
-    """The ``ArchConfig`` of a GGUF file in llama.cpp's llama / mistral / qwen2 / qwen3 layout."""
-
-    def field(key, default=None):
-        v = fields.get(key)
-        return default if v is None else v
-
-    heads = int(field(f"{a}.attention.head_count"))
-    kv_heads = int(field(f"{a}.attention.head_count_kv", heads))
-    hidden = int(field(f"{a}.embedding_length"))
-    head_dim = int(field(f"{a}.attention.key_length", hidden // heads))
-    tokens = field("tokenizer.ggml.tokens") or []
-    eos = field("tokenizer.ggml.eos_token_id")
-    scaling_type = field(f"{a}.rope.scaling.type")
-    scaling = RopeScaling()
-    if scaling_type == "linear":
-        scaling = RopeScaling(rope_type="linear", factor=float(field(f"{a}.rope.scaling.factor", 1.0)))
-    elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"{path}: GGUF rope scaling type {scaling_type!r} is not supported")
-    return ArchConfig(
-        architecture=GGUF_ARCHITECTURES[a],
-        vocab_size=int(field(f"{a}.vocab_size", len(tokens))),
-        hidden_size=hidden,
-        intermediate_size=int(field(f"{a}.feed_forward_length")),
-        num_layers=int(field(f"{a}.block_count")),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(field(f"{a}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        o_bias="blk.0.attn_output.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        sliding_window=None,
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
 
 
 # ------------------------------------------------------------------ entry point

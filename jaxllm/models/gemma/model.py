@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 (text) decoders as pure functions.
 
-What sets them apart from the Llama family (``models/llama.py``), following transformers'
+What sets them apart from the Llama family (``models/llama/``), following transformers'
 ``modeling_gemma2`` / ``modeling_gemma3``:
 
 * RMSNorm scales by ``1 + w`` (computed in float32), and every block is wrapped in two

@@ -1,6 +1,6 @@
 """GPT-OSS (``GptOssForCausalLM``) as a pure function, following transformers' ``modeling_gpt_oss``.
 
-A pre-norm decoder like Llama's (``models/llama.py``), with:
+A pre-norm decoder like Llama's (``models/llama/``), with:
 
 * attention sinks: one learned logit per query head that joins the softmax's denominator
   (``self_attn.sinks``, ``layers/attention.py``), biases on q/k/v/o;
