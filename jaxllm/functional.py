@@ -13,14 +13,14 @@ if any); the result is the full-sequence forward the engine computes chunk by ch
 its paged KV cache, and equals transformers' logits (tests/models/test_functional.py).
 
 ``params`` has the engine's layout (``jaxllm/runner/weights.py``, unrolled; every parameter is
-declared in the model's table, ``jaxllm/models/llama.py: PARAMS``): a dict with
+declared in the model's table, ``jaxllm/models/llama/: PARAMS``): a dict with
 ``embed``, ``final_norm``, ``lm_head`` (untied checkpoints), ``rope_inv_freq`` and ``layers``,
 a list of per-layer dicts (``input_norm``, ``q``, ``k``, ``v``, ``o``, ``post_norm``, ``gate``,
 ``up``, ``down`` (MoE checkpoints: ``router``, ``experts_gate``, ``experts_up``, ``experts_down``),
 and the architecture's biases / q-k norms), matrices in transformers' ``[out, in]`` layout.
 ``forward.arch`` is the ``ArchConfig``; ``forward.name`` the model name.
 
-The layer is built from the same pieces as ``jaxllm/models/llama.py`` (``rms_norm``,
+The layer is built from the same pieces as ``jaxllm/models/llama/`` (``rms_norm``,
 ``linear``, ``apply_rope``, ``cos_sin``); only the attention differs (dense instead of paged).
 """
 
@@ -36,7 +36,7 @@ from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
 from jaxllm.models.config import ArchConfig
-from jaxllm.models.families_b import FAMILY_B
+from jaxllm.models.llama.variants import FAMILY_B
 from jaxllm.models.loader import gguf_file, load_model
 from jaxllm.runner.weights import to_device_params
 

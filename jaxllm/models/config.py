@@ -15,7 +15,6 @@ from jaxllm.layers.rotary import RopeScaling
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
-MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class ArchConfig:
     ``intermediate_size``)."""
     norm_topk_prob: bool = False
     """Renormalise the k routing weights to sum to 1 (Qwen3-MoE's flag; Mixtral: always)."""
-    # Gemma 2/3 and GPT-OSS (models/gemma.py, models/gpt_oss.py).
+    # Gemma 2/3 and GPT-OSS (models/gemma/, models/gpt_oss/).
     layer_types: tuple[str, ...] = ()
     """Per layer "sliding_attention" or "full_attention"; empty: every layer alike, with
     ``sliding_window`` (or none).  Layers that differ run unrolled (engine/resolve.py)."""
@@ -69,7 +68,7 @@ class ArchConfig:
     """GPT-OSS's experts: ``(clip(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, l)``."""
     swiglu_limit: float = 7.0
 
-    # The families of models/families_b.py (Phi-3, SmolLM3, OLMo 2/3, Granite, GLM-4-MoE).
+    # The families of models/llama/variants.py (Phi-3, SmolLM3, OLMo 2/3, Granite, GLM-4-MoE).
     rotary_dim: int = 0
     """Leading dims of each head that RoPE rotates (``partial_rotary_factor``); 0: all of them."""
     no_rope_layers: tuple[int, ...] = ()
@@ -95,7 +94,7 @@ class ArchConfig:
     """Grouped top-k: experts in ``n_group`` groups, only the best ``topk_group`` groups eligible."""
     routed_scaling_factor: float = 1.0
 
-    # MLA (models/deepseek.py: DeepSeek-V2/V3).  ``head_dim`` is then the rope dims of a head
+    # MLA (models/deepseek/: DeepSeek-V2/V3).  ``head_dim`` is then the rope dims of a head
     # (``qk_rope_head_dim``) and ``attn_scale`` the softmax scale (YaRN's mscale included).
     kv_lora_rank: int = 0
     """The latent each token caches; 0: not an MLA model."""
@@ -257,127 +256,3 @@ def _eos_tuple(eos) -> tuple[int, ...]:
     if isinstance(eos, int):
         return (eos,)
     return tuple(int(e) for e in eos)
-
-
-def arch_config_from_hf(hf, where: str) -> ArchConfig:
-    """Maps a transformers ``PretrainedConfig`` to an ArchConfig."""
-    arch = (getattr(hf, "architectures", None) or [None])[0]
-    if arch is None:
-        raise ModelLoadError(f"{where}: config.json names no architecture")
-    from jaxllm.models.registry import config_reader
-    reader = config_reader(arch)
-    if reader is not None:   # a family that reads its own config (models/gemma.py, models/gpt_oss.py)
-        return reader(hf, arch, where)
-
-    def get(*names, default=None):
-        for n in names:
-            v = getattr(hf, n, None)
-            if v is not None:
-                return v
-        return default
-
-    # transformers 5 moves rope_theta and the scaling dict into rope_parameters.
-    rope_params = get("rope_parameters")
-    if isinstance(rope_params, dict) and "rope_theta" not in rope_params and rope_params:
-        # Per-layer-type nesting ({"full_attention": {...}}): one RoPE for every layer type only.
-        nested = [v for v in rope_params.values() if isinstance(v, dict)]
-        if any(v != nested[0] for v in nested):
-            raise ModelLoadError(f"{where}: rope_parameters differ between layer types "
-                                 f"({', '.join(rope_params)}); per-layer RoPE is not supported")
-        rope_params = nested[0] if nested else rope_params
-    rope_theta = (rope_params or {}).get("rope_theta") if isinstance(rope_params, dict) else None
-    if rope_theta is None:
-        rope_theta = get("rope_theta", default=10000.0)
-    scaling = get("rope_scaling")
-    if scaling is None and isinstance(rope_params, dict):
-        scaling = rope_params
-    if isinstance(scaling, dict):
-        # LongRoPE's defaults come from the config's top level (Phi-3).
-        scaling = {**scaling, "_max_position_embeddings": get("max_position_embeddings", default=4096)}
-        if scaling.get("original_max_position_embeddings") is None and get("original_max_position_embeddings"):
-            scaling["original_max_position_embeddings"] = get("original_max_position_embeddings")
-    act = get("hidden_act", default="silu")
-    if act not in ("silu", "swish"):
-        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported (only silu)")
-    if get("mlp_bias", default=False):
-        raise ModelLoadError(f"{where}: mlp_bias=true is not supported")
-    hidden = int(get("hidden_size"))
-    heads = int(get("num_attention_heads"))
-    head_dim = get("head_dim") or hidden // heads
-    # Qwen2 always has q/k/v biases and never an output bias; Llama and Qwen3 put
-    # ``attention_bias`` on all four projections; Mistral has none.
-    bias = arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and bool(
-        get("attention_bias", default=False))
-    sliding = None
-    if get("use_sliding_window", default=True) and get("sliding_window") is not None:
-        sliding = int(get("sliding_window"))
-    moe = _moe_fields(arch, get, where) if arch in MOE_ARCHITECTURES else {}
-    from jaxllm.models.families_b import FAMILY_B, family_b_fields
-    family = family_b_fields(arch, get, rope_params, where, int(head_dim)) if arch in FAMILY_B else {}
-    fields = dict(
-        architecture=arch,
-        vocab_size=int(get("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(get("intermediate_size")),
-        num_layers=int(get("num_hidden_layers")),
-        num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads", default=heads)),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(get("rms_norm_eps", default=1e-6)),
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling_from_dict(scaling, where),
-        max_position_embeddings=int(get("max_position_embeddings", default=4096)),
-        tie_word_embeddings=bool(get("tie_word_embeddings", default=False)),
-        qkv_bias=arch == "Qwen2ForCausalLM" or bias,
-        o_bias=bias,
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        sliding_window=sliding,
-        bos_token_id=get("bos_token_id"),
-        eos_token_ids=_eos_tuple(get("eos_token_id")),
-        **moe,
-    )
-    fields.update(family)
-    return ArchConfig(**fields)
-
-
-def _moe_fields(arch: str, get, where: str) -> dict:
-    """The MoE fields of a Qwen3-MoE or Mixtral config; refuses variants we do not implement.
-
-    transformers 5 saves ``num_local_experts`` for both (``num_experts`` is an alias on
-    Qwen3-MoE's config class, and older Qwen3-MoE configs spell it so)."""
-    num_experts = int(get("num_local_experts", "num_experts", default=0))
-    top_k = int(get("num_experts_per_tok", default=0))
-    unsupported = {
-        # field: (value, what the implementation assumes)
-        "shared_expert_intermediate_size": (get("shared_expert_intermediate_size", default=0), 0),
-        "n_shared_experts": (get("n_shared_experts", default=0), 0),
-        "num_shared_experts": (get("num_shared_experts", default=0), 0),
-        "first_k_dense_replace": (get("first_k_dense_replace", default=0), 0),
-        "moe_layer_freq": (get("moe_layer_freq", default=1), 1),
-        "routed_scaling_factor": (get("routed_scaling_factor", default=1.0), 1.0),
-        "scoring_func": (get("scoring_func", default="softmax"), "softmax"),
-        "topk_method": (get("topk_method", default="greedy"), "greedy"),
-        "n_group": (get("n_group", default=1), 1),
-        "topk_group": (get("topk_group", default=1), 1),
-    }
-    if arch == "Glm4MoeForCausalLM":
-        from jaxllm.models.families_b import glm4_moe_fields
-        return glm4_moe_fields(get, num_experts, top_k, where)
-    if arch == "Qwen3MoeForCausalLM":
-        if num_experts == 0:
-            return {}   # transformers then builds a dense MLP in every layer: the dense path
-        unsupported["decoder_sparse_step"] = (get("decoder_sparse_step", default=1), 1)
-        unsupported["mlp_only_layers"] = (list(get("mlp_only_layers", default=[]) or []), [])
-        inter = int(get("moe_intermediate_size", default=0))
-        renorm = bool(get("norm_topk_prob", default=False))
-    else:
-        if num_experts == 0:
-            raise ModelLoadError(f"{where}: num_local_experts must be positive for {arch}")
-        inter = int(get("intermediate_size"))
-        renorm = True   # MixtralTopKRouter always renormalises the top-k weights
-    for name, (value, supported) in unsupported.items():
-        if value != supported:
-            raise ModelLoadError(f"{where}: {name}={value!r} is not supported for {arch} "
-                                 f"(only {supported!r}: every layer a routed-experts block, softmax top-k routing)")
-    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=inter,
-                norm_topk_prob=renorm)

@@ -1,7 +1,7 @@
 """What every GGUF load does to the file's tensors, whatever its architecture: the decision
 which matrices stay in their blocks, the one thread pool that dequantizes the rest, and the
-undoing of llama.cpp's Q/K row permutation.  ``models/loader.py`` (the llama-layout files)
-and ``models/gguf_arch.py`` (the families llama.cpp names on their own) both read through it.
+undoing of llama.cpp's Q/K row permutation.  ``models/loader.load_gguf`` reads every GGUF
+file through it.
 """
 
 from __future__ import annotations

@@ -18,11 +18,17 @@ import ml_dtypes
 import numpy as np
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import gguf_tensors
-from jaxllm.models.config import ArchConfig, arch_config_from_hf
-from jaxllm.models.params import GLOBAL, Chunk, Param
-from jaxllm.models.registry import get_family, get_model_module
+from jaxllm.formats.int_weights import ONLINE
+from jaxllm.models import gguf_arch, gguf_tensors
+from jaxllm.models.builtin import BUILTIN_MODEL_NAME, builtin_gguf_path
+from jaxllm.models.config import ArchConfig
+from jaxllm.models.gguf_file import read_gguf
+from jaxllm.models.llama import config as llama_config
+from jaxllm.models.params import GLOBAL, Chunk, Param, Pattern, Stored, interleave
+from jaxllm.models.registry import GGUF_ARCHITECTURES, get_family, get_model_module, read_config
 from jaxllm.layers.rotary import inv_frequencies
+from jaxllm.quant import gguf_blocks, hf_formats
+from jaxllm.quant.ops import is_quantized, map_fields, summary
 
 
 @dataclass
@@ -53,7 +59,6 @@ class LoadedModel:
 
     def formats(self) -> str:
         """How many weights of each storage format (``quant/ops.summary``), for the load log."""
-        from jaxllm.quant.ops import summary
         return summary(self.tensors())
 
 
@@ -113,8 +118,7 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
         hf = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers raises many types for a bad config
         raise ModelLoadError(f"{cfg_path}: transformers cannot read it ({e})") from None
-    arch = arch_config_from_hf(hf, cfg_path)
-    from jaxllm.quant import hf_formats
+    arch = read_config(hf, cfg_path)
     method = hf_formats.checkpoint_method(raw.get("quantization_config"), cfg_path)
     online = _check_quantization_flag(quantization, method, path)
 
@@ -170,7 +174,6 @@ _LINEAR_PARAMS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
 def _check_quantization_flag(flag: str | None, method: str | None, path: str) -> str | None:
     """Refuses a ``--quantization`` the checkpoint is not; returns the online method to apply
     (``int8`` / ``fp8`` on a float checkpoint) or None."""
-    from jaxllm.formats.int_weights import ONLINE
     if flag is None or flag == method:
         return None
     if flag in ONLINE and method is None:
@@ -187,12 +190,10 @@ def _check_quantization_flag(flag: str | None, method: str | None, path: str) ->
 
 def _quantize_online(method: str, layers: list[dict], globals_: dict) -> None:
     """Every float linear layer's matrix quantized in place by ``int_weights.ONLINE[method]``."""
-    from jaxllm.quant import ops
-    from jaxllm.formats.int_weights import ONLINE
     for params in (*layers, globals_):
         for name in _LINEAR_PARAMS:
             w = params.get(name)
-            if w is not None and not ops.is_quantized(w) and np.ndim(w) == 2:
+            if w is not None and not is_quantized(w) and np.ndim(w) == 2:
                 params[name] = ONLINE[method](w)
 
 
@@ -203,6 +204,7 @@ class NameMap:
 
     def __init__(self, arch: ArchConfig, fmt: str):
         self.table = get_model_module(arch.architecture).PARAMS
+        self.fmt = fmt
         # Pattern with its numeric components replaced by "#" -> (parameter, the placeholders
         # in order, chunk or None): a name is found by replacing its own numbers alike.
         self._by_key: dict[tuple[str, ...], list[tuple[Param, tuple[str, ...], Chunk | None]]] = {}
@@ -213,17 +215,17 @@ class NameMap:
             patterns = p.patterns(arch, fmt)
             if not patterns:
                 raise ModelLoadError(f"{arch.architecture}: {fmt} checkpoints have no name for parameter {p.name!r}")
-            self._first[p.name] = patterns[0].pattern if isinstance(patterns[0], Chunk) else patterns[0]
+            self._first[p.name] = _text(patterns[0])
             for pat in patterns:
-                chunk = pat if isinstance(pat, Chunk) else None
-                parts = (chunk.pattern if chunk else pat).split(".")
+                chunk = None if isinstance(pat, str) else pat
+                parts = _text(pat).split(".")
                 key = tuple("#" if c in _PLACEHOLDERS else c for c in parts)
                 slots = tuple(c[1:-1] for c in parts if c in _PLACEHOLDERS)
                 self._by_key.setdefault(key, []).append((p, slots, chunk))
 
-    def lookup(self, name: str) -> list[tuple[Param, int | None, int | None, Chunk | None]]:
-        """The parameters the tensor ``name`` gives: (parameter, layer, expert, chunk) for each
-        (empty: not a parameter's name)."""
+    def lookup(self, name: str) -> list[tuple[Param, int | None, int | None, Chunk | Stored | None]]:
+        """The parameters the tensor ``name`` gives: (parameter, layer, expert, chunk or stored
+        form) for each (empty: not a parameter's name)."""
         parts = name.split(".")
         numeric = [c.isascii() and c.isdigit() for c in parts]
         key = tuple("#" if d else c for c, d in zip(parts, numeric))
@@ -241,19 +243,25 @@ class NameMap:
 _PLACEHOLDERS = ("{layer}", "{expert}")
 
 
+def _text(pattern: Pattern) -> str:
+    return pattern if isinstance(pattern, str) else pattern.pattern
+
+
 def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], names: NameMap, where: str,
               transform=None):
     """Places every tensor, checking that none is left over and none is missing.
 
-    Per-expert tensors are stacked into their parameter, every expert of each layer required.
-    ``transform(param, array)``: applied to each tensor once its shape is checked."""
-    from jaxllm.quant.ops import is_quantized, map_fields
+    Per-expert tensors are stacked into their parameter, every expert of each layer required;
+    a :class:`Stored` tensor is undone, its parts interleaved.  ``transform(param, array)``:
+    applied to each tensor once its shape is checked."""
     E, L = arch.num_experts, arch.num_layers
     want = {p.name: tuple(p.shape(arch)) for p in names.table.present(arch) if p.from_checkpoint}
     layers: list[dict[str, np.ndarray]] = [{} for _ in range(L)]
     globals_: dict[str, np.ndarray] = {}
     given: dict[tuple[int | None, str], str] = {}     # (layer, parameter) -> the tensor that gave it
     experts: dict[tuple[int, str], dict[int, tuple[np.ndarray, str]]] = {}
+    parts: dict[tuple[int | None, str], dict[int, tuple[np.ndarray, str]]] = {}
+    part_of: dict[str, Stored] = {}   # parameter -> its first part, for naming a missing one
 
     def place(layer, ours, arr, source):
         if (layer, ours) in given:
@@ -269,18 +277,26 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
             experts_note = f" of {E} experts" if arch.is_moe else ""
             raise ModelLoadError(f"{where}: unexpected tensor {name!r} in {fname} (not a parameter of "
                                  f"{arch.architecture} with {L} layers{experts_note} in this config)")
-        for p, layer, expert, chunk in hits:
+        for p, layer, expert, form in hits:
             shape = want[p.name][1:] if expert is not None else want[p.name]
             stored = shape
+            chunk = form if isinstance(form, Chunk) else None
             if chunk is not None:
                 start, total = chunk.extent(arch, shape[chunk.axis])
                 stored = tuple(total if i == chunk.axis else n for i, n in enumerate(shape))
+            elif form is not None:
+                stored = form.stored_shape(shape)
             if tuple(arr.shape) != stored:
                 raise ModelLoadError(f"{where}: tensor {name!r} in {fname} has shape {tuple(arr.shape)}, "
                                      f"expected {stored}")
             a = arr
             if chunk is not None:
-                a = a[(slice(None),) * chunk.axis + (slice(start, start + shape[chunk.axis]),)]
+                if is_quantized(a):   # a packed weight (Phi-3's GGUF attn_qkv): its fields have the rows first
+                    a = map_fields(a, lambda f, lo=start, hi=start + shape[0]: f[lo:hi], shape=tuple(shape))
+                else:
+                    a = a[(slice(None),) * chunk.axis + (slice(start, start + shape[chunk.axis]),)]
+            elif form is not None:
+                a = form.undo(a)
             if p.row_order is not None:
                 rows = p.row_order(arch)
                 # A quantized tensor's every field has the output rows first.
@@ -292,6 +308,9 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
                                      "mixture-of-experts layers are not supported")
             if expert is not None:
                 experts.setdefault((layer, p.name), {})[expert] = (a, name)
+            elif isinstance(form, Stored) and form.parts > 1:
+                parts.setdefault((layer, p.name), {})[form.part] = (a, name)
+                part_of.setdefault(p.name, form)
             else:
                 place(layer, p.name, a, name)
     for (layer, ours), got in sorted(experts.items()):
@@ -300,6 +319,14 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
             raise ModelLoadError(f"{where}: missing tensor {names.name(ours, layer, missing[0])!r} "
                                  f"(layer {layer} has {len(got)} of {E} experts' {ours.split('_')[1]} projections)")
         place(layer, ours, np.stack([got[e][0] for e in range(E)]), got[0][1])
+    for (layer, ours), got in sorted(parts.items(), key=lambda kv: (-1 if kv[0][0] is None else kv[0][0], kv[0][1])):
+        n = part_of[ours].parts
+        for i in range(n):
+            if i not in got:
+                pattern = next(f for f in names.table[ours].patterns(arch, names.fmt)
+                               if isinstance(f, Stored) and f.part == i)
+                raise ModelLoadError(f"{where}: missing tensor {pattern.pattern.format(layer=layer)!r}")
+        place(layer, ours, interleave([got[i][0] for i in range(n)]), got[0][1])
     for p in names.table.present(arch):
         if not p.from_checkpoint:
             continue
@@ -311,91 +338,70 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
 
 # ------------------------------------------------------------------ GGUF
 
+# llama.cpp permutes Q/K rows (weights and biases) for the architectures it runs with
+# interleaved RoPE, i.e. as Llama; the parameters with ``rope_heads`` are unpermuted for these.
+ROPE_PERMUTED = ("llama", "mistral", "smollm3", "granite")
+
+# Tensors that configure the model rather than weigh in it: read into the config, not placed.
+_CONFIG_TENSORS = ("rope_freqs.weight", *gguf_arch.PHI3_FACTORS)
+
+
 def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> LoadedModel:
     """A GGUF file's model.  Its quantized and 16-bit matrices stay in their blocks
     (``quant/gguf_blocks.PackedWeight``, the file's bytes), as llama.cpp and vLLM serve them;
     ``dequantize``: every tensor as float32 instead (the path that is token-exact against
-    transformers on the dequantized weights)."""
-    from gguf.quants import dequantize as gguf_dequantize
-    from jaxllm.models.gguf_file import read_gguf
-    from jaxllm.quant import gguf_blocks
-
+    transformers on the dequantized weights).  The family's parameter table names the
+    tensors and says what the converter did to them; everything else is this one loop."""
     # Our own container parser (gguf.GGUFReader takes seconds on a tokenizer's string
     # arrays); it raises ModelLoadError naming the file for anything malformed.
     reader = read_gguf(path)
-
-    def field(key, default=None):
-        v = reader.fields.get(key)
-        return default if v is None else v
-
-    gguf_arch = field("general.architecture")
-    from jaxllm.models import gguf_arch as families
-    if gguf_arch in families.ARCHITECTURES:   # Gemma, Phi-3, OLMo, GPT-OSS, ...: their own tables
-        return families.load(reader, path, name, dequantize)
-    from jaxllm.models.registry import GGUF_ARCHITECTURES
-    if gguf_arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"{path}: GGUF architecture {gguf_arch!r} is not supported; "
+    gguf_name = reader.fields.get("general.architecture")
+    if gguf_name not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {gguf_name!r} is not supported; "
                              f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
-    hf_arch = GGUF_ARCHITECTURES[gguf_arch]
-    names = {t.name for t in reader.tensors}
-    a = gguf_arch
-    heads = int(field(f"{a}.attention.head_count"))
-    kv_heads = int(field(f"{a}.attention.head_count_kv", heads))
-    hidden = int(field(f"{a}.embedding_length"))
-    head_dim = int(field(f"{a}.attention.key_length", hidden // heads))
-    tokens = field("tokenizer.ggml.tokens") or []
-    eos = field("tokenizer.ggml.eos_token_id")
-    from jaxllm.models.config import RopeScaling
-    scaling_type = field(f"{a}.rope.scaling.type")
-    scaling = RopeScaling()
-    if scaling_type == "linear":
-        scaling = RopeScaling(rope_type="linear", factor=float(field(f"{a}.rope.scaling.factor", 1.0)))
-    elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"{path}: GGUF rope scaling type {scaling_type!r} is not supported")
-    arch = ArchConfig(
-        architecture=hf_arch,
-        vocab_size=int(field(f"{a}.vocab_size", len(tokens))),
-        hidden_size=hidden,
-        intermediate_size=int(field(f"{a}.feed_forward_length")),
-        num_layers=int(field(f"{a}.block_count")),
-        num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(field(f"{a}.rope.freq_base", 10000.0)),
-        rope_scaling=scaling,
-        max_position_embeddings=int(field(f"{a}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        qkv_bias="blk.0.attn_q.bias" in names,
-        o_bias="blk.0.attn_output.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
-        sliding_window=None,
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
-    # llama.cpp permutes Q/K rows only for the architectures it runs with interleaved RoPE.
-    permuted = gguf_arch in ("llama", "mistral")
-
-    tensors: dict[str, tuple[np.ndarray, str]] = {}
-    freq_factors = None
-    base = os.path.basename(path)
+    by_name = {t.name: t for t in reader.tensors}
+    if gguf_name in gguf_arch.ARCHITECTURES:   # Gemma, Phi-3, OLMo, GPT-OSS, ...: their own metadata
+        arch = gguf_arch.arch_config(reader.fields, {n: t.shape for n, t in by_name.items()}, gguf_name, path)
+        if gguf_name == "phi3" and arch.longrope:
+            arch = gguf_arch.with_longrope_factors(arch, by_name, path)
+    else:
+        arch = llama_config.gguf_arch_config(reader.fields, set(by_name), gguf_name, GGUF_ARCHITECTURES[gguf_name], path)
     names_map = NameMap(arch, "gguf")
+    # GLM-4-MoE's multi-token-prediction block(s), nextn.* included, follow the decoder's
+    # layers (transformers skips them too: no speculative decoding here).
+    nextn = int(reader.fields.get(f"{gguf_name}.nextn_predict_layers") or 0)
+
+    def skip(t) -> bool:
+        if t.name in _CONFIG_TENSORS:
+            return True
+        parts = t.name.split(".")
+        return bool(nextn and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= arch.num_layers)
 
     def keep_packed(t) -> bool:
-        return gguf_tensors.keeps_packed(t, [p for p, *_ in names_map.lookup(t.name)], arch, dequantize)
+        hits = names_map.lookup(t.name)
+        # a tensor the converter changed beyond rows (Stored) is decoded to float32
+        return (not any(isinstance(form, Stored) for *_, form in hits)
+                and gguf_tensors.keeps_packed(t, [p for p, *_ in hits], arch, dequantize))
 
-    weights = []
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            freq_factors = np.asarray(gguf_dequantize(t.data, t.tensor_type), np.float32).reshape(-1)
-        elif keep_packed(t):
-            # GGUF lists dimensions innermost first: (in, out) for a [out, in] matrix
-            shape = tuple(int(n) for n in reversed(t.shape))
-            if len(shape) != 2:
-                raise ModelLoadError(f"{path}: tensor {t.name!r} has shape {shape}, expected a matrix")
-            tensors[t.name] = (gguf_blocks.pack(t.data, t.tensor_type, shape), base)
-        else:
-            weights.append(t)
-    for t_name, arr in gguf_tensors.dequantize_all(weights, path).items():
-        tensors[t_name] = (arr, base)
+    freq_factors = None
+    if "rope_freqs.weight" in by_name:   # Llama 3's rope scaling, as per-frequency divisors
+        freq_factors = gguf_tensors.dequantize_all([by_name["rope_freqs.weight"]], path)["rope_freqs.weight"]
+        freq_factors = freq_factors.reshape(-1)
+    base = os.path.basename(path)
+    todo = [(t, keep_packed(t)) for t in reader.tensors if not skip(t)]
+    floats = gguf_tensors.dequantize_all([t for t, packed in todo if not packed], path)
+    tensors: dict[str, tuple[np.ndarray, str]] = {}   # in file order, packed or not
+    for t, packed in todo:
+        # GGUF lists dimensions innermost first: (in, out) for a [out, in] matrix
+        shape = tuple(int(n) for n in reversed(t.shape))
+        if not packed:
+            tensors[t.name] = (floats.pop(t.name).reshape(shape), base)
+            continue
+        if len(shape) != 2:
+            raise ModelLoadError(f"{path}: tensor {t.name!r} has shape {shape}, expected a matrix")
+        tensors[t.name] = (gguf_blocks.pack(t.data, t.tensor_type, shape), base)
+
+    permuted = gguf_name in ROPE_PERMUTED
 
     def transform(p: Param, arr):
         if not (permuted and p.rope_heads):
@@ -408,7 +414,7 @@ def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> L
         name=name or path, arch=arch, layers=layers, globals=globals_,
         rope_inv_freq=inv_frequencies(arch.rope_dim, arch.rope_theta, arch.rope_scaling, freq_factors),
         tokenizer=TokenizerSource(os.path.dirname(os.path.abspath(path)), gguf_file=base),
-        generation_config={})
+        generation_config={}, rope_tables=_rope_tables(arch))
 
 
 # ------------------------------------------------------------------ entry point
@@ -433,7 +439,6 @@ def gguf_file(model: str | None) -> str | None:
     """The GGUF file ``load_model(model)`` reads, None for an HF folder; a path that is
     neither is refused here, naming it."""
     if model is None:
-        from jaxllm.models.builtin import builtin_gguf_path
         return builtin_gguf_path()
     if not os.path.exists(model):
         raise ModelLoadError(f"model path {model!r} does not exist (pass a local HF folder or .gguf file, "
@@ -455,6 +460,5 @@ def _load_model(model: str | None, dequantize: bool, quantization: str | None = 
             raise ModelLoadError(f"--dequantize loads a GGUF file's blocks as float weights; {model} is an HF folder")
         return load_hf_folder(model, quantization)
     if model is None:
-        from jaxllm.models.builtin import BUILTIN_MODEL_NAME
         return load_gguf(path, name=BUILTIN_MODEL_NAME, dequantize=dequantize)
     return load_gguf(path, name=None if os.path.isfile(model) else model, dequantize=dequantize)

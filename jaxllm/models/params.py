@@ -62,7 +62,43 @@ class Chunk:
         return sum(sizes[:self.index]), sum(sizes)
 
 
-Pattern = str | Chunk
+@dataclass(frozen=True)
+class Stored:
+    """A checkpoint tensor that holds the parameter changed by the converter (llama.cpp's
+    ``convert_hf_to_gguf.py``); the loader undoes it.  Such a tensor is always decoded to
+    float32 (the change is not a row operation a packed weight could take)."""
+
+    pattern: str
+    transposed: bool = False
+    """Stored with its last two axes swapped (GPT-OSS's experts: ``[E, out, in]``)."""
+    offset: float = 0.0
+    """Stored as parameter + ``offset`` (Gemma's norms: ``1`` added to every weight)."""
+    part: int = 0
+    parts: int = 1
+    """One of ``parts`` tensors the parameter's last axis interleaves (GPT-OSS's gate and up:
+    part 0 the gate's, part 1 the up's, each element of one followed by the other's)."""
+
+    def stored_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The tensor's shape for a parameter of ``shape``."""
+        out = (*shape[:-1], shape[-1] // self.parts)
+        return (*out[:-2], out[-1], out[-2]) if self.transposed else out
+
+    def undo(self, a: np.ndarray) -> np.ndarray:
+        """The tensor ``a`` back to (its part of) the parameter."""
+        if self.transposed:
+            a = np.ascontiguousarray(np.swapaxes(a, -1, -2))
+        if self.offset:
+            a = a - np.float32(self.offset)
+        return a
+
+
+def interleave(parts: list[np.ndarray]) -> np.ndarray:
+    """The parameter whose last axis alternates the elements of ``parts`` (:attr:`Stored.parts`)."""
+    first = parts[0]
+    return np.ascontiguousarray(np.stack(parts, axis=-1).reshape(*first.shape[:-1], len(parts) * first.shape[-1]))
+
+
+Pattern = str | Chunk | Stored
 
 
 @dataclass(frozen=True)
@@ -84,8 +120,9 @@ class Param:
     native: Predicate = never
     """Whether the native CPU matmul multiplies by it (it then takes the panel layout)."""
     rope_heads: Callable[[ArchConfig], int] | None = None
-    """For q/k projections: their number of heads.  llama.cpp's converter permutes such rows
-    for interleaved RoPE (its llama and mistral architectures); the loader undoes it."""
+    """For q/k projections (weights and biases): their number of heads.  llama.cpp's converter
+    permutes such rows for interleaved RoPE (the architectures it runs as Llama:
+    ``loader.ROPE_PERMUTED``); the loader undoes it."""
     from_checkpoint: bool = True
     """False for what the loader computes instead of reading (RoPE frequencies)."""
     in_layer: Callable[[ArchConfig, int], bool] | None = None
@@ -103,7 +140,7 @@ class Param:
     def __post_init__(self):
         for fmt in ("hf", "gguf"):
             names = getattr(self, fmt)
-            if isinstance(names, str | Chunk):
+            if isinstance(names, str | Chunk | Stored):
                 object.__setattr__(self, fmt, (names,))
 
     def patterns(self, arch: ArchConfig, fmt: str) -> tuple[Pattern, ...]:

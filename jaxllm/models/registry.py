@@ -13,18 +13,18 @@ from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models import deepseek, gemma, gguf_arch, gpt_oss, llama, qwen3_next
+from jaxllm.models.config import ArchConfig
 
 
 @dataclass(frozen=True)
 class Family:
     """A model family's contract with the loader, the runner and the engine.  A capability
-    left None is the default: the decoder's config reader, K/V pages in every layer, one RoPE
-    table, no state per sequence."""
+    left None is the default: K/V pages in every layer, one RoPE table, no state per sequence."""
 
     module: ModuleType
     """Its parameter table (``PARAMS``), ``forward`` and ``compute_logits``."""
-    read_config: Callable | None = None
-    """``(hf_config, architecture, where) -> ArchConfig``; None: ``config.arch_config_from_hf``."""
+    read_config: Callable
+    """``(hf_config, architecture, where) -> ArchConfig``: the family's reader of a transformers config."""
     cache_kinds: Callable | None = None
     """``(arch, itemsize, kv_cache_dtype) -> CacheKind``s the KV budget sizes (engine/resolve.py)."""
     allocate_cache: Callable | None = None
@@ -37,7 +37,7 @@ class Family:
     runner gives each request a state slot; prefix caching and speculative decoding do not apply."""
 
 
-DECODER = Family(llama)
+DECODER = Family(llama, read_config=llama.arch_config)
 GEMMA = Family(gemma, read_config=gemma.arch_config, rope_tables=gemma.rope_tables)
 GPT_OSS = Family(gpt_oss, read_config=gpt_oss.arch_config)
 MLA = Family(deepseek, read_config=deepseek.arch_config, cache_kinds=deepseek.cache_kinds,
@@ -55,7 +55,7 @@ _REGISTRY: dict[str, Family] = {
     "Gemma2ForCausalLM": GEMMA,
     "Gemma3ForCausalLM": GEMMA,
     "GptOssForCausalLM": GPT_OSS,   # sinks, YaRN, biased experts with the clamped SwiGLU
-    # models/families_b.py reads their configs into ArchConfig switches of the same decoder.
+    # models/llama/variants.py reads their configs into ArchConfig switches of the same decoder.
     "Phi3ForCausalLM": DECODER,
     "SmolLM3ForCausalLM": DECODER,
     "Olmo2ForCausalLM": DECODER,
@@ -77,7 +77,7 @@ GGUF_ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
-    # Gemma 2/3, Phi-3, SmolLM3, OLMo 2 (and 3), Granite, GLM-4-MoE, GPT-OSS: models/gguf_arch.py
+    # Gemma 2/3, Phi-3, SmolLM3, OLMo 2 (and 3), Granite, GLM-4-MoE, GPT-OSS (metadata: models/gguf_arch.py)
     **gguf_arch.ARCHITECTURES,
 }
 
@@ -87,11 +87,12 @@ def gguf_hf_architectures() -> set[str]:
     return set(GGUF_ARCHITECTURES.values()) | {"Olmo3ForCausalLM"}
 
 
-def config_reader(architecture: str):
-    """The family's own config reader (``read_config(hf, arch, where)``) for a registered
-    architecture whose family has one, else None (``models/config.arch_config_from_hf`` reads it)."""
-    family = _REGISTRY.get(architecture)
-    return family.read_config if family is not None else None
+def read_config(hf, where: str) -> ArchConfig:
+    """A transformers ``PretrainedConfig`` -> its family's ``ArchConfig`` (:attr:`Family.read_config`)."""
+    arch = (getattr(hf, "architectures", None) or [None])[0]
+    if arch is None:
+        raise ModelLoadError(f"{where}: config.json names no architecture")
+    return get_family(arch).read_config(hf, arch, where)
 
 
 def supported_architectures() -> list[str]:

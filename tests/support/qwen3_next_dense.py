@@ -22,7 +22,7 @@ from jaxllm.layers.linear import linear, matmul
 from jaxllm.layers.rotary import apply_rope, cos_sin, inv_frequencies
 from jaxllm.models.config import RopeScaling
 from jaxllm.models.loader import NameMap, _assemble, read_safetensors
-from jaxllm.models.qwen3_next import (
+from jaxllm.models.qwen3_next.model import (
     ARCHITECTURES,
     PARAMS,
     HybridConfig,

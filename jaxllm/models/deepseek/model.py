@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.core.kv_budget import CacheKind
-from jaxllm.errors import ModelLoadError
 from jaxllm.formats import storage
 from jaxllm.layers import kv_quant
 from jaxllm.layers.attention import AttentionMetadata
@@ -40,202 +39,10 @@ from jaxllm.layers.mla_attention import MLACache, attend_mla
 from jaxllm.layers.moe import Routing, moe_mlp, routed_experts
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
-from jaxllm.models.config import ArchConfig, _eos_tuple, rope_scaling_from_dict
+from jaxllm.models.config import ArchConfig
+from jaxllm.models.deepseek.params import EXPERT_PARAMS
 from jaxllm.models.kernels import Kernels
-from jaxllm.models.params import (
-    GLOBAL,
-    LAYER,
-    MATRIX,
-    VECTOR,
-    Chunk,
-    Param,
-    ParamTable,
-    always,
-)
-
-ROPE_TYPES = ("default", "yarn")
-ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-
-
-def _hf(suffix: str) -> str:
-    return "model.layers.{layer}." + suffix
-
-
-def _dense_layer(a: ArchConfig, i: int) -> bool:
-    return not a.layer_is_moe(i)
-
-
-def _moe_layer(a: ArchConfig, i: int) -> bool:
-    return a.layer_is_moe(i)
-
-
-def _qk_head(a: ArchConfig) -> int:
-    return a.qk_nope_head_dim + a.head_dim
-
-
-_FUSED_GATE_UP = _hf("mlp.experts.gate_up_proj")   # transformers 5's fused experts [E, 2F, D]
-
-PARAMS = ParamTable(params=(
-    Param("embed", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
-          "model.embed_tokens.weight", native=lambda a: a.tie_word_embeddings),
-    Param("final_norm", GLOBAL, VECTOR, ("embed",), lambda a: (a.hidden_size,), "model.norm.weight"),
-    Param("lm_head", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
-          "lm_head.weight", when=lambda a: not a.tie_word_embeddings, native=always),
-    Param("rope_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.head_dim // 2,), from_checkpoint=False),
-    Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("input_layernorm.weight")),
-    # The query: one projection, or the low-rank pair with its norm.  Rows are head-major.
-    Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.num_heads * _qk_head(a), a.hidden_size),
-          _hf("self_attn.q_proj.weight"), when=lambda a: not a.q_lora_rank, native=always),
-    Param("q_a", LAYER, MATRIX, ("q_lora", "embed"), lambda a: (a.q_lora_rank, a.hidden_size),
-          _hf("self_attn.q_a_proj.weight"), when=lambda a: bool(a.q_lora_rank), native=always),
-    Param("q_a_norm", LAYER, VECTOR, ("q_lora",), lambda a: (a.q_lora_rank,),
-          _hf("self_attn.q_a_layernorm.weight"), when=lambda a: bool(a.q_lora_rank)),
-    Param("q_b", LAYER, MATRIX, ("q_heads", "q_lora"), lambda a: (a.num_heads * _qk_head(a), a.q_lora_rank),
-          _hf("self_attn.q_b_proj.weight"), when=lambda a: bool(a.q_lora_rank), native=always),
-    # The latent and the shared rotary key, [R + Dr, D]; the latent's norm.
-    Param("kv_a", LAYER, MATRIX, ("kv_lora", "embed"), lambda a: (a.kv_lora_rank + a.head_dim, a.hidden_size),
-          _hf("self_attn.kv_a_proj_with_mqa.weight"), native=always),
-    Param("kv_a_norm", LAYER, VECTOR, ("kv_lora",), lambda a: (a.kv_lora_rank,), _hf("self_attn.kv_a_layernorm.weight")),
-    # W_UK and W_UV of every head, [H * (Dn + Dv), R]: read per head by the absorbed form
-    # (an einsum, never the native matmul).
-    Param("kv_b", LAYER, MATRIX, ("q_heads", "kv_lora"),
-          lambda a: (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
-          _hf("self_attn.kv_b_proj.weight")),
-    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.num_heads * a.v_head_dim),
-          _hf("self_attn.o_proj.weight"), native=always),
-    Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("post_attention_layernorm.weight")),
-    Param("gate", LAYER, MATRIX, ("mlp", "embed"), lambda a: (a.intermediate_size, a.hidden_size),
-          _hf("mlp.gate_proj.weight"), when=lambda a: a.dense_mlp, in_layer=_dense_layer, native=always),
-    Param("up", LAYER, MATRIX, ("mlp", "embed"), lambda a: (a.intermediate_size, a.hidden_size),
-          _hf("mlp.up_proj.weight"), when=lambda a: a.dense_mlp, in_layer=_dense_layer, native=always),
-    Param("down", LAYER, MATRIX, ("embed", "mlp"), lambda a: (a.hidden_size, a.intermediate_size),
-          _hf("mlp.down_proj.weight"), when=lambda a: a.dense_mlp, in_layer=_dense_layer, native=always),
-    Param("router", LAYER, MATRIX, ("expert_logits", "embed"), lambda a: (a.num_experts, a.hidden_size),
-          _hf("mlp.gate.weight"), in_layer=_moe_layer),
-    Param("router_bias", LAYER, VECTOR, ("expert_logits",), lambda a: (a.num_experts,),
-          _hf("mlp.gate.e_score_correction_bias"), when=lambda a: a.router_scoring == "sigmoid", in_layer=_moe_layer),
-    Param("shared_gate", LAYER, MATRIX, ("moe_mlp", "embed"),
-          lambda a: (a.shared_experts * a.moe_intermediate_size, a.hidden_size),
-          _hf("mlp.shared_experts.gate_proj.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
-          native=always),
-    Param("shared_up", LAYER, MATRIX, ("moe_mlp", "embed"),
-          lambda a: (a.shared_experts * a.moe_intermediate_size, a.hidden_size),
-          _hf("mlp.shared_experts.up_proj.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
-          native=always),
-    Param("shared_down", LAYER, MATRIX, ("embed", "moe_mlp"),
-          lambda a: (a.hidden_size, a.shared_experts * a.moe_intermediate_size),
-          _hf("mlp.shared_experts.down_proj.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
-          native=always),
-    Param("experts_gate", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
-          lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size),
-          (_hf("mlp.experts.{expert}.gate_proj.weight"), Chunk(_FUSED_GATE_UP, 0, 2, 1)), in_layer=_moe_layer),
-    Param("experts_up", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
-          lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size),
-          (_hf("mlp.experts.{expert}.up_proj.weight"), Chunk(_FUSED_GATE_UP, 1, 2, 1)), in_layer=_moe_layer),
-    Param("experts_down", LAYER, MATRIX, ("expert", "embed", "moe_mlp"),
-          lambda a: (a.num_experts, a.hidden_size, a.moe_intermediate_size),
-          (_hf("mlp.experts.{expert}.down_proj.weight"), _hf("mlp.experts.down_proj")), in_layer=_moe_layer),
-))
-"""DeepSeek-V2/V3's parameters (safetensors names; no GGUF mapping)."""
-
-EXPERT_PARAMS = ("experts_gate", "experts_up", "experts_down")
-
-
-# ----------------------------------------------------------------------------- config
-
-def _mscale(scale: float, m: float = 1.0) -> float:
-    import math
-    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-
-def arch_config(hf, arch: str, where: str) -> ArchConfig:
-    """A ``DeepseekV2Config`` / ``DeepseekV3Config`` -> ArchConfig; refuses by name what the
-    model does not implement."""
-    def get(name, default=None):
-        v = getattr(hf, name, None)
-        return default if v is None else v
-
-    v3 = arch == "DeepseekV3ForCausalLM"
-    refused = {
-        # field: (value, what the implementation assumes)
-        "hidden_act": (get("hidden_act", "silu"), "silu"),
-        "attention_bias": (bool(get("attention_bias", False)), False),
-        "mlp_bias": (bool(get("mlp_bias", False)), False),
-        "moe_layer_freq": (get("moe_layer_freq", 1), 1),
-    }
-    for name, (value, supported) in refused.items():
-        if value != supported:
-            raise ModelLoadError(f"{where}: {name}={value!r} is not supported for {arch} (only {supported!r})")
-    heads = int(get("num_attention_heads"))
-    if int(get("num_key_value_heads", heads)) != heads:
-        raise ModelLoadError(f"{where}: num_key_value_heads={get('num_key_value_heads')} is not supported for {arch}: "
-                             f"MLA expands the latent into all {heads} heads (num_key_value_heads must equal it)")
-    topk_method = "noaux_tc" if v3 else str(get("topk_method", "greedy"))
-    if not v3 and topk_method not in ("greedy", "group_limited_greedy"):
-        raise ModelLoadError(f"{where}: topk_method={topk_method!r} is not supported for {arch} "
-                             "(greedy, group_limited_greedy)")
-    L = int(get("num_hidden_layers"))
-    rope = dict(get("rope_parameters") or {})
-    theta = float(rope.get("rope_theta", get("rope_theta", 10000.0)))
-    scaling = rope_scaling_from_dict(rope, where, ROPE_TYPES)
-    rope_dim, nope, v_dim = int(get("qk_rope_head_dim")), int(get("qk_nope_head_dim")), int(get("v_head_dim"))
-    kv_rank = int(get("kv_lora_rank"))
-    if min(rope_dim, kv_rank, v_dim) <= 0 or nope < 0:
-        raise ModelLoadError(f"{where}: kv_lora_rank, qk_rope_head_dim and v_head_dim must be positive "
-                             f"(got {kv_rank}, {rope_dim}, {v_dim})")
-    scale = (nope + rope_dim) ** -0.5
-    if scaling.rope_type != "default" and rope.get("mscale_all_dim"):
-        scale *= _mscale(scaling.factor, float(rope["mscale_all_dim"])) ** 2
-    num_experts = int(get("n_routed_experts", 0))
-    if num_experts <= 0:
-        raise ModelLoadError(f"{where}: n_routed_experts must be positive for {arch}")
-    top_k = int(get("num_experts_per_tok", 0))
-    n_group = int(get("n_group", 1))
-    topk_group = int(get("topk_group", 1))
-    grouped = v3 or topk_method == "group_limited_greedy"
-    if not grouped:
-        n_group = topk_group = 1
-    if grouped and v3 and n_group > 1 and num_experts // n_group < 2:
-        raise ModelLoadError(f"{where}: n_group={n_group} leaves fewer than 2 experts per group "
-                             "(a group's score is the sum of its best two)")
-    if grouped and top_k > topk_group * (num_experts // max(n_group, 1)):
-        raise ModelLoadError(f"{where}: num_experts_per_tok={top_k} exceeds the experts of topk_group={topk_group} "
-                             f"of n_group={n_group} groups")
-    hidden = int(get("hidden_size"))
-    return ArchConfig(
-        architecture=arch,
-        vocab_size=int(get("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(get("intermediate_size")),
-        num_layers=L,
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=rope_dim,
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        bos_token_id=get("bos_token_id"),
-        eos_token_ids=_eos_tuple(get("eos_token_id")),
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=int(get("moe_intermediate_size")),
-        norm_topk_prob=bool(get("norm_topk_prob", False)) if v3 else False,   # V2's router never renormalises
-        attn_scale=scale,
-        first_k_dense=min(int(get("first_k_dense_replace", 0)), L),
-        shared_experts=int(get("n_shared_experts", 0) or 0),
-        router_scoring="sigmoid" if v3 else "softmax",
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
-        kv_lora_rank=kv_rank,
-        q_lora_rank=int(get("q_lora_rank", 0) or 0),
-        qk_nope_head_dim=nope,
-        v_head_dim=v_dim,
-        rope_interleave=bool(get("rope_interleave", True)) if v3 else True,
-        topk_method=topk_method,
-    )
+from jaxllm.parallel.sharding import LAYERS, cache_array
 
 
 # ----------------------------------------------------------------------------- the cache
@@ -263,7 +70,6 @@ def allocate_cache(arch: ArchConfig, num_blocks: int, block_size: int, dtype, st
     if isinstance(dtype, kv_quant.KVFormat):   # refused earlier by cache_kinds, named by its flag
         raise ValueError(f"{arch.architecture}: a quantized KV cache is not supported for MLA; "  # noqa: TRY004
                          "use --kv-cache-dtype auto")
-    from jaxllm.parallel.sharding import LAYERS, cache_array
     axes = ("kv_blocks", "block", "latent")
     if stacked:
         return (cache_array(make, sharding, (arch.num_layers, *shape), dtype, (LAYERS, *axes)),)

@@ -54,7 +54,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.core.kv_budget import CacheKind
 from jaxllm.errors import ModelLoadError
+from jaxllm.layers import kv_quant
+from jaxllm.layers.attention import attend
 from jaxllm.layers.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import moe_mlp
@@ -75,6 +78,7 @@ from jaxllm.models.params import (
 )
 from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas
 from jaxllm.parallel.mesh import TP, tp_size
+from jaxllm.parallel.sharding import KV_AXES, cache_array
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -468,14 +472,60 @@ class HybridArch(ArchConfig):
     """The engine's config of a hybrid model: an :class:`ArchConfig` (what the engine reads
     of every model: vocabulary, the full-attention layers' heads, rope, context length) with
     the whole :class:`HybridConfig` in ``hybrid``; what ArchConfig lacks (the GDN dims, the
-    layer kinds) is read from it, so the parameter table takes either."""
+    layer kinds) is read from it through the properties below, so the parameter table takes either."""
 
     hybrid: HybridConfig | None = None
 
-    def __getattr__(self, name):
-        if name.startswith("__") or name == "hybrid":
-            raise AttributeError(name)
-        return getattr(object.__getattribute__(self, "hybrid"), name)
+    # What the parameter table and the forward read of the hybrid config, declared one by one.
+    @property
+    def linear_num_key_heads(self) -> int:
+        return self.hybrid.linear_num_key_heads
+
+    @property
+    def linear_num_value_heads(self) -> int:
+        return self.hybrid.linear_num_value_heads
+
+    @property
+    def linear_key_head_dim(self) -> int:
+        return self.hybrid.linear_key_head_dim
+
+    @property
+    def linear_value_head_dim(self) -> int:
+        return self.hybrid.linear_value_head_dim
+
+    @property
+    def conv_kernel(self) -> int:
+        return self.hybrid.conv_kernel
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        return self.hybrid.moe_layers
+
+    @property
+    def shared_expert_intermediate_size(self) -> int:
+        return self.hybrid.shared_expert_intermediate_size
+
+    @property
+    def fused_projections(self) -> bool:
+        return self.hybrid.fused_projections
+
+    @property
+    def key_dim(self) -> int:
+        return self.hybrid.key_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.hybrid.value_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.hybrid.conv_dim
+
+    def is_linear(self, i: int) -> bool:
+        return self.hybrid.is_linear(i)
+
+    def state_bytes(self, dtype_bytes: int = 4) -> int:
+        return self.hybrid.state_bytes(dtype_bytes)
 
 
 def arch_config(hf, arch: str, where: str) -> HybridArch:
@@ -505,7 +555,6 @@ def num_gdn_layers(cfg: HybridConfig) -> int:
 def cache_kinds(arch: HybridArch, itemsize: int, kv_cache_dtype: str = "auto"):
     """K/V pages in each full-attention layer, a recurrent state (conv + delta rule, float32)
     per sequence in each GDN layer (core/kv_budget.py)."""
-    from jaxllm.core.kv_budget import CacheKind
     if kv_cache_dtype != "auto":
         raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported for {arch.architecture} "
                          "(its full-attention layers' cache is kept in the model dtype); use --kv-cache-dtype auto")
@@ -523,8 +572,6 @@ def allocate_cache(arch: HybridArch, num_blocks: int, block_size: int, dtype, st
     ``make=jax.ShapeDtypeStruct`` gives the shapes without allocating; ``sharding``: logical
     axes -> the array's sharding (parallel/sharding.py): the pages split by KV head, the
     states by key-head group (C, grouped by :func:`grouped_channels`) and value head."""
-    from jaxllm.layers import kv_quant
-    from jaxllm.parallel.sharding import KV_AXES, cache_array
     h = arch.hybrid
     if stacked:
         raise ValueError(f"{arch.architecture}: its GDN and full-attention layers differ and cannot run under "
@@ -545,7 +592,6 @@ def allocate_cache(arch: HybridArch, num_blocks: int, block_size: int, dtype, st
 
 def _paged_attention(cfg: HybridConfig, h, lp, kv, md, cos, sin, kernels: Kernels):
     """The gated full attention over the paged cache: h [T, D] (normed) -> ([T, D], (K, V))."""
-    from jaxllm.layers.attention import attend
     T = h.shape[0]
     H, Hkv, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     mm = kernels.linear

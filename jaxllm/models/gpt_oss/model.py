@@ -1,6 +1,6 @@
 """GPT-OSS (``GptOssForCausalLM``) as a pure function, following transformers' ``modeling_gpt_oss``.
 
-A pre-norm decoder like Llama's (``models/llama.py``), with:
+A pre-norm decoder like Llama's (``models/llama/``), with:
 
 * attention sinks: one learned logit per query head that joins the softmax's denominator
   (``self_attn.sinks``, ``layers/attention.py``), biases on q/k/v/o;
@@ -23,128 +23,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxllm.errors import ModelLoadError
 from jaxllm.formats.storage import PACKED_BF16
 from jaxllm.layers.attention import AttentionMetadata, KVCache, attend
 from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import routed_experts
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
-from jaxllm.models.config import ArchConfig, _eos_tuple, rope_scaling_from_dict
+from jaxllm.models.config import ArchConfig
 from jaxllm.models.kernels import Kernels
-from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Fused, Param, ParamTable, always
-
-ROPE_TYPES = ("default", "yarn")
-
-
-def _hf(suffix: str) -> str:
-    return "model.layers.{layer}." + suffix
-
-
-PARAMS = ParamTable(params=(
-    Param("embed", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
-          "model.embed_tokens.weight", native=lambda a: a.tie_word_embeddings),
-    Param("final_norm", GLOBAL, VECTOR, ("embed",), lambda a: (a.hidden_size,), "model.norm.weight"),
-    Param("lm_head", GLOBAL, MATRIX, ("vocab", "embed"), lambda a: (a.vocab_size, a.hidden_size),
-          "lm_head.weight", when=lambda a: not a.tie_word_embeddings, native=always),
-    Param("rope_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.head_dim // 2,), from_checkpoint=False),
-    Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("input_layernorm.weight")),
-    Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.q_size, a.hidden_size),
-          _hf("self_attn.q_proj.weight"), native=always),
-    Param("k", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _hf("self_attn.k_proj.weight"), native=always),
-    Param("v", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _hf("self_attn.v_proj.weight"), native=always),
-    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.q_size),
-          _hf("self_attn.o_proj.weight"), native=always),
-    Param("q_bias", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,), _hf("self_attn.q_proj.bias"),
-          when=lambda a: a.qkv_bias),
-    Param("k_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,), _hf("self_attn.k_proj.bias"),
-          when=lambda a: a.qkv_bias),
-    Param("v_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,), _hf("self_attn.v_proj.bias"),
-          when=lambda a: a.qkv_bias),
-    Param("o_bias", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("self_attn.o_proj.bias"),
-          when=lambda a: a.o_bias),
-    Param("sinks", LAYER, VECTOR, ("q_heads",), lambda a: (a.num_heads,), _hf("self_attn.sinks")),
-    Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("post_attention_layernorm.weight")),
-    Param("router", LAYER, MATRIX, ("expert_logits", "embed"), lambda a: (a.num_experts, a.hidden_size),
-          _hf("mlp.router.weight")),
-    Param("router_bias", LAYER, VECTOR, ("expert_logits",), lambda a: (a.num_experts,), _hf("mlp.router.bias")),
-    # Experts in the checkpoint's [E, in, out] layout; gate and up interleaved along 2F.
-    Param("experts_gate_up", LAYER, MATRIX, ("expert", "embed", "moe_mlp"),
-          lambda a: (a.num_experts, a.hidden_size, 2 * a.moe_intermediate_size), _hf("mlp.experts.gate_up_proj")),
-    Param("experts_gate_up_bias", LAYER, VECTOR, ("expert", "moe_mlp"),
-          lambda a: (a.num_experts, 2 * a.moe_intermediate_size), _hf("mlp.experts.gate_up_proj_bias")),
-    Param("experts_down", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
-          lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size), _hf("mlp.experts.down_proj")),
-    Param("experts_down_bias", LAYER, VECTOR, ("expert", "embed"),
-          lambda a: (a.num_experts, a.hidden_size), _hf("mlp.experts.down_proj_bias")),
-), fused=(
-    Fused("qkv", ("q", "k", "v"), ("fused_qkv", "embed")),
-    Fused("qkv_bias", ("q_bias", "k_bias", "v_bias"), ("fused_qkv",)),
-))
-"""GPT-OSS's parameters (safetensors names, bf16/float32 checkpoints; GGUF names: models/gguf_arch.py)."""
-
-EXPERT_PARAMS = ("experts_gate_up", "experts_gate_up_bias", "experts_down", "experts_down_bias")
-
-
-# ----------------------------------------------------------------------------- config
-
-def arch_config(hf, arch: str, where: str) -> ArchConfig:
-    """A ``GptOssConfig`` -> ArchConfig; refuses by name what the model does not implement."""
-    def get(name, default=None):
-        v = getattr(hf, name, None)
-        return default if v is None else v
-
-    act = get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported for {arch} (the clamped SwiGLU only)")
-    L = int(get("num_hidden_layers"))
-    layer_types = tuple(get("layer_types") or ())
-    if len(layer_types) != L or set(layer_types) - {"sliding_attention", "full_attention"}:
-        raise ModelLoadError(f"{where}: layer_types must name sliding_attention or full_attention for each of "
-                             f"the {L} layers, got {list(layer_types)}")
-    window = get("sliding_window")
-    if "sliding_attention" in layer_types and not window:
-        raise ModelLoadError(f"{where}: sliding layers need a positive sliding_window, got {window!r}")
-    rope = dict(get("rope_parameters") or {})
-    theta = float(rope.get("rope_theta", get("rope_theta", 150000.0)))
-    scaling = rope_scaling_from_dict(rope, where, ROPE_TYPES)
-    heads = int(get("num_attention_heads"))
-    hidden = int(get("hidden_size"))
-    num_experts = int(get("num_local_experts", 0))
-    top_k = int(get("num_experts_per_tok", 0))
-    if num_experts <= 0:
-        raise ModelLoadError(f"{where}: num_local_experts must be positive for {arch}, got {num_experts}")
-    bias = bool(get("attention_bias", True))
-    inter = int(get("intermediate_size"))
-    return ArchConfig(
-        architecture=arch,
-        vocab_size=int(get("vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_layers=L,
-        num_heads=heads,
-        num_kv_heads=int(get("num_key_value_heads", heads)),
-        head_dim=int(get("head_dim") or hidden // heads),
-        rms_norm_eps=float(get("rms_norm_eps", 1e-5)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(get("max_position_embeddings", 131072)),
-        tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-        qkv_bias=bias,
-        o_bias=bias,
-        sliding_window=int(window) if window else None,
-        bos_token_id=get("bos_token_id"),
-        eos_token_ids=_eos_tuple(get("eos_token_id")),
-        num_experts=num_experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=inter,
-        norm_topk_prob=True,
-        layer_types=layer_types,
-        swiglu_alpha=float(get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(get("swiglu_limit", 7.0)),
-    )
+from jaxllm.models.gpt_oss.params import EXPERT_PARAMS
 
 
 # ----------------------------------------------------------------------------- model
