@@ -31,7 +31,7 @@ log = logging.getLogger("jaxllm.engine")
 
 def _check_per_sequence_state(config: EngineConfig, model: LoadedModel) -> bool:
     """Whether prefix caching runs.  A model with per-sequence state (a hybrid model's GDN
-    layers, models/qwen3_next.py) turns it off: a cached prefix's blocks hold the K/V of its
+    layers, models/qwen3_next/) turns it off: a cached prefix's blocks hold the K/V of its
     full-attention layers but not the recurrent state after it.  Speculative decoding is
     refused for such a model, naming the flag."""
     arch = model.arch.architecture

@@ -249,7 +249,7 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, mats: t
     mesh axis when there is one) for tokens already routed: x [T, D], weights / experts
     [T, k] -> float32 [T, D] = sum_j weights_j * expert_fn(x, *mats[experts_j]).  ``mats``:
     the expert stacks ``[(L,) E, ...]``, the first a matrix (for other families' experts:
-    GPT-OSS's biases and clamped SwiGLU, ``models/gpt_oss.py``)."""
+    GPT-OSS's biases and clamped SwiGLU, ``models/gpt_oss/``)."""
     if impl == "expert_parallel" and tp_size() > 1:
         return _expert_parallel(x, weights, experts, mats, layer, num_tokens, expert_fn)
     return _grouped(x, weights, experts, mats, layer, num_tokens, expert_fn)

@@ -64,7 +64,7 @@ def rules_for(arch: ShardedModel, tp: int, expert_parallel: bool = False) -> dic
     gdn_key_heads = getattr(arch, "linear_num_key_heads", 0)
     if gdn_key_heads:
         # A hybrid model's GDN layers split by key-head group: a group's q, k and v channels,
-        # its value heads' z, b, a and state all land on one device (models/qwen3_next.py).
+        # its value heads' z, b, a and state all land on one device (models/qwen3_next/).
         if gdn_key_heads % tp:
             raise ValueError(f"{flag} {tp} must divide the number of linear-attention key heads ({gdn_key_heads})")
         rules["gdn_heads"] = rules["gdn_value_heads"] = TP

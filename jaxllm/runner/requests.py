@@ -91,7 +91,7 @@ class RequestStates:
         self.rows.add_request(req_id, st.sampling)
         if self.slots is not None:
             # A request seen again after preemption comes back from position 0: the step
-            # zeroes the slot's state before its first token (models/qwen3_next.py).
+            # zeroes the slot's state before its first token (models/qwen3_next/).
             self.slots.add(req_id)
 
     def drop(self, req_id: str) -> None:

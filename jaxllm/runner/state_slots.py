@@ -1,5 +1,5 @@
 """Per-sequence state slots by request id: which slot of a recurrent layer's state arrays
-(models/qwen3_next.py's GDN conv and delta-rule states) each running request owns.
+(models/qwen3_next/'s GDN conv and delta-rule states) each running request owns.
 
 A request gets a slot when the runner first sees it (again after preemption: a fresh one)
 and gives it back when it ends or is preempted.  There are exactly as many slots as the KV

@@ -45,7 +45,7 @@ class StepInputs:
 def make_step(cfg: StepConfig, model: ModuleType):
     """``model``: the model family's module (models/registry.py)."""
     arch, kernels, K = cfg.arch, cfg.kernels, max(cfg.max_logprobs, 1)
-    # A family with per-sequence state (models/qwen3_next.py) reads each sequence's slot.
+    # A family with per-sequence state (models/qwen3_next/) reads each sequence's slot.
     stateful = keeps_sequence_state(arch.architecture)
 
     def logits_of(params, hidden):
