@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import SMALL_ENGINE
+from support.engines import SMALL_ENGINE
 
 from jaxllm.cpu import native
 
@@ -79,7 +79,7 @@ def test_prompt_logits_stay_close_to_the_float_cache(tiny_llama, attention, kv_c
     cache) with the quantized cache against the float cache.  Measured: max relative error
     0.034 (int8), 0.30 (e4m3), 0.34 (e5m2); top-1 agreement 0.92, 0.70, 0.53.  A cache read
     with a wrong scale or the wrong fp8 format is ~1.0 off with near-chance agreement."""
-    from tiny_models import paged_logits
+    from support.tiny_models import paged_logits
     if attention == "native" and not native.available():
         pytest.skip("native CPU kernel unavailable here (no AVX2/FMA or no C++ compiler)")
     ids = np.random.default_rng(1).integers(3, 5000, size=60).tolist()

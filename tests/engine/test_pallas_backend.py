@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import SMALL_ENGINE
+from support.engines import SMALL_ENGINE
 from test_batching import record_schedules, workload
 
 from jaxllm import LLM, SamplingParams

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL_ENGINE
-from tiny_families import backend_ids, backends, copy_checkpoint, hf_bf16_error, hf_greedy, prompt_ids
-from tiny_families import family_checkpoints  # noqa: F401  (fixture)
-from tiny_models import load_hf, paged_logits
+from support.engines import SMALL_ENGINE
+from support.tiny_families import backend_ids, backends, copy_checkpoint, hf_bf16_error, hf_greedy, prompt_ids
+from support.tiny_families import family_checkpoints  # noqa: F401  (fixture)
+from support.tiny_models import load_hf, paged_logits
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ModelLoadError

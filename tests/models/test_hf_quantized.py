@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import hf_quant_writers as W
-from conftest import SMALL_ENGINE
-from tiny_models import paged_logits
+from support import hf_quant_writers as W
+from support.engines import SMALL_ENGINE
+from support.tiny_models import paged_logits
 
 PROMPTS = [[1, 17, 2044, 311, 9], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 40000]]
 LOGIT_TOL = 2e-4

@@ -15,7 +15,7 @@ import pytest
 from jaxllm import SamplingParams
 from jaxllm.quant import PackedWeight
 
-from tiny_models import paged_logits
+from support.tiny_models import paged_logits
 
 PROMPTS = [
     "The capital of France is",

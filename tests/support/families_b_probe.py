@@ -10,11 +10,8 @@ the long factors), with the shard shapes it saw; for Phi-3 also the engine's tok
 from __future__ import annotations
 
 import os
-import sys
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_probe import engine_tokens, probe_main, run
+from support.tp_probe import engine_tokens, probe_main, run
 
 
 def measure(path):

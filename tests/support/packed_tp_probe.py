@@ -7,11 +7,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from conftest import SMALL_ENGINE  # noqa: E402
-
-from jaxllm import LLM, SamplingParams  # noqa: E402
+from jaxllm import LLM, SamplingParams
+from support.engines import SMALL_ENGINE
 
 PROMPTS = [[1, 400, 401, 402], [1] + list(range(1000, 1040))]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)

@@ -13,12 +13,10 @@ the sharded states, the strict compile guard: nothing compiled after warm-up).
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_probe import engine_tokens, probe_main, run
+from support.tp_probe import engine_tokens, probe_main, run
 
 PROMPT = np.random.default_rng(1).integers(0, 320, size=24).astype(np.int32)   # the tiny vocabulary
 

@@ -10,11 +10,8 @@ from the engine at tp=2 (every bucket compiled in the sharded AOT warm-up, stric
 from __future__ import annotations
 
 import os
-import sys
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_probe import engine_tokens, probe_main, run
+from support.tp_probe import engine_tokens, probe_main, run
 
 
 def measure(path):

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from tp_probe import PROMPT, STEPS, run
+from support.tp_probe import PROMPT, STEPS, run
 
 
 def engine_tokens(path: str, tp: int) -> list[int]:
