@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from test_errors import assert_one_line_error, cli
+from support.cli_errors import assert_one_line_error, cli
 
 STEPS = [r"loading weights of ", r"loaded \d+ tensors, [\d.]+ MiB, in [\d.]+ s",
          r"tokenizer: \d+ tokens, in [\d.]+ s", r"native CPU kernel linear\.cc: (reusing|compiling)",

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from support.engines import SMALL_ENGINE
-from test_batching import record_schedules, workload
+from support.batch_workload import record_schedules, workload
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.inputs import input_spec, sampling_spec

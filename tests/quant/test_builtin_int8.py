@@ -28,7 +28,7 @@ from jaxllm.cpu import native
 from jaxllm.quant import PackedWeight
 
 from support.engines import BUILTIN_ENGINE
-from test_builtin_packed import PROMPTS
+from support.builtin_prompts import PROMPTS
 from support.tiny_models import paged_logits
 
 pytestmark = pytest.mark.skipif(not native.quant_dot_vnni(),
