@@ -8,14 +8,14 @@ import jax
 import numpy as np
 import pytest
 
-from support.engines import SMALL_ENGINE
+from support.engines import ONE_SHOT_ENGINE
 
 from jaxllm.cpu import native
 
 PROMPT_LENS = [3, 40, 70, 120, 9, 25]
 MAX_TOKENS = 32
 # Each engine compiles the buckets its generate runs (5 of SMALL_ENGINE's 6), under the strict guard.
-ENGINE = {**SMALL_ENGINE, "precompile": "auto"}
+ENGINE = ONE_SHOT_ENGINE
 
 
 def _prompts():
