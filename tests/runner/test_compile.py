@@ -15,6 +15,7 @@ import pytest
 from jaxllm import SamplingParams
 from jaxllm.errors import CompileGuardError
 from jaxllm.runner import compile as cc
+from support.probes import probe_command, probe_env
 
 
 def test_no_trace_or_compile_after_warmup_across_buckets(tiny_llm):
