@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3 (MLA) sharded over 1 and 2 simulated CPU devices (test_mla_tp.py).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python mla_tp_probe.py OUT.npz CKPT...
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m support.mla_tp_probe OUT.npz CKPT...
 
 For each checkpoint and tp in (1, 2): tp_probe.run's prompt logits and 32 greedy decode steps
 with the shard shapes it saw (V3 unrolled: its dense first layer; V2 stacked), and V2's tokens

@@ -1,6 +1,6 @@
 """Runs every tiny checkpoint sharded over 1, 2 and 4 simulated CPU devices; writes what it saw.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tp_probe.py CKPT_ROOT OUT.npz
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m support.tp_probe CKPT_ROOT OUT.npz
 
 Run in its own process by test_tensor_parallel.py: the device count must be set before
 JAX starts, and the rest of the suite runs on one device.  For each variant and mesh size
