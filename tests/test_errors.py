@@ -14,21 +14,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.loader import load_model, read_safetensors
-
-
-def cli(*args, timeout=600):
-    r = subprocess.run([sys.executable, "-m", "jaxllm.cli", *args], capture_output=True, text=True, timeout=timeout)
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "compiling" not in ln]
-    return r.returncode, lines, r.stdout
-
-
-def assert_one_line_error(rc, lines, *needles):
-    assert rc == 2, lines
-    assert not any("Traceback" in ln for ln in lines), "\n".join(lines)
-    errors = [ln for ln in lines if ": error: " in ln]
-    assert len(errors) == 1, lines
-    for n in needles:
-        assert n in errors[0], errors[0]
+from support.cli_errors import assert_one_line_error, cli
 
 
 def copy_checkpoint(src, dst):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tiny_models import load_hf
+from support.tiny_models import load_hf
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.output_processor import OutputKind
@@ -131,7 +131,7 @@ def test_chat_and_tokenizer(tiny_llm):
 
 
 def test_skip_tokenizer_init(tiny_llama):
-    from conftest import SMALL_ENGINE
+    from support.engines import SMALL_ENGINE
     llm = LLM(tiny_llama, skip_tokenizer_init=True, **SMALL_ENGINE)
     assert llm.get_tokenizer() is None
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0),

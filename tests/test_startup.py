@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from test_errors import assert_one_line_error, cli
+from support.cli_errors import assert_one_line_error, cli
 
 # The native kernels build on threads started before the weights load: their lines come in any
 # order with the loading's, but before the weights go to the device (the layout needs them).

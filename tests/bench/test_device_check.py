@@ -70,7 +70,7 @@ def test_smoke_run_covers_every_section(smoke):
         sec = secs[key]
         # The test suite's tiny checkpoint, timed without prefix-cache hits (every repeat sends
         # the same prompts).
-        assert "tests/tiny_models.py" in sec["weights"] and sec["engine_args"]["enable_prefix_caching"] is False
+        assert "tests/support/tiny_models.py" in sec["weights"] and sec["engine_args"]["enable_prefix_caching"] is False
         assert [(e["backend"], e["resolved_attention"], e["resolved_sampler"]) for e in sec["engines"]] == [
             ("pallas", "pallas", "pallas"), ("xla", "xla", "xla")]
         assert all(e["memory_growth_bytes"] <= e["memory_growth_limit"] for e in sec["engines"])

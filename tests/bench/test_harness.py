@@ -3,17 +3,11 @@ call, the phase split, the skipped batch sizes, and the guards of a timed jaxllm
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.append(ROOT)
-
 from bench.harness import LLMTimer, measure, repeat, split_phases, time_compiled  # noqa: E402
-from conftest import SMALL_ENGINE  # noqa: E402
+from support.engines import SMALL_ENGINE  # noqa: E402
 
 
 class _FixedEngine:

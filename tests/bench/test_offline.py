@@ -14,17 +14,11 @@ import gzip
 import json
 import os
 import re
-import sys
 
 import httpx
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.append(ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
-
-from conftest import SMALL_ENGINE  # noqa: E402
+from support.engines import SMALL_ENGINE  # noqa: E402
 
 ENGINE_FLAGS = ["--max-num-seqs", str(SMALL_ENGINE["max_num_seqs"]),
                 "--max-num-batched-tokens", str(SMALL_ENGINE["max_num_batched_tokens"]),
@@ -209,7 +203,7 @@ def test_serve_profiler_dir_must_be_a_folder(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def profiled_engine(tiny_llama):
-    from serve_helpers import make_engine
+    from support.serve_helpers import make_engine
     engine = make_engine(tiny_llama, **{k: SMALL_ENGINE[k] for k in
                                         ("max_num_seqs", "max_num_batched_tokens", "max_model_len")})
     yield engine
@@ -217,14 +211,14 @@ def profiled_engine(tiny_llama):
 
 
 def _server(engine, **kw):
-    from serve_helpers import ServerThread
+    from support.serve_helpers import ServerThread
 
     from jaxllm.config import ServingConfig
     return ServerThread(engine, ServingConfig(host="127.0.0.1", port=0, served_model_names=("tiny",), **kw))
 
 
 def test_start_stop_profile_over_http_writes_a_trace(profiled_engine, tmp_path):
-    from serve_helpers import assert_error_shape
+    from support.serve_helpers import assert_error_shape
     prof = tmp_path / "server_prof"
     srv = _server(profiled_engine, profiler_dir=str(prof))
     try:
@@ -263,7 +257,7 @@ def test_start_stop_profile_over_http_writes_a_trace(profiled_engine, tmp_path):
 
 
 def test_profile_routes_are_404_without_the_flag(profiled_engine):
-    from serve_helpers import assert_error_shape
+    from support.serve_helpers import assert_error_shape
     srv = _server(profiled_engine)
     try:
         with httpx.Client(base_url=srv.base, timeout=60) as http:

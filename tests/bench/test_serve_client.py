@@ -15,19 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import threading
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.append(ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
-
-pytest_plugins = ["serve_helpers"]
+pytest_plugins = ["support.serve_helpers"]
 
 from bench import serve_client  # noqa: E402
 from bench.datasets import SampleRequest  # noqa: E402
@@ -397,7 +390,7 @@ def test_datasets(tmp_path):
 @pytest.fixture(scope="module")
 def builtin_server():
     from jaxllm.config import ServingConfig
-    from serve_helpers import ServerThread, make_engine
+    from support.serve_helpers import ServerThread, make_engine
 
     engine = make_engine(None, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256)
     srv = ServerThread(engine, ServingConfig(host="127.0.0.1", port=0))

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from bench.spec_decode import truncated_gguf
-from tests.conftest import SMALL_ENGINE
-from tests.tiny_models import write_gguf
+from support.engines import SMALL_ENGINE
+from support.tiny_models import write_gguf
 
 
 def test_a_truncated_gguf_is_the_first_layers_and_drafts_exactly(tiny_llama, tmp_path):

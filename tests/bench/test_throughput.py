@@ -4,19 +4,13 @@ is compared with, every prompt token prefilled on every repeat."""
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.append(ROOT)
 
 from bench.harness import measure  # noqa: E402
 from bench.throughput import (Jaxllm, attention_flops, call_flops, format_bandwidth_floor,  # noqa: E402
                               format_compute_floor, format_phases, linear_flops, read_bandwidth)
-from conftest import SMALL_ENGINE  # noqa: E402
+from support.engines import SMALL_ENGINE  # noqa: E402
 
 ENGINE = {k: v for k, v in SMALL_ENGINE.items() if k != "dtype"}
 

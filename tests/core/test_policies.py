@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from test_scheduler import run_step
+from support.scheduler_steps import run_step
 
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler

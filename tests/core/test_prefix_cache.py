@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from test_scheduler import run_step
+from support.scheduler_steps import run_step
 
 from jaxllm.core.kv_cache_manager import ROOT_HASH, KVCacheManager, hash_block
 from jaxllm.core.scheduler import Scheduler

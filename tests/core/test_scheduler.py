@@ -9,9 +9,10 @@ import pytest
 
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
-from jaxllm.outputs import EventKind, RunnerOutput, SchedulingEvent
+from jaxllm.outputs import EventKind, SchedulingEvent
 from jaxllm.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
+from support.scheduler_steps import run_step
 
 EOS = 2
 
@@ -24,19 +25,6 @@ def make(rid, n_prompt, max_tokens=8, **sp):
 def sched(num_blocks=64, block=4, seqs=4, budget=16, max_len=64):
     return Scheduler(KVCacheManager(num_blocks, block), max_num_seqs=seqs, max_num_batched_tokens=budget,
                      max_model_len=max_len)
-
-
-def run_step(s, token=7, tokens=None):
-    """One step where every request that completes its tokens samples ``token``."""
-    so = s.schedule()
-    ids, sampled = [], []
-    for rid, n in so.num_scheduled_tokens.items():
-        req = s.requests[rid]
-        ids.append(rid)
-        done = req.num_computed_tokens + n == req.num_tokens
-        sampled.append([tokens.get(rid, token) if tokens else token] if done else [])
-    outs = s.update_from_output(so, RunnerOutput(ids, sampled))
-    return so, outs
 
 
 def test_core_does_not_import_jax():

@@ -3,39 +3,18 @@ under chunked prefill and under preemption from a KV pool that is too small."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from conftest import SMALL_ENGINE
+from support.batch_workload import record_schedules, workload
+from support.engines import SMALL_ENGINE
 
-from jaxllm import LLM, SamplingParams
-
-
-def workload(n=16, seed=0):
-    rng = np.random.default_rng(seed)
-    prompts = [{"prompt_token_ids": rng.integers(3, 5000, size=int(L)).tolist()}
-               for L in rng.integers(2, 70, size=n)]
-    params = [SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True) for m in rng.integers(4, 30, size=n)]
-    return prompts, params
+from jaxllm import LLM
 
 
 @pytest.fixture(scope="module")
 def solo_outputs(tiny_llm):
     prompts, params = workload()
     return [tiny_llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
-
-
-def record_schedules(llm):
-    seen = []
-    runner = llm.llm_engine.core.runner
-    execute = runner.execute
-
-    def recording(so):
-        seen.append(so)
-        return execute(so)
-
-    runner.execute = recording
-    return seen, lambda: setattr(runner, "execute", execute)
 
 
 def test_batched_equals_solo(tiny_llm, solo_outputs):

@@ -8,14 +8,14 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import SMALL_ENGINE
+from support.engines import ONE_SHOT_ENGINE
 
 from jaxllm.cpu import native
 
 PROMPT_LENS = [3, 40, 70, 120, 9, 25]
 MAX_TOKENS = 32
 # Each engine compiles the buckets its generate runs (5 of SMALL_ENGINE's 6), under the strict guard.
-ENGINE = {**SMALL_ENGINE, "precompile": "auto"}
+ENGINE = ONE_SHOT_ENGINE
 
 
 def _prompts():
@@ -79,7 +79,7 @@ def test_prompt_logits_stay_close_to_the_float_cache(tiny_llama, attention, kv_c
     cache) with the quantized cache against the float cache.  Measured: max relative error
     0.034 (int8), 0.30 (e4m3), 0.34 (e5m2); top-1 agreement 0.92, 0.70, 0.53.  A cache read
     with a wrong scale or the wrong fp8 format is ~1.0 off with near-chance agreement."""
-    from tiny_models import paged_logits
+    from support.tiny_models import paged_logits
     if attention == "native" and not native.available():
         pytest.skip("native CPU kernel unavailable here (no AVX2/FMA or no C++ compiler)")
     ids = np.random.default_rng(1).integers(3, 5000, size=60).tolist()

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import SMALL_ENGINE
-from test_batching import record_schedules, workload
+from support.engines import SMALL_ENGINE
+from support.batch_workload import record_schedules, workload
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.inputs import input_spec, sampling_spec

@@ -13,7 +13,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from conftest import SMALL_ENGINE
+from support.engines import SMALL_ENGINE
 
 from jaxllm import LLM, SamplingParams
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import SMALL_ENGINE
-from tiny_models import paged_logits
+from support.engines import SMALL_ENGINE
+from support.tiny_models import paged_logits
 
 from jaxllm.cpu import native
 from jaxllm.formats import storage
@@ -269,7 +269,7 @@ def test_resolution_of_the_attention_backend(monkeypatch):
 
 
 def _variants():
-    from tiny_models import VARIANTS
+    from support.tiny_models import VARIANTS
     return sorted(VARIANTS)
 
 
@@ -312,7 +312,7 @@ def test_engine_native_equals_the_xla_engine(tiny_llama, tiny_llm):
 @pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scan"])
 def test_step_hlo_has_no_cache_copies(tiny_llama, scan_layers):
     """The custom call reads the cache buffer write_kv updated in place: no copy of it (see
-    tests/engine/test_kv_in_place.py for the XLA path)."""
+    tests/runner/test_kv_in_place.py for the XLA path)."""
     import re
     from jaxllm.models.kernels import Kernels
     from jaxllm.models.loader import load_model

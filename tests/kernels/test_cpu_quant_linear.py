@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
-from packed_matmul_bounds import bound_32, bound_k
+from support.packed_matmul_bounds import bound_32, bound_k
 
 from jaxllm.cpu import native
 from jaxllm.quant import PackedWeight, block_size, matmul_reference, pack

@@ -3,21 +3,18 @@ the float64 reference and the XLA recurrent form (tolerance 2e-5, as tests/layer
 
 from __future__ import annotations
 
-import os
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "layers"))
-from test_gated_delta import TOL, _inputs
 
 from jaxllm.layers.gated_delta import (
     recurrent_gated_delta_rule,
     reference_gated_delta_rule,
 )
 from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas
+from support.gated_delta_inputs import TOL
+from support.gated_delta_inputs import random_inputs as _inputs
 
 
 @pytest.mark.parametrize("T,Hk,H", [(1, 2, 4), (6, 2, 4), (3, 3, 3)])

@@ -6,27 +6,12 @@ blocks, odd K for int4), M from 1 (decode) to prefill sizes."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
 from jaxllm.pallas.quant_matmul import quant_matmul, quant_matmul_jit, quant_matmul_reference
 from jaxllm.formats import int_weights as iw
-
-
-def random_weight(rng, fmt, N, K, group, zero, per_tensor=False):
-    G = -(-K // group)
-    if fmt == "int4":
-        u = rng.integers(0, 16, (N, K + K % 2))
-        q = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)
-    elif fmt == "int8":
-        q = rng.integers(-128, 128, (N, K)).astype(np.int8)
-    else:
-        q = (rng.standard_normal((N, K)) * 50).astype(ml_dtypes.float8_e4m3fn)
-    s = rng.uniform(0.01, 0.1, (1 if per_tensor else N, G)).astype(np.float32)
-    s = np.broadcast_to(s, (N, G))
-    z = rng.integers(0, 16, (N, G)) if zero else None
-    return iw.make(q, s, z, format=fmt, group_size=group, shape=(N, K))
+from support.int_weight_samples import random_weight
 
 
 CASES = [

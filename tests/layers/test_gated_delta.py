@@ -24,29 +24,14 @@ from jaxllm.layers.gated_delta import (
 )
 from jaxllm.layers.short_conv import conv_prefill, conv_step
 from jaxllm.runner.compile import enable_persistent_cache
+from support.gated_delta_inputs import TOL
+from support.gated_delta_inputs import random_inputs as _inputs
 
-TOL = dict(atol=2e-5, rtol=2e-5)
 
 @pytest.fixture(scope="module", autouse=True)
 def _persistent_xla_cache():
     # The engines' cache folder (conftest sets JAXLLM_CACHE_DIR): reruns skip the compiles.
     enable_persistent_cache(os.path.join(os.environ["JAXLLM_CACHE_DIR"], "xla"))
-
-
-
-def _inputs(seed, B=2, T=37, Hk=2, H=4, Dk=8, Dv=6):
-    """q, k [B, T, Hk, Dk], v [B, T, H, Dv], g, beta [B, T, H], state [B, H, Dk, Dv] float32,
-    g as the model makes it: -exp(A_log) * softplus(a + dt_bias)."""
-    r = np.random.default_rng(seed)
-    q = r.standard_normal((B, T, Hk, Dk)).astype(np.float32)
-    k = r.standard_normal((B, T, Hk, Dk)).astype(np.float32)
-    v = r.standard_normal((B, T, H, Dv)).astype(np.float32)
-    A = r.uniform(0.01, 4.0, H).astype(np.float32)
-    a = r.standard_normal((B, T, H)).astype(np.float32)
-    g = (-A * np.log1p(np.exp(a + 1.0))).astype(np.float32)
-    beta = (1 / (1 + np.exp(-r.standard_normal((B, T, H))))).astype(np.float32)
-    state = r.standard_normal((B, H, Dk, Dv)).astype(np.float32) * 0.5
-    return q, k, v, g, beta, state
 
 
 def _close(got, want):

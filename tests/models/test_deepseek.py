@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_ENGINE
-from tiny_families import copy_checkpoint, hf_greedy, prompt_ids
-from tiny_models import VARIANTS_MLA, build_tiny, load_hf, paged_logits
+from support.engines import SMALL_ENGINE
+from support.tiny_families import copy_checkpoint, hf_greedy, prompt_ids
+from support.tiny_models import VARIANTS_MLA, build_tiny, load_hf, paged_logits
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ModelLoadError
@@ -198,7 +198,7 @@ def test_quantized_kv_cache_is_refused(ckpts):
 def test_bfloat16_on_cpu(ckpts, hf_models):
     """bf16 weights and latent cache as the CPU stores them (uint16 bit patterns), the native
     kernels: no worse than transformers' own bf16 run of the model."""
-    from tiny_families import hf_bf16_error
+    from support.tiny_families import hf_bf16_error
 
     from jaxllm.cpu import native
     matmul = "native" if native.available() else "xla"      # available() also registers the kernels

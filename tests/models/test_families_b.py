@@ -22,10 +22,10 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_ENGINE
+from support.engines import SMALL_ENGINE
 from safetensors.numpy import load_file, save_file
-from tiny_families import hf_greedy
-from tiny_models import VARIANTS_B, build_tiny, load_hf, paged_logits
+from support.tiny_families import hf_greedy
+from support.tiny_models import VARIANTS_B, build_tiny, load_hf, paged_logits
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ModelLoadError

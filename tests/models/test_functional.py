@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiny_models import VARIANTS, load_hf
+from support.tiny_models import VARIANTS, load_hf
 
 from jaxllm import functional
 

@@ -1,6 +1,6 @@
 """Gemma 2 and Gemma 3 (text) against transformers on CPU, in float32.
 
-Tiny random-weight checkpoints with every distinguishing option on (tests/tiny_families.py):
+Tiny random-weight checkpoints with every distinguishing option on (tests/support/tiny_families.py):
 windows of 8 crossed by a 40-token prompt, soft caps, ``query_pre_attn_scalar``, Gemma 3's
 two RoPE bases and q/k norm.  The prompt's logits through the paged cache (two chunks, a
 permuted block table) within 1e-4 of transformers on the XLA path, the native CPU kernels
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL_ENGINE
-from tiny_families import backend_ids, backends, copy_checkpoint, hf_bf16_error, hf_greedy, prompt_ids
-from tiny_families import family_checkpoints  # noqa: F401  (fixture)
-from tiny_models import load_hf, paged_logits
+from support.engines import SMALL_ENGINE
+from support.tiny_families import backend_ids, backends, copy_checkpoint, hf_bf16_error, hf_greedy, prompt_ids
+from support.tiny_families import family_checkpoints  # noqa: F401  (fixture)
+from support.tiny_models import load_hf, paged_logits
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ModelLoadError

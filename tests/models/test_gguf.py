@@ -10,7 +10,7 @@ import pytest
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.loader import load_gguf
-from tiny_models import write_gguf
+from support.tiny_models import write_gguf
 
 def test_gguf_loads_to_the_hf_weights(tiny_llama, tmp_path):
     import gguf

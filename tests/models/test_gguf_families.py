@@ -3,7 +3,7 @@
 
 Each tiny random checkpoint (every option llama.cpp's GGUF can carry switched on; what it
 cannot, such as Gemma's query_pre_attn_scalar or GPT-OSS's SwiGLU limit, left at the value
-llama.cpp fixes) is written as llama.cpp's converter writes it (``tests/gguf_convert.py``:
+llama.cpp fixes) is written as llama.cpp's converter writes it (``tests/support/gguf_convert.py``:
 Q/K permutations, Gemma's ``+1`` norms, fused and split tensors, the metadata), then:
 
 * F32 GGUF: the config and every weight equal to the twin's load, float32 prompt logits
@@ -27,9 +27,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from gguf_convert import write_gguf
-from tiny_families import FAMILY_VARIANTS
-from tiny_models import BASE, VARIANTS_B, build_tiny, load_hf
+from support.gguf_convert import write_gguf
+from support.tiny_families import FAMILY_VARIANTS
+from support.tiny_models import BASE, VARIANTS_B, build_tiny, load_hf
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.loader import load_model
@@ -279,7 +279,7 @@ def test_glm4_moe_nextn_block_is_skipped(twins, tmp_path):
 def test_engine_serves_a_gguf_family(twins, smollm_tokenizer_dir):
     """GPT-OSS's GGUF (sinks, alternating windows, biased experts, YaRN) through the engine on
     its default backends: 16 greedy tokens equal to the safetensors twin's."""
-    from conftest import SMALL_ENGINE
+    from support.engines import SMALL_ENGINE
 
     from jaxllm import LLM, SamplingParams
     hf_path, f32, _ = twins["gpt_oss"]

@@ -1,6 +1,6 @@
 """GPT-OSS against transformers on CPU, in float32.
 
-A tiny random-weight checkpoint (tests/tiny_families.py) with sinks, alternating windows of
+A tiny random-weight checkpoint (tests/support/tiny_families.py) with sinks, alternating windows of
 8 (crossed by the 40-token prompt), q/k/v/o biases, 4 biased experts with a SwiGLU limit the
 activations reach, and YaRN: the prompt's logits through the paged cache within 1e-4 of
 transformers on the XLA path, the native CPU kernels and the Pallas kernels (interpret);
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL_ENGINE
-from tiny_families import backend_ids, backends, copy_checkpoint, hf_bf16_error, hf_greedy, prompt_ids
-from tiny_families import family_checkpoints  # noqa: F401  (fixture)
-from tiny_models import load_hf, paged_logits
+from support.engines import SMALL_ENGINE
+from support.tiny_families import backend_ids, backends, copy_checkpoint, hf_bf16_error, hf_greedy, prompt_ids
+from support.tiny_families import family_checkpoints  # noqa: F401  (fixture)
+from support.tiny_models import load_hf, paged_logits
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.errors import ModelLoadError

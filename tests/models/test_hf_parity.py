@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL_ENGINE
-from tiny_models import VARIANTS, load_hf, paged_logits
+from support.engines import SMALL_ENGINE
+from support.tiny_models import VARIANTS, load_hf, paged_logits
 
 from jaxllm import LLM, SamplingParams
 

@@ -1,7 +1,7 @@
 """HF quantized checkpoints (compressed-tensors, GPTQ, FP8) and online --quantization int8|fp8,
 loaded and served end to end.
 
-Each checkpoint is written here from the tiny float Llama by ``tests/hf_quant_writers.py``,
+Each checkpoint is written here from the tiny float Llama by ``tests/support/hf_quant_writers.py``,
 together with the float checkpoint of the weights its tensors stand for (dequantized in
 float64, rounded once to float32).  The engine dequantizes in float32 with one rounding per
 weight too, so the two engines multiply by the same numbers: their greedy tokens must be
@@ -14,14 +14,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import hf_quant_writers as W
-from conftest import SMALL_ENGINE
-from tiny_models import paged_logits
+from support import hf_quant_writers as W
+from support.engines import SMALL_ENGINE
+from support.tiny_models import paged_logits
 
 PROMPTS = [[1, 17, 2044, 311, 9], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 40000]]
 LOGIT_TOL = 2e-4
 # One-shot engines compile the buckets their generate runs (the offline default), still under the
-# strict compile guard; every bucket's warm-up is tests/engine/test_compile.py's and the servers'.
+# strict compile guard; every bucket's warm-up is tests/runner/test_compile.py's and the servers'.
 ENGINE = {**SMALL_ENGINE, "precompile": "auto"}
 
 

@@ -236,7 +236,7 @@ def test_fused_expert_layout_loads_the_same(variant, tiny_checkpoints, tmp_path)
         for k in la:
             np.testing.assert_array_equal(la[k], lb[k], err_msg=k)
     # transformers reads the fused file as the same model (so the gate/up order is theirs).
-    from tiny_models import load_hf
+    from support.tiny_models import load_hf
     ids = torch.tensor([[5, 17, 300, 42]])
     with torch.no_grad():
         a, b = load_hf(fused)(ids).logits.numpy(), load_hf(src)(ids).logits.numpy()

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tiny_models import VARIANTS
+from support.tiny_models import VARIANTS
 
 from jaxllm.models import llama
 from jaxllm.models.loader import NameMap, load_model, read_safetensors

@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 from support import qwen3_next_dense as qn
-from tiny_hybrid import COMMON, MOE, VARIANTS, VOCAB, build
+from support.tiny_hybrid import COMMON, MOE, VARIANTS, VOCAB, build
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.runner.compile import enable_persistent_cache

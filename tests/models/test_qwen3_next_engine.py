@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tiny_hybrid import VARIANTS, VOCAB, build
+from support.tiny_hybrid import VARIANTS, VOCAB, build
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.models import qwen3_next as qn
@@ -64,7 +64,7 @@ CASES = [("Qwen3NextForCausalLM", "xla"), ("Qwen3_5ForCausalLM", "xla"), ("Qwen3
 
 @pytest.mark.parametrize("arch,kernels", CASES, ids=[f"{a}-{k}" for a, k in CASES])
 def test_prompt_logits_match_transformers(arch, kernels, ckpts, hf_models, monkeypatch):
-    from tiny_models import paged_logits
+    from support.tiny_models import paged_logits
 
     from jaxllm.cpu import native
     if kernels == "native" and not native.available():

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import build_tiny
-from tp_probe import run_probe
+from support.tiny_models import build_tiny
+from support.tp_probe import run_probe
 
 VARIANTS = ("phi3", "glm4_moe")
 
@@ -20,7 +20,7 @@ VARIANTS = ("phi3", "glm4_moe")
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     root = tmp_path_factory.mktemp("families_b_tp")
-    return run_probe("families_b_probe.py", root, [build_tiny(v, str(root / v)) for v in VARIANTS])
+    return run_probe("families_b_probe", root, [build_tiny(v, str(root / v)) for v in VARIANTS])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

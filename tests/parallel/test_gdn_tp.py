@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_hybrid import VOCAB, build
-from tp_probe import run_probe
+from support.tiny_hybrid import VOCAB, build
+from support.tp_probe import run_probe
 
 ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 
@@ -22,7 +22,7 @@ ARCHS = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     root = tmp_path_factory.mktemp("gdn_tp")
-    return run_probe("gdn_tp_probe.py", root, [build(a, str(root / a)) for a in ARCHS])
+    return run_probe("gdn_tp_probe", root, [build(a, str(root / a)) for a in ARCHS])
 
 
 @pytest.mark.parametrize("key", ["Qwen3NextForCausalLM/tp2", "Qwen3_5ForCausalLM/tp2", "Qwen3_5ForCausalLM/tp2/pallas"])

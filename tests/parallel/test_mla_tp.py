@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import build_tiny
-from tp_probe import run_probe
+from support.tiny_models import build_tiny
+from support.tp_probe import run_probe
 
 VARIANTS = ("deepseek_v2", "deepseek_v3")
 
@@ -19,7 +19,7 @@ VARIANTS = ("deepseek_v2", "deepseek_v3")
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     root = tmp_path_factory.mktemp("mla_tp")
-    return run_probe("mla_tp_probe.py", root, [build_tiny(v, str(root / v)) for v in VARIANTS])
+    return run_probe("mla_tp_probe", root, [build_tiny(v, str(root / v)) for v in VARIANTS])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

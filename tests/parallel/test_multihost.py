@@ -12,9 +12,10 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from jaxllm import SamplingParams
+from support.multihost_probe import PROMPT
+from support.probes import probe_command, probe_env
 
 
 def _free_port() -> int:
@@ -27,8 +28,8 @@ def test_two_processes_generate_what_one_does(tiny_checkpoints, tiny_llm, tmp_pa
     path = tiny_checkpoints["llama_gqa_untied"]
     port, out = _free_port(), str(tmp_path / "host0.json")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # one CPU device per process
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multihost_probe.py"), path, str(port), str(i), out],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [subprocess.Popen(probe_command("multihost_probe", path, port, i, out), env=probe_env(env),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in (0, 1)]
     try:
         logs = [p.communicate(timeout=600)[0] for p in procs]
@@ -41,9 +42,6 @@ def test_two_processes_generate_what_one_does(tiny_checkpoints, tiny_llm, tmp_pa
     with open(out) as f:
         got = json.load(f)
     assert got["devices"] == 2
-    sys.path.insert(0, HERE)
-    from multihost_probe import PROMPT
-    from jaxllm import SamplingParams
     one = tiny_llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].token_ids
     assert got["tokens"] == list(one)

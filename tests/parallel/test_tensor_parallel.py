@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tiny_models import VARIANTS
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from support.probes import probe_command, probe_env
+from support.tiny_models import VARIANTS
+from support.tp_probe import NOT_SWEPT
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +30,8 @@ def probe(tiny_checkpoints, tmp_path_factory):
     """(logits by run key, metadata by run key) from tp_probe.py on 4 simulated CPU devices."""
     root = os.path.dirname(next(iter(tiny_checkpoints.values())))
     out = str(tmp_path_factory.mktemp("tp") / "probe.npz")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "tp_probe.py"), root, out], env=env,
-                       capture_output=True, text=True, timeout=1200)
+    env = probe_env(XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    r = subprocess.run(probe_command("tp_probe", root, out), env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     with open(out + ".json") as f:
         meta = json.load(f)
@@ -43,9 +41,6 @@ def probe(tiny_checkpoints, tmp_path_factory):
 def _is_moe(variant: str) -> bool:
     return VARIANTS[variant][0] in ("Qwen3MoeConfig", "MixtralConfig")
 
-
-sys.path.insert(0, HERE)
-from tp_probe import NOT_SWEPT  # noqa: E402
 
 SWEPT = [v for v in sorted(VARIANTS) if v not in NOT_SWEPT]
 CASES = [(v, tp, False) for v in SWEPT for tp in (2, 4)] + [(v, tp, True) for v in SWEPT if _is_moe(v) for tp in (2, 4)]

@@ -1,7 +1,7 @@
 """Gemma 2, Gemma 3 and GPT-OSS at tp=2 on simulated CPU devices equal one device.
 
 The sharded runs happen in one subprocess (tp_families_probe.py).  For each tiny checkpoint
-(tests/tiny_families.py): the prompt's logits within 1e-4 relative of tp=1 in float32 and 32
+(tests/support/tiny_families.py): the prompt's logits within 1e-4 relative of tp=1 in float32 and 32
 greedy tokens identical, on the XLA path and with the Pallas kernel per device (GPT-OSS's
 sinks split with their heads); the weights really split; and the engine end to end at tp=2
 giving the same tokens.  (tp=1 against transformers: tests/models/test_gemma.py, test_gpt_oss.py.)
@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tiny_families import family_checkpoints  # noqa: F401  (fixture)
+from support.probes import probe_command, probe_env
+from support.tiny_families import family_checkpoints  # noqa: F401  (fixture)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ("gemma2", "gemma3", "gpt_oss")
 
 
@@ -27,9 +26,8 @@ NAMES = ("gemma2", "gemma3", "gpt_oss")
 def probe(family_checkpoints, tmp_path_factory):  # noqa: F811
     root = os.path.dirname(family_checkpoints["gemma3"])
     out = str(tmp_path_factory.mktemp("tp_families") / "probe.npz")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "tp_families_probe.py"), root, out, ",".join(NAMES)],
+    env = probe_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    r = subprocess.run(probe_command("tp_families_probe", root, out, ",".join(NAMES)),
                        env=env, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     with open(out + ".json") as f:

@@ -27,9 +27,9 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.cpu import native
 from jaxllm.quant import PackedWeight
 
-from conftest import BUILTIN_ENGINE
-from test_builtin_packed import PROMPTS
-from tiny_models import paged_logits
+from support.engines import BUILTIN_ENGINE
+from support.builtin_prompts import PROMPTS
+from support.tiny_models import paged_logits
 
 pytestmark = pytest.mark.skipif(not native.quant_dot_vnni(),
                                 reason="the CPU lacks AVX512F/BW/VNNI: the default keeps float32 activations here")

@@ -15,16 +15,9 @@ import pytest
 from jaxllm import SamplingParams
 from jaxllm.quant import PackedWeight
 
-from tiny_models import paged_logits
+from support.builtin_prompts import PROMPTS
+from support.tiny_models import paged_logits
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "List three uses of copper:",
-    "In 1969, the first humans",
-]
 NEAR_TIE = 0.05   # nats between the reference's top two tokens where a divergence is allowed
 
 

@@ -12,10 +12,7 @@ import pytest
 
 from jaxllm.formats import int_weights as iw
 from jaxllm.quant import ops
-
-import sys, os  # noqa: E401
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kernels"))
-from test_pallas_quant_matmul import random_weight  # noqa: E402
+from support.int_weight_samples import random_weight
 
 
 @pytest.mark.parametrize("fmt,N,K,group,zero", [("int4", 24, 77, 77, True), ("int4", 16, 96, 32, False),

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from packed_matmul_bounds import bound
+from support.packed_matmul_bounds import bound
 
 from jaxllm.cpu import native
 from jaxllm.models.gguf_file import read_gguf
@@ -78,7 +78,7 @@ def test_engine_serves_the_file_as_shipped(preset):
     (float32 summation order, as tests/quant/test_packed_engine.py)."""
     from jaxllm import LLM, SamplingParams
     from jaxllm.quant import PackedWeight
-    from conftest import SMALL_ENGINE
+    from support.engines import SMALL_ENGINE
     prompts = [{"prompt_token_ids": [1, 17, 40, 300, 7]}, {"prompt_token_ids": list(range(2, 60))}]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     out = {}

@@ -22,8 +22,8 @@ from jaxllm.cpu import native
 from jaxllm.quant import PackedWeight
 from jaxllm.quant.native_matmul import NATIVE_TYPES
 
-from conftest import SMALL_ENGINE
-from tiny_models import paged_logits, write_gguf
+from support.engines import SMALL_ENGINE
+from support.tiny_models import paged_logits, write_gguf
 
 # The gguf package quantizes these; the K types come as llama.cpp-made fixtures
 # (tests/quant/test_k_fixtures.py).

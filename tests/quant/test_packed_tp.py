@@ -10,16 +10,14 @@ weight and its sharded input disagreeing, would fail to compile or change the to
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import gguf
 import pytest
 
-from tiny_models import write_gguf
+from support.probes import probe_command, probe_env
+from support.tiny_models import write_gguf
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TYPES = ("Q8_0", "Q4_1")
 
 
@@ -31,8 +29,8 @@ def probe(tiny_llama, tmp_path_factory):
         paths.append(str(root / f"tiny-{t}.gguf"))
         write_gguf(tiny_llama, paths[-1], matrix_type=gguf.GGMLQuantizationType[t])
     out = str(root / "probe.json")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "packed_tp_probe.py"), out, *paths], env=env,
+    env = probe_env(XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    r = subprocess.run(probe_command("packed_tp_probe", out, *paths), env=env,
                        capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     with open(out) as f:

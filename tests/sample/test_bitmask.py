@@ -11,8 +11,7 @@ import numpy as np
 from jaxllm.sample import metadata as smd
 from jaxllm.sample import sampler as sm
 from jaxllm.sample.bitmask import mask_words
-
-from test_sampler_state import _one_row  # noqa: E402  (tests/sample is on sys.path under pytest)
+from support.sampler_harness import one_row as _one_row
 
 
 def bitmask(V: int, allowed) -> np.ndarray:

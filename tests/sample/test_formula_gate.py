@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from sampler_harness import Row, device_tokens, reference_tokens
+from support.sampler_harness import Row, device_tokens, reference_tokens
 
 from jaxllm.formats import gumbel as G
 from jaxllm.sample import reference as ref

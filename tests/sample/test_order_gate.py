@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from sampler_harness import Row, device_tokens, reference_tokens, tie_pair
+from support.sampler_harness import Row, device_tokens, reference_tokens, tie_pair
 
 from jaxllm.sample import blocked, draw
 from jaxllm.sample.metadata import RowParams

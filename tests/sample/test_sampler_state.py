@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +14,7 @@ from jaxllm import SamplingParams
 from jaxllm.engine.output_processor import OutputKind
 from jaxllm.sample import metadata as smd
 from jaxllm.sample import sampler as sm
+from support.sampler_harness import one_row as _one_row
 
 
 def test_step_updates_the_state_in_place(tiny_llm):
@@ -73,12 +73,6 @@ def test_counts_live_on_the_device_keyed_by_request_id(tiny_llm):
     assert set(np.flatnonzero(np.asarray(rows.state.prompt_mask[row_c])).tolist()) == {8}
     while engine.has_unfinished_requests():
         engine.step()
-
-
-def _one_row(V, p, logits):
-    a = smd.empty_metadata(1)
-    smd.fill_row(a, 0, p, slot=0, out_pos=0, num_prompt=0, reset=False, suppress=[], num_logprobs=3)
-    return jnp.asarray(logits[None]), smd.to_metadata(a), sm.init_state(2, V)
 
 
 def test_logprobs_modes():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiny_models import load_hf
+from support.tiny_models import load_hf
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.processor import InputProcessor

@@ -30,8 +30,8 @@ from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
-pytest.register_assert_rewrite("serve_helpers")  # before its import, so its asserts show values
-from serve_helpers import free_port, wait_for_health  # noqa: E402
+pytest.register_assert_rewrite("support.serve_helpers")  # before its import, so its asserts show values
+from support.serve_helpers import free_port, wait_for_health  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -245,7 +245,6 @@ def test_offline_llm_refuses_data_parallel():
 
 
 # ---------------------------------------------------------------------------- end to end
-
 
 
 # Fewer buckets than the tiny_llm reference's SMALL_ENGINE (each replica compiles its own):

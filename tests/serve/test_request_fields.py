@@ -19,9 +19,9 @@ import re
 import httpx
 import pytest
 
-pytest.register_assert_rewrite("serve_helpers")
+pytest.register_assert_rewrite("support.serve_helpers")
 
-from serve_helpers import assert_error_shape  # noqa: E402
+from support.serve_helpers import assert_error_shape  # noqa: E402
 
 from jaxllm.sampling_params import SamplingParams  # noqa: E402
 from serve.protocol import (ChatCompletionNamedToolChoiceParam, ChatCompletionRequest,  # noqa: E402
@@ -30,7 +30,7 @@ from serve.protocol import (ChatCompletionNamedToolChoiceParam, ChatCompletionRe
                             TokenizeChatRequest, TokenizeCompletionRequest)
 from serve.structured import resolve_constraint  # noqa: E402
 
-pytest_plugins = ["serve_helpers"]
+pytest_plugins = ["support.serve_helpers"]
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = "serve/test_request_fields.py"

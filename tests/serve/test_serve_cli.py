@@ -21,9 +21,9 @@ import time
 import httpx
 import pytest
 
-pytest.register_assert_rewrite("serve_helpers")  # before its import, so its asserts show values
+pytest.register_assert_rewrite("support.serve_helpers")  # before its import, so its asserts show values
 
-from serve_helpers import free_port, parse_sse, wait_for_health  # noqa: E402
+from support.serve_helpers import free_port, parse_sse, wait_for_health  # noqa: E402
 
 from jaxllm.config import ServingConfig  # noqa: E402
 from jaxllm.engine.async_engine import IterationStats  # noqa: E402
@@ -93,7 +93,6 @@ def test_generation_defaults_follow_vllms_precedence(tmp_path):
             raise ValueError("repetition_penalty is not supported by this engine yet")
 
     assert validate_defaults({"repetition_penalty": 1.1, "temperature": 0.7}, refuse_penalties) == {"temperature": 0.7}
-
 
 
 def test_cli_serve_defaults_api_key_and_graceful_sigterm(tiny_llama, tmp_path):

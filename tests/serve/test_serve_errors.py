@@ -16,14 +16,14 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-pytest.register_assert_rewrite("serve_helpers")  # before its import, so its asserts show values
+pytest.register_assert_rewrite("support.serve_helpers")  # before its import, so its asserts show values
 
-from serve_helpers import ServerThread, assert_error_shape  # noqa: E402
+from support.serve_helpers import ServerThread, assert_error_shape  # noqa: E402
 
 from jaxllm.config import ServingConfig  # noqa: E402
 
 # The shared engine and server fixtures (serve_engine, server, http, idle_engine).
-pytest_plugins = ["serve_helpers"]
+pytest_plugins = ["support.serve_helpers"]
 
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"

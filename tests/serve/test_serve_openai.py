@@ -13,12 +13,12 @@ import httpx
 import openai
 import pytest
 
-pytest.register_assert_rewrite("serve_helpers")  # before its import, so its asserts show values
+pytest.register_assert_rewrite("support.serve_helpers")  # before its import, so its asserts show values
 
-from serve_helpers import parse_sse  # noqa: E402
+from support.serve_helpers import parse_sse  # noqa: E402
 
 # The shared engine and server fixtures (serve_engine, server, http, idle_engine).
-pytest_plugins = ["serve_helpers"]
+pytest_plugins = ["support.serve_helpers"]
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 

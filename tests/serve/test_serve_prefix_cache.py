@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-pytest.register_assert_rewrite("serve_helpers")
+pytest.register_assert_rewrite("support.serve_helpers")
 
-from serve_helpers import assert_error_shape, parse_sse  # noqa: E402
+from support.serve_helpers import assert_error_shape, parse_sse  # noqa: E402
 
-pytest_plugins = ["serve_helpers"]
+pytest_plugins = ["support.serve_helpers"]
 
 
 def fresh_prompt(seed: int, n: int = 40) -> list[int]:

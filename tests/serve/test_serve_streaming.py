@@ -16,15 +16,15 @@ import time
 import httpx
 import pytest
 
-pytest.register_assert_rewrite("serve_helpers")  # before its import, so its asserts show values
+pytest.register_assert_rewrite("support.serve_helpers")  # before its import, so its asserts show values
 
-from serve_helpers import (ServerThread, assert_error_shape, make_engine, parse_sse, raw_post,  # noqa: E402
+from support.serve_helpers import (ServerThread, assert_error_shape, make_engine, parse_sse, raw_post,  # noqa: E402
                            read_http_response, wait_until)
 
 from jaxllm.config import ServingConfig  # noqa: E402
 
 # The shared engine and server fixtures (serve_engine, server, http, idle_engine).
-pytest_plugins = ["serve_helpers"]
+pytest_plugins = ["support.serve_helpers"]
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me about XLA."}], "max_tokens": 6, "temperature": 0,
         "stream": True}

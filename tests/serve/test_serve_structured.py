@@ -16,11 +16,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-pytest.register_assert_rewrite("serve_helpers")
+pytest.register_assert_rewrite("support.serve_helpers")
 
-from serve_helpers import ServerThread, assert_error_shape, make_engine  # noqa: E402
+from support.serve_helpers import ServerThread, assert_error_shape, make_engine  # noqa: E402
 
-pytest_plugins = ["serve_helpers"]
+pytest_plugins = ["support.serve_helpers"]
 
 GREEDY = dict(temperature=0, max_tokens=120)
 MSG = [{"role": "user", "content": "Give me the data."}]

@@ -1,6 +1,6 @@
 """Tool calling and reasoning through a real server, as the official ``openai`` client sees them.
 
-The model is tests/tool_models.py's scripted checkpoint: ``logit_bias`` on a script's first
+The model is tests/support/tool_models.py's scripted checkpoint: ``logit_bias`` on a script's first
 token makes it write that script (hermes tool calls, or ``<think>`` reasoning then content),
 and its chat template renders ``tools``, assistant ``tool_calls`` and ``role: tool`` results.
 One engine serves two apps: one started with ``--enable-auto-tool-choice --tool-call-parser
@@ -16,12 +16,12 @@ import jsonschema
 import openai
 import pytest
 
-pytest.register_assert_rewrite("serve_helpers")
+pytest.register_assert_rewrite("support.serve_helpers")
 
-from serve_helpers import ServerThread, assert_error_shape, make_engine  # noqa: E402
-from tool_models import build_scripted, script_ids  # noqa: E402
+from support.serve_helpers import ServerThread, assert_error_shape, make_engine  # noqa: E402
+from support.tool_models import build_scripted, script_ids  # noqa: E402
 
-pytest_plugins = ["serve_helpers"]
+pytest_plugins = ["support.serve_helpers"]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -302,7 +302,6 @@ def test_required_tool_choice_arguments_validate(tool_server, stream, parallel):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
-
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -5,15 +5,9 @@ tool calls, and never send part of a tag as content."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import jsonschema
 import pytest
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _ROOT not in sys.path:
-    sys.path.append(_ROOT)
 
 from serve.chat_parsing import ChoiceParser  # noqa: E402
 from serve.reasoning import ReasoningParserManager  # noqa: E402

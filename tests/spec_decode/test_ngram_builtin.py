@@ -4,16 +4,9 @@ acceptance is reported in ``/metrics`` and by ``jaxllm bench serve``."""
 
 from __future__ import annotations
 
-import os
-import sys
 
 import httpx
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.append(ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "serve"))
 
 from jaxllm import SamplingParams
 
@@ -29,7 +22,7 @@ PARAMS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, top_k=40, seed=7
 @pytest.fixture(scope="module")
 def spec_server():
     from jaxllm.config import ServingConfig
-    from serve_helpers import ServerThread, make_engine
+    from support.serve_helpers import ServerThread, make_engine
 
     # float32 activations, as the session's builtin_llm (tests/quant/test_builtin_int8.py
     # checks speculation on the int8 default)

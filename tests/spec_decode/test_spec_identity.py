@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import SMALL_ENGINE
+from support.engines import SMALL_ENGINE
 
 from jaxllm import LLM, SamplingParams
 

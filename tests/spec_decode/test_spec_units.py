@@ -68,7 +68,7 @@ def test_speculative_config_flag():
 
 def test_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
     from jaxllm import LLM
-    from tiny_models import build_tiny
+    from support.tiny_models import build_tiny
     other = build_tiny("small_vocab", str(tmp_path / "small_vocab"),
                        variants={"small_vocab": ("LlamaConfig", dict(vocab_size=512, tie_word_embeddings=True))})
     with pytest.raises(ValueError, match="--speculative-config: the draft model .* 512 tokens"):
@@ -458,7 +458,7 @@ def test_a_buckets_first_run_is_not_averaged(tiny_llama):
     verification of 1 + k tokens at batch 1) look dear for the rest of the run, and the cost
     model stopped proposing.  The runner averages from the second run on."""
     from jaxllm import LLM
-    from tests.conftest import SMALL_ENGINE
+    from support.engines import SMALL_ENGINE
     llm = LLM(tiny_llama, **SMALL_ENGINE)
     runner = llm.llm_engine.core.runner
     runs: dict = {}

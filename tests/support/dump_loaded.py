@@ -57,10 +57,10 @@ def _cases(ckpt: str):
     import gguf
 
     from jaxllm.models.loader import load_model
-    import tiny_families
-    import tiny_hybrid
-    import tiny_models
-    import gguf_convert
+    from support import tiny_families
+    from support import tiny_hybrid
+    from support import tiny_models
+    from support import gguf_convert
 
     os.makedirs(ckpt, exist_ok=True)
     q8 = gguf.GGMLQuantizationType.Q8_0

@@ -1,6 +1,6 @@
 """Phi-3 and GLM-4-MoE sharded over 1 and 2 simulated CPU devices (test_families_b_tp.py).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python families_b_probe.py OUT.npz CKPT...
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m support.families_b_probe OUT.npz CKPT...
 
 For each checkpoint and tp in (1, 2): tp_probe.run's prompt logits (one token per step: Phi-3's
 24-token prompt in its short-factor regime) and 32 greedy decode steps (crossing 32 positions:
@@ -10,11 +10,8 @@ the long factors), with the shard shapes it saw; for Phi-3 also the engine's tok
 from __future__ import annotations
 
 import os
-import sys
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_probe import engine_tokens, probe_main, run
+from support.tp_probe import engine_tokens, probe_main, run
 
 
 def measure(path):

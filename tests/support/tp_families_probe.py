@@ -1,6 +1,6 @@
 """Gemma 2/3 and GPT-OSS sharded over 1 and 2 simulated CPU devices; writes what it saw.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python tp_families_probe.py CKPT_ROOT OUT.npz
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m support.tp_families_probe CKPT_ROOT OUT.npz
 
 Run in its own process by test_tp_families.py (the device count is fixed before JAX starts).
 For each checkpoint: the prompt's logits and 32 greedy tokens through the paged cache at
@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from tp_probe import PROMPT, STEPS, run
+from support.tp_probe import PROMPT, STEPS, run
 
 
 def engine_tokens(path: str, tp: int) -> list[int]:

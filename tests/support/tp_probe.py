@@ -1,6 +1,6 @@
 """Runs every tiny checkpoint sharded over 1, 2 and 4 simulated CPU devices; writes what it saw.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tp_probe.py CKPT_ROOT OUT.npz
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m support.tp_probe CKPT_ROOT OUT.npz
 
 Run in its own process by test_tensor_parallel.py: the device count must be set before
 JAX starts, and the rest of the suite runs on one device.  For each variant and mesh size
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 
 import jax
@@ -28,6 +29,7 @@ from jaxllm.models.registry import get_model_module
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
 from jaxllm.runner.weights import allocate_kv_cache, to_device_params
+from support.probes import probe_command, probe_env
 
 BLOCK = 8
 NOT_SWEPT = ("llama_linear_rope_mha",)
@@ -138,14 +140,12 @@ def probe_main(measure) -> None:
         json.dump(meta, f)
 
 
-def run_probe(script: str, root, paths: list[str], devices: int = 2) -> tuple[dict, dict]:
-    """Runs probe ``script`` (beside this file) over ``paths`` in its own process on
-    ``devices`` simulated CPU devices (the count is fixed before JAX starts) -> (arrays, meta)."""
-    import subprocess
+def run_probe(name: str, root, paths: list[str], devices: int = 2) -> tuple[dict, dict]:
+    """Runs probe ``support.<name>`` over ``paths`` in its own process on ``devices``
+    simulated CPU devices (the count is fixed before JAX starts) -> (arrays, meta)."""
     out = os.path.join(str(root), "probe.npz")
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    r = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script), out,
-                        *paths], env=env, capture_output=True, text=True, timeout=1200)
+    env = probe_env(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    r = subprocess.run(probe_command(name, out, *paths), env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     with open(out + ".json") as f:
         return dict(np.load(out)), json.load(f)

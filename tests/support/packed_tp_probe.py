@@ -7,11 +7,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from conftest import SMALL_ENGINE  # noqa: E402
-
-from jaxllm import LLM, SamplingParams  # noqa: E402
+from jaxllm import LLM, SamplingParams
+from support.engines import ONE_SHOT_ENGINE
 
 PROMPTS = [[1, 400, 401, 402], [1] + list(range(1000, 1040))]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
@@ -23,8 +20,9 @@ def main():
     for path in paths:
         for tp in (1, 2):
             # float32 activations on one device too (auto rounds them to int8 on a CPU with
-            # AVX-512 VNNI; the sharded run's XLA dot does not)
-            llm = LLM(path, **SMALL_ENGINE, skip_tokenizer_init=True, tensor_parallel_size=tp,
+            # AVX-512 VNNI; the sharded run's XLA dot does not).  Only the buckets the two
+            # prompts run are compiled (the sharded every-bucket warm-up: tests/parallel/).
+            llm = LLM(path, **ONE_SHOT_ENGINE, skip_tokenizer_init=True, tensor_parallel_size=tp,
                       cpu_matmul="native" if tp == 1 else "auto")
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
             layer = llm.llm_engine.core.runner.params["layers"]

@@ -1,9 +1,9 @@
 """Helpers and fixtures for the server tests: real hypercorn servers on 127.0.0.1 (ephemeral
 ports) in threads, raw HTTP on sockets, a strict SSE parser.
 
-Test modules load this file as a plugin (``pytest_plugins = ["serve_helpers"]``) rather than
+Test modules load this file as a plugin (``pytest_plugins = ["support.serve_helpers"]``) rather than
 through a conftest.py: a second module named ``conftest`` would replace tests/conftest.py in
-sys.modules, and the suite's ``from conftest import SMALL_ENGINE`` would find the wrong one.
+sys.modules, and the suite's ``from support.engines import SMALL_ENGINE`` would find the wrong one.
 One engine on the tiny Llama is shared by the session (several apps can serve it at once: the
 API-key app is a second app on the same engine); tests that kill their engine on purpose
 build their own.
@@ -13,19 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
-import sys
 import threading
 import time
 
 import httpx
 import pytest
-
-# tests/serve must not shadow the repository's own ``serve`` package, whatever runs pytest.
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _ROOT not in sys.path:
-    sys.path.append(_ROOT)
 
 # The shared server batches up to 16 requests per step, so the 64-stream test queues too.
 # (tests/conftest.py's SMALL_ENGINE with more sequences; the strict compile guard stays on.)

@@ -12,7 +12,7 @@ import re
 import jsonschema
 import pytest
 
-from conftest import SMALL_ENGINE
+from support.engines import SMALL_ENGINE
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.processor import InvalidRequestError

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 
-from tiny_models import BASE
+from support.tiny_models import BASE
 
 FAMILY_VARIANTS = {
     # Alternating sliding/full layers (transformers' default pattern for 3 layers).
@@ -35,7 +35,7 @@ FAMILY_VARIANTS = {
 }
 
 def build_family(variant: str, out_dir: str, tokenizer_dir: str | None = None, seed: int = 0) -> str:
-    from tiny_models import build_tiny
+    from support.tiny_models import build_tiny
     return build_tiny(variant, out_dir, tokenizer_dir, seed, variants=FAMILY_VARIANTS)
 
 

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +15,7 @@ import pytest
 from jaxllm import SamplingParams
 from jaxllm.errors import CompileGuardError
 from jaxllm.runner import compile as cc
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from support.probes import probe_command, probe_env
 
 
 def test_no_trace_or_compile_after_warmup_across_buckets(tiny_llm):
@@ -69,9 +67,8 @@ def test_second_start_with_default_sizing_compiles_nothing(tiny_checkpoints, tmp
     cache = str(tmp_path / "xla")
 
     def probe(model, free):
-        env = {**os.environ, "PROBE_FREE_BYTES": str(free)}
-        r = subprocess.run([sys.executable, os.path.join(HERE, "warmup_probe.py"), model, cache],
-                           capture_output=True, text=True, timeout=600, env=env)
+        r = subprocess.run(probe_command("warmup_probe", model, cache), capture_output=True, text=True, timeout=600,
+                           env=probe_env(PROBE_FREE_BYTES=str(free)))
         assert r.returncode == 0, r.stderr[-2000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -97,7 +94,7 @@ def test_one_shot_engine_compiles_only_what_it_runs_and_a_server_compiles_the_re
     first step; a step compiles its bucket and the decode bucket that follows, once.  After
     that the guard holds for those buckets, and an AsyncEngine (the server) compiles every
     other bucket before it takes a request."""
-    from conftest import SMALL_ENGINE
+    from support.engines import SMALL_ENGINE
 
     from jaxllm import LLM
     from jaxllm.engine.async_engine import AsyncEngine
@@ -137,7 +134,7 @@ def test_one_shot_engine_compiles_only_what_it_runs_and_a_server_compiles_the_re
 
 
 def test_on_demand_is_refused_for_a_server(tiny_llama):
-    from conftest import SMALL_ENGINE
+    from support.engines import SMALL_ENGINE
 
     from jaxllm import LLM
     from jaxllm.engine.async_engine import AsyncEngine

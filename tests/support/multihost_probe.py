@@ -1,6 +1,6 @@
 """One host of a two-process JAX cluster running the engine on a tiny checkpoint.
 
-    python multihost_probe.py CKPT PORT HOST_INDEX OUT.json
+    python -m support.multihost_probe CKPT PORT HOST_INDEX OUT.json
 
 Both processes start the same engine (tensor parallel over the cluster's two CPU devices,
 one per process).  Host 0 generates and writes the tokens to OUT.json, then releases host

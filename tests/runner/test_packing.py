@@ -62,7 +62,7 @@ def test_compiled_step_takes_one_input_vector(tiny_llama, monkeypatch):
     the sampler's, the state, the logits and the sampling part of that vector, which the step
     hands back on the device: a step packs and sends its inputs once."""
     from jaxllm import LLM, SamplingParams
-    from conftest import SMALL_ENGINE
+    from support.engines import SMALL_ENGINE
     llm = LLM(model=tiny_llama, **SMALL_ENGINE)
     runner = llm.llm_engine.core.runner
     fixed = len(jax.tree.leaves(runner.params)) + len(jax.tree.leaves(runner.kv)) + len(jax.tree.leaves(runner.sampler_rows.state))

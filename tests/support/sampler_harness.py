@@ -81,3 +81,10 @@ def tie_pair(seed: int, out_pos: int, V: int) -> tuple[int, int] | None:
         return None
     i, j = sorted((int(order[same[0]]), int(order[same[0] + 1])))
     return i, j
+
+
+def one_row(V, p, logits):
+    """Logits [1, V], the metadata of one row with params ``p`` (3 logprobs), a fresh state."""
+    a = smd.empty_metadata(1)
+    smd.fill_row(a, 0, p, slot=0, out_pos=0, num_prompt=0, reset=False, suppress=[], num_logprobs=3)
+    return jnp.asarray(logits[None]), smd.to_metadata(a), sm.init_state(2, V)

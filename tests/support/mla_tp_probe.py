@@ -1,6 +1,6 @@
 """DeepSeek-V2 / V3 (MLA) sharded over 1 and 2 simulated CPU devices (test_mla_tp.py).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python mla_tp_probe.py OUT.npz CKPT...
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m support.mla_tp_probe OUT.npz CKPT...
 
 For each checkpoint and tp in (1, 2): tp_probe.run's prompt logits and 32 greedy decode steps
 with the shard shapes it saw (V3 unrolled: its dense first layer; V2 stacked), and V2's tokens
@@ -10,11 +10,8 @@ from the engine at tp=2 (every bucket compiled in the sharded AOT warm-up, stric
 from __future__ import annotations
 
 import os
-import sys
 
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_probe import engine_tokens, probe_main, run
+from support.tp_probe import engine_tokens, probe_main, run
 
 
 def measure(path):

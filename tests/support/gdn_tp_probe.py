@@ -1,6 +1,6 @@
 """Qwen3-Next / Qwen3.5 (hybrid GDN) sharded over 1 and 2 simulated CPU devices (test_gdn_tp.py).
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python gdn_tp_probe.py OUT.npz CKPT...
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m support.gdn_tp_probe OUT.npz CKPT...
 
 For each checkpoint and tp in (1, 2): tp_probe.run's prompt logits and 32 greedy decode steps
 through the paged K/V and one GDN state slot, the shard shapes of the weights and of every
@@ -13,12 +13,10 @@ the sharded states, the strict compile guard: nothing compiled after warm-up).
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tp_probe import engine_tokens, probe_main, run
+from support.tp_probe import engine_tokens, probe_main, run
 
 PROMPT = np.random.default_rng(1).integers(0, 320, size=24).astype(np.int32)   # the tiny vocabulary
 
