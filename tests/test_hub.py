@@ -18,8 +18,8 @@ from urllib.parse import unquote, urlsplit
 
 import gguf
 import pytest
-from conftest import SMALL_ENGINE
-from tiny_models import build_tiny, write_gguf
+from support.engines import SMALL_ENGINE
+from support.tiny_models import build_tiny, write_gguf
 
 from jaxllm import LLM, SamplingParams, hub
 from jaxllm.cli import main

@@ -1,7 +1,7 @@
 """Every fenced code block of README.md and docs/*.md runs, and what it claims to print holds.
 
 One test per block, named by ``file:line`` (``pytest -rA`` lists them; each prints what it did).
-How a block runs is declared in tests/docs/snippets.py (KINDS): Python blocks are executed,
+How a block runs is declared in tests/support/snippets.py (KINDS): Python blocks are executed,
 shell blocks run, ``jaxllm serve`` is ONE server on the built-in model shared by every block
 that talks to it.  Documented substitutions keep the file near two minutes:
 
@@ -29,7 +29,8 @@ import httpx
 import pytest
 
 from jaxllm import cli
-from snippets import KINDS, ROOT, all_blocks, argv_of, commands
+from support import snippets
+from support.snippets import KINDS, ROOT, all_blocks, argv_of, commands
 
 BLOCKS = all_blocks()
 SERVER_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "512"]
@@ -248,3 +249,45 @@ def test_block(block, env, tmp_path, request):
         _printed[block.where] = out
     finally:
         print("\n".join(report))
+
+
+# The reader of blocks and commands itself (tests/support/snippets.py).
+
+def _blocks(tmp_path, monkeypatch, text):
+    (tmp_path / "doc.md").write_text(text)
+    monkeypatch.setattr(snippets, "ROOT", str(tmp_path))
+    return snippets.blocks_of("doc.md")
+
+
+def test_blocks_kinds_and_annotations(tmp_path, monkeypatch):
+    text = ('```python\nprint(1)\n```\n\n'
+            '<!-- snippet: skip reason="a diagram, not code" -->\n\n```\nA -> B\n```\n'
+            '```\nno way to run\n```\n'
+            '<!-- snippet: shell sub="--n 32=>--n 4; x=>y" expect="\\"ok\\"" -->\n```bash\necho ok\n```\n')
+    b = _blocks(tmp_path, monkeypatch, text)
+    assert [(x.line, x.lang, x.kind) for x in b] == [(1, "python", "python"), (7, "", "skip"), (10, "", None),
+                                                     (14, "bash", "shell")]
+    assert b[1].attrs == {"reason": "a diagram, not code"}
+    assert b[3].attrs == {"sub": "--n 32=>--n 4; x=>y", "expect": '\\"ok\\"'}
+
+
+def test_commands_join_continuations_and_open_quotes():
+    body = ("jaxllm serve   # a comment\n"
+            "curl -s URL -d '{\n  \"a\": 1}'\n"
+            "jaxllm bench serve --x 1 \\\n    --y 2\n\n"
+            "echo '# not a comment'\n")
+    assert snippets.commands(body) == ["jaxllm serve", "curl -s URL -d '{\n  \"a\": 1}'",
+                                       "jaxllm bench serve --x 1 --y 2", "echo '# not a comment'"]
+    assert snippets.argv_of("A=$(x | tail -1)/bin B=2 python bench/x.py --k 1 &") == ["python", "bench/x.py",
+                                                                                    "--k", "1"]
+
+
+def test_output_of_previous_compares_with_what_was_printed(monkeypatch):
+    prev = snippets.Block("d.md", 1, "bash", "echo", "shell", {})
+    out = snippets.Block("d.md", 5, "", "hello\n  world", "output-of-previous", {})
+    monkeypatch.setattr(sys.modules[__name__], "BLOCKS", [prev, out])
+    monkeypatch.setitem(_printed, prev.where, "hello there\nworld\n")
+    output_of_previous(out, None, None, None, [])
+    monkeypatch.setitem(_printed, prev.where, "hello there\n")
+    with pytest.raises(AssertionError, match="'world' not in what d.md:1 printed"):
+        output_of_previous(out, None, None, None, [])

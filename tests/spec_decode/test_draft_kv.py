@@ -5,7 +5,7 @@ preemption), and the one pool whole again once every request has ended."""
 
 from __future__ import annotations
 
-from conftest import SMALL_ENGINE
+from support.engines import SMALL_ENGINE
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.core import kv_cache_manager
