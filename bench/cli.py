@@ -4,10 +4,11 @@ from __future__ import annotations
 
 
 def register(subparsers) -> None:
-    b = subparsers.add_parser("bench", help="benchmarks: serve (HTTP client), throughput, latency")
+    b = subparsers.add_parser("bench", help="benchmarks: serve (HTTP client), throughput, latency, perplexity")
     sub = b.add_subparsers(dest="bench_command", required=True)
-    from bench import offline, serve_client, spec_decode, structured
+    from bench import offline, perplexity, serve_client, spec_decode, structured
     serve_client.register(sub)
     offline.register(sub)
     structured.register(sub)
+    perplexity.register(sub)
     spec_decode.register(sub)

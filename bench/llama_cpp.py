@@ -168,9 +168,10 @@ def _post(url: str, body: dict) -> dict:
 def agreement(args, res: dict, tmp: str) -> None:
     from jaxllm import LLM, SamplingParams
     n = 32
-    # packed: as served by default (int8 activations where the CPU has AVX-512 VNNI);
-    # packed float32: --cpu-matmul native; dequantized: the weights transformers computes with
-    engines = {"packed": LLM(max_model_len=2048, show_progress=False),
+    # packed: int8 activations (--cpu-matmul native-int8, llama.cpp's arithmetic; the default
+    # until its perplexity cost was measured); packed float32: --cpu-matmul native, the default
+    # now; dequantized: the weights transformers computes with
+    engines = {"packed": LLM(max_model_len=2048, show_progress=False, cpu_matmul="native-int8"),
                "packed float32": LLM(max_model_len=2048, show_progress=False, cpu_matmul="native"),
                "dequantized": LLM(max_model_len=2048, show_progress=False, dequantize=True)}
     tok = engines["packed"].get_tokenizer()

@@ -88,9 +88,8 @@ def register(subparsers) -> None:
                    help="also run draft_model arms: a draft of the built-in model's first N layers (0: none)")
     p.add_argument("--draft-ks", default="2,4", help="num_speculative_tokens of the draft_model arms")
     p.add_argument("--cpu-matmul", default="auto",
-                   help="every arm's --cpu-matmul (default auto: int8 activations on a packed GGUF where the "
-                        "CPU has AVX-512 VNNI); with another, the default's arm without speculation is timed "
-                        "too, as 'off, auto'")
+                   help="every arm's --cpu-matmul (default auto: float32 activations, as native); with another, "
+                        "the default's arm without speculation is timed too, as 'off, auto'")
     p.add_argument("--output-json", default=None, metavar="FILE")
     p.set_defaults(func=cmd_spec_decode)
 

@@ -239,17 +239,17 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
 
 
 def _int8_activations(cpu_matmul: str) -> bool:
-    """Whether a GGUF's blocks meet int8-rounded activations (``cpu/quant_dot.cc``): asked for,
-    or ``auto`` on a CPU with AVX-512 VNNI, where its interleaved-row kernel decodes the
-    built-in model 2.3x faster than float32 activations do (and ahead of llama.cpp, whose
-    arithmetic it is); on AVX2 alone the two are level, so auto keeps float32 there.
+    """Whether a GGUF's blocks meet int8-rounded activations (``cpu/quant_dot.cc``): only when
+    asked for (``--cpu-matmul native-int8``).  ``auto`` keeps float32 activations: on the
+    built-in model the int8 rounding raised the perplexity of a 54k-token text by more than
+    1% over float32 activations (``jaxllm bench perplexity``, docs/BENCHMARKS.md
+    "Perplexity"), which the project's bar for a default does not allow, though on a CPU
+    with AVX-512 VNNI it decodes at batch 1 about 2x faster.
 
     Speculative decoding stays exact with it: the native path computes a token's logits
     bit for bit alike in every step shape (its norms included, cpu/norm.cc), so a
     verification and a decode round the same activations."""
-    if cpu_matmul == "native-int8":
-        return True
-    return cpu_matmul == "auto" and native.quant_dot_vnni()
+    return cpu_matmul == "native-int8"
 
 
 def _num_speculative_tokens(config: EngineConfig) -> int:

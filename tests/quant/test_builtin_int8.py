@@ -1,4 +1,5 @@
-"""The built-in model on the default CPU path of a CPU with AVX-512 VNNI: its Q4_1 and Q8_0
+"""The built-in model on ``--cpu-matmul native-int8`` on a CPU with AVX-512 VNNI (the default
+until int8's perplexity cost was measured: docs/BENCHMARKS.md, "Perplexity"): its Q4_1 and Q8_0
 blocks, in groups of 16 interleaved rows, meet activations rounded to int8 per 32 values
 (``cpu/quant_dot.cc``'s ``jaxllm_dot16_*``), which is llama.cpp's arithmetic
 (``vec_dot_q4_1_q8_1``) and vLLM's GGUF kernels' (``ggml_mul_mat_vec_a8``).
@@ -9,7 +10,7 @@ activation moves by up to 1/254 of its block's largest value, and SmolLM2's acti
 large outliers, so across 30 layers the logits move by a few units (measured: 3.5 of logits
 up to 31 on random token ids, where the distributions are flat) and greedy decoding parts
 from the float engines after some tokens (measured 3-30 of 32, as llama.cpp parts from them:
-docs/BENCHMARKS.md).  ``--cpu-matmul native`` keeps float32 activations.
+docs/BENCHMARKS.md).  ``--cpu-matmul native`` (the default, auto) keeps float32 activations.
 
 Rounding also turns a last-bit difference into a whole step of the int8 grid, so speculative
 decoding's promise (plain decoding's exact tokens) needs a token's logits to be the same
@@ -32,17 +33,17 @@ from support.builtin_prompts import PROMPTS
 from support.tiny_models import paged_logits
 
 pytestmark = pytest.mark.skipif(not native.quant_dot_vnni(),
-                                reason="the CPU lacks AVX512F/BW/VNNI: the default keeps float32 activations here")
+                                reason="the CPU lacks AVX512F/BW/VNNI: native-int8 runs the row-major AVX2 tiles")
 
 
-# One engine at the default (--cpu-matmul auto) and one load of the model for the module's
-# tests: the built-in model's 30 layers make each a few seconds.
+# One engine on --cpu-matmul native-int8 and one load of the model for the module's tests:
+# the built-in model's 30 layers make each a few seconds.
 
 
 @pytest.fixture(scope="module")
 def int8_llm():
-    """The built-in model's engine at the CPU default (int8 activations here)."""
-    return LLM(**BUILTIN_ENGINE)
+    """The built-in model's engine with int8 activations (``--cpu-matmul native-int8``)."""
+    return LLM(**BUILTIN_ENGINE, cpu_matmul="native-int8")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def builtin_model():
 
 
 @pytest.mark.slow
-def test_default_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
+def test_int8_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
     llm = int8_llm
     runner = llm.llm_engine.core.runner
     assert runner.cfg.kernels.int8_activations
@@ -115,14 +116,14 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
 
 
 @pytest.mark.slow
-def test_speculation_on_the_int8_default_returns_plain_decodings_tokens(int8_llm):
+def test_speculation_on_int8_activations_returns_plain_decodings_tokens(int8_llm):
     prompts = ["one two three four five six seven eight nine ten " * 3,
                "The list: apple, banana, cherry, apple, banana, cherry, apple,",
                "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef"]
     params = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0),
               SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7)]
     plain = int8_llm
-    spec = LLM(**BUILTIN_ENGINE, speculative_config=SPEC)
+    spec = LLM(**BUILTIN_ENGINE, cpu_matmul="native-int8", speculative_config=SPEC)
     assert plain.llm_engine.core.runner.cfg.kernels.int8_activations
     assert spec.llm_engine.core.runner.cfg.kernels.int8_activations
     for p in params:
