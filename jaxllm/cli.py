@@ -319,6 +319,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("jaxllm").debug("user error", exc_info=True)
         print(f"jaxllm {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except ImportError as e:
+        # A runtime dependency missing from a broken install (the engine's modules import
+        # theirs at the top): name the package and how to install it, in one line.
+        package = (e.name or "").split(".")[0]
+        if not package or package == "jaxllm":
+            raise
+        print(f"jaxllm {args.command}: error: the Python package {package!r} is missing or cannot be "
+              f"imported ({e}); install it with `pip install {package}`", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
