@@ -7,20 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import sys
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:
-    sys.path.append(ROOT)
-
-from conftest import SMALL_ENGINE  # noqa: E402
-
-from bench.perplexity import Estimate, scored_slice, tokenize, windows  # noqa: E402
+from bench.perplexity import Estimate, scored_slice, tokenize, windows
+from support.engines import SMALL_ENGINE
 
 ENGINE_FLAGS = ["--max-num-seqs", str(SMALL_ENGINE["max_num_seqs"]),
                 "--max-num-batched-tokens", str(SMALL_ENGINE["max_num_batched_tokens"]),
