@@ -69,5 +69,6 @@ def test_a_program_that_configured_logging_keeps_its_choice(bare_logging, monkey
     # A level the script set on "jaxllm" is kept when the handler is installed.
     monkeypatch.setattr(logging.getLogger(), "handlers", [])
     bare_logging.setLevel(logging.WARNING)
-    assert console.install_default_handler() is not None
+    handler = console.install_default_handler()
+    assert bare_logging.handlers == [handler] and handler is not None
     assert bare_logging.level == logging.WARNING
