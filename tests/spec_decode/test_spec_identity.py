@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.engines import ONE_SHOT_ENGINE, SMALL_ENGINE
+from support.engines import SMALL_ENGINE
 
 from jaxllm import LLM, SamplingParams
 
@@ -104,9 +104,7 @@ class oracle:
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_llama):
-    # What speculation computes, not warm-up: only the buckets its steps run are compiled (the
-    # strict guard still fails a step that compiles one twice).
-    return LLM(tiny_llama, **ONE_SHOT_ENGINE, speculative_config=SPEC)
+    return LLM(tiny_llama, **SMALL_ENGINE, speculative_config=SPEC)
 
 
 @pytest.fixture(scope="module")
