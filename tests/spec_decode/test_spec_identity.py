@@ -9,7 +9,8 @@ plain decoding produced, with every third proposal run corrupted at a random pos
 that long accepted runs, rejections and corrections all occur.  Identity must hold whatever
 is proposed.  Each test checks that speculation really happened (proposals verified, some
 accepted and some rejected), so an engine that never proposes cannot pass.  ngram itself is
-checked on the built-in model (tests/spec_decode/test_ngram_builtin.py)."""
+checked on the built-in model (tests/spec_decode/test_ngram_builtin.py); draft models in
+tests/spec_decode/test_spec_identity_draft.py (the same workload: tests/support/spec_workload.py)."""
 
 from __future__ import annotations
 
@@ -17,39 +18,14 @@ import numpy as np
 import pytest
 
 from support.engines import SMALL_ENGINE
+from support.spec_workload import (plain_outputs, repetitive, snapshot, spec_stats, tokens,  # noqa: F401
+                                    workload)   # plain_outputs: a fixture
 
 from jaxllm import LLM, SamplingParams
 
 # Both off-switches off: these tests need proposals in every step that can have them.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "min_acceptance_rate": 0.0, "cost_model": False}
-
-
-def repetitive(rng, period, reps):
-    unit = rng.integers(3, 5000, size=period).tolist()
-    return unit * reps
-
-
-def workload(seed=0):
-    """18 requests: repetitive prompts (ngram proposes from them) and random ones (it rarely
-    does), under every kind of sampling parameter: greedy; temperature with top-k / top-p,
-    min-p, logit bias and allowed tokens; the three penalties; min_tokens; logprobs."""
-    rng = np.random.default_rng(seed)
-    prompts, params = [], []
-    kinds = [
-        dict(temperature=0),
-        dict(temperature=0.8, top_p=0.9, top_k=20, seed=11),
-        dict(temperature=0.8, seed=5, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3),
-        dict(temperature=0, min_tokens=6, logprobs=2),
-        dict(temperature=0.7, seed=13, min_p=0.05, logit_bias={100: 5.0, 2000: -100.0}),
-        dict(temperature=0.9, seed=17, allowed_token_ids=list(range(3, 400))),
-    ]
-    for i in range(18):
-        toks = repetitive(rng, int(rng.integers(2, 7)), int(rng.integers(3, 8))) if i % 4 != 3 else \
-            rng.integers(3, 5000, size=int(rng.integers(4, 40))).tolist()
-        prompts.append({"prompt_token_ids": toks})
-        params.append(SamplingParams(max_tokens=int(rng.integers(8, 40)), ignore_eos=True, **kinds[i % len(kinds)]))
-    return prompts, params
 
 
 class OracleProposer:
@@ -107,31 +83,12 @@ def spec_llm(tiny_llama):
     return LLM(tiny_llama, **SMALL_ENGINE, speculative_config=SPEC)
 
 
-@pytest.fixture(scope="module")
-def plain_outputs(tiny_llm):
-    prompts, params = workload()
-    return tiny_llm.generate(prompts, params, use_tqdm=False)
-
-
-def tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def spec_stats(llm):
-    return llm.llm_engine.core.scheduler.spec_stats
-
-
 def assert_speculated(llm, before=(0, 0, 0)):
     s = spec_stats(llm)
     drafts, proposed, accepted = (s.num_drafts - before[0], s.num_draft_tokens - before[1],
                                   s.num_accepted_tokens - before[2])
     assert drafts > 0 and 0 < accepted < proposed, (drafts, proposed, accepted)
     return drafts, proposed, accepted
-
-
-def snapshot(llm):
-    s = spec_stats(llm)
-    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
 
 
 def test_ngram_batch_equals_plain_decoding(spec_llm, plain_outputs):
@@ -304,64 +261,3 @@ def test_structured_outputs_with_proposals(spec_llm, tiny_llm):
     assert re.fullmatch(email, out[1].outputs[0].text)
     assert_speculated(spec_llm, before)
     assert o.calls > 0
-
-
-@pytest.mark.parametrize("draft", ["same", "other"])
-def test_draft_model_batch_equals_plain_decoding(tiny_llama, tiny_checkpoints, plain_outputs, draft):
-    """A draft model run by the engine's machinery: the target itself as its own draft (it
-    proposes what the target will draw, at every temperature: the same noise) and another
-    tiny model (it mostly proposes wrong tokens).  Both equal plain decoding."""
-    path = tiny_llama if draft == "same" else tiny_checkpoints["qwen3_qk_norm"]
-    llm = LLM(tiny_llama, **{**SMALL_ENGINE, "precompile": "on-demand"},
-              speculative_config={"model": path, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
-                                  "cost_model": False})
-    prompts, params = workload()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    assert tokens(outs) == tokens(plain_outputs)
-    drafts, proposed, accepted = snapshot(llm)
-    assert drafts > 0
-    if draft == "same":
-        assert accepted > 0.9 * proposed, (accepted, proposed)
-    else:
-        assert accepted < 0.5 * proposed, (accepted, proposed)
-    # The one KV pool (the draft's pages are in its blocks) is whole again once the runner
-    # has heard every request ended (the next step tells it).
-    llm.llm_engine.step()
-    kv = llm.llm_engine.core.kv_manager
-    assert kv.num_free_blocks == kv.num_blocks
-
-
-def draft_llm(tiny_llama, **engine):
-    return LLM(tiny_llama, **{**SMALL_ENGINE, "precompile": "on-demand", **engine},
-               speculative_config={"model": tiny_llama, "num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
-                                   "cost_model": False})
-
-
-def test_draft_model_cache_is_inside_the_kv_budget(tiny_llama):
-    """--kv-cache-memory-bytes bounds the target's and the draft's caches together: the bytes
-    both runners allocated, read back from their arrays, are within the budget, and the draft
-    holds as many blocks as the target."""
-    budget = 3 * (1 << 20) + 12345
-    llm = draft_llm(tiny_llama, kv_cache_memory_bytes=budget, num_blocks_override=None)
-    core = llm.llm_engine.core
-    target, draft = core.runner.kv_cache_bytes(), core.runner.draft_runner.kv_cache_bytes()
-    assert draft > 0 and target + draft <= budget
-    assert core.runner.draft_runner.num_blocks == core.runner.num_blocks
-    assert budget - (target + draft) < core.resolved.kv.bytes_per_block   # the budget is used
-
-
-def test_draft_model_with_a_full_pool_keeps_outputs_equal(tiny_llama, plain_outputs):
-    """A pool too small for the batch: the target preempts, and a request whose lookahead
-    slots did not fit does not propose that step; nothing fails, the outputs equal plain
-    decoding, and the one pool is whole at the end."""
-    llm = draft_llm(tiny_llama, num_blocks_override=8, max_model_len=112)
-    prompts, params = workload()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    core = llm.llm_engine.core
-    proposer = core.runner.speculation.proposer
-    assert core.scheduler.num_preemptions > 0 and proposer.num_left_out > 0
-    assert tokens(outs) == tokens(plain_outputs)
-    drafts, proposed, accepted = snapshot(llm)
-    assert drafts > 0 and accepted > 0.9 * proposed      # the target as its own draft
-    llm.llm_engine.step()
-    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
