@@ -24,9 +24,10 @@ def spec_server():
     from jaxllm.config import ServingConfig
     from support.serve_helpers import ServerThread, make_engine
 
-    # float32 activations, as the session's builtin_llm (tests/quant/test_builtin_int8.py
-    # checks speculation on the int8 default)
-    engine = make_engine(None, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=256, speculative_config=SPEC,
+    # 8 tokens a step: two rows verifying 3 proposals each fit, and a server builds every bucket
+    # of the 30-layer model (one fewer than at 16).  float32 activations, as the session's
+    # builtin_llm (tests/quant/test_builtin_int8.py checks speculation on the int8 default)
+    engine = make_engine(None, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=256, speculative_config=SPEC,
                          cpu_matmul="native")
     srv = ServerThread(engine, ServingConfig(host="127.0.0.1", port=0))
     yield srv
