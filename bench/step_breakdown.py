@@ -146,9 +146,9 @@ def instrument(engine, spans: HostSpans) -> None:
 
 def kernel_family(event, names: dict) -> str:
     """The row a device op is charged to: a native kernel's FFI target, else its program's part."""
-    target = names.get((event.module, event.name), "")
-    if target:
-        return target.split("|")[0]
+    target = names.get((event.module, event.name), "").split("|")[0]
+    if target.startswith("jaxllm_"):
+        return target   # XLA's own custom calls (TopK, ...) count with their program
     if event.module == SAMPLER_MODULE:
         return "sampler (XLA)"
     if event.module == FORWARD_MODULE:
