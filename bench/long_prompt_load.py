@@ -1,8 +1,8 @@
 """A long prompt arriving while streams decode: its TTFT, and the streams' inter-token latency meanwhile.
 
-    python -m bench.long_prompt_load [--model M] [--budgets 256,512,1024,2048] [--streams 8]
-                                     [--long-input-len 4096] [--output-json F]
-    python -m bench.long_prompt_load --base-url http://127.0.0.1:8000 ...   (a server already up)
+    python bench/long_prompt_load.py [--model M] [--budgets 256,512,1024,2048] [--streams 8]
+                                       [--long-input-len 4096] [--output-json F]
+    python bench/long_prompt_load.py --base-url http://127.0.0.1:8000 ...   (a server already up)
 
 For each ``--max-num-batched-tokens`` value in ``--budgets`` (chunked prefill's token budget
 per step) it starts ``jaxllm serve`` on the model (the built-in one by default) with that
@@ -32,8 +32,12 @@ import time
 import httpx
 import numpy as np
 
-from bench.metrics import StreamRecorder
-from bench.serve_client import SSEParser, _decode
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)          # python bench/long_prompt_load.py from anywhere
+
+from bench.metrics import StreamRecorder  # noqa: E402
+from bench.serve_client import SSEParser, _decode  # noqa: E402
 
 DEFAULT_BUDGETS = "256,512,1024,2048"
 
@@ -47,6 +51,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"--max-num-batched-tokens values (default {DEFAULT_BUDGETS})")
     p.add_argument("--streams", type=int, default=8, help="decoding streams (default 8)")
     p.add_argument("--stream-input-len", type=int, default=32, help="prompt tokens of each stream (default 32)")
+    p.add_argument("--stream-output-len", type=int, default=1024,
+                   help="max tokens of each stream (default 1024; they are closed when the long prompt's first "
+                        "token arrives)")
+    p.add_argument("--kv-cache-memory-bytes", default="2GiB",
+                   help="passed to the server (default 2GiB: the streams and the long prompt fit without preemption)")
     p.add_argument("--warm-tokens", type=int, default=8,
                    help="tokens every stream must have produced before the long prompt is sent (default 8)")
     p.add_argument("--long-input-len", type=int, default=4096, help="tokens of the long prompt (default 4096)")
@@ -62,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="one more argument for `jaxllm serve` (repeat it)")
     args = p.parse_args(argv)
     args.budget_list = [int(b) for b in args.budgets.split(",") if b.strip()]
-    for name in ("streams", "stream_input_len", "warm_tokens", "long_input_len", "vocab_size"):
+    for name in ("streams", "stream_input_len", "stream_output_len", "warm_tokens", "long_input_len", "vocab_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if not args.budget_list or min(args.budget_list) < 1:
@@ -82,7 +91,7 @@ def serve_argv(args, budget: int, port: int) -> list[str]:
         argv.append(args.model)
     return argv + ["--host", "127.0.0.1", "--port", str(port), "--max-num-batched-tokens", str(budget),
                    "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", str(args.max_model_len),
-                   *args.serve_arg]
+                   "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes), *args.serve_arg]
 
 
 def _free_port() -> int:
@@ -159,7 +168,7 @@ def split_itl(stream_times: list[list[float]], t0: float, t1: float) -> tuple[li
 
 async def measure(base: str, model: str, args, rng: np.random.Generator, vocab: int) -> dict:
     url = f"{base}/v1/completions"
-    stream_len = args.max_model_len - args.stream_input_len - 1
+    stream_len = min(args.stream_output_len, args.max_model_len - args.stream_input_len - 1)
     recs = [StreamRecorder(time.perf_counter(), args.stream_input_len) for _ in range(args.streams)]
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
         tasks = [asyncio.create_task(_stream(client, url, {
@@ -183,13 +192,14 @@ async def measure(base: str, model: str, args, rng: np.random.Generator, vocab: 
             if not long_rec.content_times:
                 raise RuntimeError("the long prompt produced no token")
             t1 = long_rec.content_times[0]
-            await asyncio.sleep(0)
+            alive = sum(not t.done() for t in tasks)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     before, during = split_itl([r.content_times for r in recs], t0, t1)
-    return {"long_ttft_s": t1 - t0, "itl_before": _pct(before), "itl_during": _pct(during)}
+    return {"long_ttft_s": t1 - t0, "itl_before": _pct(before), "itl_during": _pct(during),
+            "streams_alive_at_first_token": alive}
 
 
 def _model_id(base: str) -> str:
@@ -198,12 +208,13 @@ def _model_id(base: str) -> str:
 
 def format_table(rows: list[dict], args) -> str:
     lines = [f"long prompt of {args.long_input_len} tokens sent while {args.streams} streams decode:",
-             "  budget  long TTFT s  ITL before p50/p99 ms  ITL during p50/p99/max ms  (n during)"]
+             "  budget  long TTFT s  ITL before p50/p99 ms  ITL during p50/p99/max ms  (n during, streams still on)"]
     for r in rows:
         b, d = r["itl_before"], r["itl_during"]
         fmt = lambda x: "-" if x is None else f"{x:.1f}"   # noqa: E731
         lines.append(f"  {r['budget']:>6}  {r['long_ttft_s']:11.2f}  {fmt(b['p50_ms']):>10}/{fmt(b['p99_ms']):<10}"
-                     f"  {fmt(d['p50_ms']):>8}/{fmt(d['p99_ms'])}/{fmt(d['max_ms']):<12}  ({d['n']})")
+                     f"  {fmt(d['p50_ms']):>8}/{fmt(d['p99_ms'])}/{fmt(d['max_ms']):<12}  ({d['n']}, "
+                     f"{r['streams_alive_at_first_token']})")
     return "\n".join(lines)
 
 

@@ -8,7 +8,9 @@ ran (the tiny model's float32 linears run on the native matmul, its norms and at
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import re
 
 import pytest
@@ -48,7 +50,8 @@ def test_step_breakdown_adds_up_and_names_the_native_kernels(tiny_llama, tmp_pat
     from jaxllm.cli import main
     out_json = tmp_path / "bd.json"
     rc = main(["bench", "step-breakdown", "--model", tiny_llama, "--batch-size", "1", "--input-len", "8",
-               "--output-len", "6", "--num-iters", "2", *ENGINE_FLAGS, "--output-json", str(out_json)])
+               "--output-len", "6", "--num-iters", "2", *ENGINE_FLAGS, "--output-json", str(out_json),
+               "--profile", str(tmp_path / "prof")])
     out = capsys.readouterr().out
     assert rc == 0
     result = json.loads(out_json.read_text())
@@ -72,8 +75,38 @@ def test_step_breakdown_adds_up_and_names_the_native_kernels(tiny_llama, tmp_pat
     assert any("norm" in n for n in native), device
     assert device.get("sampler (XLA)", 0) > 0, device
     assert sum(device.values()) > 0.05 * result["step_ms"]
+    # The device rows, read back independently: the union of the XLA op intervals inside the
+    # decode steps' annotations, per decode step.
+    busy_ms = decode_busy_ns(only_xplane(tmp_path / "prof")) / 1e6 / result["decode_steps"]
+    assert sum(device.values()) == pytest.approx(busy_ms, rel=1e-3)
     # The printed table says the same.
     assert re.search(r"^mean decode step \d+\.\d+ ms .* over 10 decode steps", out, re.M), out
     assert re.search(r"= \d+\.\d+ ms \(step \d+\.\d+ ms\)$", out, re.M), out
     for n in native:
         assert n in out
+
+
+def only_xplane(log_dir) -> str:
+    runs = glob.glob(os.path.join(str(log_dir), "plugins", "profile", "*", "*.xplane.pb"))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def decode_busy_ns(xplane: str) -> float:
+    """Nanoseconds in which some XLA op ran inside a decode step's annotation (a plain union)."""
+    from jax.profiler import ProfileData
+    windows, ops = [], []
+    for plane in ProfileData.from_file(xplane).planes:
+        for line in plane.lines:
+            for e in line.events:
+                if e.name.startswith("engine.step ") and e.name.endswith("(decode)"):
+                    windows.append((e.start_ns, e.start_ns + e.duration_ns))
+                elif "hlo_op" in dict(e.stats):
+                    ops.append((e.start_ns, e.start_ns + e.duration_ns))
+    pieces = sorted((max(a, w0), min(b, w1)) for a, b in ops for w0, w1 in windows if min(b, w1) > max(a, w0))
+    total, end = 0.0, float("-inf")
+    for a, b in pieces:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
