@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--base-url", default=None,
                    help="measure this running server instead of starting one per budget (--budgets is then "
                         "only a label)")
-    p.add_argument("--budgets", default=DEFAULT_BUDGETS, help=f"--max-num-batched-tokens values (default {DEFAULT_BUDGETS})")
+    p.add_argument("--budgets", default=DEFAULT_BUDGETS,
+                   help=f"--max-num-batched-tokens values (default {DEFAULT_BUDGETS})")
     p.add_argument("--streams", type=int, default=8, help="decoding streams (default 8)")
     p.add_argument("--stream-input-len", type=int, default=32, help="prompt tokens of each stream (default 32)")
     p.add_argument("--stream-output-len", type=int, default=1024,

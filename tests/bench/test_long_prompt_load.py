@@ -29,7 +29,8 @@ def test_long_prompt_under_load_on_a_served_tiny_model(tiny_llama, tmp_path, cap
     out_json = tmp_path / "long.json"
     rc = main(["--model", tiny_llama, "--budgets", "32", "--streams", "2", "--stream-input-len", "4",
                "--warm-tokens", "2", "--long-input-len", "64", "--max-model-len", "256", "--max-num-seqs", "4",
-               "--serve-arg=--dtype", "--serve-arg=float32", "--kv-cache-memory-bytes", "64MiB", "--startup-timeout", "900", "--timeout", "300",
+               "--serve-arg=--dtype", "--serve-arg=float32", "--kv-cache-memory-bytes", "64MiB",
+               "--startup-timeout", "900", "--timeout", "300",
                "--output-json", str(out_json)])
     out = capsys.readouterr().out
     assert rc == 0
