@@ -142,9 +142,11 @@ def _step_kind(engine) -> str:
     return "decode" if all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running) else "prefill"
 
 
-def run_batch(engine, prompts: list[list[int]], params, tag: str, log: StepLog | None = None):
+def run_batch(engine, prompts: list[list[int]], params, tag: str, log: StepLog | None = None, on_step=None):
     """Runs every prompt to completion on an ``LLMEngine`` with ``engine.step()``, timing each
-    step into ``log``; returns the final ``RequestOutput``s in prompt order."""
+    step into ``log``; returns the final ``RequestOutput``s in prompt order.  ``on_step``: an
+    object whose ``begin_step()`` / ``end_step()`` are called around each step (outside the
+    timed region; bench/step_breakdown.py's per-step host spans)."""
     import jax
 
     from jaxllm.engine.output_processor import OutputKind
@@ -156,10 +158,14 @@ def run_batch(engine, prompts: list[list[int]], params, tag: str, log: StepLog |
     try:
         while len(done) < len(ids) and engine.has_unfinished_requests():
             kind = _step_kind(engine)
+            if on_step is not None:
+                on_step.begin_step()
             with jax.profiler.TraceAnnotation(f"engine.step {n} ({kind})"):
                 t0 = time.perf_counter()
                 outs = engine.step()
                 dt = time.perf_counter() - t0
+            if on_step is not None:
+                on_step.end_step()
             if log is not None:
                 log.times.append(dt)
                 log.kinds.append(kind)

@@ -385,3 +385,81 @@ def summarize(trace: Trace, n: int = 15) -> str:
     except ProfilerError as e:
         return f"top-ops table unavailable: {e}"
     return format_top_ops(top_ops(events), n=n) + f"\n  (read from {os.path.basename(source)})"
+
+
+# ---------------------------------------------------------------------------- time inside windows
+
+
+def annotation_spans(trace: Trace | str, prefix: str) -> list[tuple[str, float, float]]:
+    """(name, start_ns, duration_ns) of every host event whose name starts with ``prefix``
+    (``jax.profiler.TraceAnnotation`` spans, e.g. bench/harness.py's ``engine.step N (decode)``),
+    in start order; read from the ``.xplane.pb`` (op events and these share its clock)."""
+    path = trace if isinstance(trace, str) else trace.xplane
+    if not path:
+        raise ProfilerError("annotation spans need the trace's .xplane.pb")
+    data = ProfileData.from_file(path)
+    spans = [(e.name, float(e.start_ns), float(e.duration_ns))
+             for plane in data.planes for line in plane.lines for e in line.events if e.name.startswith(prefix)]
+    return sorted(spans, key=lambda s: s[1])
+
+
+def split_op_time(events: list[OpEvent], windows: list[tuple[float, float]], key) -> tuple[dict[str, float], float]:
+    """Device time inside ``windows`` ((start_ns, end_ns), not overlapping) charged to ``key(event)``,
+    and the busy time (the union of the op intervals inside the windows), both in ns.
+
+    The CPU backend runs independent ops of one program on several threads at once, so self
+    times summed over threads can exceed the wall clock.  Here each instant is charged once:
+    on each thread to its innermost running op (a ``while`` only for what its body does not
+    cover), and split evenly between the threads busy at that instant.  The charges therefore
+    sum to the busy time exactly, and the busy time never exceeds the windows' length."""
+    clipped: dict[tuple[str, str], list[tuple[float, float, str]]] = {}
+    for e in events:
+        s, t = e.start_ns, e.start_ns + e.duration_ns
+        for ws, we in windows:
+            lo, hi = max(s, ws), min(t, we)
+            if hi > lo:
+                clipped.setdefault((e.plane, e.thread), []).append((lo, hi, key(e)))
+    # Per thread: the innermost op's segments (a stack walk over nested intervals).
+    segments: list[tuple[float, float, str]] = []
+    for evs in clipped.values():
+        evs.sort(key=lambda x: (x[0], -x[1]))
+        stack: list[tuple[float, float, str]] = []   # open intervals, innermost last
+        cursor = None
+        for lo, hi, k in evs + [(float("inf"), float("inf"), "")]:
+            # Close every open interval that ends before this one starts, emitting what is left of it.
+            while stack and (stack[-1][1] <= lo):
+                top = stack.pop()
+                if cursor < top[1]:
+                    segments.append((cursor, top[1], top[2]))
+                    cursor = top[1]
+            if stack and cursor < lo:
+                segments.append((cursor, lo, stack[-1][2]))
+            cursor = lo
+            if lo != float("inf"):
+                stack.append((lo, hi, k))
+    # Across threads: a sweep over the segments' ends, each instant split among the busy threads.
+    points = sorted({p for s in segments for p in s[:2]})
+    charge: dict[str, float] = {}
+    busy = 0.0
+    if not points:
+        return charge, busy
+    index = {p: i for i, p in enumerate(points)}
+    start_at: list[list[str]] = [[] for _ in points]
+    end_at: list[list[str]] = [[] for _ in points]
+    for lo, hi, k in segments:
+        start_at[index[lo]].append(k)
+        end_at[index[hi]].append(k)
+    active: dict[str, int] = {}
+    for i, p in enumerate(points[:-1]):
+        for k in end_at[i]:
+            active[k] -= 1
+        for k in start_at[i]:
+            active[k] = active.get(k, 0) + 1
+        n = sum(active.values())
+        if n:
+            dt = points[i + 1] - p
+            busy += dt
+            for k, c in active.items():
+                if c:
+                    charge[k] = charge.get(k, 0.0) + dt * c / n
+    return charge, busy
