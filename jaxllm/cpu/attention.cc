@@ -3,12 +3,15 @@
 //
 // XLA:CPU runs the plain-XLA path as gathers of whole 128-position K/V chunks per token
 // (transpose copies) and tiny batched einsums: at batch 32 with ~100-token contexts that
-// measured 1.0-2.9 ms per layer for ~1.2 MB of cache and ~7 MFLOP (docs/architecture.md).  Here each (token, KV head) work
-// item walks exactly the positions it may see through its sequence's block table, reads
-// each K/V row once for all G = Hq / Hkv query heads of that KV head, and keeps an online
-// softmax in float32 registers and a small scratch.  Items are spread over XLA's intra-op
-// thread pool by parallel.h, as linear.cc's panels are.  Called from jaxllm/cpu/attention.py
-// via XLA's FFI.
+// measured 1.0-2.9 ms per layer for ~1.2 MB of cache and ~7 MFLOP (docs/architecture.md).  Here a
+// work item is (tile of query tokens, KV head): a decode token alone, or up to kRows / G
+// consecutive tokens of a prefill chunk, with all G = Hq / Hkv query heads of that KV head.
+// It walks the key tiles its tokens may see through the sequence's block table, reads each
+// tile's K/V rows once for all of its query rows (flash-style: scores as a small
+// rows x keys product, exact softmax with a running maximum and sum per row, then P.V), and
+// keeps its state in float32 scratch that stays in cache.  A token's result is the same bits
+// in any tile (see attend_tile).  Items are spread over XLA's intra-op thread pool by
+// parallel.h, as linear.cc's panels are.  Called from jaxllm/cpu/attention.py via XLA's FFI.
 //
 //   q            [T, Hq, Dh]              float32
 //   k/v cache    [NB, BS, Hkv, Dh]        float32 or uint16 (bfloat16 bits, see formats/storage.py),
@@ -35,8 +38,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -174,30 +179,51 @@ struct Problem {
   }
 };
 
-// Scratch of one worker thread, sized for the call's G and Dh.
+// Query rows of a tile (query tokens x the G heads of one KV head) aimed at, whatever G: a
+// key tile's K/V rows are read from the cache once and used for all of them (flash-style).
+// 48 rows keep the tile's scores, accumulators and scaled queries (~30 KB at head_dim 64) in
+// L1/L2 beside the 32 K/V rows.  Which rows share a tile does not change any row's
+// arithmetic (see attend_tile), so this is a speed knob only.
+constexpr int64_t kRows = 48;
+
+// Scratch of one worker thread, sized for the call's rows per tile (R) and Dh.
 template <typename KV>
 struct Scratch {
-  std::vector<float> qs, acc, s, m, l;   // [G, Dh], [G, Dh], [G, kTile], [G], [G]
-  std::vector<const KV*> krow, vrow;     // [kTile] row pointers into the cache
-  float ksc[kTile], vsc[kTile];          // the tile's int8 row scales
-  void resize(int64_t G, int64_t Dh) {
-    qs.resize(G * Dh);
-    acc.resize(G * Dh);
-    s.resize(G * kTile);
-    m.resize(G);
-    l.resize(G);
+  std::vector<float> qs, acc, s, m, l, corr;   // [R, Dh], [R, Dh], [R, kTile], [R], [R], [R]
+  std::vector<int32_t> jlo, jhi;               // [R] each row's visible part of the key tile
+  std::vector<const KV*> krow, vrow;           // [kTile] row pointers into the cache
+  float ksc[kTile], vsc[kTile];                // the tile's int8 row scales
+  void resize(int64_t R, int64_t Dh) {
+    qs.resize(R * Dh);
+    acc.resize(R * Dh);
+    s.resize(R * kTile);
+    m.resize(R);
+    l.resize(R);
+    corr.resize(R);
+    jlo.resize(R);
+    jhi.resize(R);
     krow.resize(kTile);
     vrow.resize(kTile);
   }
 };
 
-// Scores s[g, j] = q_g . k_j for heads g0 .. g0 + NH and rows j < n, two rows at a time.
+// The horizontal sum of one row's dot product, by the same shuffle tree as hsum2's: a score
+// must not depend on whether its key was paired with a neighbour.
+inline float hsum1(__m256 a) {
+  float x, y;
+  hsum2(a, a, &x, &y);
+  return x;
+}
+
+// Scores s[r, j] = q_r . k_j for rows r0 .. r0 + NH and keys j0 <= j < j1, two keys at a time.
+// Each score is its own 8-lane accumulation over head_dim in order, then hsum2's tree.
 template <int NH, typename KV>
-inline void scores(const float* qs, const KV* const* krow, float* s, int64_t n, int64_t Dh, int64_t g0) {
-  const float* qh = qs + g0 * Dh;
+inline void scores(const float* qs, const KV* const* krow, float* s, int64_t j0, int64_t j1, int64_t Dh,
+                   int64_t r0) {
+  const float* qh = qs + r0 * Dh;
   const int64_t d8 = Dh / 8 * 8;
-  int64_t j = 0;
-  for (; j + 2 <= n; j += 2) {
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2) {
     __m256 a0[NH], a1[NH];
     for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < d8; d += 8) {
@@ -215,11 +241,11 @@ inline void scores(const float* qs, const KV* const* krow, float* s, int64_t n, 
         x0 += qh[i * Dh + d] * to_f32(krow[j][d]);
         x1 += qh[i * Dh + d] * to_f32(krow[j + 1][d]);
       }
-      s[(g0 + i) * kTile + j] = x0;
-      s[(g0 + i) * kTile + j + 1] = x1;
+      s[(r0 + i) * kTile + j] = x0;
+      s[(r0 + i) * kTile + j + 1] = x1;
     }
   }
-  for (; j < n; ++j) {
+  for (; j < j1; ++j) {
     __m256 a[NH];
     for (int i = 0; i < NH; ++i) a[i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < d8; d += 8) {
@@ -227,26 +253,29 @@ inline void scores(const float* qs, const KV* const* krow, float* s, int64_t n, 
       for (int i = 0; i < NH; ++i) a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * Dh + d), kv, a[i]);
     }
     for (int i = 0; i < NH; ++i) {
-      float x = hsum(a[i]);
+      float x = hsum1(a[i]);
       for (int64_t d = d8; d < Dh; ++d) x += qh[i * Dh + d] * to_f32(krow[j][d]);
-      s[(g0 + i) * kTile + j] = x;
+      s[(r0 + i) * kTile + j] = x;
     }
   }
 }
 
-// acc[g, :] = acc[g, :] * corr[g] + sum_j p[g, j] v_j for heads g0 .. g0 + NH, where p sits
-// where the scores were.  Columns outermost: the sum over the tile's rows stays in
-// registers and the accumulators in memory are touched once per tile.
+// acc[r, :] = acc[r, :] * corr[r] + sum_j p[r, j] v_j for rows r0 .. r0 + NH and keys
+// j0 <= j < j1, where p sits where the scores were (0 outside a row's visible keys); rows
+// with corr < 0 see none of this tile's keys and are left alone.  Columns outermost: the sum
+// over the tile's keys stays in registers and the accumulators in memory are touched once
+// per tile.  A row's sum starts at +0 and adds its keys in order; the zero weights of keys
+// it cannot see add exact zeros, so its bits do not depend on the rows beside it.
 template <int NH, typename KV>
-inline void values(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t n, int64_t Dh,
-                   int64_t g0) {
-  const float* ph = p + g0 * kTile;
-  float* ah = acc + g0 * Dh;
+inline void values(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t j0, int64_t j1,
+                   int64_t Dh, int64_t r0) {
+  const float* ph = p + r0 * kTile;
+  float* ah = acc + r0 * Dh;
   int64_t d = 0;
   for (; d + 16 <= Dh; d += 16) {
     __m256 a0[NH], a1[NH];
     for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       const __m256 v0 = load8(vrow[j] + d), v1 = load8(vrow[j] + d + 8);
       for (int i = 0; i < NH; ++i) {
         const __m256 pj = _mm256_broadcast_ss(ph + i * kTile + j);
@@ -255,7 +284,8 @@ inline void values(const float* p, const KV* const* vrow, float* acc, const floa
       }
     }
     for (int i = 0; i < NH; ++i) {
-      const __m256 c = _mm256_set1_ps(corr[g0 + i]);
+      if (corr[r0 + i] < 0.f) continue;
+      const __m256 c = _mm256_set1_ps(corr[r0 + i]);
       float* o = ah + i * Dh + d;
       _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_loadu_ps(o), c, a0[i]));
       _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_loadu_ps(o + 8), c, a1[i]));
@@ -264,80 +294,103 @@ inline void values(const float* p, const KV* const* vrow, float* acc, const floa
   for (; d + 8 <= Dh; d += 8) {
     __m256 a[NH];
     for (int i = 0; i < NH; ++i) a[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = j0; j < j1; ++j) {
       const __m256 vv = load8(vrow[j] + d);
       for (int i = 0; i < NH; ++i) a[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(ph + i * kTile + j), vv, a[i]);
     }
     for (int i = 0; i < NH; ++i) {
+      if (corr[r0 + i] < 0.f) continue;
       float* o = ah + i * Dh + d;
-      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(corr[g0 + i]), a[i]));
+      _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(corr[r0 + i]), a[i]));
     }
   }
   for (; d < Dh; ++d) {   // head dims that are not a multiple of 8
     for (int i = 0; i < NH; ++i) {
+      if (corr[r0 + i] < 0.f) continue;
       float x = 0.f;
-      for (int64_t j = 0; j < n; ++j) x += ph[i * kTile + j] * to_f32(vrow[j][d]);
-      ah[i * Dh + d] = ah[i * Dh + d] * corr[g0 + i] + x;
+      for (int64_t j = j0; j < j1; ++j) x += ph[i * kTile + j] * to_f32(vrow[j][d]);
+      ah[i * Dh + d] = ah[i * Dh + d] * corr[r0 + i] + x;
     }
   }
 }
 
-// Heads of a KV head's group in passes of at most kHeads (any G).
+// All R rows in passes of at most kHeads.
 template <typename KV>
-void scores_all(const float* qs, const KV* const* krow, float* s, int64_t n, int64_t Dh, int64_t G) {
-  int64_t g = 0;
-  for (; g + kHeads <= G; g += kHeads) scores<kHeads>(qs, krow, s, n, Dh, g);
-  switch (G - g) {
-    case 3: scores<3>(qs, krow, s, n, Dh, g); break;
-    case 2: scores<2>(qs, krow, s, n, Dh, g); break;
-    case 1: scores<1>(qs, krow, s, n, Dh, g); break;
+void scores_all(const float* qs, const KV* const* krow, float* s, int64_t j0, int64_t j1, int64_t Dh, int64_t R) {
+  int64_t r = 0;
+  for (; r + kHeads <= R; r += kHeads) scores<kHeads>(qs, krow, s, j0, j1, Dh, r);
+  switch (R - r) {
+    case 3: scores<3>(qs, krow, s, j0, j1, Dh, r); break;
+    case 2: scores<2>(qs, krow, s, j0, j1, Dh, r); break;
+    case 1: scores<1>(qs, krow, s, j0, j1, Dh, r); break;
     default: break;
   }
 }
 
 template <typename KV>
-void values_all(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t n, int64_t Dh,
-                int64_t G) {
-  int64_t g = 0;
-  for (; g + kHeads <= G; g += kHeads) values<kHeads>(p, vrow, acc, corr, n, Dh, g);
-  switch (G - g) {
-    case 3: values<3>(p, vrow, acc, corr, n, Dh, g); break;
-    case 2: values<2>(p, vrow, acc, corr, n, Dh, g); break;
-    case 1: values<1>(p, vrow, acc, corr, n, Dh, g); break;
+void values_all(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t j0, int64_t j1,
+                int64_t Dh, int64_t R) {
+  int64_t r = 0;
+  for (; r + kHeads <= R; r += kHeads) values<kHeads>(p, vrow, acc, corr, j0, j1, Dh, r);
+  switch (R - r) {
+    case 3: values<3>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 2: values<2>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 1: values<1>(p, vrow, acc, corr, j0, j1, Dh, r); break;
     default: break;
   }
 }
 
-// Work item (t, h): out[t, h*G : (h+1)*G, :] from the visible positions of token t.
+// Work item (tokens t0 .. t0 + nt of one sequence, KV head h): out[t, h*G : (h+1)*G, :] for
+// each of the tokens.  Row r = i * G + g is token t0 + i's query head h * G + g.
+//
+// Bit-stability: a token's output must be the same bits whether it runs alone (a decode,
+// nt = 1) or in any tile of a prefill chunk.  So key tiles sit at absolute positions
+// [c * kTile, (c + 1) * kTile) for every row, a row takes part in exactly the tiles that hold
+// a position it may see, and within a tile its scores, maxima, exponentials, sums and value
+// accumulation are computed lane for lane as they would be alone, with the positions it
+// may not see as -inf scores / zero weights.
 template <typename KV>
-void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
-  const int64_t G = P.G, Dh = P.Dh;
-  int64_t lo, hi;
-  P.range(t, &lo, &hi);
-  float* out = P.out + (t * P.Hq + h * G) * Dh;   // [G, Dh], the group's heads are adjacent
-  if (lo >= hi) {
-    std::fill(out, out + G * Dh, 0.f);
-    return;
+void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratch<KV>& w) {
+  const int64_t G = P.G, Dh = P.Dh, R = nt * G;
+  // Each token's visible range, and the union over the tile.
+  int64_t lo_all = INT64_MAX, hi_all = 0;
+  int64_t lo_t[kRows], hi_t[kRows];   // nt <= kRows
+  for (int64_t i = 0; i < nt; ++i) {
+    P.range(t0 + i, &lo_t[i], &hi_t[i]);
+    if (lo_t[i] < hi_t[i]) {
+      lo_all = std::min(lo_all, lo_t[i]);
+      hi_all = std::max(hi_all, hi_t[i]);
+    }
   }
   // Queries scaled before the dot, as the XLA path does (q * scale, then q . k).
-  const float* q = P.q + (t * P.Hq + h * G) * Dh;
-  for (int64_t i = 0; i < G * Dh; ++i) w.qs[i] = q[i] * P.scale;
-  std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  std::fill(w.m.begin(), w.m.end(), -INFINITY);
-  std::fill(w.l.begin(), w.l.end(), 0.f);
+  for (int64_t i = 0; i < nt; ++i) {
+    const float* q = P.q + ((t0 + i) * P.Hq + h * G) * Dh;
+    float* qs = w.qs.data() + i * G * Dh;
+    for (int64_t e = 0; e < G * Dh; ++e) qs[e] = q[e] * P.scale;
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + R * Dh, 0.f);
+  std::fill(w.m.begin(), w.m.begin() + R, -INFINITY);
+  std::fill(w.l.begin(), w.l.begin() + R, 0.f);
   // Clamped so that a padding token (or a bad index) reads some row of the cache instead
   // of outside it; its output is not used.
-  const int64_t seq = std::clamp<int64_t>(P.seq[t], 0, P.S - 1);
+  const int64_t seq = std::clamp<int64_t>(P.seq[t0], 0, P.S - 1);
   const int32_t* table = P.tables + seq * P.MB;
   const KV** krow = w.krow.data();
   const KV** vrow = w.vrow.data();
-  float corr[64];   // G <= 64 (checked by the handler)
-  for (int64_t j0 = lo; j0 < hi; j0 += kTile) {
-    const int64_t n = std::min(kTile, hi - j0);
+  float* corr = w.corr.data();
+  for (int64_t c0 = lo_all / kTile * kTile; c0 < hi_all; c0 += kTile) {
+    // Each row's visible keys [jlo, jhi) of this tile, and their union [j0, j1).
+    int64_t j0 = kTile, j1 = 0;
+    for (int64_t i = 0; i < nt; ++i) {
+      const int64_t a = std::clamp<int64_t>(lo_t[i] - c0, 0, kTile), b = std::clamp<int64_t>(hi_t[i] - c0, 0, kTile);
+      for (int64_t g = 0; g < G; ++g) w.jlo[i * G + g] = static_cast<int32_t>(a), w.jhi[i * G + g] = static_cast<int32_t>(b);
+      if (a < b) j0 = std::min(j0, a), j1 = std::max(j1, b);
+    }
+    if (j0 >= j1) continue;
     // Block column and offset stepped along: one integer division per tile, not per position.
-    int64_t col = j0 / P.BS, off = j0 % P.BS;
+    int64_t col = (c0 + j0) / P.BS, off = (c0 + j0) % P.BS;
     int64_t blk = std::clamp<int64_t>(table[col], 0, P.NB - 1);
-    for (int64_t j = 0; j < n; ++j, ++off) {
+    for (int64_t j = j0; j < j1; ++j, ++off) {
       if (off == P.BS) {
         off = 0;
         blk = std::clamp<int64_t>(table[++col], 0, P.NB - 1);
@@ -353,28 +406,33 @@ void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
     // The rows are scattered over blocks and cold (a layer's cache was last read a whole
     // step ago): ask for all of the tile's lines at once rather than one miss at a time
     // (15-20% off a cold-cache batch-32 decode; prefetching a tile ahead gained nothing).
-    for (int64_t j = 0; j < n; ++j)
+    for (int64_t j = j0; j < j1; ++j)
       for (int64_t b = 0; b < Dh * static_cast<int64_t>(sizeof(KV)); b += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(krow[j]) + b, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T0);
       }
-    scores_all<KV>(w.qs.data(), krow, w.s.data(), n, Dh, G);
-    if (P.ks)   // int8: q . (scale_j k_j) = scale_j (q . k_j)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t j = 0; j < n; ++j) w.s[g * kTile + j] *= w.ksc[j];
-    if (P.soft_cap > 0.f) {   // Gemma 2: cap * tanh(s / cap) on the scaled scores
-      const float cap = P.soft_cap, inv_cap = 1.f / P.soft_cap;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t j = 0; j < n; ++j) w.s[g * kTile + j] = cap * std::tanh(w.s[g * kTile + j] * inv_cap);
-    }
-    // Online softmax: new running max per head, scores -> exp(s - max) in place (rows past
-    // n set to -inf give 0), accumulators rescaled by exp(old max - new max).
-    for (int64_t g = 0; g < G; ++g) {
-      float* s = w.s.data() + g * kTile;
-      std::fill(s + n, s + kTile, -INFINITY);
+    scores_all<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);   // s [R, kTile]
+    for (int64_t r = 0; r < R; ++r) {
+      float* s = w.s.data() + r * kTile;
+      const int64_t a = w.jlo[r], b = w.jhi[r];
+      if (a >= b) {   // no visible key here: zero weights, accumulators untouched
+        std::fill(s, s + kTile, 0.f);
+        corr[r] = -1.f;
+        continue;
+      }
+      if (P.ks)   // int8: q . (scale_j k_j) = scale_j (q . k_j)
+        for (int64_t j = a; j < b; ++j) s[j] *= w.ksc[j];
+      if (P.soft_cap > 0.f) {   // Gemma 2: cap * tanh(s / cap) on the scaled scores
+        const float cap = P.soft_cap, inv_cap = 1.f / P.soft_cap;
+        for (int64_t j = a; j < b; ++j) s[j] = cap * std::tanh(s[j] * inv_cap);
+      }
+      // Online softmax: new running max per row, scores -> exp(s - max) in place (keys the
+      // row may not see set to -inf give 0), accumulators rescaled by exp(old max - new max).
+      std::fill(s, s + a, -INFINITY);
+      std::fill(s + b, s + kTile, -INFINITY);
       __m256 mx = _mm256_set1_ps(-INFINITY);
       for (int64_t j = 0; j < kTile; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-      const float m_new = std::max(w.m[g], hmax(mx));
+      const float m_new = std::max(w.m[r], hmax(mx));
       const __m256 mv = _mm256_set1_ps(m_new);
       __m256 sum = _mm256_setzero_ps();
       for (int64_t j = 0; j < kTile; j += 8) {
@@ -382,30 +440,37 @@ void attend_item(const Problem<KV>& P, int64_t t, int64_t h, Scratch<KV>& w) {
         _mm256_storeu_ps(s + j, e);
         sum = _mm256_add_ps(sum, e);
       }
-      corr[g] = std::exp(w.m[g] - m_new);   // 0 on the first tile (m = -inf)
-      w.l[g] = w.l[g] * corr[g] + hsum(sum);
-      w.m[g] = m_new;
+      corr[r] = std::exp(w.m[r] - m_new);   // 0 on the row's first tile (m = -inf)
+      w.l[r] = w.l[r] * corr[r] + hsum(sum);
+      w.m[r] = m_new;
       if (P.vs)   // int8: p_j (scale_j v_j) = (p_j scale_j) v_j; the sum l keeps p_j
-        for (int64_t j = 0; j < n; ++j) s[j] *= w.vsc[j];
+        for (int64_t j = a; j < b; ++j) s[j] *= w.vsc[j];
     }
-    values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, n, Dh, G);
+    values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float inv = 1.f / w.l[g];   // l >= 1: the maximum's own term is exp(0)
-    if (P.sinks) {
-      // The sink's exp joins the denominator: acc / (l + exp(sink - m)), both exponentials
-      // taken against the larger of m and the sink.
-      const float sink = P.sinks[h * G + g], top = std::max(w.m[g], sink), c = std::exp(w.m[g] - top);
-      inv = c / (w.l[g] * c + std::exp(sink - top));
+  for (int64_t i = 0; i < nt; ++i) {
+    float* out = P.out + ((t0 + i) * P.Hq + h * G) * Dh;   // [G, Dh], the group's heads are adjacent
+    if (lo_t[i] >= hi_t[i]) {
+      std::fill(out, out + G * Dh, 0.f);
+      continue;
     }
-    for (int64_t d = 0; d < Dh; ++d) out[g * Dh + d] = w.acc[g * Dh + d] * inv;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      float inv = 1.f / w.l[r];   // l >= 1: the maximum's own term is exp(0)
+      if (P.sinks) {
+        // The sink's exp joins the denominator: acc / (l + exp(sink - m)), both exponentials
+        // taken against the larger of m and the sink.
+        const float sink = P.sinks[h * G + g], top = std::max(w.m[r], sink), c = std::exp(w.m[r] - top);
+        inv = c / (w.l[r] * c + std::exp(sink - top));
+      }
+      for (int64_t d = 0; d < Dh; ++d) out[g * Dh + d] = w.acc[r * Dh + d] * inv;
+    }
   }
 }
 
 template <typename KV>
 void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
-  const int64_t items = P.T * P.Hkv;
-  if (items == 0) return;
+  if (P.T * P.Hkv == 0) return;
   // Helpers only when the call is worth waking them: a task costs microseconds to start,
   // a decode of a short context is less than that.
   int64_t cost = 0;   // multiply-adds of q . k over the batch
@@ -414,19 +479,33 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
     P.range(t, &lo, &hi);
     cost += std::max<int64_t>(hi - lo, 0) * P.Hq * P.Dh;
   }
+  // Query tiles: runs of consecutive tokens of one sequence at consecutive positions (a
+  // prefill chunk), cut every Tq tokens; a decode token is a tile of its own.
+  const int64_t Tq = std::max<int64_t>(1, kRows / P.G);
+  auto tiles = std::make_shared<std::vector<std::pair<int32_t, int32_t>>>();   // (first token, count)
+  for (int64_t t = 0; t < P.T;) {
+    int64_t n = 1;
+    while (t + n < P.T && n < Tq && P.seq[t + n] == P.seq[t] && P.pos[t + n] == P.pos[t + n - 1] + 1) ++n;
+    tiles->emplace_back(static_cast<int32_t>(t), static_cast<int32_t>(n));
+    t += n;
+  }
+  const int64_t items = static_cast<int64_t>(tiles->size()) * P.Hkv;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t helpers = std::min({threads, items - 1, cost / 32768});
-  // Items are (token, KV head), token-major: a token's heads, and a sequence's tokens, are
-  // claimed close together and share cache rows.  P is copied: a helper task may start after
-  // this call has returned (and then finds no item).
+  // Items are (tile, KV head), tile-major: a tile's heads, and a sequence's tiles, are
+  // claimed close together and share cache rows.  P and the tiles are held by the task: a
+  // helper task may start after this call has returned (and then finds no item).
   jaxllm_parallel::for_each_item(
       pool, items, helpers,
-      [G = P.G, Dh = P.Dh] {
+      [R = Tq * P.G, Dh = P.Dh] {
         Scratch<KV> w;
-        w.resize(G, Dh);
+        w.resize(R, Dh);
         return w;
       },
-      [P](int64_t i, Scratch<KV>& w) { attend_item<KV>(P, i / P.Hkv, i % P.Hkv, w); });
+      [P, tiles](int64_t i, Scratch<KV>& w) {
+        const auto [t0, nt] = (*tiles)[i / P.Hkv];
+        attend_tile<KV>(P, t0, nt, i % P.Hkv, w);
+      });
 }
 
 ffi::Error invalid(const std::string& what) {

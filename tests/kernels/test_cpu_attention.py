@@ -268,6 +268,91 @@ def test_resolution_of_the_attention_backend(monkeypatch):
         _attention_backend("native", "cpu", "float32", 1, False)
 
 
+# ----------------------------------------------------------------------------- bit-stability
+
+def _prompt_md(tables, seq, pos):
+    """Metadata of tokens (sequence seq[i] at position pos[i]) over the given block tables;
+    the kernel reads only tables, token_seq and positions."""
+    pos = jnp.asarray(pos, jnp.int32)
+    S = tables.shape[0]
+    return AttentionMetadata(positions=pos, slot_mapping=pos, token_seq=jnp.asarray(seq, jnp.int32),
+                             block_tables=tables, seq_lens=jnp.zeros(S, jnp.int32),
+                             query_start_loc=jnp.zeros(S + 1, jnp.int32))
+
+
+def _prompt_outputs_three_ways(q, kv, tables, N, chunk, **kw):
+    """Sequence 0's N prompt tokens through the kernel: whole, in chunks of ``chunk``, and
+    as a chunk [5, N) beside another sequence's prefill chunk and decode tokens in one call.
+    The cache already holds every position (as after the prompt's writes)."""
+    from jaxllm.cpu.attention import paged_attention_native
+    run = jax.jit(lambda q, kv, md: paged_attention_native(q, kv, None, md, **kw))
+    whole = np.asarray(run(q, kv, _prompt_md(tables, [0] * N, range(N))))
+    chunks = [np.asarray(run(q[a:a + chunk], kv, _prompt_md(tables, [0] * len(q[a:a + chunk]), range(a, a + chunk)[:N - a])))
+              for a in range(0, N, chunk)]
+    other = jnp.asarray(np.random.default_rng(9).standard_normal((13,) + q.shape[1:]).astype(np.float32))
+    mixed_q = jnp.concatenate([other[:10], q[5:], other[10:]])
+    mixed_seq = [1] * 10 + [0] * (N - 5) + [1, 2, 1]
+    mixed_pos = list(range(20, 30)) + list(range(5, N)) + [40, 3, 41]
+    mixed = np.asarray(run(mixed_q, kv, _prompt_md(tables, mixed_seq, mixed_pos)))[10:10 + N - 5]
+    return whole, np.concatenate(chunks), mixed
+
+
+BITS_CASES = {   # (cache, features)
+    "f32": ("float32", {}),
+    "bf16-window": ("bfloat16", dict(sliding_window=40)),
+    "f32-softcap-sinks": ("float32", dict(soft_cap=3.0, sinks=True)),
+    "int8-window": ("int8", dict(sliding_window=33)),
+    "fp8-sinks": ("fp8_e4m3", dict(sinks=True)),
+}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32, 61])
+@pytest.mark.parametrize("case", list(BITS_CASES))
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 1, 40)], ids=["hq9-hkv3-d64", "hq4-hkv1-d40"])
+def test_prompt_token_is_the_same_bits_in_any_chunk_and_batch(Hq, Hkv, D, case, chunk):
+    """A prompt token's attention output is the same bits whether its prompt is prefilled
+    whole (query tiles of many tokens), in chunks of 1 (the decode path), 7, 32 or 61 tokens
+    (tiles cut elsewhere), or beside another sequence's tokens: the engine's guarantee that a
+    token's logits do not depend on the step it runs in.  Also equal to the XLA path."""
+    N = 150
+    cache, feats = BITS_CASES[case]
+    q, _, _, kv, md = make_batch(11 + D, [N], [0], Hq=Hq, Hkv=Hkv, D=D, cache="bfloat16" if cache == "bfloat16" else
+                                 "float32", pad_tokens=0, pad_rows=0)
+    if cache in QUANT:
+        _, _, _, kv, _ = quantized((q, None, None, kv, md), cache)
+    # Sequences 1 and 2 read the same pages through other tables (their own rows of a batch).
+    rng = np.random.default_rng(3)
+    t0 = np.asarray(md.block_tables)[0]
+    tables = jnp.asarray(np.stack([t0, rng.permutation(t0), rng.permutation(t0)]))
+    kw = dict(scale=D ** -0.5, sliding_window=feats.get("sliding_window"), soft_cap=feats.get("soft_cap"))
+    if feats.get("sinks"):
+        kw["sinks"] = jnp.linspace(-2.0, 4.0, Hq, dtype=jnp.float32)
+    whole, chunked, mixed = _prompt_outputs_three_ways(q, kv, tables, N, chunk, **kw)
+    np.testing.assert_array_equal(chunked, whole)
+    np.testing.assert_array_equal(mixed, whole[5:])
+    want = np.asarray(paged_attention_xla(q, kv, None, _prompt_md(tables[:1], [0] * N, range(N)), **kw))
+    err = np.abs(whole - want).max() / np.abs(want).max()
+    assert err < TOL, f"max relative error {err:.3g}"
+
+
+@pytest.mark.slow
+def test_prompt_logits_are_the_same_bits_in_any_chunking():
+    """End to end on the built-in model's default CPU path (packed weights through the native
+    matmuls, native norms and attention): the logits of positions 20-44 are the same bits
+    computed a token per step (the decode path) or in chunks of 5, or of 3 and 7 (multi-token
+    query tiles cut at other places, across the key tile boundary at 32).  The steps stay
+    small: that the other kernels' bits do not depend on the step's shape is held for such
+    steps by tests/quant/test_builtin_int8.py."""
+    from jaxllm.models.loader import load_model
+    model = load_model(None)
+    ids = [1] + list(range(300, 344))
+    one = paged_logits(model, ids, False, split=tuple(range(20, 45)), matmul="native", attention="native")
+    for split in [(20, 25, 30, 35, 40), (20, 23, 30, 33, 40, 43)]:
+        got = paged_logits(model, ids, False, split=split, matmul="native", attention="native")
+        rows = np.nonzero(np.abs(got[20:] - one[20:]).max(-1))[0] + 20
+        assert rows.tolist() == [], f"split {split}: positions whose logits differ: {rows.tolist()}"
+
+
 def _variants():
     from support.tiny_models import VARIANTS
     return sorted(VARIANTS)
