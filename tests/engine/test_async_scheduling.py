@@ -92,13 +92,15 @@ def test_bad_words(engines, fed_steps):
     prompts, _ = workload(n=4, seed=5)
     greedy = engines[0].generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                                  use_tqdm=False)
-    # Ban tokens greedy decoding picks: one single-token bad word (on the device), one of two
-    # tokens (read on the host: such a request's steps run synchronously).
-    toks = greedy[0].outputs[0].token_ids
-    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words_token_ids=[[toks[1]]]),
-              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words_token_ids=[[toks[2]]]),
+    # Ban words greedy decoding picks: single-token ones (applied on the device) and a
+    # multi-token one (read on the host: such a request's steps run synchronously).
+    tok = engines[0].get_tokenizer()
+    words = [tok.decode([t]).strip() for t in greedy[0].outputs[0].token_ids[:4]]
+    words = [w for w in words if w] or ["the"]
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=words[:1]),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, bad_words=words),
               SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True,
-                             bad_words_token_ids=[[toks[0], toks[1]]]),
+                             bad_words=["Supercalifragilistic", *words]),
               SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)]
     _same(engines, fed_steps, prompts, params)
 
