@@ -1,9 +1,9 @@
 """Async scheduling (``--async-scheduling``) changes no output: token for token the same as
-synchronous scheduling on the tiny Llama, for greedy and seeded sampling, penalties, bad
-words, stop strings and max_tokens ending requests at different steps, a JSON schema,
-preemption (a KV pool too small for the batch) and aborts mid-stream; its steps really take
-the previous step's tokens on the device; nothing compiles after warm-up (strict guard) and
-no KV block leaks."""
+synchronous scheduling on the tiny Llama, for greedy and seeded sampling, penalties,
+logprobs and prompt logprobs, n > 1, bad words, stop strings and max_tokens ending requests
+at different steps, a JSON schema, preemption (a KV pool too small for the batch) and aborts
+mid-stream; its steps really take the previous step's tokens on the device; nothing
+compiles after warm-up (strict guard) and no KV block leaks."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def fed_steps(engines):
 
 
 def _tokens(outs):
-    return [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in outs]
+    """What must not change: tokens, finish reasons, text, logprobs and prompt logprobs."""
+    return [(o.prompt_logprobs, [(c.token_ids, c.finish_reason, c.text, c.logprobs) for c in o.outputs]) for o in outs]
 
 
 def _same(engines, fed_steps, prompts, params):
@@ -82,7 +83,7 @@ def test_greedy_seeded_penalties_stops(engines, fed_steps):
                              ignore_eos=True),
               SamplingParams(temperature=1.0, seed=3, max_tokens=25, stop=["e"], ignore_eos=True),
               SamplingParams(temperature=0.7, seed=2, max_tokens=6, ignore_eos=True, n=2),
-              SamplingParams(temperature=1.0, max_tokens=3, seed=1, ignore_eos=True)]
+              SamplingParams(temperature=1.0, max_tokens=3, seed=1, ignore_eos=True, logprobs=2, prompt_logprobs=1)]
     want = _same(engines, fed_steps, prompts, params)
     lengths = {len(c.token_ids) for o in want for c in o.outputs}
     assert len(lengths) > 3, "the requests did not end at different steps"
