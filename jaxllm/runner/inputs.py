@@ -102,7 +102,7 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
         pos = np.arange(c, c + n, dtype=np.int32)
         blocks = np.asarray(st.block_ids, np.int32)
         known = len(st.token_ids)
-        if c + n > known:
+        if c + n - len(drafts) > known:
             # Async scheduling: the ids past the known ones were sampled by the step still
             # running; they are fed on the device from this request's sampler slot.
             if drafts or c + n > known + st.inflight:
