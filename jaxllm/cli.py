@@ -14,7 +14,7 @@ import os
 import sys
 
 from jaxllm.config import (KV_CACHE_DTYPES, LOGPROBS_MODES, PRECOMPILE_MODES, QUANTIZATION_METHODS, SCHEDULING_POLICIES,
-                           EngineConfig, parse_size)
+                           EngineConfig, parse_size, SchedulerConfig)
 from jaxllm.errors import JaxllmError
 from jaxllm.sampling_params import SamplingParams
 
@@ -68,6 +68,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     mem.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="fcfs (arrival order), priority (lowest request priority first) or lpm "
                         "(longest cached prefix first)")
+    mem.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   default=SchedulerConfig.async_scheduling,
+                   help="schedule and prepare the next step while the current one runs, its sampled tokens "
+                        "fed to the next on the device (--no-async-scheduling: one step at a time)")
     out.add_argument("--seed", type=int, default=0, help="seed for the seeds of unseeded requests")
     kern.add_argument("--attention-backend", default="auto",
                    help="auto | xla | pallas | native: paged attention (auto: the Pallas kernel on GPU; on CPU "
@@ -132,7 +136,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=kv_bytes, num_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,
-        scheduling_policy=args.scheduling_policy,
+        scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend,
         sampler_backend=args.sampler_backend, scan_layers=args.scan_layers,
         max_logprobs=args.max_logprobs, cpu_matmul=args.cpu_matmul, compile_cache_dir=args.compile_cache_dir,

@@ -32,6 +32,15 @@ stop rules run token by token, so a stop inside an accepted run ends the request
 With a draft model, each sampling request also gets ``num_lookahead_tokens`` slots past its
 tokens, from the blocks the step left free, for the KV of the draft's proposals: one
 allocation holds both models' pages (vLLM's lookahead slots).
+
+Async scheduling (``async_scheduling=True``, engine/core.py): step N+1 is scheduled before
+step N's tokens are known.  ``schedule()`` then advances ``num_computed_tokens`` at once and
+counts each sampling request's token of the step as in flight (vLLM's output placeholders):
+the next schedule computes it (the runner feeds it on the device), and a request whose
+in-flight token will end it by length is not scheduled again.  ``update_from_output`` of
+step N only appends the tokens and applies the stop rules; a request that ended at N has
+its already scheduled step N+1 discarded (its outputs are skipped, its blocks were freed at
+N's update).  Speculative decoding is not combined with it (the engine refuses the pair).
 """
 
 from __future__ import annotations
@@ -72,10 +81,12 @@ class SpecDecodingStats:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", starvation_steps: int = 1000, clock=time.monotonic,
-                 num_lookahead_tokens: int = 0):
+                 num_lookahead_tokens: int = 0, async_scheduling: bool = False):
         """``clock``: the events' timestamps (the clock of ``EngineRequest.arrival_time``);
         ``num_lookahead_tokens``: slots allocated past a sampling request's tokens where the
-        pool has room (a draft model's proposals: spec_decode/draft_model.py)."""
+        pool has room (a draft model's proposals: spec_decode/draft_model.py);
+        ``async_scheduling``: schedule a step before the previous one's tokens are known
+        (the module's docstring)."""
         if policy not in POLICIES:
             raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.kv = kv
@@ -87,6 +98,11 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.num_lookahead_tokens = num_lookahead_tokens
+        if async_scheduling and num_lookahead_tokens:
+            raise ValueError("async scheduling does not combine with speculative decoding's lookahead slots")
+        self.async_scheduling = async_scheduling
+        # Async scheduling: request id -> tokens sampled by a scheduled step, not yet returned (0 or 1).
+        self._inflight: dict[str, int] = {}
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -141,7 +157,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            inflight = self._inflight.get(req.request_id, 0)
+            if inflight and self._ends_by_length(req, inflight):
+                i += 1
+                continue  # its in-flight token ends it: nothing more to compute
+            n = min(req.num_tokens + inflight - req.num_computed_tokens, budget)
             if n <= 0:
                 i += 1
                 continue
@@ -223,10 +243,65 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids, scheduled_spec_decode_tokens=spec, events=self._events)
         self._finished_req_ids = set()
         self._events = []
+        if self.async_scheduling:
+            self._advance_scheduled(num_scheduled)
         return out
+
+    def _ends_by_length(self, req: Request, inflight: int) -> bool:
+        """Whether ``inflight`` more output tokens end ``req`` by max_tokens or max_model_len."""
+        return (len(req.output_token_ids) + inflight >= req.max_tokens
+                or req.num_tokens + inflight >= self.max_model_len)
+
+    def _advance_scheduled(self, num_scheduled: dict[str, int]) -> None:
+        """Async scheduling: the step just scheduled counts as computed now, and each request
+        that samples in it has one token in flight until ``update_from_output``."""
+        for rid, n in num_scheduled.items():
+            req = self.requests[rid]
+            target = req.num_tokens + self._inflight.get(rid, 0)
+            self.num_prompt_tokens_computed += max(
+                0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= target:
+                self._inflight[rid] = self._inflight.get(rid, 0) + 1
+
+    def _update_async(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
+        """``update_from_output`` under async scheduling: the tokens were counted as computed
+        when the step was scheduled; here they are appended and the stop rules applied.  A
+        request preempted since keeps its tokens (its recompute feeds them)."""
+        sampled = dict(zip(result.req_ids, result.sampled_token_ids))
+        outs: list[EngineCoreOutput] = []
+        for rid in sched.num_scheduled_tokens:
+            req = self.requests.get(rid)
+            new_tokens = sampled.get(rid) or []
+            if new_tokens and self._inflight.get(rid):
+                self._inflight[rid] -= 1
+                if not self._inflight[rid]:
+                    del self._inflight[rid]
+            if req is None or req.is_finished:
+                continue  # ended (or aborted) while the step ran: its tokens are discarded
+            if req.status == RequestStatus.RUNNING:
+                self.kv.cache_computed_blocks(req)
+            if not new_tokens:
+                continue  # a prefill chunk that is not the last samples nothing
+            logprobs = result.logprobs.get(rid)
+            start = len(req.output_token_ids)
+            for tok in new_tokens:
+                req.output_token_ids.append(tok)
+                if self._check_stop(req):
+                    break
+            accepted = req.output_token_ids[start:]
+            outs.append(EngineCoreOutput(
+                rid, accepted, new_logprobs=logprobs[:len(accepted)] if logprobs else None,
+                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                prompt_logprobs=result.prompt_logprobs.get(rid), num_cached_tokens=req.num_cached_tokens or 0))
+            if req.is_finished:
+                self._finish(req, req.status)
+        return outs
 
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Advances computed tokens, appends sampled tokens, applies stop rules."""
+        if self.async_scheduling:
+            return self._update_async(sched, result)
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         outs: list[EngineCoreOutput] = []
         for rid, n in sched.num_scheduled_tokens.items():
@@ -351,6 +426,9 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        # Its in-flight token still arrives (update_from_output appends it); the recompute
+        # after readmission feeds it from the host.
+        self._inflight.pop(req.request_id, None)
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -364,6 +442,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req.request_id)
         self._forget_in_runner(req.request_id)
+        self._inflight.pop(req.request_id, None)
         del self.requests[req.request_id]
 
     def _forget_in_runner(self, rid: str) -> None:

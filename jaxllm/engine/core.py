@@ -2,6 +2,15 @@
 
 It builds the runner from the resolved configuration (engine/resolve.py), sizes the KV
 cache and warms the runner up, so that once it exists serving never compiles.
+
+Async scheduling (``--async-scheduling``): ``step()`` schedules and dispatches step N+1
+while step N runs, then waits for N's tokens and applies them (stop rules, outputs): the
+host's scheduling and input preparation overlap the device's work, N's sampled tokens
+reaching N+1 on the device (runner/token_feed.py).  Exactness first: a step is run
+synchronously (N collected and applied before N+1 is scheduled) while a running request
+needs its last token on the host to prepare its next step: structured outputs (the grammar
+mask of N+1 follows N's token), ``min_tokens`` and multi-token bad words (they read the
+outputs).  Speculative decoding and multi-host serving keep synchronous scheduling.
 """
 
 from __future__ import annotations
@@ -10,6 +19,7 @@ import dataclasses
 import logging
 import os
 import random
+from dataclasses import dataclass
 
 from jaxllm.config import EngineConfig
 from jaxllm.core.kv_budget import KVPlan, utilization_budget
@@ -17,16 +27,46 @@ from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.models.loader import LoadedModel, load_model
 from jaxllm.models.registry import keeps_sequence_state
-from jaxllm.outputs import EngineCoreOutput, EngineCoreOutputs
+from jaxllm.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerOutput
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import replica_devices
 from jaxllm.engine.resolve import ResolvedConfig, resolve_config
 from jaxllm.request import Request
 from jaxllm.runner import compile as cc
-from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.runner.model_runner import InFlightStep, ModelRunner
 from jaxllm.spec_decode.draft_model import DraftModel
 
 log = logging.getLogger("jaxllm.engine")
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A dispatched step whose tokens are not applied yet (async scheduling)."""
+
+    so: SchedulerOutput
+    step: InFlightStep
+
+
+def _needs_host_tokens(request: Request) -> bool:
+    """Whether preparing ``request``'s next step reads its last sampled token on the host."""
+    sp = request.sampling_params
+    return (sp.structured_outputs is not None or sp.min_tokens > 0
+            or any(len(w) > 1 for w in (sp.bad_words_token_ids or ())))
+
+
+def _use_async(config: EngineConfig) -> bool:
+    """Whether the engine schedules asynchronously: asked for, and neither speculative
+    decoding (its proposals follow the tokens on the host) nor multi-host (host 0 publishes
+    each step before it runs) is on."""
+    if not config.scheduler.async_scheduling:
+        return False
+    if config.speculative_config is not None:
+        log.info("async scheduling off: speculative decoding proposes from the sampled tokens on the host")
+        return False
+    if config.parallel.multi_host:
+        log.info("async scheduling off: multi-host serving publishes each step before it runs")
+        return False
+    return True
 
 
 def _check_per_sequence_state(config: EngineConfig, model: LoadedModel) -> bool:
@@ -86,6 +126,8 @@ class EngineCore:
         draft = _load_draft(config, model) if spec is not None and spec.method == "draft_model" else None
         self.resolved = r = resolve_config(config, model, draft)
         draft = _draft_model(config, draft, r) if draft is not None else None
+        self.async_scheduling = _use_async(config)
+        self._pending: _Pending | None = None
         cc.enable_persistent_cache(r.compile_cache_dir)
         cc.install_listeners()
         def make_runner(step, num_blocks):
@@ -93,7 +135,7 @@ class EngineCore:
                 model, step, num_blocks=num_blocks, devices=devices,
                 program_dir=os.path.join(r.compile_cache_dir, "programs"),
                 strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
-                grammar=grammar, speculative_config=spec, draft=draft)
+                grammar=grammar, speculative_config=spec, draft=draft, async_scheduling=self.async_scheduling)
         self.runner = make_runner(r.step, None if r.kv is None else r.kv.num_blocks)
         if r.kv is None:
             kv = self._size_kv_from_device(r.kv_sizing)
@@ -116,7 +158,8 @@ class EngineCore:
                                    max_num_batched_tokens=r.step.max_num_batched_tokens,
                                    max_model_len=r.step.max_model_len,
                                    policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps,
-                                   num_lookahead_tokens=spec.num_speculative_tokens if draft is not None else 0)
+                                   num_lookahead_tokens=spec.num_speculative_tokens if draft is not None else 0,
+                                   async_scheduling=self.async_scheduling)
         # auto: on demand for one-shot use; a server compiles the rest when it starts
         # (AsyncEngine), and every host of a multi-host engine compiles all up front.
         mode = config.runner.precompile
@@ -179,11 +222,14 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests not ended, or (async scheduling) a dispatched step not applied yet."""
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
 
     def step(self) -> EngineCoreOutputs:
         if self.is_follower:
             raise ValueError(f"host {self.channel.host} follows host 0's steps: call follow() there")
+        if self.async_scheduling:
+            return self._step_async()
         so = self.scheduler.schedule()
         if self.channel is not None:
             self.channel.publish(so)
@@ -193,3 +239,23 @@ class EngineCore:
             return EngineCoreOutputs([], so.events)
         result = self.runner.execute(so)
         return EngineCoreOutputs(self.scheduler.update_from_output(so, result), so.events)
+
+    def _apply_pending(self) -> list[EngineCoreOutput]:
+        """Waits for the dispatched step's tokens and applies them to the scheduler."""
+        p, self._pending = self._pending, None
+        return self.scheduler.update_from_output(p.so, self.runner.collect(p.step))
+
+    def _step_async(self) -> EngineCoreOutputs:
+        """Schedules and dispatches step N+1, then applies step N (which ran meanwhile)."""
+        outs: list[EngineCoreOutput] = []
+        if self._pending is not None and any(_needs_host_tokens(r) for r in self.scheduler.running):
+            # A request reads its last token on the host to prepare its next step: this step
+            # waits for the previous one's tokens before it is scheduled (synchronous).
+            outs = self._apply_pending()
+        so = self.scheduler.schedule()
+        h = self.runner.dispatch(so)      # an empty step still drops the ended requests' state
+        if self._pending is not None:
+            outs += self._apply_pending()
+        if h is not None:
+            self._pending = _Pending(so, h)
+        return EngineCoreOutputs(outs, so.events)

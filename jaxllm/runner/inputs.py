@@ -39,6 +39,9 @@ class PreparedStep:
     computes."""
     drafts: tuple[tuple[int, ...], ...] = ()
     """Per sequence: the proposals it verifies this step (empty: a plain step)."""
+    feed: np.ndarray | None = None
+    """[T] int32, async scheduling: per input token, the sampler row slot whose last sampled
+    token (still on the device) it is, -1 for a host-known id; None when every id is known."""
 
     @functools.cached_property
     def first_row(self) -> tuple[int, ...]:
@@ -89,6 +92,7 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
     md["slot"][:] = states.rows.scratch
     # Per-sequence state slots (a hybrid model's): padding sequences take an out-of-range one.
     state_slots = np.full(Sb, 0 if states.slots is None else states.slots.padding, np.int32)
+    feed = np.full(Tb, -1, np.int32)
     samples, plan, drafts_of = [], [], []
     off = r = 0
     for i, (rid, n) in enumerate(seqs):
@@ -97,7 +101,16 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
         drafts = tuple(spec.get(rid, ()))
         pos = np.arange(c, c + n, dtype=np.int32)
         blocks = np.asarray(st.block_ids, np.int32)
-        input_ids[off:off + n] = (st.token_ids[c:c + n] if not drafts else [st.token_ids[c], *drafts])
+        known = len(st.token_ids)
+        if c + n - len(drafts) > known:
+            # Async scheduling: the ids past the known ones were sampled by the step still
+            # running; they are fed on the device from this request's sampler slot.
+            if drafts or c + n > known + st.inflight:
+                raise ValueError(f"request {rid}: {c + n - known} tokens to compute are not known")
+            input_ids[off:off + known - c] = st.token_ids[c:known]
+            feed[off + known - c:off + n] = states.rows.row(rid)
+        else:
+            input_ids[off:off + n] = (st.token_ids[c:c + n] if not drafts else [st.token_ids[c], *drafts])
         positions[off:off + n] = pos
         slots[off:off + n] = blocks[pos // BS] * BS + pos % BS
         token_seq[off:off + n] = i
@@ -110,16 +123,19 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
             m = min(c + n, st.num_prompt_tokens - 1) - c   # positions whose next token is a prompt token
             prompt_targets[off:off + m] = st.token_ids[c + 1:c + 1 + m]
             plan.append((rid, off, m))
-        sampled = c + n - len(drafts) == len(st.token_ids)
+        total = len(st.token_ids) + st.inflight
+        sampled = c + n - len(drafts) == total
         samples.append(sampled)
         drafts_of.append(drafts)
         p = st.sampling
         # Only min_tokens and multi-token bad words look at the outputs: no per-step copy otherwise.
         needs_outputs = sampled and (p.min_tokens > 0 or p.bad_word_seqs)
+        if needs_outputs and st.inflight:
+            raise ValueError(f"request {rid}: min_tokens and multi-token bad words need its last token on the host")
         outputs = st.token_ids[st.num_prompt_tokens:] if needs_outputs else None
         reset = states.rows.first_step(rid, p, st.token_ids, st.num_prompt_tokens, c)
         slot = states.rows.row(rid)
-        out_pos = len(st.token_ids) - st.num_prompt_tokens
+        out_pos = total - st.num_prompt_tokens
         pending = st.take_pending_counts() if p.uses_penalties else ()
         if pending:
             md["count_extra"][r, :len(pending)] = pending
@@ -150,7 +166,8 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
         prompt_targets=prompt_targets,
         state_slots=state_slots)
     return PreparedStep(bucket=(Tb, Sb), inputs=inputs, req_ids=tuple(rid for rid, _ in seqs), samples=tuple(samples),
-                        prompt_plan=tuple(plan), drafts=tuple(drafts_of))
+                        prompt_plan=tuple(plan), drafts=tuple(drafts_of),
+                        feed=feed if (feed >= 0).any() else None)
 
 
 def sampling_spec(S: int, sharding, draft_width: int = 0) -> SamplingMetadata:

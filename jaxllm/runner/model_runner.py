@@ -12,6 +12,13 @@ advances its request's matcher.  Programs are made ready
 by runner/compilation.py (all at start-up for a server, or each bucket the first time a step
 needs it); a step of a ready bucket that traces or compiles is a bug, reported by the
 compile guard (fatal in tests).
+
+Async scheduling (engine/core.py) splits a step in two: ``dispatch(so)`` prepares the step
+and launches it, the ids of tokens the previous step is still sampling fed on the device
+(runner/token_feed.py), and returns at once; ``collect`` waits for its tokens (their copy to
+the host was started at dispatch) and records them.  A step with structured-output rows
+needs its previous step collected before its grammar masks are filled: the engine runs such
+steps synchronously.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +47,10 @@ from jaxllm.runner import packing, weights
 from jaxllm.runner.compilation import CompilationManager
 from jaxllm.runner.inputs import PreparedStep, num_rows, prepare_sequences
 from jaxllm.runner.program_cache import ProgramCache
-from jaxllm.runner.requests import RequestStates, SampledStep
+from jaxllm.runner.requests import RequestState, RequestStates, SampledStep
 from jaxllm.runner.state_slots import StateSlots
 from jaxllm.runner.step_config import StepConfig
+from jaxllm.runner.token_feed import TokenFeed
 from jaxllm.sample.bitmask import mask_words
 from jaxllm.sample.states import SamplerRows
 from jaxllm.spec_decode.config import SpeculativeConfig
@@ -53,16 +62,30 @@ from jaxllm.structured.matchers import GrammarStates
 log = logging.getLogger("jaxllm.runner")
 
 
+@dataclass
+class InFlightStep:
+    """A dispatched step (async scheduling): its inputs, its outputs still on the device, and
+    the request states its tokens go to."""
+
+    step: PreparedStep
+    outputs: tuple
+    """(token ids, sampled logprob, rank, top ids, top logprobs, emitted, prompt logprobs or None)."""
+    states: dict[str, RequestState]
+    result: RunnerOutput | None = None
+    """Set by ``ModelRunner.collect``."""
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, cfg: StepConfig, *, num_blocks: int | None, devices: list | None = None,
                  program_dir: str | None = None, strict_compile_guard: bool = False, show_progress: bool = True,
                  grammar: GrammarCompiler | None = None, speculative_config: SpeculativeConfig | None = None,
-                 draft: DraftModel | None = None):
+                 draft: DraftModel | None = None, async_scheduling: bool = False):
         """``num_blocks``: KV blocks per layer (None: allocated later, :meth:`allocate_kv`);
         ``program_dir``: where compiled programs are saved and loaded (None keeps none);
         ``grammar``: compiles structured-output constraints (None: the engine has no tokenizer);
         ``speculative_config``: speculation on (None: off), ``draft``: its draft model for
-        ``method: draft_model``."""
+        ``method: draft_model``; ``async_scheduling``: steps are run by ``dispatch`` and
+        ``collect`` (the module's docstring)."""
         self.cfg = cfg
         self.arch = model.arch
         self.strict = strict_compile_guard
@@ -89,6 +112,7 @@ class ModelRunner:
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)
         self.state_slots = StateSlots(cfg.max_num_seqs) if keeps_sequence_state(model.arch.architecture) else None
         self.requests = RequestStates(model.arch.vocab_size, self.sampler_rows, self.state_slots)
+        self.token_feed = TokenFeed(cfg, self.sampler_rows.scratch + 1, self._rep) if async_scheduling else None
         self.grammars = GrammarStates(grammar, model.arch.vocab_size)
         self._all_allowed: dict[int, jax.Array] = {}   # S -> [S, W] all-ones bitmask on the device
         # Multi-process programs are not saved: each host would load its own copy unchecked.
@@ -193,6 +217,8 @@ class ModelRunner:
 
     def compile_buckets(self, buckets) -> None:
         self.compiler.compile_buckets(buckets, self.params, self.kv, self.sampler_rows.state)
+        if self.token_feed is not None:
+            self.token_feed.compile(buckets)
 
     def compile_all(self) -> None:
         """Makes every bucket's programs ready, the draft model's too."""
@@ -220,6 +246,41 @@ class ModelRunner:
             result = self.speculation.propose(result, step, self.requests, self.grammars)
         return result
 
+    def dispatch(self, so: SchedulerOutput) -> InFlightStep | None:
+        """Async scheduling: prepares and launches the step of ``so`` without waiting for it
+        (None: nothing to compute).  Its sampling requests count one token in flight until
+        :meth:`collect`."""
+        if self.speculation is not None:
+            raise ValueError("async scheduling does not run speculative decoding")
+        self.requests.update(so)
+        self.grammars.update(so)
+        if so.total_num_scheduled_tokens == 0:
+            return None
+        seqs = list(so.num_scheduled_tokens.items())
+        step, outputs, _ = self._launch(seqs, {}, so.total_num_scheduled_tokens, num_rows(so))
+        states = self.requests.snapshot(step.req_ids)
+        for i, rid in enumerate(step.req_ids):
+            if step.samples[i]:
+                states[rid].inflight += 1
+        for x in jax.tree.leaves(outputs):
+            x.copy_to_host_async()   # the host reads them at collect() without waiting for a copy
+        return InFlightStep(step, outputs, states)
+
+    def collect(self, h: InFlightStep) -> RunnerOutput:
+        """Waits for a dispatched step's tokens and records them (once; later calls return the
+        same output)."""
+        if h.result is None:
+            *host, plp = pmesh.to_host(h.outputs)
+            h.result = self.requests.record(h.step, SampledStep(*host, prompt=plp), h.states)
+            self._accept_grammar(h.result)
+        return h.result
+
+    def _accept_grammar(self, result: RunnerOutput) -> None:
+        if len(self.grammars):
+            for rid, toks in zip(result.req_ids, result.sampled_token_ids):
+                for tok in toks:
+                    self.grammars.accept(rid, tok)
+
     def run_sequences(self, sched: dict[str, int]) -> RunnerOutput:
         """One step of ``sched`` (request id -> tokens to compute), read from the requests'
         host states as they are (``self.requests``: tokens, computed count, block table): a
@@ -232,6 +293,25 @@ class ModelRunner:
               t0: float) -> tuple[PreparedStep, RunnerOutput]:
         """Runs ``seqs`` ((request id, tokens) in batch order, verifying ``spec``) in the bucket of
         ``num_tokens`` tokens and ``rows`` sampling rows; the step and its output."""
+        step, outputs, timed = self._launch(seqs, spec, num_tokens, rows)
+        *host, plp = pmesh.to_host(outputs)
+        result = self.requests.record(step, SampledStep(*host, prompt=plp))
+        self._accept_grammar(result)
+        if timed:
+            # Each bucket's step time (moving average): what speculation's cost model reads.
+            dt = time.perf_counter() - t0
+            old = self.step_seconds.get(step.bucket)
+            if step.bucket not in self._cold:
+                self._cold.add(step.bucket)
+            else:
+                self.step_seconds[step.bucket] = dt if old is None else 0.8 * old + 0.2 * dt
+        return step, result
+
+    def _launch(self, seqs: list[tuple[str, int]], spec: dict[str, list[int]], num_tokens: int,
+                rows: int) -> tuple[PreparedStep, tuple, bool]:
+        """Prepares the step of ``seqs`` and launches it on the device (compiling its bucket
+        first if it was not ready): the step, its outputs (still on the device) and whether
+        its bucket was ready before (a step worth timing)."""
         if not self.warm:
             raise RuntimeError("ModelRunner: a step before warmup()")
         S = len(seqs)
@@ -255,20 +335,7 @@ class ModelRunner:
             if self.strict:
                 raise CompileGuardError(msg)
             log.warning(msg)
-        result = self.requests.record(step, out)
-        if len(self.grammars):
-            for rid, toks in zip(result.req_ids, result.sampled_token_ids):
-                for tok in toks:
-                    self.grammars.accept(rid, tok)
-        if timed:
-            # Each bucket's step time (moving average): what speculation's cost model reads.
-            dt = time.perf_counter() - t0
-            old = self.step_seconds.get(bucket)
-            if bucket not in self._cold:
-                self._cold.add(bucket)
-            else:
-                self.step_seconds[bucket] = dt if old is None else 0.8 * old + 0.2 * dt
-        return step, result
+        return step, out, timed
 
     def measured_step_seconds(self, num_tokens: int, num_rows: int) -> float | None:
         """The moving average of the steps run in the bucket of ``num_tokens`` in ``num_rows``
@@ -283,8 +350,9 @@ class ModelRunner:
             return None
         return min(sec for (t, s), sec in self.step_seconds.items() if t >= T and s >= S)
 
-    def _run(self, step: PreparedStep) -> SampledStep:
-        """The device part of a step: staged row writes, the compiled step, the sampler."""
+    def _run(self, step: PreparedStep) -> tuple:
+        """The device part of a step: staged row writes, the compiled step, the sampler; its
+        outputs on the device (``InFlightStep.outputs``)."""
         rows = self.sampler_rows
         rows.apply_staged_writes()
         # All of the step's inputs in one vector (runner/packing.py).  On one process the
@@ -293,6 +361,8 @@ class ModelRunner:
         words = packing.pack(step.inputs)
         if jax.process_count() > 1:
             words = self._put(words)
+        if step.feed is not None:
+            words = self.token_feed.apply(step.bucket, words, step.feed)
         self.kv, rows.state, logits, plp, sampling_words = self.compiler.steps[step.bucket](
             self.params, self.kv, rows.state, words)
         # Dispatched, not finished: the grammar masks are computed while the device runs.
@@ -308,9 +378,10 @@ class ModelRunner:
                 allowed = self._all_allowed[S] = self._put(
                     np.full((S, mask_words(self.arch.vocab_size)), 0xFFFFFFFF, np.uint32))
         out = self.compiler.samplers[S](rows.state, logits, sampling_words, allowed)
-        host = pmesh.to_host((out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs,
-                              out.emitted))
-        return SampledStep(*host, prompt=pmesh.to_host(plp) if step.prompt_plan else None)
+        if self.token_feed is not None:
+            self.token_feed.record(S, step.inputs.sampling.slot, out.token_ids)
+        return (out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs, out.emitted,
+                plp if step.prompt_plan else None)
 
     def _put(self, host) -> jax.Array:
         return pmesh.place(np.asarray(host), self._rep)

@@ -32,6 +32,9 @@ class RequestState:
     pending_counts: list[int] | None = None
     """Proposals the last verification accepted: fed uncounted, the penalty counts take them
     in the request's next step (sample/processing.update_state)."""
+    inflight: int = 0
+    """Async scheduling: tokens a dispatched step samples for it that are not in ``token_ids``
+    yet (0 or 1); the next step takes such a token on the device (runner/token_feed.py)."""
 
     def take_pending_counts(self) -> list[int]:
         out, self.pending_counts = self.pending_counts or [], None
@@ -101,11 +104,18 @@ class RequestStates:
             if self.slots is not None:
                 self.slots.remove(req_id)
 
-    def record(self, step, out: SampledStep) -> RunnerOutput:
+    def snapshot(self, req_ids) -> dict[str, RequestState]:
+        """The states of ``req_ids`` as objects: what a dispatched step's results are recorded
+        into, even if a later step's update drops the request from this table first."""
+        return {rid: self._states[rid] for rid in req_ids}
+
+    def record(self, step, out: SampledStep, states: dict[str, RequestState] | None = None) -> RunnerOutput:
         """Appends each sampling request's output tokens (its row's, or for a verification the
-        rows the sampler emitted) to its request and assembles the step's output."""
+        rows the sampler emitted) to its request and assembles the step's output.  ``states``:
+        the step's request states (:meth:`snapshot`; None: the current ones)."""
+        states = self._states if states is None else states
         if out.prompt is not None:
-            self._gather_prompt_logprobs(step.prompt_plan, step.inputs.prompt_targets, out.prompt)
+            self._gather_prompt_logprobs(step.prompt_plan, step.inputs.prompt_targets, out.prompt, states)
         sampled: list[list[int]] = []
         logprobs: dict[str, LogprobsArrays] = {}
         prompt_out: dict[str, LogprobsArrays] = {}
@@ -113,7 +123,7 @@ class RequestStates:
             if not step.samples[i]:
                 sampled.append([])
                 continue
-            st = self._states[rid]
+            st = states[rid]
             r0, drafts = step.first_row[i], step.drafts[i]
             n = 1 + len(drafts)
             if drafts:
@@ -124,6 +134,7 @@ class RequestStates:
             rows = slice(r0, r0 + n)
             toks = [int(t) for t in out.token_ids[rows]]
             st.token_ids.extend(toks)
+            st.inflight = max(0, st.inflight - 1)
             sampled.append(toks)
             k = st.sampling.num_logprobs
             if k >= 0:
@@ -136,11 +147,11 @@ class RequestStates:
         return RunnerOutput(req_ids=list(step.req_ids), sampled_token_ids=sampled, logprobs=logprobs,
                             prompt_logprobs=prompt_out)
 
-    def _gather_prompt_logprobs(self, plan, targets: np.ndarray, plp) -> None:
+    def _gather_prompt_logprobs(self, plan, targets: np.ndarray, plp, states) -> None:
         """Appends this step's prompt logprobs to each asking request's list."""
         lp, rank, top_ids, top_lp = plp
         for rid, start, count in plan:
-            st = self._states[rid]
+            st = states[rid]
             k = st.sampling.num_prompt_logprobs
             rows = slice(start, start + count)
             st.prompt_lps.append(LogprobsArrays(
