@@ -27,6 +27,7 @@ from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import LoadedModel, gguf_file
 from jaxllm.models.registry import get_family
 from jaxllm.paths import default_cache_dir
+from jaxllm.quant import activations
 from jaxllm.quant import ops as qops
 from jaxllm.runner.step_config import StepConfig
 
@@ -227,8 +228,13 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
                  max_num_seqs, kv.seq_slots, kv.seq_slots)
         max_num_seqs = kv.seq_slots
     cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
-    kernels = Kernels(matmul=matmul, attention=backend,
-                      int8_activations=matmul == "native" and quantized and _int8_activations(rc.cpu_matmul),
+    int8 = matmul == "native" and quantized and _int8_activations(rc.cpu_matmul)
+    # auto's mixed scheme: the projections quant/activations.py names keep float32 activations,
+    # recorded on their weights (the model's layers call every linear map with one backend)
+    mixed = int8 and rc.cpu_matmul == "auto"
+    for tensors in (model.globals, *model.layers):
+        activations.mark(tensors, mixed)
+    kernels = Kernels(matmul=matmul, attention=backend, int8_activations=int8,
                       moe="expert_parallel" if config.parallel.enable_expert_parallel else "grouped")
     step = StepConfig(arch=a, platform=platform, dtype=dtype, scan_layers=scan, kernels=kernels,
                       sampler_backend=sampler, block_size=cache.block_size,
@@ -239,17 +245,17 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
 
 
 def _int8_activations(cpu_matmul: str) -> bool:
-    """Whether a GGUF's blocks meet int8-rounded activations (``cpu/quant_dot.cc``): only when
-    asked for (``--cpu-matmul native-int8``).  ``auto`` keeps float32 activations: on the
-    built-in model the int8 rounding raised the perplexity of a 54k-token text by more than
-    1% over float32 activations (``jaxllm bench perplexity``, docs/BENCHMARKS.md
-    "Perplexity"), which the project's bar for a default does not allow, though on a CPU
-    with AVX-512 VNNI it decodes at batch 1 about 2x faster.
+    """Whether a GGUF's blocks meet int8-rounded activations (``cpu/quant_dot.cc``):
+    ``native-int8`` (every projection) and ``auto`` (all but those ``quant/activations.py``
+    keeps in float32: rounding every projection's input raised the built-in model's
+    perplexity by more than 1% over float32 activations, the mixed scheme by less, and
+    decodes at batch 32 near int8's speed; docs/BENCHMARKS.md "Perplexity").  ``native``
+    keeps float32 activations everywhere.
 
     Speculative decoding stays exact with it: the native path computes a token's logits
     bit for bit alike in every step shape (its norms included, cpu/norm.cc), so a
     verification and a decode round the same activations."""
-    return cpu_matmul == "native-int8"
+    return cpu_matmul in ("native-int8", "auto")
 
 
 def _num_speculative_tokens(config: EngineConfig) -> int:
