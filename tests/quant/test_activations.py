@@ -1,15 +1,17 @@
-"""``--cpu-matmul auto``'s mixed activation scheme (quant/activations.py): every GGUF projection
-meets int8-rounded activations except the ones the rounding hurts (the MLP's down projection,
-whose input after SwiGLU has the largest outliers), which take the int8 kernel twice, on the
-rounded input and on its remainder (``native_matmul.linear_packed_split``).  What it cost and
-saved on the built-in model: docs/BENCHMARKS.md, "Perplexity".
+"""``--cpu-matmul native-int8-split`` (quant/activations.py): every GGUF projection through the
+int8-activation kernel twice, on the input rounded to int8 and on its remainder
+(``native_matmul.linear_packed_split``).  What it costs and saves on the built-in model:
+docs/BENCHMARKS.md, "Perplexity".
 
-Here: that auto picks that scheme on this CPU, that the split product is within its documented
-bound of the float64 reference (and far inside int8's error), and that a token's logits stay
-the same bits whatever step shape computes them.
+Here: that the mode marks every weight and the others clear the mark (auto keeps float32
+activations), that the split product is within its documented bound of the float64 reference
+(and far inside int8's error), and that a token's logits stay the same bits whatever step shape
+computes them.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import gguf
 import jax
@@ -21,6 +23,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.cpu import native
 from jaxllm.engine.resolve import resolve_config
 from jaxllm.quant import PackedWeight, activations, dequantize_reference, matmul_reference, pack
+from jaxllm.quant import ops as qops
 from jaxllm.quant.native_matmul import int8_split, interleave_rows, linear_packed, linear_packed_split
 from jaxllm.runner.weights import host_params
 
@@ -40,27 +43,23 @@ def _packed(tree) -> list[PackedWeight]:
             if isinstance(w, PackedWeight)]
 
 
-def test_auto_picks_the_mixed_scheme_on_this_cpu(builtin_model):
+def test_split_mode_marks_every_weight_and_auto_none(builtin_model):
     model = builtin_model
-    step = resolve_config(EngineConfig(), model).step        # --cpu-matmul auto, the default
+    step = resolve_config(EngineConfig.from_kwargs(cpu_matmul="native-int8-split"), model).step
     assert step.kernels.matmul == "native" and step.kernels.int8_activations
-    for lp in model.layers:
-        assert {k: w.activations for k, w in lp.items() if isinstance(w, PackedWeight)} == \
-            {k: ("split" if k == "down" else "") for k, w in lp.items() if isinstance(w, PackedWeight)}
-    assert all(w.activations == "" for w in _packed(model.globals))    # the LM head: int8
-    # laid out as the runner lays them (model_runner.py): every weight, down included, in the
-    # VNNI kernel's interleaved groups where the CPU has it
+    assert {w.activations for w in _packed([model.globals, model.layers])} == {"split"}
+    # laid out as the runner lays them (model_runner.py): in the VNNI kernel's interleaved
+    # groups where the CPU has it, the mark kept through fusing and interleaving
     params = host_params(model, jnp.float32, scan_layers=False, packed_bf16=False, native=True,
                          interleave=native.quant_dot_vnni())
-    layer = params["layers"][0]
-    assert layer["down"].activations == "split" and layer["gate_up"].activations == ""
-    assert {w.interleaved for w in _packed(params)} == ({16} if native.quant_dot_vnni() else {0})
+    assert {(w.activations, w.interleaved) for w in _packed(params)} == \
+        {("split", 16 if native.quant_dot_vnni() else 0)}
 
-    # the named modes are what they were: native-int8 rounds every input, native none
-    step = resolve_config(EngineConfig.from_kwargs(cpu_matmul="native-int8"), model).step
-    assert step.kernels.int8_activations and {w.activations for w in _packed(model.layers)} == {""}
-    step = resolve_config(EngineConfig.from_kwargs(cpu_matmul="native"), model).step
-    assert not step.kernels.int8_activations
+    # auto (the default) and the named modes clear it: float32 activations, or int8 everywhere
+    for mode, int8 in (("auto", False), ("native-int8", True), ("native", False)):
+        step = resolve_config(EngineConfig.from_kwargs(cpu_matmul=mode), model).step
+        assert step.kernels.int8_activations == int8, mode
+        assert {w.activations for w in _packed([model.globals, model.layers])} == {""}, mode
 
 
 @pytest.mark.parametrize("type_name, interleaved", [("Q4_1", True), ("Q8_0", False)])
@@ -78,12 +77,16 @@ def test_split_product_is_within_its_bound(type_name, interleaved):
     pw = pack(raw, type_name, (n, k))
     if interleaved:
         pw = interleave_rows(pw)
+    marked = dataclasses.replace(pw, activations="split")
     wq = np.abs(dequantize_reference(raw, type_name, (n, k)).astype(np.float64))    # [N, K]
     for m in (1, 32):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[:, ::97] *= 40                                 # outlier channels, as after SwiGLU
         ref = matmul_reference(x, raw, type_name, (n, k))                               # [M, N]
         got = np.asarray(jax.jit(linear_packed_split)(jnp.asarray(x), pw), np.float64)
+        # what a linear map of the model runs on a marked weight (layers/linear.py -> quant/ops.py)
+        via = jax.jit(lambda x, w: qops.matmul(x, w, "native-int8"))(jnp.asarray(x), marked)
+        assert np.array_equal(np.asarray(via, np.float64), got)
         one = np.asarray(linear_packed(jnp.asarray(x), pw, int8_activations=True), np.float64)
         _, r = (np.asarray(a, np.float64) for a in int8_split(jnp.asarray(x)))
         step = np.repeat(np.abs(r).reshape(m, k // 32, 32).max(-1) / 254, 32, axis=1)  # [M, K]
@@ -95,17 +98,17 @@ def test_split_product_is_within_its_bound(type_name, interleaved):
         assert err.max() * 50 < np.abs(one - ref).max()
 
 
-def test_mixed_logits_do_not_depend_on_the_step_shape(builtin_model):
-    """The built-in model on auto's scheme: the same positions computed one token per step
+def test_split_logits_do_not_depend_on_the_step_shape(builtin_model):
+    """The built-in model on native-int8-split: the same positions computed one token per step
     and five per step (then 12 and 13) give bit-identical logits (speculation's exactness and
     the chunked prefill's rest on it)."""
     model = builtin_model
     for tensors in (model.globals, *model.layers):
-        activations.mark(tensors, mixed=True)
+        activations.mark(tensors, split=True)
     ids = [1] + list(range(300, 340))
     one = paged_logits(model, ids, scan_layers=False, split=(24, 25, 26, 27, 28), matmul="native-int8",
                        attention="native")
     five = paged_logits(model, ids, scan_layers=False, split=(24, 29), matmul="native-int8", attention="native")
     rows = np.nonzero(np.abs(one - five).max(-1))[0].tolist()
-    print(f"mixed: positions whose logits differ between the two step shapes: {rows}")
+    print(f"native-int8-split: positions whose logits differ between the two step shapes: {rows}")
     assert rows == []
