@@ -19,11 +19,12 @@ from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.structured.config import StructuredOutputsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_MATMULS = ("auto", "native", "native-int8", "xla")
+CPU_MATMULS = ("auto", "native", "native-int8", "native-int8-split", "xla")
 """``--cpu-matmul``: native-int8 is native with a GGUF's blocks multiplied by int8-quantized
 activations (``cpu/quant_dot.cc``, llama.cpp's arithmetic): faster where the CPU has AVX-512
 VNNI, but more than 1% worse in perplexity on the built-in model, so auto picks native
-(float32 activations) everywhere (docs/BENCHMARKS.md, "Perplexity")."""
+(float32 activations) everywhere (docs/BENCHMARKS.md, "Perplexity").  native-int8-split runs the
+int8 kernel twice, on the rounded activations and on the remainder (``quant/activations.py``)."""
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "native")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 """``--kv-cache-dtype``: vLLM's choices (fp8 = fp8_e4m3) plus int8 (``layers/kv_quant.py``)."""

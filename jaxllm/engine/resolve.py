@@ -27,6 +27,7 @@ from jaxllm.models.kernels import Kernels
 from jaxllm.models.loader import LoadedModel, gguf_file
 from jaxllm.models.registry import get_family
 from jaxllm.paths import default_cache_dir
+from jaxllm.quant import activations
 from jaxllm.quant import ops as qops
 from jaxllm.runner.step_config import StepConfig
 
@@ -180,7 +181,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
     # On a GPU, int8 / int4 / fp8 weights (HF quantized checkpoints) take the Pallas quantized
     # matmul (the group sizes it has; quant/ops.py falls back to XLA for the others).
     matmul = "pallas" if on_gpu and quantized else "xla"
-    if tp > 1 and rc.cpu_matmul in ("native", "native-int8"):
+    if tp > 1 and rc.cpu_matmul in ("native", "native-int8", "native-int8-split"):
         # The native kernel is an opaque custom call: XLA's partitioner would gather every
         # weight onto each device to run it.
         raise ValueError("--cpu-matmul native does not shard; with --tensor-parallel-size > 1 use "
@@ -188,7 +189,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
     if platform == "cpu" and rc.cpu_matmul != "xla" and tp == 1:
         if native.available() and (not quantized or native.quant_available()):
             matmul = "native"
-        elif rc.cpu_matmul in ("native", "native-int8"):
+        elif rc.cpu_matmul in ("native", "native-int8", "native-int8-split"):
             raise ValueError("--cpu-matmul native: the native CPU kernel is unavailable on this machine "
                              "(see the warning above); use --cpu-matmul xla")
     model_len = model.arch.max_position_embeddings
@@ -227,8 +228,12 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
                  max_num_seqs, kv.seq_slots, kv.seq_slots)
         max_num_seqs = kv.seq_slots
     cache_dir = rc.compile_cache_dir or f"{default_cache_dir()}/xla"
-    kernels = Kernels(matmul=matmul, attention=backend,
-                      int8_activations=matmul == "native" and quantized and _int8_activations(rc.cpu_matmul),
+    int8 = matmul == "native" and quantized and _int8_activations(rc.cpu_matmul)
+    # native-int8-split is recorded on the weights (the model's layers call every linear map
+    # with one backend); every other mode clears it, the model object being reusable
+    for tensors in (model.globals, *model.layers):
+        activations.mark(tensors, int8 and rc.cpu_matmul == "native-int8-split")
+    kernels = Kernels(matmul=matmul, attention=backend, int8_activations=int8,
                       moe="expert_parallel" if config.parallel.enable_expert_parallel else "grouped")
     step = StepConfig(arch=a, platform=platform, dtype=dtype, scan_layers=scan, kernels=kernels,
                       sampler_backend=sampler, block_size=cache.block_size,
@@ -240,16 +245,16 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
 
 def _int8_activations(cpu_matmul: str) -> bool:
     """Whether a GGUF's blocks meet int8-rounded activations (``cpu/quant_dot.cc``): only when
-    asked for (``--cpu-matmul native-int8``).  ``auto`` keeps float32 activations: on the
-    built-in model the int8 rounding raised the perplexity of a 54k-token text by more than
-    1% over float32 activations (``jaxllm bench perplexity``, docs/BENCHMARKS.md
-    "Perplexity"), which the project's bar for a default does not allow, though on a CPU
-    with AVX-512 VNNI it decodes at batch 1 about 2x faster.
+    asked for (``--cpu-matmul native-int8``, or ``native-int8-split``: quant/activations.py).
+    ``auto`` keeps float32 activations: on the built-in model the int8 rounding raised the
+    perplexity of a 54k-token text by more than 1% over float32 activations (``jaxllm bench
+    perplexity``, docs/BENCHMARKS.md "Perplexity"), which the project's bar for a default does
+    not allow, though on a CPU with AVX-512 VNNI it decodes at batch 1 about 2x faster.
 
     Speculative decoding stays exact with it: the native path computes a token's logits
     bit for bit alike in every step shape (its norms included, cpu/norm.cc), so a
     verification and a decode round the same activations."""
-    return cpu_matmul == "native-int8"
+    return cpu_matmul in ("native-int8", "native-int8-split")
 
 
 def _num_speculative_tokens(config: EngineConfig) -> int:

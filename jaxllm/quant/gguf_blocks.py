@@ -92,6 +92,10 @@ class PackedWeight:
     # 16: d, m, qs hold groups of 16 rows interleaved for quant_dot.cc's VNNI kernel
     # (quant/native_matmul.interleave_rows); 0: row-major, the layout everything else reads.
     interleaved: int = field(default=0, metadata=dict(static=True))
+    # How the 8-bit-activation backend multiplies this weight (quant/activations.py, by
+    # projection): "" by int8-rounded activations; "split": twice, by x rounded and by its
+    # remainder (native_matmul.linear_packed_split), about float32's accuracy.
+    activations: str = field(default="", metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:

@@ -51,7 +51,8 @@ def _rebuild(w, arrays: dict, shape: tuple[int, int]):
     """A weight of ``w``'s type and format with the field ``arrays`` and logical ``shape``."""
     if isinstance(w, QuantizedLinear):
         return QuantizedLinear(**arrays, format=w.format, group_size=w.group_size, shape=shape)
-    return PackedWeight(**arrays, type_name=w.type_name, shape=shape, interleaved=w.interleaved)
+    return PackedWeight(**arrays, type_name=w.type_name, shape=shape, interleaved=w.interleaved,
+                        activations=w.activations)
 
 
 def _row_major(parts) -> None:
@@ -70,7 +71,7 @@ def _kind(w) -> tuple:
     """What must agree for weights to be concatenated or stacked: type, format, row width."""
     if isinstance(w, QuantizedLinear):
         return (QuantizedLinear, w.format, w.group_size, w.zero is not None, w.shape[1])
-    return (PackedWeight, w.type_name, w.shape[1])
+    return (PackedWeight, w.type_name, w.shape[1], w.activations)
 
 
 def concatenable(parts: list) -> bool:
@@ -118,8 +119,10 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     """x [T, in] @ W[out, in]^T -> float32 [T, out] for a quantized ``w``.
 
     GGUF blocks: ``backend="native"`` (decided by ``engine/resolve.py``): the CPU kernel that
-    reads the blocks (``quant/native_matmul.py``) for the types it has; others, and every other
-    backend, dequantize inside the step (``quant/matmul.py``).  int8 / int4 / fp8
+    reads the blocks (``quant/native_matmul.py``) for the types it has; ``"native-int8"``: the
+    same with int8-rounded activations, or as the weight's ``activations`` says
+    (``quant/activations.py``); others, and every other backend, dequantize inside the step
+    (``quant/matmul.py``).  int8 / int4 / fp8
     (``QuantizedLinear``): the Pallas kernel (``pallas/quant_matmul.py``) with
     ``backend="pallas"`` (resolve's choice on a GPU), for the group sizes it takes; else, CPU
     included, the XLA path (dequantize in the step, float32 dot)."""
@@ -129,6 +132,8 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
         if backend in ("native", "native-int8"):
             if w.type_name in native_matmul.NATIVE_TYPES:
                 int8 = backend == "native-int8" and w.type_name in native_matmul.INT8_ACTIVATION_TYPES
+                if int8 and w.activations == "split":    # quant/activations.py's choice per projection
+                    return native_matmul.linear_packed_split(x, w)
                 return native_matmul.linear_packed(x, w, int8_activations=int8)
         return dequantize_matmul(x, w)
     if isinstance(w, QuantizedLinear):
