@@ -180,8 +180,8 @@ def check_flags(block, env, tmp_path, request, report):
     cmds = commands(_substituted(block, block.body, report))
     n_run = int(block.attrs.get("run", 0))
     out = []
-    for cmd in cmds[:n_run]:   # ``run="N"``: the first N commands do run
-        r = _run(cmd, env, str(tmp_path), shell=True)
+    for cmd in cmds[:n_run]:   # ``run="N"``: the first N commands do run, where docs run them (bench/...)
+        r = _run(cmd, env, ROOT, shell=True)
         assert r.returncode == 0, f"{block.where}: `{cmd}` exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         report.append(f"  `{cmd[:100]}`: run, exit 0, printed {r.stdout.strip()[:120]!r}")
         out.append(r.stdout)
