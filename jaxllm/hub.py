@@ -186,7 +186,7 @@ class _Resolver:
         """The files to download: the one GGUF asked for, else the HF checkpoint's files."""
         names = sorted(files)
         if not self._gguf_wanted(names):
-            skip = ()
+            skip = TOKENIZER_EXCLUDE if self.kind == "tokenizer" else ()
             first = [n for n in ("config.json", "tokenizer_config.json", "tokenizer.json") if n in names][:1]
             return first + [n for n in names if n not in first and "/" not in n
                             and any(fnmatch.fnmatchcase(n, p) for p in HF_FILES)

@@ -184,10 +184,10 @@ def test_tokenizer_revision_follows_vllm(fake_hub, repos, tmp_path):
     # --tokenizer-revision alone: the model repo's tokenizer at that revision (not its weights')
     with pytest.raises(hub.HubError, match=r"^--tokenizer tiny/llama: tiny/llama has no revision 'v9'"):
         resolve_hub_ids(EngineConfig(model="tiny/llama", tokenizer_revision="v9", download_dir=cache))
-    # no --tokenizer-revision: --revision, as vLLM
-    with pytest.raises(hub.HubError, match=r"^--tokenizer tiny/tok: tiny/tok has no revision 'v9'"):
-        resolve_hub_ids(EngineConfig(model="tiny/llama", revision="main", tokenizer="tiny/tok",
-                                      tokenizer_revision="v9", download_dir=cache))
+    # no --tokenizer-revision: --revision (here the model repo's commit, which tiny/tok lacks), as vLLM
+    llama_sha = fake_hub.sha["tiny/llama"]
+    with pytest.raises(hub.HubError, match=rf"^--tokenizer tiny/tok: tiny/tok has no revision '{llama_sha}'"):
+        resolve_hub_ids(EngineConfig(model="tiny/llama", revision=llama_sha, tokenizer="tiny/tok", download_dir=cache))
     with pytest.raises(ValueError, match=r"--tokenizer-revision v1 picks a version of a Hub repo; the tokenizer "
                                          r"\(the built-in model\) is not a Hub id"):
         EngineConfig(tokenizer_revision="v1")
