@@ -30,10 +30,9 @@ import pytest
 
 from jaxllm import cli
 from support import snippets
-from support.snippets import KINDS, ROOT, all_blocks, argv_of, commands
+from support.snippets import KINDS, ROOT, SERVER_FLAGS, all_blocks, argv_of, commands
 
 BLOCKS = all_blocks()
-SERVER_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "512"]
 SERVER_START_S = 600   # cold: every bucket of the built-in model compiles; warm (saved programs): seconds
 RUN_S = 600
 DOC_ADDRESSES = ("http://127.0.0.1:8000", "http://localhost:8000", "localhost:8000")

@@ -16,6 +16,7 @@ import contextlib
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -24,13 +25,18 @@ import httpx
 import pytest
 import transformers
 from support.fake_hub import FakeHub, read_folder
-from support.snippets import all_blocks, argv_of, commands
+from support.snippets import SERVER_FLAGS, all_blocks, argv_of, commands
 from support.tiny_models import build_tiny
 from support.tool_models import CHAT_TEMPLATE
-from test_snippets import SERVER_FLAGS, _free_port, _point_at
 
 README_ID = "Qwen/Qwen3-0.6B"
 START_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _readme_blocks():
@@ -39,6 +45,7 @@ def _readme_blocks():
     i = next(i for i, b in enumerate(blocks) if f"jaxllm serve {README_ID} --enable-auto-tool-choice" in b.body)
     client = blocks[i + 1]
     assert "tools=tools" in client.body and client.lang == "python", client.where
+    assert "http://127.0.0.1:8000" in client.body, client.where
     return blocks[i], client
 
 
@@ -94,7 +101,7 @@ def test_readme_tool_calling_example_runs_against_the_hub_id(tool_server):
     ns: dict = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(_point_at(client_block.body, base), client_block.where, "exec"), ns)   # noqa: S102
+        exec(compile(client_block.body.replace("http://127.0.0.1:8000", base), client_block.where, "exec"), ns)   # noqa: S102
     assert ns["model"] == README_ID   # /v1/models names the Hub id, as vLLM
     for reply in (ns["reply"], ns["final"]):
         choice = reply.choices[0]
