@@ -38,7 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                             "HF_TOKEN, HF_ENDPOINT and HF_HUB_OFFLINE=1 (cache only) are read from the environment")
     model.add_argument("--gguf-file", default=None, metavar="NAME",
                        help="the .gguf file of a Hub repo to serve (or tag the model id: org/name:Q4_K_M)")
-    model.add_argument("--tokenizer", default=None, help="tokenizer folder, when it differs from the model's")
+    model.add_argument("--tokenizer", default=None,
+                       help="tokenizer folder, .gguf file or Hub repo id, when it differs from the model's")
+    model.add_argument("--tokenizer-revision", default=None,
+                       help="branch, tag or commit of a Hub tokenizer id (default: --revision)")
     model.add_argument("--dtype", default="auto",
                    help="auto | float32 | bfloat16 | float16: the activations and the KV cache (and the weights "
                         "of an unquantized checkpoint); auto: float32 on CPU")
@@ -110,7 +113,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     out.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s shape: {"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", '
-                        '"model": PATH, "num_speculative_tokens": 4}; outputs are the same tokens as without it')
+                        '"model": PATH or Hub id, "num_speculative_tokens": 4}; outputs are the same tokens as without it')
     g = p.add_argument_group("parallelism (docs/scale-out.md)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices one model replica is split over (heads, MLP width, vocabulary)")
@@ -131,7 +134,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
     return EngineConfig.from_kwargs(
         model=model, revision=args.revision, download_dir=args.download_dir, gguf_file=args.gguf_file,
-        tokenizer=args.tokenizer, seed=args.seed, dtype=args.dtype,
+        tokenizer=args.tokenizer, tokenizer_revision=args.tokenizer_revision, seed=args.seed, dtype=args.dtype,
         quantization=args.quantization, dequantize=args.dequantize,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,

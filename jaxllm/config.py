@@ -262,7 +262,11 @@ class EngineConfig:
     gguf_file: str | None = None
     """The GGUF file to take from a Hub repo (``--gguf-file``), instead of a ``:QUANT`` tag."""
     tokenizer: str | None = None
-    """Tokenizer folder when it differs from the model's (``--tokenizer``)."""
+    """Tokenizer when it differs from the model's (``--tokenizer``): an HF folder, a .gguf file or
+    a Hub repo id (only its tokenizer files are downloaded)."""
+    tokenizer_revision: str | None = None
+    """The branch, tag or commit of a Hub tokenizer id (``--tokenizer-revision``); None: the
+    model's ``--revision`` when the tokenizer is the model's repo or ``--tokenizer`` names one, as vLLM."""
     skip_tokenizer_init: bool = False
     """Run without a tokenizer: prompts must be token ids and outputs carry no text."""
     seed: int = 0
@@ -287,7 +291,8 @@ class EngineConfig:
         object.__setattr__(self, "structured_outputs_config",
                            StructuredOutputsConfig.parse(self.structured_outputs_config))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        check_hub_args(self.model, self.revision, self.download_dir, self.gguf_file)
+        check_hub_args(self.model, self.revision, self.download_dir, self.gguf_file, self.tokenizer,
+                       self.tokenizer_revision)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"--seed must be an integer, got {self.seed!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

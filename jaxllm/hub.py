@@ -29,6 +29,11 @@ HF_FILES = ("*.json", "*.safetensors", "merges.txt", "vocab.txt", "*.model", "*.
 config.json, generation_config.json, the tokenizer's files, chat_template.json/.jinja, the
 safetensors and model.safetensors.index.json (never the .bin / .pt / ONNX copies beside them)."""
 
+TOKENIZER_EXCLUDE = ("*.safetensors", "*.safetensors.index.json")
+"""What a ``--tokenizer`` Hub id does not download of :data:`HF_FILES`: the weights."""
+
+KINDS = ("model", "tokenizer")
+
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9_.-]+)?$")
 _SPLIT_GGUF = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
 
@@ -53,8 +58,15 @@ def split_quant(model: str) -> tuple[str, str | None]:
     return (repo, tag) if sep and repo and tag else (model, None)
 
 
-def check_args(model: str | None, revision: str | None, download_dir: str | None, gguf_file: str | None) -> None:
+def check_args(model: str | None, revision: str | None, download_dir: str | None, gguf_file: str | None,
+               tokenizer: str | None = None, tokenizer_revision: str | None = None) -> None:
     """The Hub flags checked before anything loads (ValueError naming the flag)."""
+    if tokenizer_revision is not None:
+        if not isinstance(tokenizer_revision, str) or not tokenizer_revision.strip():
+            raise ValueError(f"--tokenizer-revision must be a non-empty string, got {tokenizer_revision!r}")
+        if not is_hub_id(tokenizer if tokenizer is not None else model):
+            raise ValueError(f"--tokenizer-revision {tokenizer_revision} picks a version of a Hub repo; the "
+                             f"tokenizer {tokenizer or model or '(the built-in model)'} is not a Hub id")
     for flag, value in (("--revision", revision), ("--download-dir", download_dir), ("--gguf-file", gguf_file)):
         if value is not None and (not isinstance(value, str) or not value.strip()):
             raise ValueError(f"{flag} must be a non-empty string, got {value!r}")
@@ -81,20 +93,32 @@ _lock = threading.Lock()
 
 
 def resolve(model: str | None, revision: str | None = None, download_dir: str | None = None,
-            gguf_file: str | None = None) -> str | None:
+            gguf_file: str | None = None, *, kind: str = "model", flag: str | None = None) -> str | None:
     """The local HF folder or .gguf file for ``model``: None and local paths as they are; a Hub
     id downloaded (or found in the cache) first.  Resolved once per process for the same
-    arguments and environment (data-parallel replicas share one download)."""
+    arguments and environment (data-parallel replicas share one download).
+
+    ``kind="tokenizer"`` takes only the tokenizer's files (no weights) of an HF repo.  ``flag``
+    names where the id came from (``--tokenizer``, ``--speculative-config model``): each failure's
+    line starts with it, so that a user knows which of two ids failed."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if not is_hub_id(model):
         return model
     offline = _offline()
     download_dir = None if download_dir is None else os.path.expanduser(download_dir)
     endpoint = (os.environ.get("HF_ENDPOINT") or "").rstrip("/") or None
-    key = (model, revision, download_dir, gguf_file, offline, endpoint)
+    key = (model, revision, download_dir, gguf_file, offline, endpoint, kind)
     with _lock:
         if key not in _resolved:
-            _resolved[key] = _Resolver(model, revision, download_dir, gguf_file, offline, endpoint).run()
-            log.info("Hub model %s%s: %s", model, f"@{revision}" if revision else "", _resolved[key])
+            try:
+                _resolved[key] = _Resolver(model, revision, download_dir, gguf_file, offline, endpoint, kind,
+                                           flag).run()
+            except HubError as e:
+                if flag is None or str(e).startswith(flag):
+                    raise
+                raise HubError(f"{flag} {model}: {e}") from None
+            log.info("Hub %s %s%s: %s", kind, model, f"@{revision}" if revision else "", _resolved[key])
         return _resolved[key]
 
 
@@ -113,9 +137,10 @@ class _Resolver:
     """One resolution: the repo's file list (online) or its cached snapshot (offline), the
     files to take from it, and their download."""
 
-    def __init__(self, model, revision, download_dir, gguf_file, offline, endpoint):
+    def __init__(self, model, revision, download_dir, gguf_file, offline, endpoint, kind="model", flag=None):
         from huggingface_hub import constants
         self.repo, self.quant = split_quant(model)
+        self.kind, self.label = kind, flag or "model"
         self.revision, self.cache_dir, self.gguf_file = revision, download_dir, gguf_file
         self.offline, self.endpoint = offline, endpoint
         # read now, not at huggingface_hub's import; None: its own lookup (a saved login)
@@ -151,14 +176,21 @@ class _Resolver:
     # ---------------------------------------------------------------- which files
 
     def _gguf_wanted(self, names) -> bool:
-        return self.quant is not None or self.gguf_file is not None or "config.json" not in names
+        if self.quant is not None or self.gguf_file is not None:
+            return True
+        if self.kind == "tokenizer":   # a tokenizer repo may hold no config.json
+            return not any(n in names for n in ("config.json", "tokenizer.json", "tokenizer_config.json"))
+        return "config.json" not in names
 
     def _pick(self, files: dict[str, int | None]) -> list[str]:
         """The files to download: the one GGUF asked for, else the HF checkpoint's files."""
         names = sorted(files)
         if not self._gguf_wanted(names):
-            return ["config.json"] + [n for n in names if n != "config.json" and "/" not in n
-                                      and any(fnmatch.fnmatchcase(n, p) for p in HF_FILES)]
+            skip = TOKENIZER_EXCLUDE if self.kind == "tokenizer" else ()
+            first = [n for n in ("config.json", "tokenizer_config.json", "tokenizer.json") if n in names][:1]
+            return first + [n for n in names if n not in first and "/" not in n
+                            and any(fnmatch.fnmatchcase(n, p) for p in HF_FILES)
+                            and not any(fnmatch.fnmatchcase(n, p) for p in skip)]
         return [self._pick_gguf(names)]
 
     def _pick_gguf(self, names: list[str]) -> str:
@@ -175,7 +207,9 @@ class _Resolver:
                 raise HubError(f"{self.where} has no GGUF file tagged {self.quant} (its GGUF files: "
                                f"{', '.join(n for n in names if n.endswith('.gguf')) or 'none'})")
         elif not ggufs:
-            raise HubError(f"{self.where} holds neither an HF checkpoint (config.json) nor a .gguf file")
+            what = ("a tokenizer (tokenizer.json, tokenizer_config.json)" if self.kind == "tokenizer"
+                    else "an HF checkpoint (config.json)")
+            raise HubError(f"{self.where} holds neither {what} nor a .gguf file")
         if any(_SPLIT_GGUF.search(n) for n in ggufs):
             raise HubError(f"{self.where}: {ggufs[0]} is a GGUF split into parts, which is not supported: "
                            "merge them (llama-gguf-split --merge) and pass the file")
@@ -250,7 +284,7 @@ class _Resolver:
         if isinstance(e, RevisionNotFoundError):
             return f"{self.repo} has no revision {self.revision!r} on {self.shown_endpoint}"
         if isinstance(e, RepositoryNotFoundError) and status == 404:
-            return (f"model {self.repo!r} is not a local path and no Hub repo {self.repo} exists on "
+            return (f"{self.label} {self.repo!r} is not a local path and no Hub repo {self.repo} exists on "
                     f"{self.shown_endpoint} (HTTP 404)")
         if isinstance(e, (RepositoryNotFoundError, HfHubHTTPError)) and status in (401, 403):
             return (f"{self.where} on {self.shown_endpoint} is private or gated (HTTP {status}): set HF_TOKEN to a "

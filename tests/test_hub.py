@@ -2,116 +2,32 @@
 127.0.0.1 that answers the Hub's HTTP API for tiny checkpoints built here (``HF_ENDPOINT``
 points at it): a download to a clean cache, then a start with ``HF_HUB_OFFLINE=1`` and the
 server stopped serving the same tokens; a GGUF picked from a repo; the one-line failures
-(missing repo, gated repo without a token, unreachable endpoint, offline with nothing cached)."""
+(missing repo, gated repo without a token, unreachable endpoint, offline with nothing cached).
+The same for a Hub id given as ``--tokenizer`` (only its tokenizer files) and as the draft model
+of ``--speculative-config``, whose failures name the flag."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import unquote, urlsplit
 
 import gguf
 import pytest
 from support.engines import SMALL_ENGINE
+from support.fake_hub import TOKEN, FakeHub, read_folder
 from support.tiny_models import build_tiny, write_gguf
 
 from jaxllm import LLM, SamplingParams, hub
 from jaxllm.cli import main
 from jaxllm.config import EngineConfig
+from jaxllm.engine.llm_engine import resolve_hub_ids
 from jaxllm.models.loader import load_model
 
 ENGINE = {**SMALL_ENGINE, "precompile": "on-demand"}
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-TOKEN = "hf_test_token"
-
-
-class FakeHub:
-    """The Hub's HTTP API as huggingface_hub calls it: ``/api/models/{repo}[/revision/{rev}]``
-    (the file list and commit), HEAD/GET ``/{repo}/resolve/{rev}/{file}`` (ETag, X-Repo-Commit,
-    Content-Length), a 404 with ``X-Error-Code: RepoNotFound`` and, for a gated repo asked
-    without its token, a 401 with ``X-Error-Code: GatedRepo``."""
-
-    def __init__(self, repos: dict[str, dict[str, bytes]], gated: frozenset = frozenset()):
-        self.repos, self.gated = repos, gated
-        self.sha = {r: hashlib.sha1(json.dumps(sorted(f)).encode()).hexdigest() for r, f in repos.items()}
-        self.fetched: list[str] = []   # "repo/file" of every GET of a file
-        hub_ = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_HEAD(self):
-                hub_.answer(self, body=False)
-
-            def do_GET(self):
-                hub_.answer(self, body=True)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-    def answer(self, h: BaseHTTPRequestHandler, body: bool):
-        parts = [unquote(p) for p in urlsplit(h.path).path.strip("/").split("/")]
-        api = parts[:2] == ["api", "models"]
-        if api:
-            parts = parts[2:]
-        repo, rest = "/".join(parts[:2]), parts[2:]
-        if repo not in self.repos:
-            return self.error(h, 404, "RepoNotFound")
-        if repo in self.gated and h.headers.get("Authorization") != f"Bearer {TOKEN}":
-            return self.error(h, 401, "GatedRepo")
-        files, sha = self.repos[repo], self.sha[repo]
-        if api:
-            if rest and (rest[0] != "revision" or rest[1] not in ("main", sha)):
-                return self.error(h, 404, "RevisionNotFound")
-            data = json.dumps({"id": repo, "modelId": repo, "sha": sha, "private": False, "gated": False,
-                               "siblings": [{"rfilename": n, "size": len(b)} for n, b in files.items()]}).encode()
-            return self.send(h, 200, data, {"Content-Type": "application/json"}, body)
-        if rest[:1] != ["resolve"] or rest[1] not in ("main", sha):
-            return self.error(h, 404, "RevisionNotFound")
-        name = "/".join(rest[2:])
-        if name not in files:
-            return self.error(h, 404, "EntryNotFound")
-        if body:
-            self.fetched.append(f"{repo}/{name}")
-        etag = hashlib.sha256(files[name]).hexdigest()
-        self.send(h, 200, files[name], {"ETag": f'"{etag}"', "X-Repo-Commit": sha,
-                                        "Content-Type": "application/octet-stream"}, body)
-
-    @staticmethod
-    def error(h, status: int, code: str):
-        FakeHub.send(h, status, json.dumps({"error": code}).encode(),
-                     {"X-Error-Code": code, "Content-Type": "application/json"}, True)
-
-    @staticmethod
-    def send(h, status: int, data: bytes, headers: dict, body: bool):
-        h.send_response(status)
-        for k, v in headers.items():
-            h.send_header(k, v)
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        if body:
-            h.wfile.write(data)
-
-
-def _read_folder(path: str) -> dict[str, bytes]:
-    out = {}
-    for name in os.listdir(path):
-        with open(os.path.join(path, name), "rb") as f:
-            out[name] = f.read()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +36,17 @@ def repos(tmp_path_factory, smollm_tokenizer_dir):
     that must not be downloaded), the same gated, and two GGUFs of it in one repo."""
     root = tmp_path_factory.mktemp("hub_src")
     hf = build_tiny("llama_gqa_untied", str(root / "hf"), smollm_tokenizer_dir)
-    files = _read_folder(hf)
+    files = read_folder(hf)
     write_gguf(hf, str(root / "q8.gguf"), matrix_type=gguf.GGMLQuantizationType.Q8_0)
     write_gguf(hf, str(root / "f32.gguf"))
     ggufs = {"tiny-Q8_0.gguf": (root / "q8.gguf").read_bytes(), "tiny-F32.gguf": (root / "f32.gguf").read_bytes(),
              "README.md": b"# tiny\n"}
+    tok = {n: b for n, b in files.items() if n.startswith(("tokenizer", "special_tokens", "vocab", "merges"))}
+    assert "tokenizer.json" in tok
     return hf, {"tiny/llama": {**files, "pytorch_model.bin": b"unused", "onnx/model.onnx": b"unused"},
-                "tiny/gated": dict(files), "tiny/llama-GGUF": ggufs}
+                "tiny/gated": dict(files), "tiny/llama-GGUF": ggufs,
+                # a tokenizer repo with weights beside it that --tokenizer must not download
+                "tiny/tok": {**tok, "model.safetensors": b"unused", "README.md": b"# tok\n"}}
 
 
 @pytest.fixture
@@ -237,3 +157,76 @@ def test_hub_flags_checked_before_anything_loads():
         EngineConfig(revision="v2")
     assert hub.is_hub_id("Qwen/Qwen3-0.6B") and hub.is_hub_id("org/repo:Q4_K_M") and hub.is_hub_id("gpt2")
     assert not any(hub.is_hub_id(m) for m in ("./x", "/a/b", "a/b/c", "m.gguf", "a/../b", None))
+
+
+def test_tokenizer_hub_id_downloads_its_files_only_then_offline_serves_the_same_tokens(
+        fake_hub, repos, tmp_path, monkeypatch):
+    cache = str(tmp_path / "hf_cache")
+    llm = LLM(repos[0], tokenizer="tiny/tok", download_dir=cache, **ENGINE)
+    online = _tokens(llm)
+    del llm
+    wanted = {n for n in fake_hub.repos["tiny/tok"] if n.startswith("tokenizer") or n.startswith("special")}
+    assert "tokenizer.json" in wanted
+    assert {f.split("/", 2)[2] for f in fake_hub.fetched} == wanted   # no weights, no README
+    fake_hub.stop()
+    _go_offline(monkeypatch)
+    llm = LLM(repos[0], tokenizer="tiny/tok", download_dir=cache, **ENGINE)
+    assert _tokens(llm) == online
+
+
+def test_tokenizer_revision_follows_vllm(fake_hub, repos, tmp_path):
+    cache = str(tmp_path / "c")
+    sha = fake_hub.sha["tiny/tok"]
+    config = resolve_hub_ids(EngineConfig(model=repos[0], tokenizer="tiny/tok", tokenizer_revision=sha,
+                                           download_dir=cache))
+    assert os.path.isfile(os.path.join(config.tokenizer, "tokenizer.json")) and config.tokenizer_revision is None
+    assert config.model == repos[0]
+    # --tokenizer-revision alone: the model repo's tokenizer at that revision (not its weights')
+    with pytest.raises(hub.HubError, match=r"^--tokenizer tiny/llama: tiny/llama has no revision 'v9'"):
+        resolve_hub_ids(EngineConfig(model="tiny/llama", tokenizer_revision="v9", download_dir=cache))
+    # no --tokenizer-revision: --revision (here the model repo's commit, which tiny/tok lacks), as vLLM
+    llama_sha = fake_hub.sha["tiny/llama"]
+    with pytest.raises(hub.HubError, match=rf"^--tokenizer tiny/tok: tiny/tok has no revision '{llama_sha}'"):
+        resolve_hub_ids(EngineConfig(model="tiny/llama", revision=llama_sha, tokenizer="tiny/tok", download_dir=cache))
+    with pytest.raises(ValueError, match=r"--tokenizer-revision v1 picks a version of a Hub repo; the tokenizer "
+                                         r"\(the built-in model\) is not a Hub id"):
+        EngineConfig(tokenizer_revision="v1")
+    with pytest.raises(ValueError, match=r"--speculative-config: revision must be a non-empty string"):
+        EngineConfig(speculative_config={"model": "tiny/llama", "revision": "", "num_speculative_tokens": 2})
+
+
+def test_draft_model_hub_id_downloads_then_offline_serves_the_same_tokens(fake_hub, repos, tmp_path, monkeypatch):
+    cache = str(tmp_path / "hf_cache")
+    spec = {"model": "tiny/llama", "revision": "main", "num_speculative_tokens": 2}
+    llm = LLM(repos[0], speculative_config=spec, download_dir=cache, **ENGINE)
+    online = _tokens(llm)
+    del llm
+    assert "tiny/llama/model.safetensors" in fake_hub.fetched
+    fake_hub.stop()
+    _go_offline(monkeypatch)
+    llm = LLM(repos[0], speculative_config=spec, download_dir=cache, **ENGINE)
+    assert _tokens(llm) == online
+
+
+@pytest.mark.parametrize("flag", ["--tokenizer", "--speculative-config model"])
+def test_tokenizer_and_draft_failures_are_one_line_naming_the_flag(flag, fake_hub, tmp_path, capsys, monkeypatch):
+    def args(repo):
+        if flag == "--tokenizer":
+            return ["--tokenizer", repo, "--download-dir", str(tmp_path / "c")]
+        return ["--speculative-config", json.dumps({"model": repo, "num_speculative_tokens": 2}),
+                "--download-dir", str(tmp_path / "c")]
+
+    err = _cli_error(capsys, *args("tiny/missing"))
+    assert f"{flag} 'tiny/missing' is not a local path and no Hub repo tiny/missing " \
+        f"exists on {fake_hub.url} (HTTP 404)" in err, err
+    err = _cli_error(capsys, *args("tiny/gated"))
+    assert f"{flag} tiny/gated: tiny/gated is a gated repo" in err and "set HF_TOKEN" in err, err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("HF_ENDPOINT", dead)
+    err = _cli_error(capsys, *args("tiny/tok"))
+    assert f"{flag} tiny/tok: cannot reach the Hub at {dead} to get tiny/tok" in err, err
+    _go_offline(monkeypatch)
+    err = _cli_error(capsys, *args("tiny/tok"))
+    assert f"{flag} tiny/tok: HF_HUB_OFFLINE is set and the cache" in err, err

@@ -77,6 +77,27 @@ class StepResult:
     """The scheduler's events of this step, under the ids the requests were added with."""
 
 
+def resolve_hub_ids(config: EngineConfig) -> EngineConfig:
+    """``config`` with each Hub id (the model, ``--tokenizer``, the draft model of
+    ``--speculative-config``) replaced by its local files, downloaded into ``--download-dir``.
+    The tokenizer follows vLLM: ``--tokenizer-revision``, else ``--revision``; a
+    ``--tokenizer-revision`` without ``--tokenizer`` takes the model repo's tokenizer at it."""
+    changes: dict = {}
+    if hub.is_hub_id(config.model):
+        changes.update(model=hub.resolve(config.model, config.revision, config.download_dir, config.gguf_file),
+                       revision=None, gguf_file=None)
+    tok = config.tokenizer if config.tokenizer is not None else (
+        config.model if config.tokenizer_revision is not None else None)
+    if hub.is_hub_id(tok):
+        changes.update(tokenizer=hub.resolve(tok, config.tokenizer_revision or config.revision, config.download_dir,
+                                              kind="tokenizer", flag="--tokenizer"), tokenizer_revision=None)
+    spec = config.speculative_config
+    if spec is not None and hub.is_hub_id(spec.model):
+        local = hub.resolve(spec.model, spec.revision, config.download_dir, flag="--speculative-config model")
+        changes["speculative_config"] = dataclasses.replace(spec, model=local, revision=None)
+    return dataclasses.replace(config, **changes) if changes else config
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, replica: int = 0):
         """``replica``: the data-parallel replica this engine is (it runs on that slice of the devices)."""
@@ -88,9 +109,7 @@ class LLMEngine:
         # A Hub model id becomes its local files here, once (jaxllm/hub.py): the engine then
         # sees a local path, and the id stays the model's name (as vLLM reports it).
         hub_id = config.model if hub.is_hub_id(config.model) else None
-        if hub_id is not None:
-            local = hub.resolve(config.model, config.revision, config.download_dir, config.gguf_file)
-            config = dataclasses.replace(config, model=local, revision=None, gguf_file=None)
+        config = resolve_hub_ids(config)
         self.config = config
         model, self.tokenizer = self._load(config)
         self.model_name = hub_id or model.name

@@ -33,7 +33,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0
     """Tokens proposed per request and step (k); the verification scores k + 1 positions."""
     model: str | None = None
-    """``draft_model``: the draft checkpoint (an HF folder or a .gguf file)."""
+    """``draft_model``: the draft checkpoint (an HF folder, a .gguf file or a Hub repo id,
+    downloaded as the target model is, into ``--download-dir``)."""
+    revision: str | None = None
+    """``draft_model``: the branch, tag or commit of a Hub draft id (vLLM's key); None: main."""
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     """``ngram``: the n-gram lengths tried, longest first (vLLM's defaults: both 5 when neither
@@ -66,9 +69,11 @@ class SpeculativeConfig:
                 raise ValueError(f"{FLAG}: method draft_model needs \"model\" (the draft checkpoint)")
             if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
                 raise ValueError(f"{FLAG}: prompt_lookup_min/max are ngram settings; method is draft_model")
+            if self.revision is not None and (not isinstance(self.revision, str) or not self.revision.strip()):
+                raise ValueError(f"{FLAG}: revision must be a non-empty string, got {self.revision!r}")
         else:
-            if self.model is not None:
-                raise ValueError(f"{FLAG}: method ngram takes no \"model\"")
+            if self.model is not None or self.revision is not None:
+                raise ValueError(f"{FLAG}: method ngram takes no \"model\" nor \"revision\"")
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             if lo is None and hi is None:
                 lo = hi = 5

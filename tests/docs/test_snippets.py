@@ -30,10 +30,9 @@ import pytest
 
 from jaxllm import cli
 from support import snippets
-from support.snippets import KINDS, ROOT, all_blocks, argv_of, commands
+from support.snippets import KINDS, ROOT, SERVER_FLAGS, all_blocks, argv_of, commands
 
 BLOCKS = all_blocks()
-SERVER_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "512"]
 SERVER_START_S = 600   # cold: every bucket of the built-in model compiles; warm (saved programs): seconds
 RUN_S = 600
 DOC_ADDRESSES = ("http://127.0.0.1:8000", "http://localhost:8000", "localhost:8000")
@@ -180,8 +179,8 @@ def check_flags(block, env, tmp_path, request, report):
     cmds = commands(_substituted(block, block.body, report))
     n_run = int(block.attrs.get("run", 0))
     out = []
-    for cmd in cmds[:n_run]:   # ``run="N"``: the first N commands do run
-        r = _run(cmd, env, str(tmp_path), shell=True)
+    for cmd in cmds[:n_run]:   # ``run="N"``: the first N commands do run, where docs run them (bench/...)
+        r = _run(cmd, env, ROOT, shell=True)
         assert r.returncode == 0, f"{block.where}: `{cmd}` exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
         report.append(f"  `{cmd[:100]}`: run, exit 0, printed {r.stdout.strip()[:120]!r}")
         out.append(r.stdout)

@@ -33,6 +33,10 @@ _ANNOTATION = re.compile(r"^<!--\s*snippet:\s*(\S+)(.*?)-->\s*$")
 _ATTR = re.compile(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+))')
 
 
+SERVER_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "512"]
+"""What a docs server adds to a block's ``jaxllm serve`` (smaller step buckets: fewer programs to compile)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Block:
     path: str          # relative to the repository root
