@@ -188,6 +188,26 @@ class ArchConfig:
         return total
 
 
+@dataclass(frozen=True)
+class FamilyConfig:
+    """A model family's config: its readers of a transformers config (:meth:`from_hf`) and of a
+    GGUF file's metadata (:meth:`from_gguf`), each giving the ``ArchConfig`` the engine reads.
+    Each family subclasses it in ``models/<family>/config.py``; the registry's ``Family.config``
+    names the subclass."""
+
+    @classmethod
+    def from_hf(cls, hf, arch: str, where: str) -> ArchConfig:
+        """A transformers ``PretrainedConfig`` of architecture ``arch`` -> ``ArchConfig``."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_gguf(cls, fields: dict, tensors: dict, gguf_arch: str, path: str, read=None) -> ArchConfig:
+        """A GGUF file's metadata (``fields``; ``tensors``: name -> shape as GGUF stores it;
+        ``read``: a config tensor's values by name) -> ``ArchConfig``.  The default: the family
+        has no GGUF form."""
+        raise ModelLoadError(f"{path}: GGUF architecture {gguf_arch!r} has no reader in {cls.__name__}")
+
+
 def rope_scaling_from_dict(d: dict | None, where: str, supported: tuple[str, ...] = SUPPORTED_ROPE_TYPES
                            ) -> RopeScaling:
     """Reads an HF ``rope_scaling`` / ``rope_parameters`` dict; refuses types we do not implement

@@ -1,23 +1,33 @@
-"""DeepSeek-V2/V3's config reader: a transformers config -> ``ArchConfig`` (the MLA ranks, YaRN
+"""DeepSeek-V2/V3's config (:class:`DeepseekConfig`): a transformers config -> ``ArchConfig`` (the MLA ranks, YaRN
 with its softmax-scale correction, the routing of V2 and V3), refusing by name what the
 engine does not implement."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models.config import ArchConfig, _eos_tuple, rope_scaling_from_dict
+from jaxllm.models.config import ArchConfig, FamilyConfig, _eos_tuple, rope_scaling_from_dict
 
 ROPE_TYPES = ("default", "yarn")
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class DeepseekConfig(FamilyConfig):
+    """DeepSeek-V2/V3's config reader (the registry's ``Family.config``); no GGUF form."""
+
+    @classmethod
+    def from_hf(cls, hf, arch: str, where: str) -> ArchConfig:
+        return _from_hf(hf, arch, where)
 
 
 def _mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
-def arch_config(hf, arch: str, where: str) -> ArchConfig:
+def _from_hf(hf, arch: str, where: str) -> ArchConfig:
     """A ``DeepseekV2Config`` / ``DeepseekV3Config`` -> ArchConfig; refuses by name what the
     model does not implement."""
     def get(name, default=None):

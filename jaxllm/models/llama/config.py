@@ -1,20 +1,50 @@
-"""The Llama family's config readers: a transformers config (:func:`arch_config`) or a GGUF file's
-metadata in llama.cpp's llama / mistral / qwen2 / qwen3 layout (:func:`gguf_arch_config`) -> the
-``ArchConfig`` of the decoder in ``llama/model.py``.  The variants' switches (Phi-3, SmolLM3,
-OLMo 2/3, Granite, GLM-4-MoE) are read by ``llama/variants.py``."""
+"""The Llama family's config (:class:`LlamaConfig`): a transformers config or a GGUF file's
+metadata in llama.cpp's llama / mistral / qwen2 / qwen3 layout -> the ``ArchConfig`` of the
+decoder in ``llama/model.py``.  The variants' switches (Phi-3, SmolLM3, OLMo 2/3, Granite,
+GLM-4-MoE), HF and GGUF, are read by ``llama/variants.py``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from jaxllm.errors import ModelLoadError
-from jaxllm.models.config import ArchConfig, RopeScaling, _eos_tuple, rope_scaling_from_dict
+from jaxllm.models.config import ArchConfig, FamilyConfig, RopeScaling, _eos_tuple, rope_scaling_from_dict
+from jaxllm.models.llama import variants
 from jaxllm.models.llama.variants import FAMILY_B, family_b_fields, glm4_moe_fields
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 
+# GGUF general.architecture -> HF architecture: llama.cpp's llama layout, then the variants'
+# own architecture names (their metadata: llama/variants.py).
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    **variants.GGUF_ARCHITECTURES,
+}
 
-def arch_config(hf, arch: str, where: str) -> ArchConfig:
+
+@dataclass(frozen=True)
+class LlamaConfig(FamilyConfig):
+    """The Llama family's config readers (the registry's ``Family.config``)."""
+
+    @classmethod
+    def from_hf(cls, hf, arch: str, where: str) -> ArchConfig:
+        return _from_hf(hf, arch, where)
+
+    @classmethod
+    def from_gguf(cls, fields: dict, tensors: dict, gguf_arch: str, path: str, read=None) -> ArchConfig:
+        """llama.cpp's metadata of one of :data:`GGUF_ARCHITECTURES` (``tensors``: name -> GGUF
+        shape; ``read``: Phi-3's LongRoPE factor tensors)."""
+        if gguf_arch in variants.GGUF_ARCHITECTURES:
+            return variants.from_gguf(fields, tensors, gguf_arch, path, read)
+        return _from_gguf(fields, tensors, gguf_arch, GGUF_ARCHITECTURES[gguf_arch], path)
+
+
+def _from_hf(hf, arch: str, where: str) -> ArchConfig:
     """Maps a transformers ``PretrainedConfig`` of the Llama-family decoder (the variants of
-    ``llama/variants.py`` included) to an ArchConfig (the registry's ``Family.read_config``)."""
+    ``llama/variants.py`` included) to an ArchConfig."""
 
     def get(*names, default=None):
         for n in names:
@@ -128,10 +158,10 @@ def _moe_fields(arch: str, get, where: str) -> dict:
                 norm_topk_prob=renorm)
 
 
-def gguf_arch_config(fields: dict, names: set[str], a: str, architecture: str, path: str) -> ArchConfig:
+def _from_gguf(fields: dict, names, a: str, architecture: str, path: str) -> ArchConfig:
     """The ``ArchConfig`` of a GGUF file in llama.cpp's llama / mistral / qwen2 / qwen3 layout
     (``a``: its general.architecture, ``architecture`` the HF one it runs as; ``names``: its
-    tensors' names)."""
+    tensors by name)."""
 
     def field(key, default=None):
         v = fields.get(key)

@@ -2,10 +2,10 @@
 (``model.py``: its config, parameter table, caches and forward)."""
 
 from jaxllm.models.qwen3_next.model import (ARCHITECTURES, CHUNK_SIZE, PARAMS, PER_SEQUENCE_STATE, HybridArch,
-                                            HybridConfig, allocate_cache, arch_config, cache_kinds, compute_logits,
+                                            HybridConfig, Qwen3NextConfig, allocate_cache, cache_kinds, compute_logits,
                                             config_from_hf, forward, grouped_channels, mlp, num_full_layers,
                                             num_gdn_layers)
 
 __all__ = ["ARCHITECTURES", "CHUNK_SIZE", "PARAMS", "PER_SEQUENCE_STATE", "HybridArch", "HybridConfig",
-           "allocate_cache", "arch_config", "cache_kinds", "compute_logits", "config_from_hf", "forward",
+           "Qwen3NextConfig", "allocate_cache", "cache_kinds", "compute_logits", "config_from_hf", "forward",
            "grouped_channels", "mlp", "num_full_layers", "num_gdn_layers"]

@@ -64,7 +64,7 @@ from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
 from jaxllm.layers.short_conv import conv_prefill, conv_step
-from jaxllm.models.config import ArchConfig, RopeScaling, _eos_tuple
+from jaxllm.models.config import ArchConfig, FamilyConfig, RopeScaling, _eos_tuple
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.params import (
     GLOBAL,
@@ -528,9 +528,18 @@ class HybridArch(ArchConfig):
         return self.hybrid.state_bytes(dtype_bytes)
 
 
-def arch_config(hf, arch: str, where: str) -> HybridArch:
-    """A transformers Qwen3-Next / Qwen3.5 text config -> :class:`HybridArch` (the registry's
-    config reader; refusals by name in :func:`config_from_hf`)."""
+@dataclass(frozen=True)
+class Qwen3NextConfig(FamilyConfig):
+    """The hybrid family's config reader (the registry's ``Family.config``); no GGUF form."""
+
+    @classmethod
+    def from_hf(cls, hf, arch: str, where: str) -> HybridArch:
+        return _from_hf(hf, arch, where)
+
+
+def _from_hf(hf, arch: str, where: str) -> HybridArch:
+    """A transformers Qwen3-Next / Qwen3.5 text config -> :class:`HybridArch` (refusals by name
+    in :func:`config_from_hf`)."""
     h = config_from_hf(hf, arch, where)
     return HybridArch(
         architecture=arch, vocab_size=h.vocab_size, hidden_size=h.hidden_size, intermediate_size=h.intermediate_size,
