@@ -318,11 +318,11 @@ def test_gemma_metadata_follows_llama_cpp():
     assert big.attn_scale == (64 // 4) ** -0.5
     small = arch_config(_fields("gemma2", 26), _EMBED, "gemma2", "f.gguf")
     assert small.attn_scale == 32 ** -0.5
-    assert (small.attn_soft_cap, small.final_soft_cap, small.sliding_window) == (50.0, 30.0, 4096)
+    assert (small.gemma.attn_soft_cap, small.gemma.final_soft_cap, small.sliding_window) == (50.0, 30.0, 4096)
     assert small.layer_types[:2] == ("sliding_attention", "full_attention")
     g3 = arch_config(_fields("gemma3", 62), _EMBED, "gemma3", "f.gguf")
     assert g3.attn_scale == 16 ** -0.5 and g3.layer_types == ("full_attention",) * 62
-    assert g3.rope_local_theta == 10000.0 and g3.final_soft_cap is None and g3.vocab_size == 1000
+    assert g3.gemma.rope_local_theta == 10000.0 and g3.gemma.final_soft_cap is None and g3.vocab_size == 1000
 
 
 def test_end_of_generation_ids_are_llama_cpps():

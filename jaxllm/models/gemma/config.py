@@ -28,7 +28,15 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 @dataclass(frozen=True)
 class GemmaConfig(FamilyConfig):
-    """Gemma 2/3's config readers (the registry's ``Family.config``)."""
+    """Gemma 2/3's own knobs (``ArchConfig.gemma``) and its readers (the registry's ``Family.config``)."""
+
+    attn_soft_cap: float | None = None
+    """Attention scores become ``c * tanh(s / c)`` (Gemma 2's ``attn_logit_softcapping``)."""
+    final_soft_cap: float | None = None
+    """Logits become ``c * tanh(z / c)`` (Gemma's ``final_logit_softcapping``)."""
+    rope_local_theta: float | None = None
+    """Gemma 3: the sliding layers' RoPE base (default rope); the full layers take
+    ``rope_theta`` with ``rope_scaling``."""
 
     @classmethod
     def from_hf(cls, hf, arch: str, where: str) -> ArchConfig:
@@ -111,17 +119,18 @@ def _from_hf(hf, arch: str, where: str) -> ArchConfig:
         eos_token_ids=_eos_tuple(get("eos_token_id")),
         layer_types=layer_types,
         attn_scale=float(get("query_pre_attn_scalar")) ** -0.5 if get("query_pre_attn_scalar") else None,
-        attn_soft_cap=float(get("attn_logit_softcapping")) if get("attn_logit_softcapping") else None,
-        final_soft_cap=float(get("final_logit_softcapping")) if get("final_logit_softcapping") else None,
-        rope_local_theta=local_theta,
+        gemma=GemmaConfig(
+            attn_soft_cap=float(get("attn_logit_softcapping")) if get("attn_logit_softcapping") else None,
+            final_soft_cap=float(get("final_logit_softcapping")) if get("final_logit_softcapping") else None,
+            rope_local_theta=local_theta),
     )
 
 
 def rope_tables(arch: ArchConfig) -> dict[str, tuple[float, RopeScaling]]:
     """The extra RoPE frequency tables the loader computes: name -> (theta, scaling)."""
-    if arch.rope_local_theta is None:
+    if arch.gemma is None or arch.gemma.rope_local_theta is None:
         return {}
-    return {"rope_local_inv_freq": (arch.rope_local_theta, RopeScaling())}
+    return {"rope_local_inv_freq": (arch.gemma.rope_local_theta, RopeScaling())}
 
 
 def _gguf(m: GgufMeta, base: dict, tensors: dict) -> dict:
@@ -135,17 +144,17 @@ def _gguf(m: GgufMeta, base: dict, tensors: dict) -> dict:
     if scale is None:
         scale = (hidden // heads) ** -0.5 if L == _GEMMA_27B_LAYERS[m.arch] else head_dim ** -0.5
     out["attn_scale"] = scale
-    out["final_soft_cap"] = m.scalar("final_logit_softcapping", float) or None
+    caps = {"final_soft_cap": m.scalar("final_logit_softcapping", float) or None}
     if m.arch == "gemma2":
         # llama.cpp reads both caps as optional, defaulting to Gemma 2's 50 and 30 (llama-hparams.h)
-        out["attn_soft_cap"] = m.scalar("attn_logit_softcapping", float, default=50.0) or None
-        out["final_soft_cap"] = m.scalar("final_logit_softcapping", float, default=30.0) or None
+        caps["attn_soft_cap"] = m.scalar("attn_logit_softcapping", float, default=50.0) or None
+        caps["final_soft_cap"] = m.scalar("final_logit_softcapping", float, default=30.0) or None
         refuse_scaling(m)
     else:
         out["qk_norm"] = True
         # llama.cpp: the sliding layers' base is 10000 (rope.freq_base_swa where written),
         # unscaled; the global layers take rope.freq_base with the file's scaling.
-        out["rope_local_theta"] = m.scalar("rope.freq_base_swa", float, default=10000.0)
+        caps["rope_local_theta"] = m.scalar("rope.freq_base_swa", float, default=10000.0)
         out["rope_theta"] = m.scalar("rope.freq_base", float, default=1_000_000.0)
         t = m.get("rope.scaling.type")
         if t == "linear":
@@ -154,4 +163,5 @@ def _gguf(m: GgufMeta, base: dict, tensors: dict) -> dict:
         elif t not in (None, "none"):
             raise ModelLoadError(f"{m.path}: gemma3.rope.scaling.type {t!r} is not supported (none, linear)")
     out["max_position_embeddings"] = m.scalar("context_length", default=8192)
+    out["gemma"] = GemmaConfig(**caps)
     return out

@@ -32,7 +32,7 @@ PARAMS = ParamTable(params=(
           "lm_head.weight", "output.weight", when=_if("tie_word_embeddings", False), native=always),
     Param("rope_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.head_dim // 2,), from_checkpoint=False),
     Param("rope_local_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.head_dim // 2,), from_checkpoint=False,
-          when=lambda a: a.rope_local_theta is not None),
+          when=lambda a: a.gemma.rope_local_theta is not None),
     Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("input_layernorm.weight"),
           _norm(_gguf("attn_norm.weight"))),
     Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.q_size, a.hidden_size),

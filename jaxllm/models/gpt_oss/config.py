@@ -24,7 +24,11 @@ _SWA_PERIOD = 2
 
 @dataclass(frozen=True)
 class GptOssConfig(FamilyConfig):
-    """GPT-OSS's config readers (the registry's ``Family.config``)."""
+    """GPT-OSS's own knobs (``ArchConfig.gpt_oss``) and its readers (the registry's ``Family.config``)."""
+
+    swiglu_alpha: float = 1.702
+    """The experts' clamped SwiGLU: ``(clip(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, l)``."""
+    swiglu_limit: float = 7.0
 
     @classmethod
     def from_hf(cls, hf, arch: str, where: str) -> ArchConfig:
@@ -93,8 +97,8 @@ def _from_hf(hf, arch: str, where: str) -> ArchConfig:
         moe_intermediate_size=inter,
         norm_topk_prob=True,
         layer_types=layer_types,
-        swiglu_alpha=float(get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(get("swiglu_limit", 7.0)),
+        gpt_oss=GptOssConfig(swiglu_alpha=float(get("swiglu_alpha", 1.702)),
+                             swiglu_limit=float(get("swiglu_limit", 7.0))),
     )
 
 
@@ -108,7 +112,7 @@ def _gguf(m: GgufMeta, base: dict, tensors: dict) -> dict:
                  "moe_intermediate_size": m.scalar("expert_feed_forward_length", required=True),
                  "norm_topk_prob": True,
                  # llama.cpp's gpt-oss experts: the clamped SwiGLU with alpha 1.702 and limit 7 (fixed)
-                 "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                 "gpt_oss": GptOssConfig(swiglu_alpha=1.702, swiglu_limit=7.0),
                  "rope_theta": m.scalar("rope.freq_base", float, default=150000.0),
                  "rms_norm_eps": m.scalar("attention.layer_norm_rms_epsilon", float, default=1e-5)}
     out["intermediate_size"] = base["intermediate_size"] or out["moe_intermediate_size"]

@@ -5,6 +5,7 @@ the device layout are derived from it."""
 from __future__ import annotations
 
 from jaxllm.models.config import ArchConfig
+from jaxllm.models.llama.config import variant
 from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Chunk, Fused, Param, ParamTable, always
 
 
@@ -80,7 +81,7 @@ PARAMS = ParamTable(params=(
     Param("rope_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.rope_dim // (1 if a.longrope else 2),),
           from_checkpoint=False),
     Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
-          _hf("input_layernorm.weight"), _gguf("attn_norm.weight"), when=_if("post_norms_only", False)),
+          _hf("input_layernorm.weight"), _gguf("attn_norm.weight"), when=lambda a: not variant(a).post_norms_only),
     Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.q_size, a.hidden_size),
           _phi3("self_attn.q_proj.weight", Chunk(_QKV, 0, 3, 0, _qkv_sizes)),
           _phi3_gguf("attn_q.weight", Chunk(_GGUF_QKV, 0, 3, 0, _qkv_sizes)),
@@ -99,7 +100,7 @@ PARAMS = ParamTable(params=(
     Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
           _hf("post_attention_layernorm.weight"), _POST_ATTENTION_NORM),
     Param("post_ffn_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
-          _hf("post_feedforward_layernorm.weight"), _gguf("post_ffw_norm.weight"), when=_if("post_norms_only")),
+          _hf("post_feedforward_layernorm.weight"), _gguf("post_ffw_norm.weight"), when=lambda a: variant(a).post_norms_only),
     Param("gate", LAYER, MATRIX, ("mlp", "embed"), lambda a: (a.intermediate_size, a.hidden_size),
           _phi3("mlp.gate_proj.weight", Chunk(_GATE_UP, 0, 2, 0)),
           _phi3_gguf("ffn_gate.weight", Chunk(_GGUF_GATE_UP, 0, 2, 0)),
@@ -118,19 +119,19 @@ PARAMS = ParamTable(params=(
           in_layer=_moe_layer),
     # GLM-4-MoE: the bias added to the sigmoid scores to choose experts, and the shared experts.
     Param("router_bias", LAYER, VECTOR, ("expert_logits",), lambda a: (a.num_experts,),
-          _hf("mlp.gate.e_score_correction_bias"), _gguf("exp_probs_b.bias"), when=lambda a: a.is_moe and a.router_scoring == "sigmoid",
+          _hf("mlp.gate.e_score_correction_bias"), _gguf("exp_probs_b.bias"), when=lambda a: a.is_moe and a.moe.router_scoring == "sigmoid",
           in_layer=_moe_layer),
     Param("shared_gate", LAYER, MATRIX, ("moe_mlp", "embed"),
-          lambda a: (a.shared_experts * a.moe_intermediate_size, a.hidden_size),
-          _hf("mlp.shared_experts.gate_proj.weight"), _gguf("ffn_gate_shexp.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
+          lambda a: (a.moe.shared_experts * a.moe_intermediate_size, a.hidden_size),
+          _hf("mlp.shared_experts.gate_proj.weight"), _gguf("ffn_gate_shexp.weight"), when=lambda a: a.moe.shared_experts > 0, in_layer=_moe_layer,
           native=always),
     Param("shared_up", LAYER, MATRIX, ("moe_mlp", "embed"),
-          lambda a: (a.shared_experts * a.moe_intermediate_size, a.hidden_size),
-          _hf("mlp.shared_experts.up_proj.weight"), _gguf("ffn_up_shexp.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
+          lambda a: (a.moe.shared_experts * a.moe_intermediate_size, a.hidden_size),
+          _hf("mlp.shared_experts.up_proj.weight"), _gguf("ffn_up_shexp.weight"), when=lambda a: a.moe.shared_experts > 0, in_layer=_moe_layer,
           native=always),
     Param("shared_down", LAYER, MATRIX, ("embed", "moe_mlp"),
-          lambda a: (a.hidden_size, a.shared_experts * a.moe_intermediate_size),
-          _hf("mlp.shared_experts.down_proj.weight"), _gguf("ffn_down_shexp.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
+          lambda a: (a.hidden_size, a.moe.shared_experts * a.moe_intermediate_size),
+          _hf("mlp.shared_experts.down_proj.weight"), _gguf("ffn_down_shexp.weight"), when=lambda a: a.moe.shared_experts > 0, in_layer=_moe_layer,
           native=always),
     Param("experts_gate", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
           lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size),
@@ -154,14 +155,14 @@ PARAMS = ParamTable(params=(
     Param("o_bias", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
           _hf("self_attn.o_proj.bias"), _gguf("attn_output.bias"), when=_if("o_bias")),
     Param("q_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,),
-          _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=lambda a: a.qk_norm and not a.qk_norm_whole),
+          _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=lambda a: a.qk_norm and not variant(a).qk_norm_whole),
     Param("k_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,),
-          _hf("self_attn.k_norm.weight"), _gguf("attn_k_norm.weight"), when=lambda a: a.qk_norm and not a.qk_norm_whole),
+          _hf("self_attn.k_norm.weight"), _gguf("attn_k_norm.weight"), when=lambda a: a.qk_norm and not variant(a).qk_norm_whole),
     # OLMo 2/3: one norm over the whole q (k) projection.
     Param("q_norm_full", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,),
-          _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=_if("qk_norm_whole")),
+          _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=lambda a: variant(a).qk_norm_whole),
     Param("k_norm_full", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,),
-          _hf("self_attn.k_norm.weight"), _gguf("attn_k_norm.weight"), when=_if("qk_norm_whole")),
+          _hf("self_attn.k_norm.weight"), _gguf("attn_k_norm.weight"), when=lambda a: variant(a).qk_norm_whole),
 ), fused=(
     # For the native CPU matmul (runner/weights.py), which only runs unsharded: no sharding
     # rule maps these axes, so they stay replicated.

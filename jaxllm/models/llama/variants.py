@@ -33,8 +33,8 @@ from dataclasses import replace
 import numpy as np
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models.config import ArchConfig, rope_scaling_from_dict
-from jaxllm.models.gguf_arch import GgufMeta, base_fields, finish, layer_types, refuse_scaling
+from jaxllm.models.config import ArchConfig, MoeRouting, rope_scaling_from_dict
+from jaxllm.models.gguf_arch import GgufMeta, base_fields, layer_types, refuse_scaling
 
 FAMILY_B = ("Phi3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM",
             "GraniteForCausalLM", "Glm4MoeForCausalLM")
@@ -118,10 +118,11 @@ def glm4_moe_fields(get, num_experts: int, top_k: int, where: str) -> dict:
     return dict(num_experts=num_experts, num_experts_per_tok=top_k,
                 moe_intermediate_size=int(get("moe_intermediate_size", default=0)),
                 norm_topk_prob=bool(get("norm_topk_prob", default=True)),
-                first_k_dense=min(int(get("first_k_dense_replace", default=1)), int(get("num_hidden_layers"))),
-                shared_experts=int(get("n_shared_experts", default=1)),
-                router_scoring="sigmoid", n_group=n_group, topk_group=int(get("topk_group", default=1)),
-                routed_scaling_factor=float(get("routed_scaling_factor", default=1.0)))
+                moe=MoeRouting(first_k_dense=min(int(get("first_k_dense_replace", default=1)),
+                                                 int(get("num_hidden_layers"))),
+                               shared_experts=int(get("n_shared_experts", default=1)),
+                               router_scoring="sigmoid", n_group=n_group, topk_group=int(get("topk_group", default=1)),
+                               routed_scaling_factor=float(get("routed_scaling_factor", default=1.0))))
 
 
 # ------------------------------------------------------------------ GGUF metadata
@@ -155,20 +156,15 @@ _OLMO2_SWA_PERIOD = 4
 _SMOLLM3_NO_ROPE_STEP = 4
 
 
-def from_gguf(fields: dict, tensors: dict, gguf_arch: str, path: str,
-              read: Callable[[str], np.ndarray] | None = None) -> ArchConfig:
-    """The ``ArchConfig`` of a GGUF file of one of :data:`GGUF_ARCHITECTURES` (``tensors``: name ->
-    shape as GGUF stores it, innermost first; ``read``: a config tensor's values by name, for
-    Phi-3's LongRoPE factors; None leaves them empty)."""
+def gguf_fields(fields: dict, tensors: dict, gguf_arch: str, path: str) -> tuple[GgufMeta, dict]:
+    """The ``ArchConfig`` fields of a GGUF file of one of :data:`GGUF_ARCHITECTURES`, the
+    variant's switches among them (``tensors``: name -> shape as GGUF stores it, innermost
+    first); ``LlamaConfig.from_gguf`` builds the config."""
     m = GgufMeta(fields, gguf_arch, path)
     m.refuse_unknown(_GGUF_KEYS[gguf_arch])
     base = base_fields(m, GGUF_ARCHITECTURES[gguf_arch], tensors)
     base.update(_READERS[gguf_arch](m, base, tensors))
-    # Phi-3's rope.dimension_count is checked against its partial rotary in _phi3
-    arch = finish(m, base, check_rope=gguf_arch != "phi3")
-    if gguf_arch == "phi3" and arch.longrope and read is not None:
-        arch = with_longrope_factors(arch, read, path)
-    return arch
+    return m, base
 
 
 def _phi3(m: GgufMeta, base: dict, tensors: dict) -> dict:
