@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from jaxllm.models.config import ArchConfig
 from jaxllm.models.llama.config import variant
-from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Chunk, Fused, Param, ParamTable, always
+from jaxllm.models.params import (GLOBAL, LAYER, MATRIX, VECTOR, Chunk, Fused, Param, ParamTable, always,
+                                  attention_params)
 
 
 def _hf(suffix: str) -> str:
@@ -46,6 +47,16 @@ def _phi3_gguf(plain: str, fused: Chunk) -> dict:
     return {"*": (_gguf(plain),), "Phi3ForCausalLM": (fused,)}
 
 
+def _proj_hf(suffix: str, part: int | None):
+    """An attention projection's HF names: q/k/v also inside Phi-3's fused ``qkv_proj``."""
+    return _hf(suffix) if part is None else _phi3(suffix, Chunk(_QKV, part, 3, 0, _qkv_sizes))
+
+
+def _proj_gguf(suffix: str, part: int | None):
+    """An attention projection's GGUF names: q/k/v also inside Phi-3's fused ``attn_qkv``."""
+    return _gguf(suffix) if part is None else _phi3_gguf(suffix, Chunk(_GGUF_QKV, part, 3, 0, _qkv_sizes))
+
+
 # OLMo 2/3 and GLM-4-MoE: the norm after attention is llama.cpp's post_attention_norm (ffn_norm
 # in the others).
 _POST_ATTENTION_NORM = {"*": (_gguf("ffn_norm.weight"),),
@@ -82,20 +93,10 @@ PARAMS = ParamTable(params=(
           from_checkpoint=False),
     Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
           _hf("input_layernorm.weight"), _gguf("attn_norm.weight"), when=lambda a: not variant(a).post_norms_only),
-    Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.q_size, a.hidden_size),
-          _phi3("self_attn.q_proj.weight", Chunk(_QKV, 0, 3, 0, _qkv_sizes)),
-          _phi3_gguf("attn_q.weight", Chunk(_GGUF_QKV, 0, 3, 0, _qkv_sizes)),
-          native=always, rope_heads=lambda a: a.num_heads),
-    Param("k", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _phi3("self_attn.k_proj.weight", Chunk(_QKV, 1, 3, 0, _qkv_sizes)),
-          _phi3_gguf("attn_k.weight", Chunk(_GGUF_QKV, 1, 3, 0, _qkv_sizes)),
-          native=always, rope_heads=lambda a: a.num_kv_heads),
-    Param("v", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _phi3("self_attn.v_proj.weight", Chunk(_QKV, 2, 3, 0, _qkv_sizes)),
-          _phi3_gguf("attn_v.weight", Chunk(_GGUF_QKV, 2, 3, 0, _qkv_sizes)),
-          native=always),
-    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.q_size),
-          _hf("self_attn.o_proj.weight"), _gguf("attn_output.weight"), native=always),
+    # q/k rows permuted by llama.cpp's converter for the architectures it runs as Llama
+    # (loader.ROPE_PERMUTED); Phi-3 holds q/k/v in one fused tensor.
+    *attention_params(proj_hf=_proj_hf, proj_gguf=_proj_gguf, rope_heads=True,
+                      qk_norm=lambda a: a.qk_norm and not variant(a).qk_norm_whole),
     # Before the MLP; with ``post_norms_only`` (OLMo 2/3), on the attention's output instead.
     Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
           _hf("post_attention_layernorm.weight"), _POST_ATTENTION_NORM),
@@ -145,19 +146,6 @@ PARAMS = ParamTable(params=(
           lambda a: (a.num_experts, a.hidden_size, a.moe_intermediate_size),
           _moe_hf("experts.{expert}.down_proj.weight", "experts.{expert}.w2.weight", _hf("mlp.experts.down_proj")),
           _gguf("ffn_down_exps.weight"), when=_if("is_moe"), in_layer=_moe_layer),
-    Param("q_bias", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,),
-          _hf("self_attn.q_proj.bias"), _gguf("attn_q.bias"), when=_if("qkv_bias"), rope_heads=lambda a: a.num_heads),
-    Param("k_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,),
-          _hf("self_attn.k_proj.bias"), _gguf("attn_k.bias"), when=_if("qkv_bias"),
-          rope_heads=lambda a: a.num_kv_heads),
-    Param("v_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,),
-          _hf("self_attn.v_proj.bias"), _gguf("attn_v.bias"), when=_if("qkv_bias")),
-    Param("o_bias", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
-          _hf("self_attn.o_proj.bias"), _gguf("attn_output.bias"), when=_if("o_bias")),
-    Param("q_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,),
-          _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=lambda a: a.qk_norm and not variant(a).qk_norm_whole),
-    Param("k_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,),
-          _hf("self_attn.k_norm.weight"), _gguf("attn_k_norm.weight"), when=lambda a: a.qk_norm and not variant(a).qk_norm_whole),
     # OLMo 2/3: one norm over the whole q (k) projection.
     Param("q_norm_full", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,),
           _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=lambda a: variant(a).qk_norm_whole),
