@@ -1,7 +1,7 @@
 """Config mapping of the Llama-family variants Phi-3, SmolLM3, OLMo 2/3, Granite and GLM-4-MoE.
 
 Each is the decoder of ``models/llama/`` with some ``ArchConfig`` switches on; this module
-reads those switches from the transformers config (``models/config.arch_config_from_hf``
+reads those switches from the transformers config (``llama.config.LlamaConfig.from_hf``
 calls :func:`family_b_fields` last, its values override the generic ones) and refuses, by
 name, the options the engine does not implement instead of ignoring them:
 
