@@ -73,7 +73,7 @@ def cache_bytes(arch, batch: int, context: int, itemsize: int = 2) -> tuple[int,
     """(latent cache, expanded K/V cache) bytes a decode step reads over every layer."""
     from jaxllm.models import deepseek
     latent = sum(k.num_layers * k.token_bytes for k in deepseek.cache_kinds(arch, itemsize)) * batch * context
-    per_head = (arch.qk_nope_head_dim + arch.head_dim) + arch.v_head_dim
+    per_head = (arch.mla.qk_nope_head_dim + arch.head_dim) + arch.mla.v_head_dim
     expanded = arch.num_layers * arch.num_heads * per_head * itemsize * batch * context
     return latent, expanded
 

@@ -72,7 +72,7 @@ class Routing:
 
     @staticmethod
     def of(arch) -> Routing:
-        return Routing(arch.router_scoring, arch.n_group, arch.topk_group, arch.routed_scaling_factor)
+        return Routing(arch.moe.router_scoring, arch.moe.n_group, arch.moe.topk_group, arch.moe.routed_scaling_factor)
 
 
 def _route_sigmoid(logits, bias, top_k: int, renormalize: bool, routing: Routing):

@@ -16,6 +16,45 @@ from jaxllm.layers.rotary import RopeScaling
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
+@dataclass(frozen=True)
+class FamilyConfig:
+    """A model family's config: its readers of a transformers config (:meth:`from_hf`) and of a
+    GGUF file's metadata (:meth:`from_gguf`), each giving the ``ArchConfig`` the engine reads.
+    Each family subclasses it in ``models/<family>/config.py``; the registry's ``Family.config``
+    names the subclass."""
+
+    @classmethod
+    def from_hf(cls, hf, arch: str, where: str) -> ArchConfig:
+        """A transformers ``PretrainedConfig`` of architecture ``arch`` -> ``ArchConfig``."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_gguf(cls, fields: dict, tensors: dict, gguf_arch: str, path: str, read=None) -> ArchConfig:
+        """A GGUF file's metadata (``fields``; ``tensors``: name -> shape as GGUF stores it;
+        ``read``: a config tensor's values by name) -> ``ArchConfig``.  The default: the family
+        has no GGUF form."""
+        raise ModelLoadError(f"{path}: GGUF architecture {gguf_arch!r} has no reader in {cls.__name__}")
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """How a MoE checkpoint routes beyond softmax top-k of every layer (``ArchConfig.moe``):
+    read by ``layers/moe.py``, the Llama family's GLM-4-MoE and DeepSeek."""
+
+    first_k_dense: int = 0
+    """The first k layers have a dense MLP of ``intermediate_size`` (GLM-4-MoE, DeepSeek)."""
+    shared_experts: int = 0
+    """Shared experts (one SwiGLU of ``shared_experts * moe_intermediate_size``) every token passes."""
+    router_scoring: str = "softmax"
+    """"softmax" (Qwen3-MoE, Mixtral) or "sigmoid" with a score-correction bias (GLM-4-MoE)."""
+    n_group: int = 1
+    topk_group: int = 1
+    """Grouped top-k: experts in ``n_group`` groups, only the best ``topk_group`` groups eligible."""
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"
+    """DeepSeek-V2's softmax routing: "greedy" (top-k of all) or "group_limited_greedy"
+    (top-k within the ``topk_group`` groups of best single expert)."""
+
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -51,62 +90,31 @@ class ArchConfig:
     ``intermediate_size``)."""
     norm_topk_prob: bool = False
     """Renormalise the k routing weights to sum to 1 (Qwen3-MoE's flag; Mixtral: always)."""
-    # Gemma 2/3 and GPT-OSS (models/gemma/, models/gpt_oss/).
     layer_types: tuple[str, ...] = ()
     """Per layer "sliding_attention" or "full_attention"; empty: every layer alike, with
     ``sliding_window`` (or none).  Layers that differ run unrolled (engine/resolve.py)."""
     attn_scale: float | None = None
-    """The softmax scale (Gemma's ``query_pre_attn_scalar ** -0.5``); None: ``head_dim ** -0.5``."""
-    attn_soft_cap: float | None = None
-    """Attention scores become ``c * tanh(s / c)`` (Gemma 2's ``attn_logit_softcapping``)."""
-    final_soft_cap: float | None = None
-    """Logits become ``c * tanh(z / c)`` (Gemma's ``final_logit_softcapping``)."""
-    rope_local_theta: float | None = None
-    """Gemma 3: the sliding layers' RoPE base (default rope); the full layers take
-    ``rope_theta`` with ``rope_scaling``."""
-    swiglu_alpha: float = 1.702
-    """GPT-OSS's experts: ``(clip(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, l)``."""
-    swiglu_limit: float = 7.0
-
-    # The families of models/llama/variants.py (Phi-3, SmolLM3, OLMo 2/3, Granite, GLM-4-MoE).
+    """The softmax scale (Gemma's ``query_pre_attn_scalar ** -0.5``, MLA's with YaRN's mscale);
+    None: ``head_dim ** -0.5``."""
     rotary_dim: int = 0
     """Leading dims of each head that RoPE rotates (``partial_rotary_factor``); 0: all of them."""
-    no_rope_layers: tuple[int, ...] = ()
-    """Layers that apply no rotary embedding (SmolLM3's NoPE layers)."""
-    post_norms_only: bool = False
-    """OLMo 2/3: no norm before attention and MLP; each output is normalised before the residual add."""
-    qk_norm_whole: bool = False
-    """With ``qk_norm``: one RMSNorm over the whole q (k) projection, not per head (OLMo 2/3)."""
-    embedding_multiplier: float = 1.0
-    residual_multiplier: float = 1.0
-    attention_multiplier: float | None = None
-    """The softmax scale (Granite); None: ``head_dim ** -0.5``."""
-    logits_scaling: float = 1.0
-    """Logits are divided by it (Granite)."""
-    first_k_dense: int = 0
-    """MoE checkpoints: the first k layers have a dense MLP of ``intermediate_size`` (GLM-4-MoE)."""
-    shared_experts: int = 0
-    """Shared experts (one SwiGLU of ``shared_experts * moe_intermediate_size``) every token passes."""
-    router_scoring: str = "softmax"
-    """"softmax" (Qwen3-MoE, Mixtral) or "sigmoid" with a score-correction bias (GLM-4-MoE)."""
-    n_group: int = 1
-    topk_group: int = 1
-    """Grouped top-k: experts in ``n_group`` groups, only the best ``topk_group`` groups eligible."""
-    routed_scaling_factor: float = 1.0
+    moe: MoeRouting = MoeRouting()
+    """How a MoE checkpoint routes beyond softmax top-k (GLM-4-MoE, DeepSeek); the default for
+    dense models and plain softmax MoE."""
 
-    # MLA (models/deepseek/: DeepSeek-V2/V3).  ``head_dim`` is then the rope dims of a head
-    # (``qk_rope_head_dim``) and ``attn_scale`` the softmax scale (YaRN's mscale included).
-    kv_lora_rank: int = 0
-    """The latent each token caches; 0: not an MLA model."""
-    q_lora_rank: int = 0
-    """The query's low-rank width (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``); 0: one ``q_proj``."""
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
-    rope_interleave: bool = False
-    """RoPE rotates interleaved pairs (DeepSeek's layout), not the two halves of the rope dims."""
-    topk_method: str = "greedy"
-    """DeepSeek-V2's softmax routing: "greedy" (top-k of all) or "group_limited_greedy"
-    (top-k within the ``topk_group`` groups of best single expert)."""
+    # Each family's own knobs: an instance of its config type (models/<family>/config.py, a
+    # FamilyConfig: frozen and hashable), named here by the base class (this module imports no family).
+    variant: FamilyConfig | None = None
+    """``llama.LlamaConfig``: the Llama variants' switches (SmolLM3, OLMo 2/3, Granite); None:
+    all at their defaults (the plain decoders; ``llama.config.variant(arch)`` reads either)."""
+    gemma: FamilyConfig | None = None
+    """``gemma.GemmaConfig``: Gemma 2/3's soft caps and local RoPE base; None: not Gemma."""
+    gpt_oss: FamilyConfig | None = None
+    """``gpt_oss.GptOssConfig``: GPT-OSS's clamped SwiGLU; None: not GPT-OSS."""
+    mla: FamilyConfig | None = None
+    """``deepseek.DeepseekConfig``: multi-head latent attention (DeepSeek-V2/V3); None: not MLA.
+    ``head_dim`` is then the rope dims of a head (``qk_rope_head_dim``) and ``attn_scale`` the
+    softmax scale."""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -120,10 +128,10 @@ class ArchConfig:
         if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
             raise ModelLoadError(f"partial_rotary_factor gives {self.rotary_dim} rotary dims of {self.head_dim}: "
                                  "must be even and at most head_dim")
-        if self.num_experts and self.num_experts % self.n_group:
-            raise ModelLoadError(f"n_routed_experts ({self.num_experts}) is not a multiple of n_group ({self.n_group})")
-        if self.num_experts and not 1 <= self.topk_group <= self.n_group:
-            raise ModelLoadError(f"topk_group ({self.topk_group}) must be between 1 and n_group ({self.n_group})")
+        if self.num_experts and self.num_experts % self.moe.n_group:
+            raise ModelLoadError(f"n_routed_experts ({self.num_experts}) is not a multiple of n_group ({self.moe.n_group})")
+        if self.num_experts and not 1 <= self.moe.topk_group <= self.moe.n_group:
+            raise ModelLoadError(f"topk_group ({self.moe.topk_group}) must be between 1 and n_group ({self.moe.n_group})")
         if self.num_experts and self.moe_intermediate_size <= 0:
             raise ModelLoadError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
 
@@ -151,10 +159,10 @@ class ArchConfig:
     @property
     def dense_mlp(self) -> bool:
         """Some layer has a dense MLP."""
-        return not self.is_moe or self.first_k_dense > 0
+        return not self.is_moe or self.moe.first_k_dense > 0
 
     def layer_is_moe(self, layer: int) -> bool:
-        return self.is_moe and layer >= self.first_k_dense
+        return self.is_moe and layer >= self.moe.first_k_dense
 
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: global attention)."""
@@ -166,7 +174,7 @@ class ArchConfig:
     def uniform_layers(self) -> bool:
         """Every layer has the same parameters and static attributes (what ``lax.scan``
         needs): no dense first layers before MoE ones, one attention kind (window) for all."""
-        return not (self.is_moe and self.first_k_dense) and len(set(self.layer_types)) <= 1
+        return not (self.is_moe and self.moe.first_k_dense) and len(set(self.layer_types)) <= 1
 
     def num_params(self) -> int:
         """All parameters (for MoE: every expert, not only the k a token activates)."""

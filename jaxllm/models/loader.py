@@ -19,13 +19,13 @@ import numpy as np
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.formats.int_weights import ONLINE
-from jaxllm.models import gguf_arch, gguf_tensors
+from jaxllm.models import gguf_tensors
 from jaxllm.models.builtin import BUILTIN_MODEL_NAME, builtin_gguf_path
 from jaxllm.models.config import ArchConfig
 from jaxllm.models.gguf_file import read_gguf
-from jaxllm.models.llama import config as llama_config
+from jaxllm.models.llama.variants import PHI3_FACTORS
 from jaxllm.models.params import GLOBAL, Chunk, Param, Pattern, Stored, interleave
-from jaxllm.models.registry import GGUF_ARCHITECTURES, get_family, get_model_module, read_config
+from jaxllm.models.registry import GGUF_ARCHITECTURES, get_family, get_model_module, read_config, read_gguf_config
 from jaxllm.layers.rotary import inv_frequencies
 from jaxllm.quant import gguf_blocks, hf_formats
 from jaxllm.quant.ops import is_quantized, map_fields, summary
@@ -343,7 +343,7 @@ def _assemble(arch: ArchConfig, tensors: dict[str, tuple[np.ndarray, str]], name
 ROPE_PERMUTED = ("llama", "mistral", "smollm3", "granite")
 
 # Tensors that configure the model rather than weigh in it: read into the config, not placed.
-_CONFIG_TENSORS = ("rope_freqs.weight", *gguf_arch.PHI3_FACTORS)
+_CONFIG_TENSORS = ("rope_freqs.weight", *PHI3_FACTORS)
 
 
 def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> LoadedModel:
@@ -360,12 +360,14 @@ def load_gguf(path: str, name: str | None = None, dequantize: bool = False) -> L
         raise ModelLoadError(f"{path}: GGUF architecture {gguf_name!r} is not supported; "
                              f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
     by_name = {t.name: t for t in reader.tensors}
-    if gguf_name in gguf_arch.ARCHITECTURES:   # Gemma, Phi-3, OLMo, GPT-OSS, ...: their own metadata
-        arch = gguf_arch.arch_config(reader.fields, {n: t.shape for n, t in by_name.items()}, gguf_name, path)
-        if gguf_name == "phi3" and arch.longrope:
-            arch = gguf_arch.with_longrope_factors(arch, by_name, path)
-    else:
-        arch = llama_config.gguf_arch_config(reader.fields, set(by_name), gguf_name, GGUF_ARCHITECTURES[gguf_name], path)
+
+    def read(name: str) -> np.ndarray:   # a tensor that configures the model (Phi-3's LongRoPE factors)
+        # Imported only once a GGUF file is read: an install without the gguf package loads HF folders.
+        from gguf.quants import dequantize as gguf_dequantize
+        t = by_name[name]
+        return gguf_dequantize(t.data, t.tensor_type)
+
+    arch = read_gguf_config(reader.fields, {n: t.shape for n, t in by_name.items()}, path, read)
     names_map = NameMap(arch, "gguf")
     # GLM-4-MoE's multi-token-prediction block(s), nextn.* included, follow the decoder's
     # layers (transformers skips them too: no speculative decoding here).

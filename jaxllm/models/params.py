@@ -201,3 +201,60 @@ class ParamTable:
         """Names the native CPU matmul multiplies by for ``arch``, fused arrays included."""
         return frozenset([p.name for p in self.params if p.native(arch)]
                          + [f.name for f in self.fused if self._part(f).native(arch)])
+
+
+def _layer_hf(suffix: str) -> str:
+    return "model.layers.{layer}." + suffix
+
+
+def _layer_gguf(suffix: str) -> str:
+    return "blk.{layer}." + suffix
+
+
+def attention_params(*, proj_hf: Callable | None = None, proj_gguf: Callable | None = None,
+                     norm_gguf: Callable[[str], Pattern] | None = None, rope_heads: bool = False,
+                     qk_norm: Predicate | None = None) -> tuple[Param, ...]:
+    """The attention block's rows, declared once for the decoder families (Llama, Gemma,
+    GPT-OSS): the q, k, v, o projections (``[out, D]`` matrices the native matmul reads), the
+    q/k/v biases (``arch.qkv_bias``), the o bias (``arch.o_bias``) and, where ``qk_norm`` says
+    when, the per-head q/k RMSNorm weights ``[head_dim]``.
+
+    ``proj_hf`` / ``proj_gguf``: ``(name suffix, part)`` -> the projection's name pattern(s),
+    ``part`` its index in a fused q/k/v tensor (0, 1, 2; None for o); default the plain
+    per-layer names.  ``norm_gguf``: a norm's GGUF pattern from its name (Gemma's ``+ 1``).
+    ``rope_heads``: llama.cpp permuted the q/k rows (weights and biases) of this family."""
+    hf = proj_hf or (lambda suffix, part: _layer_hf(suffix))
+    gguf = proj_gguf or (lambda suffix, part: _layer_gguf(suffix))
+    norm = norm_gguf or (lambda name: name)
+    q_heads = (lambda a: a.num_heads) if rope_heads else None
+    kv_heads = (lambda a: a.num_kv_heads) if rope_heads else None
+
+    def bias(a: ArchConfig) -> bool:
+        return a.qkv_bias
+
+    rows = (
+        Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.q_size, a.hidden_size),
+              hf("self_attn.q_proj.weight", 0), gguf("attn_q.weight", 0), native=always, rope_heads=q_heads),
+        Param("k", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
+              hf("self_attn.k_proj.weight", 1), gguf("attn_k.weight", 1), native=always, rope_heads=kv_heads),
+        Param("v", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
+              hf("self_attn.v_proj.weight", 2), gguf("attn_v.weight", 2), native=always),
+        Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.q_size),
+              hf("self_attn.o_proj.weight", None), gguf("attn_output.weight", None), native=always),
+        Param("q_bias", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,), _layer_hf("self_attn.q_proj.bias"),
+              _layer_gguf("attn_q.bias"), when=bias, rope_heads=q_heads),
+        Param("k_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,), _layer_hf("self_attn.k_proj.bias"),
+              _layer_gguf("attn_k.bias"), when=bias, rope_heads=kv_heads),
+        Param("v_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,), _layer_hf("self_attn.v_proj.bias"),
+              _layer_gguf("attn_v.bias"), when=bias),
+        Param("o_bias", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _layer_hf("self_attn.o_proj.bias"),
+              _layer_gguf("attn_output.bias"), when=lambda a: a.o_bias),
+    )
+    if qk_norm is None:
+        return rows
+    return rows + (
+        Param("q_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,), _layer_hf("self_attn.q_norm.weight"),
+              norm(_layer_gguf("attn_q_norm.weight")), when=qk_norm),
+        Param("k_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,), _layer_hf("self_attn.k_norm.weight"),
+              norm(_layer_gguf("attn_k_norm.weight")), when=qk_norm),
+    )

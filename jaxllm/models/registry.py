@@ -1,8 +1,9 @@
 """Architecture registry, keyed by the HF architecture name in ``config.json``.
 
 Each entry is a :class:`Family`: the module that implements the forward (its ``PARAMS``,
-``forward``, ``compute_logits``) and what else the family provides the engine, declared
-once; architectures that differ only in ``ArchConfig`` flags share one family.
+``forward``, ``compute_logits``), its config type (``from_hf`` / ``from_gguf``) and what else
+the family provides the engine, declared once; architectures that differ only in
+``ArchConfig`` flags share one family.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import deepseek, gemma, gguf_arch, gpt_oss, llama, qwen3_next
-from jaxllm.models.config import ArchConfig
+from jaxllm.models import deepseek, gemma, gpt_oss, llama, qwen3_next
+from jaxllm.models.config import ArchConfig, FamilyConfig
 
 
 @dataclass(frozen=True)
@@ -23,8 +24,9 @@ class Family:
 
     module: ModuleType
     """Its parameter table (``PARAMS``), ``forward`` and ``compute_logits``."""
-    read_config: Callable
-    """``(hf_config, architecture, where) -> ArchConfig``: the family's reader of a transformers config."""
+    config: type[FamilyConfig]
+    """The family's config type: ``from_hf`` (a transformers config) and ``from_gguf`` (a GGUF
+    file's metadata) give its ``ArchConfig``."""
     cache_kinds: Callable | None = None
     """``(arch, itemsize, kv_cache_dtype) -> CacheKind``s the KV budget sizes (engine/resolve.py)."""
     allocate_cache: Callable | None = None
@@ -37,12 +39,12 @@ class Family:
     runner gives each request a state slot; prefix caching and speculative decoding do not apply."""
 
 
-DECODER = Family(llama, read_config=llama.arch_config)
-GEMMA = Family(gemma, read_config=gemma.arch_config, rope_tables=gemma.rope_tables)
-GPT_OSS = Family(gpt_oss, read_config=gpt_oss.arch_config)
-MLA = Family(deepseek, read_config=deepseek.arch_config, cache_kinds=deepseek.cache_kinds,
+DECODER = Family(llama, config=llama.LlamaConfig)
+GEMMA = Family(gemma, config=gemma.GemmaConfig, rope_tables=gemma.rope_tables)
+GPT_OSS = Family(gpt_oss, config=gpt_oss.GptOssConfig)
+MLA = Family(deepseek, config=deepseek.DeepseekConfig, cache_kinds=deepseek.cache_kinds,
              allocate_cache=deepseek.allocate_cache)
-HYBRID = Family(qwen3_next, read_config=qwen3_next.arch_config, cache_kinds=qwen3_next.cache_kinds,
+HYBRID = Family(qwen3_next, config=qwen3_next.Qwen3NextConfig, cache_kinds=qwen3_next.cache_kinds,
                 allocate_cache=qwen3_next.allocate_cache, per_sequence_state=qwen3_next.PER_SEQUENCE_STATE)
 
 _REGISTRY: dict[str, Family] = {
@@ -71,15 +73,10 @@ _REGISTRY: dict[str, Family] = {
     "Qwen3_5MoeForCausalLM": HYBRID,
 }
 
-# GGUF's general.architecture -> HF architecture name.
-GGUF_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    # Gemma 2/3, Phi-3, SmolLM3, OLMo 2 (and 3), Granite, GLM-4-MoE, GPT-OSS (metadata: models/gguf_arch.py)
-    **gguf_arch.ARCHITECTURES,
-}
+# GGUF's general.architecture -> HF architecture name, as each family's config declares it
+# (llama, mistral, qwen2, qwen3 and the Llama variants; gemma2/3; gpt-oss).
+GGUF_ARCHITECTURES = {**llama.config.GGUF_ARCHITECTURES, **gemma.config.GGUF_ARCHITECTURES,
+                      **gpt_oss.config.GGUF_ARCHITECTURES}
 
 
 def gguf_hf_architectures() -> set[str]:
@@ -88,11 +85,21 @@ def gguf_hf_architectures() -> set[str]:
 
 
 def read_config(hf, where: str) -> ArchConfig:
-    """A transformers ``PretrainedConfig`` -> its family's ``ArchConfig`` (:attr:`Family.read_config`)."""
+    """A transformers ``PretrainedConfig`` -> its family's ``ArchConfig`` (``Family.config.from_hf``)."""
     arch = (getattr(hf, "architectures", None) or [None])[0]
     if arch is None:
         raise ModelLoadError(f"{where}: config.json names no architecture")
-    return get_family(arch).read_config(hf, arch, where)
+    return get_family(arch).config.from_hf(hf, arch, where)
+
+
+def read_gguf_config(fields: dict, tensors: dict, path: str, read=None) -> ArchConfig:
+    """A GGUF file's metadata -> its family's ``ArchConfig`` (``Family.config.from_gguf``;
+    ``tensors``: name -> shape as GGUF stores it; ``read``: a config tensor's values by name)."""
+    gguf_name = fields.get("general.architecture")
+    if gguf_name not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: GGUF architecture {gguf_name!r} is not supported; "
+                             f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+    return get_family(GGUF_ARCHITECTURES[gguf_name]).config.from_gguf(fields, tensors, gguf_name, path, read)
 
 
 def supported_architectures() -> list[str]:

@@ -70,19 +70,19 @@ def test_prompt_logits_match_transformers(variant, scan, kernels, ckpts, hf_mode
 def test_config_reading(ckpts, hf_models):
     v3 = load_model(ckpts["deepseek_v3"])
     a = v3.arch
-    assert (a.kv_lora_rank, a.q_lora_rank, a.qk_nope_head_dim, a.head_dim, a.v_head_dim) == (32, 24, 16, 8, 24)
-    assert (a.router_scoring, a.n_group, a.topk_group, a.first_k_dense, a.shared_experts) == ("sigmoid", 4, 2, 1, 1)
-    assert a.rope_interleave and a.norm_topk_prob and a.routed_scaling_factor == 2.5
+    assert (a.mla.kv_lora_rank, a.mla.q_lora_rank, a.mla.qk_nope_head_dim, a.head_dim, a.mla.v_head_dim) == (32, 24, 16, 8, 24)
+    assert (a.moe.router_scoring, a.moe.n_group, a.moe.topk_group, a.moe.first_k_dense, a.moe.shared_experts) == ("sigmoid", 4, 2, 1, 1)
+    assert a.mla.rope_interleave and a.norm_topk_prob and a.moe.routed_scaling_factor == 2.5
     attn = hf_models["deepseek_v3"].model.layers[0].self_attn
     assert a.attn_scale == pytest.approx(attn.scaling, rel=1e-6) and a.attn_scale != 24 ** -0.5   # mscale_all_dim
     rot = hf_models["deepseek_v3"].model.rotary_emb
     np.testing.assert_allclose(v3.rope_inv_freq, rot.inv_freq.numpy(), rtol=1e-6)
     assert a.rope_scaling.attention_factor == pytest.approx(rot.attention_scaling) != 1.0
     lite = load_model(ckpts["deepseek_v2_lite"]).arch
-    assert (lite.q_lora_rank, lite.router_scoring, lite.norm_topk_prob, lite.topk_method) == (0, "softmax", False,
+    assert (lite.mla.q_lora_rank, lite.moe.router_scoring, lite.norm_topk_prob, lite.moe.topk_method) == (0, "softmax", False,
                                                                                               "greedy")
     v2 = load_model(ckpts["deepseek_v2"]).arch
-    assert (v2.topk_method, v2.n_group, v2.topk_group, v2.uniform_layers) == ("group_limited_greedy", 4, 1, True)
+    assert (v2.moe.topk_method, v2.moe.n_group, v2.moe.topk_group, v2.uniform_layers) == ("group_limited_greedy", 4, 1, True)
 
 
 def test_paged_mla_matches_its_reference():
@@ -171,7 +171,7 @@ def test_latent_cache_bytes_stay_within_the_budget(ckpts, scan_layers, budget):
     nbytes = runner.kv_cache_bytes()
     assert nbytes == r.kv.total_bytes and nbytes <= budget
     assert budget - nbytes < r.kv.bytes_per_block
-    assert r.kv.bytes_per_block == a.num_layers * r.kv.block_size * (a.kv_lora_rank + a.head_dim) * 4
+    assert r.kv.bytes_per_block == a.num_layers * r.kv.block_size * (a.mla.kv_lora_rank + a.head_dim) * 4
     assert "MLA latent + rope key 2 layers" in r.kv.describe(128)
 
 

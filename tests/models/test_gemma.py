@@ -109,12 +109,12 @@ def test_arch_configs(family_checkpoints):  # noqa: F811
     g2 = load_model(family_checkpoints["gemma2"]).arch
     assert g2.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert [g2.window(i) for i in range(3)] == [8, None, 8]
-    assert (g2.attn_soft_cap, g2.final_soft_cap, g2.qk_norm, g2.rope_local_theta) == (5.0, 10.0, False, None)
+    assert (g2.gemma.attn_soft_cap, g2.gemma.final_soft_cap, g2.qk_norm, g2.gemma.rope_local_theta) == (5.0, 10.0, False, None)
     assert g2.attn_scale == pytest.approx(24 ** -0.5)
     g3 = load_model(family_checkpoints["gemma3"])
     a = g3.arch
-    assert [a.window(i) for i in range(4)] == [8, 8, None, 8] and a.qk_norm and a.attn_soft_cap is None
-    assert (a.rope_theta, a.rope_local_theta, a.rope_scaling.rope_type, a.rope_scaling.factor) == (
+    assert [a.window(i) for i in range(4)] == [8, 8, None, 8] and a.qk_norm and a.gemma.attn_soft_cap is None
+    assert (a.rope_theta, a.gemma.rope_local_theta, a.rope_scaling.rope_type, a.rope_scaling.factor) == (
         1e6, 1e4, "linear", 4.0)
     # The local table is the default rope of base 1e4, the global one base 1e6 over 4.
     half = a.head_dim // 2

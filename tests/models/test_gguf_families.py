@@ -1,5 +1,5 @@
 """GGUF files of Gemma 2/3, Phi-3, SmolLM3, OLMo 2/3, Granite, GLM-4-MoE and GPT-OSS
-(``jaxllm/models/gguf_arch.py``) against their safetensors twins.
+(each family's ``config.py``, ``from_gguf``) against their safetensors twins.
 
 Each tiny random checkpoint (every option llama.cpp's GGUF can carry switched on; what it
 cannot, such as Gemma's query_pre_attn_scalar or GPT-OSS's SwiGLU limit, left at the value
@@ -304,25 +304,29 @@ def _fields(arch: str, L: int, **extra) -> dict:
 _EMBED = {"token_embd.weight": (64, 1000)}
 
 
+def arch_config(fields: dict, tensors: dict, gguf_arch: str, path: str):
+    """The metadata read by the config type of the family the registry maps ``gguf_arch`` to."""
+    from jaxllm.models.registry import GGUF_ARCHITECTURES, get_family
+    return get_family(GGUF_ARCHITECTURES[gguf_arch]).config.from_gguf(fields, tensors, gguf_arch, path)
+
+
 def test_gemma_metadata_follows_llama_cpp():
     """llama.cpp's Gemma rules where the file is silent: the 27B layer counts take
     (hidden / heads) ** -0.5 as the softmax scale, the others head_dim ** -0.5; Gemma 2's caps
     default to 50 / 30 and its window to 4096; Gemma 3 without a window is global everywhere."""
-    from jaxllm.models.gguf_arch import arch_config
     big = arch_config(_fields("gemma2", 46), _EMBED, "gemma2", "f.gguf")
     assert big.attn_scale == (64 // 4) ** -0.5
     small = arch_config(_fields("gemma2", 26), _EMBED, "gemma2", "f.gguf")
     assert small.attn_scale == 32 ** -0.5
-    assert (small.attn_soft_cap, small.final_soft_cap, small.sliding_window) == (50.0, 30.0, 4096)
+    assert (small.gemma.attn_soft_cap, small.gemma.final_soft_cap, small.sliding_window) == (50.0, 30.0, 4096)
     assert small.layer_types[:2] == ("sliding_attention", "full_attention")
     g3 = arch_config(_fields("gemma3", 62), _EMBED, "gemma3", "f.gguf")
     assert g3.attn_scale == 16 ** -0.5 and g3.layer_types == ("full_attention",) * 62
-    assert g3.rope_local_theta == 10000.0 and g3.final_soft_cap is None and g3.vocab_size == 1000
+    assert g3.gemma.rope_local_theta == 10000.0 and g3.gemma.final_soft_cap is None and g3.vocab_size == 1000
 
 
 def test_end_of_generation_ids_are_llama_cpps():
     """eos, eot and eom all end a generation (llama.cpp's end-of-generation set)."""
-    from jaxllm.models.gguf_arch import arch_config
     fields = {**_fields("phi3", 2), "tokenizer.ggml.eos_token_id": 32000, "tokenizer.ggml.eot_token_id": 32007,
               "tokenizer.ggml.bos_token_id": 1}
     arch = arch_config(fields, _EMBED, "phi3", "f.gguf")
@@ -330,7 +334,6 @@ def test_end_of_generation_ids_are_llama_cpps():
 
 
 def test_per_layer_metadata_is_refused_by_name():
-    from jaxllm.models.gguf_arch import arch_config
     fields = _fields("granite", 2)
     fields["granite.attention.head_count_kv"] = [2, 1]
     with pytest.raises(ModelLoadError, match=r"granite\.attention\.head_count_kv differs between layers"):

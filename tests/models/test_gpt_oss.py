@@ -108,7 +108,7 @@ def test_arch_config_and_yarn_frequencies(ckpt, hf_model):
     assert a.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size, a.qkv_bias, a.o_bias) == (4, 2, 32, True,
                                                                                                      True)
-    assert (a.swiglu_limit, a.swiglu_alpha) == (1.5, pytest.approx(1.702))
+    assert (a.gpt_oss.swiglu_limit, a.gpt_oss.swiglu_alpha) == (1.5, pytest.approx(1.702))
     rot = hf_model.model.rotary_emb
     np.testing.assert_allclose(model.rope_inv_freq, rot.inv_freq.numpy(), rtol=1e-6)
     assert a.rope_scaling.rope_type == "yarn" and a.rope_scaling.attention_factor == pytest.approx(

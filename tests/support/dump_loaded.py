@@ -5,7 +5,10 @@ built-in SmolLM2 GGUF, so that a refactor of ``jaxllm/models`` can be proven bit
     python tests/support/dump_loaded.py OUT_DIR [--compare BEFORE_DIR] [--only NAME,...]
 
 Each case is written as ``OUT_DIR/<case>.pkl``: {"arch": repr(ArchConfig), "arrays":
-{name: (dtype, shape, bytes)}}; ``--compare`` reports every case and array that differs.
+{name: (dtype, shape, bytes)}}; ``--compare`` reports every case and array that differs.  The
+configs are compared as flat views (every leaf field's value by name, a family's nested section
+such as ``arch.mla`` spread out, an absent one as its defaults), so that a field moving into a
+section compares equal while any value that changes does not.
 Checkpoints are built under ``OUT_DIR/ckpt`` (reused when present: the same seed builds the
 same bytes, so before and after read identical files when pointed at one ckpt folder).
 """
@@ -13,6 +16,8 @@ same bytes, so before and after read identical files when pointed at one ckpt fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import os
 import pickle
 import sys
@@ -36,6 +41,47 @@ def _flatten(prefix: str, a, out: dict) -> None:
     else:
         v = np.asarray(a)
         out[prefix] = (str(v.dtype), v.shape, v.tobytes())
+
+
+def _sections() -> dict:
+    """ArchConfig field -> the type of a nested per-family section."""
+    from jaxllm.models.config import MoeRouting
+    from jaxllm.models.deepseek import DeepseekConfig
+    from jaxllm.models.gemma import GemmaConfig
+    from jaxllm.models.gpt_oss import GptOssConfig
+    from jaxllm.models.llama import LlamaConfig
+    return {"moe": MoeRouting, "variant": LlamaConfig, "gemma": GemmaConfig, "gpt_oss": GptOssConfig,
+            "mla": DeepseekConfig}
+
+
+def flat_arch(arch) -> dict:
+    """name -> repr(value) of every leaf field of ``arch`` (an ArchConfig, or the dict of a parsed
+    older repr), each section's fields under their own names (None: the section's defaults)."""
+    sections = _sections()
+    items = arch.items() if isinstance(arch, dict) else ((f.name, getattr(arch, f.name))
+                                                         for f in dataclasses.fields(arch))
+    out = {"__type__": arch.get("__type__") if isinstance(arch, dict) else type(arch).__name__}
+    for name, v in items:
+        if name == "__type__":
+            continue
+        if name in sections:
+            sec = sections[name]() if v is None else v
+            out.update({f.name: repr(getattr(sec, f.name)) for f in dataclasses.fields(sec)})
+        else:
+            out[name] = repr(v)
+    return out
+
+
+def parse_arch(text: str) -> dict:
+    """The fields of an ArchConfig repr (written by an older tree, whose fields may have moved)."""
+    from jaxllm.layers.rotary import RopeScaling
+    from jaxllm.models.qwen3_next import HybridConfig
+
+    def record(kind):
+        return lambda **kw: {"__type__": kind, **kw}
+    ns = {"ArchConfig": record("ArchConfig"), "HybridArch": record("HybridArch"), "RopeScaling": RopeScaling,
+          "HybridConfig": HybridConfig, "inf": math.inf, "nan": math.nan}
+    return eval(text, ns)   # our own dumps' text only
 
 
 def dump_loaded(m) -> dict:
@@ -133,14 +179,18 @@ def main() -> None:
     for case, load in _cases(args.ckpt or os.path.join(args.out, "ckpt")):
         if only and not any(o in case for o in only):
             continue
-        d = dump_loaded(load())
+        m = load()
+        load_arch = [m.arch]
+        d = dump_loaded(m)
         with open(os.path.join(args.out, f"{case}.pkl"), "wb") as f:
             pickle.dump(d, f)
         msg = f"{case}: {len(d['arrays'])} arrays"
         if args.compare:
             with open(os.path.join(args.compare, f"{case}.pkl"), "rb") as f:
                 old = pickle.load(f)
-            diffs = [k for k in ("arch", "generation_config", "tokenizer") if old[k] != d[k]]
+            diffs = [k for k in ("generation_config", "tokenizer") if old[k] != d[k]]
+            old_arch, new_arch = flat_arch(parse_arch(old["arch"])), flat_arch(load_arch[0])
+            diffs += [f"arch.{k}" for k in sorted(set(old_arch) | set(new_arch)) if old_arch.get(k) != new_arch.get(k)]
             keys = set(old["arrays"]) | set(d["arrays"])
             diffs += [k for k in sorted(keys) if old["arrays"].get(k) != d["arrays"].get(k)]
             bad += bool(diffs)

@@ -22,17 +22,8 @@ from jaxllm.layers.linear import linear, matmul
 from jaxllm.layers.rotary import apply_rope, cos_sin, inv_frequencies
 from jaxllm.models.config import RopeScaling
 from jaxllm.models.loader import NameMap, _assemble, read_safetensors
-from jaxllm.models.qwen3_next.model import (
-    ARCHITECTURES,
-    PARAMS,
-    HybridConfig,
-    _gdn_mix,
-    _gdn_out,
-    _gdn_projections,
-    _norm,
-    config_from_hf,
-    mlp,
-)
+from jaxllm.models.qwen3_next import ARCHITECTURES, PARAMS, HybridConfig, config_from_hf, mlp
+from jaxllm.models.qwen3_next.model import _gdn_mix, _gdn_out, _gdn_projections, _norm
 
 
 def rope_inv_freq(cfg: HybridConfig) -> np.ndarray:

@@ -1,23 +1,43 @@
-"""DeepSeek-V2/V3's config reader: a transformers config -> ``ArchConfig`` (the MLA ranks, YaRN
+"""DeepSeek-V2/V3's config (:class:`DeepseekConfig`): a transformers config -> ``ArchConfig`` (the MLA ranks, YaRN
 with its softmax-scale correction, the routing of V2 and V3), refusing by name what the
 engine does not implement."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models.config import ArchConfig, _eos_tuple, rope_scaling_from_dict
+from jaxllm.models.config import ArchConfig, FamilyConfig, MoeRouting, _eos_tuple, rope_scaling_from_dict
 
 ROPE_TYPES = ("default", "yarn")
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class DeepseekConfig(FamilyConfig):
+    """Multi-head latent attention's ranks (``ArchConfig.mla``) and DeepSeek-V2/V3's config
+    reader (the registry's ``Family.config``); no GGUF form."""
+
+    kv_lora_rank: int = 0
+    """The latent each token caches."""
+    q_lora_rank: int = 0
+    """The query's low-rank width (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``); 0: one ``q_proj``."""
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    """RoPE rotates interleaved pairs (DeepSeek's layout), not the two halves of the rope dims."""
+
+    @classmethod
+    def from_hf(cls, hf, arch: str, where: str) -> ArchConfig:
+        return _from_hf(hf, arch, where)
 
 
 def _mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
-def arch_config(hf, arch: str, where: str) -> ArchConfig:
+def _from_hf(hf, arch: str, where: str) -> ArchConfig:
     """A ``DeepseekV2Config`` / ``DeepseekV3Config`` -> ArchConfig; refuses by name what the
     model does not implement."""
     def get(name, default=None):
@@ -92,16 +112,10 @@ def arch_config(hf, arch: str, where: str) -> ArchConfig:
         moe_intermediate_size=int(get("moe_intermediate_size")),
         norm_topk_prob=bool(get("norm_topk_prob", False)) if v3 else False,   # V2's router never renormalises
         attn_scale=scale,
-        first_k_dense=min(int(get("first_k_dense_replace", 0)), L),
-        shared_experts=int(get("n_shared_experts", 0) or 0),
-        router_scoring="sigmoid" if v3 else "softmax",
-        n_group=n_group,
-        topk_group=topk_group,
-        routed_scaling_factor=float(get("routed_scaling_factor", 1.0)),
-        kv_lora_rank=kv_rank,
-        q_lora_rank=int(get("q_lora_rank", 0) or 0),
-        qk_nope_head_dim=nope,
-        v_head_dim=v_dim,
-        rope_interleave=bool(get("rope_interleave", True)) if v3 else True,
-        topk_method=topk_method,
+        moe=MoeRouting(first_k_dense=min(int(get("first_k_dense_replace", 0)), L),
+                       shared_experts=int(get("n_shared_experts", 0) or 0),
+                       router_scoring="sigmoid" if v3 else "softmax", n_group=n_group, topk_group=topk_group,
+                       routed_scaling_factor=float(get("routed_scaling_factor", 1.0)), topk_method=topk_method),
+        mla=DeepseekConfig(kv_lora_rank=kv_rank, q_lora_rank=int(get("q_lora_rank", 0) or 0), qk_nope_head_dim=nope,
+                           v_head_dim=v_dim, rope_interleave=bool(get("rope_interleave", True)) if v3 else True),
     )

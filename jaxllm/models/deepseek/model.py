@@ -49,7 +49,7 @@ from jaxllm.parallel.sharding import LAYERS, cache_array
 
 def latent_width(arch: ArchConfig) -> int:
     """Values cached per token and layer: the latent and the rotary key."""
-    return arch.kv_lora_rank + arch.head_dim
+    return arch.mla.kv_lora_rank + arch.head_dim
 
 
 def cache_kinds(arch: ArchConfig, itemsize: int, kv_cache_dtype: str = "auto") -> tuple[CacheKind, ...]:
@@ -82,7 +82,7 @@ def _rope(cfg: ArchConfig, x, cos, sin):
     # x [T, H, Dr]; DeepSeek's interleaved pairs (x0, x1), (x2, x3), ... each rotated by one
     # frequency.  The result is laid out de-interleaved (evens' rotations, then odds'), which
     # changes no dot product: q and k are laid out alike.
-    if not cfg.rope_interleave:
+    if not cfg.mla.rope_interleave:
         return apply_rope(x, cos, sin)
     xf = x.astype(jnp.float32)
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
@@ -95,14 +95,14 @@ def _route_v2(cfg: ArchConfig, h, router):
     expert, ``group_limited_greedy`` zeroing all but the ``topk_group`` groups of best single
     expert, the top k probabilities (not renormalised) times ``routed_scaling_factor``."""
     probs = jax.nn.softmax(matmul(h, router), axis=-1)             # [T, E] float32
-    if cfg.topk_method == "group_limited_greedy" and cfg.n_group > 1:
+    if cfg.moe.topk_method == "group_limited_greedy" and cfg.moe.n_group > 1:
         T, E = probs.shape
-        G = cfg.n_group
-        best = jax.lax.top_k(probs.reshape(T, G, E // G).max(axis=-1), cfg.topk_group)[1]   # [T, topk_group]
+        G = cfg.moe.n_group
+        best = jax.lax.top_k(probs.reshape(T, G, E // G).max(axis=-1), cfg.moe.topk_group)[1]   # [T, topk_group]
         keep = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], best].set(True)
         probs = jnp.where(jnp.repeat(keep, E // G, axis=1), probs, 0.0)
     weights, experts = jax.lax.top_k(probs, cfg.num_experts_per_tok)   # [T, k]
-    return weights * jnp.float32(cfg.routed_scaling_factor), experts.astype(jnp.int32)
+    return weights * jnp.float32(cfg.moe.routed_scaling_factor), experts.astype(jnp.int32)
 
 
 def _mlp(cfg: ArchConfig, h, lp, layer, md: AttentionMetadata, kernels: Kernels, experts):
@@ -113,7 +113,7 @@ def _mlp(cfg: ArchConfig, h, lp, layer, md: AttentionMetadata, kernels: Kernels,
                       lp["down"], backend=mm)
     w = experts if experts is not None else lp
     stack_layer = layer if experts is not None else None
-    if cfg.router_scoring == "sigmoid":
+    if cfg.moe.router_scoring == "sigmoid":
         y = moe_mlp(h, lp["router"], w["experts_gate"], w["experts_up"], w["experts_down"], cfg.num_experts_per_tok,
                     cfg.norm_topk_prob, kernels.moe, layer=stack_layer, num_tokens=md.query_start_loc[-1],
                     routing=Routing.of(cfg), bias=lp["router_bias"])
@@ -132,8 +132,8 @@ def _attention(cfg: ArchConfig, h, lp, pages, layer, md: AttentionMetadata, cos,
     # h [T, D] -> ([T, D], pages)
     T = h.shape[0]
     mm = kernels.linear
-    H, Dn, Dr, Dv, R = cfg.num_heads, cfg.qk_nope_head_dim, cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-    if cfg.q_lora_rank:
+    H, Dn, Dr, Dv, R = cfg.num_heads, cfg.mla.qk_nope_head_dim, cfg.head_dim, cfg.mla.v_head_dim, cfg.mla.kv_lora_rank
+    if cfg.mla.q_lora_rank:
         q = linear(rms_norm(linear(h, lp["q_a"], backend=mm), lp["q_a_norm"], cfg.rms_norm_eps), lp["q_b"], backend=mm)
     else:
         q = linear(h, lp["q"], backend=mm)

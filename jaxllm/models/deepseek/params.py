@@ -20,7 +20,7 @@ def _moe_layer(a: ArchConfig, i: int) -> bool:
 
 
 def _qk_head(a: ArchConfig) -> int:
-    return a.qk_nope_head_dim + a.head_dim
+    return a.mla.qk_nope_head_dim + a.head_dim
 
 
 _FUSED_GATE_UP = _hf("mlp.experts.gate_up_proj")   # transformers 5's fused experts [E, 2F, D]
@@ -35,23 +35,23 @@ PARAMS = ParamTable(params=(
     Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("input_layernorm.weight")),
     # The query: one projection, or the low-rank pair with its norm.  Rows are head-major.
     Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.num_heads * _qk_head(a), a.hidden_size),
-          _hf("self_attn.q_proj.weight"), when=lambda a: not a.q_lora_rank, native=always),
-    Param("q_a", LAYER, MATRIX, ("q_lora", "embed"), lambda a: (a.q_lora_rank, a.hidden_size),
-          _hf("self_attn.q_a_proj.weight"), when=lambda a: bool(a.q_lora_rank), native=always),
-    Param("q_a_norm", LAYER, VECTOR, ("q_lora",), lambda a: (a.q_lora_rank,),
-          _hf("self_attn.q_a_layernorm.weight"), when=lambda a: bool(a.q_lora_rank)),
-    Param("q_b", LAYER, MATRIX, ("q_heads", "q_lora"), lambda a: (a.num_heads * _qk_head(a), a.q_lora_rank),
-          _hf("self_attn.q_b_proj.weight"), when=lambda a: bool(a.q_lora_rank), native=always),
+          _hf("self_attn.q_proj.weight"), when=lambda a: not a.mla.q_lora_rank, native=always),
+    Param("q_a", LAYER, MATRIX, ("q_lora", "embed"), lambda a: (a.mla.q_lora_rank, a.hidden_size),
+          _hf("self_attn.q_a_proj.weight"), when=lambda a: bool(a.mla.q_lora_rank), native=always),
+    Param("q_a_norm", LAYER, VECTOR, ("q_lora",), lambda a: (a.mla.q_lora_rank,),
+          _hf("self_attn.q_a_layernorm.weight"), when=lambda a: bool(a.mla.q_lora_rank)),
+    Param("q_b", LAYER, MATRIX, ("q_heads", "q_lora"), lambda a: (a.num_heads * _qk_head(a), a.mla.q_lora_rank),
+          _hf("self_attn.q_b_proj.weight"), when=lambda a: bool(a.mla.q_lora_rank), native=always),
     # The latent and the shared rotary key, [R + Dr, D]; the latent's norm.
-    Param("kv_a", LAYER, MATRIX, ("kv_lora", "embed"), lambda a: (a.kv_lora_rank + a.head_dim, a.hidden_size),
+    Param("kv_a", LAYER, MATRIX, ("kv_lora", "embed"), lambda a: (a.mla.kv_lora_rank + a.head_dim, a.hidden_size),
           _hf("self_attn.kv_a_proj_with_mqa.weight"), native=always),
-    Param("kv_a_norm", LAYER, VECTOR, ("kv_lora",), lambda a: (a.kv_lora_rank,), _hf("self_attn.kv_a_layernorm.weight")),
+    Param("kv_a_norm", LAYER, VECTOR, ("kv_lora",), lambda a: (a.mla.kv_lora_rank,), _hf("self_attn.kv_a_layernorm.weight")),
     # W_UK and W_UV of every head, [H * (Dn + Dv), R]: read per head by the absorbed form
     # (an einsum, never the native matmul).
     Param("kv_b", LAYER, MATRIX, ("q_heads", "kv_lora"),
-          lambda a: (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
+          lambda a: (a.num_heads * (a.mla.qk_nope_head_dim + a.mla.v_head_dim), a.mla.kv_lora_rank),
           _hf("self_attn.kv_b_proj.weight")),
-    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.num_heads * a.v_head_dim),
+    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.num_heads * a.mla.v_head_dim),
           _hf("self_attn.o_proj.weight"), native=always),
     Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("post_attention_layernorm.weight")),
     Param("gate", LAYER, MATRIX, ("mlp", "embed"), lambda a: (a.intermediate_size, a.hidden_size),
@@ -63,18 +63,18 @@ PARAMS = ParamTable(params=(
     Param("router", LAYER, MATRIX, ("expert_logits", "embed"), lambda a: (a.num_experts, a.hidden_size),
           _hf("mlp.gate.weight"), in_layer=_moe_layer),
     Param("router_bias", LAYER, VECTOR, ("expert_logits",), lambda a: (a.num_experts,),
-          _hf("mlp.gate.e_score_correction_bias"), when=lambda a: a.router_scoring == "sigmoid", in_layer=_moe_layer),
+          _hf("mlp.gate.e_score_correction_bias"), when=lambda a: a.moe.router_scoring == "sigmoid", in_layer=_moe_layer),
     Param("shared_gate", LAYER, MATRIX, ("moe_mlp", "embed"),
-          lambda a: (a.shared_experts * a.moe_intermediate_size, a.hidden_size),
-          _hf("mlp.shared_experts.gate_proj.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
+          lambda a: (a.moe.shared_experts * a.moe_intermediate_size, a.hidden_size),
+          _hf("mlp.shared_experts.gate_proj.weight"), when=lambda a: a.moe.shared_experts > 0, in_layer=_moe_layer,
           native=always),
     Param("shared_up", LAYER, MATRIX, ("moe_mlp", "embed"),
-          lambda a: (a.shared_experts * a.moe_intermediate_size, a.hidden_size),
-          _hf("mlp.shared_experts.up_proj.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
+          lambda a: (a.moe.shared_experts * a.moe_intermediate_size, a.hidden_size),
+          _hf("mlp.shared_experts.up_proj.weight"), when=lambda a: a.moe.shared_experts > 0, in_layer=_moe_layer,
           native=always),
     Param("shared_down", LAYER, MATRIX, ("embed", "moe_mlp"),
-          lambda a: (a.hidden_size, a.shared_experts * a.moe_intermediate_size),
-          _hf("mlp.shared_experts.down_proj.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
+          lambda a: (a.hidden_size, a.moe.shared_experts * a.moe_intermediate_size),
+          _hf("mlp.shared_experts.down_proj.weight"), when=lambda a: a.moe.shared_experts > 0, in_layer=_moe_layer,
           native=always),
     Param("experts_gate", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
           lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size),

@@ -69,7 +69,7 @@ def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMeta
     cos, sin = rope["local" if window is not None and "local" in rope else "global"]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
-    o, kv = attend(q, k, v, kv, layer, md, scale=scale, sliding_window=window, soft_cap=cfg.attn_soft_cap,
+    o, kv = attend(q, k, v, kv, layer, md, scale=scale, sliding_window=window, soft_cap=cfg.gemma.attn_soft_cap,
                    backend=kernels.attention)                           # [T, Hq, Dh]
     x = x + gemma_norm(linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm), lp["post_norm"], eps)
     h = gemma_norm(x, lp["pre_ffn_norm"], eps)
@@ -115,6 +115,7 @@ def compute_logits(cfg: ArchConfig, params: dict, hidden: jax.Array, kernels: Ke
     """hidden [S, D] -> float32 logits [S, V], soft-capped when the config says so."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = matmul(hidden, w, kernels.linear)
-    if cfg.final_soft_cap is not None:
-        logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
+    cap = cfg.gemma.final_soft_cap
+    if cap is not None:
+        logits = cap * jnp.tanh(logits / cap)
     return logits

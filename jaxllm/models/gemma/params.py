@@ -3,7 +3,8 @@ converter adds 1 to every Gemma norm: ``params.Stored`` with ``offset=1``)."""
 
 from __future__ import annotations
 
-from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Fused, Param, ParamTable, Stored, always
+from jaxllm.models.params import (GLOBAL, LAYER, MATRIX, VECTOR, Fused, Param, ParamTable, Stored, always,
+                                  attention_params)
 
 
 def _hf(suffix: str) -> str:
@@ -32,29 +33,10 @@ PARAMS = ParamTable(params=(
           "lm_head.weight", "output.weight", when=_if("tie_word_embeddings", False), native=always),
     Param("rope_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.head_dim // 2,), from_checkpoint=False),
     Param("rope_local_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.head_dim // 2,), from_checkpoint=False,
-          when=lambda a: a.rope_local_theta is not None),
+          when=lambda a: a.gemma.rope_local_theta is not None),
     Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("input_layernorm.weight"),
           _norm(_gguf("attn_norm.weight"))),
-    Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.q_size, a.hidden_size),
-          _hf("self_attn.q_proj.weight"), _gguf("attn_q.weight"), native=always),
-    Param("k", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _hf("self_attn.k_proj.weight"), _gguf("attn_k.weight"), native=always),
-    Param("v", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _hf("self_attn.v_proj.weight"), _gguf("attn_v.weight"), native=always),
-    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.q_size),
-          _hf("self_attn.o_proj.weight"), _gguf("attn_output.weight"), native=always),
-    Param("q_bias", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,), _hf("self_attn.q_proj.bias"),
-          _gguf("attn_q.bias"),           when=_if("qkv_bias")),
-    Param("k_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,), _hf("self_attn.k_proj.bias"),
-          _gguf("attn_k.bias"),           when=_if("qkv_bias")),
-    Param("v_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,), _hf("self_attn.v_proj.bias"),
-          _gguf("attn_v.bias"),           when=_if("qkv_bias")),
-    Param("o_bias", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("self_attn.o_proj.bias"),
-          _gguf("attn_output.bias"),           when=_if("o_bias")),
-    Param("q_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,), _hf("self_attn.q_norm.weight"),
-          _norm(_gguf("attn_q_norm.weight")),           when=_if("qk_norm")),
-    Param("k_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,), _hf("self_attn.k_norm.weight"),
-          _norm(_gguf("attn_k_norm.weight")),           when=_if("qk_norm")),
+    *attention_params(norm_gguf=_norm, qk_norm=_if("qk_norm")),
     Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("post_attention_layernorm.weight"),
           _norm(_gguf("post_attention_norm.weight"))),
     Param("pre_ffn_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),

@@ -88,7 +88,7 @@ def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMeta
     # Tokens past query_start_loc[-1] are bucket padding: routed nowhere.
     impl = "expert_parallel" if kernels.moe == "expert_parallel" else "grouped"
     y = routed_experts(h, weights, chosen, tuple(w[n] for n in EXPERT_PARAMS), impl,
-                       _expert_fn(cfg.swiglu_alpha, cfg.swiglu_limit),
+                       _expert_fn(cfg.gpt_oss.swiglu_alpha, cfg.gpt_oss.swiglu_limit),
                        layer=layer if experts is not None else None, num_tokens=md.query_start_loc[-1])
     return x + y.astype(x.dtype), kv
 

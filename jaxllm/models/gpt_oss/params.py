@@ -4,7 +4,8 @@ converter splits the interleaved gate/up experts in two and stores every expert 
 
 from __future__ import annotations
 
-from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Fused, Param, ParamTable, Stored, always
+from jaxllm.models.params import (GLOBAL, LAYER, MATRIX, VECTOR, Fused, Param, ParamTable, Stored, always,
+                                  attention_params)
 
 
 def _hf(suffix: str) -> str:
@@ -24,22 +25,7 @@ PARAMS = ParamTable(params=(
     Param("rope_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.head_dim // 2,), from_checkpoint=False),
     Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("input_layernorm.weight"),
           _gguf("attn_norm.weight")),
-    Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.q_size, a.hidden_size),
-          _hf("self_attn.q_proj.weight"), _gguf("attn_q.weight"), native=always),
-    Param("k", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _hf("self_attn.k_proj.weight"), _gguf("attn_k.weight"), native=always),
-    Param("v", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _hf("self_attn.v_proj.weight"), _gguf("attn_v.weight"), native=always),
-    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.q_size),
-          _hf("self_attn.o_proj.weight"), _gguf("attn_output.weight"), native=always),
-    Param("q_bias", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,), _hf("self_attn.q_proj.bias"),
-          _gguf("attn_q.bias"),           when=lambda a: a.qkv_bias),
-    Param("k_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,), _hf("self_attn.k_proj.bias"),
-          _gguf("attn_k.bias"),           when=lambda a: a.qkv_bias),
-    Param("v_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,), _hf("self_attn.v_proj.bias"),
-          _gguf("attn_v.bias"),           when=lambda a: a.qkv_bias),
-    Param("o_bias", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("self_attn.o_proj.bias"),
-          _gguf("attn_output.bias"),           when=lambda a: a.o_bias),
+    *attention_params(),
     Param("sinks", LAYER, VECTOR, ("q_heads",), lambda a: (a.num_heads,), _hf("self_attn.sinks"), _gguf("attn_sinks.weight")),
     Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,), _hf("post_attention_layernorm.weight"),
           _gguf("post_attention_norm.weight")),

@@ -2,14 +2,14 @@
 decoder (Phi-3, SmolLM3, OLMo 2/3, Granite, GLM-4-MoE) that differ only in ``ArchConfig``
 switches.
 
-* ``config.py``: ``arch_config`` (a transformers config) and ``gguf_arch_config`` (llama.cpp's llama
-  layout's metadata) -> ``ArchConfig``; ``variants.py`` reads the variants' switches;
+* ``config.py``: ``LlamaConfig.from_hf`` (a transformers config) and ``LlamaConfig.from_gguf``
+  (llama.cpp's metadata) -> ``ArchConfig``; ``variants.py`` reads the variants' switches, HF and GGUF;
 * ``params.py``: the parameter table (HF and GGUF names, what the converter changed);
 * ``model.py``: the forward.
 """
 
-from jaxllm.models.llama.config import arch_config, gguf_arch_config
+from jaxllm.models.llama.config import LlamaConfig
 from jaxllm.models.llama.model import compute_logits, forward
 from jaxllm.models.llama.params import EXPERT_PARAMS, PARAMS
 
-__all__ = ["EXPERT_PARAMS", "PARAMS", "arch_config", "compute_logits", "forward", "gguf_arch_config"]
+__all__ = ["EXPERT_PARAMS", "LlamaConfig", "PARAMS", "compute_logits", "forward"]

@@ -1,20 +1,88 @@
-"""The Llama family's config readers: a transformers config (:func:`arch_config`) or a GGUF file's
-metadata in llama.cpp's llama / mistral / qwen2 / qwen3 layout (:func:`gguf_arch_config`) -> the
-``ArchConfig`` of the decoder in ``llama/model.py``.  The variants' switches (Phi-3, SmolLM3,
-OLMo 2/3, Granite, GLM-4-MoE) are read by ``llama/variants.py``."""
+"""The Llama family's config (:class:`LlamaConfig`): a transformers config or a GGUF file's
+metadata in llama.cpp's llama / mistral / qwen2 / qwen3 layout -> the ``ArchConfig`` of the
+decoder in ``llama/model.py``.  The variants' switches (Phi-3, SmolLM3, OLMo 2/3, Granite,
+GLM-4-MoE), HF and GGUF, are read by ``llama/variants.py``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields as dataclass_fields
+
 from jaxllm.errors import ModelLoadError
-from jaxllm.models.config import ArchConfig, RopeScaling, _eos_tuple, rope_scaling_from_dict
+from jaxllm.models.config import ArchConfig, FamilyConfig, RopeScaling, _eos_tuple, rope_scaling_from_dict
+from jaxllm.models.gguf_arch import finish
+from jaxllm.models.llama import variants
 from jaxllm.models.llama.variants import FAMILY_B, family_b_fields, glm4_moe_fields
 
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 
+# GGUF general.architecture -> HF architecture: llama.cpp's llama layout, then the variants'
+# own architecture names (their metadata: llama/variants.py).
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    **variants.GGUF_ARCHITECTURES,
+}
 
-def arch_config(hf, arch: str, where: str) -> ArchConfig:
+
+@dataclass(frozen=True)
+class LlamaConfig(FamilyConfig):
+    """The Llama variants' switches (``ArchConfig.variant``: SmolLM3, OLMo 2/3, Granite) and the
+    family's readers (the registry's ``Family.config``)."""
+
+    no_rope_layers: tuple[int, ...] = ()
+    """Layers that apply no rotary embedding (SmolLM3's NoPE layers)."""
+    post_norms_only: bool = False
+    """OLMo 2/3: no norm before attention and MLP; each output is normalised before the residual add."""
+    qk_norm_whole: bool = False
+    """With ``qk_norm``: one RMSNorm over the whole q (k) projection, not per head (OLMo 2/3)."""
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    """The softmax scale (Granite); None: ``head_dim ** -0.5``."""
+    logits_scaling: float = 1.0
+    """Logits are divided by it (Granite)."""
+
+    @classmethod
+    def from_hf(cls, hf, arch: str, where: str) -> ArchConfig:
+        return _from_hf(hf, arch, where)
+
+    @classmethod
+    def from_gguf(cls, fields: dict, tensors: dict, gguf_arch: str, path: str, read=None) -> ArchConfig:
+        """llama.cpp's metadata of one of :data:`GGUF_ARCHITECTURES` (``tensors``: name -> GGUF
+        shape; ``read``: Phi-3's LongRoPE factor tensors)."""
+        if gguf_arch not in variants.GGUF_ARCHITECTURES:
+            return _from_gguf(fields, tensors, gguf_arch, GGUF_ARCHITECTURES[gguf_arch], path)
+        m, base = variants.gguf_fields(fields, tensors, gguf_arch, path)
+        # Phi-3's rope.dimension_count is checked against its partial rotary in its reader
+        arch = finish(m, _with_variant(base), check_rope=gguf_arch != "phi3")
+        if gguf_arch == "phi3" and arch.longrope and read is not None:
+            arch = variants.with_longrope_factors(arch, read, path)
+        return arch
+
+
+_PLAIN = LlamaConfig()
+_VARIANT_FIELDS = tuple(f.name for f in dataclass_fields(LlamaConfig))
+
+
+def variant(arch: ArchConfig) -> LlamaConfig:
+    """``arch``'s variant switches (all at their defaults when ``arch.variant`` is None)."""
+    return arch.variant or _PLAIN
+
+
+def _with_variant(d: dict) -> dict:
+    """``d`` (ArchConfig fields) with the variants' switches moved into ``variant`` (None when
+    every one is at its default)."""
+    d = dict(d)
+    v = LlamaConfig(**{k: d.pop(k) for k in _VARIANT_FIELDS if k in d})
+    d["variant"] = None if v == _PLAIN else v
+    return d
+
+
+def _from_hf(hf, arch: str, where: str) -> ArchConfig:
     """Maps a transformers ``PretrainedConfig`` of the Llama-family decoder (the variants of
-    ``llama/variants.py`` included) to an ArchConfig (the registry's ``Family.read_config``)."""
+    ``llama/variants.py`` included) to an ArchConfig."""
 
     def get(*names, default=None):
         for n in names:
@@ -83,7 +151,7 @@ def arch_config(hf, arch: str, where: str) -> ArchConfig:
         **moe,
     )
     fields.update(family)
-    return ArchConfig(**fields)
+    return ArchConfig(**_with_variant(fields))
 
 
 def _moe_fields(arch: str, get, where: str) -> dict:
@@ -128,10 +196,10 @@ def _moe_fields(arch: str, get, where: str) -> dict:
                 norm_topk_prob=renorm)
 
 
-def gguf_arch_config(fields: dict, names: set[str], a: str, architecture: str, path: str) -> ArchConfig:
+def _from_gguf(fields: dict, names, a: str, architecture: str, path: str) -> ArchConfig:
     """The ``ArchConfig`` of a GGUF file in llama.cpp's llama / mistral / qwen2 / qwen3 layout
     (``a``: its general.architecture, ``architecture`` the HF one it runs as; ``names``: its
-    tensors' names)."""
+    tensors by name)."""
 
     def field(key, default=None):
         v = fields.get(key)

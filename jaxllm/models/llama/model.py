@@ -26,6 +26,7 @@ from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin, longrope_cos_sin
 from jaxllm.models.config import ArchConfig
 from jaxllm.models.kernels import Kernels
+from jaxllm.models.llama.config import variant
 from jaxllm.models.llama.params import EXPERT_PARAMS
 
 Params = dict
@@ -55,7 +56,8 @@ def _mlp(cfg: ArchConfig, h, lp, layer, md: AttentionMetadata, kernels: Kernels,
 
 def _residual(cfg: ArchConfig, x, y):
     # Granite scales each block's output; the others add it as it is.
-    return x + (y * cfg.residual_multiplier if cfg.residual_multiplier != 1.0 else y)
+    var = variant(cfg)
+    return x + (y * var.residual_multiplier if var.residual_multiplier != 1.0 else y)
 
 
 def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, cos, sin, kernels: Kernels,
@@ -63,10 +65,11 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     # x [T, D]; experts: the stacked expert weights (scan, with ``layer`` the index) or None
     # (the layer's own are in ``lp``); index: the layer's number (an int unrolled, traced under scan)
     T = x.shape[0]
+    var = variant(cfg)
     mm = kernels.linear
     # the native CPU path's norms: rows summed in one order whatever the step shape (cpu/norm.cc)
     nat = kernels.matmul == "native"
-    h = x if cfg.post_norms_only else rms_norm(x, lp["input_norm"], cfg.rms_norm_eps, nat)
+    h = x if var.post_norms_only else rms_norm(x, lp["input_norm"], cfg.rms_norm_eps, nat)
     if "qkv" in lp:   # fused projections (runner/weights.fused_parts)
         qkv = linear(h, lp["qkv"], lp.get("qkv_bias"), mm)              # [T, q_size + 2 * kv_size]
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
@@ -74,36 +77,36 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
         q = linear(h, lp["q"], lp.get("q_bias"), mm)
         k = linear(h, lp["k"], lp.get("k_bias"), mm)
         v = linear(h, lp["v"], lp.get("v_bias"), mm)
-    if cfg.qk_norm and cfg.qk_norm_whole:                                # OLMo 2/3: over [T, q_size]
+    if cfg.qk_norm and var.qk_norm_whole:                                # OLMo 2/3: over [T, q_size]
         q = rms_norm(q, lp["q_norm_full"], cfg.rms_norm_eps, nat)
         k = rms_norm(k, lp["k_norm_full"], cfg.rms_norm_eps, nat)
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
     k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm and not cfg.qk_norm_whole:
+    if cfg.qk_norm and not var.qk_norm_whole:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps, nat)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps, nat)
-    if not cfg.no_rope_layers:
+    if not var.no_rope_layers:
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     elif isinstance(index, int):
-        if index not in cfg.no_rope_layers:
+        if index not in var.no_rope_layers:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     else:   # scanned: the layer's NoPE flag is data
-        nope = jnp.asarray([i in cfg.no_rope_layers for i in range(cfg.num_layers)])[index]
+        nope = jnp.asarray([i in var.no_rope_layers for i in range(cfg.num_layers)])[index]
         q = jnp.where(nope, q, apply_rope(q, cos, sin))
         k = jnp.where(nope, k, apply_rope(k, cos, sin))
-    scale = cfg.head_dim ** -0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
+    scale = cfg.head_dim ** -0.5 if var.attention_multiplier is None else var.attention_multiplier
     # a layer's own window (OLMo 3's layer_types; mixed layers run unrolled, so index is an int)
     window = cfg.window(index) if isinstance(index, int) else cfg.sliding_window
     o, kv = attend(q, k, v, kv, layer, md, scale=scale, sliding_window=window,
                    backend=kernels.attention)                           # [T, Hq, Dh]
     o = linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm)
-    if cfg.post_norms_only:
+    if var.post_norms_only:
         o = rms_norm(o, lp["post_norm"], cfg.rms_norm_eps, nat)
     x = _residual(cfg, x, o)
-    h = x if cfg.post_norms_only else rms_norm(x, lp["post_norm"], cfg.rms_norm_eps, nat)
+    h = x if var.post_norms_only else rms_norm(x, lp["post_norm"], cfg.rms_norm_eps, nat)
     y = _mlp(cfg, h, lp, layer, md, kernels, experts)
-    if cfg.post_norms_only:
+    if var.post_norms_only:
         y = rms_norm(y, lp["post_ffn_norm"], cfg.rms_norm_eps, nat)
     return _residual(cfg, x, y), kv
 
@@ -130,8 +133,9 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array, 
         # On CPU activations stay float32 whatever the weight dtype: bf16 and quantized
         # weights then cost fewer bytes without low-precision arithmetic anywhere.
         x = x.astype(jnp.float32)
-    if cfg.embedding_multiplier != 1.0:
-        x = x * cfg.embedding_multiplier
+    var = variant(cfg)
+    if var.embedding_multiplier != 1.0:
+        x = x * var.embedding_multiplier
     cos, sin = _rotary(cfg, params, md)                                  # [T, R/2]
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
@@ -160,4 +164,5 @@ def compute_logits(cfg: ArchConfig, params: Params, hidden: jax.Array, kernels: 
     """hidden [S, D] -> float32 logits [S, V]."""
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = matmul(hidden, w, kernels.linear)
-    return logits / cfg.logits_scaling if cfg.logits_scaling != 1.0 else logits   # Granite divides
+    var = variant(cfg)
+    return logits / var.logits_scaling if var.logits_scaling != 1.0 else logits   # Granite divides

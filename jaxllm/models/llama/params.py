@@ -5,7 +5,9 @@ the device layout are derived from it."""
 from __future__ import annotations
 
 from jaxllm.models.config import ArchConfig
-from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Chunk, Fused, Param, ParamTable, always
+from jaxllm.models.llama.config import variant
+from jaxllm.models.params import (GLOBAL, LAYER, MATRIX, VECTOR, Chunk, Fused, Param, ParamTable, always,
+                                  attention_params)
 
 
 def _hf(suffix: str) -> str:
@@ -45,6 +47,16 @@ def _phi3_gguf(plain: str, fused: Chunk) -> dict:
     return {"*": (_gguf(plain),), "Phi3ForCausalLM": (fused,)}
 
 
+def _proj_hf(suffix: str, part: int | None):
+    """An attention projection's HF names: q/k/v also inside Phi-3's fused ``qkv_proj``."""
+    return _hf(suffix) if part is None else _phi3(suffix, Chunk(_QKV, part, 3, 0, _qkv_sizes))
+
+
+def _proj_gguf(suffix: str, part: int | None):
+    """An attention projection's GGUF names: q/k/v also inside Phi-3's fused ``attn_qkv``."""
+    return _gguf(suffix) if part is None else _phi3_gguf(suffix, Chunk(_GGUF_QKV, part, 3, 0, _qkv_sizes))
+
+
 # OLMo 2/3 and GLM-4-MoE: the norm after attention is llama.cpp's post_attention_norm (ffn_norm
 # in the others).
 _POST_ATTENTION_NORM = {"*": (_gguf("ffn_norm.weight"),),
@@ -80,26 +92,16 @@ PARAMS = ParamTable(params=(
     Param("rope_inv_freq", GLOBAL, VECTOR, ("rotary",), lambda a: (a.rope_dim // (1 if a.longrope else 2),),
           from_checkpoint=False),
     Param("input_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
-          _hf("input_layernorm.weight"), _gguf("attn_norm.weight"), when=_if("post_norms_only", False)),
-    Param("q", LAYER, MATRIX, ("q_heads", "embed"), lambda a: (a.q_size, a.hidden_size),
-          _phi3("self_attn.q_proj.weight", Chunk(_QKV, 0, 3, 0, _qkv_sizes)),
-          _phi3_gguf("attn_q.weight", Chunk(_GGUF_QKV, 0, 3, 0, _qkv_sizes)),
-          native=always, rope_heads=lambda a: a.num_heads),
-    Param("k", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _phi3("self_attn.k_proj.weight", Chunk(_QKV, 1, 3, 0, _qkv_sizes)),
-          _phi3_gguf("attn_k.weight", Chunk(_GGUF_QKV, 1, 3, 0, _qkv_sizes)),
-          native=always, rope_heads=lambda a: a.num_kv_heads),
-    Param("v", LAYER, MATRIX, ("kv_heads", "embed"), lambda a: (a.kv_size, a.hidden_size),
-          _phi3("self_attn.v_proj.weight", Chunk(_QKV, 2, 3, 0, _qkv_sizes)),
-          _phi3_gguf("attn_v.weight", Chunk(_GGUF_QKV, 2, 3, 0, _qkv_sizes)),
-          native=always),
-    Param("o", LAYER, MATRIX, ("embed", "q_heads"), lambda a: (a.hidden_size, a.q_size),
-          _hf("self_attn.o_proj.weight"), _gguf("attn_output.weight"), native=always),
+          _hf("input_layernorm.weight"), _gguf("attn_norm.weight"), when=lambda a: not variant(a).post_norms_only),
+    # q/k rows permuted by llama.cpp's converter for the architectures it runs as Llama
+    # (loader.ROPE_PERMUTED); Phi-3 holds q/k/v in one fused tensor.
+    *attention_params(proj_hf=_proj_hf, proj_gguf=_proj_gguf, rope_heads=True,
+                      qk_norm=lambda a: a.qk_norm and not variant(a).qk_norm_whole),
     # Before the MLP; with ``post_norms_only`` (OLMo 2/3), on the attention's output instead.
     Param("post_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
           _hf("post_attention_layernorm.weight"), _POST_ATTENTION_NORM),
     Param("post_ffn_norm", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
-          _hf("post_feedforward_layernorm.weight"), _gguf("post_ffw_norm.weight"), when=_if("post_norms_only")),
+          _hf("post_feedforward_layernorm.weight"), _gguf("post_ffw_norm.weight"), when=lambda a: variant(a).post_norms_only),
     Param("gate", LAYER, MATRIX, ("mlp", "embed"), lambda a: (a.intermediate_size, a.hidden_size),
           _phi3("mlp.gate_proj.weight", Chunk(_GATE_UP, 0, 2, 0)),
           _phi3_gguf("ffn_gate.weight", Chunk(_GGUF_GATE_UP, 0, 2, 0)),
@@ -118,19 +120,19 @@ PARAMS = ParamTable(params=(
           in_layer=_moe_layer),
     # GLM-4-MoE: the bias added to the sigmoid scores to choose experts, and the shared experts.
     Param("router_bias", LAYER, VECTOR, ("expert_logits",), lambda a: (a.num_experts,),
-          _hf("mlp.gate.e_score_correction_bias"), _gguf("exp_probs_b.bias"), when=lambda a: a.is_moe and a.router_scoring == "sigmoid",
+          _hf("mlp.gate.e_score_correction_bias"), _gguf("exp_probs_b.bias"), when=lambda a: a.is_moe and a.moe.router_scoring == "sigmoid",
           in_layer=_moe_layer),
     Param("shared_gate", LAYER, MATRIX, ("moe_mlp", "embed"),
-          lambda a: (a.shared_experts * a.moe_intermediate_size, a.hidden_size),
-          _hf("mlp.shared_experts.gate_proj.weight"), _gguf("ffn_gate_shexp.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
+          lambda a: (a.moe.shared_experts * a.moe_intermediate_size, a.hidden_size),
+          _hf("mlp.shared_experts.gate_proj.weight"), _gguf("ffn_gate_shexp.weight"), when=lambda a: a.moe.shared_experts > 0, in_layer=_moe_layer,
           native=always),
     Param("shared_up", LAYER, MATRIX, ("moe_mlp", "embed"),
-          lambda a: (a.shared_experts * a.moe_intermediate_size, a.hidden_size),
-          _hf("mlp.shared_experts.up_proj.weight"), _gguf("ffn_up_shexp.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
+          lambda a: (a.moe.shared_experts * a.moe_intermediate_size, a.hidden_size),
+          _hf("mlp.shared_experts.up_proj.weight"), _gguf("ffn_up_shexp.weight"), when=lambda a: a.moe.shared_experts > 0, in_layer=_moe_layer,
           native=always),
     Param("shared_down", LAYER, MATRIX, ("embed", "moe_mlp"),
-          lambda a: (a.hidden_size, a.shared_experts * a.moe_intermediate_size),
-          _hf("mlp.shared_experts.down_proj.weight"), _gguf("ffn_down_shexp.weight"), when=lambda a: a.shared_experts > 0, in_layer=_moe_layer,
+          lambda a: (a.hidden_size, a.moe.shared_experts * a.moe_intermediate_size),
+          _hf("mlp.shared_experts.down_proj.weight"), _gguf("ffn_down_shexp.weight"), when=lambda a: a.moe.shared_experts > 0, in_layer=_moe_layer,
           native=always),
     Param("experts_gate", LAYER, MATRIX, ("expert", "moe_mlp", "embed"),
           lambda a: (a.num_experts, a.moe_intermediate_size, a.hidden_size),
@@ -144,24 +146,11 @@ PARAMS = ParamTable(params=(
           lambda a: (a.num_experts, a.hidden_size, a.moe_intermediate_size),
           _moe_hf("experts.{expert}.down_proj.weight", "experts.{expert}.w2.weight", _hf("mlp.experts.down_proj")),
           _gguf("ffn_down_exps.weight"), when=_if("is_moe"), in_layer=_moe_layer),
-    Param("q_bias", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,),
-          _hf("self_attn.q_proj.bias"), _gguf("attn_q.bias"), when=_if("qkv_bias"), rope_heads=lambda a: a.num_heads),
-    Param("k_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,),
-          _hf("self_attn.k_proj.bias"), _gguf("attn_k.bias"), when=_if("qkv_bias"),
-          rope_heads=lambda a: a.num_kv_heads),
-    Param("v_bias", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,),
-          _hf("self_attn.v_proj.bias"), _gguf("attn_v.bias"), when=_if("qkv_bias")),
-    Param("o_bias", LAYER, VECTOR, ("embed",), lambda a: (a.hidden_size,),
-          _hf("self_attn.o_proj.bias"), _gguf("attn_output.bias"), when=_if("o_bias")),
-    Param("q_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,),
-          _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=lambda a: a.qk_norm and not a.qk_norm_whole),
-    Param("k_norm", LAYER, VECTOR, ("head_dim",), lambda a: (a.head_dim,),
-          _hf("self_attn.k_norm.weight"), _gguf("attn_k_norm.weight"), when=lambda a: a.qk_norm and not a.qk_norm_whole),
     # OLMo 2/3: one norm over the whole q (k) projection.
     Param("q_norm_full", LAYER, VECTOR, ("q_heads",), lambda a: (a.q_size,),
-          _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=_if("qk_norm_whole")),
+          _hf("self_attn.q_norm.weight"), _gguf("attn_q_norm.weight"), when=lambda a: variant(a).qk_norm_whole),
     Param("k_norm_full", LAYER, VECTOR, ("kv_heads",), lambda a: (a.kv_size,),
-          _hf("self_attn.k_norm.weight"), _gguf("attn_k_norm.weight"), when=_if("qk_norm_whole")),
+          _hf("self_attn.k_norm.weight"), _gguf("attn_k_norm.weight"), when=lambda a: variant(a).qk_norm_whole),
 ), fused=(
     # For the native CPU matmul (runner/weights.py), which only runs unsharded: no sharding
     # rule maps these axes, so they stay replicated.
