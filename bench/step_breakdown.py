@@ -12,8 +12,8 @@ token) into:
   engine's objects for the run, put back after): schedule, the runner's request-state update,
   input preparation, recording the sampled tokens, the scheduler's update, output processing
   and detokenization;
-* device time inside the device call (the runner's ``_run``: row writes, the compiled step,
-  the sampler, the read-back), per kernel family: each native kernel by its FFI target
+* device time inside the device call (the runner's ``_run`` and ``_wait``: row writes, the
+  compiled step, the sampler, the read-back), per kernel family: each native kernel by its FFI target
   (``jaxllm_linear_q4_1``, ``jaxllm_paged_attention_f32``, ``jaxllm_rms_norm_f32``, ...), the
   XLA ops of the forward, the sampler program; read from the trace inside the decode steps'
   ``engine.step N (decode)`` annotations (jaxllm/profiling.py's ``split_op_time``: each
@@ -118,11 +118,15 @@ HOST_PHASES = (
     ("update request states", "runner.requests.update"),
     ("prepare inputs", "model_runner.prepare_sequences"),
     ("device call", "runner._run"),
+    ("device call", "runner._wait"),   # the launched step's outputs read back: its device time ends here
     ("record sampled tokens", "runner.requests.record"),
     ("scheduler update", "scheduler.update_from_output"),
     ("output processing", "output_processor.process"),
     ("detokenize", "IncrementalDetokenizer.add"),
 )
+
+# A label may name several calls (their times add up): the table has one row per label.
+PHASE_LABELS = tuple(dict.fromkeys(label for label, _ in HOST_PHASES))
 
 
 def instrument(engine, spans: HostSpans) -> None:
@@ -165,12 +169,12 @@ def build(host_steps: list[dict[str, float]], step_s: list[float], device_ns: di
         raise ValueError("no decode steps were measured (--output-len must be at least 2)")
     if len(host_steps) != n:
         raise ValueError(f"{len(host_steps)} host span records for {n} decode steps")
-    mean = {label: 1e3 * sum(s.get(label, 0.0) for s in host_steps) / n for label, _ in HOST_PHASES}
+    mean = {label: 1e3 * sum(s.get(label, 0.0) for s in host_steps) / n for label in PHASE_LABELS}
     step_ms = 1e3 * sum(step_s) / n
     rows = []
     # Detokenize runs inside output processing: the latter's row is what is left of it.
     mean["output processing"] -= mean["detokenize"]
-    for label, _ in HOST_PHASES:
+    for label in PHASE_LABELS:
         if label != "device call":
             rows.append(Row("host", label, mean[label]))
     device = {k: v / 1e6 / n for k, v in device_ns.items()}

@@ -270,7 +270,7 @@ class ModelRunner:
         """Waits for a dispatched step's tokens and records them (once; later calls return the
         same output)."""
         if h.result is None:
-            *host, plp = pmesh.to_host(h.outputs)
+            *host, plp = self._wait(h.outputs)
             h.result = self.requests.record(h.step, SampledStep(*host, prompt=plp), h.states)
             self._accept_grammar(h.result)
         return h.result
@@ -294,7 +294,7 @@ class ModelRunner:
         """Runs ``seqs`` ((request id, tokens) in batch order, verifying ``spec``) in the bucket of
         ``num_tokens`` tokens and ``rows`` sampling rows; the step and its output."""
         step, outputs, timed = self._launch(seqs, spec, num_tokens, rows)
-        *host, plp = pmesh.to_host(outputs)
+        *host, plp = self._wait(outputs)
         result = self.requests.record(step, SampledStep(*host, prompt=plp))
         self._accept_grammar(result)
         if timed:
@@ -382,6 +382,10 @@ class ModelRunner:
             self.token_feed.record(S, step.inputs.sampling.slot, out.token_ids)
         return (out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs, out.emitted,
                 plp if step.prompt_plan else None)
+
+    def _wait(self, outputs) -> list:
+        """Waits for a launched step's outputs and reads them to the host (numpy)."""
+        return pmesh.to_host(outputs)
 
     def _put(self, host) -> jax.Array:
         return pmesh.place(np.asarray(host), self._rep)
