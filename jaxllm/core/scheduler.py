@@ -283,20 +283,27 @@ class Scheduler:
                 self.kv.cache_computed_blocks(req)
             if not new_tokens:
                 continue  # a prefill chunk that is not the last samples nothing
-            logprobs = result.logprobs.get(rid)
-            start = len(req.output_token_ids)
-            for tok in new_tokens:
-                req.output_token_ids.append(tok)
-                if self._check_stop(req):
-                    break
-            accepted = req.output_token_ids[start:]
-            outs.append(EngineCoreOutput(
-                rid, accepted, new_logprobs=logprobs[:len(accepted)] if logprobs else None,
-                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-                prompt_logprobs=result.prompt_logprobs.get(rid), num_cached_tokens=req.num_cached_tokens or 0))
-            if req.is_finished:
-                self._finish(req, req.status)
+            outs.append(self._append_sampled(req, new_tokens, result))
         return outs
+
+    def _append_sampled(self, req: Request, new_tokens: list[int], result: RunnerOutput) -> EngineCoreOutput:
+        """Appends a step's sampled tokens to ``req`` up to its first stop, ends it if one hit;
+        the output of what was kept."""
+        rid = req.request_id
+        logprobs = result.logprobs.get(rid)
+        start = len(req.output_token_ids)
+        for tok in new_tokens:
+            req.output_token_ids.append(tok)
+            if self._check_stop(req):
+                break
+        accepted = req.output_token_ids[start:]
+        out = EngineCoreOutput(
+            rid, accepted, new_logprobs=logprobs[:len(accepted)] if logprobs else None,
+            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            prompt_logprobs=result.prompt_logprobs.get(rid), num_cached_tokens=req.num_cached_tokens or 0)
+        if req.is_finished:
+            self._finish(req, req.status)
+        return out
 
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Advances computed tokens, appends sampled tokens, applies stop rules."""
@@ -322,19 +329,7 @@ class Scheduler:
             req.spec_token_ids = result.draft_token_ids.get(rid) or []
             if req.num_computed_tokens < req.num_tokens or not new_tokens:
                 continue  # a prefill chunk that is not the last samples nothing
-            logprobs = result.logprobs.get(rid)
-            start = len(req.output_token_ids)
-            for tok in new_tokens:
-                req.output_token_ids.append(tok)
-                if self._check_stop(req):
-                    break
-            accepted = req.output_token_ids[start:]
-            outs.append(EngineCoreOutput(
-                rid, accepted, new_logprobs=logprobs[:len(accepted)] if logprobs else None,
-                finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
-                prompt_logprobs=result.prompt_logprobs.get(rid), num_cached_tokens=req.num_cached_tokens or 0))
-            if req.is_finished:
-                self._finish(req, req.status)
+            outs.append(self._append_sampled(req, new_tokens, result))
         return outs
 
     # ------------------------------------------------------------------ policies
