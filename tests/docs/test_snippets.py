@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 
 from jaxllm import cli
 from support import snippets
+from support.serve_process import running_server
 from support.snippets import KINDS, ROOT, SERVER_FLAGS, all_blocks, argv_of, commands
 
 BLOCKS = all_blocks()
@@ -37,12 +35,6 @@ SERVER_START_S = 600   # cold: every bucket of the built-in model compiles; warm
 RUN_S = 600
 DOC_ADDRESSES = ("http://127.0.0.1:8000", "http://localhost:8000", "localhost:8000")
 _printed: dict[str, str] = {}   # block where -> what it printed (for output-of-previous)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -67,33 +59,10 @@ def env(bin_dir):
 @pytest.fixture(scope="session")
 def docs_server(env, tmp_path_factory):
     """``jaxllm serve`` on the built-in model (the README's command, SERVER_FLAGS added)."""
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    argv = [sys.executable, "-m", "jaxllm.cli", "serve", "--port", str(port), *SERVER_FLAGS]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVER_START_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"jaxllm serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"jaxllm serve not healthy after {SERVER_START_S} s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+    with running_server([sys.executable, "-m", "jaxllm.cli", "serve", *SERVER_FLAGS], env=env, log=log,
+                        timeout=SERVER_START_S, cwd=ROOT) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _uses_server(text: str) -> bool:

@@ -16,27 +16,18 @@ import contextlib
 import io
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 import transformers
 from support.fake_hub import FakeHub, read_folder
+from support.serve_process import running_server
 from support.snippets import SERVER_FLAGS, all_blocks, argv_of, commands
 from support.tiny_models import build_tiny
 from support.tool_models import CHAT_TEMPLATE
 
 README_ID = "Qwen/Qwen3-0.6B"
 START_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _readme_blocks():
@@ -61,35 +52,15 @@ def tool_server(tmp_path_factory, smollm_tokenizer_dir):
     tok.chat_template = CHAT_TEMPLATE   # renders `tools` and hermes <tool_call> turns, as Qwen3's does
     tok.save_pretrained(hf)
     hub = FakeHub({README_ID: read_folder(hf)})
-    port = _free_port()
     env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(root / "hf_cache"), HF_HUB_DISABLE_IMPLICIT_TOKEN="1")
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("HF_TOKEN", None)
     log = root / "serve.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "jaxllm.cli", *argv[1:], "--port", str(port), *SERVER_FLAGS],
-                                env=env, stdout=fh, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"jaxllm serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(1)
-        yield base, hub, log
+        with running_server([sys.executable, "-m", "jaxllm.cli", *argv[1:], *SERVER_FLAGS], env=env, log=log,
+                            timeout=START_S) as base:
+            yield base, hub, log
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
         hub.stop()
 
 
