@@ -393,6 +393,9 @@ class ServingConfig:
     log_stats_interval: float = 10.0
     """Seconds between the periodic stats lines (vLLM's ``VLLM_LOG_STATS_INTERVAL``; here the
     environment variable ``JAXLLM_LOG_STATS_INTERVAL``)."""
+    metrics_compat: str = "none"
+    """Names of the ``/metrics`` series (``--metrics-compat``): ``none``, ``jaxllm:...``; ``vllm``,
+    vLLM's ``vllm:...`` (what llm-d's and the Gateway API Inference Extension's router read)."""
     log_requests: bool = True
     """One access line per request: method, path, status, tokens, time (``--enable-log-requests``,
     the default, as uvicorn's access log is vLLM's; ``--disable-log-requests`` turns it off)."""
@@ -427,6 +430,8 @@ class ServingConfig:
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.metrics_compat not in ("none", "vllm"):
+            raise ValueError(f"--metrics-compat must be none or vllm, got {self.metrics_compat!r}")
         if not isinstance(self.response_role, str) or not self.response_role:
             raise ValueError("--response-role must be a non-empty string")
         if self.profiler_dir is not None:

@@ -194,7 +194,7 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
     async def _metrics():
         for i, stats in enumerate(engine.replica_stats()):
             state.metrics.update_engine(stats, engine=i)
-        return Response(state.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
+        return Response(state.metrics.render(config.metrics_compat), status=200, content_type=METRICS_CONTENT_TYPE)
 
     @app.post("/tokenize")
     async def _tokenize():

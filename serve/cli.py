@@ -48,6 +48,9 @@ def register(subparsers) -> None:
                         "(open them with Perfetto, TensorBoard or xprof)")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic log line (throughput, KV usage, speculative acceptance) every 10 s")
+    g.add_argument("--metrics-compat", choices=("none", "vllm"), default="none",
+                   help="names of the /metrics series: none (default: jaxllm:...) or vllm (vLLM's vllm:..., "
+                        "which llm-d's and the Gateway API Inference Extension's routers read)")
     g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=True,
                    help="one access line per request: method, path, status, prompt and output tokens, time "
                         "(default on)")
@@ -88,7 +91,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser,
         disable_log_stats=args.disable_log_stats, log_stats_interval=log_stats_interval,
-        log_requests=args.log_requests)
+        log_requests=args.log_requests, metrics_compat=args.metrics_compat)
 
 
 def with_reasoning_end(engine_config, serving: ServingConfig):

@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server (``GET /metrics``), named after vLLM's with a ``jaxllm:`` prefix.
+"""Prometheus metrics of the server (``GET /metrics``), named after vLLM's with a ``jaxllm:`` prefix
+(``--metrics-compat vllm``: with vLLM's ``vllm:``, for the routers that read those; serve/metrics_compat.py).
 
 The engine thread measures (see ``jaxllm.engine.async_engine.IterationStats``) and this
 module only records: it is the engine's ``stats_sink`` (``EngineClient.stats_sink``).  prometheus_client's metrics
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 
 from jaxllm.engine.async_engine import IterationStats
 from jaxllm.engine.llm_engine import EngineStats
+from serve.metrics_compat import RouterInfo, render_as
 from serve.stat_logger import StatLogger
 
 # vLLM's buckets.
@@ -63,6 +65,8 @@ class Metrics:
     replica, ``"0"`` with one engine): with ``-dp N`` each replica's engine thread records its
     own series, and a dashboard sums over ``engine`` for the server's totals."""
 
+    PREFIX = "jaxllm"
+
     def __init__(self, model_name: str, log_stats_interval: float | None = None):
         """``log_stats_interval``: seconds between the periodic log lines (serve/stat_logger.py), None: none."""
         self.stat_logger = None if log_stats_interval is None else StatLogger(log_stats_interval)
@@ -104,6 +108,7 @@ class Metrics:
                               labels, buckets=_LATENCY_BUCKETS, registry=r)
         self._queue_time = Histogram("jaxllm:request_queue_time_seconds", "Arrival to first scheduled.",
                                      labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self._router_info = RouterInfo(r, self.PREFIX)
         self._for(0)
 
     def _for(self, engine: int) -> _EngineMetrics:
@@ -123,6 +128,7 @@ class Metrics:
             m.waiting.set(s.num_waiting)
             m.kv_usage.set(s.kv_cache_usage)
             m.preemptions.set(s.num_preemptions)
+            self._router_info.update(engine, s.block_size, s.num_blocks)
             # The engine keeps running totals; the counters advance by what is new.
             if s.prefix_cache_queries > m.seen_queries:
                 m.prefix_cache_queries.inc(s.prefix_cache_queries - m.seen_queries)
@@ -170,5 +176,6 @@ class Metrics:
             "jaxllm:request_success_total",
             {"model_name": self._model, "engine": str(e), "finished_reason": reason}) or 0.0 for e in engines)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, naming: str = "none") -> bytes:
+        """The text exposition; ``naming``: ``--metrics-compat`` (``vllm``: vLLM's names)."""
+        return render_as(self.registry, self.PREFIX, naming)

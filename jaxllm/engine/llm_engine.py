@@ -59,6 +59,8 @@ class EngineStats:
     prompt_tokens_computed: int = 0
     """Prompt tokens run through the model since start, counted per prefill chunk (prefix-cache
     hits excluded; a preempted request's recomputed prompt counted again)."""
+    block_size: int = 0
+    """Tokens per KV block (0: not known, e.g. a sum over replicas)."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -186,7 +188,7 @@ class LLMEngine:
                            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                            spec_num_accepted_tokens=spec.num_accepted_tokens,
                            spec_accepted_per_pos=tuple(spec.accepted_per_pos),
-                           prompt_tokens_computed=sched.num_prompt_tokens_computed)
+                           prompt_tokens_computed=sched.num_prompt_tokens_computed, block_size=kv.block_size)
 
     def compile_all(self) -> None:
         """Makes every step bucket's programs ready (a server calls it before serving), and the
