@@ -26,7 +26,7 @@ import sys
 import pytest
 
 from jaxllm import cli
-from support import snippets
+from support import manifests, snippets
 from support.serve_process import running_server
 from support.snippets import KINDS, ROOT, SERVER_FLAGS, all_blocks, argv_of, commands
 
@@ -195,7 +195,15 @@ def output_of_previous(block, env, tmp_path, request, report):
     return out
 
 
-RUNNERS = {"python": run_python, "shell": run_shell, "flags": check_flags, "output-of-previous": output_of_previous}
+def check_k8s(block, env, tmp_path, request, report):
+    # A route block refers to the pods of the file's Deployment block above it.
+    upto = [b for b in BLOCKS[:BLOCKS.index(block) + 1] if b.path == block.path and b.kind == "k8s"]
+    report.extend(manifests.check(block.where, "\n---\n".join(b.body for b in upto)))
+    return ""
+
+
+RUNNERS = {"python": run_python, "shell": run_shell, "flags": check_flags, "output-of-previous": output_of_previous,
+           "k8s": check_k8s}
 assert set(RUNNERS) | {"skip"} == set(KINDS)
 
 
@@ -259,3 +267,21 @@ def test_output_of_previous_compares_with_what_was_printed(monkeypatch):
     monkeypatch.setitem(_printed, prev.where, "hello there\n")
     with pytest.raises(AssertionError, match="'world' not in what d.md:1 printed"):
         output_of_previous(out, None, None, None, [])
+
+
+@pytest.mark.parametrize("old, new, error", [
+    ("path: /health, port: http}\n            periodSeconds: 5", "path: /ready, port: http}\n            periodSeconds: 5",
+     "readinessProbe path /ready is not a GET route"),
+    ("targetPort: 8000", "targetPort: 8080", "Service jaxllm-qwen3 sends to port 8080"),
+    ('"--metrics-compat", "vllm"', '"--metrics-compat", "none"', "need --metrics-compat vllm"),
+    ('"--host", "0.0.0.0"', '"--host", "127.0.0.1"', "--host 0.0.0.0"),
+    ("mountPath: /cache", "mountPath: /var/cache", "not on a mounted volume"),
+    ('"--served-model-name"', '"--served-model-names"', "refused by jaxllm's parser"),
+])
+def test_k8s_manifests_that_drift_from_the_server_are_refused(old, new, error):
+    """The deployment doc's manifests pass; each drift from the server they deploy is named."""
+    text = "\n---\n".join(b.body for b in BLOCKS if b.path == "docs/deployment.md" and b.kind == "k8s")
+    manifests.check("doc", text)
+    assert old in text
+    with pytest.raises(AssertionError, match=re.escape(error)):
+        manifests.check("doc", text.replace(old, new))

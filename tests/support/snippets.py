@@ -24,6 +24,8 @@ KINDS = {
     "shell": "its commands run in a temp dir: `jaxllm serve` is the shared server, `curl` talks to it",
     "flags": "each command's flags checked against its parser, not run (reason says why; run=N: the first N run)",
     "output-of-previous": "each line with `expect` must appear in what the previous block printed",
+    "k8s": "Kubernetes YAML, parsed; with the file's earlier k8s blocks, checked against jaxllm's CLI and "
+           "serve/app.py's routes (tests/support/manifests.py)",
     "skip": "not run; reason printed",
 }
 DEFAULT_KIND = {"python": "python", "bash": "shell", "sh": "shell"}
