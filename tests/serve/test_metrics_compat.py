@@ -110,3 +110,15 @@ def test_running_and_kv_usage_move_with_a_request_in_flight(vllm_server, idle_en
     wait_until(lambda: idle_engine.stats().num_running == 0, timeout=10.0, what="the aborted request to end")
     after = gie.read(scrape(vllm_server))
     assert (after.running_requests_size, after.kv_cache_usage_percent) == (0, 0.0)
+
+
+def test_the_flag_reaches_the_server_config_and_a_wrong_value_is_named():
+    from jaxllm import cli
+    from jaxllm.config import ServingConfig
+    from serve.cli import serving_config_from_args
+
+    args = cli.parse_args(cli.build_parser(), ["serve", "--metrics-compat", "vllm"])
+    assert serving_config_from_args(args).metrics_compat == "vllm"
+    assert ServingConfig().metrics_compat == "none"
+    with pytest.raises(ValueError, match="--metrics-compat must be none or vllm, got 'prometheus'"):
+        ServingConfig(metrics_compat="prometheus")
