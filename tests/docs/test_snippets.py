@@ -270,8 +270,8 @@ def test_output_of_previous_compares_with_what_was_printed(monkeypatch):
 
 
 @pytest.mark.parametrize("old, new, error", [
-    ("path: /health, port: http}\n            periodSeconds: 5", "path: /ready, port: http}\n            periodSeconds: 5",
-     "readinessProbe path /ready is not a GET route"),
+    ("path: /health, port: http}\n            periodSeconds: 5",
+     "path: /ready, port: http}\n            periodSeconds: 5", "readinessProbe path /ready is not a GET route"),
     ("targetPort: 8000", "targetPort: 8080", "Service jaxllm-qwen3 sends to port 8080"),
     ('"--metrics-compat", "vllm"', '"--metrics-compat", "none"', "need --metrics-compat vllm"),
     ('"--host", "0.0.0.0"', '"--host", "127.0.0.1"', "--host 0.0.0.0"),
