@@ -1,0 +1,116 @@
+"""The pooling engine: an encoder checkpoint, its tokenizer and pooler, and the runner.
+
+Prompts (text or token ids) are tokenized and checked here, the one validation: an empty
+prompt, an id outside the vocabulary, or a prompt longer than ``max_model_len`` or than a step
+(``max_num_batched_tokens``: a prompt runs whole) is a ValueError naming ``input``, before
+anything runs.  ``truncate_prompt_tokens`` keeps a prompt's last k tokens (vLLM's rule).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+
+from jaxllm.engine.tokenizer import load_tokenizer
+from jaxllm.errors import ModelLoadError
+from jaxllm.models.loader import load_model
+from jaxllm.models.registry import get_family
+from jaxllm.paths import default_cache_dir
+from jaxllm.pooling.config import PoolerConfig, PoolingEngineConfig
+from jaxllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from jaxllm.pooling.runner import PoolingRunner
+from jaxllm.pooling.st_folder import max_seq_length, read_pooler_config
+
+log = logging.getLogger("jaxllm.engine")
+
+
+class PoolingEngine:
+    def __init__(self, config: PoolingEngineConfig):
+        self.config = config
+        loaded = load_model(config.model)
+        family = get_family(loaded.arch.architecture)
+        if not family.pooling:
+            raise ValueError(f"{config.model}: {loaded.arch.architecture} is a generative model; the pooling "
+                             "runner serves encoders (runner='generate' for this one)")
+        self.arch = loaded.arch
+        self.model_name = config.model
+        self.tokenizer = load_tokenizer(loaded.tokenizer, default_cache_dir()) if loaded.tokenizer else None
+        base = read_pooler_config(config.model) or PoolerConfig()
+        self.pooler = base.override(config.pooler_config)
+        positions = loaded.arch.max_position_embeddings - loaded.arch.encoder.position_offset
+        limit = min(n for n in (positions, max_seq_length(config.model)) if n)
+        if config.max_model_len is not None and config.max_model_len > positions:
+            raise ValueError(f"--max-model-len {config.max_model_len} is more than the model's {positions} positions")
+        self.max_model_len = min(config.max_model_len or limit, config.max_num_batched_tokens)
+        self.vocab_size = loaded.arch.vocab_size
+        self.runner = PoolingRunner(loaded.arch, family.module, {"globals": loaded.globals, "layers": loaded.layers},
+                                    self.pooler, max_num_batched_tokens=config.max_num_batched_tokens,
+                                    max_num_seqs=config.max_num_seqs,
+                                    strict_compile_guard=config.strict_compile_guard)
+        log.info("pooling runner: %s, %s pooling%s, max_model_len %d, buckets %s", loaded.arch.architecture,
+                 self.pooler.pooling_type, " + normalize" if self.pooler.normalize else "", self.max_model_len,
+                 self.runner.buckets)
+        if config.precompile == "all":
+            self.runner.compile_all()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.arch.hidden_size
+
+    def tokenize(self, prompt, truncate_prompt_tokens: int | None = None, *, index: int | None = None) -> list[int]:
+        """A string or a list of token ids -> checked token ids (ValueError naming ``input``)."""
+        where = "input" if index is None else f"input[{index}]"
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{where}: text needs a tokenizer; send token ids")
+            ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"{where} must be a string or a list of token ids")
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens < 1:
+                raise ValueError(f"truncate_prompt_tokens must be at least 1, got {truncate_prompt_tokens}")
+            ids = ids[-truncate_prompt_tokens:]
+        if not ids:
+            raise ValueError(f"{where} is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"{where} has {len(ids)} tokens, more than the maximum of {self.max_model_len} "
+                             "(max_model_len; an encoder runs a prompt whole); shorten it or set "
+                             "truncate_prompt_tokens")
+        return ids
+
+    def embed_ids(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Checked token-id lists -> one float32 vector each."""
+        return self.runner.run(prompts)
+
+    def embed(self, prompts, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """Texts or token-id lists -> ``EmbeddingRequestOutput``s in order; every prompt is checked
+        before any runs."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        ids = [self.tokenize(p, truncate_prompt_tokens, index=i) for i, p in enumerate(prompts)]
+        vecs = self.embed_ids(ids)
+        return [EmbeddingRequestOutput(request_id=str(i), outputs=EmbeddingOutput(v.tolist()), prompt_token_ids=p)
+                for i, (p, v) in enumerate(zip(ids, vecs))]
+
+
+def is_pooling_checkpoint(model: str | None) -> bool:
+    """Whether ``model`` (an HF folder) is an encoder the pooling runner serves (``runner="auto"``)."""
+    if model is None or not os.path.isfile(os.path.join(model, "config.json")):
+        return False
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+        return bool(archs) and get_family(archs[0]).pooling
+    except (OSError, ValueError, ModelLoadError):
+        return False

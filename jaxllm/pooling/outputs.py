@@ -1,0 +1,23 @@
+"""What a pooling request returns, shaped as vLLM's: ``EmbeddingRequestOutput.outputs.embedding``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]
+    """The pooled (and, with ``normalize``, L2-normalized) vector."""
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -1,0 +1,52 @@
+"""Tiny random BERT encoders saved as sentence-transformers folders (a Transformer module, a
+Pooling module, optionally Normalize), with a small WordPiece vocabulary: the pooling tests'
+checkpoints and their oracle (``SentenceTransformer.encode``, float32)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers import models as st_models
+from transformers import BertConfig, BertModel, BertTokenizerFast
+
+WORDS = ("the a an of to in is it and that for on with as was at by be this are from or his her not "
+         "cat dog sat mat ran fast slow red blue green big small house tree river sky sun moon star "
+         "jax engine token vector query document search rank embed model").split()
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *"abcdefghijklmnopqrstuvwxyz.,!?",
+         *("##" + c for c in "abcdefghijklmnopqrstuvwxyz")]
+
+
+def build_bert_st(out_dir: str, pooling: str = "mean", normalize: bool = False, seed: int = 0,
+                  max_seq_length: int = 64) -> str:
+    """Writes a sentence-transformers folder around a tiny random ``BertModel``; ``pooling``: a
+    sentence-transformers pooling mode (``mean``, ``cls``, ``lasttoken``)."""
+    os.makedirs(out_dir, exist_ok=True)
+    vocab_file = os.path.join(out_dir, "vocab_src.txt")
+    with open(vocab_file, "w") as f:
+        f.write("\n".join(VOCAB) + "\n")
+    tok = BertTokenizerFast(vocab_file=vocab_file, do_lower_case=True)
+    os.remove(vocab_file)
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=128, type_vocab_size=2)
+    bert = BertModel(cfg).eval()
+    with torch.no_grad():   # random LayerNorm and bias values, so a wrong one shows
+        for name, p in bert.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf_dir = out_dir.rstrip("/") + "_hf"   # the bare transformers folder the Transformer module reads
+    bert.save_pretrained(hf_dir)
+    tok.save_pretrained(hf_dir)
+    transformer = st_models.Transformer(hf_dir, max_seq_length=max_seq_length)
+    pool = st_models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode=pooling)
+    modules = [transformer, pool] + ([st_models.Normalize()] if normalize else [])
+    SentenceTransformer(modules=modules, device="cpu").save(out_dir)
+    return out_dir
+
+
+def st_encode(path: str, texts: list[str]):
+    """The oracle: ``SentenceTransformer.encode`` in float32, [N, D] numpy."""
+    model = SentenceTransformer(path, device="cpu")
+    return model.encode(texts, convert_to_numpy=True, batch_size=len(texts))
