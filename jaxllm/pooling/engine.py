@@ -26,6 +26,8 @@ from jaxllm.pooling.st_folder import max_seq_length, read_pooler_config
 
 log = logging.getLogger("jaxllm.engine")
 
+RUNNERS = ("auto", "generate", "pooling")
+
 
 class PoolingEngine:
     def __init__(self, config: PoolingEngineConfig):
@@ -73,10 +75,11 @@ class PoolingEngine:
             ids = [int(t) for t in prompt]
         else:
             raise ValueError(f"{where} must be a string or a list of token ids")
-        if truncate_prompt_tokens is not None:
-            if truncate_prompt_tokens < 1:
-                raise ValueError(f"truncate_prompt_tokens must be at least 1, got {truncate_prompt_tokens}")
-            ids = ids[-truncate_prompt_tokens:]
+        if truncate_prompt_tokens is not None:   # vLLM's rule: the last k tokens; -1: as many as fit
+            if truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}")
+            k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            ids = ids[-k:]
         if not ids:
             raise ValueError(f"{where} is empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -114,3 +117,18 @@ def is_pooling_checkpoint(model: str | None) -> bool:
         return bool(archs) and get_family(archs[0]).pooling
     except (OSError, ValueError, ModelLoadError):
         return False
+
+
+def uses_pooling_runner(model: str | None, runner: str, pooler_config: dict | None) -> bool:
+    """Whether ``runner`` (with ``"auto"``: the checkpoint) asks for the pooling runner."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner (--runner) must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    encoder = is_pooling_checkpoint(model)
+    if runner == "generate" and encoder:
+        raise ValueError(f"{model} is an encoder: it embeds rather than generates (runner='pooling')")
+    if runner == "pooling" and not encoder:
+        raise ValueError(f"runner='pooling' needs an encoder checkpoint (BertModel, ...); {model or 'the built-in model'} "
+                         "is generative")
+    if pooler_config and not (encoder and runner != "generate"):
+        raise ValueError("pooler_config (--pooler-config) applies to the pooling runner only")
+    return encoder and runner != "generate"
