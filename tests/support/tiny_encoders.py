@@ -8,7 +8,7 @@ import os
 
 import torch
 from sentence_transformers import SentenceTransformer
-from sentence_transformers import models as st_models
+from sentence_transformers.sentence_transformer import modules as st_models
 from transformers import BertConfig, BertModel, BertTokenizerFast
 
 WORDS = ("the a an of to in is it and that for on with as was at by be this are from or his her not "
@@ -40,7 +40,7 @@ def build_bert_st(out_dir: str, pooling: str = "mean", normalize: bool = False, 
     bert.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
     transformer = st_models.Transformer(hf_dir, max_seq_length=max_seq_length)
-    pool = st_models.Pooling(transformer.get_word_embedding_dimension(), pooling_mode=pooling)
+    pool = st_models.Pooling(transformer.get_embedding_dimension(), pooling_mode=pooling)
     modules = [transformer, pool] + ([st_models.Normalize()] if normalize else [])
     SentenceTransformer(modules=modules, device="cpu").save(out_dir)
     return out_dir
