@@ -44,7 +44,7 @@ from jaxllm.pooling.async_engine import AsyncPoolingEngine
 from serve import chat, completions, embeddings
 from serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serve.metrics import Metrics
-from serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
                             DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
                             TokenizeCompletionRequest, TokenizeResponse, bad_request, error_body, validation_error)
 from serve.state import ServerState
@@ -189,7 +189,7 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
         if not pooling:
             raise APIError(HTTPStatus.NOT_FOUND, f"{state.model_name} generates: /v1/embeddings needs a pooling "
                                                  "model (jaxllm serve MODEL --runner pooling)")
-        req = await _parse(embeddings.EmbeddingRequest)
+        req = await _parse(EmbeddingRequest)
         return _reply(await embeddings.create_embedding(state, engine, req))
 
     @app.get("/v1/models")

@@ -12,22 +12,12 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from typing import Literal
 
 import numpy as np
 
 from jaxllm.pooling.async_engine import AsyncPoolingEngine
-from serve.protocol import OpenAIModel, bad_request
+from serve.protocol import EmbeddingRequest, bad_request
 from serve.state import ServerState
-
-
-class EmbeddingRequest(OpenAIModel):
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
-    truncate_prompt_tokens: int | None = None
 
 
 def _inputs(req: EmbeddingRequest) -> list:

@@ -430,6 +430,18 @@ class PromptTokenUsageInfo(BaseModel):
     cached_tokens: int = 0
 
 
+class EmbeddingRequest(OpenAIModel):
+    """``POST /v1/embeddings`` (serve/embeddings.py): OpenAI's fields and vLLM's ``truncate_prompt_tokens``."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    """Matryoshka truncation: a 400 naming it on a model without Matryoshka (all served so far)."""
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
