@@ -82,6 +82,10 @@ _REGISTRY: dict[str, Family] = {
     # Encoders (bidirectional, pooled; the pooling runner): BertModel is what sentence-transformers saves.
     "BertModel": ENCODER,
     "BertForMaskedLM": ENCODER,
+    "RobertaModel": ENCODER,            # BERT with positions offset past the padding id
+    "RobertaForMaskedLM": ENCODER,
+    "XLMRobertaModel": ENCODER,
+    "XLMRobertaForMaskedLM": ENCODER,
 }
 
 # GGUF's general.architecture -> HF architecture name, as each family's config declares it

@@ -1,6 +1,7 @@
 """The pooling runner end to end, offline: ``LLM(path)`` on a tiny random BERT saved as a
 sentence-transformers folder embeds as ``SentenceTransformer.encode`` does (float32), for MEAN
-pooling and for CLS pooling + Normalize, read from the folder's own files; a batch equals its
+pooling and for CLS pooling + Normalize, read from the folder's own files, and an XLM-RoBERTa
+(positions offset past the padding id); a batch equals its
 inputs alone; wrong uses are ValueErrors naming what to use."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ TEXTS = ["the cat sat on the mat", "a dog", "search rank embed model query docum
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("bert_st")
     return {"mean": build_bert_st(str(root / "mean"), "mean"),
-            "cls_normalize": build_bert_st(str(root / "cls"), "cls", normalize=True, seed=1)}
+            "cls_normalize": build_bert_st(str(root / "cls"), "cls", normalize=True, seed=1),
+            "xlm_roberta_mean": build_bert_st(str(root / "xlmr"), "mean", seed=2, model="xlm-roberta")}
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +37,11 @@ def _vectors(outs) -> np.ndarray:
     return np.array([o.outputs.embedding for o in outs], np.float32)
 
 
-@pytest.mark.parametrize("name", ["mean", "cls_normalize"])
+@pytest.mark.parametrize("name", ["mean", "cls_normalize", "xlm_roberta_mean"])
 def test_embeddings_match_sentence_transformers(folders, llms, name):
     llm = llms[name]
-    assert llm.pooling_engine.pooler.pooling_type == {"mean": "MEAN", "cls_normalize": "CLS"}[name]
+    assert llm.pooling_engine.pooler.pooling_type == {"mean": "MEAN", "cls_normalize": "CLS",
+                                                      "xlm_roberta_mean": "MEAN"}[name]
     got = _vectors(llm.embed(TEXTS))
     ref = st_encode(folders[name], TEXTS)
     assert got.shape == ref.shape == (len(TEXTS), 32)

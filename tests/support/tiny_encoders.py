@@ -9,29 +9,34 @@ import os
 import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
-from transformers import BertConfig, BertModel, BertTokenizerFast
+from transformers import BertConfig, BertModel, BertTokenizerFast, XLMRobertaConfig, XLMRobertaModel
 
 WORDS = ("the a an of to in is it and that for on with as was at by be this are from or his her not "
          "cat dog sat mat ran fast slow red blue green big small house tree river sky sun moon star "
          "jax engine token vector query document search rank embed model").split()
-VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *"abcdefghijklmnopqrstuvwxyz.,!?",
-         *("##" + c for c in "abcdefghijklmnopqrstuvwxyz")]
+VOCAB = list(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *"abcdefghijklmnopqrstuvwxyz.,!?",
+                            *("##" + c for c in "abcdefghijklmnopqrstuvwxyz")]))
 
 
 def build_bert_st(out_dir: str, pooling: str = "mean", normalize: bool = False, seed: int = 0,
-                  max_seq_length: int = 64) -> str:
-    """Writes a sentence-transformers folder around a tiny random ``BertModel``; ``pooling``: a
-    sentence-transformers pooling mode (``mean``, ``cls``, ``lasttoken``)."""
+                  max_seq_length: int = 64, model: str = "bert") -> str:
+    """Writes a sentence-transformers folder around a tiny random ``BertModel`` (``model="bert"``)
+    or ``XLMRobertaModel`` (``"xlm-roberta"``: padding id 1 as in the real ones, so positions
+    start at 2); ``pooling``: a sentence-transformers pooling mode (``mean``, ``cls``, ``lasttoken``)."""
     os.makedirs(out_dir, exist_ok=True)
-    vocab_file = os.path.join(out_dir, "vocab_src.txt")
-    with open(vocab_file, "w") as f:
-        f.write("\n".join(VOCAB) + "\n")
-    tok = BertTokenizerFast(vocab_file=vocab_file, do_lower_case=True)
-    os.remove(vocab_file)
+    vocab = list(VOCAB)
+    if model == "xlm-roberta":   # [PAD] at id 1, the id the model's positions are offset by
+        vocab[0], vocab[1] = vocab[1], vocab[0]
+    tok = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+    assert len(tok) == len(vocab), "the tokenizer did not take the vocabulary"
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=64, max_position_embeddings=128, type_vocab_size=2)
-    bert = BertModel(cfg).eval()
+    sizes = dict(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64)
+    if model == "xlm-roberta":
+        cfg = XLMRobertaConfig(**sizes, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1)
+        bert = XLMRobertaModel(cfg).eval()
+    else:
+        bert = BertModel(BertConfig(**sizes, max_position_embeddings=128, type_vocab_size=2)).eval()
     with torch.no_grad():   # random LayerNorm and bias values, so a wrong one shows
         for name, p in bert.named_parameters():
             if "LayerNorm" in name or name.endswith("bias"):

@@ -1,6 +1,6 @@
-"""BERT's config (:class:`BertConfig`): a transformers ``BertConfig`` -> ``ArchConfig`` with the
-encoder's own knobs in ``ArchConfig.encoder`` (token types, LayerNorm epsilon, the MLP's GELU,
-the position offset RoBERTa-style checkpoints add)."""
+"""BERT's config (:class:`BertConfig`): a transformers ``BertConfig`` (or RoBERTa / XLM-RoBERTa's,
+the same encoder with its positions offset) -> ``ArchConfig`` with the encoder's own knobs in
+``ArchConfig.encoder`` (token types, LayerNorm epsilon, the MLP's GELU, the position offset)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from jaxllm.models.config import ArchConfig, FamilyConfig
 # transformers' names of the exact (erf) GELU and of its tanh approximation.
 GELU_EXACT = ("gelu",)
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+# RoBERTa's positions start after the padding id: token i of a prompt has position pad_token_id + 1 + i
+# (transformers' ``create_position_ids_from_input_ids``, for prompts without padding inside).
+OFFSET_POSITIONS = ("RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel", "XLMRobertaForMaskedLM")
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,8 @@ class BertConfig(FamilyConfig):
     gelu_tanh: bool = False
     """The MLP's GELU: False the exact (erf) one, True the tanh approximation."""
     position_offset: int = 0
-    """Added to each token's position before the position-embedding lookup (0 for BERT)."""
+    """Added to each token's position before the position-embedding lookup (0 for BERT; RoBERTa's
+    ``pad_token_id + 1``)."""
 
     @classmethod
     def from_hf(cls, hf, arch: str, where: str) -> ArchConfig:
@@ -57,6 +61,12 @@ def _from_hf(hf, arch: str, where: str) -> ArchConfig:
     if hidden % heads:
         raise ModelLoadError(f"{where}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})")
     eps = float(get("layer_norm_eps", 1e-12))
+    offset = 0
+    if arch in OFFSET_POSITIONS:
+        pad = get("pad_token_id")
+        if pad is None:
+            raise ModelLoadError(f"{where}: {arch} needs pad_token_id (its positions start after it)")
+        offset = int(pad) + 1
     return ArchConfig(
         architecture=arch,
         vocab_size=int(get("vocab_size")),
@@ -74,5 +84,5 @@ def _from_hf(hf, arch: str, where: str) -> ArchConfig:
         qkv_bias=True,
         o_bias=True,
         encoder=BertConfig(type_vocab_size=int(get("type_vocab_size", 2)), layer_norm_eps=eps,
-                           gelu_tanh=act in GELU_TANH),
+                           gelu_tanh=act in GELU_TANH, position_offset=offset),
     )

@@ -1,21 +1,24 @@
-"""BERT's parameter table: every weight with its HF safetensors names, as ``BertModel`` saves them
-(a sentence-transformers folder) or under ``bert.`` (``BertForMaskedLM`` and the other heads).
-Encoders have no GGUF form here."""
+"""BERT's parameter table: every weight with its HF safetensors names, as ``BertModel`` /
+``XLMRobertaModel`` save them (a sentence-transformers folder) or under ``bert.`` / ``roberta.``
+(the masked-LM heads' checkpoints).  Encoders have no GGUF form here."""
 
 from __future__ import annotations
 
 from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Param, ParamTable
 
-IGNORED_TENSORS = ("pooler.", "bert.pooler.", "cls.", "embeddings.position_ids", "bert.embeddings.position_ids")
-"""Checkpoint tensors the encoder does not use: the NSP pooler, the masked-LM head, the saved
-position-id buffer.  The loader skips them (``Family.ignored_tensors``)."""
+PREFIXES = ("", "bert.", "roberta.")
+IGNORED_TENSORS = (*(p + "pooler." for p in PREFIXES), *(p + "embeddings.position_ids" for p in PREFIXES),
+                   "cls.", "lm_head.")
+"""Checkpoint tensors the encoder does not use: the NSP pooler, the masked-LM heads (BERT's
+``cls.``, RoBERTa's ``lm_head.``), the saved position-id buffer.  The loader skips them
+(``Family.ignored_tensors``)."""
 
 
-def _hf(suffix: str) -> tuple[str, str]:
-    return suffix, "bert." + suffix
+def _hf(suffix: str) -> tuple[str, ...]:
+    return tuple(p + suffix for p in PREFIXES)
 
 
-def _layer(suffix: str) -> tuple[str, str]:
+def _layer(suffix: str) -> tuple[str, ...]:
     return _hf("encoder.layer.{layer}." + suffix)
 
 
