@@ -20,7 +20,7 @@ from jaxllm.engine.render import render_chat_prompt
 from jaxllm.outputs import RequestOutput
 from jaxllm.pooling.config import PoolingEngineConfig
 from jaxllm.pooling.engine import PoolingEngine, uses_pooling_runner
-from jaxllm.pooling.outputs import EmbeddingRequestOutput
+from jaxllm.pooling.outputs import EmbeddingRequestOutput, ScoringRequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 # The engine arguments the pooling runner takes (the rest size a KV cache or a sampler it has not).
@@ -85,6 +85,16 @@ class LLM:
             raise ValueError("embed() needs a pooling model: LLM(model, runner='pooling') on an encoder checkpoint; "
                              "this LLM generates (use generate() or chat())")
         return self.pooling_engine.embed(prompts, truncate_prompt_tokens)
+
+    def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: ``text_1`` (one text, or a list) against ``text_2`` (one or N texts;
+        1 -> N or pairwise): ``out.outputs.score``, a cross-encoder's relevance or an embedder's
+        cosine similarity.  Needs the pooling runner."""
+        if self.pooling_engine is None:
+            raise ValueError("score() needs a pooling model: LLM(model, runner='pooling') on an encoder or "
+                             "cross-encoder checkpoint; this LLM generates")
+        return self.pooling_engine.score(text_1, text_2, truncate_prompt_tokens)
 
     def _refuse_pooling(self, method: str) -> None:
         if self.pooling_engine is not None:

@@ -39,6 +39,10 @@ def _encode(vec: np.ndarray, fmt: str):
 
 async def create_embedding(state: ServerState, engine: AsyncPoolingEngine, req: EmbeddingRequest) -> dict:
     state.check_model(req.model)
+    try:
+        engine.engine.check_embedder()
+    except ValueError as e:
+        raise bad_request(str(e), "model") from None
     if req.dimensions is not None:
         raise bad_request(f"dimensions is not supported by {state.model_name}: the model has no Matryoshka "
                           f"representation (its vectors have {engine.engine.hidden_size} dimensions)", "dimensions")

@@ -54,6 +54,7 @@ MLA = Family(deepseek, config=deepseek.DeepseekConfig, cache_kinds=deepseek.cach
 HYBRID = Family(qwen3_next, config=qwen3_next.Qwen3NextConfig, cache_kinds=qwen3_next.cache_kinds,
                 allocate_cache=qwen3_next.allocate_cache, per_sequence_state=qwen3_next.PER_SEQUENCE_STATE)
 ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.IGNORED_TENSORS)
+CROSS_ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.CLASSIFIER_IGNORED_TENSORS)
 
 _REGISTRY: dict[str, Family] = {
     "LlamaForCausalLM": DECODER,
@@ -86,6 +87,7 @@ _REGISTRY: dict[str, Family] = {
     "RobertaForMaskedLM": ENCODER,
     "XLMRobertaModel": ENCODER,
     "XLMRobertaForMaskedLM": ENCODER,
+    "BertForSequenceClassification": CROSS_ENCODER,   # a cross-encoder: /score, /rerank
 }
 
 # GGUF's general.architecture -> HF architecture name, as each family's config declares it

@@ -71,12 +71,18 @@ class AsyncPoolingEngine:
     def tokenize(self, prompt, truncate_prompt_tokens: int | None = None, *, index: int | None = None) -> list[int]:
         return self.engine.tokenize(prompt, truncate_prompt_tokens, index=index)
 
-    async def embed_ids(self, prompts: list[list[int]]) -> list[np.ndarray]:
-        """Checked token-id lists -> one vector each, batched with whatever else is waiting."""
+    def tokenize_pair(self, first: str, second: str, truncate_prompt_tokens: int | None = None, *,
+                      where: str = "input") -> tuple[list[int], list[int]]:
+        return self.engine.tokenize_pair(first, second, truncate_prompt_tokens, where=where)
+
+    async def embed_ids(self, prompts: list[list[int]], token_types: list[list[int]] | None = None) -> list[np.ndarray]:
+        """Checked token-id lists -> one row each (a vector; a cross-encoder's logits), batched
+        with whatever else is waiting."""
         self.check_health()
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        self._queue.put((prompts, fut, loop))
+        types = token_types if token_types is not None else [[0] * len(p) for p in prompts]
+        self._queue.put((prompts, types, fut, loop))
         return await fut
 
     def _run(self) -> None:
@@ -95,18 +101,19 @@ class AsyncPoolingEngine:
                     stop = True
                     break
                 batch.append(more)
-            flat = [p for prompts, _, _ in batch for p in prompts]
+            flat = [p for prompts, _, _, _ in batch for p in prompts]
+            types = [t for _, ts, _, _ in batch for t in ts]
             try:
-                vecs = self.engine.embed_ids(flat)
+                vecs = self.engine.embed_ids(flat, types)
             except BaseException as e:   # the engine is dead: every waiting request is told
                 log.exception("pooling step failed")
                 self.error = e
-                for _, fut, loop in batch:
+                for _, _, fut, loop in batch:
                     loop.call_soon_threadsafe(_fail, fut, EngineDeadError(f"the engine failed: {e!r}"))
                 self._fail_waiting()
                 return
             at = 0
-            for prompts, fut, loop in batch:
+            for prompts, _, fut, loop in batch:
                 loop.call_soon_threadsafe(_resolve, fut, vecs[at:at + len(prompts)])
                 at += len(prompts)
             if stop:
@@ -119,7 +126,7 @@ class AsyncPoolingEngine:
             except queue.Empty:
                 return
             if item is not None:
-                _, fut, loop = item
+                _, _, fut, loop = item
                 loop.call_soon_threadsafe(_fail, fut, EngineDeadError(f"the engine failed: {self.error!r}"))
 
     # ------------------------------------------------------------------ health, statistics, life

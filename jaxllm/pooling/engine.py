@@ -20,7 +20,7 @@ from jaxllm.models.loader import load_model
 from jaxllm.models.registry import get_family
 from jaxllm.paths import default_cache_dir
 from jaxllm.pooling.config import PoolerConfig, PoolingEngineConfig
-from jaxllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput
+from jaxllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
 from jaxllm.pooling.runner import PoolingRunner
 from jaxllm.pooling.st_folder import max_seq_length, read_pooler_config
 
@@ -52,15 +52,26 @@ class PoolingEngine:
                                     self.pooler, max_num_batched_tokens=config.max_num_batched_tokens,
                                     max_num_seqs=config.max_num_seqs,
                                     strict_compile_guard=config.strict_compile_guard)
-        log.info("pooling runner: %s, %s pooling%s, max_model_len %d, buckets %s", loaded.arch.architecture,
-                 self.pooler.pooling_type, " + normalize" if self.pooler.normalize else "", self.max_model_len,
-                 self.runner.buckets)
+        head = (f"a cross-encoder ({loaded.arch.encoder.num_labels} label(s))" if self.cross_encoder else
+                f"{self.pooler.pooling_type} pooling" + (" + normalize" if self.pooler.normalize else ""))
+        log.info("pooling runner: %s, %s, max_model_len %d, buckets %s", loaded.arch.architecture, head,
+                 self.max_model_len, self.runner.buckets)
         if config.precompile == "all":
             self.runner.compile_all()
 
     @property
     def hidden_size(self) -> int:
         return self.arch.hidden_size
+
+    @property
+    def cross_encoder(self) -> bool:
+        """A ``*ForSequenceClassification`` checkpoint: it scores text pairs, it does not embed."""
+        return self.arch.encoder.num_labels > 0
+
+    def check_embedder(self) -> None:
+        if self.cross_encoder:
+            raise ValueError(f"{self.arch.architecture} is a cross-encoder: it scores text pairs (score(), /score, "
+                             "/rerank) rather than embedding texts")
 
     def tokenize(self, prompt, truncate_prompt_tokens: int | None = None, *, index: int | None = None) -> list[int]:
         """A string or a list of token ids -> checked token ids (ValueError naming ``input``)."""
@@ -85,19 +96,64 @@ class PoolingEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        self._check_length(ids, where)
+        return ids
+
+    def _check_length(self, ids: list[int], where: str) -> None:
         if len(ids) > self.max_model_len:
             raise ValueError(f"{where} has {len(ids)} tokens, more than the maximum of {self.max_model_len} "
                              "(max_model_len; an encoder runs a prompt whole); shorten it or set "
                              "truncate_prompt_tokens")
-        return ids
 
-    def embed_ids(self, prompts: list[list[int]]) -> list[np.ndarray]:
-        """Checked token-id lists -> one float32 vector each."""
-        return self.runner.run(prompts)
+    def tokenize_pair(self, first: str, second: str, truncate_prompt_tokens: int | None = None, *,
+                      where: str = "input") -> tuple[list[int], list[int]]:
+        """A cross-encoder's (query, document) -> (token ids, token types): ``[CLS] q [SEP] d [SEP]``,
+        the document's tokens of type 1; ``truncate_prompt_tokens`` cuts the document's end."""
+        if not isinstance(first, str) or not isinstance(second, str):
+            raise ValueError(f"{where}: a pair is two strings")
+        enc = self.tokenizer(first, second)
+        ids, types = list(enc["input_ids"]), list(enc.get("token_type_ids") or [0] * len(enc["input_ids"]))
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}")
+            k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if len(ids) > k:   # keep the query whole, cut the document (its last token stays [SEP])
+                ids, types = ids[:k - 1] + ids[-1:], types[:k - 1] + types[-1:]
+        self._check_length(ids, where)
+        return ids, types
+
+    def embed_ids(self, prompts: list[list[int]], token_types: list[list[int]] | None = None) -> list[np.ndarray]:
+        """Checked token-id lists -> one float32 row each (a vector; a cross-encoder's logits)."""
+        return self.runner.run(prompts, token_types)
+
+    def pair_scores(self, logits: list[np.ndarray]) -> list[float]:
+        """A cross-encoder's logits [1] per pair -> relevance scores (the sigmoid, as
+        sentence-transformers' CrossEncoder and vLLM apply to one label)."""
+        if self.arch.encoder.num_labels != 1:
+            raise ValueError(f"scoring needs a cross-encoder with one label; this one has {self.arch.encoder.num_labels}")
+        return [float(1.0 / (1.0 + np.exp(-np.float64(x[0])))) for x in logits]
+
+    def score(self, text_1, text_2, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: one text against N (1 -> N) or N against N (pairwise); a
+        cross-encoder's relevance, an embedder's cosine similarity."""
+        pairs = score_pairs(text_1, text_2)
+        if self.cross_encoder:
+            tok = [self.tokenize_pair(a, b, truncate_prompt_tokens, where=f"pair {i}") for i, (a, b) in enumerate(pairs)]
+            scores = self.pair_scores(self.embed_ids([t[0] for t in tok], [t[1] for t in tok]))
+            ids = [t[0] for t in tok]
+        else:
+            left = [self.tokenize(a, truncate_prompt_tokens, index=i) for i, (a, _) in enumerate(pairs)]
+            right = [self.tokenize(b, truncate_prompt_tokens, index=i) for i, (_, b) in enumerate(pairs)]
+            vecs = self.embed_ids(left + right)
+            scores = [cosine(vecs[i], vecs[len(pairs) + i]) for i in range(len(pairs))]
+            ids = [a + b for a, b in zip(left, right)]
+        return [ScoringRequestOutput(request_id=str(i), outputs=ScoringOutput(s), prompt_token_ids=p)
+                for i, (s, p) in enumerate(zip(scores, ids))]
 
     def embed(self, prompts, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """Texts or token-id lists -> ``EmbeddingRequestOutput``s in order; every prompt is checked
         before any runs."""
+        self.check_embedder()
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
@@ -105,6 +161,25 @@ class PoolingEngine:
         vecs = self.embed_ids(ids)
         return [EmbeddingRequestOutput(request_id=str(i), outputs=EmbeddingOutput(v.tolist()), prompt_token_ids=p)
                 for i, (p, v) in enumerate(zip(ids, vecs))]
+
+
+def score_pairs(text_1, text_2) -> list[tuple]:
+    """vLLM's pairing: a single first text against each second one, or the two lists pairwise."""
+    left = [text_1] if isinstance(text_1, str) else list(text_1)
+    right = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not left or not right:
+        raise ValueError("scoring needs at least one text on each side")
+    if len(left) == 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise ValueError(f"scoring pairs {len(left)} first texts with {len(right)} second texts: give one first "
+                         "text or as many as second texts")
+    return list(zip(left, right))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a64 @ b64 / max(np.linalg.norm(a64) * np.linalg.norm(b64), 1e-12))
 
 
 def is_pooling_checkpoint(model: str | None) -> bool:

@@ -43,13 +43,15 @@ class PackedStep:
     input_ids: np.ndarray        # [T] int32
     positions: np.ndarray        # [T] int32, each token's index in its prompt
     seq_ids: np.ndarray          # [T] int32, each token's prompt row; -1: padding
+    token_types: np.ndarray      # [T] int32, 0 for a single text; a pair's second text 1
     query_start_loc: np.ndarray  # [S+1] int32; padding rows start and end at the last real token
 
 
-def pack(prompts: list[list[int]], T: int, S: int) -> PackedStep:
+def pack(prompts: list[list[int]], types: list[list[int]] | None, T: int, S: int) -> PackedStep:
     ids = np.zeros(T, np.int32)
     pos = np.zeros(T, np.int32)
     seq = np.full(T, -1, np.int32)
+    tt = np.zeros(T, np.int32)
     qsl = np.zeros(S + 1, np.int32)
     at = 0
     for row, p in enumerate(prompts):
@@ -57,14 +59,18 @@ def pack(prompts: list[list[int]], T: int, S: int) -> PackedStep:
         ids[at:at + n] = p
         pos[at:at + n] = np.arange(n, dtype=np.int32)
         seq[at:at + n] = row
+        if types is not None:
+            tt[at:at + n] = types[row]
         at += n
         qsl[row + 1] = at
     qsl[len(prompts) + 1:] = at
-    return PackedStep(ids, pos, seq, qsl)
+    return PackedStep(ids, pos, seq, tt, qsl)
 
 
 class PoolingRunner:
-    """Holds the encoder's weights on the device and one compiled program per bucket."""
+    """Holds the encoder's weights on the device and one compiled program per bucket.  A step
+    returns one row per prompt: the pooled vector [D] of an embedder, or a cross-encoder's
+    classifier logits [num_labels] (``arch.encoder.num_labels > 0``)."""
 
     def __init__(self, arch: ArchConfig, module: ModuleType, params: dict, pooler: PoolerConfig, *,
                  max_num_batched_tokens: int, max_num_seqs: int, strict_compile_guard: bool = False):
@@ -75,9 +81,13 @@ class PoolingRunner:
         # float32 on the device; every weight of an encoder is read once per step.
         self.params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32)), params)
 
-        def step(params, input_ids, positions, seq_ids, query_start_loc):
-            hidden = module.encode(arch, params, input_ids, positions, seq_ids)       # [T, D]
-            return pool(pooler, hidden, seq_ids, query_start_loc)                     # [S, D]
+        classifier = arch.encoder.num_labels > 0
+
+        def step(params, input_ids, positions, seq_ids, token_types, query_start_loc):
+            hidden = module.encode(arch, params, input_ids, positions, seq_ids, token_types)   # [T, D]
+            if classifier:
+                return module.classify(arch, params, hidden[query_start_loc[:-1]])            # [S, labels]
+            return pool(pooler, hidden, seq_ids, query_start_loc)                             # [S, D]
         self._step = jax.jit(step)
         self._compiled: dict[int, object] = {}
 
@@ -90,7 +100,7 @@ class PoolingRunner:
         if exe is None:
             S = self.bucket_rows(T)
             i32 = jnp.int32
-            shapes = [jax.ShapeDtypeStruct((T,), i32)] * 3 + [jax.ShapeDtypeStruct((S + 1,), i32)]
+            shapes = [jax.ShapeDtypeStruct((T,), i32)] * 4 + [jax.ShapeDtypeStruct((S + 1,), i32)]
             params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.params)
             exe = self._compiled[T] = self._step.lower(params, *shapes).compile()
             log.debug("pooling bucket T=%d S=%d compiled", T, S)
@@ -114,16 +124,17 @@ class PoolingRunner:
             steps.append(cur)
         return steps
 
-    def run(self, prompts: list[list[int]]) -> list[np.ndarray]:
-        """One vector [D] float32 per prompt, in order."""
+    def run(self, prompts: list[list[int]], token_types: list[list[int]] | None = None) -> list[np.ndarray]:
+        """One row float32 per prompt, in order (``token_types``: per prompt, for text pairs)."""
         out: list[np.ndarray | None] = [None] * len(prompts)
         for idx in self.plan([len(p) for p in prompts]):
             chunk = [prompts[i] for i in idx]
+            types = None if token_types is None else [token_types[i] for i in idx]
             total = sum(len(p) for p in chunk)
             T = next(t for t in self.buckets if t >= total)
             exe = self.compile(T)
-            packed = pack(chunk, T, self.bucket_rows(T))
-            args = (packed.input_ids, packed.positions, packed.seq_ids, packed.query_start_loc)
+            packed = pack(chunk, types, T, self.bucket_rows(T))
+            args = (packed.input_ids, packed.positions, packed.seq_ids, packed.token_types, packed.query_start_loc)
             if self.strict:
                 with jax.no_tracing(True):
                     pooled = exe(self.params, *args)

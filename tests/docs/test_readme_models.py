@@ -15,7 +15,7 @@ def test_readme_model_table_is_the_registry():
     text = open(README, encoding="utf-8").read()
     section = text[text.index("## Models"):]
     section = section[:section.index("\n## ", 1)]
-    arch_name = r"`(\w+(?:ForCausalLM|Model|ForMaskedLM))`"   # decoders, and encoders (BertModel)
+    arch_name = r"`(\w+(?:ForCausalLM|Model|ForMaskedLM|ForSequenceClassification))`"   # decoders and encoders
     rows = [ln for ln in section.splitlines() if ln.startswith("|") and re.search(arch_name, ln)]
     named, with_gguf = set(), set()
     for row in rows:

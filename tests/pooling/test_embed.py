@@ -86,3 +86,11 @@ def test_generation_on_a_pooling_model_is_a_value_error_naming_embed(llms, folde
         LLM(folders["mean"], runner="generate")
     with pytest.raises(ValueError, match="runner='pooling' does not take kv_cache_dtype"):
         LLM(folders["mean"], runner="pooling", kv_cache_dtype="int8")
+
+
+def test_an_embedder_scores_by_cosine_similarity(folders, llms):
+    """vLLM's rule for ``score`` on an embedding model: the cosine of the two embeddings."""
+    ref = st_encode(folders["mean"], [TEXTS[0], TEXTS[1], TEXTS[2]])
+    want = [float(ref[0] @ ref[i] / np.linalg.norm(ref[0]) / np.linalg.norm(ref[i])) for i in (1, 2)]
+    got = [o.outputs.score for o in llms["mean"].score(TEXTS[0], [TEXTS[1], TEXTS[2]])]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

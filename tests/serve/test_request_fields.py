@@ -26,6 +26,7 @@ from support.serve_helpers import assert_error_shape  # noqa: E402
 from jaxllm.sampling_params import SamplingParams  # noqa: E402
 from serve.protocol import (ChatCompletionNamedToolChoiceParam, ChatCompletionRequest,  # noqa: E402
                             ChatCompletionToolParam, ChatMessage, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                            RerankRequest, ScoreRequest,
                             FunctionDefinition, NamedFunction, OpenAIModel, StreamOptions, TextContentPart,
                             TokenizeChatRequest, TokenizeCompletionRequest)
 from serve.structured import resolve_constraint  # noqa: E402
@@ -35,7 +36,7 @@ pytest_plugins = ["support.serve_helpers"]
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = "serve/test_request_fields.py"
 MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
-          EmbeddingRequest]
+          EmbeddingRequest, ScoreRequest, RerankRequest]
 MSGS = [{"role": "user", "content": "Say something."}]
 
 TO_SAMPLING_PARAMS = {
@@ -90,6 +91,13 @@ SERVED = {
     "input": "serve/test_embeddings.py::test_token_id_inputs",
     "encoding_format": "serve/test_embeddings.py::test_openai_client_embeddings_match_sentence_transformers",
     "dimensions": "serve/test_embeddings.py::test_bad_requests_are_400s_naming_what_is_wrong",
+    # /score and /rerank (documents is also served there; truncate_prompt_tokens too)
+    "text_1": "serve/test_scoring.py::test_score_matches_the_cross_encoder",
+    "text_2": "serve/test_scoring.py::test_score_matches_the_cross_encoder",
+    "queries": "serve/test_scoring.py::test_score_matches_the_cross_encoder",
+    "query": "serve/test_scoring.py::test_rerank_sorts_by_relevance",
+    "top_n": "serve/test_scoring.py::test_rerank_sorts_by_relevance",
+    "return_documents": "serve/test_scoring.py::test_rerank_sorts_by_relevance",
 }
 """Fields the server itself honours -> the test of the effect (its source names the field)."""
 

@@ -1,15 +1,17 @@
 """Tiny random BERT encoders saved as sentence-transformers folders (a Transformer module, a
-Pooling module, optionally Normalize), with a small WordPiece vocabulary: the pooling tests'
-checkpoints and their oracle (``SentenceTransformer.encode``, float32)."""
+Pooling module, optionally Normalize), and a tiny BERT cross-encoder, with a small WordPiece
+vocabulary: the pooling tests' checkpoints and their oracles (``SentenceTransformer.encode``,
+``CrossEncoder.predict``, float32)."""
 
 from __future__ import annotations
 
 import os
 
 import torch
-from sentence_transformers import SentenceTransformer
+from sentence_transformers import CrossEncoder, SentenceTransformer
 from sentence_transformers.sentence_transformer import modules as st_models
-from transformers import BertConfig, BertModel, BertTokenizerFast, XLMRobertaConfig, XLMRobertaModel
+from transformers import (BertConfig, BertForSequenceClassification, BertModel, BertTokenizerFast, XLMRobertaConfig,
+                          XLMRobertaModel)
 
 WORDS = ("the a an of to in is it and that for on with as was at by be this are from or his her not "
          "cat dog sat mat ran fast slow red blue green big small house tree river sky sun moon star "
@@ -55,3 +57,23 @@ def st_encode(path: str, texts: list[str]):
     """The oracle: ``SentenceTransformer.encode`` in float32, [N, D] numpy."""
     model = SentenceTransformer(path, device="cpu")
     return model.encode(texts, convert_to_numpy=True, batch_size=len(texts))
+
+
+def build_bert_cross_encoder(out_dir: str, seed: int = 3) -> str:
+    """A tiny random ``BertForSequenceClassification`` with one label (a reranker), as an HF folder."""
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(VOCAB), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=128, type_vocab_size=2, num_labels=1)
+    model = BertForSequenceClassification(cfg).eval()
+    with torch.no_grad():   # wider than the default init, so scores differ by document (and order them)
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    model.save_pretrained(out_dir)
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(VOCAB)}, do_lower_case=True).save_pretrained(out_dir)
+    return out_dir
+
+
+def cross_encoder_scores(path: str, pairs: list[tuple[str, str]]):
+    """The oracle: ``CrossEncoder.predict`` (one label: the sigmoid of the logit), float32 numpy."""
+    return CrossEncoder(path, device="cpu").predict(pairs, batch_size=len(pairs), convert_to_numpy=True)

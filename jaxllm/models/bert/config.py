@@ -15,6 +15,7 @@ GELU_EXACT = ("gelu",)
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 # RoBERTa's positions start after the padding id: token i of a prompt has position pad_token_id + 1 + i
 # (transformers' ``create_position_ids_from_input_ids``, for prompts without padding inside).
+CLASSIFIERS = ("BertForSequenceClassification",)
 OFFSET_POSITIONS = ("RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel", "XLMRobertaForMaskedLM")
 
 
@@ -27,6 +28,9 @@ class BertConfig(FamilyConfig):
     layer_norm_eps: float = 1e-12
     gelu_tanh: bool = False
     """The MLP's GELU: False the exact (erf) one, True the tanh approximation."""
+    num_labels: int = 0
+    """A cross-encoder's classifier outputs (``*ForSequenceClassification``: the pooler's tanh
+    layer over the first token, then a linear head); 0: an embedder, no head."""
     position_offset: int = 0
     """Added to each token's position before the position-embedding lookup (0 for BERT; RoBERTa's
     ``pad_token_id + 1``)."""
@@ -84,5 +88,6 @@ def _from_hf(hf, arch: str, where: str) -> ArchConfig:
         qkv_bias=True,
         o_bias=True,
         encoder=BertConfig(type_vocab_size=int(get("type_vocab_size", 2)), layer_norm_eps=eps,
-                           gelu_tanh=act in GELU_TANH, position_offset=offset),
+                           gelu_tanh=act in GELU_TANH, position_offset=offset,
+                           num_labels=int(get("num_labels", 1)) if arch in CLASSIFIERS else 0),
     )

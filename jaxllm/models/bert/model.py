@@ -44,16 +44,17 @@ def _attention(arch: ArchConfig, lp: dict, x, same_seq):
     return _linear(out, lp["o"], lp["o_bias"])
 
 
-def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids):
+def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_types):
     """The encoder's last hidden states.
 
     input_ids [T] int32, positions [T] int32 (each token's index in its prompt), seq_ids [T]
-    int32 (the prompt each token belongs to; padding tokens carry their own id, -1) ->
-    hidden [T, D] float32.  ``params``: ``{"globals": {...}, "layers": [{...}, ...]}``."""
+    int32 (the prompt each token belongs to; padding tokens carry their own id, -1),
+    token_types [T] int32 (0 for a single text; a pair's second text 1) -> hidden [T, D]
+    float32.  ``params``: ``{"globals": {...}, "layers": [{...}, ...]}``."""
     enc = encoder(arch)
     g = params["globals"]
     x = (g["embed"][input_ids] + g["pos_embed"][positions + enc.position_offset]
-         + g["type_embed"][0][None, :])                                      # [T, D]; single texts: type 0
+         + g["type_embed"][token_types])                                     # [T, D]
     x = _layer_norm(x.astype(jnp.float32), g["embed_norm"], g["embed_norm_bias"], enc.layer_norm_eps)
     same_seq = seq_ids[:, None] == seq_ids[None, :]                          # [T, T]
     for lp in params["layers"]:
@@ -63,3 +64,10 @@ def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids):
         x = _layer_norm(x + _linear(h, lp["down"], lp["down_bias"]), lp["mlp_norm"], lp["mlp_norm_bias"],
                         enc.layer_norm_eps)
     return x
+
+
+def classify(arch: ArchConfig, params: dict, first):
+    """A cross-encoder's head: first [S, D] (each prompt's first token) -> logits [S, num_labels]."""
+    g = params["globals"]
+    pooled = jnp.tanh(_linear(first, g["pooler"], g["pooler_bias"]))
+    return _linear(pooled, g["classifier"], g["classifier_bias"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Param, ParamTable
 
 PREFIXES = ("", "bert.", "roberta.")
+CLASSIFIER_IGNORED_TENSORS = tuple(p + "embeddings.position_ids" for p in PREFIXES)
+"""A cross-encoder uses its pooler (the classifier reads it)."""
 IGNORED_TENSORS = (*(p + "pooler." for p in PREFIXES), *(p + "embeddings.position_ids" for p in PREFIXES),
                    "cls.", "lm_head.")
 """Checkpoint tensors the encoder does not use: the NSP pooler, the masked-LM heads (BERT's
@@ -20,6 +22,10 @@ def _hf(suffix: str) -> tuple[str, ...]:
 
 def _layer(suffix: str) -> tuple[str, ...]:
     return _hf("encoder.layer.{layer}." + suffix)
+
+
+def _classifier(a) -> bool:
+    return a.encoder.num_labels > 0
 
 
 def _width(a):
@@ -57,5 +63,12 @@ PARAMS = ParamTable(params=(
     Param("down_bias", LAYER, VECTOR, ("embed",), _width, _layer("output.dense.bias")),
     Param("mlp_norm", LAYER, VECTOR, ("embed",), _width, _layer("output.LayerNorm.weight")),
     Param("mlp_norm_bias", LAYER, VECTOR, ("embed",), _width, _layer("output.LayerNorm.bias")),
+    # A cross-encoder's head (BertForSequenceClassification): tanh(pooler(h[CLS])) -> classifier.
+    Param("pooler", GLOBAL, MATRIX, ("embed", "embed"), _square, _hf("pooler.dense.weight"), when=_classifier),
+    Param("pooler_bias", GLOBAL, VECTOR, ("embed",), _width, _hf("pooler.dense.bias"), when=_classifier),
+    Param("classifier", GLOBAL, MATRIX, ("labels", "embed"), lambda a: (a.encoder.num_labels, a.hidden_size),
+          "classifier.weight", when=_classifier),
+    Param("classifier_bias", GLOBAL, VECTOR, ("labels",), lambda a: (a.encoder.num_labels,), "classifier.bias",
+          when=_classifier),
 ))
 """BERT's parameters (safetensors names; float32 / bf16 / f16 checkpoints)."""
