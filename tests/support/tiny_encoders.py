@@ -39,10 +39,12 @@ def build_bert_st(out_dir: str, pooling: str = "mean", normalize: bool = False, 
         bert = XLMRobertaModel(cfg).eval()
     else:
         bert = BertModel(BertConfig(**sizes, max_position_embeddings=128, type_vocab_size=2)).eval()
-    with torch.no_grad():   # random LayerNorm and bias values, so a wrong one shows
-        for name, p in bert.named_parameters():
+    with torch.no_grad():   # random LayerNorm and bias values, and matrices wider than the default
+        for name, p in bert.named_parameters():   # init, so activations reach GELU's curved part
             if "LayerNorm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.normal_(0, 0.2)
     hf_dir = out_dir.rstrip("/") + "_hf"   # the bare transformers folder the Transformer module reads
     bert.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
