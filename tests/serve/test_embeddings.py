@@ -6,6 +6,8 @@ too-long input, ``dimensions`` and a generation request are 400s naming what is 
 from __future__ import annotations
 
 import base64
+import os
+import sys
 
 import httpx
 import numpy as np
@@ -17,9 +19,11 @@ from jaxllm.pooling.async_engine import AsyncPoolingEngine
 from jaxllm.pooling.config import PoolingEngineConfig
 from jaxllm.pooling.engine import PoolingEngine
 from support.serve_helpers import ServerThread, assert_error_shape
+from support.serve_process import running_server
 from support.tiny_encoders import build_bert_st, st_encode
 
 TEXTS = ["the cat sat on the mat", "a dog ran fast", "sky"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +104,15 @@ def test_bad_requests_are_400s_naming_what_is_wrong(pooling_server, path, body, 
     assert r.status_code == 400, r.text
     assert_error_shape(r.json(), 400, param)
     assert words in r.json()["error"]["message"]
+
+
+def test_jaxllm_serve_picks_the_pooling_runner_for_an_encoder(folder, reference, tmp_path):
+    """The command line: no --runner (auto) on an encoder folder serves embeddings with its own
+    pooler (MEAN + Normalize from modules.json); --pooler-config overrides it."""
+    args = [sys.executable, "-m", "jaxllm.cli", "serve", folder, "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
+            "--pooler-config", '{"normalize": false}']
+    with running_server(args, env=dict(os.environ), log=tmp_path / "serve.log", timeout=120, cwd=ROOT) as base:
+        r = httpx.post(base + "/v1/embeddings", json={"input": TEXTS[2]}).json()
+    got = np.asarray(r["data"][0]["embedding"], np.float32)
+    assert abs(np.linalg.norm(got) - 1.0) > 1e-3   # the override took: not normalized
+    _close([got / np.linalg.norm(got)], reference[2:3])
