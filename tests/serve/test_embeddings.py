@@ -106,6 +106,16 @@ def test_bad_requests_are_400s_naming_what_is_wrong(pooling_server, path, body, 
     assert words in r.json()["error"]["message"]
 
 
+def test_the_servers_other_routes_answer(pooling_server):
+    """A pooling server still answers /v1/models, /health, /metrics and /tokenize."""
+    base = pooling_server.base
+    models = httpx.get(base + "/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["tiny-bert"] and models["data"][0]["max_model_len"] == 64
+    assert httpx.get(base + "/health").status_code == 200
+    assert httpx.get(base + "/metrics").status_code == 200
+    assert httpx.post(base + "/tokenize", json={"prompt": "sky"}).json()["count"] == 3   # [CLS] sky [SEP]
+
+
 def test_jaxllm_serve_picks_the_pooling_runner_for_an_encoder(folder, reference, tmp_path):
     """The command line: no --runner (auto) on an encoder folder serves embeddings with its own
     pooler (MEAN + Normalize from modules.json); --pooler-config overrides it."""
