@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM
+from jaxllm.config import EngineConfig
 from support.tiny_encoders import build_bert_st, st_encode
 
 # Small buckets (16, 32, 64 tokens), the strict compile guard on: a step never traces or compiles
@@ -86,6 +87,9 @@ def test_generation_on_a_pooling_model_is_a_value_error_naming_embed(llms, folde
         LLM(folders["mean"], runner="generate")
     with pytest.raises(ValueError, match="runner='pooling' does not take kv_cache_dtype"):
         LLM(folders["mean"], runner="pooling", kv_cache_dtype="int8")
+    # The generation engine itself, built directly, refuses an encoder by name.
+    with pytest.raises(ValueError, match="BertModel is an encoder: .*use the pooling runner"):
+        LLM.from_engine_config(EngineConfig.from_kwargs(model=folders["mean"]))
 
 
 def test_an_embedder_scores_by_cosine_similarity(folders, llms):
