@@ -18,7 +18,14 @@ from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.output_processor import OutputKind
 from jaxllm.engine.render import render_chat_prompt
 from jaxllm.outputs import RequestOutput
+from jaxllm.pooling.config import PoolingEngineConfig
+from jaxllm.pooling.engine import PoolingEngine, uses_pooling_runner
+from jaxllm.pooling.outputs import EmbeddingRequestOutput, ScoringRequestOutput
 from jaxllm.sampling_params import SamplingParams
+
+# The engine arguments the pooling runner takes (the rest size a KV cache or a sampler it has not).
+_POOLING_ARGS = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "strict_compile_guard", "precompile",
+                 "show_progress")
 
 
 def _refuse_data_parallel(config: EngineConfig) -> None:
@@ -34,25 +41,65 @@ class LLM:
     ``num_gpu_blocks_override`` too).  A step bucket is compiled (or loaded from the cache)
     the first time a step needs it; ``precompile="all"`` builds every bucket up front."""
 
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, runner: str = "auto", pooler_config: dict | None = None,
+                 **engine_args):
+        """``runner``: "generate", "pooling" (an encoder: :meth:`embed`) or "auto" (pooling for an
+        encoder checkpoint); ``pooler_config``: vLLM's ``--pooler-config`` (``pooling_type``,
+        ``normalize``) over the checkpoint's pooler."""
+        # The start-up phases as `jaxllm serve` logs them, unless the program set up logging itself.
+        self.llm_engine = self.pooling_engine = None
+        self._ids = itertools.count()
+        if uses_pooling_runner(model, runner, pooler_config):
+            other = sorted(k for k in engine_args if k not in _POOLING_ARGS and not (k == "dtype" and
+                                                                                     engine_args[k] in ("auto", "float32")))
+            if other:
+                raise ValueError(f"runner='pooling' does not take {', '.join(other)} (it takes "
+                                 f"{', '.join(_POOLING_ARGS)}; dtype float32)")
+            console.install_default_handler()
+            self.pooling_engine = PoolingEngine(PoolingEngineConfig(
+                model=model, pooler_config=dict(pooler_config or {}),
+                **{k: v for k, v in engine_args.items() if k in _POOLING_ARGS}))
+            return
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         _refuse_data_parallel(config)
-        # The start-up phases as `jaxllm serve` logs them, unless the program set up logging itself.
         console.install_default_handler()
         self.llm_engine = LLMEngine(config)
-        self._ids = itertools.count()
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> "LLM":
         _refuse_data_parallel(config)
         console.install_default_handler()
         llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine(config)
+        llm.llm_engine, llm.pooling_engine = LLMEngine(config), None
         llm._ids = itertools.count()
         return llm
 
     def get_tokenizer(self):
-        return self.llm_engine.tokenizer
+        return (self.pooling_engine or self.llm_engine).tokenizer
+
+    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (a string, a list of token ids, or a list of either), in
+        order: ``out.outputs.embedding``.  Needs the pooling runner."""
+        if self.pooling_engine is None:
+            raise ValueError("embed() needs a pooling model: LLM(model, runner='pooling') on an encoder checkpoint; "
+                             "this LLM generates (use generate() or chat())")
+        return self.pooling_engine.embed(prompts, truncate_prompt_tokens)
+
+    def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: ``text_1`` (one text, or a list) against ``text_2`` (one or N texts;
+        1 -> N or pairwise): ``out.outputs.score``, a cross-encoder's relevance or an embedder's
+        cosine similarity.  Needs the pooling runner."""
+        if self.pooling_engine is None:
+            raise ValueError("score() needs a pooling model: LLM(model, runner='pooling') on an encoder or "
+                             "cross-encoder checkpoint; this LLM generates")
+        return self.pooling_engine.score(text_1, text_2, truncate_prompt_tokens)
+
+    def _refuse_pooling(self, method: str) -> None:
+        if self.pooling_engine is not None:
+            raise ValueError(f"{method}() is for generative models; this LLM runs the pooling runner "
+                             f"({self.pooling_engine.arch.architecture}): use embed()")
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
@@ -62,6 +109,7 @@ class LLM:
         ``prompt_token_ids`` and optionally ``cache_salt`` (only prompts with the same salt
         share cached prefix KV).  ``priority``: one per prompt, for ``scheduling_policy="priority"``
         (lower runs first)."""
+        self._refuse_pooling("generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -88,6 +136,7 @@ class LLM:
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several (a list of lists), via the chat template."""
+        self._refuse_pooling("chat")
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer (the engine was built with skip_tokenizer_init)")

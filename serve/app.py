@@ -1,6 +1,8 @@
 """The Quart application of ``jaxllm serve`` and the hypercorn loop that runs it.
 
-Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions``, and on a pooling model
+``POST /v1/embeddings`` (serve/embeddings.py), ``POST /score``, ``POST /rerank`` (``/v1/rerank``,
+``/v2/rerank``; serve/scoring.py), ``GET /v1/models``,
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, and
 with ``--profiler-dir DIR`` ``POST /start_profile`` / ``POST /stop_profile`` (an XLA trace of
 whatever the engine runs in between, written under DIR; see ``jaxllm/profiling.py``).
@@ -39,11 +41,12 @@ from jaxllm.config import ServingConfig
 from jaxllm.engine.protocol import EngineClient
 from jaxllm.engine.tokenizer import encode
 from jaxllm.errors import EngineDeadError
-from serve import chat, completions
+from jaxllm.pooling.async_engine import AsyncPoolingEngine
+from serve import chat, completions, embeddings, scoring
 from serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serve.metrics import Metrics
-from serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                            DetokenizeResponse, ModelCard, ModelList, TokenizeChatRequest,
+from serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                            DetokenizeResponse, ModelCard, ModelList, RerankRequest, ScoreRequest, TokenizeChatRequest,
                             TokenizeCompletionRequest, TokenizeResponse, bad_request, error_body, validation_error)
 from serve.state import ServerState
 
@@ -163,15 +166,52 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
     def _reply(result):
         return result if isinstance(result, Response) else json_response(result)
 
+    pooling = isinstance(engine, AsyncPoolingEngine)
+
+    def _generation_only(endpoint: str):
+        if pooling:
+            raise bad_request(f"{state.model_name} is a pooling model: it does not serve {endpoint}; "
+                              "use /v1/embeddings", "model")
+
     @app.post("/v1/completions")
     async def _completions():
+        _generation_only("/v1/completions")
         req = await _parse(CompletionRequest)
         return _reply(await completions.create_completion(state, req))
 
     @app.post("/v1/chat/completions")
     async def _chat():
+        _generation_only("/v1/chat/completions")
         req = await _parse(ChatCompletionRequest)
         return _reply(await chat.create_chat_completion(state, req))
+
+    @app.post("/v1/embeddings")
+    async def _embeddings():
+        if not pooling:
+            raise APIError(HTTPStatus.NOT_FOUND, f"{state.model_name} generates: /v1/embeddings needs a pooling "
+                                                 "model (jaxllm serve MODEL --runner pooling)")
+        req = await _parse(EmbeddingRequest)
+        return _reply(await embeddings.create_embedding(state, engine, req))
+
+    def _pooling_only(endpoint: str):
+        if not pooling:
+            raise APIError(HTTPStatus.NOT_FOUND, f"{state.model_name} generates: {endpoint} needs a pooling model "
+                                                 "(jaxllm serve MODEL --runner pooling)")
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def _score():
+        _pooling_only("/score")
+        req = await _parse(ScoreRequest)
+        return _reply(await scoring.create_score(state, engine, req))
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def _rerank():
+        _pooling_only("/rerank")
+        req = await _parse(RerankRequest)
+        return _reply(await scoring.create_rerank(state, engine, req))
 
     @app.get("/v1/models")
     async def _models():

@@ -56,6 +56,13 @@ def register(subparsers) -> None:
                         "(default on)")
     g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                    help="no access line per request")
+    pg = s.add_argument_group("pooling (embeddings)")
+    pg.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
+                    help="generate, or pooling: an encoder serving /v1/embeddings (default auto: pooling for an "
+                         "encoder checkpoint such as BertModel)")
+    pg.add_argument("--pooler-config", default=None, metavar="JSON",
+                    help="the pooler over the checkpoint's (sentence-transformers' modules.json), e.g. "
+                         "'{\"pooling_type\": \"CLS\", \"normalize\": true}' (CLS, MEAN or LAST)")
     t = s.add_argument_group("tool calling and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request sends tools); needs --tool-call-parser')
@@ -94,6 +101,48 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         log_requests=args.log_requests, metrics_compat=args.metrics_compat)
 
 
+def pooling_config_from_args(args: argparse.Namespace):
+    """The pooling runner's config when ``--runner`` (or ``auto`` and the checkpoint) asks for it, else None."""
+    from jaxllm.pooling.config import PoolingEngineConfig
+    from jaxllm.pooling.engine import uses_pooling_runner
+
+    pooler = None
+    if args.pooler_config:
+        try:
+            pooler = json.loads(args.pooler_config)
+        except ValueError as e:
+            raise ValueError(f"--pooler-config is not valid JSON ({e})") from None
+    model = args.model_pos or args.model
+    if not uses_pooling_runner(model, args.runner, pooler):
+        return None
+    sizes = {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs") if getattr(args, k) is not None}
+    # A server builds every bucket before it takes a request.
+    return PoolingEngineConfig(model=model, pooler_config=pooler or {}, max_model_len=args.max_model_len,
+                               precompile="all", **sizes)
+
+
+def _serve_pooling(config, serving: ServingConfig) -> int:
+    from jaxllm.pooling.async_engine import AsyncPoolingEngine
+    from jaxllm.pooling.engine import PoolingEngine
+    from serve.app import listen
+
+    for logger in (log, logging.getLogger("jaxllm.engine")):
+        if logger.getEffectiveLevel() > logging.INFO:
+            logger.setLevel(logging.INFO)
+    sock = listen(serving.host, serving.port)  # a busy port fails now, not after compiling
+    try:
+        engine = AsyncPoolingEngine(PoolingEngine(config))
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        asyncio.run(_serve(engine, serving, sock))
+    finally:
+        engine.shutdown()
+    log.info("server stopped")
+    return 0
+
+
 def with_reasoning_end(engine_config, serving: ServingConfig):
     """With ``--reasoning-parser``, structured outputs (and required / named tool calls) start
     after the parser's end tag, unless ``--structured-outputs-config`` says where already."""
@@ -118,6 +167,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_pos and args.model and args.model_pos != args.model:
         raise ValueError(f"the model is given twice ({args.model_pos!r} and --model {args.model!r}); give it once")
     serving = serving_config_from_args(args)
+    pooling = pooling_config_from_args(args)
+    if pooling is not None:
+        return _serve_pooling(pooling, serving)
     resolve_chat_template(serving.chat_template)
     resolve_parsers(serving)  # an unknown parser or a broken plugin fails now
     engine_config = with_reasoning_end(engine_config_from_args(args), serving)

@@ -430,6 +430,43 @@ class PromptTokenUsageInfo(BaseModel):
     cached_tokens: int = 0
 
 
+class EmbeddingRequest(OpenAIModel):
+    """``POST /v1/embeddings`` (serve/embeddings.py): OpenAI's fields and vLLM's ``truncate_prompt_tokens``."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    """Matryoshka truncation: a 400 naming it on a model without Matryoshka (all served so far)."""
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+
+
+class ScoreRequest(OpenAIModel):
+    """``POST /score`` (serve/scoring.py): vLLM's ``text_1`` / ``text_2`` or ``queries`` / ``documents``."""
+
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
+class RerankRequest(OpenAIModel):
+    """``POST /rerank``, ``/v1/rerank``, ``/v2/rerank`` (serve/scoring.py): Jina's and Cohere's shape."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(default=None, ge=0)
+    """The best n results (None or 0: all)."""
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+    user: str | None = None
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0

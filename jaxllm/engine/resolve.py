@@ -138,6 +138,9 @@ def _draft_kinds(draft: LoadedModel | None, itemsize: int, kv_name: str) -> tupl
 
 def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel | None = None) -> ResolvedConfig:
     """``draft``: the draft model of ``method: draft_model``; its cache shares the budget."""
+    if get_family(model.arch.architecture).pooling:   # an encoder has no forward to generate with
+        raise ValueError(f"{model.arch.architecture} is an encoder: it embeds or scores rather than generates; "
+                         "use the pooling runner (LLM(model, runner='pooling'), jaxllm serve --runner pooling)")
     platform = jax.default_backend()
     defaults = platform_defaults(platform)
     rc, sc, cache = config.runner, config.scheduler, config.cache

@@ -115,6 +115,9 @@ class ArchConfig:
     """``deepseek.DeepseekConfig``: multi-head latent attention (DeepSeek-V2/V3); None: not MLA.
     ``head_dim`` is then the rope dims of a head (``qk_rope_head_dim``) and ``attn_scale`` the
     softmax scale."""
+    encoder: FamilyConfig | None = None
+    """``bert.BertConfig``: a bidirectional encoder's knobs (token types, LayerNorm epsilon, GELU,
+    position offset); None: a causal decoder."""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

@@ -132,6 +132,7 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
     if method is not None:
         tensors = hf_formats.build(method, raw["quantization_config"], tensors, where=path)
 
+    ignored = get_family(arch.architecture).ignored_tensors
     mtp = int(getattr(hf, "num_mtp_layers", None) or getattr(hf, "num_nextn_predict_layers", None) or 0)
 
     def skip(name: str) -> bool:
@@ -144,7 +145,8 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
                 return True
         # Qwen3-Next's multi-token-prediction head ("mtp.*") likewise.
         return (name.endswith("rotary_emb.inv_freq") or name.startswith("mtp.")
-                or (name == "lm_head.weight" and arch.tie_word_embeddings))
+                or (name == "lm_head.weight" and arch.tie_word_embeddings)
+                or any(name == t or (t.endswith(".") and name.startswith(t)) for t in ignored))
 
     layers, globals_ = _assemble(arch, {n: t for n, t in tensors.items() if not skip(n)}, NameMap(arch, "hf"),
                                  where=path)

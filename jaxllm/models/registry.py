@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import deepseek, gemma, gpt_oss, llama, qwen3_next
+from jaxllm.models import bert, deepseek, gemma, gpt_oss, llama, qwen3_next
 from jaxllm.models.config import ArchConfig, FamilyConfig
 
 
@@ -37,6 +37,13 @@ class Family:
     per_sequence_state: bool = False
     """A state per sequence besides the K/V pages (a hybrid model's recurrent GDN state): the
     runner gives each request a state slot; prefix caching and speculative decoding do not apply."""
+    pooling: bool = False
+    """An encoder that pools rather than generates (BERT): its module has ``encode`` instead of
+    ``forward`` / ``compute_logits``, it runs under the pooling runner (``jaxllm/pooling/``), and
+    ``runner="auto"`` picks that runner for it."""
+    ignored_tensors: tuple[str, ...] = ()
+    """Checkpoint tensor names (or name prefixes ending in ``.``) the loader skips: heads and
+    buffers the family does not use (BERT's NSP pooler and masked-LM head)."""
 
 
 DECODER = Family(llama, config=llama.LlamaConfig)
@@ -46,6 +53,8 @@ MLA = Family(deepseek, config=deepseek.DeepseekConfig, cache_kinds=deepseek.cach
              allocate_cache=deepseek.allocate_cache)
 HYBRID = Family(qwen3_next, config=qwen3_next.Qwen3NextConfig, cache_kinds=qwen3_next.cache_kinds,
                 allocate_cache=qwen3_next.allocate_cache, per_sequence_state=qwen3_next.PER_SEQUENCE_STATE)
+ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.IGNORED_TENSORS)
+CROSS_ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.CLASSIFIER_IGNORED_TENSORS)
 
 _REGISTRY: dict[str, Family] = {
     "LlamaForCausalLM": DECODER,
@@ -71,6 +80,14 @@ _REGISTRY: dict[str, Family] = {
     "Qwen3NextForCausalLM": HYBRID,
     "Qwen3_5ForCausalLM": HYBRID,
     "Qwen3_5MoeForCausalLM": HYBRID,
+    # Encoders (bidirectional, pooled; the pooling runner): BertModel is what sentence-transformers saves.
+    "BertModel": ENCODER,
+    "BertForMaskedLM": ENCODER,
+    "RobertaModel": ENCODER,            # BERT with positions offset past the padding id
+    "RobertaForMaskedLM": ENCODER,
+    "XLMRobertaModel": ENCODER,
+    "XLMRobertaForMaskedLM": ENCODER,
+    "BertForSequenceClassification": CROSS_ENCODER,   # a cross-encoder: /score, /rerank
 }
 
 # GGUF's general.architecture -> HF architecture name, as each family's config declares it
@@ -118,6 +135,11 @@ def get_family(architecture: str) -> Family:
 def get_model_module(architecture: str) -> ModuleType:
     """The module that implements ``architecture``'s forward (its family's ``module``)."""
     return get_family(architecture).module
+
+
+def is_pooling(architecture: str) -> bool:
+    """Whether the family is an encoder served by the pooling runner (:attr:`Family.pooling`)."""
+    return get_family(architecture).pooling
 
 
 def keeps_sequence_state(architecture: str) -> bool:

@@ -15,11 +15,12 @@ def test_readme_model_table_is_the_registry():
     text = open(README, encoding="utf-8").read()
     section = text[text.index("## Models"):]
     section = section[:section.index("\n## ", 1)]
-    rows = [ln for ln in section.splitlines() if ln.startswith("|") and "ForCausalLM" in ln]
+    arch_name = r"`(\w+(?:ForCausalLM|Model|ForMaskedLM|ForSequenceClassification))`"   # decoders and encoders
+    rows = [ln for ln in section.splitlines() if ln.startswith("|") and re.search(arch_name, ln)]
     named, with_gguf = set(), set()
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        archs = set(re.findall(r"`(\w+ForCausalLM)`", cells[1]))
+        archs = set(re.findall(arch_name, cells[1]))
         named |= archs
         if cells[2] == "yes":
             with_gguf |= archs

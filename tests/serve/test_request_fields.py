@@ -25,7 +25,8 @@ from support.serve_helpers import assert_error_shape  # noqa: E402
 
 from jaxllm.sampling_params import SamplingParams  # noqa: E402
 from serve.protocol import (ChatCompletionNamedToolChoiceParam, ChatCompletionRequest,  # noqa: E402
-                            ChatCompletionToolParam, ChatMessage, CompletionRequest, DetokenizeRequest,
+                            ChatCompletionToolParam, ChatMessage, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
+                            RerankRequest, ScoreRequest,
                             FunctionDefinition, NamedFunction, OpenAIModel, StreamOptions, TextContentPart,
                             TokenizeChatRequest, TokenizeCompletionRequest)
 from serve.structured import resolve_constraint  # noqa: E402
@@ -34,7 +35,8 @@ pytest_plugins = ["support.serve_helpers"]
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = "serve/test_request_fields.py"
-MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest]
+MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
+          EmbeddingRequest, ScoreRequest, RerankRequest]
 MSGS = [{"role": "user", "content": "Say something."}]
 
 TO_SAMPLING_PARAMS = {
@@ -85,6 +87,17 @@ SERVED = {
     "return_tokens_as_token_ids": f"{HERE}::test_return_tokens_as_token_ids",
     "request_id": f"{HERE}::test_request_id_and_header_name_the_response",
     "include_reasoning": "serve/test_serve_tools.py::test_include_reasoning_false_leaves_the_reasoning_out",
+    # /v1/embeddings (a pooling server; truncate_prompt_tokens is also served there)
+    "input": "serve/test_embeddings.py::test_token_id_inputs",
+    "encoding_format": "serve/test_embeddings.py::test_openai_client_embeddings_match_sentence_transformers",
+    "dimensions": "serve/test_embeddings.py::test_bad_requests_are_400s_naming_what_is_wrong",
+    # /score and /rerank (documents is also served there; truncate_prompt_tokens too)
+    "text_1": "serve/test_scoring.py::test_score_matches_the_cross_encoder",
+    "text_2": "serve/test_scoring.py::test_score_matches_the_cross_encoder",
+    "queries": "serve/test_scoring.py::test_score_matches_the_cross_encoder",
+    "query": "serve/test_scoring.py::test_rerank_sorts_by_relevance",
+    "top_n": "serve/test_scoring.py::test_rerank_sorts_by_relevance",
+    "return_documents": "serve/test_scoring.py::test_rerank_sorts_by_relevance",
 }
 """Fields the server itself honours -> the test of the effect (its source names the field)."""
 

@@ -107,6 +107,17 @@ def test_unknown_model_is_404_and_aliases_work(http):
     assert r.status_code == 200 and r.json()["model"] == "tiny"
 
 
+def test_embeddings_on_a_generation_server_is_404_naming_the_runner(http):
+    """vLLM answers 404 where the model does not embed or score; the message says how to serve one that does."""
+    for path, body, name in (("/v1/embeddings", {"input": "x"}, "/v1/embeddings"),
+                             ("/score", {"text_1": "a", "text_2": "b"}, "/score"),
+                             ("/v2/rerank", {"query": "a", "documents": ["b"]}, "/rerank")):
+        r = _post(http, path, body)
+        assert r.status_code == 404
+        err = assert_error_shape(r.json(), 404)
+        assert f"{name} needs a pooling model" in err["message"] and "--runner pooling" in err["message"]
+
+
 def test_prompt_at_or_over_the_context_length_is_400(http):
     for n in (256, 300):
         r = _post(http, COMPL, {"prompt": [5] * n, "max_tokens": 1})

@@ -1,0 +1,8 @@
+"""The pooling runner: encoders (``Family.pooling``) turned into one vector per prompt.
+
+``config.py`` (the pooler's and the engine's frozen configs), ``st_folder.py`` (the pooler a
+sentence-transformers folder declares), ``pool.py`` (CLS / MEAN / LAST pooling inside the
+compiled step), ``runner.py`` (whole prompts packed into ragged buckets, compiled ahead of
+time), ``engine.py`` (tokenize, check, embed), ``async_engine.py`` (the server's batching
+thread), ``outputs.py`` (vLLM-shaped outputs).
+"""

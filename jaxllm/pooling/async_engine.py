@@ -1,0 +1,162 @@
+"""The pooling engine for the server: one thread runs the encoder; requests that arrive while a
+step runs are embedded together in the next one (their prompts packed into shared buckets).
+
+It answers the model facts of ``engine/protocol.EngineClient`` that the server reads (name,
+tokenizer, lengths, health, statistics); it takes no generation request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+
+import numpy as np
+
+from jaxllm.errors import EngineDeadError
+from jaxllm.pooling.engine import PoolingEngine
+from jaxllm.sampling_params import SamplingParams
+
+log = logging.getLogger("jaxllm.engine")
+
+
+class AsyncPoolingEngine:
+    pooling = True
+    """The server asks this to route requests (serve/app.py): embeddings here, generation refused."""
+
+    def __init__(self, engine: PoolingEngine):
+        self.engine = engine
+        self.stats_sink = None
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="jaxllm-pooling", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ model facts
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def generation_config(self) -> dict:
+        return {}
+
+    @property
+    def prefix_caching(self) -> bool:
+        return False
+
+    @property
+    def input_processor(self) -> "AsyncPoolingEngine":
+        return self
+
+    def check_params(self, params: SamplingParams) -> None:
+        raise ValueError("a pooling model takes no sampling parameters")
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, prompt, truncate_prompt_tokens: int | None = None, *, index: int | None = None) -> list[int]:
+        return self.engine.tokenize(prompt, truncate_prompt_tokens, index=index)
+
+    def tokenize_pair(self, first: str, second: str, truncate_prompt_tokens: int | None = None, *,
+                      where: str = "input") -> tuple[list[int], list[int]]:
+        return self.engine.tokenize_pair(first, second, truncate_prompt_tokens, where=where)
+
+    async def embed_ids(self, prompts: list[list[int]], token_types: list[list[int]] | None = None) -> list[np.ndarray]:
+        """Checked token-id lists -> one row each (a vector; a cross-encoder's logits), batched
+        with whatever else is waiting."""
+        self.check_health()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        types = token_types if token_types is not None else [[0] * len(p) for p in prompts]
+        self._queue.put((prompts, types, fut, loop))
+        return await fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            stop = False
+            while True:   # everything already waiting joins this step
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
+            flat = [p for prompts, _, _, _ in batch for p in prompts]
+            types = [t for _, ts, _, _ in batch for t in ts]
+            try:
+                vecs = self.engine.embed_ids(flat, types)
+            except BaseException as e:   # the engine is dead: every waiting request is told
+                log.exception("pooling step failed")
+                self.error = e
+                for _, _, fut, loop in batch:
+                    loop.call_soon_threadsafe(_fail, fut, EngineDeadError(f"the engine failed: {e!r}"))
+                self._fail_waiting()
+                return
+            at = 0
+            for prompts, _, fut, loop in batch:
+                loop.call_soon_threadsafe(_resolve, fut, vecs[at:at + len(prompts)])
+                at += len(prompts)
+            if stop:
+                return
+
+    def _fail_waiting(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                _, _, fut, loop = item
+                loop.call_soon_threadsafe(_fail, fut, EngineDeadError(f"the engine failed: {self.error!r}"))
+
+    # ------------------------------------------------------------------ health, statistics, life
+
+    def check_health(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed: {self.error!r}")
+
+    def replica_stats(self) -> list:
+        return []
+
+    def abort(self, request_id: str) -> None:
+        pass   # an embedding request is one step: nothing to abort
+
+    def abort_all(self) -> None:
+        pass
+
+    def stop_accepting(self) -> None:
+        pass
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

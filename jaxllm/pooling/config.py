@@ -1,0 +1,68 @@
+"""The pooling runner's frozen configs: how hidden states become a vector (:class:`PoolerConfig`,
+vLLM's ``--pooler-config`` shape) and the engine's sizes (:class:`PoolingEngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+POOLING_TYPES = ("CLS", "MEAN", "LAST")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    pooling_type: str = "MEAN"
+    """CLS: the first token's hidden state; MEAN: the mean over the prompt's tokens; LAST: the last token's."""
+    normalize: bool = False
+    """L2-normalize the pooled vector (sentence-transformers' ``Normalize`` module)."""
+
+    def __post_init__(self):
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"--pooler-config pooling_type must be one of {', '.join(POOLING_TYPES)}, "
+                             f"got {self.pooling_type!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"--pooler-config normalize must be true or false, got {self.normalize!r}")
+
+    def override(self, d: dict | None) -> "PoolerConfig":
+        """This config with the fields of a ``--pooler-config`` dict (``pooling_type``, ``normalize``)
+        replaced; any other key is a ValueError naming it."""
+        if not d:
+            return self
+        if not isinstance(d, dict):
+            raise ValueError(f"--pooler-config must be a JSON object, got {d!r}")
+        unknown = sorted(set(d) - {"pooling_type", "normalize"})
+        if unknown:
+            raise ValueError(f"--pooler-config: unsupported key(s) {', '.join(unknown)} "
+                             "(supported: pooling_type, normalize)")
+        kw = dict(d)
+        if isinstance(kw.get("pooling_type"), str):
+            kw["pooling_type"] = kw["pooling_type"].upper()
+        return replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class PoolingEngineConfig:
+    model: str
+    """An HF folder of an encoder (a sentence-transformers folder gives its pooler)."""
+    pooler_config: dict = field(default_factory=dict)
+    """``--pooler-config``: overrides the checkpoint's pooler (``pooling_type``, ``normalize``)."""
+    max_model_len: int | None = None
+    """The longest prompt; None: the checkpoint's positions (and sentence-transformers' ``max_seq_length``)."""
+    max_num_batched_tokens: int = 1024
+    """Tokens in one step: every prompt runs whole in one step, so also a cap on a prompt's length."""
+    max_num_seqs: int = 64
+    """Prompts in one step."""
+    strict_compile_guard: bool = False
+    """Fail a step that would trace or compile after its bucket was built (tests)."""
+    precompile: str = "auto"
+    """"all": build every bucket at start; "auto": a bucket the first time a step needs it."""
+    show_progress: bool = True
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        if self.precompile not in ("auto", "all"):
+            raise ValueError(f"--precompile must be auto or all, got {self.precompile!r}")
+        PoolerConfig().override(self.pooler_config)   # a bad key or value fails now

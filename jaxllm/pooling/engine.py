@@ -1,0 +1,209 @@
+"""The pooling engine: an encoder checkpoint, its tokenizer and pooler, and the runner.
+
+Prompts (text or token ids) are tokenized and checked here, the one validation: an empty
+prompt, an id outside the vocabulary, or a prompt longer than ``max_model_len`` or than a step
+(``max_num_batched_tokens``: a prompt runs whole) is a ValueError naming ``input``, before
+anything runs.  ``truncate_prompt_tokens`` keeps a prompt's last k tokens (vLLM's rule).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+
+from jaxllm.engine.tokenizer import load_tokenizer
+from jaxllm.errors import ModelLoadError
+from jaxllm.models.loader import load_model
+from jaxllm.models.registry import get_family
+from jaxllm.paths import default_cache_dir
+from jaxllm.pooling.config import PoolerConfig, PoolingEngineConfig
+from jaxllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from jaxllm.pooling.runner import PoolingRunner
+from jaxllm.pooling.st_folder import max_seq_length, read_pooler_config
+
+log = logging.getLogger("jaxllm.engine")
+
+RUNNERS = ("auto", "generate", "pooling")
+
+
+class PoolingEngine:
+    def __init__(self, config: PoolingEngineConfig):
+        self.config = config
+        loaded = load_model(config.model)
+        family = get_family(loaded.arch.architecture)
+        if not family.pooling:
+            raise ValueError(f"{config.model}: {loaded.arch.architecture} is a generative model; the pooling "
+                             "runner serves encoders (runner='generate' for this one)")
+        self.arch = loaded.arch
+        self.model_name = config.model
+        self.tokenizer = load_tokenizer(loaded.tokenizer, default_cache_dir()) if loaded.tokenizer else None
+        base = read_pooler_config(config.model) or PoolerConfig()
+        self.pooler = base.override(config.pooler_config)
+        positions = loaded.arch.max_position_embeddings - loaded.arch.encoder.position_offset
+        limit = min(n for n in (positions, max_seq_length(config.model)) if n)
+        if config.max_model_len is not None and config.max_model_len > positions:
+            raise ValueError(f"--max-model-len {config.max_model_len} is more than the model's {positions} positions")
+        self.max_model_len = min(config.max_model_len or limit, config.max_num_batched_tokens)
+        self.vocab_size = loaded.arch.vocab_size
+        self.runner = PoolingRunner(loaded.arch, family.module, {"globals": loaded.globals, "layers": loaded.layers},
+                                    self.pooler, max_num_batched_tokens=config.max_num_batched_tokens,
+                                    max_num_seqs=config.max_num_seqs,
+                                    strict_compile_guard=config.strict_compile_guard)
+        head = (f"a cross-encoder ({loaded.arch.encoder.num_labels} label(s))" if self.cross_encoder else
+                f"{self.pooler.pooling_type} pooling" + (" + normalize" if self.pooler.normalize else ""))
+        log.info("pooling runner: %s, %s, max_model_len %d, buckets %s", loaded.arch.architecture, head,
+                 self.max_model_len, self.runner.buckets)
+        if config.precompile == "all":
+            self.runner.compile_all()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.arch.hidden_size
+
+    @property
+    def cross_encoder(self) -> bool:
+        """A ``*ForSequenceClassification`` checkpoint: it scores text pairs, it does not embed."""
+        return self.arch.encoder.num_labels > 0
+
+    def check_embedder(self) -> None:
+        if self.cross_encoder:
+            raise ValueError(f"{self.arch.architecture} is a cross-encoder: it scores text pairs (score(), /score, "
+                             "/rerank) rather than embedding texts")
+
+    def tokenize(self, prompt, truncate_prompt_tokens: int | None = None, *, index: int | None = None) -> list[int]:
+        """A string or a list of token ids -> checked token ids (ValueError naming ``input``)."""
+        where = "input" if index is None else f"input[{index}]"
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{where}: text needs a tokenizer; send token ids")
+            ids = list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise ValueError(f"{where} must be a string or a list of token ids")
+        if truncate_prompt_tokens is not None:   # vLLM's rule: the last k tokens; -1: as many as fit
+            if truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}")
+            k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            ids = ids[-k:]
+        if not ids:
+            raise ValueError(f"{where} is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
+        self._check_length(ids, where)
+        return ids
+
+    def _check_length(self, ids: list[int], where: str) -> None:
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"{where} has {len(ids)} tokens, more than the maximum of {self.max_model_len} "
+                             "(max_model_len; an encoder runs a prompt whole); shorten it or set "
+                             "truncate_prompt_tokens")
+
+    def tokenize_pair(self, first: str, second: str, truncate_prompt_tokens: int | None = None, *,
+                      where: str = "input") -> tuple[list[int], list[int]]:
+        """A cross-encoder's (query, document) -> (token ids, token types): ``[CLS] q [SEP] d [SEP]``,
+        the document's tokens of type 1; ``truncate_prompt_tokens`` cuts the document's end."""
+        if not isinstance(first, str) or not isinstance(second, str):
+            raise ValueError(f"{where}: a pair is two strings")
+        enc = self.tokenizer(first, second)
+        ids, types = list(enc["input_ids"]), list(enc.get("token_type_ids") or [0] * len(enc["input_ids"]))
+        if truncate_prompt_tokens is not None:
+            if truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}")
+            k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            if len(ids) > k:   # keep the query whole, cut the document (its last token stays [SEP])
+                ids, types = ids[:k - 1] + ids[-1:], types[:k - 1] + types[-1:]
+        self._check_length(ids, where)
+        return ids, types
+
+    def embed_ids(self, prompts: list[list[int]], token_types: list[list[int]] | None = None) -> list[np.ndarray]:
+        """Checked token-id lists -> one float32 row each (a vector; a cross-encoder's logits)."""
+        return self.runner.run(prompts, token_types)
+
+    def pair_scores(self, logits: list[np.ndarray]) -> list[float]:
+        """A cross-encoder's logits [1] per pair -> relevance scores (the sigmoid, as
+        sentence-transformers' CrossEncoder and vLLM apply to one label)."""
+        if self.arch.encoder.num_labels != 1:
+            raise ValueError(f"scoring needs a cross-encoder with one label; this one has {self.arch.encoder.num_labels}")
+        return [float(1.0 / (1.0 + np.exp(-np.float64(x[0])))) for x in logits]
+
+    def score(self, text_1, text_2, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: one text against N (1 -> N) or N against N (pairwise); a
+        cross-encoder's relevance, an embedder's cosine similarity."""
+        pairs = score_pairs(text_1, text_2)
+        if self.cross_encoder:
+            tok = [self.tokenize_pair(a, b, truncate_prompt_tokens, where=f"pair {i}") for i, (a, b) in enumerate(pairs)]
+            scores = self.pair_scores(self.embed_ids([t[0] for t in tok], [t[1] for t in tok]))
+            ids = [t[0] for t in tok]
+        else:
+            left = [self.tokenize(a, truncate_prompt_tokens, index=i) for i, (a, _) in enumerate(pairs)]
+            right = [self.tokenize(b, truncate_prompt_tokens, index=i) for i, (_, b) in enumerate(pairs)]
+            vecs = self.embed_ids(left + right)
+            scores = [cosine(vecs[i], vecs[len(pairs) + i]) for i in range(len(pairs))]
+            ids = [a + b for a, b in zip(left, right)]
+        return [ScoringRequestOutput(request_id=str(i), outputs=ScoringOutput(s), prompt_token_ids=p)
+                for i, (s, p) in enumerate(zip(scores, ids))]
+
+    def embed(self, prompts, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """Texts or token-id lists -> ``EmbeddingRequestOutput``s in order; every prompt is checked
+        before any runs."""
+        self.check_embedder()
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        ids = [self.tokenize(p, truncate_prompt_tokens, index=i) for i, p in enumerate(prompts)]
+        vecs = self.embed_ids(ids)
+        return [EmbeddingRequestOutput(request_id=str(i), outputs=EmbeddingOutput(v.tolist()), prompt_token_ids=p)
+                for i, (p, v) in enumerate(zip(ids, vecs))]
+
+
+def score_pairs(text_1, text_2) -> list[tuple]:
+    """vLLM's pairing: a single first text against each second one, or the two lists pairwise."""
+    left = [text_1] if isinstance(text_1, str) else list(text_1)
+    right = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not left or not right:
+        raise ValueError("scoring needs at least one text on each side")
+    if len(left) == 1:
+        left = left * len(right)
+    if len(left) != len(right):
+        raise ValueError(f"scoring pairs {len(left)} first texts with {len(right)} second texts: give one first "
+                         "text or as many as second texts")
+    return list(zip(left, right))
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a64 @ b64 / max(np.linalg.norm(a64) * np.linalg.norm(b64), 1e-12))
+
+
+def is_pooling_checkpoint(model: str | None) -> bool:
+    """Whether ``model`` (an HF folder) is an encoder the pooling runner serves (``runner="auto"``)."""
+    if model is None or not os.path.isfile(os.path.join(model, "config.json")):
+        return False
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+        return bool(archs) and get_family(archs[0]).pooling
+    except (OSError, ValueError, ModelLoadError):
+        return False
+
+
+def uses_pooling_runner(model: str | None, runner: str, pooler_config: dict | None) -> bool:
+    """Whether ``runner`` (with ``"auto"``: the checkpoint) asks for the pooling runner."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner (--runner) must be one of {', '.join(RUNNERS)}, got {runner!r}")
+    encoder = is_pooling_checkpoint(model)
+    if runner == "generate" and encoder:
+        raise ValueError(f"{model} is an encoder: it embeds rather than generates (runner='pooling')")
+    if runner == "pooling" and not encoder:
+        raise ValueError(f"runner='pooling' needs an encoder checkpoint (BertModel, ...); {model or 'the built-in model'} "
+                         "is generative")
+    if pooler_config and not (encoder and runner != "generate"):
+        raise ValueError("pooler_config (--pooler-config) applies to the pooling runner only")
+    return encoder and runner != "generate"

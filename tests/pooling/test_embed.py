@@ -1,0 +1,100 @@
+"""The pooling runner end to end, offline: ``LLM(path)`` on a tiny random BERT saved as a
+sentence-transformers folder embeds as ``SentenceTransformer.encode`` does (float32), for MEAN
+pooling and for CLS pooling + Normalize, read from the folder's own files, and an XLM-RoBERTa
+(positions offset past the padding id); a batch equals its
+inputs alone; wrong uses are ValueErrors naming what to use."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM
+from jaxllm.config import EngineConfig
+from support.tiny_encoders import build_bert_st, st_encode
+
+# Small buckets (16, 32, 64 tokens), the strict compile guard on: a step never traces or compiles
+# a bucket it already built.
+POOLING_ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=8, strict_compile_guard=True)
+TEXTS = ["the cat sat on the mat", "a dog", "search rank embed model query document jax engine token vector",
+         "sky", "the big red house by the river is not small, and the green tree is tall!"]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bert_st")
+    return {"mean": build_bert_st(str(root / "mean"), "mean"),
+            "cls_normalize": build_bert_st(str(root / "cls"), "cls", normalize=True, seed=1),
+            "xlm_roberta_mean": build_bert_st(str(root / "xlmr"), "mean", seed=2, model="xlm-roberta")}
+
+
+@pytest.fixture(scope="module")
+def llms(folders):
+    # runner="auto" (the default) picks the pooling runner for an encoder checkpoint.
+    return {name: LLM(path, **POOLING_ENGINE) for name, path in folders.items()}
+
+
+def _vectors(outs) -> np.ndarray:
+    return np.array([o.outputs.embedding for o in outs], np.float32)
+
+
+@pytest.mark.parametrize("name", ["mean", "cls_normalize", "xlm_roberta_mean"])
+def test_embeddings_match_sentence_transformers(folders, llms, name):
+    llm = llms[name]
+    assert llm.pooling_engine.pooler.pooling_type == {"mean": "MEAN", "cls_normalize": "CLS",
+                                                      "xlm_roberta_mean": "MEAN"}[name]
+    got = _vectors(llm.embed(TEXTS))
+    ref = st_encode(folders[name], TEXTS)
+    assert got.shape == ref.shape == (len(TEXTS), 32)
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99999, cos
+    assert np.abs(got - ref).max() <= 1e-4
+    if name == "cls_normalize":
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+
+
+def test_a_mixed_batch_equals_each_input_alone(llms):
+    llm = llms["mean"]
+    batch = _vectors(llm.embed(TEXTS))
+    alone = np.concatenate([_vectors(llm.embed([t])) for t in TEXTS])
+    # Different buckets sum in different orders: equal to float32 rounding, not bit for bit.
+    np.testing.assert_allclose(batch, alone, rtol=0, atol=1e-6)
+
+
+def test_token_ids_embed_as_their_text_does(llms):
+    llm = llms["mean"]
+    ids = llm.get_tokenizer().encode(TEXTS[0])
+    by_ids, by_text = llm.embed([ids, TEXTS[0]])
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids == ids
+    assert by_ids.outputs.embedding == by_text.outputs.embedding
+
+
+def test_too_long_input_is_refused_naming_input_or_truncated(llms):
+    llm = llms["mean"]
+    long_ids = list(range(5, 100)) + [3]   # 96 tokens; the engine takes 64
+    with pytest.raises(ValueError, match=r"input\[1\] has 96 tokens, more than the maximum of 64"):
+        llm.embed([[5, 6], long_ids])
+    # truncate_prompt_tokens keeps the last k tokens (vLLM's rule).
+    (cut,) = llm.embed([long_ids], truncate_prompt_tokens=10)
+    assert cut.prompt_token_ids == long_ids[-10:]
+    assert cut.outputs.embedding == llm.embed([long_ids[-10:]])[0].outputs.embedding
+
+
+def test_generation_on_a_pooling_model_is_a_value_error_naming_embed(llms, folders):
+    with pytest.raises(ValueError, match=r"generate\(\) is for generative models.*use embed\(\)"):
+        llms["mean"].generate(["the cat"])
+    with pytest.raises(ValueError, match="is an encoder: it embeds rather than generates"):
+        LLM(folders["mean"], runner="generate")
+    with pytest.raises(ValueError, match="runner='pooling' does not take kv_cache_dtype"):
+        LLM(folders["mean"], runner="pooling", kv_cache_dtype="int8")
+    # The generation engine itself, built directly, refuses an encoder by name.
+    with pytest.raises(ValueError, match="BertModel is an encoder: .*use the pooling runner"):
+        LLM.from_engine_config(EngineConfig.from_kwargs(model=folders["mean"]))
+
+
+def test_an_embedder_scores_by_cosine_similarity(folders, llms):
+    """vLLM's rule for ``score`` on an embedding model: the cosine of the two embeddings."""
+    ref = st_encode(folders["mean"], [TEXTS[0], TEXTS[1], TEXTS[2]])
+    want = [float(ref[0] @ ref[i] / np.linalg.norm(ref[0]) / np.linalg.norm(ref[i])) for i in (1, 2)]
+    got = [o.outputs.score for o in llms["mean"].score(TEXTS[0], [TEXTS[1], TEXTS[2]])]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
