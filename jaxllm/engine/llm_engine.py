@@ -125,7 +125,8 @@ class LLMEngine:
         return_freed_memory()
         self.max_model_len = self.core.resolved.step.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                              self.eos_token_ids, config.runner.max_logprobs, grammar=self.grammar)
+                                              self.eos_token_ids, config.runner.max_logprobs, grammar=self.grammar,
+                                              lora_store=self.core.lora_store)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @staticmethod

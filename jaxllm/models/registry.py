@@ -37,9 +37,12 @@ class Family:
     per_sequence_state: bool = False
     """A state per sequence besides the K/V pages (a hybrid model's recurrent GDN state): the
     runner gives each request a state slot; prefix caching and speculative decoding do not apply."""
+    lora: bool = False
+    """Its layers add LoRA deltas (``forward(..., lora=)``; lora/apply.py) to the projections
+    ``lora/targets.py`` reads off its parameter table."""
 
 
-DECODER = Family(llama, config=llama.LlamaConfig)
+DECODER = Family(llama, config=llama.LlamaConfig, lora=True)
 GEMMA = Family(gemma, config=gemma.GemmaConfig, rope_tables=gemma.rope_tables)
 GPT_OSS = Family(gpt_oss, config=gpt_oss.GptOssConfig)
 MLA = Family(deepseek, config=deepseek.DeepseekConfig, cache_kinds=deepseek.cache_kinds,
