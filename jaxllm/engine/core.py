@@ -228,6 +228,20 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads an adapter no running request uses: its slot zeroed and freed, its host copy
+        dropped (a later request naming it reads it again).  Whether it was loaded."""
+        if self.lora_store is None:
+            raise ValueError("remove_lora: this engine runs without LoRA (enable_lora=True / --enable-lora)")
+        slot = self.scheduler.lora.forget(lora_int_id)
+        if slot is not None:
+            self.runner.unload_lora(slot)
+        return self.lora_store.drop(lora_int_id) or slot is not None
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters resident in device slots."""
+        return set() if self.lora_store is None else {l.lora_int_id for l in self.scheduler.lora.resident().values()}
+
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)
 

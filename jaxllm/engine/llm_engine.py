@@ -177,6 +177,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's: unloads adapter ``lora_int_id`` (engine/core.py); whether it was loaded."""
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.core.list_loras()
+
     def get_stats(self) -> EngineStats:
         sched, kv = self.core.scheduler, self.core.kv_manager
         spec = sched.spec_stats

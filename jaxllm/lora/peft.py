@@ -15,9 +15,8 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-from safetensors.numpy import load_file
-
 from jaxllm.lora.targets import Target, modules
+from jaxllm.models.loader import read_safetensors
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -105,8 +104,8 @@ def read_adapter(path: str, targets: dict[str, Target], num_layers: int, max_ran
     if not os.path.isfile(wfile):
         raise _refuse(path, f"{WEIGHTS_FILE} is missing")
     try:
-        tensors = load_file(wfile)
-    except Exception as e:   # safetensors raises its own error types for a damaged file
+        tensors = read_safetensors(wfile)
+    except Exception as e:   # ModelLoadError, or an OSError reading it
         raise _refuse(path, f"{WEIGHTS_FILE} cannot be read ({e})") from None
     matchers = _module_matchers(targets)
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}

@@ -38,6 +38,10 @@ class AdapterStore:
                 self._cache.popitem(last=False)
         return w
 
-    def drop(self, lora: LoRARequest) -> None:
+    def drop(self, lora_int_id: int) -> bool:
+        """Forgets adapter ``lora_int_id``'s weights; whether it was held."""
         with self._lock:
-            self._cache.pop(lora, None)
+            held = [k for k in self._cache if k.lora_int_id == lora_int_id]
+            for k in held:
+                del self._cache[k]
+        return bool(held)

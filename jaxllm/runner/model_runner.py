@@ -293,14 +293,18 @@ class ModelRunner:
             self._accept_grammar(h.result)
         return h.result
 
+    def unload_lora(self, slot: int) -> None:
+        """Zeroes ``slot`` (its adapter was removed)."""
+        self._load_loras({slot: None})
+
     def _load_loras(self, loads: dict) -> None:
-        """Writes the adapters the scheduler put in slots this step (slot -> LoRARequest);
-        the writer was compiled at warm-up: a write that compiles is a bug (the guard)."""
+        """Writes the adapters the scheduler put in slots this step (slot -> LoRARequest, None:
+        zeros); the writer was compiled at warm-up: a write that compiles is a bug (the guard)."""
         if not loads:
             return
         before = cc.counts()
         for slot, lora in loads.items():
-            self.lora_slots.write(slot, self.lora_store.get(lora))
+            self.lora_slots.write(slot, None if lora is None else self.lora_store.get(lora))
         self.params["lora"] = self.lora_slots.weights
         after = cc.counts()
         if self.warm and (after["traces"] > before["traces"] or after["compiles"] > before["compiles"]):

@@ -17,13 +17,25 @@ ADAPTERS = {
 }
 
 
-def save_adapter(base_path: str, out_dir: str, seed: int, **lora_kwargs) -> str:
-    """A LoRA of the HF model at ``base_path`` with every A and B random, saved by peft."""
-    import peft
+def build_set(root: str, tokenizer_dir: str | None = None) -> dict[str, str]:
+    """The tiny Llama (``base``) and every adapter of :data:`ADAPTERS` under ``root``: name -> path."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    from support.tiny_models import build_tiny
+    paths = {"base": build_tiny("llama_gqa_untied", os.path.join(root, "base"), tokenizer_dir)}
+    model = transformers.AutoModelForCausalLM.from_pretrained(paths["base"], dtype=torch.float32)
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        paths[name] = save_adapter(model, os.path.join(root, name), seed=i + 1, **kw)
+    return paths
+
+
+def save_adapter(model, out_dir: str, seed: int, **lora_kwargs) -> str:
+    """A LoRA of the transformers ``model`` with every A and B random, saved by peft (the
+    model is left as it was)."""
+    import peft
+    import torch
+
     pm = peft.get_peft_model(model, peft.LoraConfig(**lora_kwargs))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -31,6 +43,7 @@ def save_adapter(base_path: str, out_dir: str, seed: int, **lora_kwargs) -> str:
             if "lora_A" in name or "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.6 / np.sqrt(p.shape[-1])))
     pm.save_pretrained(out_dir)
+    pm.unload()
     return out_dir
 
 
@@ -53,20 +66,24 @@ def edit_config(src: str, dst: str, **changes) -> str:
     return dst
 
 
-def hf_greedy(base_path: str, adapter: str | None, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """transformers (+ peft when ``adapter``) greedy continuations, float32."""
+def hf_greedy(base_path: str, adapters: dict, prompts: list[list[int]], n: int) -> dict:
+    """transformers (+ peft for each adapter path; None: the base) greedy continuations,
+    float32: {name: path or None} -> {(name, prompt index): tokens}."""
     import peft
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    if adapter is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    outs = []
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    out = {}
     with torch.no_grad():
-        for p in prompts:
-            outs.append(model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist())
-    return outs
+        for name, path in adapters.items():
+            model = base if path is None else peft.PeftModel.from_pretrained(base, path)
+            model.eval()
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = 0
+            for i, p in enumerate(prompts):
+                out[(name, i)] = model.generate(torch.tensor([p]), max_new_tokens=n,
+                                                do_sample=False)[0, len(p):].tolist()
+            if path is not None:
+                base = model.unload()
+    return out
