@@ -8,11 +8,13 @@ native engine has max_loras=2 so a third adapter evicts one."""
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 
 from support.engines import ONE_SHOT_ENGINE
 from support.lora_adapters import build_set, edit_config, hf_greedy
+from support.tiny_models import write_gguf
 
 from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.engine.processor import InputProcessor
@@ -127,3 +129,19 @@ def test_lora_request_needs_enable_lora(loras):
     processor = InputProcessor(None, 1000, 64, (2,), 0)
     with pytest.raises(ValueError, match="enable_lora"):
         processor.process_inputs("0", [5, 6], GREEDY, lora_request=loras["a4"])
+
+
+def test_packed_gguf_base_with_a_float_adapter(paths, loras, tmp_path):
+    # Q8_0 blocks kept packed (the native quantized matmul), the adapter's delta in float32:
+    # the same tokens as the same file dequantized to float, and the adapter changes them.
+    path = str(tmp_path / "base_q8_0.gguf")
+    write_gguf(paths["base"], path, matrix_type=gguf.GGMLQuantizationType.Q8_0)
+    prompt = [{"prompt_token_ids": PROMPTS[0]}]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = {}
+    for dequantize in (False, True):
+        llm = LLM(path, **{**ENGINE, "max_num_seqs": 1, "max_loras": 1}, dequantize=dequantize)
+        got[dequantize] = [llm.generate(prompt, params, lora_request=lr, use_tqdm=False)[0].outputs[0].token_ids
+                           for lr in (None, loras["b8"])]
+    assert got[False] == got[True]
+    assert got[False][0] != got[False][1]
