@@ -47,14 +47,9 @@ def add(y: jax.Array, lora: LoRAStep | None, name: str, x: jax.Array, layer) -> 
 
 def add_fused(y: jax.Array, lora: LoRAStep | None, names: tuple[str, ...], x: jax.Array, layer) -> jax.Array:
     """``y``: a fused projection (the parts' outputs concatenated in ``names``' order) plus each
-    part's delta (zeros for a part no adapter changes)."""
-    if lora is None or not any(n in lora.weights for n in names):
+    part's delta.  The slot arrays hold every target the model has (lora/targets.py), so a
+    part no adapter changes adds zeros."""
+    if lora is None:
         return y
-    parts = []
-    for n in names:
-        d = delta(lora, n, x, layer)
-        parts.append(d if d is not None else None)
-    widths = [lora.weights[n][1].shape[-1] if n in lora.weights else None for n in names]
-    if any(w is None for w in widths):
-        raise ValueError(f"fused LoRA targets {names}: every part needs slot arrays")
-    return (y.astype(jnp.float32) + jnp.concatenate(parts, axis=-1)).astype(y.dtype)
+    deltas = [delta(lora, n, x, layer) for n in names]                   # [T, out_i] each
+    return (y.astype(jnp.float32) + jnp.concatenate(deltas, axis=-1)).astype(y.dtype)
