@@ -25,7 +25,7 @@ class LoRASlots:
         free = [s for s in range(self.max_loras) if s not in self._adapter]
         if free:
             return free[0]
-        for aid, s in self._slot_of.items():
+        for s in self._slot_of.values():
             if not self._pins.get(s):
                 return s
         return None

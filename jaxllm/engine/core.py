@@ -25,6 +25,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.kv_budget import KVPlan, utilization_budget
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
+from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.store import AdapterStore
 from jaxllm.lora.targets import lora_targets
 from jaxllm.models.loader import LoadedModel, load_model
@@ -107,7 +108,9 @@ def _draft_model(config: EngineConfig, draft: LoadedModel, r: ResolvedConfig) ->
     """The draft model with its step configuration (the target's ``max_model_len``) for the
     target's runner, which builds the draft's runner (runner/model_runner.py)."""
     spec = config.speculative_config
+    # The draft proposes with its own weights only: adapters change the target's verification.
     dcfg = dataclasses.replace(config, model=spec.model, speculative_config=None, quantization=None,
+                               lora=LoRAConfig(),
                                scheduler=dataclasses.replace(config.scheduler, max_model_len=r.step.max_model_len))
     try:
         d = resolve_config(dcfg, draft)
