@@ -22,6 +22,7 @@ from jaxllm.engine.output_processor import OutputKind, OutputProcessor
 from jaxllm.engine.processor import InputProcessor, PromptType
 from jaxllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from jaxllm.host_memory import return_freed_memory
+from jaxllm.lora.request import LoRARequest
 from jaxllm.models.builtin import BUILTIN_MODEL_NAME
 from jaxllm.models.loader import TokenizerSource, load_model
 from jaxllm.outputs import RequestOutput, SchedulingEvent
@@ -147,10 +148,12 @@ class LLMEngine:
         return model, tok
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
-                    kind: OutputKind = OutputKind.CUMULATIVE, priority: int = 0) -> None:
-        """Validates and tokenizes the prompt (ValueError naming what is wrong), then queues it."""
+                    kind: OutputKind = OutputKind.CUMULATIVE, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Validates and tokenizes the prompt (ValueError naming what is wrong), then queues it;
+        ``lora_request``: its adapter (the engine needs ``enable_lora``)."""
         request = self.input_processor.process_inputs(request_id, prompt, params or SamplingParams(),
-                                                      priority=priority)
+                                                      priority=priority, lora_request=lora_request)
         self.add_engine_request(request, kind)
 
     def add_engine_request(self, request: EngineRequest, kind: OutputKind = OutputKind.CUMULATIVE) -> None:

@@ -121,6 +121,9 @@ def test_bad_adapters_are_refused_and_the_engine_serves_on(engine, loras, paths,
         with pytest.raises(ValueError, match="lora_path=") as e:
             llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, lora_request=bad, use_tqdm=False)
         assert message in str(e.value)
+        with pytest.raises(ValueError, match=message):   # the engine's own add_request checks it too
+            llm.llm_engine.add_request("bad", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=bad)
+    assert not llm.llm_engine.has_unfinished_requests()
     assert run(llm, [(loras["a4"], 1)])[0] == reference[("a4", 1)]
 
 
