@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from jaxllm.hub import check_args as check_hub_args
+from jaxllm.lora.config import LoRAConfig
 from jaxllm.paths import default_cache_dir  # noqa: F401  (public here too: config.default_cache_dir)
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.structured.config import StructuredOutputsConfig
@@ -286,6 +287,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding (``--speculative-config``, vLLM's shape; a dict or JSON text is
     parsed); None: off."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Multi-LoRA (``enable_lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``): jaxllm/lora/."""
 
     def __post_init__(self):
         object.__setattr__(self, "structured_outputs_config",
@@ -306,7 +309,7 @@ class EngineConfig:
     def from_kwargs(**kwargs) -> "EngineConfig":
         """Builds a config from flat keyword arguments (``LLM(max_num_seqs=4, ...)``)."""
         parts = {"cache": CacheConfig, "scheduler": SchedulerConfig, "runner": RunnerConfig,
-                 "parallel": ParallelConfig}
+                 "parallel": ParallelConfig, "lora": LoRAConfig}
         part_kwargs: dict[str, dict] = {k: {} for k in parts}
         top: dict = {}
         top_fields = {f.name for f in dataclasses.fields(EngineConfig)} - set(parts)

@@ -17,6 +17,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.output_processor import OutputKind
 from jaxllm.engine.render import render_chat_prompt
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.pooling.config import PoolingEngineConfig
 from jaxllm.pooling.engine import PoolingEngine, uses_pooling_runner
@@ -102,13 +103,15 @@ class LLM:
                              f"({self.pooling_engine.arch.architecture}): use embed()")
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion (continuously batched); outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or a dict with ``prompt`` or
         ``prompt_token_ids`` and optionally ``cache_salt`` (only prompts with the same salt
         share cached prefix KV).  ``priority``: one per prompt, for ``scheduling_policy="priority"``
-        (lower runs first)."""
+        (lower runs first).  ``lora_request``: the adapter every prompt runs with, or one per
+        prompt (None: the base model); the engine needs ``enable_lora=True``."""
         self._refuse_pooling("generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -120,13 +123,17 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts")
         engine = self.llm_engine
         if engine.core.is_follower:
             raise ValueError("this host (--host-index > 0) follows host 0's steps: call llm.follow() here and "
                              "generate on host 0 (docs/scale-out.md)")
         # Every prompt is validated before any is queued: a bad one leaves nothing behind.
         requests = [engine.input_processor.process_inputs(str(next(self._ids)), p, sp,
-                                                          priority=0 if priority is None else priority[i])
+                                                          priority=0 if priority is None else priority[i],
+                                                          lora_request=loras[i])
                     for i, (p, sp) in enumerate(zip(prompts, params))]
         for r in requests:
             engine.add_engine_request(r, OutputKind.FINAL_ONLY)
@@ -134,7 +141,8 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several (a list of lists), via the chat template."""
         self._refuse_pooling("chat")
         tok = self.get_tokenizer()
@@ -145,7 +153,7 @@ class LLM:
                                       chat_template=chat_template,
                                       chat_template_kwargs=chat_template_kwargs).engine_prompt()
                    for conv in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def follow(self) -> None:
         """Multi-host, on every host but 0: run host 0's steps; returns once host 0 calls

@@ -31,6 +31,8 @@ class NewRequestData:
     """The request's resolved 64-bit seed."""
     block_ids: list[int]
     num_computed_tokens: int
+    lora_slot: int = -1
+    """The device slot of its LoRA adapter (-1: the base model)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class SchedulerOutput:
     ``num_scheduled_tokens`` counts them: 1 + len)."""
     events: list[SchedulingEvent] = field(default_factory=list)
     """What happened to requests while this step was scheduled (admissions, preemptions)."""
+    lora_loads: dict = field(default_factory=dict)
+    """LoRA device slot -> the ``LoRARequest`` to write into it before this step runs."""
 
     @property
     def is_empty(self) -> bool:

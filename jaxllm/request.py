@@ -13,6 +13,7 @@ import enum
 import time
 from dataclasses import dataclass
 
+from jaxllm.lora.request import LoRARequest
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -36,6 +37,8 @@ class EngineRequest:
     """Non-empty when set: only requests with the same salt share cached prefix KV."""
     arrival_time: float = 0.0
     """``time.monotonic()`` when the request was processed."""
+    lora_request: LoRARequest | None = None
+    """The adapter it runs with (checked readable for this model), or None: the base model."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -66,7 +69,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), seed: int = 0, arrival_time: float | None = None,
-                 priority: int = 0, max_tokens: int = 16, cache_salt: str | None = None):
+                 priority: int = 0, max_tokens: int = 16, cache_salt: str | None = None,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -79,6 +83,10 @@ class Request:
         self.cache_salt = cache_salt
         """Mixed into the prefix-cache hashes: only requests with the same salt share cached KV."""
         self.max_tokens = max_tokens
+        self.lora_request = lora_request
+        """Its adapter, or None (the base model)."""
+        self.lora_slot = -1
+        """The device slot of its adapter while it runs (the scheduler's), -1: none."""
         """The resolved output cap (``max_tokens``, or what is left of ``max_model_len``)."""
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
@@ -102,11 +110,17 @@ class Request:
         """Sample ``child_id`` of ``request``, drawing with ``seed``."""
         return cls(child_id, request.prompt_token_ids, request.params, eos_token_ids=request.eos_token_ids,
                    seed=seed, arrival_time=request.arrival_time, priority=request.priority,
-                   max_tokens=request.max_tokens, cache_salt=request.cache_salt)
+                   max_tokens=request.max_tokens, cache_salt=request.cache_salt,
+                   lora_request=request.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id (0: the base model): keys its prefix-cache blocks."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     @property
     def num_tokens(self) -> int:

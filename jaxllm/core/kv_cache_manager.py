@@ -33,7 +33,7 @@ ROOT_HASH = b"\x00" * 32
 """The parent hash of a sequence's first block."""
 
 
-def hash_block(parent: bytes, token_ids, cache_salt: str | None) -> bytes:
+def hash_block(parent: bytes, token_ids, cache_salt: str | None, adapter: int = 0) -> bytes:
     """The chained hash of one full block.
 
     SHA-256 over a fixed, unambiguous byte encoding (parent digest, salt with its length,
@@ -41,12 +41,15 @@ def hash_block(parent: bytes, token_ids, cache_salt: str | None) -> bytes:
     process for strings (hashes would differ between processes and runs) and collisions of
     a 64-bit tuple hash can be constructed on purpose, which would let one tenant's prompt
     be answered from another's KV.  A SHA-256 collision is out of reach, and hashing a
-    16-token block costs about a microsecond.
+    16-token block costs about a microsecond.  ``adapter``: the LoRA adapter's id the KV was
+    computed with (0: the base model; the base's hashes are those without it).
     """
     salt = b"" if cache_salt is None else cache_salt.encode("utf-8")
     h = hashlib.sha256(parent)
     h.update(struct.pack("<?Q", cache_salt is not None, len(salt)))
     h.update(salt)
+    if adapter:
+        h.update(b"lora" + struct.pack("<q", adapter))
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
 
@@ -168,7 +171,8 @@ class KVCacheManager:
             tokens = request.all_token_ids
             parent = hashes[-1] if hashes else ROOT_HASH
             for i in range(len(hashes), num_blocks):
-                parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt)
+                parent = hash_block(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt,
+                                    request.lora_int_id)
                 hashes.append(parent)
         return hashes[:num_blocks]
 

@@ -50,6 +50,7 @@ from collections import deque
 
 from jaxllm.config import SCHEDULING_POLICIES
 from jaxllm.core.kv_cache_manager import KVCacheManager
+from jaxllm.core.lora_slots import LoRASlots
 from jaxllm.outputs import (CachedRequestData, EngineCoreOutput, EventKind, NewRequestData, RunnerOutput,
                             SchedulerOutput, SchedulingEvent)
 from jaxllm.request import Request, RequestStatus
@@ -81,12 +82,13 @@ class SpecDecodingStats:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, policy: str = "fcfs", starvation_steps: int = 1000, clock=time.monotonic,
-                 num_lookahead_tokens: int = 0, async_scheduling: bool = False):
+                 num_lookahead_tokens: int = 0, async_scheduling: bool = False, max_loras: int = 0):
         """``clock``: the events' timestamps (the clock of ``EngineRequest.arrival_time``);
         ``num_lookahead_tokens``: slots allocated past a sampling request's tokens where the
         pool has room (a draft model's proposals: spec_decode/draft_model.py);
         ``async_scheduling``: schedule a step before the previous one's tokens are known
-        (the module's docstring)."""
+        (the module's docstring); ``max_loras``: LoRA device slots (0: LoRA off), assigned
+        to requests' adapters at admission (core/lora_slots.py)."""
         if policy not in POLICIES:
             raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.kv = kv
@@ -117,6 +119,8 @@ class Scheduler:
         self.spec_stats = SpecDecodingStats()
         self.clock = clock
         self._events: list[SchedulingEvent] = []
+        self.lora = LoRASlots(max_loras) if max_loras else None
+        self._lora_loads: dict = {}   # slot -> adapter to write before the next step
 
     # ------------------------------------------------------------------ intake
 
@@ -197,12 +201,19 @@ class Scheduler:
         if not preempted_now:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req, hit = self._next_waiting()
+                lora = req.lora_request
+                if lora is not None and not self.lora.can_acquire(lora):
+                    break   # every slot is pinned by other adapters: it waits for one to free
                 num_hit = len(hit) * self.kv.block_size
                 n = min(req.num_tokens - num_hit, budget)
                 blocks = self.kv.allocate_slots(req.request_id, num_hit + n, hit)
                 if blocks is None:
                     break
                 self.waiting.remove(req)
+                if lora is not None:
+                    req.lora_slot, load = self.lora.acquire(lora)
+                    if load:
+                        self._lora_loads[req.lora_slot] = lora
                 if req.num_cached_tokens is None:            # first admission
                     req.num_cached_tokens = num_hit
                     if self.kv.enable_prefix_caching and not req.skip_prefix_cache:
@@ -230,7 +241,7 @@ class Scheduler:
                     req_id=rid, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params, seed=req.seed,
                     block_ids=list(self.kv.get_block_ids(rid)),
-                    num_computed_tokens=req.num_computed_tokens))
+                    num_computed_tokens=req.num_computed_tokens, lora_slot=req.lora_slot))
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(new_blocks[rid])
@@ -240,7 +251,9 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_req_ids, scheduled_spec_decode_tokens=spec, events=self._events)
+            finished_req_ids=self._finished_req_ids, scheduled_spec_decode_tokens=spec, events=self._events,
+            lora_loads=self._lora_loads)
+        self._lora_loads = {}
         self._finished_req_ids = set()
         self._events = []
         if self.async_scheduling:
@@ -416,8 +429,14 @@ class Scheduler:
     def _record(self, req: Request, kind: str) -> None:
         self._events.append(SchedulingEvent(req.request_id, kind, self.clock()))
 
+    def _release_lora(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.lora.release(req.lora_slot)
+            req.lora_slot = -1
+
     def _preempt(self, req: Request) -> None:
         self._record(req, EventKind.PREEMPTED)
+        self._release_lora(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -431,6 +450,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        self._release_lora(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -35,6 +35,7 @@ from jaxllm.engine.llm_engine import EngineStats, LLMEngine, StepResult
 from jaxllm.engine.output_processor import OutputKind
 from jaxllm.engine.processor import InputProcessor, PromptType
 from jaxllm.errors import EngineDeadError
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import EventKind, RequestOutput
 from jaxllm.request import EngineRequest
 from jaxllm.sampling_params import SamplingParams
@@ -282,10 +283,11 @@ class AsyncEngine:
         return RequestStream(self, request.request_id, q)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yields the request's output deltas; closing the generator early aborts the request."""
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output deltas; closing the generator early aborts the request
+        (``lora_request``: its adapter, the engine started with ``enable_lora``)."""
         stream = self.add_request(self.input_processor.process_inputs(request_id, prompt, params,
-                                                                      priority=priority))
+                                                                      priority=priority, lora_request=lora_request))
         async with stream:
             async for out in stream:
                 yield out

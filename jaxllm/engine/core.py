@@ -25,8 +25,11 @@ from jaxllm.config import EngineConfig
 from jaxllm.core.kv_budget import KVPlan, utilization_budget
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
+from jaxllm.lora.config import LoRAConfig
+from jaxllm.lora.store import AdapterStore
+from jaxllm.lora.targets import lora_targets
 from jaxllm.models.loader import LoadedModel, load_model
-from jaxllm.models.registry import keeps_sequence_state
+from jaxllm.models.registry import get_model_module, keeps_sequence_state
 from jaxllm.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerOutput
 from jaxllm.parallel import distributed
 from jaxllm.parallel.mesh import replica_devices
@@ -105,7 +108,9 @@ def _draft_model(config: EngineConfig, draft: LoadedModel, r: ResolvedConfig) ->
     """The draft model with its step configuration (the target's ``max_model_len``) for the
     target's runner, which builds the draft's runner (runner/model_runner.py)."""
     spec = config.speculative_config
+    # The draft proposes with its own weights only: adapters change the target's verification.
     dcfg = dataclasses.replace(config, model=spec.model, speculative_config=None, quantization=None,
+                               lora=LoRAConfig(),
                                scheduler=dataclasses.replace(config.scheduler, max_model_len=r.step.max_model_len))
     try:
         d = resolve_config(dcfg, draft)
@@ -130,12 +135,20 @@ class EngineCore:
         self._pending: _Pending | None = None
         cc.enable_persistent_cache(r.compile_cache_dir)
         cc.install_listeners()
+        # LoRA: the adapters read for this model (the input processor checks a request's here).
+        self.lora_store = None
+        if r.step.max_loras:
+            targets = lora_targets(get_model_module(model.arch.architecture).PARAMS, model.arch)
+            self.lora_store = AdapterStore(targets, model.arch.num_layers, r.step.max_lora_rank,
+                                           config.lora.cpu_loras)
+
         def make_runner(step, num_blocks):
             return ModelRunner(
                 model, step, num_blocks=num_blocks, devices=devices,
                 program_dir=os.path.join(r.compile_cache_dir, "programs"),
                 strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
-                grammar=grammar, speculative_config=spec, draft=draft, async_scheduling=self.async_scheduling)
+                grammar=grammar, speculative_config=spec, draft=draft, async_scheduling=self.async_scheduling,
+                lora_store=self.lora_store)
         self.runner = make_runner(r.step, None if r.kv is None else r.kv.num_blocks)
         if r.kv is None:
             kv = self._size_kv_from_device(r.kv_sizing)
@@ -159,7 +172,7 @@ class EngineCore:
                                    max_model_len=r.step.max_model_len,
                                    policy=sc.scheduling_policy, starvation_steps=sc.starvation_steps,
                                    num_lookahead_tokens=spec.num_speculative_tokens if draft is not None else 0,
-                                   async_scheduling=self.async_scheduling)
+                                   async_scheduling=self.async_scheduling, max_loras=r.step.max_loras)
         # auto: on demand for one-shot use; a server compiles the rest when it starts
         # (AsyncEngine), and every host of a multi-host engine compiles all up front.
         mode = config.runner.precompile
@@ -217,6 +230,20 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unloads an adapter no running request uses: its slot zeroed and freed, its host copy
+        dropped (a later request naming it reads it again).  Whether it was loaded."""
+        if self.lora_store is None:
+            raise ValueError("remove_lora: this engine runs without LoRA (enable_lora=True / --enable-lora)")
+        slot = self.scheduler.lora.forget(lora_int_id)
+        if slot is not None:
+            self.runner.unload_lora(slot)
+        return self.lora_store.drop(lora_int_id) or slot is not None
+
+    def list_loras(self) -> set[int]:
+        """Ids of the adapters resident in device slots."""
+        return set() if self.lora_store is None else {l.lora_int_id for l in self.scheduler.lora.resident().values()}
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)

@@ -22,6 +22,7 @@ from jaxllm.engine.output_processor import OutputKind, OutputProcessor
 from jaxllm.engine.processor import InputProcessor, PromptType
 from jaxllm.engine.tokenizer import eos_token_ids, load_tokenizer
 from jaxllm.host_memory import return_freed_memory
+from jaxllm.lora.request import LoRARequest
 from jaxllm.models.builtin import BUILTIN_MODEL_NAME
 from jaxllm.models.loader import TokenizerSource, load_model
 from jaxllm.outputs import RequestOutput, SchedulingEvent
@@ -127,7 +128,8 @@ class LLMEngine:
         return_freed_memory()
         self.max_model_len = self.core.resolved.step.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
-                                              self.eos_token_ids, config.runner.max_logprobs, grammar=self.grammar)
+                                              self.eos_token_ids, config.runner.max_logprobs, grammar=self.grammar,
+                                              lora_store=self.core.lora_store)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @staticmethod
@@ -148,10 +150,12 @@ class LLMEngine:
         return model, tok
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
-                    kind: OutputKind = OutputKind.CUMULATIVE, priority: int = 0) -> None:
-        """Validates and tokenizes the prompt (ValueError naming what is wrong), then queues it."""
+                    kind: OutputKind = OutputKind.CUMULATIVE, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Validates and tokenizes the prompt (ValueError naming what is wrong), then queues it;
+        ``lora_request``: its adapter (the engine needs ``enable_lora``)."""
         request = self.input_processor.process_inputs(request_id, prompt, params or SamplingParams(),
-                                                      priority=priority)
+                                                      priority=priority, lora_request=lora_request)
         self.add_engine_request(request, kind)
 
     def add_engine_request(self, request: EngineRequest, kind: OutputKind = OutputKind.CUMULATIVE) -> None:
@@ -177,6 +181,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's: unloads adapter ``lora_int_id`` (engine/core.py); whether it was loaded."""
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self.core.list_loras()
 
     def get_stats(self) -> EngineStats:
         sched, kv = self.core.scheduler, self.core.kv_manager

@@ -17,6 +17,8 @@ import copy
 import time
 
 from jaxllm.engine.tokenizer import encode
+from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.store import AdapterStore
 from jaxllm.request import EngineRequest
 from jaxllm.sample.metadata import suppress_capacity_error
 from jaxllm.sampling_params import SamplingParams
@@ -38,8 +40,10 @@ class InvalidRequestError(ValueError):
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: tuple[int, ...],
-                 max_logprobs: int, grammar=None):
-        """``grammar``: the engine's structured-output compiler (structured/grammar.py), or None."""
+                 max_logprobs: int, grammar=None, lora_store: AdapterStore | None = None):
+        """``grammar``: the engine's structured-output compiler (structured/grammar.py), or None;
+        ``lora_store``: where adapters are read (None: the engine runs without LoRA)."""
+        self.lora_store = lora_store
         self.tokenizer = tokenizer
         self.grammar = grammar
         self.max_logprobs = max_logprobs
@@ -48,11 +52,12 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
 
     def process_inputs(self, request_id: str, prompt: PromptType, params: SamplingParams, *, priority: int = 0,
-                       arrival_time: float | None = None) -> EngineRequest:
+                       arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> EngineRequest:
         """Validates and tokenizes one request.  Raises :class:`InvalidRequestError` (a
         ValueError) naming what is wrong; nothing is queued anywhere."""
         text, ids, salt = self._parse(prompt)
         self._check_prompt(ids)
+        self._check_lora(lora_request)
         resolved = self.check_params(params)
         room = self.max_model_len - len(ids)
         max_tokens = room if resolved.max_tokens is None else min(resolved.max_tokens, room)
@@ -61,7 +66,7 @@ class InputProcessor:
                                       f"left of max_model_len={self.max_model_len} after the prompt), got "
                                       f"{resolved.min_tokens}.", "min_tokens")
         return EngineRequest(request_id, text, ids, resolved, max_tokens, self.eos_token_ids, priority=priority,
-                             cache_salt=salt,
+                             cache_salt=salt, lora_request=lora_request,
                              arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
     def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
@@ -92,6 +97,21 @@ class InputProcessor:
                                           "prompt_token_ids", "prompt")
             ids = encode(self.tokenizer, text)
         return text, list(ids), salt
+
+    def _check_lora(self, lora: LoRARequest | None) -> None:
+        """Reads the adapter (kept in host memory for the runner): one this model cannot take is
+        refused here, naming ``lora_path``."""
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(lora).__name__}", "lora_request")
+        if self.lora_store is None:
+            raise InvalidRequestError(f"lora_request {lora.lora_name!r}: this engine runs without LoRA (start it "
+                                      f"with enable_lora=True / --enable-lora)", "lora_request")
+        try:
+            self.lora_store.get(lora)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "lora_path") from None
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:

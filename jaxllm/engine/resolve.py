@@ -242,8 +242,22 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
                       sampler_backend=sampler, block_size=cache.block_size,
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                       max_logprobs=rc.max_logprobs, logprobs_mode=rc.logprobs_mode, use_fp64_gumbel=rc.use_fp64_gumbel,
-                      kv_cache_dtype=kv_name, num_speculative_tokens=_num_speculative_tokens(config))
+                      kv_cache_dtype=kv_name, num_speculative_tokens=_num_speculative_tokens(config),
+                      **_lora_slots(config, a))
     return ResolvedConfig(step=step, kv=kv, kv_sizing=sizing, compile_cache_dir=cache_dir)
+
+
+def _lora_slots(config: EngineConfig, arch) -> dict:
+    """The step's LoRA settings: slots only with ``enable_lora``, for a family that takes adapters."""
+    lc = config.lora
+    if not lc.enable_lora:
+        return {}
+    if not get_family(arch.architecture).lora:
+        raise ValueError(f"--enable-lora: {arch.architecture} does not take LoRA adapters here "
+                         f"(the Llama-family decoders do)")
+    if config.parallel.tensor_parallel_size > 1:
+        raise ValueError("--enable-lora with tensor parallelism is not supported yet")
+    return {"max_loras": lc.max_loras, "max_lora_rank": lc.max_lora_rank}
 
 
 def _int8_activations(cpu_matmul: str) -> bool:

@@ -44,9 +44,12 @@ class Family:
     ignored_tensors: tuple[str, ...] = ()
     """Checkpoint tensor names (or name prefixes ending in ``.``) the loader skips: heads and
     buffers the family does not use (BERT's NSP pooler and masked-LM head)."""
+    lora: bool = False
+    """Its layers add LoRA deltas (``forward(..., lora=)``; lora/apply.py) to the projections
+    ``lora/targets.py`` reads off its parameter table."""
 
 
-DECODER = Family(llama, config=llama.LlamaConfig)
+DECODER = Family(llama, config=llama.LlamaConfig, lora=True)
 GEMMA = Family(gemma, config=gemma.GemmaConfig, rope_tables=gemma.rope_tables)
 GPT_OSS = Family(gpt_oss, config=gpt_oss.GptOssConfig)
 MLA = Family(deepseek, config=deepseek.DeepseekConfig, cache_kinds=deepseek.cache_kinds,

@@ -93,6 +93,7 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
     # Per-sequence state slots (a hybrid model's): padding sequences take an out-of-range one.
     state_slots = np.full(Sb, 0 if states.slots is None else states.slots.padding, np.int32)
     feed = np.full(Tb, -1, np.int32)
+    lora_slots = np.full(Tb, -1, np.int32) if cfg.max_loras else None   # padding: no adapter
     samples, plan, drafts_of = [], [], []
     off = r = 0
     for i, (rid, n) in enumerate(seqs):
@@ -114,6 +115,8 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
         positions[off:off + n] = pos
         slots[off:off + n] = blocks[pos // BS] * BS + pos % BS
         token_seq[off:off + n] = i
+        if lora_slots is not None:
+            lora_slots[off:off + n] = st.lora_slot
         token_row[off:off + n] = r
         tables[i, :len(blocks)] = blocks
         if states.slots is not None:
@@ -164,7 +167,8 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
         token_row=token_row,
         sampling=smd.to_metadata(md),
         prompt_targets=prompt_targets,
-        state_slots=state_slots)
+        state_slots=state_slots,
+        lora_slots=lora_slots)
     return PreparedStep(bucket=(Tb, Sb), inputs=inputs, req_ids=tuple(rid for rid, _ in seqs), samples=tuple(samples),
                         prompt_plan=tuple(plan), drafts=tuple(drafts_of),
                         feed=feed if (feed >= 0).any() else None)
@@ -189,4 +193,5 @@ def input_spec(cfg: StepConfig, T: int, S: int, sharding) -> StepInputs:
         token_row=sds((T,)),
         sampling=sampling_spec(S, sharding, cfg.num_speculative_tokens),
         prompt_targets=sds((T,)),
-        state_slots=sds((S,)))
+        state_slots=sds((S,)),
+        lora_slots=sds((T,)) if cfg.max_loras else None)

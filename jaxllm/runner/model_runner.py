@@ -35,6 +35,8 @@ from jax.sharding import NamedSharding
 
 from jaxllm.cpu import native as cpu_native
 from jaxllm.errors import CompileGuardError
+from jaxllm.lora.slots import LoRASlotArrays
+from jaxllm.lora.store import AdapterStore
 from jaxllm.models.loader import LoadedModel
 from jaxllm.models.registry import get_family, get_model_module, keeps_sequence_state
 from jaxllm.outputs import EMPTY_RUNNER_OUTPUT, RunnerOutput, SchedulerOutput
@@ -79,13 +81,15 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, cfg: StepConfig, *, num_blocks: int | None, devices: list | None = None,
                  program_dir: str | None = None, strict_compile_guard: bool = False, show_progress: bool = True,
                  grammar: GrammarCompiler | None = None, speculative_config: SpeculativeConfig | None = None,
-                 draft: DraftModel | None = None, async_scheduling: bool = False):
+                 draft: DraftModel | None = None, async_scheduling: bool = False,
+                 lora_store: AdapterStore | None = None):
         """``num_blocks``: KV blocks per layer (None: allocated later, :meth:`allocate_kv`);
         ``program_dir``: where compiled programs are saved and loaded (None keeps none);
         ``grammar``: compiles structured-output constraints (None: the engine has no tokenizer);
         ``speculative_config``: speculation on (None: off), ``draft``: its draft model for
         ``method: draft_model``; ``async_scheduling``: steps are run by ``dispatch`` and
-        ``collect`` (the module's docstring)."""
+        ``collect`` (the module's docstring); ``lora_store``: where the adapters the scheduler
+        puts in slots are read from (with ``cfg.max_loras``)."""
         self.cfg = cfg
         self.arch = model.arch
         self.strict = strict_compile_guard
@@ -107,6 +111,15 @@ class ModelRunner:
                  qops.summary(leaves), ", in the native matmul's layout" if native else "",
                  f" ({grouped} with rows interleaved by 16 for the VNNI kernel)" if grouped else "",
                  time.perf_counter() - t0)
+        # LoRA: the adapters' device slots, a part of the step's params (lora/slots.py).
+        self.lora_store = lora_store
+        self.lora_slots = None
+        if cfg.max_loras:
+            if lora_store is None:
+                raise ValueError("a LoRA step (max_loras > 0) needs the adapter store")
+            self.lora_slots = LoRASlotArrays(lora_store.targets, model.arch.num_layers, cfg.max_loras,
+                                             cfg.max_lora_rank, self._rep)
+            self.params["lora"] = self.lora_slots.weights
         self.num_blocks = num_blocks
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)
@@ -209,6 +222,9 @@ class ModelRunner:
         compiled the first time a step needs it; the compile guard covers the ready ones."""
         cc.install_listeners()
         self.sampler_rows.compile()
+        if self.lora_slots is not None:
+            self.lora_slots.compile()
+            self.params["lora"] = self.lora_slots.weights
         self.warm = True
         if every_bucket:
             self.compile_buckets(self.buckets)
@@ -234,6 +250,7 @@ class ModelRunner:
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
+        self._load_loras(so.lora_loads)
         self.requests.update(so)
         self.grammars.update(so)
         if self.speculation is not None:
@@ -252,6 +269,7 @@ class ModelRunner:
         :meth:`collect`."""
         if self.speculation is not None:
             raise ValueError("async scheduling does not run speculative decoding")
+        self._load_loras(so.lora_loads)
         self.requests.update(so)
         self.grammars.update(so)
         if so.total_num_scheduled_tokens == 0:
@@ -274,6 +292,27 @@ class ModelRunner:
             h.result = self.requests.record(h.step, SampledStep(*host, prompt=plp), h.states)
             self._accept_grammar(h.result)
         return h.result
+
+    def unload_lora(self, slot: int) -> None:
+        """Zeroes ``slot`` (its adapter was removed)."""
+        self._load_loras({slot: None})
+
+    def _load_loras(self, loads: dict) -> None:
+        """Writes the adapters the scheduler put in slots this step (slot -> LoRARequest, None:
+        zeros); the writer was compiled at warm-up: a write that compiles is a bug (the guard)."""
+        if not loads:
+            return
+        before = cc.counts()
+        for slot, lora in loads.items():
+            self.lora_slots.write(slot, None if lora is None else self.lora_store.get(lora))
+        self.params["lora"] = self.lora_slots.weights
+        after = cc.counts()
+        if self.warm and (after["traces"] > before["traces"] or after["compiles"] > before["compiles"]):
+            msg = (f"loading LoRA adapters traced {after['traces'] - before['traces']} and compiled "
+                   f"{after['compiles'] - before['compiles']} programs after warm-up")
+            if self.strict:
+                raise CompileGuardError(msg)
+            log.warning(msg)
 
     def _accept_grammar(self, result: RunnerOutput) -> None:
         if len(self.grammars):

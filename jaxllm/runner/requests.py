@@ -35,6 +35,8 @@ class RequestState:
     inflight: int = 0
     """Async scheduling: tokens a dispatched step samples for it that are not in ``token_ids``
     yet (0 or 1); the next step takes such a token on the device (runner/token_feed.py)."""
+    lora_slot: int = -1
+    """The device slot of its LoRA adapter (-1: the base model)."""
 
     def take_pending_counts(self) -> list[int]:
         out, self.pending_counts = self.pending_counts or [], None
@@ -47,7 +49,8 @@ class RequestState:
         wants_plp = p.num_prompt_logprobs >= 0 and len(nr.token_ids) == nr.num_prompt_tokens
         return cls(token_ids=list(nr.token_ids), num_prompt_tokens=nr.num_prompt_tokens,
                    block_ids=list(nr.block_ids), num_computed_tokens=nr.num_computed_tokens,
-                   sampling=p, prompt_lps=[] if wants_plp else None, params=nr.sampling_params, seed=nr.seed)
+                   sampling=p, prompt_lps=[] if wants_plp else None, params=nr.sampling_params, seed=nr.seed,
+                   lora_slot=nr.lora_slot)
 
 
 @dataclass(frozen=True)

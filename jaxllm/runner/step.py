@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionMetadata
+from jaxllm.lora.apply import LoRAStep
 from jaxllm.models.registry import keeps_sequence_state
 from jaxllm.parallel.mesh import tp_size
 from jaxllm.runner.step_config import StepConfig
@@ -40,6 +41,7 @@ class StepInputs:
     sampling: SamplingMetadata
     prompt_targets: jax.Array   # [T] int32, next prompt token for prompt_logprobs, -1: not asked
     state_slots: jax.Array      # [S] int32, each sequence's per-sequence state slot (runner/state_slots.py)
+    lora_slots: jax.Array | None = None   # [T] int32, each token's LoRA slot (-1: none); None: LoRA off
 
 
 def make_step(cfg: StepConfig, model: ModuleType):
@@ -53,6 +55,8 @@ def make_step(cfg: StepConfig, model: ModuleType):
 
     def step(params, kv, sstate: SamplerState, inputs: StepInputs):
         extra = {"state_slots": inputs.state_slots} if stateful else {}
+        if cfg.max_loras:
+            extra["lora"] = LoRAStep(params["lora"], inputs.lora_slots)
         hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels, **extra)   # [T, D]
         logits = logits_of(params, hidden[inputs.logits_indices])        # [S, V]
         if tp_size() > 1:

@@ -41,6 +41,10 @@ class StepConfig:
     num_speculative_tokens: int = 0
     """Most proposed tokens a request verifies in one step (0: no speculation); sets the
     sampling rows a step may need and the width of the sampler's per-row draft arrays."""
+    max_loras: int = 0
+    """LoRA adapter slots (0: LoRA off, the step takes no slot indices); ``lora/``."""
+    max_lora_rank: int = 0
+    """Every slot's rank (adapters are zero-padded to it)."""
 
     @property
     def packed_bf16(self) -> bool:

@@ -24,6 +24,8 @@ from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import Routing, moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin, longrope_cos_sin
+from jaxllm.lora import apply as lora_apply
+from jaxllm.lora.apply import LoRAStep
 from jaxllm.models.config import ArchConfig
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.llama.config import variant
@@ -32,8 +34,10 @@ from jaxllm.models.llama.params import EXPERT_PARAMS
 Params = dict
 
 
-def _mlp(cfg: ArchConfig, h, lp, layer, md: AttentionMetadata, kernels: Kernels, experts):
-    # h [T, D] -> [T, D]: the layer's dense SwiGLU or its MoE block (with shared experts)
+def _mlp(cfg: ArchConfig, h, lp, layer, md: AttentionMetadata, kernels: Kernels, experts,
+         lora: LoRAStep | None = None, index=None):
+    # h [T, D] -> [T, D]: the layer's dense SwiGLU or its MoE block (with shared experts);
+    # lora: the step's adapters, added to the dense projections at layer ``index``
     mm = kernels.linear
     if "router" in lp:
         # The experts never use the native matmul: their weights are sliced per expert.  Tokens
@@ -48,10 +52,13 @@ def _mlp(cfg: ArchConfig, h, lp, layer, md: AttentionMetadata, kernels: Kernels,
             y = y + linear(shared, lp["shared_down"], backend=mm)
         return y
     if "gate_up" in lp:
-        gate, up = jnp.split(linear(h, lp["gate_up"], backend=mm), 2, axis=-1)   # [T, F] each
-        return linear(jax.nn.silu(gate) * up, lp["down"], backend=mm)
-    return linear(jax.nn.silu(linear(h, lp["gate"], backend=mm)) * linear(h, lp["up"], backend=mm),
-                  lp["down"], backend=mm)
+        gate_up = lora_apply.add_fused(linear(h, lp["gate_up"], backend=mm), lora, ("gate", "up"), h, index)
+        gate, up = jnp.split(gate_up, 2, axis=-1)                        # [T, F] each
+    else:
+        gate = lora_apply.add(linear(h, lp["gate"], backend=mm), lora, "gate", h, index)
+        up = lora_apply.add(linear(h, lp["up"], backend=mm), lora, "up", h, index)
+    a = jax.nn.silu(gate) * up
+    return lora_apply.add(linear(a, lp["down"], backend=mm), lora, "down", a, index)
 
 
 def _residual(cfg: ArchConfig, x, y):
@@ -61,9 +68,10 @@ def _residual(cfg: ArchConfig, x, y):
 
 
 def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, cos, sin, kernels: Kernels,
-           experts=None, index=None):
+           experts=None, index=None, lora: LoRAStep | None = None):
     # x [T, D]; experts: the stacked expert weights (scan, with ``layer`` the index) or None
-    # (the layer's own are in ``lp``); index: the layer's number (an int unrolled, traced under scan)
+    # (the layer's own are in ``lp``); index: the layer's number (an int unrolled, traced under scan);
+    # lora: the step's adapters (lora/apply.py), or None
     T = x.shape[0]
     var = variant(cfg)
     mm = kernels.linear
@@ -72,11 +80,12 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     h = x if var.post_norms_only else rms_norm(x, lp["input_norm"], cfg.rms_norm_eps, nat)
     if "qkv" in lp:   # fused projections (runner/weights.fused_parts)
         qkv = linear(h, lp["qkv"], lp.get("qkv_bias"), mm)              # [T, q_size + 2 * kv_size]
+        qkv = lora_apply.add_fused(qkv, lora, ("q", "k", "v"), h, index)
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     else:
-        q = linear(h, lp["q"], lp.get("q_bias"), mm)
-        k = linear(h, lp["k"], lp.get("k_bias"), mm)
-        v = linear(h, lp["v"], lp.get("v_bias"), mm)
+        q = lora_apply.add(linear(h, lp["q"], lp.get("q_bias"), mm), lora, "q", h, index)
+        k = lora_apply.add(linear(h, lp["k"], lp.get("k_bias"), mm), lora, "k", h, index)
+        v = lora_apply.add(linear(h, lp["v"], lp.get("v_bias"), mm), lora, "v", h, index)
     if cfg.qk_norm and var.qk_norm_whole:                                # OLMo 2/3: over [T, q_size]
         q = rms_norm(q, lp["q_norm_full"], cfg.rms_norm_eps, nat)
         k = rms_norm(k, lp["k_norm_full"], cfg.rms_norm_eps, nat)
@@ -100,12 +109,13 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
     window = cfg.window(index) if isinstance(index, int) else cfg.sliding_window
     o, kv = attend(q, k, v, kv, layer, md, scale=scale, sliding_window=window,
                    backend=kernels.attention)                           # [T, Hq, Dh]
-    o = linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm)
+    o = o.reshape(T, cfg.q_size)
+    o = lora_apply.add(linear(o, lp["o"], lp.get("o_bias"), mm), lora, "o", o, index)
     if var.post_norms_only:
         o = rms_norm(o, lp["post_norm"], cfg.rms_norm_eps, nat)
     x = _residual(cfg, x, o)
     h = x if var.post_norms_only else rms_norm(x, lp["post_norm"], cfg.rms_norm_eps, nat)
-    y = _mlp(cfg, h, lp, layer, md, kernels, experts)
+    y = _mlp(cfg, h, lp, layer, md, kernels, experts, lora, index)
     if var.post_norms_only:
         y = rms_norm(y, lp["post_ffn_norm"], cfg.rms_norm_eps, nat)
     return _residual(cfg, x, y), kv
@@ -123,9 +133,10 @@ def _rotary(cfg: ArchConfig, params: Params, md: AttentionMetadata):
 
 
 def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array, md: AttentionMetadata,
-            kernels: Kernels = Kernels()) -> tuple[jax.Array, KVCache]:
+            kernels: Kernels = Kernels(), lora: LoRAStep | None = None) -> tuple[jax.Array, KVCache]:
     """input_ids [T] -> final hidden states [T, D] and the updated cache, with the
-    operations' implementations ``kernels`` (``params`` laid out for them: runner/weights.py)."""
+    operations' implementations ``kernels`` (``params`` laid out for them: runner/weights.py);
+    ``lora``: the step's LoRA adapters and each token's slot (None: the base model only)."""
     native = kernels.matmul == "native"
     # The tied embedding is laid out as the native LM head (runner/weights.host_params).
     x = embed(params["embed"], input_ids, panels=native and cfg.tie_word_embeddings)   # [T, D]
@@ -141,7 +152,7 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array, 
     if isinstance(layers, (list, tuple)):
         ks, vs = list(kv[0]), list(kv[1])
         for i, lp in enumerate(layers):
-            x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin, kernels, index=i)
+            x, (ks[i], vs[i]) = _layer(cfg, x, lp, (ks[i], vs[i]), None, md, cos, sin, kernels, index=i, lora=lora)
         kv = (ks, vs)
     else:
         if len(set(cfg.layer_types)) > 1:
@@ -154,7 +165,7 @@ def forward(cfg: ArchConfig, params: Params, kv: KVCache, input_ids: jax.Array, 
         def body(carry, xs):
             x, kv = carry
             lp, i = xs
-            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin, kernels, experts, index=i)
+            x, kv = _layer(cfg, x, lp, kv, i, md, cos, sin, kernels, experts, index=i, lora=lora)
             return (x, kv), None
         (x, kv), _ = jax.lax.scan(body, (x, kv), (scanned, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps, native), kv
