@@ -1,6 +1,8 @@
 """The Quart application of ``jaxllm serve`` and the hypercorn loop that runs it.
 
 Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /v1/responses`` with ``GET`` / ``DELETE /v1/responses/{id}``, ``POST
+/v1/responses/{id}/cancel`` and ``GET /v1/responses/{id}/input_items`` (serve/responses/),
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, and
 with ``--profiler-dir DIR`` ``POST /start_profile`` / ``POST /stop_profile`` (an XLA trace of
 whatever the engine runs in between, written under DIR; see ``jaxllm/profiling.py``).
@@ -40,6 +42,9 @@ from jaxllm.engine.protocol import EngineClient
 from jaxllm.engine.tokenizer import encode
 from jaxllm.errors import EngineDeadError
 from serve import chat, completions
+from serve.responses import handler as responses
+from serve.responses.protocol import ResponsesRequest
+from serve.responses.store import ResponseStore, store_path
 from serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serve.metrics import Metrics
 from serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -109,8 +114,14 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
     if engine.stats_sink is None:
         engine.stats_sink = state.metrics
 
+    path = store_path(config.responses_store)
+    store = None if path is None else ResponseStore(path, config.responses_store_max_bytes,
+                                                    config.responses_store_max_age_s)
+    rstate = responses.ResponsesState(store)
+
     app = Quart("jaxllm.serve")
     app.extensions["jaxllm"] = state
+    app.extensions["jaxllm.responses"] = rstate
     app.config["MAX_CONTENT_LENGTH"] = 16 * 1024 * 1024
 
     @app.before_request
@@ -172,6 +183,37 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
     async def _chat():
         req = await _parse(ChatCompletionRequest)
         return _reply(await chat.create_chat_completion(state, req))
+
+    @app.post("/v1/responses")
+    async def _responses():
+        req = await _parse(ResponsesRequest)
+        return _reply(await responses.create_response(state, rstate, req))
+
+    @app.get("/v1/responses/<rid>")
+    async def _get_response(rid):
+        return json_response(responses.retrieve(rstate, rid))
+
+    @app.delete("/v1/responses/<rid>")
+    async def _delete_response(rid):
+        return json_response(responses.delete(rstate, rid))
+
+    @app.post("/v1/responses/<rid>/cancel")
+    async def _cancel_response(rid):
+        return json_response(await responses.cancel(state, rstate, rid))
+
+    @app.get("/v1/responses/<rid>/input_items")
+    async def _input_items(rid):
+        args = request.args
+        try:
+            limit = int(args.get("limit", "20"))
+        except ValueError:
+            raise bad_request(f"limit must be an integer, got {args.get('limit')!r}", "limit") from None
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
+        order = args.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be asc or desc, got {order!r}", "order")
+        return json_response(responses.list_input_items(rstate, rid, limit, order, args.get("after")))
 
     @app.get("/v1/models")
     async def _models():

@@ -53,6 +53,9 @@ def register(subparsers) -> None:
                         "(default on)")
     g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                    help="no access line per request")
+    g.add_argument("--responses-store", default="auto", metavar="PATH",
+                   help="sqlite file keeping /v1/responses for retrieval and previous_response_id (default auto: "
+                        "responses.sqlite3 in the cache folder; none: keep nothing)")
     t = s.add_argument_group("tool calling and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request sends tools); needs --tool-call-parser')
@@ -88,7 +91,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser,
         disable_log_stats=args.disable_log_stats, log_stats_interval=log_stats_interval,
-        log_requests=args.log_requests)
+        log_requests=args.log_requests, responses_store=args.responses_store)
 
 
 def with_reasoning_end(engine_config, serving: ServingConfig):
