@@ -26,6 +26,11 @@ PARAMS = {"messages": "input", "response_format": "text", "max_tokens": "max_out
 """A chat field named in an error -> the Responses parameter the client sent."""
 
 
+SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
+                   "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "priority")
+"""vLLM's sampling fields a client may add to a Responses body (``extra_body``); passed to the chat path."""
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -80,8 +85,9 @@ def chat_messages(instructions: str | None, items: list[dict]) -> list[dict]:
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls"):
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant":
+                # The calls of one turn (and the text before them) are one assistant message.
+                last["tool_calls"] = [*(last.get("tool_calls") or []), call]
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -141,6 +147,9 @@ def chat_request(req: ResponsesRequest, messages: list[dict], stream: bool) -> C
         value = getattr(req, src)
         if value is not None:
             body[dst] = value
+    for name in SAMPLING_EXTRAS:
+        if req.model_extra and name in req.model_extra:
+            body[name] = req.model_extra[name]
     if stream:
         body["stream_options"] = {"include_usage": True}
     try:
