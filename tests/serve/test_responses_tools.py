@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import agents
 import httpx
 import openai
 import pytest
@@ -105,3 +106,33 @@ def test_streamed_function_calls_and_reasoning(client, bias):
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "I know this."
     assert final.output_text == "It is sunny."
+
+
+def test_openai_agents_sdk_runs_an_agent_turn_with_a_tool(server, bias):
+    """The openai-agents SDK (its default model: the Responses API) against the server, tracing off:
+    the scripted model calls both tools and the run stops on the first tool's result."""
+    agents.set_tracing_disabled(True)
+    called = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        called.append(("get_weather", city))
+        return f"18C and sunny in {city}"
+
+    @agents.function_tool
+    def get_time(tz: str) -> str:
+        """The time in a time zone."""
+        called.append(("get_time", tz))
+        return "14:00"
+
+    model = agents.OpenAIResponsesModel(
+        model="scripted", openai_client=openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused",
+                                                           max_retries=0))
+    agent = agents.Agent(name="weather", instructions="Answer with the tools.", model=model,
+                         tools=[get_weather, get_time], tool_use_behavior="stop_on_first_tool",
+                         model_settings=agents.ModelSettings(temperature=0, max_tokens=40,
+                                                             extra_body=bias("tools")))
+    result = agents.Runner.run_sync(agent, ASK)
+    assert sorted(called) == [("get_time", "CET"), ("get_weather", "Paris")]
+    assert result.final_output == "18C and sunny in Paris"
