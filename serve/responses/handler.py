@@ -68,9 +68,9 @@ class _Job:
         return obj.response_object(self.req, self.rid, self.state.model_name, self.created, status, output, usage,
                                    error, incomplete)
 
-    def save(self, response: dict) -> None:
+    async def save(self, response: dict) -> None:
         if self.req.store and self.rs.store is not None:
-            self.rs.store.put(response, self.items, self.history + self.items)
+            await self.rs.store.put_async(response, self.items, self.history + self.items)
 
 
 async def create_response(state: ServerState, rs: ResponsesState, req: ResponsesRequest):
@@ -103,7 +103,7 @@ async def create_response(state: ServerState, rs: ResponsesState, req: Responses
         return sse_response(_events(job, flight), state.config.sse_keep_alive_interval)
     if req.background:
         queued = job.obj("in_progress", [])
-        job.save(queued)
+        await job.save(queued)
         task = asyncio.get_running_loop().create_task(_whole(job, flight))
         rs.tasks.add(task)
         task.add_done_callback(rs.tasks.discard)
@@ -129,7 +129,7 @@ async def _whole(job: _Job, flight: InFlight) -> dict:
             chat = await full_response(job.ctx)
         except APIError as e:
             failed = job.obj("failed", [], error={"code": "server_error", "message": e.message})
-            job.save(failed)
+            await job.save(failed)
             if job.req.background:
                 return failed
             raise
@@ -139,7 +139,7 @@ async def _whole(job: _Job, flight: InFlight) -> dict:
         cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
         response = job.obj(status, _output_items(choice.message, job.ctx.choice_parser() is not None),
                            obj.usage(u.prompt_tokens, u.completion_tokens, cached), incomplete=incomplete)
-        job.save(response)
+        await job.save(response)
         flight.final = response
         return response
     finally:
@@ -269,7 +269,7 @@ async def _events(job: _Job, flight: InFlight) -> AsyncIterator[str]:
         status, incomplete = obj.final_status(finish)
         final = job.obj(status, items.output, obj.usage(len(job.ctx.prompt_ids), completion, cached),
                         incomplete=incomplete)
-        job.save(final)
+        await job.save(final)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield ev.frame(kind, response=final)
     except Exception as e:  # an engine error still ends the stream in the protocol's shape
@@ -277,7 +277,7 @@ async def _events(job: _Job, flight: InFlight) -> AsyncIterator[str]:
             log.exception("responses stream %s failed", job.rid)
         final = job.obj("failed", items.output, error={"code": "server_error", "message": f"{e}"})
         try:
-            job.save(final)
+            await job.save(final)
         except Exception:
             log.exception("responses: could not store the failed response %s", job.rid)
         yield ev.frame("response.failed", response=final)

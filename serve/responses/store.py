@@ -3,20 +3,29 @@ conversation it continued) in one sqlite3 database, so ``GET /v1/responses/{id}`
 ``previous_response_id`` survive restarts.
 
 Every write is one transaction in WAL mode: a crash mid-write loses at most the response being
-written, never the others.  One connection, shared by the server's threads under a lock.
+written, never the others; a SIGKILL loses nothing committed.  Writes go through one writer
+thread (``put_async``: the event loop is not blocked, and a response is stored before its
+answer is sent); reads share the one connection under a lock.  A file that is not a readable
+database is moved aside (one warning) and a new store started, as the cache folder's other
+damaged entries are.
 Bounded by age (rows older than ``max_age_s`` go) and by size (the oldest rows go until the
 stored bytes fit ``max_bytes``), checked on every write.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import sqlite3
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from jaxllm.config import default_cache_dir
+
+log = logging.getLogger("jaxllm.serve")
 
 DEFAULT_FILE = "responses.sqlite3"
 
@@ -42,24 +51,48 @@ def store_path(setting: str) -> str | None:
     return setting
 
 
+def _open(path: str) -> sqlite3.Connection:
+    db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL: a process crash loses nothing committed
+        db.executescript(_SCHEMA)
+        db.execute("SELECT COUNT(*) FROM responses").fetchone()
+    except sqlite3.DatabaseError:
+        db.close()
+        raise
+    return db
+
+
 class ResponseStore:
     def __init__(self, path: str, max_bytes: int, max_age_s: float):
         if max_bytes < 1 or max_age_s <= 0:
             raise ValueError(f"responses store bounds must be positive, got max_bytes={max_bytes}, "
                              f"max_age_s={max_age_s}")
-        parent = os.path.dirname(os.path.abspath(path))
         try:
-            os.makedirs(parent, exist_ok=True)
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable at checkpoints, never corrupt
-            self._db.executescript(_SCHEMA)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            try:
+                self._db = _open(path)
+            except sqlite3.DatabaseError as e:
+                aside = f"{path}.damaged-{int(time.time())}"
+                log.warning("responses store %s is not a readable database (%s); moved to %s, starting a new one",
+                            path, e, aside)
+                os.replace(path, aside)
+                for suffix in ("-wal", "-shm"):
+                    if os.path.exists(path + suffix):
+                        os.remove(path + suffix)
+                self._db = _open(path)
         except (OSError, sqlite3.Error) as e:
             raise ValueError(f"--responses-store {path}: cannot open the database ({e})") from None
         self.path = path
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="responses-store")
+
+    async def put_async(self, response: dict, input_items: list[dict], conversation: list[dict]) -> None:
+        """``put`` on the writer thread."""
+        await asyncio.get_running_loop().run_in_executor(self._writer, self.put, response, input_items, conversation)
 
     def put(self, response: dict, input_items: list[dict], conversation: list[dict]) -> None:
         """Inserts or replaces one response, then evicts what the bounds no longer allow; one transaction."""
@@ -119,5 +152,6 @@ class ResponseStore:
             return self._db.execute("SELECT COALESCE(SUM(nbytes), 0) FROM responses").fetchone()[0]
 
     def close(self) -> None:
+        self._writer.shutdown(wait=True)
         with self._lock:
             self._db.close()

@@ -49,6 +49,17 @@ def test_store_bounds_evict_oldest_and_expired(tmp_path):
     aged.close()
 
 
+def test_a_damaged_store_file_is_moved_aside_not_a_failed_start(tmp_path, caplog):
+    path = tmp_path / "s.sqlite3"
+    path.write_bytes(b"this is not a database" * 100)
+    store = ResponseStore(str(path), max_bytes=1 << 20, max_age_s=3600)
+    store.put(_resp(1), [], [])
+    assert store.get("resp_1")["id"] == "resp_1"
+    store.close()
+    assert [p.name.split("-")[0] for p in tmp_path.glob("s.sqlite3.damaged-*")] == ["s.sqlite3.damaged"]
+    assert "not a readable database" in caplog.text
+
+
 def _start(ckpt: str, store: str, log):
     port = free_port()
     cmd = [sys.executable, "-m", "jaxllm.cli", "serve", ckpt, "--host", "127.0.0.1", "--port", str(port),
