@@ -13,7 +13,7 @@ from http import HTTPStatus
 from typing import AsyncIterator
 
 from jaxllm.errors import EngineDeadError
-from serve.chat import ChatCtx, full_response, start_chat
+from serve.chat import ChatCtx, full_response, render_messages, start_chat
 from serve.protocol import APIError, bad_request, now_s
 from serve.responses import objects as obj
 from serve.responses.convert import chat_messages, chat_request, input_items, new_id, remap
@@ -91,7 +91,8 @@ async def create_response(state: ServerState, rs: ResponsesState, req: Responses
     if req.reasoning is not None and req.reasoning.effort is not None:
         log.debug("responses: reasoning.effort %r accepted; no chat template here reads it", req.reasoning.effort)
     try:
-        chat = chat_request(req, chat_messages(req.instructions, history + items), stream=req.stream)
+        chat = _fitted(state, req, history + items) if req.truncation == "auto" else \
+            chat_request(req, chat_messages(req.instructions, history + items), stream=req.stream)
         chat.check_supported()
         ctx = start_chat(state, chat)
     except APIError as e:
@@ -109,6 +110,22 @@ async def create_response(state: ServerState, rs: ResponsesState, req: Responses
         task.add_done_callback(rs.tasks.discard)
         return queued
     return await _whole(job, flight)
+
+
+def _fitted(state: ServerState, req: ResponsesRequest, conversation: list[dict]):
+    """``truncation: "auto"``: the oldest items are dropped (whole, OpenAI's rule; a tool result
+    whose call was dropped goes with it) until the prompt leaves room for the output."""
+    room = state.max_model_len - (req.max_output_tokens or 1)
+    while True:
+        chat = chat_request(req, chat_messages(req.instructions, conversation), stream=req.stream)
+        _, ids = render_messages(state, chat.messages, add_generation_prompt=True, continue_final_message=False,
+                                 chat_template=None, chat_template_kwargs=None, tools=chat.tools,
+                                 add_special_tokens=chat.add_special_tokens)
+        if len(ids) <= room or len(conversation) <= 1:
+            return chat
+        conversation = conversation[1:]
+        while len(conversation) > 1 and conversation[0].get("type") == "function_call_output":
+            conversation = conversation[1:]
 
 
 def _output_items(message, parsed: bool) -> list[dict]:

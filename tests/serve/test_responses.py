@@ -90,6 +90,15 @@ def test_previous_response_id_continues_the_conversation(client):
     assert second.previous_response_id == first.id
 
 
+def test_truncation_auto_drops_the_oldest_items(client):
+    long = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "word " * 30}
+            for i in range(12)]  # far past max_model_len (256)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input=long, max_output_tokens=2, temperature=0)
+    r = client.responses.create(model="tiny", input=long, max_output_tokens=2, temperature=0, truncation="auto")
+    assert r.status == "incomplete" and 200 < r.usage.input_tokens <= 254
+
+
 def test_stream_events_order_sequence_and_deltas(client):
     whole = client.responses.create(model="tiny", input="Tell me", max_output_tokens=10, temperature=0)
     with client.responses.stream(model="tiny", input="Tell me", max_output_tokens=10, temperature=0) as s:
