@@ -17,18 +17,13 @@ import uuid
 from pydantic import ValidationError
 
 from serve.protocol import APIError, ChatCompletionRequest, bad_request
-from serve.responses.protocol import FunctionTool, MessageItem, ResponsesRequest
+from serve.responses.protocol import SAMPLING_EXTRAS, FunctionTool, MessageItem, ResponsesRequest
 
 log = logging.getLogger("jaxllm.serve")
 
 PARAMS = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens",
           "max_completion_tokens": "max_output_tokens", "structured_outputs": "text"}
 """A chat field named in an error -> the Responses parameter the client sent."""
-
-
-SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
-                   "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "priority")
-"""vLLM's sampling fields a client may add to a Responses body (``extra_body``); passed to the chat path."""
 
 
 def new_id(prefix: str) -> str:

@@ -63,7 +63,7 @@ class _Job:
     history: list[dict]
     ctx: ChatCtx
 
-    def obj(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None,
+    def snapshot(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None,
             incomplete: str | None = None) -> dict:
         return obj.response_object(self.req, self.rid, self.state.model_name, self.created, status, output, usage,
                                    error, incomplete)
@@ -103,7 +103,7 @@ async def create_response(state: ServerState, rs: ResponsesState, req: Responses
     if req.stream:
         return sse_response(_events(job, flight), state.config.sse_keep_alive_interval)
     if req.background:
-        queued = job.obj("in_progress", [])
+        queued = job.snapshot("in_progress", [])
         await job.save(queued)
         task = asyncio.get_running_loop().create_task(_whole(job, flight))
         rs.tasks.add(task)
@@ -145,7 +145,7 @@ async def _whole(job: _Job, flight: InFlight) -> dict:
         try:
             chat = await full_response(job.ctx)
         except APIError as e:
-            failed = job.obj("failed", [], error={"code": "server_error", "message": e.message})
+            failed = job.snapshot("failed", [], error={"code": "server_error", "message": e.message})
             await job.save(failed)
             if job.req.background:
                 return failed
@@ -154,7 +154,7 @@ async def _whole(job: _Job, flight: InFlight) -> dict:
         status, incomplete = obj.final_status(choice.finish_reason)
         u = chat.usage
         cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
-        response = job.obj(status, _output_items(choice.message, job.ctx.choice_parser() is not None),
+        response = job.snapshot(status, _output_items(choice.message, job.ctx.choice_parser() is not None),
                            obj.usage(u.prompt_tokens, u.completion_tokens, cached), incomplete=incomplete)
         await job.save(response)
         flight.final = response
@@ -247,7 +247,7 @@ async def _events(job: _Job, flight: InFlight) -> AsyncIterator[str]:
     """The event stream; it always ends with response.completed, .incomplete or .failed."""
     ev = obj.EventCounter()
     items = _StreamItems(ev)
-    start = job.obj("in_progress", [])
+    start = job.snapshot("in_progress", [])
     yield ev.frame("response.created", response=start)
     yield ev.frame("response.in_progress", response=start)
     parser = job.ctx.choice_parser()
@@ -284,7 +284,7 @@ async def _events(job: _Job, flight: InFlight) -> AsyncIterator[str]:
             for f in items.finish():
                 yield f
         status, incomplete = obj.final_status(finish)
-        final = job.obj(status, items.output, obj.usage(len(job.ctx.prompt_ids), completion, cached),
+        final = job.snapshot(status, items.output, obj.usage(len(job.ctx.prompt_ids), completion, cached),
                         incomplete=incomplete)
         await job.save(final)
         kind = "response.completed" if status == "completed" else "response.incomplete"
@@ -292,7 +292,7 @@ async def _events(job: _Job, flight: InFlight) -> AsyncIterator[str]:
     except Exception as e:  # an engine error still ends the stream in the protocol's shape
         if not isinstance(e, (EngineDeadError, ValueError)):
             log.exception("responses stream %s failed", job.rid)
-        final = job.obj("failed", items.output, error={"code": "server_error", "message": f"{e}"})
+        final = job.snapshot("failed", items.output, error={"code": "server_error", "message": f"{e}"})
         try:
             await job.save(final)
         except Exception:

@@ -3,11 +3,18 @@ OpenAI's shape naming the top-level parameter (serve/protocol.py:validation_erro
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag
 
 from serve.protocol import Int64, OpenAIModel
+
+log = logging.getLogger("jaxllm.serve")
+
+SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
+                   "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "priority")
+"""vLLM's sampling fields a client may add to a Responses body (``extra_body``); passed to the chat path."""
 
 
 class InputText(OpenAIModel):
@@ -127,6 +134,8 @@ class ResponsesRequest(OpenAIModel):
     seed: Int64 | None = None
     request_id: str | None = None
 
-    def format_type(self) -> str:
-        fmt = self.text.format if self.text is not None else None
-        return fmt.type if fmt is not None else "text"
+    def check_supported(self) -> None:
+        """vLLM's warning names only the extra fields nothing reads (the sampling extras are read)."""
+        ignored = set(self.model_extra or {}) - set(SAMPLING_EXTRAS)
+        if ignored:
+            log.warning("The following fields were present in the request but ignored: %s", ignored)
