@@ -9,6 +9,7 @@ One server on the tiny Llama with its own store file; compact JSON engine-wide
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -20,6 +21,9 @@ import pytest
 pytest.register_assert_rewrite("support.serve_helpers")
 
 from support.serve_helpers import ServerThread, assert_error_shape, make_engine, wait_until  # noqa: E402
+
+from jaxllm.errors import EngineDeadError  # noqa: E402
+from serve.responses import handler  # noqa: E402
 
 pytest_plugins = ["support.serve_helpers"]
 
@@ -87,6 +91,47 @@ def test_previous_response_id_continues_the_conversation(client):
         {"role": "user", "content": "Two"}])
     assert second.output_text == chat.choices[0].message.content
     assert second.previous_response_id == first.id
+
+
+class _FailingStream:
+    """An engine stream whose next result is an engine failure (the request itself is queued
+    and, on leaving the block, aborted as usual)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def __aenter__(self):
+        await self.inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc):
+        return await self.inner.__aexit__(*exc)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        raise EngineDeadError("injected engine failure")
+
+
+def test_an_engine_error_still_closes_the_stream_with_response_failed(client, server, monkeypatch):
+    real = handler.start_chat
+
+    def failing(state, req):
+        ctx = real(state, req)
+        return dataclasses.replace(ctx, stream=_FailingStream(ctx.stream))
+
+    monkeypatch.setattr(handler, "start_chat", failing)
+    with client.responses.stream(model="tiny", input="Hi", max_output_tokens=4) as s:
+        events = list(s)
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "response.failed"]
+    assert [e.sequence_number for e in events] == [0, 1, 2]
+    assert "injected engine failure" in events[-1].response.error.message
+    with pytest.raises(openai.InternalServerError) as e:
+        client.responses.create(model="tiny", input="Hi", max_output_tokens=4)
+    assert_error_shape(e.value.response.json(), 500)
+    monkeypatch.undo()
+    assert client.responses.create(model="tiny", input="Hi", max_output_tokens=1).status == "incomplete"
 
 
 def test_truncation_auto_drops_the_oldest_items(client):
