@@ -402,6 +402,13 @@ class ServingConfig:
     log_requests: bool = True
     """One access line per request: method, path, status, tokens, time (``--enable-log-requests``,
     the default, as uvicorn's access log is vLLM's; ``--disable-log-requests`` turns it off)."""
+    responses_store: str = "auto"
+    """Where ``/v1/responses`` keeps stored responses (``--responses-store``): ``auto`` (a sqlite
+    file in the cache folder), ``none`` (nothing is stored) or a file path."""
+    responses_store_max_bytes: int = 1 << 30
+    """The store's size bound; the oldest responses are evicted beyond it."""
+    responses_store_max_age_s: float = 30 * 24 * 3600.0
+    """The store's age bound (OpenAI keeps responses 30 days)."""
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:

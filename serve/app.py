@@ -3,6 +3,8 @@
 Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions``, and on a pooling model
 ``POST /v1/embeddings`` (serve/embeddings.py), ``POST /score``, ``POST /rerank`` (``/v1/rerank``,
 ``/v2/rerank``; serve/scoring.py), ``GET /v1/models``,
+``POST /v1/responses`` with ``GET`` / ``DELETE /v1/responses/{id}``, ``POST
+/v1/responses/{id}/cancel`` and ``GET /v1/responses/{id}/input_items`` (serve/responses/),
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, and
 with ``--profiler-dir DIR`` ``POST /start_profile`` / ``POST /stop_profile`` (an XLA trace of
 whatever the engine runs in between, written under DIR; see ``jaxllm/profiling.py``).
@@ -43,6 +45,10 @@ from jaxllm.engine.tokenizer import encode
 from jaxllm.errors import EngineDeadError
 from jaxllm.pooling.async_engine import AsyncPoolingEngine
 from serve import chat, completions, embeddings, scoring
+from serve import chat, completions
+from serve.responses import handler as responses
+from serve.responses.protocol import ResponsesRequest
+from serve.responses.store import ResponseStore, store_path
 from serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serve.metrics import Metrics
 from serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -112,8 +118,14 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
     if engine.stats_sink is None:
         engine.stats_sink = state.metrics
 
+    path = store_path(config.responses_store)
+    store = None if path is None else ResponseStore(path, config.responses_store_max_bytes,
+                                                    config.responses_store_max_age_s)
+    rstate = responses.ResponsesState(store)
+
     app = Quart("jaxllm.serve")
     app.extensions["jaxllm"] = state
+    app.extensions["jaxllm.responses"] = rstate
     app.config["MAX_CONTENT_LENGTH"] = 16 * 1024 * 1024
 
     @app.before_request
@@ -212,6 +224,38 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
         _pooling_only("/rerank")
         req = await _parse(RerankRequest)
         return _reply(await scoring.create_rerank(state, engine, req))
+
+    @app.post("/v1/responses")
+    async def _responses():
+        _generation_only("/v1/responses")
+        req = await _parse(ResponsesRequest)
+        return _reply(await responses.create_response(state, rstate, req))
+
+    @app.get("/v1/responses/<rid>")
+    async def _get_response(rid):
+        return json_response(responses.retrieve(rstate, rid))
+
+    @app.delete("/v1/responses/<rid>")
+    async def _delete_response(rid):
+        return json_response(responses.delete(rstate, rid))
+
+    @app.post("/v1/responses/<rid>/cancel")
+    async def _cancel_response(rid):
+        return json_response(await responses.cancel(state, rstate, rid))
+
+    @app.get("/v1/responses/<rid>/input_items")
+    async def _input_items(rid):
+        args = request.args
+        try:
+            limit = int(args.get("limit", "20"))
+        except ValueError:
+            raise bad_request(f"limit must be an integer, got {args.get('limit')!r}", "limit") from None
+        if not 1 <= limit <= 100:
+            raise bad_request(f"limit must be between 1 and 100, got {limit}", "limit")
+        order = args.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order must be asc or desc, got {order!r}", "order")
+        return json_response(responses.list_input_items(rstate, rid, limit, order, args.get("after")))
 
     @app.get("/v1/models")
     async def _models():

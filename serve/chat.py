@@ -68,6 +68,15 @@ def render_messages(state: ServerState, messages, *, add_generation_prompt: bool
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest) -> Response | BaseModel:
+    ctx = start_chat(state, req)
+    if req.stream:
+        return sse_response(_stream(ctx), state.config.sse_keep_alive_interval)
+    return await full_response(ctx)
+
+
+def start_chat(state: ServerState, req: ChatCompletionRequest) -> "ChatCtx":
+    """Renders, validates and queues the request; its context holds the engine stream (also
+    the Responses API's way in: serve/responses/handler.py)."""
     state.check_model(req.model)
     req.check_stream_options()
     mode = tool_mode(req, state.config.enable_auto_tool_choice and state.tool_parser is not None)
@@ -105,10 +114,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
         last = req.messages[-1].to_template_dict()
         if last.get("role") == role:
             echo_text = last.get("content") or ""
-    ctx = _ChatCtx(state, req, stream, request_id, now_s(), request.prompt_token_ids, role, echo_text, mode, text)
-    if req.stream:
-        return sse_response(_stream(ctx), state.config.sse_keep_alive_interval)
-    return await _full(ctx)
+    return ChatCtx(state, req, stream, request_id, now_s(), request.prompt_token_ids, role, echo_text, mode, text)
 
 
 def _check_template_renders_tools(state: ServerState, req: ChatCompletionRequest, text: str) -> None:
@@ -126,7 +132,7 @@ def _check_template_renders_tools(state: ServerState, req: ChatCompletionRequest
 
 
 @dataclass(frozen=True)
-class _ChatCtx:
+class ChatCtx:
     state: ServerState
     req: ChatCompletionRequest
     stream: OutputStream
@@ -164,7 +170,7 @@ class _ChatCtx:
         return reason
 
 
-async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
+async def _stream(c: ChatCtx) -> AsyncIterator[str]:
     req, state = c.req, c.state
     tok = state.tokenizer
     model = state.model_name
@@ -241,7 +247,7 @@ async def _stream(c: _ChatCtx) -> AsyncIterator[str]:
     yield DONE
 
 
-def _parsed_choices(c: _ChatCtx, parser: ChoiceParser, out, lp, want_ids: bool):
+def _parsed_choices(c: ChatCtx, parser: ChoiceParser, out, lp, want_ids: bool):
     """One output's stream choices through the parsers: one per delta (reasoning, content or
     tool calls); logprobs and token ids ride on the first, the finish reason on the last."""
     final = out.finish_reason is not None
@@ -263,7 +269,7 @@ def _parsed_choices(c: _ChatCtx, parser: ChoiceParser, out, lp, want_ids: bool):
     return choices
 
 
-async def _full(c: _ChatCtx) -> ChatCompletionResponse:
+async def full_response(c: ChatCtx) -> ChatCompletionResponse:
     """The request's one FINAL_ONLY output: the output processor's whole sequences."""
     req, state = c.req, c.state
     final: RequestOutput | None = None

@@ -63,6 +63,9 @@ def register(subparsers) -> None:
     pg.add_argument("--pooler-config", default=None, metavar="JSON",
                     help="the pooler over the checkpoint's (sentence-transformers' modules.json), e.g. "
                          "'{\"pooling_type\": \"CLS\", \"normalize\": true}' (CLS, MEAN or LAST)")
+    g.add_argument("--responses-store", default="auto", metavar="PATH",
+                   help="sqlite file keeping /v1/responses for retrieval and previous_response_id (default auto: "
+                        "responses.sqlite3 in the cache folder; none: keep nothing)")
     t = s.add_argument_group("tool calling and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request sends tools); needs --tool-call-parser')
@@ -98,7 +101,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser,
         disable_log_stats=args.disable_log_stats, log_stats_interval=log_stats_interval,
-        log_requests=args.log_requests, metrics_compat=args.metrics_compat)
+        log_requests=args.log_requests, metrics_compat=args.metrics_compat,
+        responses_store=args.responses_store)
 
 
 def pooling_config_from_args(args: argparse.Namespace):

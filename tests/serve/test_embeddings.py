@@ -98,6 +98,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(pooling_server):
     ("/v1/embeddings", {"input": []}, "input", "must not be empty"),
     ("/v1/completions", {"prompt": "the", "max_tokens": 2}, "model", "use /v1/embeddings"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model", "use /v1/embeddings"),
+    ("/v1/responses", {"input": "hi"}, "model", "use /v1/embeddings"),
 ])
 def test_bad_requests_are_400s_naming_what_is_wrong(pooling_server, path, body, param, words):
     r = httpx.post(pooling_server.base + path, json=body)

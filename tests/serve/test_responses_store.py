@@ -1,0 +1,137 @@
+"""The Responses store's reliability: its bounds (size and age eviction), and a real ``jaxllm
+serve`` killed with SIGKILL while 200 stored responses and a few streams are in flight, then
+restarted on the same store: every response completed before the kill is retrievable, and the
+database passes sqlite's integrity check."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.register_assert_rewrite("support.serve_helpers")
+
+from support.serve_helpers import free_port, wait_for_health  # noqa: E402
+
+from serve.responses.store import ResponseStore  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _resp(i: int, pad: int = 0) -> dict:
+    return {"id": f"resp_{i}", "object": "response", "status": "completed", "output": [], "pad": "x" * pad}
+
+
+def test_store_bounds_evict_oldest_and_expired(tmp_path):
+    store = ResponseStore(str(tmp_path / "s.sqlite3"), max_bytes=20_000, max_age_s=3600)
+    for i in range(50):
+        store.put(_resp(i, pad=1000), [{"id": f"msg_{i}"}], [])
+    assert store.total_bytes() <= 20_000
+    assert store.get("resp_49") is not None and store.get("resp_0") is None  # newest kept, oldest evicted
+    kept = [i for i in range(50) if store.get(f"resp_{i}") is not None]
+    assert kept == list(range(kept[0], 50)) and len(kept) >= 15
+    assert store.input_items("resp_49") == [{"id": "msg_49"}]
+    store.close()
+    aged = ResponseStore(str(tmp_path / "s.sqlite3"), max_bytes=20_000, max_age_s=0.05)
+    time.sleep(0.1)
+    assert aged.get("resp_49") is None  # expired rows are not served, and the next write drops them
+    aged.put(_resp(99), [], [])
+    assert aged.total_bytes() == len('{"id":"resp_99","object":"response","status":"completed","output":[],"pad":""}') \
+        + len("[]") * 2
+    aged.close()
+
+
+def test_a_damaged_store_file_is_moved_aside_not_a_failed_start(tmp_path, caplog):
+    path = tmp_path / "s.sqlite3"
+    path.write_bytes(b"this is not a database" * 100)
+    store = ResponseStore(str(path), max_bytes=1 << 20, max_age_s=3600)
+    store.put(_resp(1), [], [])
+    assert store.get("resp_1")["id"] == "resp_1"
+    store.close()
+    assert [p.name.split("-")[0] for p in tmp_path.glob("s.sqlite3.damaged-*")] == ["s.sqlite3.damaged"]
+    assert "not a readable database" in caplog.text
+
+
+def _start(ckpt: str, store: str, log):
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxllm.cli", "serve", ckpt, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "tiny", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+           "--max-model-len", "256", "--dtype", "float32", "--responses-store", store, "--disable-log-requests"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    wait_for_health(proc, base, log, timeout=300)
+    return proc, base
+
+
+async def _load_then_kill(base: str, proc) -> dict[str, str]:
+    """200 stored responses and 3 long streams at once; SIGKILL once half the 200 are done."""
+    done: dict[str, str] = {}
+    streaming = asyncio.Event()
+
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=300)) as c:
+        async def one(i):
+            r = await c.post("/v1/responses", json={"model": "tiny", "input": f"question {i}",
+                                                    "max_output_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            done[body["id"]] = body["output"][0]["content"][0]["text"]
+
+        async def stream():
+            body = {"model": "tiny", "input": "story " * 20, "max_output_tokens": 200, "stream": True,
+                    "ignore_eos": True}
+            async with c.stream("POST", "/v1/responses", json=body) as r:
+                async for line in r.aiter_lines():
+                    if '"response.output_text.delta"' in line:
+                        streaming.set()
+
+        tasks = [asyncio.ensure_future(stream()) for _ in range(3)]
+        tasks += [asyncio.ensure_future(one(i)) for i in range(200)]
+        deadline = time.monotonic() + 240
+        while (len(done) < 100 or not streaming.is_set()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        killed_with = dict(done)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(killed_with) >= 100 and streaming.is_set(), "the load did not get going before the kill"
+    return killed_with
+
+
+def test_sigkill_mid_stream_then_restart_keeps_every_completed_response(tiny_llama, tmp_path):
+    store = str(tmp_path / "responses.sqlite3")
+    log: list[str] = []
+    proc, base = _start(tiny_llama, store, log)
+    try:
+        completed = asyncio.run(_load_then_kill(base, proc))
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc, base = _start(tiny_llama, store, log)
+    try:
+        with httpx.Client(base_url=base, timeout=60) as c:
+            for rid, text in completed.items():
+                r = c.get(f"/v1/responses/{rid}")
+                assert r.status_code == 200, (rid, r.text)
+                assert r.json()["output"][0]["content"][0]["text"] == text
+            items = c.get(f"/v1/responses/{next(iter(completed))}/input_items").json()
+            assert items["data"][0]["content"][0]["text"].startswith("question ")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    db = sqlite3.connect(store)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    n, total = db.execute("SELECT COUNT(*), SUM(nbytes) FROM responses").fetchone()
+    assert n >= len(completed)
+    from jaxllm.config import ServingConfig
+    assert total <= ServingConfig().responses_store_max_bytes
+    db.close()
