@@ -128,14 +128,27 @@ def pooling_config_from_args(args: argparse.Namespace):
 def _serve_pooling(config, serving: ServingConfig) -> int:
     from jaxllm.pooling.async_engine import AsyncPoolingEngine
     from jaxllm.pooling.engine import PoolingEngine
-    from serve.app import listen
 
+    _log_startup_at_info()
+    return _listen_and_serve(lambda: AsyncPoolingEngine(PoolingEngine(config)), serving)
+
+
+def _log_startup_at_info() -> None:
+    # The address, the sampling defaults and the engine's start-up line (KV cache size, prefix
+    # caching, policy) are worth seeing at the default log level.
     for logger in (log, logging.getLogger("jaxllm.engine")):
         if logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
-    sock = listen(serving.host, serving.port)  # a busy port fails now, not after compiling
+
+
+def _listen_and_serve(make_engine, serving: ServingConfig) -> int:
+    """Binds the port (a busy port fails now, not after compiling), builds the engine, serves
+    until SIGTERM / Ctrl-C, and shuts the engine down."""
+    from serve.app import listen
+
+    sock = listen(serving.host, serving.port)
     try:
-        engine = AsyncPoolingEngine(PoolingEngine(config))
+        engine = make_engine()
     except BaseException:
         sock.close()
         raise
@@ -143,6 +156,7 @@ def _serve_pooling(config, serving: ServingConfig) -> int:
         asyncio.run(_serve(engine, serving, sock))
     finally:
         engine.shutdown()
+    # Last: the engine (and its periodic stats line) has stopped, so nothing is logged after it.
     log.info("server stopped")
     return 0
 
@@ -165,7 +179,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxllm.engine.async_engine import AsyncEngine, check_servable
     from jaxllm.engine.dp_engine import DataParallelEngine
     from jaxllm.engine.llm_engine import LLMEngine
-    from serve.app import listen
     from serve.state import resolve_chat_template, resolve_parsers
 
     if args.model_pos and args.model and args.model_pos != args.model:
@@ -178,11 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resolve_parsers(serving)  # an unknown parser or a broken plugin fails now
     engine_config = with_reasoning_end(engine_config_from_args(args), serving)
     check_servable(engine_config)   # now, not after loading the model
-    # The address, the sampling defaults and the engine's start-up line (KV cache size, prefix
-    # caching, policy) are worth seeing at the default log level.
-    for logger in (log, logging.getLogger("jaxllm.engine")):
-        if logger.getEffectiveLevel() > logging.INFO:
-            logger.setLevel(logging.INFO)
+    _log_startup_at_info()
     pc = engine_config.parallel
     if pc.multi_host and pc.host_index not in (None, 0):
         # Host 0 schedules and serves HTTP; this host runs its steps on its own devices.
@@ -190,22 +199,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         LLMEngine(engine_config).follow()
         log.info("host 0 stopped; exiting")
         return 0
-    sock = listen(serving.host, serving.port)  # a busy port fails now, not after compiling
-    try:
-        if pc.data_parallel_size > 1:
-            engine = DataParallelEngine.from_config(engine_config)
-        else:
-            engine = AsyncEngine(LLMEngine(engine_config))
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        asyncio.run(_serve(engine, serving, sock))
-    finally:
-        engine.shutdown()
-    # Last: the engine (and its periodic stats line) has stopped, so nothing is logged after it.
-    log.info("server stopped")
-    return 0
+    if pc.data_parallel_size > 1:
+        return _listen_and_serve(lambda: DataParallelEngine.from_config(engine_config), serving)
+    return _listen_and_serve(lambda: AsyncEngine(LLMEngine(engine_config)), serving)
 
 
 async def _serve(engine, serving: ServingConfig, sock) -> None:
