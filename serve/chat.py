@@ -94,7 +94,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest)
     try:
         params = req.to_sampling_params(state.max_tokens(req.requested_max_tokens()), state.defaults,
                                         state.engine.vocab_size, constraint.params)
-        request = state.process(request_id, req.engine_prompt(text, ids), params, req.priority)
+        request = state.process(request_id, req.engine_prompt(text, ids), params, req.priority, req.model)
     except ValueError as e:
         raise state.value_error(e, CHAT_FIELDS, aliases) from None
     stream, = state.add_requests([request], stream=bool(req.stream))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import signal
 
 from jaxllm.cli import add_engine_args, engine_config_from_args
 from jaxllm.config import ServingConfig
+from serve.lora import add_lora_args, lora_config_from_args, parse_lora_modules
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -63,6 +65,7 @@ def register(subparsers) -> None:
                    help="a Python file registering tool parsers (ToolParserManager.register_module)")
     t.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split the model's reasoning into message.reasoning: deepseek_r1, qwen3")
+    add_lora_args(s)
     s.set_defaults(func=cmd_serve)
 
 
@@ -88,14 +91,12 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser,
         disable_log_stats=args.disable_log_stats, log_stats_interval=log_stats_interval,
-        log_requests=args.log_requests)
+        log_requests=args.log_requests, lora_modules=parse_lora_modules(args.lora_modules))
 
 
 def with_reasoning_end(engine_config, serving: ServingConfig):
     """With ``--reasoning-parser``, structured outputs (and required / named tool calls) start
     after the parser's end tag, unless ``--structured-outputs-config`` says where already."""
-    import dataclasses
-
     from serve.state import resolve_parsers
     _, reasoning = resolve_parsers(serving)
     so = engine_config.structured_outputs_config
@@ -118,6 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resolve_chat_template(serving.chat_template)
     resolve_parsers(serving)  # an unknown parser or a broken plugin fails now
     engine_config = with_reasoning_end(engine_config_from_args(args), serving)
+    engine_config = dataclasses.replace(engine_config, lora=lora_config_from_args(args))
     check_servable(engine_config)   # now, not after loading the model
     # The address, the sampling defaults and the engine's start-up line (KV cache size, prefix
     # caching, policy) are worth seeing at the default log level.
