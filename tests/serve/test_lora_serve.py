@@ -28,7 +28,9 @@ from jaxllm.config import ServingConfig  # noqa: E402
 from jaxllm.runner import compile as cc  # noqa: E402
 from serve.lora import LoRAModule  # noqa: E402
 
-ENGINE = {**ONE_SHOT_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+# A served engine compiles every bucket first: few buckets (two sequences, 16-token steps).
+ENGINE = {**ONE_SHOT_ENGINE, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "max_num_seqs": 2,
+          "max_num_batched_tokens": 16}
 PROMPT = [17, 230, 4000, 52, 981, 33]
 N = 8
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
