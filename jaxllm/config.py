@@ -391,6 +391,9 @@ class ServingConfig:
     """A Python file that registers more tool parsers (``--tool-parser-plugin``)."""
     reasoning_parser: str | None = None
     """Splits reasoning from content (``--reasoning-parser``: deepseek_r1, qwen3)."""
+    lora_modules: tuple = ()
+    """LoRA adapters served from the start (``--lora-modules``; serve/lora.py's ``LoRAModule``s),
+    each selected by ``"model": NAME``; the engine needs ``enable_lora``."""
     disable_log_stats: bool = False
     """No periodic stats line in the log (``--disable-log-stats``; serve/stat_logger.py)."""
     log_stats_interval: float = 10.0

@@ -5,8 +5,9 @@ Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions``, and on
 ``/v2/rerank``; serve/scoring.py), ``GET /v1/models``,
 ``POST /v1/responses`` with ``GET`` / ``DELETE /v1/responses/{id}``, ``POST
 /v1/responses/{id}/cancel`` and ``GET /v1/responses/{id}/input_items`` (serve/responses/),
-``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, and
-with ``--profiler-dir DIR`` ``POST /start_profile`` / ``POST /stop_profile`` (an XLA trace of
+``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, with
+runtime LoRA updating allowed ``POST /v1/load_lora_adapter`` / ``POST /v1/unload_lora_adapter``
+(serve/lora.py), and with ``--profiler-dir DIR`` ``POST /start_profile`` / ``POST /stop_profile`` (an XLA trace of
 whatever the engine runs in between, written under DIR; see ``jaxllm/profiling.py``).
 Every error, including a 404 route or a 405 method, is answered in OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``.  With an API key, ``/v1/*`` needs
@@ -44,8 +45,7 @@ from jaxllm.engine.protocol import EngineClient
 from jaxllm.engine.tokenizer import encode
 from jaxllm.errors import EngineDeadError
 from jaxllm.pooling.async_engine import AsyncPoolingEngine
-from serve import chat, completions, embeddings, scoring
-from serve import chat, completions
+from serve import chat, completions, embeddings, lora, scoring
 from serve.responses import handler as responses
 from serve.responses.protocol import ResponsesRequest
 from serve.responses.store import ResponseStore, store_path
@@ -261,6 +261,8 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
     async def _models():
         cards = [ModelCard(id=name, created=state.created, root=engine.model_name,
                            max_model_len=state.max_model_len) for name in state.served_names]
+        cards += [ModelCard(id=lr.lora_name, created=state.created, root=lr.lora_path, parent=state.model_name,
+                            max_model_len=state.max_model_len) for lr in state.loras.items()]
         return json_response(ModelList(data=cards))
 
     @app.get("/health")
@@ -312,6 +314,8 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
 
     if config.profiler_dir is not None:
         _add_profiler_routes(app, config.profiler_dir)
+    if state.loras.enabled and lora.runtime_updates_allowed():
+        lora.add_runtime_routes(app, state.loras, _json_body, state.served_names)
     return app
 
 

@@ -103,7 +103,7 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> "ChatCtx":
     try:
         params = req.to_sampling_params(state.max_tokens(req.requested_max_tokens()), state.defaults,
                                         state.engine.vocab_size, constraint.params)
-        request = state.process(request_id, req.engine_prompt(text, ids), params, req.priority)
+        request = state.process(request_id, req.engine_prompt(text, ids), params, req.priority, req.model)
     except ValueError as e:
         raise state.value_error(e, CHAT_FIELDS, aliases) from None
     stream, = state.add_requests([request], stream=bool(req.stream))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ import signal
 
 from jaxllm.cli import add_engine_args, engine_config_from_args
 from jaxllm.config import ServingConfig
+from serve.lora import add_lora_args, lora_config_from_args, parse_lora_modules
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -76,6 +78,7 @@ def register(subparsers) -> None:
                    help="a Python file registering tool parsers (ToolParserManager.register_module)")
     t.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="split the model's reasoning into message.reasoning: deepseek_r1, qwen3")
+    add_lora_args(s)
     s.set_defaults(func=cmd_serve)
 
 
@@ -102,7 +105,7 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser,
         disable_log_stats=args.disable_log_stats, log_stats_interval=log_stats_interval,
         log_requests=args.log_requests, metrics_compat=args.metrics_compat,
-        responses_store=args.responses_store)
+        responses_store=args.responses_store, lora_modules=parse_lora_modules(args.lora_modules))
 
 
 def pooling_config_from_args(args: argparse.Namespace):
@@ -164,8 +167,6 @@ def _listen_and_serve(make_engine, serving: ServingConfig) -> int:
 def with_reasoning_end(engine_config, serving: ServingConfig):
     """With ``--reasoning-parser``, structured outputs (and required / named tool calls) start
     after the parser's end tag, unless ``--structured-outputs-config`` says where already."""
-    import dataclasses
-
     from serve.state import resolve_parsers
     _, reasoning = resolve_parsers(serving)
     so = engine_config.structured_outputs_config
@@ -190,6 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resolve_chat_template(serving.chat_template)
     resolve_parsers(serving)  # an unknown parser or a broken plugin fails now
     engine_config = with_reasoning_end(engine_config_from_args(args), serving)
+    engine_config = dataclasses.replace(engine_config, lora=lora_config_from_args(args))
     check_servable(engine_config)   # now, not after loading the model
     _log_startup_at_info()
     pc = engine_config.parallel

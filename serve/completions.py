@@ -74,7 +74,7 @@ def _process(state: ServerState, req: CompletionRequest, request_id: str) -> lis
         sp = req.to_sampling_params(state.max_tokens(req.max_tokens), state.defaults, state.engine.vocab_size,
                                     constraint.params)
         for i, (text, ids) in enumerate(prompts):
-            requests.append(state.process(f"{request_id}-{i}", req.engine_prompt(text, ids), sp, req.priority))
+            requests.append(state.process(f"{request_id}-{i}", req.engine_prompt(text, ids), sp, req.priority, req.model))
     except ValueError as e:
         raise state.value_error(e, COMPLETION_FIELDS, constraint.error_aliases()) from None
     return requests

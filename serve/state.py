@@ -27,6 +27,7 @@ from jaxllm.engine.protocol import EngineClient, OutputStream
 from jaxllm.errors import EngineDeadError
 from jaxllm.request import EngineRequest
 from jaxllm.sampling_params import SamplingParams
+from serve.lora import LoRARegistry, load_static
 from serve.metrics import Metrics
 from serve.protocol import APIError, PromptTokenUsageInfo, UsageInfo, bad_request, error_param, now_s
 
@@ -127,6 +128,8 @@ class ServerState:
     """``--tool-call-parser``'s class (one instance per choice), or None."""
     reasoning_parser: type | None = None
     """``--reasoning-parser``'s class (one instance per choice), or None."""
+    loras: LoRARegistry | None = None
+    """The LoRA adapters a request may name in ``model`` (serve/lora.py)."""
 
     @classmethod
     def create(cls, engine: EngineClient, config: ServingConfig, metrics: Metrics | None = None) -> "ServerState":
@@ -142,16 +145,21 @@ class ServerState:
         if metrics is None:
             metrics = Metrics(names[0], None if config.disable_log_stats else config.log_stats_interval)
         tool_parser, reasoning_parser = resolve_parsers(config)
+        loras = LoRARegistry(getattr(engine.input_processor, "lora_store", None), names[0])
+        load_static(loras, config.lora_modules)
         return cls(engine=engine, config=config, served_names=tuple(names), defaults=defaults, metrics=metrics,
                    chat_template=resolve_chat_template(config.chat_template), tool_parser=tool_parser,
-                   reasoning_parser=reasoning_parser)
+                   reasoning_parser=reasoning_parser, loras=loras)
 
     # ------------------------------------------------------------------ requests
 
-    def process(self, request_id: str, prompt: dict, params: SamplingParams, priority: int) -> EngineRequest:
+    def process(self, request_id: str, prompt: dict, params: SamplingParams, priority: int,
+                model: str | None = None) -> EngineRequest:
         """The engine's input processor: the one validation of a request (ValueError naming
-        what is wrong, for the handler to answer with a 400)."""
-        return self.engine.input_processor.process_inputs(request_id, prompt, params, priority=priority)
+        what is wrong, for the handler to answer with a 400).  ``model``: the request's, which
+        may name a LoRA adapter."""
+        return self.engine.input_processor.process_inputs(request_id, prompt, params, priority=priority,
+                                                          lora_request=None if self.loras is None else self.loras.get(model))
 
     def request_id(self, prefix: str, body_id: str | None) -> str:
         """The request's id, in responses and logs (vLLM's rule): ``<prefix>-<base>``, the base
@@ -212,7 +220,7 @@ class ServerState:
         return self.served_names[0]
 
     def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.served_names:
+        if name is not None and name not in self.served_names and (self.loras is None or self.loras.get(name) is None):
             raise APIError(HTTPStatus.NOT_FOUND, f"The model `{name}` does not exist.", "model")
 
     def require_tokenizer(self, what: str) -> object:

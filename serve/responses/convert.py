@@ -125,7 +125,9 @@ def _response_format(req: ResponsesRequest) -> dict | None:
 
 def chat_request(req: ResponsesRequest, messages: list[dict], stream: bool) -> ChatCompletionRequest:
     tools = function_tools(req)
-    body: dict = {"messages": messages, "stream": stream, "parallel_tool_calls": req.parallel_tool_calls}
+    # The model too: with LoRA serving, it names the adapter the request runs with.
+    body: dict = {"model": req.model, "messages": messages, "stream": stream,
+                  "parallel_tool_calls": req.parallel_tool_calls}
     if tools:
         body["tools"] = tools
         choice = req.tool_choice
