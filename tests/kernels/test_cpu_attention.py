@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from support.engines import SMALL_ENGINE
+from support.engines import ONE_SHOT_ENGINE
 from support.tiny_models import paged_logits
 
 from jaxllm.cpu import native
@@ -384,7 +384,7 @@ def test_engine_native_equals_the_xla_engine(tiny_llama, tiny_llm):
     """Greedy outputs of the default (native) engine equal the XLA-path engine's on a
     workload that batches prefill chunks with decodes and grows contexts past 128."""
     from jaxllm import LLM, SamplingParams
-    xla_llm = LLM(tiny_llama, **SMALL_ENGINE, attention_backend="xla")
+    xla_llm = LLM(tiny_llama, **ONE_SHOT_ENGINE, attention_backend="xla")   # the buckets it runs
     assert xla_llm.llm_engine.core.resolved.step.kernels.attention == "xla"
     rng = np.random.default_rng(5)
     prompts = [{"prompt_token_ids": rng.integers(3, 5000, size=int(n)).tolist()} for n in [3, 40, 70, 120, 9, 25]]

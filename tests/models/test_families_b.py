@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
-from support.engines import SMALL_ENGINE
+from support.engines import ONE_SHOT_ENGINE, SMALL_ENGINE
 from safetensors.numpy import load_file, save_file
 from support.tiny_families import hf_greedy
 from support.tiny_models import VARIANTS_B, build_tiny, load_hf, paged_logits
@@ -54,6 +54,21 @@ def ckpts(tmp_path_factory, smollm_tokenizer_dir):
 @pytest.fixture(scope="module")
 def hf_models(ckpts):
     return {name: load_hf(path) for name, path in ckpts.items()}
+
+
+@pytest.fixture(scope="module")
+def engines(ckpts):
+    """One engine per (variant, scan, attention, matmul) for the module: the LongRoPE crossing
+    test runs on the greedy sweep's Phi-3 XLA engine instead of building its own."""
+    made = {}
+
+    def get(variant, scan, attention, matmul):
+        key = (variant, scan, attention, matmul)
+        if key not in made:
+            made[key] = _engine(ckpts[variant], scan, attention, matmul)
+        return made[key]
+    yield get
+    made.clear()
 
 
 _REF_LOGITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> {ids: logits}
@@ -100,13 +115,14 @@ def test_longrope_factors_are_chosen_by_sequence_length(ckpts, hf_models):
 
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("variant", sorted(VARIANTS_B))
-def test_greedy_tokens_match_transformers(variant, backend, ckpts, hf_models):
+def test_greedy_tokens_match_transformers(variant, backend, engines, hf_models):
     scan, matmul, attention = BACKENDS[backend]
     # Prompts in one chunk each.  Phi-3's are all longer than 32 tokens: long factors from the
     # first step on, as in transformers' generate (shorter ones that cross 32 while decoding:
     # test_longrope_crossing_keeps_the_cached_keys).
-    llm = _engine(ckpts[variant], _scan(variant, scan), attention, matmul)
-    prompts = [prompt_ids(n, seed=10 + n) for n in ((33, 40, 47) if variant == "phi3" else (5, 21, 40))]
+    llm = engines(variant, _scan(variant, scan), attention, matmul)
+    # Phi-3's run one at a time (see below), so two lengths past 32 hold what three did.
+    prompts = [prompt_ids(n, seed=10 + n) for n in ((33, 47) if variant == "phi3" else (5, 21, 40))]
     # Phi-3's one at a time: together they would not fit one step's 64 tokens, and a chunked
     # prompt's first chunk would take the short factors.
     batches = [[p] for p in prompts] if variant == "phi3" else [prompts]
@@ -120,11 +136,11 @@ def test_greedy_tokens_match_transformers(variant, backend, ckpts, hf_models):
 
 
 def _engine(path, scan, attention, matmul):
-    # Every bucket compiled up front (and none after: the strict guard) on the XLA path; the
-    # other two compile the buckets they run, which keeps this module's time down.
-    precompile = "all" if attention == "xla" else "on-demand"
+    # Only the buckets the steps run are compiled (this module is about what the engines
+    # compute; every-bucket warm-up is tests/runner/test_compile.py's); the strict guard still
+    # fails a step that compiles a bucket already made.
     return LLM(path, scan_layers=scan, attention_backend=attention, cpu_matmul=matmul,
-               **{**SMALL_ENGINE, "max_num_batched_tokens": 64, "max_model_len": 128, "precompile": precompile})
+               **{**ONE_SHOT_ENGINE, "max_num_batched_tokens": 64, "max_model_len": 128})
 
 
 def _hf_greedy_with_cache(hf, prompt, n):
@@ -142,11 +158,11 @@ def _hf_greedy_with_cache(hf, prompt, n):
     return out
 
 
-def test_longrope_crossing_keeps_the_cached_keys(ckpts, hf_models):
+def test_longrope_crossing_keeps_the_cached_keys(engines, hf_models):
     # A sequence that grows past 32 positions while decoding: each step takes the long factors
     # from the step its length passes 32 on, the keys cached before keep the short ones (no
     # re-encoding), and sequences of the batch choose independently.
-    llm = _engine(ckpts["phi3"], False, "xla", "xla")
+    llm = engines("phi3", False, "xla", "xla")
     prompts = [prompt_ids(n, seed=10 + n) for n in (5, 21, 40)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)

@@ -92,7 +92,8 @@ def test_preemption_keeps_outputs_equal(small_pool_gemma3):
     llm = small_pool_gemma3
     rng = np.random.default_rng(4)
     prompts = [{"prompt_token_ids": rng.integers(3, 5000, size=int(n)).tolist()} for n in (30, 45, 20, 60, 12, 38)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # 205 prompt tokens and 24 each to decode: past the 160-token pool (asserted below).
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     solo = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     core = llm.llm_engine.core
     before = core.scheduler.num_preemptions

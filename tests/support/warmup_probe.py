@@ -20,9 +20,9 @@ from jaxllm.runner import compile as cc  # noqa: E402
 model, cache_dir = sys.argv[1], sys.argv[2]
 cc.install_listeners()
 before = cc.counts()
-# Three token buckets (1, 2, 4): what is checked, every program loaded and none compiled by a
+# Two token buckets (1, 2): what is checked, every program loaded and none compiled by a
 # second start, does not depend on how many there are; each bucket compiled is seconds.
-llm = LLM(model, max_num_seqs=2, max_num_batched_tokens=4, max_model_len=256, dtype="float32",
+llm = LLM(model, max_num_seqs=2, max_num_batched_tokens=2, max_model_len=256, dtype="float32",
           compile_cache_dir=cache_dir, show_progress=False, strict_compile_guard=True, precompile="all")
 after = cc.counts()
 runner = llm.llm_engine.core.runner
