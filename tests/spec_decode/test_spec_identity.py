@@ -27,6 +27,10 @@ from jaxllm import LLM, SamplingParams
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "min_acceptance_rate": 0.0, "cost_model": False}
 
+# Requests of the workload the small-pool engine runs: enough to preempt, and to cover every
+# kind of sampling parameter (tests/support/spec_workload.py cycles six kinds).
+PREEMPTION_REQUESTS = 8
+
 
 class OracleProposer:
     """Proposes what plain decoding produced after the request's tokens (known from a plain
@@ -195,12 +199,16 @@ def test_preemption_keeps_outputs_equal(tiny_llama, plain_outputs):
     dropped) and recomputed."""
     llm = LLM(tiny_llama, **{**SMALL_ENGINE, "num_blocks_override": 8, "max_model_len": 112,
                              "precompile": "on-demand"}, speculative_config=SPEC)
+    # The workload's first PREEMPTION_REQUESTS requests (every kind of sampling parameter, a
+    # random prompt among them) overflow the 8-block pool; each is checked against its own
+    # plain run (a per-request guarantee), and the pool really preempts (asserted).
     prompts, params = workload()
+    n = PREEMPTION_REQUESTS
     with oracle(llm, plain_outputs):
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts[:n], params[:n], use_tqdm=False)
     core = llm.llm_engine.core
     assert core.scheduler.num_preemptions > 0
-    assert tokens(outs) == tokens(plain_outputs)
+    assert tokens(outs) == tokens(plain_outputs[:n])
     assert_speculated(llm)
     assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
 
