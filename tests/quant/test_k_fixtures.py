@@ -85,7 +85,8 @@ def test_engine_serves_the_file_as_shipped(preset):
     for deq in (False, True):
         # The buckets this generate runs, compiled when first needed, under the strict guard.
         # float32 activations (auto rounds them to int8 on a CPU with AVX-512 VNNI)
-        llm = LLM(_path(preset), **{**SMALL_ENGINE, "precompile": "auto"}, skip_tokenizer_init=True, dequantize=deq,
+        llm = LLM(_path(preset), **{**SMALL_ENGINE, "precompile": "auto", "max_model_len": 128}, skip_tokenizer_init=True,
+                  dequantize=deq,
                   cpu_matmul="native")
         runner = llm.llm_engine.core.runner
         types = {w.type_name for lp in runner.params["layers"] for w in lp.values() if isinstance(w, PackedWeight)}

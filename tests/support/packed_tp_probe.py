@@ -11,7 +11,11 @@ from jaxllm import LLM, SamplingParams
 from support.engines import ONE_SHOT_ENGINE
 
 PROMPTS = [[1, 400, 401, 402], [1] + list(range(1000, 1040))]
-PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+# tp=2 against tp=1 is per token: a chunked prefill beside a decode and a few decode steps
+# reach every sharded program the engine runs.
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+# Two prompts (41 + 6 tokens at most): two rows and 64 positions, not ONE_SHOT_ENGINE's 4 and 256.
+ENGINE = {**ONE_SHOT_ENGINE, "max_num_seqs": 2, "max_model_len": 64}
 
 
 def main():
@@ -22,7 +26,7 @@ def main():
             # float32 activations on one device too (auto rounds them to int8 on a CPU with
             # AVX-512 VNNI; the sharded run's XLA dot does not).  Only the buckets the two
             # prompts run are compiled (the sharded every-bucket warm-up: tests/parallel/).
-            llm = LLM(path, **ONE_SHOT_ENGINE, skip_tokenizer_init=True, tensor_parallel_size=tp,
+            llm = LLM(path, **ENGINE, skip_tokenizer_init=True, tensor_parallel_size=tp,
                       cpu_matmul="native" if tp == 1 else "auto")
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
             layer = llm.llm_engine.core.runner.params["layers"]
