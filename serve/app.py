@@ -197,18 +197,16 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
         req = await _parse(ChatCompletionRequest)
         return _reply(await chat.create_chat_completion(state, req))
 
-    @app.post("/v1/embeddings")
-    async def _embeddings():
-        if not pooling:
-            raise APIError(HTTPStatus.NOT_FOUND, f"{state.model_name} generates: /v1/embeddings needs a pooling "
-                                                 "model (jaxllm serve MODEL --runner pooling)")
-        req = await _parse(EmbeddingRequest)
-        return _reply(await embeddings.create_embedding(state, engine, req))
-
     def _pooling_only(endpoint: str):
         if not pooling:
             raise APIError(HTTPStatus.NOT_FOUND, f"{state.model_name} generates: {endpoint} needs a pooling model "
                                                  "(jaxllm serve MODEL --runner pooling)")
+
+    @app.post("/v1/embeddings")
+    async def _embeddings():
+        _pooling_only("/v1/embeddings")
+        req = await _parse(EmbeddingRequest)
+        return _reply(await embeddings.create_embedding(state, engine, req))
 
     @app.post("/score")
     @app.post("/v1/score")

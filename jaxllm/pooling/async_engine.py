@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from jaxllm.engine.async_engine import EngineStoppedError
 from jaxllm.errors import EngineDeadError
 from jaxllm.pooling.engine import PoolingEngine
 from jaxllm.sampling_params import SamplingParams
@@ -22,13 +23,11 @@ log = logging.getLogger("jaxllm.engine")
 
 
 class AsyncPoolingEngine:
-    pooling = True
-    """The server asks this to route requests (serve/app.py): embeddings here, generation refused."""
-
     def __init__(self, engine: PoolingEngine):
         self.engine = engine
         self.stats_sink = None
         self.error: BaseException | None = None
+        self._accepting = True   # False from SIGTERM's drain (stop_accepting) or shutdown on
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="jaxllm-pooling", daemon=True)
         self._thread.start()
@@ -79,6 +78,8 @@ class AsyncPoolingEngine:
         """Checked token-id lists -> one row each (a vector; a cross-encoder's logits), batched
         with whatever else is waiting."""
         self.check_health()
+        if not self._accepting:   # after shutdown nothing would answer it: refuse, never hang
+            raise EngineStoppedError("the engine is shutting down")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         types = token_types if token_types is not None else [[0] * len(p) for p in prompts]
@@ -142,12 +143,14 @@ class AsyncPoolingEngine:
         pass   # an embedding request is one step: nothing to abort
 
     def abort_all(self) -> None:
-        pass
+        pass   # as abort: every queued request is one step, answered before the thread stops
 
     def stop_accepting(self) -> None:
-        pass
+        """New requests are refused (EngineStoppedError) from now on; queued ones are answered."""
+        self._accepting = False
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        self._accepting = False
         self._queue.put(None)
         self._thread.join(timeout)
 

@@ -86,10 +86,8 @@ class PoolingEngine:
             ids = [int(t) for t in prompt]
         else:
             raise ValueError(f"{where} must be a string or a list of token ids")
-        if truncate_prompt_tokens is not None:   # vLLM's rule: the last k tokens; -1: as many as fit
-            if truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
-                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}")
-            k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        k = self._keep(truncate_prompt_tokens)
+        if k is not None:   # vLLM's rule: the last k tokens
             ids = ids[-k:]
         if not ids:
             raise ValueError(f"{where} is empty")
@@ -98,6 +96,14 @@ class PoolingEngine:
             raise ValueError(f"{where}: token id {bad[0]} is out of vocabulary (size {self.vocab_size})")
         self._check_length(ids, where)
         return ids
+
+    def _keep(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many tokens ``truncate_prompt_tokens`` keeps (-1: as many as fit), or None."""
+        if truncate_prompt_tokens is None:
+            return None
+        if truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}")
+        return self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
     def _check_length(self, ids: list[int], where: str) -> None:
         if len(ids) > self.max_model_len:
@@ -113,10 +119,8 @@ class PoolingEngine:
             raise ValueError(f"{where}: a pair is two strings")
         enc = self.tokenizer(first, second)
         ids, types = list(enc["input_ids"]), list(enc.get("token_type_ids") or [0] * len(enc["input_ids"]))
-        if truncate_prompt_tokens is not None:
-            if truncate_prompt_tokens == 0 or truncate_prompt_tokens < -1:
-                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {truncate_prompt_tokens}")
-            k = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        k = self._keep(truncate_prompt_tokens)
+        if k is not None:
             if len(ids) > k:   # keep the query whole, cut the document (its last token stays [SEP])
                 ids, types = ids[:k - 1] + ids[-1:], types[:k - 1] + types[-1:]
         self._check_length(ids, where)
