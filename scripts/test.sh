@@ -8,4 +8,6 @@ scripts/setup.sh test
 # process): most tests wait on single-threaded XLA compiles, so two cores run two at once.
 # JAXLLM_TEST_WORKERS=0 runs in one process.  The 20 slowest items are listed at the end: the
 # suite's time is budgeted (20 minutes on a quiet 2-core machine).
-exec python -m pytest -n "${JAXLLM_TEST_WORKERS:-2}" --dist loadfile --durations=20 "$@"
+# A crashed worker ends the run (--max-worker-restart=0): pytest-xdist 3.8 can wait forever
+# after replacing one under --dist loadfile (pytest-dev/pytest-xdist#784, #1378).
+exec python -m pytest -n "${JAXLLM_TEST_WORKERS:-2}" --dist loadfile --max-worker-restart=0 --durations=20 "$@"

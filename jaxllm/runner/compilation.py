@@ -161,9 +161,13 @@ class CompilationManager:
                 bar.update(1)
             return job, compiled
 
+        # Saved programs load here, one at a time, before any compile starts: deserializing an
+        # executable while another thread compiles crashed XLA:CPU (a segfault in jaxlib 0.10.2,
+        # seen once in CI), and a load takes ~0.2 s, so nothing is gained by overlapping them.
+        built = dict(build(job) for job in jobs if job in cached)
         # XLA compiles outside the GIL: two at a time is ~1.3x faster on two cores.
         with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-            built = dict(pool.map(build, jobs))
+            built.update(pool.map(build, [job for job in jobs if job not in built]))
         if bar is not None:
             bar.close()
         for (kind, key), program in built.items():
