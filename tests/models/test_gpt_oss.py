@@ -4,7 +4,7 @@ A tiny random-weight checkpoint (tests/support/tiny_families.py) with sinks, alt
 8 (crossed by the 40-token prompt), q/k/v/o biases, 4 biased experts with a SwiGLU limit the
 activations reach, and YaRN: the prompt's logits through the paged cache within 1e-4 of
 transformers on the XLA path, the native CPU kernels and the Pallas kernels (interpret);
-32 greedy tokens equal to ``generate`` from the engine on each; prefix caching on/off and
+32 greedy tokens equal to ``generate`` from the engine on the Pallas kernels; prefix caching on/off and
 preemption; YaRN's frequencies against transformers'; refusals and a missing sink named.
 """
 
@@ -36,7 +36,7 @@ def hf_model(ckpt):
 @pytest.mark.parametrize("matmul,attention", backends(), ids=backend_ids())
 def test_prompt_logits_match_transformers(matmul, attention, ckpt, hf_model):
     ids = prompt_ids(40, seed=1)
-    ours = paged_logits(ckpt, ids, False, split=23, matmul=matmul, attention=attention)
+    ours = paged_logits(ckpt, ids, False, split=20, matmul=matmul, attention=attention)
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].numpy()
     rel = np.abs(ours - ref).max() / np.abs(ref).max()
@@ -46,7 +46,10 @@ def test_prompt_logits_match_transformers(matmul, attention, ckpt, hf_model):
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-@pytest.mark.parametrize("matmul,attention", backends(), ids=backend_ids())
+# End to end on the Pallas kernels only (an engine per backend costs its compiles): the sinks
+# and windows reach every backend in test_prompt_logits_match_transformers, and the default CPU
+# backends run end to end in test_prefix_caching_on_and_off_equal and the preemption test.
+@pytest.mark.parametrize("matmul,attention", [("xla", "pallas")], ids=["xla-pallas"])
 def test_greedy_tokens_match_transformers(matmul, attention, ckpt, hf_model):
     llm = LLM(ckpt, cpu_matmul=matmul, attention_backend=attention,
               **{**SMALL_ENGINE, "precompile": "auto", "max_num_batched_tokens": 64})
@@ -144,7 +147,7 @@ def test_uniform_layers_run_under_scan(ckpt, tmp_path):
         cfg["layer_types"] = ["full_attention"] * cfg["num_hidden_layers"]
     path = copy_checkpoint(ckpt, str(tmp_path / "uniform"), all_full)
     ids = prompt_ids(40, seed=5)
-    ours = paged_logits(path, ids, True, split=23)
+    ours = paged_logits(path, ids, True, split=20)
     with torch.no_grad():
         ref = load_hf(path)(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(ours - ref).max() / np.abs(ref).max() < 1e-4
@@ -155,7 +158,7 @@ def test_bf16_weights_and_cache_stay_close(ckpt, hf_model):
     # kernels: the model's function to bf16 precision.
     matmul = "native" if backends()[1:2] == [("native", "native")] else "xla"
     ids = prompt_ids(40, seed=2)
-    ours = paged_logits(ckpt, ids, False, split=17, matmul=matmul, attention=matmul, bf16=True)
+    ours = paged_logits(ckpt, ids, False, split=20, matmul=matmul, attention=matmul, bf16=True)
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0].numpy()
     rel = np.abs(ours - ref).max() / np.abs(ref).max()

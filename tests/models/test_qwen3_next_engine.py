@@ -4,7 +4,7 @@ and the per-sequence GDN states in slots keyed by request id (runner/state_slots
 
 Tiny random-weight checkpoints of tests/models/test_qwen3_next.py (5 layers: GDN, full, GDN,
 GDN, full).  Float32 prompt logits of the engine's forward over a 150-token prompt in three
-prefill chunks (the GDN chunk at 16, so each call spans several chunks and a ragged tail)
+prefill chunks of 50 (the GDN chunk at 16, so each call spans several chunks and a ragged tail)
 within 1e-4 of transformers on the XLA path, the native CPU kernels and the Pallas attention
 kernel; through ``LLM``: 32 greedy tokens equal to transformers' ``generate`` with prompts
 longer than one GDN chunk prefilled over several steps, on the XLA path and with the Pallas
@@ -71,8 +71,10 @@ def test_prompt_logits_match_transformers(arch, kernels, ckpts, hf_models, monke
         pytest.skip("the native CPU kernels are unavailable")
     monkeypatch.setattr(qn, "CHUNK_SIZE", 16)
     ids = _ids(150, seed=3)
+    # Three equal chunks of 50 (3 GDN chunks of 16 and a ragged tail each, every later one
+    # starting mid-chunk): one program per cell instead of one per chunk length.
     matmul = "xla" if kernels == "pallas" else kernels     # pallas: the attention kernel (interpret mode)
-    ours = paged_logits(ckpts[arch], ids, False, split=(40, 100), matmul=matmul, attention=kernels)
+    ours = paged_logits(ckpts[arch], ids, False, split=(50, 100), matmul=matmul, attention=kernels)
     with torch.no_grad():
         ref = hf_models[arch](torch.tensor([ids])).logits[0].numpy()
     err = np.abs(ours - ref).max()
