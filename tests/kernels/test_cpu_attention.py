@@ -120,9 +120,15 @@ MIXED = dict(q_lens=[1, 33, 7, 20, 1, 64], ctx_lens=[0, 0, 5, 120, 140, 70])
 SHAPES = [(9, 3, 64), (4, 4, 32), (4, 2, 40), (6, 3, 20), (2, 1, 12), (5, 1, 64), (16, 2, 128), (3, 3, 4)]
 
 
-@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
-@pytest.mark.parametrize("Hq,Hkv,D", SHAPES, ids=[f"hq{a}-hkv{b}-d{c}" for a, b, c in SHAPES])
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
+# Each shape runs both kinds, once per cache dtype (the dtype alternates with the kind and
+# the shape): every shape meets both dtypes and both kinds, every dtype both kinds, without
+# the full product (a cell adds no kernel path its row and column do not already run).
+MATCH_CELLS = [(kind, *shape, ("float32", "bfloat16")[(i + k) % 2])
+               for i, shape in enumerate(SHAPES) for k, kind in enumerate(["decode", "mixed"])]
+
+
+@pytest.mark.parametrize("kind,Hq,Hkv,D,cache", MATCH_CELLS,
+                         ids=[f"{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-{c[4]}" for c in MATCH_CELLS])
 def test_matches_xla_path(kind, Hq, Hkv, D, cache):
     lens = DECODE if kind == "decode" else MIXED
     check(make_batch(Hq * 100 + D + len(kind), **lens, Hq=Hq, Hkv=Hkv, D=D, cache=cache))
@@ -135,8 +141,11 @@ def test_decode_batch_of_32_like_smollm2():
                      pad_tokens=0))
 
 
-@pytest.mark.parametrize("window", [1, 7, 16, 40, 200])
-@pytest.mark.parametrize("cache", ["float32", "bfloat16"])
+# The cache dtype alternates over the windows (each dtype meets a window shorter than a
+# block, one of a block and one past the contexts); test_soft_cap runs bf16 with a window of
+# 16 too, test_attention_sinks bf16 with 7.
+@pytest.mark.parametrize("window,cache", [(1, "float32"), (7, "bfloat16"), (16, "float32"), (40, "bfloat16"),
+                                          (200, "float32"), (1, "bfloat16")])
 def test_sliding_window(window, cache):
     check(make_batch(20 + window, **MIXED, Hq=6, Hkv=2, D=64, cache=cache), sliding_window=window)
     check(make_batch(30 + window, **DECODE, Hq=9, Hkv=3, D=64, cache=cache), sliding_window=window)
@@ -306,9 +315,16 @@ BITS_CASES = {   # (cache, features)
 }
 
 
-@pytest.mark.parametrize("chunk", [1, 7, 32, 61])
-@pytest.mark.parametrize("case", list(BITS_CASES))
-@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 1, 40)], ids=["hq9-hkv3-d64", "hq4-hkv1-d40"])
+# Each case runs every chunk length on one of the two shapes, alternating over the cases:
+# the 9-over-3 shape takes f32, soft-cap with sinks and fp8, the one-KV-head 4-over-1 shape
+# the bf16 and int8 windows (every case on one group width; both widths each meet a
+# quantized cache and every chunk length).
+BITS_SHAPES = [(9, 3, 64), (4, 1, 40)]
+BITS_CELLS = [(*BITS_SHAPES[i % 2], case, chunk) for i, case in enumerate(BITS_CASES) for chunk in [1, 7, 32, 61]]
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,case,chunk", BITS_CELLS,
+                         ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}-{c[4]}" for c in BITS_CELLS])
 def test_prompt_token_is_the_same_bits_in_any_chunk_and_batch(Hq, Hkv, D, case, chunk):
     """A prompt token's attention output is the same bits whether its prompt is prefilled
     whole (query tiles of many tokens), in chunks of 1 (the decode path), 7, 32 or 61 tokens
@@ -353,16 +369,22 @@ def test_prompt_logits_are_the_same_bits_in_any_chunking():
         assert rows.tolist() == [], f"split {split}: positions whose logits differ: {rows.tolist()}"
 
 
-def _variants():
-    from support.tiny_models import VARIANTS
-    return sorted(VARIANTS)
+# The tiny checkpoints whose attention differs for the kernel: GQA 4 over 2 (the base),
+# one KV head, MHA, a sliding window, head_dim 32.  qwen2_qkv_bias, qwen3_moe and mixtral
+# are left out: their differences (q/k/v biases, MoE MLPs) happen outside the attention
+# call, whose inputs have the base's shapes (qwen3_moe's those of qwen3_qk_norm); their
+# engines run the default (native) attention against transformers in
+# tests/models/test_hf_parity.py::test_greedy_tokens_match_transformers.
+ATTENTION_VARIANTS = ["llama_gqa_untied", "llama3_rope_tied", "llama_linear_rope_mha", "mistral_sliding",
+                      "qwen3_qk_norm"]
 
 
-@pytest.mark.parametrize("variant", _variants())
+@pytest.mark.parametrize("variant", ATTENTION_VARIANTS)
 def test_every_architecture_equals_the_xla_path(variant, tiny_checkpoints):
-    """Each tiny checkpoint (GQA, MHA, one KV head, head_dim 32, Mistral's sliding window of
-    16 under a 60-token prompt, MoE) gives the XLA path's logits with the native attention;
-    the XLA path itself is held to transformers by tests/models/test_hf_parity.py."""
+    """Each tiny checkpoint with its own attention shape (GQA, MHA, one KV head, head_dim 32,
+    Mistral's sliding window of 16 under a 60-token prompt) gives the XLA path's logits with
+    the native attention; the XLA path itself is held to transformers by
+    tests/models/test_hf_parity.py."""
     ids = np.random.default_rng(1).integers(3, 5000, size=60).tolist()
     scan = variant == "llama_gqa_untied"             # one run of the stacked cache through lax.scan
     want = paged_logits(tiny_checkpoints[variant], ids, scan, split=23, attention="xla")
@@ -450,10 +472,17 @@ def check_quant(batch, name, *, sliding_window=None, layer=None):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("name", QUANT)
-@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (4, 2, 40), (6, 3, 20), (3, 3, 4)],
-                         ids=["hq9-hkv3-d64", "hq4-hkv2-d40", "hq6-hkv3-d20", "hq3-hkv3-d4"])
-@pytest.mark.parametrize("kind", ["decode", "mixed"])
+# Each (kind, shape) runs one quantized format, rotated so that every format meets both
+# kinds and most shapes; test_quantized_cache_sliding_window_and_stacked runs every format
+# on the 6-over-2 shape with a window and a stack, and the bit-identity test below runs
+# int8 and fp8_e4m3 on two more shapes.
+QUANT_SHAPES = [(9, 3, 64), (4, 2, 40), (6, 3, 20), (3, 3, 4)]
+QUANT_CELLS = [(kind, *shape, QUANT[(2 * i + k) % len(QUANT)])
+               for i, shape in enumerate(QUANT_SHAPES) for k, kind in enumerate(["decode", "mixed"])]
+
+
+@pytest.mark.parametrize("kind,Hq,Hkv,D,name", QUANT_CELLS,
+                         ids=[f"{c[0]}-hq{c[1]}-hkv{c[2]}-d{c[3]}-{c[4]}" for c in QUANT_CELLS])
 def test_quantized_cache_matches_xla_path(kind, Hq, Hkv, D, name):
     lens = DECODE if kind == "decode" else MIXED
     check_quant(make_batch(Hq * 100 + D + len(kind), **lens, Hq=Hq, Hkv=Hkv, D=D), name)

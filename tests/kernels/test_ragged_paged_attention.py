@@ -115,18 +115,22 @@ def test_head_dim_256():
     check(make_batch(3, q_lens=[1, 9], ctx_lens=[20, 3], Hq=4, Hkv=2, D=256, page=16))
 
 
-@pytest.mark.parametrize("group,page", [(1, 16), (4, 32), (3, 16)])
+# bf16 over an odd group and a wide one, both page sizes (group 1 runs in float32 above).
+@pytest.mark.parametrize("group,page", [(4, 32), (3, 16)])
 def test_bfloat16(group, page):
     check(make_batch(4 + group, **MIXED, Hq=2 * group, Hkv=2, D=128, page=page, dtype=jnp.bfloat16), jnp.bfloat16)
 
 
-@pytest.mark.parametrize("splits", [2, 3, 8])
+# Two splits run in test_sliding_window and test_attention_sinks[2-9].
+@pytest.mark.parametrize("splits", [3, 8])
 def test_flash_decoding_splits(splits):
     # More splits than some sequences have pages: empty splits must merge with weight 0.
     check(make_batch(5, **MIXED, Hq=8, Hkv=2, D=64, page=16), kv_splits=splits)
 
 
-@pytest.mark.parametrize("window", [1, 7, 16, 40])
+# A window of one token, of one page and past two pages; a window inside a page (9) runs
+# in test_attention_sinks[2-9] and test_quantized_cache_stacked_splits_and_window.
+@pytest.mark.parametrize("window", [1, 16, 40])
 def test_sliding_window(window):
     check(make_batch(6, **MIXED, Hq=4, Hkv=2, D=64, page=16), sliding_window=window, kv_splits=2)
 
@@ -236,8 +240,12 @@ def _quantize_batch(batch, name, platform="cpu"):
     return out
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("group,head_dim,page", [(1, 64, 16), (4, 128, 32), (8, 64, 32)])
+# One format per shape (a diagonal, not the 9 of the product): the dequantization after a
+# page load does not depend on the group or the head dim beyond what the float tests run;
+# int8 and fp8_e4m3 also run stacked, split and windowed below, every format lowers for
+# the GPU at the end of this file.
+@pytest.mark.parametrize("name,group,head_dim,page", [("int8", 1, 64, 16), ("fp8_e4m3", 4, 128, 32),
+                                                      ("fp8_e5m2", 8, 64, 32)])
 def test_quantized_cache_matches_reference(name, group, head_dim, page):
     """The kernel dequantizes each page after its load and the step's own (quantized) keys;
     the reference quantizes the new K/V into the cache and attends over its dequantized
@@ -265,10 +273,13 @@ def test_quantized_cache_matches_reference(name, group, head_dim, page):
     np.testing.assert_array_equal(np.asarray(kv_quant.dequantize(r_kc)), np.asarray(f_kc))
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
-def test_quantized_cache_stacked_splits_and_window(name):
+# Each format (int8 with its float scales, fp8_e4m3 with its byte table) reads a stacked
+# cache; the splits and the window (static: a program each) run on one format each.
+@pytest.mark.parametrize("name,kws", [("int8", (dict(layer=1), dict(layer=0, sliding_window=9))),
+                                      ("fp8_e4m3", (dict(layer=2, kv_splits=3),))], ids=["int8", "fp8_e4m3"])
+def test_quantized_cache_stacked_splits_and_window(name, kws):
     batch = _quantize_batch(make_batch(410, **MIXED, Hq=4, Hkv=2, D=64, page=16, stacked_layers=3), name)
-    for kw in (dict(layer=1), dict(layer=2, kv_splits=3), dict(layer=0, sliding_window=9)):
+    for kw in kws:
         ref_kw = {k: v for k, v in kw.items() if k in ("layer", "sliding_window")}
         out, kc, vc = _kernel(**batch, **kw)
         r_out, r_kc, r_vc = _reference(**batch, **ref_kw)
