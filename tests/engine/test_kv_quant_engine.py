@@ -12,9 +12,17 @@ from support.engines import ONE_SHOT_ENGINE
 
 from jaxllm.cpu import native
 
-PROMPT_LENS = [3, 40, 70, 120, 9, 25]
-# Enough tokens for the int8 bound below (the first 4 agree) with margin; the native == XLA
-# identity is per token, so 8 decode steps over 6 prompts (chunked prefills among them) hold it.
+# Four prompts whose steps land in two buckets (T=32 and T=4; max_num_seqs 4, a 32-token
+# budget): step 1 prefills the 3- and 5-token prompts and 24 of the 40-token one (three rows:
+# the decode bucket compiled beside it is T=4, the one every later decode runs); step 2 decodes
+# the first two beside the third's last 16 tokens and 14 of the 15-token one (a chunked prefill
+# beside decodes); step 3 decodes three beside the fourth's last token; then four rows decode.
+# Prompt i's first token comes STAGGER[i] steps after the first's, so asking for MAX_TOKENS
+# minus that ends all four in one step (no 1- or 2-row tail buckets).  8 decode tokens hold the
+# int8 bound below; the native == XLA identity is per token, and these steps reach a chunked
+# prefill, prefills beside decodes and batched decodes.
+PROMPT_LENS = [3, 5, 40, 15]
+STAGGER = [0, 0, 1, 2]
 MAX_TOKENS = 8
 # Each engine compiles the buckets its generate runs, under the strict guard; the longest prompt
 # plus its tokens fits 128 (a narrower block table and a smaller cache than SMALL_ENGINE's 256).
@@ -24,6 +32,9 @@ ENGINE = {**ONE_SHOT_ENGINE, "max_model_len": 128}
 # (32-token budget), its second chunk sharing a step with the other's decodes.
 PALLAS_PROMPT_LENS = [14, 40]
 PALLAS_MAX_TOKENS = 4
+# The 40-token prompt's first token comes a step after the other's: both end in one step (no
+# 1-row tail bucket: (32, 2) and (2, 2) are the only buckets compiled).
+PALLAS_STAGGER = [0, 1]
 PALLAS_ENGINE = {**ONE_SHOT_ENGINE, "max_num_seqs": 2, "max_model_len": 64}
 
 
@@ -32,9 +43,12 @@ def _prompts(lens=PROMPT_LENS):
     return [{"prompt_token_ids": rng.integers(3, 5000, size=n).tolist()} for n in lens]
 
 
-def _greedy(llm, lens=PROMPT_LENS, max_tokens=MAX_TOKENS):
+def _greedy(llm, lens=PROMPT_LENS, max_tokens=MAX_TOKENS, stagger=STAGGER):
+    """Greedy tokens and logprobs; prompt i asks for ``max_tokens - stagger[i]`` tokens (all
+    end in one step: PROMPT_LENS)."""
     from jaxllm import SamplingParams
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    params = [SamplingParams(temperature=0, max_tokens=max_tokens - s, ignore_eos=True, logprobs=0)
+              for s in stagger]
     outs = llm.generate(_prompts(lens), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
@@ -64,6 +78,7 @@ def test_quantized_engine(tiny_llama, float_run, kv_cache_dtype):
     dtypes = {str(a.dtype) for a in jax.tree.leaves(core.runner.kv)}
     assert dtypes == ({"int8", "float16"} if kv_cache_dtype == "int8" else {"uint8"})
     tokens, logprobs = _greedy(llm)
+    print(f"{kv_cache_dtype}: buckets compiled: {sorted(core.runner.compiler.steps)}")
     # The native kernel and the XLA path read the same quantized pages: the same tokens.
     if want_backend == "native":
         xla = LLM(tiny_llama, **ENGINE, kv_cache_dtype=kv_cache_dtype, attention_backend="xla")
@@ -74,7 +89,8 @@ def test_quantized_engine(tiny_llama, float_run, kv_cache_dtype):
     if kv_cache_dtype == "int8":
         # The tiny Llama's random weights leave small margins (median top-2 gap 0.2 for a
         # logit spread of 1.5), yet int8's error (~0.4% of a row's max) keeps every prompt's
-        # first 4 greedy tokens (measured: 5, 24, 27, 20, 9, 28 of 32; of MAX_TOKENS=8: 5, 8, 8, 8, 8, 8).  fp8 at scale 1.0
+        # first 4 greedy tokens (measured on earlier prompts: 5, 24, 27, 20, 9, 28 of 32; on PROMPT_LENS'
+        # prompts of 8, 8, 7, 6: 5, 8, 4, 6).  fp8 at scale 1.0
         # (3 or 2 mantissa bits) flips the first token of most prompts on this model: its
         # closeness is asserted on the logits below instead.
         assert min(agree) >= 4, agree
@@ -121,5 +137,6 @@ def test_pallas_engine_equals_the_xla_engine_over_a_quantized_stacked_cache(tiny
     pallas = LLM(tiny_llama, **kw, attention_backend="pallas")
     assert pallas.llm_engine.core.resolved.step.kernels.attention == "pallas"
     xla = LLM(tiny_llama, **kw, attention_backend="xla")
-    run = dict(lens=PALLAS_PROMPT_LENS, max_tokens=PALLAS_MAX_TOKENS)
+    run = dict(lens=PALLAS_PROMPT_LENS, max_tokens=PALLAS_MAX_TOKENS, stagger=PALLAS_STAGGER)
     assert _greedy(pallas, **run)[0] == _greedy(xla, **run)[0]
+    print(f"{kv_cache_dtype}: buckets compiled: {sorted(pallas.llm_engine.core.runner.compiler.steps)}")

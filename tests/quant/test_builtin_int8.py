@@ -64,11 +64,14 @@ def test_int8_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
     assert {(w.type_name, w.interleaved) for w in packed} == {("Q4_1", 16), ("Q8_0", 16)}
     assert runner.weight_bytes() < 100 * 2**20     # the file's bytes: interleaving adds none
 
+    # Four prompts (max_num_seqs): prefilled in one step, decoded together, ending together: the
+    # engine compiles the (32, 4) and (4, 4) buckets only.
+    prompts = PROMPTS[:4]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
-    got = llm.generate(PROMPTS, params, use_tqdm=False)
-    ref = builtin_llm.generate(PROMPTS, params, use_tqdm=False)   # float32 activations
+    got = llm.generate(prompts, params, use_tqdm=False)
+    ref = builtin_llm.generate(prompts, params, use_tqdm=False)   # float32 activations
     agree = []
-    for prompt, g, r in zip(PROMPTS, got, ref):
+    for prompt, g, r in zip(prompts, got, ref):
         gt, rt = g.outputs[0].token_ids, r.outputs[0].token_ids
         n = next((i for i, (a, b) in enumerate(zip(gt, rt)) if a != b), len(rt))
         agree.append(n)
@@ -76,7 +79,8 @@ def test_int8_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
             top2 = sorted((lp.logprob for lp in r.outputs[0].logprobs[n].values()), reverse=True)[:2]
             print(f"{prompt!r}: int8 parts from float32 at token {n} of 32, float32's top-2 margin "
                   f"{top2[0] - top2[1]:.3f}")
-    print(f"int8 vs float32 activations, tokens equal before the first difference: {agree}")
+    print(f"int8 vs float32 activations, tokens equal before the first difference: {agree}; buckets compiled: "
+          f"{sorted(runner.compiler.steps)}")
     # The rounding moves logits by a few tenths of a nat at most tokens: the first tokens agree.
     assert min(agree) >= 2 and np.mean(agree) >= 8, agree
 
@@ -117,11 +121,15 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
 
 @pytest.mark.slow
 def test_speculation_on_int8_activations_returns_plain_decodings_tokens(int8_llm):
-    prompts = ["one two three four five six seven eight nine ten " * 3,
-               "The list: apple, banana, cherry, apple, banana, cherry, apple,",
-               "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n\ndef"]
-    params = [SamplingParams(max_tokens=32, ignore_eos=True, temperature=0),
-              SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7)]
+    # Three short repetitive prompts (n-gram drafts to propose), prefilled in one step of the
+    # 32-token bucket and decoded three rows at a time: the plain engine runs only the two
+    # buckets test_int8_engine_runs_the_interleaved_int8_kernel compiled, and 16 tokens hold
+    # accepted and rejected drafts (asserted below).
+    prompts = ["one two three four one two three four one two",
+               "apple, banana, cherry, apple, banana,",
+               "x = 1\nx = 1\nx"]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0),
+              SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=7)]
     plain = int8_llm
     spec = LLM(**BUILTIN_ENGINE, cpu_matmul="native-int8", speculative_config=SPEC)
     assert plain.llm_engine.core.runner.cfg.kernels.int8_activations
@@ -133,4 +141,6 @@ def test_speculation_on_int8_activations_returns_plain_decodings_tokens(int8_llm
     stats = spec.llm_engine.core.scheduler.spec_stats
     print(f"speculation on int8 activations: tokens equal to plain decoding's; {stats.num_accepted_tokens} of "
           f"{stats.num_draft_tokens} proposed tokens accepted in {stats.num_drafts} verifications")
+    print(f"buckets compiled: plain {sorted(plain.llm_engine.core.runner.compiler.steps)}, "
+          f"speculating {sorted(spec.llm_engine.core.runner.compiler.steps)}")
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens   # it speculated, and was corrected

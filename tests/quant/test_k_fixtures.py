@@ -80,7 +80,10 @@ def test_engine_serves_the_file_as_shipped(preset):
     from jaxllm.quant import PackedWeight
     from support.engines import SMALL_ENGINE
     prompts = [{"prompt_token_ids": [1, 17, 40, 300, 7]}, {"prompt_token_ids": list(range(2, 60))}]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    # Step 1 prefills the first prompt and 27 of the second's 58 tokens, step 2 decodes the first
+    # beside the second's last 31: the second's first token comes a step later, so it asks for
+    # one token less and both end in one step ((32, 4) and (2, 2) compiled, no 1-row tail bucket).
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 11)]
     out = {}
     for deq in (False, True):
         # The buckets this generate runs, compiled when first needed, under the strict guard.
@@ -92,6 +95,7 @@ def test_engine_serves_the_file_as_shipped(preset):
         types = {w.type_name for lp in runner.params["layers"] for w in lp.values() if isinstance(w, PackedWeight)}
         assert types == (set() if deq else PRESETS[preset]), types
         res = llm.generate(prompts, params, use_tqdm=False)
+        print(f"{preset} dequantize={deq}: buckets compiled: {sorted(runner.compiler.steps)}")
         out[deq] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
                                                                               o.outputs[0].token_ids)]) for o in res]
     for (t, lp), (rt, rlp) in zip(out[False], out[True]):

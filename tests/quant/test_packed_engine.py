@@ -30,7 +30,11 @@ from support.tiny_models import paged_logits, write_gguf
 # (tests/quant/test_k_fixtures.py).
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16")
 PROMPTS = [[1, 400, 401, 402], [1, 9, 8, 7, 6, 5, 4, 3, 2], [1] + list(range(1000, 1040))]
-PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+# Step 1 prefills the first two prompts and 19 of the third's 41 tokens (three rows: the decode
+# bucket compiled beside it is T=4, the one every later decode runs); the third's first token
+# comes a step later, so it asks for one token less and all three end in one step: (32, 4) and
+# (4, 4) are the only buckets compiled (no 1-row tail bucket).
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 12, 11)]
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +59,14 @@ def _run(path, **kw):
         # The buckets this generate runs, compiled when first needed (the offline default) under
         # the strict compile guard: a packed type's programs are its own, and the unused buckets'
         # compiles would prove nothing the used ones do not.  The longest prompt and its tokens
-        # (41 + 12) fit max_model_len 64: a smaller cache and block table than SMALL_ENGINE's.
+        # (41 + 11) fit max_model_len 64: a smaller cache and block table than SMALL_ENGINE's.
         # float32 activations unless asked: auto rounds them to int8 on a CPU with AVX-512 VNNI
         llm = LLM(path, **{**SMALL_ENGINE, "precompile": "auto", "max_model_len": 64, "cpu_matmul": "native", **kw},
                   skip_tokenizer_init=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outs]
         lps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
+        print(f"buckets compiled: {sorted(llm.llm_engine.core.runner.compiler.steps)}")
         _RUNS[key] = (llm, tokens, lps)
     return _RUNS[key]
 
