@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from support.engines import ONE_SHOT_ENGINE, SMALL_ENGINE
+from support.engines import SMALL_ENGINE
 from support.spec_workload import (plain_outputs, repetitive, snapshot, spec_stats, tokens,  # noqa: F401
                                     workload)   # plain_outputs: a fixture
 
@@ -84,9 +84,7 @@ class oracle:
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_llama):
-    # Only the buckets the tests run are compiled (every-bucket warm-up is not what this file
-    # is about: tests/runner/test_compile.py).
-    return LLM(tiny_llama, **ONE_SHOT_ENGINE, speculative_config=SPEC)
+    return LLM(tiny_llama, **SMALL_ENGINE, speculative_config=SPEC)
 
 
 def assert_speculated(llm, before=(0, 0, 0)):
