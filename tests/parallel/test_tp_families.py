@@ -3,8 +3,8 @@
 The sharded runs happen in one subprocess (tp_families_probe.py).  For each tiny checkpoint
 (tests/support/tiny_families.py): the prompt's logits within 1e-4 relative of tp=1 in float32 and 32
 greedy tokens identical, on the XLA path and with the Pallas kernel per device (GPT-OSS's
-sinks split with their heads); the weights really split; and the engine end to end at tp=2
-giving the same tokens.  (tp=1 against transformers: tests/models/test_gemma.py, test_gpt_oss.py.)
+sinks split with their heads; Gemma 2's soft-cap and window); the weights really split; and
+the engine end to end at tp=2 giving the same tokens (Gemma 3, GPT-OSS).  (tp=1 against transformers: tests/models/test_gemma.py, test_gpt_oss.py.)
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 
 from support.probes import probe_command, probe_env
 from support.tiny_families import family_checkpoints  # noqa: F401  (fixture)
+from support.tp_families_probe import ENGINE, PALLAS
 
 NAMES = ("gemma2", "gemma3", "gpt_oss")
 
@@ -35,8 +36,13 @@ def probe(family_checkpoints, tmp_path_factory):  # noqa: F811
     return dict(np.load(out)), meta
 
 
-@pytest.mark.parametrize("run", ["tp2", "tp2/pallas"])
-@pytest.mark.parametrize("name", NAMES)
+# The Pallas kernel per device runs on the families whose kernel features it adds
+# (tp_families_probe.PALLAS: GPT-OSS's split sinks, Gemma 2's soft-cap and window); Gemma 3's
+# attention is Gemma 2's to the kernel.
+RUNS = [(n, "tp2") for n in NAMES] + [(n, "tp2/pallas") for n in PALLAS]
+
+
+@pytest.mark.parametrize("name,run", RUNS, ids=[f"{n}-{r}" for n, r in RUNS])
 def test_logits_and_greedy_tokens_equal_one_device(probe, name, run):
     arrays, meta = probe
     ref, got = arrays[f"{name}/tp1"], arrays[f"{name}/{run}"]
@@ -46,7 +52,7 @@ def test_logits_and_greedy_tokens_equal_one_device(probe, name, run):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_weights_are_split_and_the_engine_agrees(probe, name, family_checkpoints):  # noqa: F811
+def test_weights_are_split(probe, name, family_checkpoints):  # noqa: F811
     from jaxllm.models.loader import load_model
     arch = load_model(family_checkpoints[name]).arch
     meta = probe[1]
@@ -55,4 +61,11 @@ def test_weights_are_split_and_the_engine_agrees(probe, name, family_checkpoints
     if name == "gpt_oss":
         assert shards["sinks"] == [arch.num_heads // 2], shards
     assert meta[f"{name}/tp2"]["all_reduce"]
+
+
+@pytest.mark.parametrize("name", ENGINE)
+def test_engine_at_tp2_agrees(probe, name):
+    # The serving path is family-blind: Gemma 3 and GPT-OSS (tp_families_probe.ENGINE) run it;
+    # Gemma 2's sharded forward is its tp2 cell above.
+    meta = probe[1]
     assert meta[f"engine/{name}/tp2"]["tokens"] == meta[f"{name}/tp1"]["tokens"]

@@ -10,11 +10,14 @@ import sys
 from jaxllm import LLM, SamplingParams
 from support.engines import ONE_SHOT_ENGINE
 
-PROMPTS = [[1, 400, 401, 402], [1] + list(range(1000, 1040))]
-# tp=2 against tp=1 is per token: a chunked prefill beside a decode and a few decode steps
-# reach every sharded program the engine runs.
+# 4 + 28 prompt tokens fill one 32-token step; then both rows decode together and end together:
+# two programs per engine (buckets (32, 2) and (2, 2)), each a compile on packed weights.
+# tp=2 against tp=1 is per token, on the prefill and on the decode program.  How a step's
+# tokens are scheduled (a prefill chunk beside a decode) is not seen by the packed matmul;
+# chunked prefill at tp=2 is the engine runs of tests/parallel/.
+PROMPTS = [[1, 400, 401, 402], [1] + list(range(1000, 1027))]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-# Two prompts (41 + 6 tokens at most): two rows and 64 positions, not ONE_SHOT_ENGINE's 4 and 256.
+# Two prompts (28 + 6 tokens at most): two rows and 64 positions, not ONE_SHOT_ENGINE's 4 and 256.
 ENGINE = {**ONE_SHOT_ENGINE, "max_num_seqs": 2, "max_model_len": 64}
 
 

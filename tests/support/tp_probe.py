@@ -1,10 +1,10 @@
-"""Runs every tiny checkpoint sharded over 1, 2 and 4 simulated CPU devices; writes what it saw.
+"""Runs every tiny checkpoint sharded over 1, 2 (and some over 4) simulated CPU devices; writes what it saw.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m support.tp_probe CKPT_ROOT OUT.npz
 
 Run in its own process by test_tensor_parallel.py: the device count must be set before
 JAX starts, and the rest of the suite runs on one device.  For each variant and mesh size
-(and expert parallelism for MoE checkpoints): the prompt's logits through the paged cache
+(4 devices: ``TP4``; expert parallelism: ``EP``): the prompt's logits through the paged cache,
 32 greedy tokens decoded one step at a time, the shard shapes the
 weights and cache really have, and whether the compiled forward communicates.
 """
@@ -35,6 +35,16 @@ BLOCK = 8
 NOT_SWEPT = ("llama_linear_rope_mha",)
 """Variants left out of the tp sweep to keep the probe short: multi-head attention with KV
 heads that split is the GQA Llama case again (its rope scaling is not sharded)."""
+TP4 = {("llama_gqa_untied", False), ("qwen3_moe", True)}
+"""The (variant, expert parallel) runs also made on 4 devices; the other variants run at tp=2
+only (each program is a compile).  tp=4 adds two things tp=2 does not show: KV heads fewer
+than the shards, replicated (llama_gqa_untied's 2; llama3_rope_tied's 1 KV head is replicated
+at tp=2 already), and experts spread 2 to a device (qwen3_moe's 8).  Row- and column-parallel
+splits, the all-reduce and the family features are each shown by tp=2 on every variant."""
+EP = ("qwen3_moe",)
+"""The MoE variant that also runs with expert parallelism (at tp=2; at tp=4 per ``TP4``): the
+expert-parallel dispatch is the same code for Mixtral's 4 experts (2 to a device at tp=2, as
+qwen3_moe's 8 at tp=4), and Mixtral's own routing runs at tp=2 without it."""
 PROMPT = np.random.default_rng(1).integers(3, 5000, size=24).astype(np.int32)
 STEPS = 32
 
@@ -161,9 +171,8 @@ def main():
         if name in NOT_SWEPT:
             continue
         path = os.path.join(root, name)
-        with open(os.path.join(path, "config.json")) as f:
-            moe = bool({"num_experts", "num_local_experts"} & set(json.load(f)))
-        runs = [(tp, False) for tp in (1, 2, 4)] + ([(2, True), (4, True)] if moe else [])
+        runs = [(1, False), (2, False)] + [(4, ep) for ep in (False, True) if (name, ep) in TP4]
+        runs += [(2, True)] if name in EP else []
         for tp, ep in runs:
             key = f"{name}/tp{tp}{'/ep' if ep else ''}"
             try:
