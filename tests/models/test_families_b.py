@@ -5,8 +5,8 @@ option on) on the three attention paths (XLA, the native CPU kernels with the na
 the Pallas kernel in interpret mode): float32 prompt logits through the paged cache within
 1e-4 relative of transformers; and 32 greedy tokens from the engine identical to
 ``generate``, on one attention path per family (rotated, each path for two families).
-Phi-3's LongRoPE is checked on both sides of ``original_max_position_embeddings`` (32): a prompt that fits (short factors), one that does not (long factors), and decodes that
-cross it.  Then loading: a missing or misshapen fused tensor fails naming it, GLM-4-MoE's
+Phi-3's LongRoPE is checked on both sides of ``original_max_position_embeddings`` (32): a
+prompt that fits (short factors), one that does not (long factors), and decodes that cross it.  Then loading: a missing or misshapen fused tensor fails naming it, GLM-4-MoE's
 multi-token-prediction layer is skipped as transformers skips it, and options the engine does
 not implement are refused naming the option.  tp=2 on simulated devices: test_families_b_tp.py.
 """
