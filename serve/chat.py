@@ -13,12 +13,16 @@ the request.  With a tool choice other than "none" or a ``--reasoning-parser``, 
 choice's output goes through its own ``chat_parsing.ChoiceParser``: the message gets
 ``reasoning`` and ``tool_calls`` (``finish_reason`` "tool_calls"), and a stream sends
 reasoning, content and tool-call deltas as the parsers release them.
+
+``reasoning_effort`` reaches the chat template as the variable of that name (as vLLM passes
+it); with a ``--reasoning-parser``, usage carries ``completion_tokens_details.reasoning_tokens``
+(vLLM's rule: only with a parser).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import AsyncIterator
 
@@ -27,7 +31,7 @@ from quart import Response
 
 from jaxllm.engine.protocol import OutputStream
 from jaxllm.engine.processor import InvalidRequestError
-from jaxllm.engine.render import render_chat_prompt
+from jaxllm.engine.render import render_chat_prompt, template_reads
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
 from serve.chat_parsing import ChoiceParser
@@ -86,10 +90,11 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> "ChatCtx":
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
     if req.top_logprobs is not None and req.top_logprobs < 0:
         raise bad_request(f"top_logprobs must be non-negative, got {req.top_logprobs}.", "top_logprobs")
+    _check_template_reads_effort(state, req)
     text, ids = render_messages(
         state, req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, add_special_tokens=req.add_special_tokens,
+        chat_template_kwargs=req.template_kwargs(), tools=req.tools, add_special_tokens=req.add_special_tokens,
         documents=req.documents)
     ids = req.truncated(ids, state.max_model_len)
     if mode == "auto":
@@ -117,13 +122,26 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> "ChatCtx":
     return ChatCtx(state, req, stream, request_id, now_s(), request.prompt_token_ids, role, echo_text, mode, text)
 
 
+def _check_template_reads_effort(state: ServerState, req: ChatCompletionRequest) -> None:
+    """A 400 when ``reasoning_effort`` is set and the chat template does not read the variable.
+    vLLM drops it silently there; here a field that would change the output is honoured or
+    refused: the client asked for an effort the model would never be told of."""
+    if req.reasoning_effort is None:
+        return
+    template = req.chat_template if req.chat_template is not None else state.chat_template
+    if not template_reads(state.require_tokenizer("chat"), template, "reasoning_effort"):
+        raise bad_request("reasoning_effort: the chat template does not read the variable `reasoning_effort`, so "
+                          "the effort would change nothing; use a template that does (--chat-template, or "
+                          "chat_template), or leave the effort out", "reasoning_effort")
+
+
 def _check_template_renders_tools(state: ServerState, req: ChatCompletionRequest, text: str) -> None:
     """A 400 when the chat template leaves ``tools`` out of the prompt: under "auto" the model
     would never learn of them (the built-in SmolLM2's template is one such)."""
     bare, _ = render_messages(
         state, req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-        chat_template_kwargs=req.chat_template_kwargs, tools=None, add_special_tokens=req.add_special_tokens,
+        chat_template_kwargs=req.template_kwargs(), tools=None, add_special_tokens=req.add_special_tokens,
         documents=req.documents)
     if bare == text:
         raise bad_request('tool_choice "auto": the chat template does not render `tools`, so the model cannot see '
@@ -162,12 +180,37 @@ class ChatCtx:
             return None
         return ChoiceParser(reasoning, tool_parser, parallel_tool_calls=req.parallel_tool_calls is not False)
 
+    def reasoning_span(self, token_ids, text: str) -> tuple[int, int, int] | None:
+        """(start, end, content_start) of one choice's whole output (serve/reasoning/base.py);
+        None without a ``--reasoning-parser``."""
+        state = self.state
+        if state.reasoning_parser is None:
+            return None
+        return state.reasoning_parser(state.tokenizer, prompt_text=self.prompt_text).reasoning_span(token_ids, text)
+
+    def reasoning_tokens(self, outputs) -> int | None:
+        """The reasoning tokens of whole outputs (each with ``token_ids`` and ``text``), for
+        usage; None without a ``--reasoning-parser``."""
+        spans = [self.reasoning_span(o.token_ids, o.text) for o in outputs]
+        return None if self.state.reasoning_parser is None else sum(end - start for start, end, _ in spans)
+
     def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
         """vLLM's: "tool_calls" when an auto or required choice ended by stopping after calling
         tools; a named function's call ends with "stop", as OpenAI's does."""
         if reason == "stop" and tools_called and self.tool_mode in ("auto", "required"):
             return "tool_calls"
         return reason
+
+
+@dataclass
+class _Whole:
+    """A streamed choice's output so far (``token_ids`` and ``text``, as a whole output has them)."""
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+    def add(self, out) -> None:
+        self.token_ids.extend(out.token_ids)
+        self.text += out.text
 
 
 async def _stream(c: ChatCtx) -> AsyncIterator[str]:
@@ -195,6 +238,8 @@ async def _stream(c: ChatCtx) -> AsyncIterator[str]:
     first = True
     cached = 0
     parsers = [c.choice_parser() for _ in range(n)]
+    # Each choice's whole output so far, for the final usage's reasoning tokens.
+    wholes = [_Whole() for _ in range(n)]
     try:
         async with c.stream:
             async for ro in c.stream:
@@ -215,6 +260,8 @@ async def _stream(c: ChatCtx) -> AsyncIterator[str]:
                 for out in ro.outputs:
                     i = out.index
                     counts[i] += len(out.token_ids)
+                    if state.reasoning_parser is not None:
+                        wholes[i].add(out)
                     lp = None
                     if req.logprobs and out.token_ids:
                         lp = chat_logprobs(tok, out.token_ids, out.logprobs, req.top_logprobs or 0,
@@ -235,7 +282,8 @@ async def _stream(c: ChatCtx) -> AsyncIterator[str]:
         if include_usage:
             total = sum(counts)
             resp = ChatCompletionStreamResponse(id=c.request_id, created=c.created, model=model, choices=[],
-                                                usage=state.usage(num_prompt, total, cached))
+                                                usage=state.usage(num_prompt, total, cached,
+                                                                  c.reasoning_tokens(wholes)))
             yield frame(resp)
     except EngineDeadError as e:
         yield error_frame(HTTPStatus.INTERNAL_SERVER_ERROR, str(e))
@@ -271,7 +319,11 @@ def _parsed_choices(c: ChatCtx, parser: ChoiceParser, out, lp, want_ids: bool):
 
 async def full_response(c: ChatCtx) -> ChatCompletionResponse:
     """The request's one FINAL_ONLY output: the output processor's whole sequences."""
-    req, state = c.req, c.state
+    return chat_response(c, await final_output(c))
+
+
+async def final_output(c: ChatCtx) -> RequestOutput:
+    """The engine's final result of a whole (not streamed) request; engine errors as APIError."""
     final: RequestOutput | None = None
     try:
         async with c.stream:
@@ -281,6 +333,12 @@ async def full_response(c: ChatCtx) -> ChatCompletionResponse:
         raise APIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(e)) from None
     except ValueError as e:
         raise APIError(HTTPStatus.BAD_REQUEST, str(e)) from None
+    return final
+
+
+def chat_response(c: ChatCtx, final: RequestOutput) -> ChatCompletionResponse:
+    """The chat completion of a final result: parsed messages, logprobs, usage."""
+    req, state = c.req, c.state
     choices = []
     for out in sorted(final.outputs, key=lambda o: o.index):
         lp = None
@@ -306,6 +364,6 @@ async def full_response(c: ChatCtx) -> ChatCompletionResponse:
     completion = sum(len(out.token_ids) for out in final.outputs)
     return ChatCompletionResponse(
         id=c.request_id, created=c.created, model=state.model_name, choices=choices,
-        usage=state.usage(len(c.prompt_ids), completion, final.num_cached_tokens),
+        usage=state.usage(len(c.prompt_ids), completion, final.num_cached_tokens, c.reasoning_tokens(final.outputs)),
         prompt_logprobs=prompt_logprobs_json(final.prompt_logprobs) if req.prompt_logprobs is not None else None,
         prompt_token_ids=c.prompt_ids if req.return_token_ids else None)

@@ -35,6 +35,8 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 MAX_N = 128
 """OpenAI's limit on ``n``; also keeps one request from flooding the scheduler."""
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+"""OpenAI's (and vLLM's) efforts: chat's ``reasoning_effort``, the Responses API's ``reasoning.effort``."""
 
 
 # ---------------------------------------------------------------------------- errors
@@ -371,14 +373,23 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = None
     """vLLM extension: reach the chat template as ``documents`` (retrieval-augmented templates)."""
     mm_processor_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
+    """Reaches the chat template as the variable ``reasoning_effort`` (:meth:`template_kwargs`);
+    a 400 when the template does not read it (serve/chat.py)."""
     include_reasoning: bool = True
     """vLLM extension: false leaves the reasoning (--reasoning-parser) out of the answer."""
 
     REFUSED: ClassVar[dict[str, str]] = {
         **_SamplingRequest.REFUSED,
-        "mm_processor_kwargs": "no multimodal processor runs (text-only models)",
-        "reasoning_effort": "no chat template here reads a reasoning effort"}
+        "mm_processor_kwargs": "no multimodal processor runs (text-only models)"}
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: ``chat_template_kwargs`` and ``reasoning_effort``.
+        vLLM's merge: the field, when set, wins over a ``reasoning_effort`` key in
+        ``chat_template_kwargs`` (the typed field is the more specific request)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -467,12 +478,19 @@ class RerankRequest(OpenAIModel):
     user: str | None = None
 
 
+class CompletionTokenUsageInfo(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int = 0
     prompt_tokens_details: PromptTokenUsageInfo | None = None
     """Set (with the prompt tokens served from the prefix cache) when prefix caching is on."""
+    completion_tokens_details: CompletionTokenUsageInfo | None = None
+    """Set on chat completions with a ``--reasoning-parser`` (vLLM's rule): the output tokens
+    that were reasoning (serve/reasoning/base.py:ReasoningParser.reasoning_span)."""
 
 
 class CompletionLogProbs(BaseModel):

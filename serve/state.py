@@ -29,7 +29,8 @@ from jaxllm.request import EngineRequest
 from jaxllm.sampling_params import SamplingParams
 from serve.lora import LoRARegistry, load_static
 from serve.metrics import Metrics
-from serve.protocol import APIError, PromptTokenUsageInfo, UsageInfo, bad_request, error_param, now_s
+from serve.protocol import (APIError, CompletionTokenUsageInfo, PromptTokenUsageInfo, UsageInfo, bad_request,
+                            error_param, now_s)
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -238,13 +239,17 @@ class ServerState:
     def prefix_caching(self) -> bool:
         return self.engine.prefix_caching
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> UsageInfo:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+              reasoning_tokens: int | None = None) -> UsageInfo:
         """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when prefix caching is on and
-        ``cached_tokens`` is given (vLLM reports it in final usage, not in per-chunk usage)."""
+        ``cached_tokens`` is given (vLLM reports it in final usage, not in per-chunk usage);
+        ``completion_tokens_details.reasoning_tokens`` when ``reasoning_tokens`` is given."""
         u = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                       total_tokens=prompt_tokens + completion_tokens)
         if cached_tokens is not None and self.prefix_caching:
             u.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+        if reasoning_tokens is not None:
+            u.completion_tokens_details = CompletionTokenUsageInfo(reasoning_tokens=reasoning_tokens)
         return u
 
     def value_error(self, e: ValueError, fields: set[str], aliases: dict[str, str] | None = None) -> APIError:

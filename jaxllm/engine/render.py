@@ -10,7 +10,13 @@ template as the variables of those names (HF's ``apply_chat_template`` arguments
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+
+import jinja2
+import jinja2.ext
+import jinja2.meta
+import jinja2.sandbox
 
 from jaxllm.engine.processor import InvalidRequestError
 from jaxllm.engine.tokenizer import encode
@@ -63,3 +69,29 @@ def render_chat_prompt(tokenizer, messages: list[dict], *, add_generation_prompt
     if not isinstance(text, str):
         raise InvalidRequestError("the chat template did not produce text", "chat_template_kwargs")
     return RenderedPrompt(text, encode(tokenizer, text, add_special_tokens=add_special_tokens))
+
+
+@functools.lru_cache(maxsize=64)
+def _variables(source: str) -> frozenset[str] | None:
+    # HF's environment: the sandbox with loop controls; a template that needs HF's own
+    # extensions (``{% generation %}``) does not parse here (None: unknown).
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateError:
+        return None
+
+
+def template_reads(tokenizer, chat_template: str | None, name: str) -> bool:
+    """Whether the chat template (``chat_template``, else the tokenizer's; every one of a
+    tokenizer's named templates) reads the variable ``name``.  A template that cannot be
+    analysed counts as reading it: only a template known not to read a variable is reported."""
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    sources = list(template.values()) if isinstance(template, dict) else [template]
+    for src in sources:
+        if not isinstance(src, str):
+            continue
+        names = _variables(src)
+        if names is None or name in names:
+            return True
+    return False

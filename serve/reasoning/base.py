@@ -8,13 +8,15 @@ never sent as reasoning or content.
 
 ``end_token_ids()`` are the token ids that end reasoning: a grammar for structured output
 or a required tool call starts after them (the engine's option for that belongs to
-structured outputs; the server passes these ids).
+structured outputs; the server passes these ids).  ``reasoning_span(token_ids, text)`` says
+which output tokens were reasoning: usage's ``reasoning_tokens`` counts them, and the
+Responses API's ``output_text`` logprobs leave them out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Sequence
 
 from serve.tool_parsers.base import held_back
 
@@ -42,6 +44,23 @@ class ReasoningParser:
 
     def end_token_ids(self) -> tuple[int, ...]:
         raise NotImplementedError
+
+    def reasoning_span(self, token_ids: Sequence[int], text: str) -> tuple[int, int, int]:
+        """(start, end, content_start) over a whole output's token ids: tokens [start, end) are
+        the reasoning and the content starts at ``content_start`` (tags in between); (0, 0, 0)
+        when the output has no reasoning.  This generic answer re-tokenizes the parts ``split``
+        finds (for a plugin parser that writes only ``split``); the <think> parsers read the
+        token ids themselves."""
+        reasoning, content = self.split(text, final=True)
+        if reasoning is None:
+            return 0, 0, 0
+        n = len(token_ids)
+
+        def count(part: str) -> int:
+            return len(self.tokenizer.encode(part, add_special_tokens=False)) if part else 0
+
+        end = min(count(reasoning), n)
+        return 0, end, max(end, n - count(content))
 
     def extract_reasoning(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None for an empty part."""
@@ -77,13 +96,35 @@ class ThinkReasoningParser(ReasoningParser):
         raise NotImplementedError
 
     def end_token_ids(self) -> tuple[int, ...]:
+        return self._tag_ids(self.end_tag)
+
+    def _tag_ids(self, tag: str) -> tuple[int, ...]:
         tok = self.tokenizer
         if tok is None:
-            raise ValueError(f"the {self.name} reasoning parser needs the tokenizer for its end token ids")
+            raise ValueError(f"the {self.name} reasoning parser needs the tokenizer for its tag token ids")
         vocab = tok.get_vocab()
-        if self.end_tag in vocab:
-            return (int(vocab[self.end_tag]),)
-        return tuple(int(i) for i in tok.encode(self.end_tag, add_special_tokens=False))
+        if tag in vocab:
+            return (int(vocab[tag]),)
+        return tuple(int(i) for i in tok.encode(tag, add_special_tokens=False))
+
+    def reasoning_span(self, token_ids: Sequence[int], text: str) -> tuple[int, int, int]:
+        """``split``'s rule on the token ids: a start tag (after whitespace only) opens the
+        reasoning, else it opens at the first token when the prompt did (``starts_in_reasoning``);
+        it ends at the end tag, or with the output."""
+        ids = list(token_ids)
+        start_ids = self._tag_ids(self.start_tag)
+        at = _find(ids, start_ids, 0)
+        if at >= 0 and (at == 0 or not self.tokenizer.decode(ids[:at]).strip()):
+            body = at + len(start_ids)
+        elif self.starts_in_reasoning():
+            body = 0
+        else:
+            return 0, 0, 0
+        end_ids = self.end_token_ids()
+        end = _find(ids, end_ids, body)
+        if end < 0:
+            return body, len(ids), len(ids)
+        return body, end, end + len(end_ids)
 
     def split(self, text: str, final: bool) -> tuple[str | None, str]:
         lead = len(text) - len(text.lstrip())
@@ -101,3 +142,14 @@ class ThinkReasoningParser(ReasoningParser):
             safe = len(text) if final else len(text) - held_back(text, (self.end_tag,))
             return text[body:max(body, safe)], ""
         return text[body:end], text[end + len(self.end_tag):]
+
+
+def _find(ids: list[int], sub: tuple[int, ...], start: int) -> int:
+    """The first index >= start where ``sub`` occurs in ``ids``, or -1."""
+    n = len(sub)
+    if n == 0:
+        return -1
+    for i in range(start, len(ids) - n + 1):
+        if ids[i] == sub[0] and tuple(ids[i:i + n]) == sub:
+            return i
+    return -1

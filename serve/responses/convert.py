@@ -1,7 +1,10 @@
 """Responses input -> the chat endpoint's request: items become chat messages, function tools
 become chat tools, ``text.format`` becomes ``response_format`` (so it reaches the one constraint
-resolver, serve/structured.py), ``max_output_tokens`` becomes ``max_tokens``.  The chat path
-then renders, constrains and parses exactly as ``/v1/chat/completions`` does.
+resolver, serve/structured.py), ``max_output_tokens`` becomes ``max_tokens``,
+``reasoning.effort`` becomes ``reasoning_effort`` (the chat template's variable), and
+``include: ["message.output_text.logprobs"]`` with ``top_logprobs`` becomes ``logprobs`` and
+``top_logprobs``.  The chat path then renders, constrains and parses exactly as
+``/v1/chat/completions`` does.
 
 Only ``function`` tools reach the model.  Other tool types (web_search, file_search,
 code_interpreter, mcp, ...) are left out with a warning: vLLM offers such built-in tools only
@@ -17,12 +20,13 @@ import uuid
 from pydantic import ValidationError
 
 from serve.protocol import APIError, ChatCompletionRequest, bad_request
-from serve.responses.protocol import SAMPLING_EXTRAS, FunctionTool, MessageItem, ResponsesRequest
+from serve.responses.protocol import OUTPUT_LOGPROBS, SAMPLING_EXTRAS, FunctionTool, MessageItem, ResponsesRequest
 
 log = logging.getLogger("jaxllm.serve")
 
 PARAMS = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens",
-          "max_completion_tokens": "max_output_tokens", "structured_outputs": "text"}
+          "max_completion_tokens": "max_output_tokens", "structured_outputs": "text", "reasoning_effort": "reasoning",
+          "logprobs": "include"}
 """A chat field named in an error -> the Responses parameter the client sent."""
 
 
@@ -123,6 +127,11 @@ def _response_format(req: ResponsesRequest) -> dict | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
+def output_logprobs(req: ResponsesRequest) -> bool:
+    """Whether ``output_text`` parts carry logprobs (``include``)."""
+    return OUTPUT_LOGPROBS in (req.include or ())
+
+
 def chat_request(req: ResponsesRequest, messages: list[dict], stream: bool) -> ChatCompletionRequest:
     tools = function_tools(req)
     # The model too: with LoRA serving, it names the adapter the request runs with.
@@ -139,6 +148,13 @@ def chat_request(req: ResponsesRequest, messages: list[dict], stream: bool) -> C
     rf = _response_format(req)
     if rf is not None:
         body["response_format"] = rf
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
+    if output_logprobs(req):
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
+    elif req.top_logprobs:
+        raise bad_request(f"top_logprobs needs include [{OUTPUT_LOGPROBS!r}]", "top_logprobs")
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("seed", "seed"), ("user", "user")):
         value = getattr(req, src)

@@ -2,6 +2,15 @@
 delete, cancel, list input items.  Generation goes through the chat path (serve/chat.py's
 ``start_chat``: rendering, tool and reasoning parsers, the one constraint resolver), so a
 response's text is the chat endpoint's text for the same conversation.
+
+With a ``--reasoning-parser``, ``usage.output_tokens_details.reasoning_tokens`` counts the
+output tokens that were reasoning (serve/reasoning/base.py:ReasoningParser.reasoning_span).
+With ``include: ["message.output_text.logprobs"]`` the message's ``output_text`` carries the
+logprobs of the output tokens after the reasoning (all of them when there is none; with
+function calls too, their tokens are the message's, as vLLM puts every token there); a stream
+sends each token's logprobs on an ``output_text.delta`` (the tokens whose text is held back
+on the next one, or on a last delta with empty text), so a stream's logprobs, joined, are the
+whole response's.
 """
 
 from __future__ import annotations
@@ -13,10 +22,11 @@ from http import HTTPStatus
 from typing import AsyncIterator
 
 from jaxllm.errors import EngineDeadError
-from serve.chat import ChatCtx, full_response, render_messages, start_chat
+from serve.chat import ChatCtx, chat_response, final_output, render_messages, start_chat
+from serve.logprobs import chat_logprobs
 from serve.protocol import APIError, bad_request, now_s
 from serve.responses import objects as obj
-from serve.responses.convert import chat_messages, chat_request, input_items, new_id, remap
+from serve.responses.convert import chat_messages, chat_request, input_items, new_id, output_logprobs, remap
 from serve.responses.protocol import ResponsesRequest
 from serve.responses.store import ResponseStore
 from serve.sse import sse_response
@@ -88,8 +98,6 @@ async def create_response(state: ServerState, rs: ResponsesState, req: Responses
                            "previous_response_id")
         history = conv
     items = input_items(req)
-    if req.reasoning is not None and req.reasoning.effort is not None:
-        log.debug("responses: reasoning.effort %r accepted; no chat template here reads it", req.reasoning.effort)
     try:
         chat = _fitted(state, req, history + items) if req.truncation == "auto" else \
             chat_request(req, chat_messages(req.instructions, history + items), stream=req.stream)
@@ -119,7 +127,7 @@ def _fitted(state: ServerState, req: ResponsesRequest, conversation: list[dict])
     while True:
         chat = chat_request(req, chat_messages(req.instructions, conversation), stream=req.stream)
         _, ids = render_messages(state, chat.messages, add_generation_prompt=True, continue_final_message=False,
-                                 chat_template=None, chat_template_kwargs=None, tools=chat.tools,
+                                 chat_template=None, chat_template_kwargs=chat.template_kwargs(), tools=chat.tools,
                                  add_special_tokens=chat.add_special_tokens)
         if len(ids) <= room or len(conversation) <= 1:
             return chat
@@ -128,12 +136,12 @@ def _fitted(state: ServerState, req: ResponsesRequest, conversation: list[dict])
             conversation = conversation[1:]
 
 
-def _output_items(message, parsed: bool) -> list[dict]:
+def _output_items(message, parsed: bool, logprobs: list[dict] | None) -> list[dict]:
     items = []
     if parsed and message.reasoning:
         items.append(obj.reasoning_item(message.reasoning))
     if message.content or not message.tool_calls:
-        items.append(obj.message_item(message.content or ""))
+        items.append(obj.message_item(message.content or "", logprobs=logprobs))
     for call in message.tool_calls or []:
         fn = call["function"]
         items.append(obj.function_call_item(call["id"], fn["name"], fn["arguments"]))
@@ -143,19 +151,27 @@ def _output_items(message, parsed: bool) -> list[dict]:
 async def _whole(job: _Job, flight: InFlight) -> dict:
     try:
         try:
-            chat = await full_response(job.ctx)
+            final = await final_output(job.ctx)
         except APIError as e:
             failed = job.snapshot("failed", [], error={"code": "server_error", "message": e.message})
             await job.save(failed)
             if job.req.background:
                 return failed
             raise
+        chat = chat_response(job.ctx, final)
         choice = chat.choices[0]
         status, incomplete = obj.final_status(choice.finish_reason)
         u = chat.usage
         cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
-        response = job.snapshot(status, _output_items(choice.message, job.ctx.choice_parser() is not None),
-                           obj.usage(u.prompt_tokens, u.completion_tokens, cached), incomplete=incomplete)
+        reasoning = u.completion_tokens_details.reasoning_tokens if u.completion_tokens_details is not None else 0
+        lp = None
+        if output_logprobs(job.req):
+            out = final.outputs[0]
+            span = job.ctx.reasoning_span(out.token_ids, out.text)
+            lp = obj.logprob_entries(choice.logprobs)[span[2] if span is not None else 0:]
+        response = job.snapshot(status, _output_items(choice.message, job.ctx.choice_parser() is not None, lp),
+                                obj.usage(u.prompt_tokens, u.completion_tokens, cached, reasoning),
+                                incomplete=incomplete)
         await job.save(response)
         flight.final = response
         return response
@@ -167,12 +183,47 @@ async def _whole(job: _Job, flight: InFlight) -> dict:
 class _StreamItems:
     """The open output item of a stream and the events that open, grow and close items."""
 
-    def __init__(self, ev: obj.EventCounter):
+    def __init__(self, ev: obj.EventCounter, ctx: ChatCtx, with_logprobs: bool):
         self.ev = ev
+        self.ctx = ctx
         self.output: list[dict] = []
         self.open: dict | None = None
         self.text = ""
         self.calls: dict[int, dict] = {}
+        # The whole output so far (the reasoning span and usage read it).
+        self.token_ids: list[int] = []
+        self.raw_text = ""
+        # With include logprobs: every output token's entry; the next one a message delta takes
+        # (None until the first message opens: then the tokens after the reasoning); the open
+        # message's.
+        self.logprobs: list[dict] | None = [] if with_logprobs else None
+        self.lp_from: int | None = None
+        self.message_lp: list[dict] = []
+
+    def add(self, out) -> None:
+        """One engine output's tokens (before the deltas they make are sent)."""
+        self.token_ids.extend(out.token_ids)
+        self.raw_text += out.text
+        if self.logprobs is not None and out.token_ids:
+            c = self.ctx
+            self.logprobs += obj.logprob_entries(chat_logprobs(c.state.tokenizer, out.token_ids, out.logprobs,
+                                                               c.req.top_logprobs or 0))
+
+    def reasoning_tokens(self) -> int:
+        span = self.ctx.reasoning_span(self.token_ids, self.raw_text)
+        return 0 if span is None else span[1] - span[0]
+
+    def _take_logprobs(self) -> list[dict]:
+        """The entries not yet sent, for the open message."""
+        if self.logprobs is None:
+            return []
+        if self.lp_from is None:
+            span = self.ctx.reasoning_span(self.token_ids, self.raw_text)
+            self.lp_from = span[2] if span is not None else 0
+        got = self.logprobs[self.lp_from:]
+        self.lp_from = max(self.lp_from, len(self.logprobs))
+        self.message_lp += got
+        return got
 
     def _close(self) -> list[str]:
         it, self.open = self.open, None
@@ -180,11 +231,16 @@ class _StreamItems:
             return []
         idx = self.output.index(it)
         if it["type"] == "message":
-            part = obj.output_text(self.text)
-            frames = [self.ev.frame("response.output_text.done", item_id=it["id"], output_index=idx, content_index=0,
-                                    text=self.text, logprobs=[]),
-                      self.ev.frame("response.content_part.done", item_id=it["id"], output_index=idx,
-                                    content_index=0, part=part)]
+            frames = []
+            rest = self._take_logprobs()
+            if rest:  # tokens whose text was held back (or made none, as EOS): a last, empty delta
+                frames.append(self.ev.frame("response.output_text.delta", item_id=it["id"], output_index=idx,
+                                            content_index=0, delta="", logprobs=rest))
+            part = obj.output_text(self.text, self.message_lp)
+            frames += [self.ev.frame("response.output_text.done", item_id=it["id"], output_index=idx,
+                                     content_index=0, text=self.text, logprobs=self.message_lp),
+                       self.ev.frame("response.content_part.done", item_id=it["id"], output_index=idx,
+                                     content_index=0, part=part)]
             it.update(content=[part], status="completed")
         else:
             part = {"type": "reasoning_text", "text": self.text}
@@ -201,6 +257,7 @@ class _StreamItems:
             it = obj.message_item("", "in_progress") if kind == "message" else obj.reasoning_item("", "in_progress")
             self.output.append(it)
             self.open, self.text = it, ""
+            self.message_lp = []
             idx = len(self.output) - 1
             frames.append(self.ev.frame("response.output_item.added", output_index=idx, item=dict(it)))
             if kind == "message":
@@ -209,7 +266,7 @@ class _StreamItems:
         idx = len(self.output) - 1
         self.text += delta
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": self._take_logprobs()} if kind == "message" else {}
         frames.append(self.ev.frame(name, item_id=self.open["id"], output_index=idx, content_index=0, delta=delta,
                                     **extra))
         return frames
@@ -246,7 +303,7 @@ class _StreamItems:
 async def _events(job: _Job, flight: InFlight) -> AsyncIterator[str]:
     """The event stream; it always ends with response.completed, .incomplete or .failed."""
     ev = obj.EventCounter()
-    items = _StreamItems(ev)
+    items = _StreamItems(ev, job.ctx, output_logprobs(job.req))
     start = job.snapshot("in_progress", [])
     yield ev.frame("response.created", response=start)
     yield ev.frame("response.in_progress", response=start)
@@ -259,6 +316,7 @@ async def _events(job: _Job, flight: InFlight) -> AsyncIterator[str]:
                 cached = max(cached, ro.num_cached_tokens)
                 for out in ro.outputs:
                     completion += len(out.token_ids)
+                    items.add(out)
                     done = out.finish_reason is not None
                     if parser is None:
                         deltas = [("message", out.text)] if out.text else []
@@ -284,8 +342,8 @@ async def _events(job: _Job, flight: InFlight) -> AsyncIterator[str]:
             for f in items.finish():
                 yield f
         status, incomplete = obj.final_status(finish)
-        final = job.snapshot(status, items.output, obj.usage(len(job.ctx.prompt_ids), completion, cached),
-                        incomplete=incomplete)
+        final = job.snapshot(status, items.output, obj.usage(len(job.ctx.prompt_ids), completion, cached,
+                                                             items.reasoning_tokens()), incomplete=incomplete)
         await job.save(final)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         yield ev.frame(kind, response=final)

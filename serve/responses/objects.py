@@ -34,14 +34,25 @@ def usage(prompt: int, output: int, cached: int, reasoning: int = 0) -> dict:
             "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": prompt + output}
 
 
-def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
-    content = [] if status == "in_progress" else [output_text(text)]
+def message_item(text: str, status: str = "completed", item_id: str | None = None,
+                 logprobs: list[dict] | None = None) -> dict:
+    content = [] if status == "in_progress" else [output_text(text, logprobs)]
     return {"type": "message", "id": item_id or new_id("msg"), "status": status, "role": "assistant",
             "content": content}
 
 
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def logprob_entries(chat_lp) -> list[dict]:
+    """Chat's logprobs (``ChatCompletionLogProbs``, serve/logprobs.py) in OpenAI's Responses
+    shape: per token ``token``, ``logprob``, ``bytes`` and ``top_logprobs`` (the same three)."""
+    if chat_lp is None or not chat_lp.content:
+        return []
+    return [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+             "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top_logprobs]}
+            for e in chat_lp.content]
 
 
 def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:

@@ -8,13 +8,25 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag
 
-from serve.protocol import Int64, OpenAIModel
+from serve.protocol import Int64, OpenAIModel, ReasoningEffort
 
 log = logging.getLogger("jaxllm.serve")
 
 SAMPLING_EXTRAS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "stop",
                    "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias", "priority")
 """vLLM's sampling fields a client may add to a Responses body (``extra_body``); passed to the chat path."""
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+Includable = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "file_search_call.results",
+                     "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                     "computer_call_output.output.image_url", "code_interpreter_call.outputs"]
+"""OpenAI's ``include`` values (any other is a 400 naming ``include``).  Only
+``message.output_text.logprobs`` adds anything here: ``output_text`` parts (and their stream
+deltas) carry the tokens' logprobs.  The others are accepted, as vLLM accepts them, because
+none would change this server's output: the tool calls they detail (file search, web search,
+computer use, code interpreter) never run without a tool server, input images are refused
+(text only), and ``reasoning.encrypted_content`` exists so that a stateless client can send
+reasoning back, which no chat template here is given (earlier reasoning is not replayed)."""
 
 
 class InputText(OpenAIModel):
@@ -106,7 +118,9 @@ class TextConfig(OpenAIModel):
 
 
 class ReasoningConfig(OpenAIModel):
-    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    effort: ReasoningEffort | None = None
+    """Reaches the chat template as ``reasoning_effort`` (the chat endpoint's field; a 400 naming
+    ``reasoning`` when the template does not read it)."""
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: str | None = None
 
@@ -128,7 +142,9 @@ class ResponsesRequest(OpenAIModel):
     stream: bool = False
     background: bool = False
     previous_response_id: str | None = Field(None, min_length=1)
-    include: list[str] | None = None
+    include: list[Includable] | None = None
+    top_logprobs: Int64 | None = Field(None, ge=0, le=20)
+    """With ``include: ["message.output_text.logprobs"]``: the most likely alternatives per token."""
     truncation: Literal["auto", "disabled"] = "disabled"
     user: str | None = None
     seed: Int64 | None = None

@@ -87,6 +87,7 @@ SERVED = {
     "return_tokens_as_token_ids": f"{HERE}::test_return_tokens_as_token_ids",
     "request_id": f"{HERE}::test_request_id_and_header_name_the_response",
     "include_reasoning": "serve/test_serve_tools.py::test_include_reasoning_false_leaves_the_reasoning_out",
+    "reasoning_effort": "serve/test_responses_tools.py::test_reasoning_effort_reaches_the_chat_template",
     # /v1/embeddings (a pooling server; truncate_prompt_tokens is also served there)
     "input": "serve/test_embeddings.py::test_token_id_inputs",
     "encoding_format": "serve/test_embeddings.py::test_openai_client_embeddings_match_sentence_transformers",
@@ -110,7 +111,7 @@ VLLM_NO_OP = {
 
 REFUSED_VALUE = {
     "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["x"], "kv_transfer_params": {"a": 1},
-    "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA", "mm_processor_kwargs": {"a": 1}, "reasoning_effort": "low",
+    "vllm_xargs": {"a": 1}, "prompt_embeds": "AAAA", "mm_processor_kwargs": {"a": 1},
 }
 """A value (not the default) for each refused field, for the 400 check."""
 

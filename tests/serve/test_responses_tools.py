@@ -1,7 +1,9 @@
 """The Responses API's function tools and reasoning items through a real server: a function-call
 round trip (``function_call_output`` with ``previous_response_id``), the streamed function-call
-and reasoning events, on tests/support/tool_models.py's scripted checkpoint (``logit_bias``
-picks the script; hermes tool calls, qwen3 reasoning)."""
+and reasoning events, ``reasoning.effort`` (and chat's ``reasoning_effort``) reaching the chat
+template, reasoning tokens in usage and output logprobs after the reasoning, on
+tests/support/tool_models.py's scripted checkpoint (``logit_bias`` picks the script; hermes
+tool calls, qwen3 reasoning; its template prints ``reasoning_effort``)."""
 
 from __future__ import annotations
 
@@ -106,6 +108,72 @@ def test_streamed_function_calls_and_reasoning(client, bias):
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "I know this."
     assert final.output_text == "It is sunny."
+
+
+def test_reasoning_effort_reaches_the_chat_template(client, server):
+    """Responses' ``reasoning.effort`` and chat's ``reasoning_effort`` render as the template
+    variable ``reasoning_effort`` (the prompt is /tokenize's with that chat_template_kwarg);
+    the field wins over chat_template_kwargs (vLLM's merge)."""
+    msgs = [{"role": "user", "content": ASK}]
+
+    def tokenize(**kw):
+        return httpx.post(server.base + "/tokenize", json={"messages": msgs, **kw}, timeout=60).json()
+
+    def detokenize(ids):
+        return httpx.post(server.base + "/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+
+    bare = tokenize()
+    prompts = {}
+    for effort in ("low", "high"):
+        want = tokenize(chat_template_kwargs={"reasoning_effort": effort})
+        assert want["count"] > bare["count"]
+        r = client.responses.create(model="scripted", input=ASK, reasoning={"effort": effort}, max_output_tokens=1,
+                                    temperature=0)
+        assert r.usage.input_tokens == want["count"] and r.reasoning.effort == effort
+        chat = client.chat.completions.create(model="scripted", messages=msgs, reasoning_effort=effort, max_tokens=1,
+                                              temperature=0, extra_body={"return_token_ids": True})
+        prompts[effort] = chat.prompt_token_ids
+        assert chat.prompt_token_ids == want["tokens"]
+        assert f"Reasoning effort: {effort}<|im_end|>" in detokenize(chat.prompt_token_ids)
+    assert prompts["low"] != prompts["high"]
+    both = client.chat.completions.create(model="scripted", messages=msgs, reasoning_effort="high", max_tokens=1,
+                                          temperature=0, extra_body={"return_token_ids": True,
+                                                                     "chat_template_kwargs": {"reasoning_effort": "low"}})
+    assert both.prompt_token_ids == prompts["high"]
+
+
+def test_reasoning_tokens_and_output_logprobs(client, server, bias):
+    """With the qwen3 parser: ``reasoning_tokens`` (Responses and chat, whole and streamed) is
+    the token count of the reasoning text; the message's logprobs are those of the tokens after
+    ``</think>``, the same streamed (joined deltas) as whole, with ``top_logprobs`` alternatives."""
+    body = dict(model="scripted", input=ASK, temperature=0, max_output_tokens=20, extra_body=bias("think"),
+                include=["message.output_text.logprobs"], top_logprobs=2)
+    r = client.responses.create(**body)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    reasoning = r.output[0].content[0].text
+    n = httpx.post(server.base + "/tokenize", json={"prompt": reasoning, "add_special_tokens": False},
+                   timeout=60).json()["count"]
+    assert 0 < n == r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    lp = r.output[1].content[0].logprobs
+    assert len(lp) == r.usage.output_tokens - n - 2  # <think> and </think> are neither
+    assert "".join(e.token for e in lp).startswith(r.output_text)
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in lp)
+    assert lp[0].logprob > -1e-3  # the script's successor: certain
+
+    with client.responses.stream(**body) as s:
+        events = list(s)
+    streamed = [e for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in lp]
+    done = next(ev for ev in events if ev.type == "response.output_text.done")
+    assert [e.token for e in done.logprobs] == [e.token for e in lp]
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == n
+
+    chat = dict(model="scripted", messages=[{"role": "user", "content": ASK}], temperature=0, max_tokens=20,
+                extra_body=bias("think"))
+    whole = client.chat.completions.create(**chat)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == n
+    chunks = list(client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == n
 
 
 def test_openai_agents_sdk_runs_an_agent_turn_with_a_tool(server, bias):

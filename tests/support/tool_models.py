@@ -6,7 +6,8 @@ zero, so the last layer sees only the current token's embedding; script tokens e
 distinct basis vectors and the LM head maps each to its successor with a large logit, so
 greedy decoding follows a script to its end (EOS).  After any ordinary token every logit is
 0, so a request picks the script it wants with ``logit_bias`` on the script's first token
-(+100 never outweighs a successor's logit, about 800).
+(+100 never outweighs a successor's logit, about 800).  The chat template prints
+``reasoning_effort`` when it is given (for the tests of that template variable).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ SCRIPTS = {
 }
 
 CHAT_TEMPLATE = """\
+{%- if reasoning_effort is defined %}<|im_start|>system
+Reasoning effort: {{ reasoning_effort }}<|im_end|>
+{% endif %}
 {%- if tools %}<|im_start|>system
 You may call these tools:
 <tools>
