@@ -1,7 +1,8 @@
 """The Responses API through a real server, as the official ``openai`` client sees it: text equal
 to the chat endpoint's, the stream's event order and sequence numbers, ``text.format``
 json_schema, the store (retrieve, input items, delete, ``store: false``), cancel freeing the
-KV, and fuzzed bad bodies answered 4xx in OpenAI's shape.
+KV, ``include`` logprobs equal to chat's, ``reasoning.effort`` refused on a template that does
+not read it, and fuzzed bad bodies answered 4xx in OpenAI's shape.
 
 One server on the tiny Llama with its own store file; compact JSON engine-wide
 (``disable_any_whitespace``), since the random model would pad JSON with whitespace.
@@ -61,6 +62,8 @@ def test_text_equals_chat_and_the_store_round_trip(client):
     assert r.output_text == chat.choices[0].message.content
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     assert r.usage.output_tokens == 8 and r.usage.input_tokens == chat.usage.prompt_tokens
+    # No --reasoning-parser: no reasoning tokens, and chat reports no breakdown (vLLM's rule).
+    assert r.usage.output_tokens_details.reasoning_tokens == 0 and chat.usage.completion_tokens_details is None
     got = client.responses.retrieve(r.id)
     assert got.id == r.id and got.output_text == r.output_text
     items = client.responses.input_items.list(r.id)
@@ -161,6 +164,50 @@ def test_stream_events_order_sequence_and_deltas(client):
     assert client.responses.retrieve(final.id).output_text == deltas
 
 
+def test_output_logprobs_equal_chat_logprobs_whole_and_streamed(client):
+    body = dict(model="tiny", input="Tell me", max_output_tokens=6, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=3)
+    r = client.responses.create(**body)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Tell me"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    lp = r.output[0].content[0].logprobs
+    want = chat.choices[0].logprobs.content
+    assert [(e.token, e.logprob, e.bytes) for e in lp] == [(e.token, e.logprob, e.bytes) for e in want]
+    assert [[(t.token, t.logprob) for t in e.top_logprobs] for e in lp] == \
+        [[(t.token, t.logprob) for t in e.top_logprobs] for e in want]
+    assert len(lp) == 6 and all(len(e.top_logprobs) == 3 for e in lp)
+    with client.responses.stream(**body) as s:
+        events = list(s)
+    deltas = [ev for ev in events if ev.type == "response.output_text.delta"]
+    assert [(e.token, e.logprob) for ev in deltas for e in ev.logprobs] == [(e.token, e.logprob) for e in lp]
+    plain = client.responses.create(**{**body, "include": None, "top_logprobs": None})
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
+
+
+def test_effort_and_include_are_honoured_or_refused(client):
+    """``reasoning.effort`` (and chat's ``reasoning_effort``) on a chat template that does not
+    read it: a 400 naming it; an unknown ``include`` value or ``top_logprobs`` without the
+    logprobs include: a 400 naming that; ``include`` values that would add nothing here are
+    accepted (vLLM's)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="Hi", reasoning={"effort": "high"}, max_output_tokens=1)
+    assert_error_shape(e.value.response.json(), 400, "reasoning")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                       reasoning_effort="high", max_tokens=1)
+    assert_error_shape(e.value.response.json(), 400, "reasoning_effort")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="Hi", include=["message.output_text.bogus"], max_output_tokens=1)
+    assert_error_shape(e.value.response.json(), 400, "include")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="tiny", input="Hi", top_logprobs=2, max_output_tokens=1)
+    assert_error_shape(e.value.response.json(), 400, "top_logprobs")
+    r = client.responses.create(model="tiny", input="Hi", max_output_tokens=1, store=False,
+                                include=["reasoning.encrypted_content", "file_search_call.results",
+                                         "web_search_call.action.sources", "message.input_image.image_url"])
+    assert r.status == "incomplete" and r.output[0].content[0].logprobs == []
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_json_schema_validates(client, seed):
     r = client.responses.create(model="tiny", input="Give me the data.", temperature=1.0, max_output_tokens=60,
@@ -226,7 +273,8 @@ def _bad_bodies(n: int, seed: int = 0):
         "previous_response_id": ["", 5, [], "resp_does_not_exist"],
         "reasoning": ["deep", 3, {"effort": "extreme"}, {"summary": 3}, [1]],
         "model": ["no-such-model", 3, [], True],
-        "include": ["x", [1], 3, {}],
+        "include": ["x", [1], 3, {}, ["message.output_text.bogus"]],
+        "top_logprobs": [-1, 21, "x", 1.5, True],
         "parallel_tool_calls": ["no", 1, None, []],
         "instructions": [3, ["a"], {}, True],
         "seed": ["s", 1.5, 2 ** 70],
