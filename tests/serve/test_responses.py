@@ -180,6 +180,7 @@ def test_output_logprobs_equal_chat_logprobs_whole_and_streamed(client):
         events = list(s)
     deltas = [ev for ev in events if ev.type == "response.output_text.delta"]
     assert [(e.token, e.logprob) for ev in deltas for e in ev.logprobs] == [(e.token, e.logprob) for e in lp]
+    assert all(ev.logprobs for ev in deltas if ev.delta)  # a delta carries its own tokens' logprobs
     plain = client.responses.create(**{**body, "include": None, "top_logprobs": None})
     assert plain.output[0].content[0].logprobs == [] and plain.output_text == r.output_text
 
