@@ -11,6 +11,7 @@ import pytest
 
 from serve.chat_parsing import ChoiceParser  # noqa: E402
 from serve.reasoning import ReasoningParserManager  # noqa: E402
+from serve.reasoning.base import ReasoningParser  # noqa: E402
 from serve.tool_choice import NamedToolParser, RequiredToolParser, tool_choice_schema  # noqa: E402
 from serve.tool_parsers import ToolParser, ToolParserManager  # noqa: E402
 
@@ -190,6 +191,31 @@ def test_reasoning_end_token_ids(smollm_tokenizer_dir):
     assert tok.decode(list(ids)) == "</think>"
     tok.add_tokens(["</think>"])
     assert P(tok).end_token_ids() == (tok.convert_tokens_to_ids("</think>"),)
+
+
+@pytest.fixture(scope="module")
+def think_tokenizer(smollm_tokenizer_dir):
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_tokenizer_dir)
+    tok.add_tokens(["<think>", "</think>"])  # single-token tags, as reasoning models have them
+    return tok
+
+
+@pytest.mark.parametrize("name, prompt, text, reasoning, content", REASONING)
+def test_reasoning_span_marks_the_reasoning_tokens(think_tokenizer, name, prompt, text, reasoning, content):
+    """``reasoning_span`` over the token ids covers exactly the reasoning text and starts the
+    content after the end tag ((0, 0, 0) without reasoning); the generic answer (re-tokenizing
+    ``split``'s parts, for plugin parsers) counts the same here."""
+    tok = think_tokenizer
+    ids = tok.encode(text, add_special_tokens=False)
+    p = ReasoningParserManager.get_reasoning_parser(name)(tok, prompt_text=prompt)
+    start, end, content_start = p.reasoning_span(ids, text)
+    assert tok.decode(ids[start:end]) == (reasoning or "")
+    if reasoning is None:
+        assert (start, end, content_start) == (0, 0, 0)
+    else:
+        assert tok.decode(ids[content_start:]) == (content or "")
+    assert ReasoningParser.reasoning_span(p, ids, text)[1] == end - start
 
 
 def test_reasoning_then_tool_calls_in_one_choice():
