@@ -191,8 +191,10 @@ class ChatCtx:
     def reasoning_tokens(self, outputs) -> int | None:
         """The reasoning tokens of whole outputs (each with ``token_ids`` and ``text``), for
         usage; None without a ``--reasoning-parser``."""
+        if self.state.reasoning_parser is None:
+            return None
         spans = [self.reasoning_span(o.token_ids, o.text) for o in outputs]
-        return None if self.state.reasoning_parser is None else sum(end - start for start, end, _ in spans)
+        return sum(end - start for start, end, _ in spans)
 
     def finish_reason(self, reason: str | None, tools_called: bool) -> str | None:
         """vLLM's: "tool_calls" when an auto or required choice ended by stopping after calling
