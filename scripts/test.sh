@@ -10,4 +10,7 @@ scripts/setup.sh test
 # suite's time is budgeted (20 minutes on a quiet 2-core machine).
 # A crashed worker ends the run (--max-worker-restart=0): pytest-xdist 3.8 can wait forever
 # after replacing one under --dist loadfile (pytest-dev/pytest-xdist#784, #1378).
-exec python -m pytest -n "${JAXLLM_TEST_WORKERS:-2}" --dist loadfile --max-worker-restart=0 --durations=20 "$@"
+# Files go out heaviest first (--no-loadscope-reorder keeps the order tests/conftest.py sets,
+# tests/support/schedule.py), so no long file is left for the end while the other worker idles.
+exec python -m pytest -n "${JAXLLM_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
+  --durations=20 "$@"

@@ -26,7 +26,13 @@ import pytest  # noqa: E402
 pytest.register_assert_rewrite("support")  # before its first import: helpers' asserts show values
 
 from support.engines import BUILTIN_ENGINE, SMALL_ENGINE  # noqa: E402
+from support.schedule import heaviest_first  # noqa: E402
 from support.tiny_models import VARIANTS, build_tiny  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    # The heaviest files reach the workers first (tests/support/schedule.py).
+    heaviest_first(items)
 
 
 @pytest.fixture(scope="session")
