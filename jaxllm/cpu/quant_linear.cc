@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_simd.h"
@@ -256,6 +257,104 @@ JAXLLM_AVX512 void tile_512(int rows, const float* x, int64_t K, const uint16_t*
   }
 }
 
+// ---- Q4_1, AVX-512: several weight rows per pass over x ----
+//
+// Batch-1 decode spends most of its time here (the built-in model's projections are Q4_1),
+// and the generic 16-lane tile above was bound by its instruction stream, not the weight
+// bytes: one weight row at a time, a scalar f16 -> f32 convert of d and m per block, and at
+// M = 1 one FMA chain (acc += d * s) per row, each block waiting on the last.  This walk
+// takes NR weight rows at a time for a tile of MR rows of x, so the MR x NR accumulator
+// chains are independent and each x block, loaded once, serves NR rows; d and m are
+// converted 16 blocks at a time (one vcvtph2ps each); a block's 16 bytes widen once to 16
+// int32 lanes (byte j -> lane j), whose low 4 bits pick weight j and whose bits 4..7 pick
+// weight j + 16 from a 16-entry float table (vpermps uses only an index's low 4 bits).
+//
+// For each (row of x, weight row) pair the operations and their order are the same whatever
+// MR and NR are (acc holds that pair's lanes alone), so a row's result does not depend on
+// M or on which rows share the call:
+//   acc  = sum over blocks b, in order:  fma(d_b, q_lo(b) * x_lo(b) + q_hi(b) * x_hi(b), acc)
+//   acc += m[c] * sx[c] lane by lane once per 16 blocks c (the min term: m_b * sum(x_b))
+//   y    = reduce_add(acc)
+constexpr int64_t kChunk = 16;   // blocks whose d and m are converted at once
+
+template <int MR, int NR>
+JAXLLM_AVX512 void q4_1_tile_512(const float* x, int64_t K, const uint16_t* d, const uint16_t* m,
+                                 const uint8_t* qs, const float* sx, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  alignas(64) float db[NR][kChunk];   // this chunk's d as float32, per weight row
+  for (int64_t c0 = 0; c0 < nb; c0 += kChunk) {
+    const int64_t cn = std::min<int64_t>(kChunk, nb - c0);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << cn) - 1);
+    // the min term of these blocks, lanes past nb zero: m (masked f16 load) * sum(x)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, d + j * nb + c0));
+      _mm512_store_ps(db[j], dv);
+      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, m + j * nb + c0));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        acc[r][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(lanes, sx + r * nb + c0), acc[r][j]);
+    }
+    for (int64_t i = 0; i < cn; ++i) {
+      const int64_t b = c0 + i;
+      __m512 xlo[MR], xhi[MR];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        xlo[r] = _mm512_loadu_ps(x + r * K + b * kBlock);
+        xhi[r] = _mm512_loadu_ps(x + r * K + b * kBlock + 16);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (j * nb + b) * Q4_1::kQsBytes)));
+        const __m512 qlo = _mm512_permutexvar_ps(v, table);                          // weights 0..15
+        const __m512 qhi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);    // weights 16..31
+        const __m512 dj = _mm512_set1_ps(db[j][i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r][j] = _mm512_fmadd_ps(dj, _mm512_fmadd_ps(qhi, xhi[r], _mm512_mul_ps(qlo, xlo[r])), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) y[r * N + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+// Weight rows per pass for a tile of MR rows of x: MR * NR accumulators + 2 * MR x vectors
+// + 2 * NR weight vectors stay within the 32 zmm registers.
+template <int MR>
+constexpr int kRowsPerPass = MR <= 2 ? 4 : 2;
+
+// The weight rows [n0, n1) against a tile of MR rows of x, NR at a time (the last < NR one
+// by one), asking for the fields of the rows kPrefetchRows ahead as gguf_simd.h's
+// rows_range_prefetched does.
+template <int MR>
+JAXLLM_AVX512 void q4_1_rows_512(const float* x, int64_t K, const uint16_t* d, const uint16_t* m,
+                                 const uint8_t* qs, const float* sx, float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int NR = kRowsPerPass<MR>;
+  const int64_t nb = K / kBlock;
+  const auto prefetch_rows = [=](int64_t a, int64_t b) {   // rows [a, b) within the part
+    b = std::min(b, n1);
+    if (a >= b) return;
+    jaxllm_gguf::prefetch(qs + a * nb * Q4_1::kQsBytes, (b - a) * nb * Q4_1::kQsBytes);
+    jaxllm_gguf::prefetch(d + a * nb, (b - a) * nb * 2);
+    jaxllm_gguf::prefetch(m + a * nb, (b - a) * nb * 2);
+  };
+  constexpr int64_t ahead = jaxllm_gguf::kPrefetchRows;
+  prefetch_rows(n0, n0 + ahead);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    prefetch_rows(n + ahead, n + ahead + NR);
+    q4_1_tile_512<MR, NR>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
+  }
+  for (; n < n1; ++n)
+    q4_1_tile_512<MR, 1>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
+}
+
 // Per-32-weight sums of x: [M, K / 32], for the types with a min (row r's at r * K / 32).
 std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock;
@@ -270,6 +369,30 @@ std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
   return sums;
 }
 
+// y = x . W^T for Q4_1 weights on the AVX-512 path: the weight rows split over the pool as
+// in linear(), each part walked tile of x by tile of x (tiles as rows_range makes them).
+JAXLLM_AVX512 void linear_q4_1_512(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
+                                   const uint8_t* qs, const float* sx, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / kBlock;
+  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
+    const int64_t tiles = (M + jaxllm_gguf::kMaxRows - 1) / jaxllm_gguf::kMaxRows;
+    int64_t r0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int rows = static_cast<int>(M / tiles + (t < M % tiles));
+      const float* xt = x + r0 * K;
+      const float* st = sx + r0 * nb;
+      float* yt = y + r0 * N;
+      switch (rows) {
+        case 1: q4_1_rows_512<1>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        case 2: q4_1_rows_512<2>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        case 3: q4_1_rows_512<3>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        default: q4_1_rows_512<4>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+      }
+      r0 += rows;
+    }
+  });
+}
+
 template <typename T>
 void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
             const uint8_t* qh, float* y, int64_t M, int64_t K, int64_t N) {
@@ -277,6 +400,9 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   std::vector<float> sums;
   if (m != nullptr) sums = block_sums(x, M, K);
   const float* sx = m != nullptr ? sums.data() : nullptr;
+  if constexpr (std::is_same_v<T, Q4_1>) {
+    if (g_avx512) return linear_q4_1_512(pool, x, d, m, qs, sx, y, M, K, N);
+  }
   const auto tile_fn = g_avx512 ? tile_512<T> : tile<T>;
   const auto prefetch_row = [=](int64_t a) {
     jaxllm_gguf::prefetch(qs + a * nb * T::kQsBytes, nb * T::kQsBytes);
