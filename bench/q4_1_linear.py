@@ -11,8 +11,8 @@ random valid Q4_1 blocks (the kernels' speed does not depend on the values), ``-
 distinct copies per shape so that the calls stream their weights rather than rereading
 one copy from L2.  Each shape's row is one jitted function that runs the ``--layers``
 calls one after another (each x depends on the previous call's output, so XLA cannot run
-them side by side); "step" is every projection of every layer, 30 x (q, k, v, o, gate, up,
-down): the 63.3 MiB a batch-1 decode step reads, more than the L3.  A cell is the median
+them side by side); "step" is every projection of every layer, 30 x (qkv, o, gate_up, down):
+the 63.3 MiB a batch-1 decode step reads, more than the L3.  A cell is the median
 of ``--reps`` samples, the two kernels alternating sample by sample; GB/s counts the
 weight bytes (d, m, qs) read per call.  The machine's read bandwidth
 (bench/read_stream.c) is printed beside, measured in the same run.
@@ -40,9 +40,11 @@ from jaxllm.cpu import native  # noqa: E402
 from jaxllm.quant import PackedWeight  # noqa: E402
 from jaxllm.quant.native_matmul import linear_packed  # noqa: E402
 
-# (name, N, K) of SmolLM2-135M's projections (hidden 576, 3 KV heads of 64, MLP 1536)
-SHAPES = [("q/o", 576, 576), ("k/v", 192, 576), ("gate/up", 1536, 576), ("down", 576, 1536)]
-STEP = ["q/o", "k/v", "k/v", "q/o", "gate/up", "gate/up", "down"]   # one layer's calls, in order
+# (name, N, K) of SmolLM2-135M's projections as the engine calls them (hidden 576, 9 query
+# and 3 KV heads of 64, MLP 1536; q, k, v fused as qkv and gate, up as gate_up at load:
+# jaxllm/runner/weights.py)
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+STEP = ["qkv", "o", "gate_up", "down"]   # one layer's calls, in order
 BASE_TARGET = "jaxllm_linear_q4_1_base"
 _SOURCES = ["quant_linear.cc", "gguf_simd.h", "parallel.h", "simd.h"]
 
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
             t = time_alternated(fns, (x0, ws), args.reps, args.inner)
             calls = len(ws)
             nbytes = sum(w.nbytes for w in ws) / calls
-            shape = "all 7" if name == "step" else f"{ws[0].shape[0]} x {ws[0].shape[1]}"
+            shape = "all 4" if name == "step" else f"{ws[0].shape[0]} x {ws[0].shape[1]}"
             us = {k: v / calls * 1e6 for k, v in t.items()}
             print(f"| {name} | {shape} | {m} | {us['base']:.1f} | {us['new']:.1f} | "
                   f"{nbytes / us['base'] / 1e3:.1f} | {nbytes / us['new'] / 1e3:.1f} | "

@@ -266,8 +266,11 @@ JAXLLM_AVX512 void tile_512(int rows, const float* x, int64_t K, const uint16_t*
 // takes NR weight rows at a time for a tile of MR rows of x, so the MR x NR accumulator
 // chains are independent and each x block, loaded once, serves NR rows; d and m are
 // converted 16 blocks at a time (one vcvtph2ps each); a block's 16 bytes widen once to 16
-// int32 lanes (byte j -> lane j), whose low 4 bits pick weight j and whose bits 4..7 pick
-// weight j + 16 from a 16-entry float table (vpermps uses only an index's low 4 bits).
+// int32 lanes (byte j -> lane j), whose low 4 bits pick weight j from a 16-entry float table
+// (vpermps uses only an index's low 4 bits) and whose bits 4..7, shifted down, are weight
+// j + 16.  On the 2-core EPYC here (Zen 4, family 25 model 17: 512-bit ops in two halves)
+// the loop is bound by its vector ops, the three FMAs a block above all: 1.5x the old
+// tile's weight bytes per second on one core (docs/BENCHMARKS.md, "The Q4_1 kernel").
 //
 // For each (row of x, weight row) pair the operations and their order are the same whatever
 // MR and NR are (acc holds that pair's lanes alone), so a row's result does not depend on
@@ -311,8 +314,10 @@ JAXLLM_AVX512 void q4_1_tile_512(const float* x, int64_t K, const uint16_t* d, c
       for (int j = 0; j < NR; ++j) {
         const __m512i v = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (j * nb + b) * Q4_1::kQsBytes)));
-        const __m512 qlo = _mm512_permutexvar_ps(v, table);                          // weights 0..15
-        const __m512 qhi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);    // weights 16..31
+        // weights 0..15 by table lookup, 16..31 converted: a shuffle and a convert, which
+        // run on different pipes (both by lookup or both converted measured ~5% slower)
+        const __m512 qlo = _mm512_permutexvar_ps(v, table);
+        const __m512 qhi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
         const __m512 dj = _mm512_set1_ps(db[j][i]);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
