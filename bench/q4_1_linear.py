@@ -62,8 +62,10 @@ def build_base(rev: str) -> ctypes.CDLL:
             f.write(text)
     lib_path = os.path.join(folder, "libbase.so")
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    subprocess.run([cxx, *native._QUANT_FLAGS, f"-I{jax.ffi.include_dir()}", os.path.join(folder, "quant_linear.cc"),
-                    "-o", lib_path], check=True)
+    built = subprocess.run([cxx, *native._QUANT_FLAGS, f"-I{jax.ffi.include_dir()}",
+                            os.path.join(folder, "quant_linear.cc"), "-o", lib_path], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise RuntimeError(f"compiling {rev}'s quant_linear.cc failed: {built.stderr.strip()[-2000:]}")
     lib = ctypes.cdll.LoadLibrary(lib_path)
     jax.ffi.register_ffi_target(BASE_TARGET, jax.ffi.pycapsule(lib.JaxllmLinearQ4_1), platform="cpu")
     return lib
