@@ -14,7 +14,8 @@
 // A block, once widened, is reused for up to kMaxRows rows of x; the weight rows are split
 // over XLA's intra-op thread pool in contiguous ranges, as in linear.cc.  The 32-weight
 // types and the K-quants have a 16-lane AVX-512 variant of their tiles, used where the CPU
-// has it.
+// has it; Q4_1 (the built-in model's layers) has its own AVX-512 walk, several weight rows
+// per pass over x (see "Q4_1, AVX-512" below).
 // Called from jaxllm/cpu/native.py via XLA's FFI.
 #include <immintrin.h>
 
