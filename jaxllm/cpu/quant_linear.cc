@@ -14,13 +14,15 @@
 // A block, once widened, is reused for up to kMaxRows rows of x; the weight rows are split
 // over XLA's intra-op thread pool in contiguous ranges, as in linear.cc.  The 32-weight
 // types and the K-quants have a 16-lane AVX-512 variant of their tiles, used where the CPU
-// has it.
+// has it; Q4_1 (the built-in model's layers) has its own AVX-512 walk, several weight rows
+// per pass over x (see "Q4_1, AVX-512" below).
 // Called from jaxllm/cpu/native.py via XLA's FFI.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_simd.h"
@@ -256,6 +258,119 @@ JAXLLM_AVX512 void tile_512(int rows, const float* x, int64_t K, const uint16_t*
   }
 }
 
+// ---- Q4_1, AVX-512: several weight rows per pass over x ----
+//
+// Batch-1 decode spends most of its time here (the built-in model's projections are Q4_1),
+// and the generic 16-lane tile above was bound by its instruction stream, not the weight
+// bytes: one weight row at a time, a scalar f16 -> f32 convert of d and m per block, and at
+// M = 1 one FMA chain (acc += d * s) per row, each block waiting on the last.  This walk
+// takes NR weight rows at a time for a tile of MR rows of x, so the MR x NR accumulator
+// chains are independent and each x block, loaded once, serves NR rows; d and m are
+// converted 16 blocks at a time (one vcvtph2ps each); a block's 16 bytes widen once to 16
+// int32 lanes (byte j -> lane j), whose low 4 bits pick weight j from a 16-entry float table
+// (vpermps uses only an index's low 4 bits) and whose bits 4..7, shifted down, are weight
+// j + 16.  On the 2-core EPYC here (Zen 4, family 25 model 17: 512-bit ops in two halves)
+// the loop is bound by its vector ops, the three FMAs a block above all: 1.5x the old
+// tile's weight bytes per second on one core (docs/BENCHMARKS.md, "The Q4_1 kernel").
+//
+// For each (row of x, weight row) pair the operations and their order are the same whatever
+// MR and NR are (acc holds that pair's lanes alone), so a row's result does not depend on
+// M or on which rows share the call:
+//   acc  = sum over blocks b, in order:  fma(d_b, q_lo(b) * x_lo(b) + q_hi(b) * x_hi(b), acc)
+//   acc += m[c] * sx[c] lane by lane once per 16 blocks c (the min term: m_b * sum(x_b))
+//   y    = reduce_add(acc)
+constexpr int64_t kChunk = 16;   // blocks whose d and m are converted at once
+// Weight rows ahead whose fields are prefetched, a cache line of each row every 4 blocks
+// (as the tile reaches the same place in its own rows): requesting a whole row group's
+// lines at once, as rows_range_prefetched does row by row, left the K = 1536 projection
+// 1.3x slower than the old tile when its weights came from L3 (4 rows' lines in a burst).
+constexpr int64_t kAhead = 8;
+
+template <int MR, int NR>
+JAXLLM_AVX512 void q4_1_tile_512(const float* x, int64_t K, const uint16_t* d, const uint16_t* m,
+                                 const uint8_t* qs, const float* sx, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  alignas(64) float db[NR][kChunk];   // this chunk's d as float32, per weight row
+  for (int64_t c0 = 0; c0 < nb; c0 += kChunk) {
+    const int64_t cn = std::min<int64_t>(kChunk, nb - c0);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << cn) - 1);
+    // the min term of these blocks, lanes past nb zero: m (masked f16 load) * sum(x)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, d + j * nb + c0));
+      _mm512_store_ps(db[j], dv);
+      const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, m + j * nb + c0));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        acc[r][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(lanes, sx + r * nb + c0), acc[r][j]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {   // the same chunk of the row kAhead rows on
+      _mm_prefetch(reinterpret_cast<const char*>(d + (j + kAhead) * nb + c0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + (j + kAhead) * nb + c0), _MM_HINT_T0);
+    }
+    for (int64_t i = 0; i < cn; ++i) {
+      const int64_t b = c0 + i;
+      if (b % 4 == 0) {   // a cache line of qs is 4 blocks
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(qs + ((j + kAhead) * nb + b) * Q4_1::kQsBytes), _MM_HINT_T0);
+      }
+      __m512 xlo[MR], xhi[MR];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        xlo[r] = _mm512_loadu_ps(x + r * K + b * kBlock);
+        xhi[r] = _mm512_loadu_ps(x + r * K + b * kBlock + 16);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const __m512i v = _mm512_cvtepu8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (j * nb + b) * Q4_1::kQsBytes)));
+        // weights 0..15 by table lookup, 16..31 converted: a shuffle and a convert, which
+        // run on different pipes (both by lookup or both converted measured ~5% slower)
+        const __m512 qlo = _mm512_permutexvar_ps(v, table);
+        const __m512 qhi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        const __m512 dj = _mm512_set1_ps(db[j][i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r][j] = _mm512_fmadd_ps(dj, _mm512_fmadd_ps(qhi, xhi[r], _mm512_mul_ps(qlo, xlo[r])), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) y[r * N + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+// Weight rows per pass for a tile of MR rows of x: MR * NR accumulators + 2 * MR x vectors
+// + 2 * NR weight vectors stay within the 32 zmm registers.
+template <int MR>
+constexpr int kRowsPerPass = MR <= 2 ? 4 : 2;
+
+// The weight rows [n0, n1) against a tile of MR rows of x, NR at a time (the last < NR one
+// by one).  The tiles prefetch kAhead rows on; the first kAhead rows of the part are
+// requested here, as it starts (else every call would begin on a cold stream, see
+// gguf_simd.h's rows_range_prefetched).
+template <int MR>
+JAXLLM_AVX512 void q4_1_rows_512(const float* x, int64_t K, const uint16_t* d, const uint16_t* m,
+                                 const uint8_t* qs, const float* sx, float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int NR = kRowsPerPass<MR>;
+  const int64_t nb = K / kBlock;
+  const int64_t first = std::min(n1, n0 + kAhead) - n0;
+  jaxllm_gguf::prefetch(qs + n0 * nb * Q4_1::kQsBytes, first * nb * Q4_1::kQsBytes);
+  jaxllm_gguf::prefetch(d + n0 * nb, first * nb * 2);
+  jaxllm_gguf::prefetch(m + n0 * nb, first * nb * 2);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    q4_1_tile_512<MR, NR>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
+  }
+  for (; n < n1; ++n)
+    q4_1_tile_512<MR, 1>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
+}
+
 // Per-32-weight sums of x: [M, K / 32], for the types with a min (row r's at r * K / 32).
 std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock;
@@ -270,6 +385,30 @@ std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
   return sums;
 }
 
+// y = x . W^T for Q4_1 weights on the AVX-512 path: the weight rows split over the pool as
+// in linear(), each part walked tile of x by tile of x (tiles as rows_range makes them).
+JAXLLM_AVX512 void linear_q4_1_512(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
+                                   const uint8_t* qs, const float* sx, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / kBlock;
+  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
+    const int64_t tiles = (M + jaxllm_gguf::kMaxRows - 1) / jaxllm_gguf::kMaxRows;
+    int64_t r0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int rows = static_cast<int>(M / tiles + (t < M % tiles));
+      const float* xt = x + r0 * K;
+      const float* st = sx + r0 * nb;
+      float* yt = y + r0 * N;
+      switch (rows) {
+        case 1: q4_1_rows_512<1>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        case 2: q4_1_rows_512<2>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        case 3: q4_1_rows_512<3>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        default: q4_1_rows_512<4>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+      }
+      r0 += rows;
+    }
+  });
+}
+
 template <typename T>
 void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
             const uint8_t* qh, float* y, int64_t M, int64_t K, int64_t N) {
@@ -277,6 +416,9 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   std::vector<float> sums;
   if (m != nullptr) sums = block_sums(x, M, K);
   const float* sx = m != nullptr ? sums.data() : nullptr;
+  if constexpr (std::is_same_v<T, Q4_1>) {
+    if (g_avx512) return linear_q4_1_512(pool, x, d, m, qs, sx, y, M, K, N);
+  }
   const auto tile_fn = g_avx512 ? tile_512<T> : tile<T>;
   const auto prefetch_row = [=](int64_t a) {
     jaxllm_gguf::prefetch(qs + a * nb * T::kQsBytes, nb * T::kQsBytes);

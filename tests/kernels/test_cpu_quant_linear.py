@@ -112,6 +112,22 @@ def test_k_quants_match_float64_reference(isa, type_name, shape, M):
     assert np.all(err <= bound), f"worst error / bound {np.max(err / bound):.3f}"
 
 
+@pytest.mark.parametrize("type_name", TYPES_32)
+def test_a_row_is_the_same_bits_whatever_rows_share_the_call(isa, type_name):
+    """A row of x gives the same bits alone (M = 1, the decode path), in a tile of 3, and in a
+    call of 32 (other tiles of x, other thread parts, weight rows in other groups): the
+    engine's guarantee that a token's logits do not depend on its batch or chunk."""
+    shape = (1536, 576)
+    pw = pack(_quantized(type_name, shape, 31), type_name, shape)
+    x = np.random.default_rng(32).standard_normal((32, shape[1]), dtype=np.float32)
+    full = np.asarray(_linear_jit(jnp.asarray(x), pw))                       # [32, N]
+    for r in (0, 5, 31):
+        alone = np.asarray(_linear_jit(jnp.asarray(x[r:r + 1]), pw))         # [1, N]
+        np.testing.assert_array_equal(alone[0], full[r], err_msg=f"row {r}: M=1 vs M=32")
+    three = np.asarray(_linear_jit(jnp.asarray(x[4:7]), pw))                 # [3, N]
+    np.testing.assert_array_equal(three, full[4:7], err_msg="rows 4..6: M=3 vs M=32")
+
+
 def _weight(type_name: str, shape, seed: int) -> np.ndarray:
     if block_size(type_name) == 256:
         return _random_k_blocks(type_name, shape, seed)

@@ -1,0 +1,159 @@
+"""The float32-activation Q4_1 kernel (``jaxllm_linear_q4_1``, quant_linear.cc) of this tree
+against the same kernel built from another git revision, alternated, at the built-in
+model's (SmolLM2-135M) projection shapes.
+
+    python bench/q4_1_linear.py                       # this tree vs main, M = 1 and 8
+    python bench/q4_1_linear.py --base HEAD~1 --rows 1 --reps 31
+
+The base revision's quant_linear.cc and headers (``git show REV:...``) are compiled into a
+temporary library and registered under the target ``jaxllm_linear_q4_1_base``.  Weights are
+random valid Q4_1 blocks (the kernels' speed does not depend on the values), ``--layers``
+distinct copies per shape so that the calls stream their weights rather than rereading
+one copy from L2.  Each shape's row is one jitted function that runs the ``--layers``
+calls one after another (each x depends on the previous call's output, so XLA cannot run
+them side by side); "step" is every projection of every layer, 30 x (qkv, o, gate_up, down):
+the 63.3 MiB a batch-1 decode step reads, more than the L3.  A cell is the median
+of ``--reps`` samples, the two kernels alternating sample by sample; GB/s counts the
+weight bytes (d, m, qs) read per call.  The machine's read bandwidth
+(bench/read_stream.c) is printed beside, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.throughput import read_bandwidth  # noqa: E402
+from jaxllm.cpu import native  # noqa: E402
+from jaxllm.quant import PackedWeight  # noqa: E402
+from jaxllm.quant.native_matmul import linear_packed  # noqa: E402
+
+# (name, N, K) of SmolLM2-135M's projections as the engine calls them (hidden 576, 9 query
+# and 3 KV heads of 64, MLP 1536; q, k, v fused as qkv and gate, up as gate_up at load:
+# jaxllm/runner/weights.py)
+SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
+STEP = ["qkv", "o", "gate_up", "down"]   # one layer's calls, in order
+BASE_TARGET = "jaxllm_linear_q4_1_base"
+_SOURCES = ["quant_linear.cc", "gguf_simd.h", "parallel.h", "simd.h"]
+
+
+def build_base(rev: str) -> ctypes.CDLL:
+    """Compiles ``rev``'s quant_linear.cc into a temporary library and registers its Q4_1
+    handler as ``BASE_TARGET``; the library (kept loaded by the caller)."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    folder = tempfile.mkdtemp(prefix="q4_1_base_")
+    for name in _SOURCES:
+        text = subprocess.run(["git", "show", f"{rev}:jaxllm/cpu/{name}"], capture_output=True, text=True,
+                              check=True, cwd=root).stdout
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+    lib_path = os.path.join(folder, "libbase.so")
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    built = subprocess.run([cxx, *native._QUANT_FLAGS, f"-I{jax.ffi.include_dir()}",
+                            os.path.join(folder, "quant_linear.cc"), "-o", lib_path], capture_output=True, text=True)
+    if built.returncode != 0:
+        raise RuntimeError(f"compiling {rev}'s quant_linear.cc failed: {built.stderr.strip()[-2000:]}")
+    lib = ctypes.cdll.LoadLibrary(lib_path)
+    jax.ffi.register_ffi_target(BASE_TARGET, jax.ffi.pycapsule(lib.JaxllmLinearQ4_1), platform="cpu")
+    return lib
+
+
+def random_q4_1(n: int, k: int, rng: np.random.Generator) -> PackedWeight:
+    """A random Q4_1 weight [n, k]: small positive f16 scales, negative mins, random nibbles."""
+    nb = k // 32
+    d = (rng.uniform(0.5, 1.5, (n, nb)) * 1e-2).astype(np.float16).view(np.uint16)
+    m = (rng.uniform(-1.5, -0.5, (n, nb)) * 8e-2).astype(np.float16).view(np.uint16)
+    qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
+    return PackedWeight(d=jnp.asarray(d), m=jnp.asarray(m), qs=jnp.asarray(qs), type_name="Q4_1", shape=(n, k))
+
+
+def _call(target: str, x: jax.Array, pw: PackedWeight) -> jax.Array:
+    if target != BASE_TARGET:
+        return linear_packed(x, pw)
+    out = jax.ShapeDtypeStruct((x.shape[0], pw.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(target, out)(x, pw.d, pw.m, pw.qs)
+
+
+def chain(target: str):
+    """A jitted fn(x0 [M, max K], weights) calling the kernel on each weight in turn; call
+    i's x is x0's first K columns plus a term of call i - 1's output (a true dependency)."""
+    def run(x0, weights):
+        prev = jnp.zeros((x0.shape[0], 1), jnp.float32)
+        for pw in weights:
+            y = _call(target, x0[:, :pw.shape[1]] + 1e-3 * prev, pw)   # [M, N]
+            prev = y[:, :1]
+        return prev
+    return jax.jit(run)
+
+
+def time_alternated(fns: dict, args: tuple, reps: int, inner: int) -> dict:
+    """Median seconds per call of each fn(*args), the fns alternating sample by sample."""
+    for f in fns.values():
+        jax.block_until_ready(f(*args))
+        jax.block_until_ready(f(*args))
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                r = f(*args)
+            jax.block_until_ready(r)
+            samples[name].append((time.perf_counter() - t0) / inner)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", default="main", help="the git revision to compare against (default main)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="rows of x (batch sizes)")
+    p.add_argument("--layers", type=int, default=30, help="distinct weight copies per shape (the model has 30)")
+    p.add_argument("--reps", type=int, default=21)
+    p.add_argument("--inner", type=int, default=3)
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the read_stream.c measurement")
+    args = p.parse_args(argv)
+    if not native.quant_available():
+        print("native packed-block matmul unavailable here (see the jaxllm.cpu warning)")
+        return 1
+    lib = build_base(args.base)   # noqa: F841  (kept loaded: XLA holds a pointer into it)
+    rng = np.random.default_rng(0)
+    weights = {name: [random_q4_1(n, k, rng) for _ in range(args.layers)] for name, n, k in SHAPES}
+    cases = [(name, weights[name]) for name, _, _ in SHAPES]
+    cases.append(("step", [weights[name][layer] for layer in range(args.layers) for name in STEP]))
+    fns = {"base": chain(BASE_TARGET), "new": chain("jaxllm_linear_q4_1")}
+    if not args.no_bandwidth:
+        bw, why = read_bandwidth()
+        print(f"read stream (bench/read_stream.c, both cores): "
+              + (f"{bw / 1e9:.1f} GB/s" if bw else f"unmeasured ({why})"))
+    print(f"base = {args.base}, new = this tree; median of {args.reps} alternated samples; "
+          f"us per call, GB/s of weight bytes")
+    print("| shape | N x K | M | base us | new us | base GB/s | new GB/s | speed-up |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for m in args.rows:
+        x0 = jnp.asarray(rng.standard_normal((m, 1536), dtype=np.float32))
+        for name, ws in cases:
+            t = time_alternated(fns, (x0, ws), args.reps, args.inner)
+            calls = len(ws)
+            nbytes = sum(w.nbytes for w in ws) / calls
+            shape = "all 4" if name == "step" else f"{ws[0].shape[0]} x {ws[0].shape[1]}"
+            us = {k: v / calls * 1e6 for k, v in t.items()}
+            print(f"| {name} | {shape} | {m} | {us['base']:.1f} | {us['new']:.1f} | "
+                  f"{nbytes / us['base'] / 1e3:.1f} | {nbytes / us['new'] / 1e3:.1f} | "
+                  f"{us['base'] / us['new']:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
