@@ -1,8 +1,9 @@
 """The Responses API through a real server, as the official ``openai`` client sees it: text equal
 to the chat endpoint's, the stream's event order and sequence numbers, ``text.format``
 json_schema, the store (retrieve, input items, delete, ``store: false``), a continued
-conversation's prefix-cache hits, cancel freeing the KV, ``include`` logprobs equal to chat's, ``reasoning.effort`` refused on a template that does
-not read it, and fuzzed bad bodies answered 4xx in OpenAI's shape.
+conversation's prefix-cache hits, cancel freeing the KV, ``include`` logprobs equal to chat's,
+``reasoning.effort`` refused on a template that does not read it, and fuzzed bad bodies
+answered 4xx in OpenAI's shape.
 
 One server on the tiny Llama with its own store file; compact JSON engine-wide
 (``disable_any_whitespace``), since the random model would pad JSON with whitespace.
