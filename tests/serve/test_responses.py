@@ -97,6 +97,15 @@ def test_previous_response_id_continues_the_conversation(client):
     assert second.previous_response_id == first.id
 
 
+def test_metadata_and_request_id_name_the_stored_response(client):
+    r = client.responses.create(model="tiny", input="Hi", max_output_tokens=1, metadata={"ticket": "42"},
+                                extra_body={"request_id": "resp_mine_1"})
+    assert (r.id, r.metadata) == ("resp_mine_1", {"ticket": "42"})
+    got = client.responses.retrieve("resp_mine_1")
+    assert (got.id, got.metadata) == ("resp_mine_1", {"ticket": "42"})
+    client.responses.delete("resp_mine_1")
+
+
 def test_a_continued_conversation_reuses_its_kv(client, engine):
     # Long enough to fill blocks: the follow-up's prompt starts with the first turn's prompt and
     # output, whose KV the prefix cache still holds.
