@@ -409,9 +409,11 @@ class ServingConfig:
     """Where ``/v1/responses`` keeps stored responses (``--responses-store``): ``auto`` (a sqlite
     file in the cache folder), ``none`` (nothing is stored) or a file path."""
     responses_store_max_bytes: int = 1 << 30
-    """The store's size bound; the oldest responses are evicted beyond it."""
+    """The store's size bound (``--responses-store-max-bytes``); the oldest responses are evicted
+    beyond it."""
     responses_store_max_age_s: float = 30 * 24 * 3600.0
-    """The store's age bound (OpenAI keeps responses 30 days)."""
+    """The store's age bound in seconds (``--responses-store-max-age``; OpenAI keeps responses 30
+    days)."""
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
@@ -443,6 +445,15 @@ class ServingConfig:
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if isinstance(self.responses_store_max_bytes, bool) or not isinstance(self.responses_store_max_bytes, int) \
+                or self.responses_store_max_bytes < 1:
+            raise ValueError(f"--responses-store-max-bytes must be a positive number of bytes, got "
+                             f"{self.responses_store_max_bytes!r}")
+        if isinstance(self.responses_store_max_age_s, bool) \
+                or not isinstance(self.responses_store_max_age_s, (int, float)) \
+                or not 0 < self.responses_store_max_age_s < float("inf"):
+            raise ValueError(f"--responses-store-max-age must be a positive number of seconds, got "
+                             f"{self.responses_store_max_age_s!r}")
         if self.metrics_compat not in ("none", "vllm"):
             raise ValueError(f"--metrics-compat must be none or vllm, got {self.metrics_compat!r}")
         if not isinstance(self.response_role, str) or not self.response_role:

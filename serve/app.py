@@ -48,7 +48,7 @@ from jaxllm.pooling.async_engine import AsyncPoolingEngine
 from serve import chat, completions, embeddings, lora, scoring
 from serve.responses import handler as responses
 from serve.responses.protocol import ResponsesRequest
-from serve.responses.store import ResponseStore, store_path
+from serve.responses.store import open_store
 from serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serve.metrics import Metrics
 from serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
@@ -118,10 +118,7 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
     if engine.stats_sink is None:
         engine.stats_sink = state.metrics
 
-    path = store_path(config.responses_store)
-    store = None if path is None else ResponseStore(path, config.responses_store_max_bytes,
-                                                    config.responses_store_max_age_s)
-    rstate = responses.ResponsesState(store)
+    rstate = responses.ResponsesState(open_store(config))
 
     app = Quart("jaxllm.serve")
     app.extensions["jaxllm"] = state

@@ -68,6 +68,12 @@ def register(subparsers) -> None:
     g.add_argument("--responses-store", default="auto", metavar="PATH",
                    help="sqlite file keeping /v1/responses for retrieval and previous_response_id (default auto: "
                         "responses.sqlite3 in the cache folder; none: keep nothing)")
+    g.add_argument("--responses-store-max-bytes", type=int, default=ServingConfig.responses_store_max_bytes,
+                   metavar="BYTES", help="the store's size bound: beyond it the oldest responses are evicted "
+                                         "(default 1 GiB)")
+    g.add_argument("--responses-store-max-age", type=float, default=ServingConfig.responses_store_max_age_s,
+                   metavar="SECONDS", help="the store's age bound: older responses are evicted and no longer "
+                                           "served (default 30 days, as OpenAI keeps them)")
     t = s.add_argument_group("tool calling and reasoning")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default when a request sends tools); needs --tool-call-parser')
@@ -105,7 +111,8 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         tool_parser_plugin=args.tool_parser_plugin, reasoning_parser=args.reasoning_parser,
         disable_log_stats=args.disable_log_stats, log_stats_interval=log_stats_interval,
         log_requests=args.log_requests, metrics_compat=args.metrics_compat,
-        responses_store=args.responses_store, lora_modules=parse_lora_modules(args.lora_modules))
+        responses_store=args.responses_store, responses_store_max_bytes=args.responses_store_max_bytes,
+        responses_store_max_age_s=args.responses_store_max_age, lora_modules=parse_lora_modules(args.lora_modules))
 
 
 def pooling_config_from_args(args: argparse.Namespace):

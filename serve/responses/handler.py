@@ -97,6 +97,10 @@ async def create_response(state: ServerState, rs: ResponsesState, req: Responses
             raise APIError(HTTPStatus.NOT_FOUND, f"Response with id '{req.previous_response_id}' not found.",
                            "previous_response_id")
         history = conv
+    # vLLM's meaning: the client's request_id is the response's id.
+    rid = req.request_id or new_id("resp")
+    if rid in rs.inflight:
+        raise bad_request(f"request_id {rid!r} names a response still in progress", "request_id")
     items = input_items(req)
     try:
         chat = _fitted(state, req, history + items) if req.truncation == "auto" else \
@@ -105,7 +109,6 @@ async def create_response(state: ServerState, rs: ResponsesState, req: Responses
         ctx = start_chat(state, chat)
     except APIError as e:
         raise remap(e) from None
-    rid = new_id("resp")
     job = _Job(state, rs, req, rid, now_s(), items, history, ctx)
     flight = rs.inflight[rid] = InFlight(ctx.request_id)
     if req.stream:

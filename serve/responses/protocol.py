@@ -148,7 +148,8 @@ class ResponsesRequest(OpenAIModel):
     truncation: Literal["auto", "disabled"] = "disabled"
     user: str | None = None
     seed: Int64 | None = None
-    request_id: str | None = None
+    request_id: str | None = Field(None, min_length=1)
+    """The response's id (vLLM's meaning); a fresh ``resp_...`` when not sent."""
 
     def check_supported(self) -> None:
         """vLLM's warning names only the extra fields nothing reads (the sampling extras are read)."""

@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from jaxllm.config import default_cache_dir
+from jaxllm.config import ServingConfig, default_cache_dir
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -49,6 +49,14 @@ def store_path(setting: str) -> str | None:
     if setting == "auto":
         return os.path.join(default_cache_dir(), DEFAULT_FILE)
     return setting
+
+
+def open_store(config: ServingConfig) -> ResponseStore | None:
+    """The store ``config`` asks for (``--responses-store`` and its bounds), or None for ``none``."""
+    path = store_path(config.responses_store)
+    if path is None:
+        return None
+    return ResponseStore(path, config.responses_store_max_bytes, config.responses_store_max_age_s)
 
 
 def _open(path: str) -> sqlite3.Connection:

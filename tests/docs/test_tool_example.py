@@ -7,8 +7,13 @@ chat template of tests/support/tool_models.py; the server gets the docs suite's 
 (SERVER_FLAGS).  Random weights write random text, so what is asserted is the responses' shape:
 each request answered, ``finish_reason`` ``"tool_calls"`` exactly when the hermes parser found
 calls (else ``"stop"`` or ``"length"``), each call's arguments JSON, the streamed chunks well
-formed.  (The README block itself is ``skip``-annotated in tests/docs/test_snippets.py, which
-cannot start a Hub; its reason names this file.)"""
+formed.  The Responses section's openai-agents block runs against the same server, with one
+substitution: random weights never write EOS, and the SDK takes a ``max_output_tokens`` stop
+as a failure, so the block's ``ModelSettings`` gain a body that ends each answer after a few
+tokens (``min_tokens`` and a ``logit_bias`` on EOS); the agent's run ends with that text, and
+any tool call it made went through the block's function.
+(The README blocks themselves are ``skip``-annotated in tests/docs/test_snippets.py, which
+cannot start a Hub; their reasons name this file.)"""
 
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import json
 import os
 import sys
 
+import agents
+import httpx
 import pytest
 import transformers
 from support.fake_hub import FakeHub, read_folder
@@ -85,3 +92,31 @@ def test_readme_tool_calling_example_runs_against_the_hub_id(tool_server):
     assert printed and printed[0].split()[0] in ("tool_calls", "stop", "length"), printed[:3]
     print(f"{client_block.where}: ran against {base} ({README_ID} from the fake Hub): "
           f"{len(printed)} lines printed, finish_reason {ns['reply'].choices[0].finish_reason}")
+
+
+def test_readme_agents_example_runs_against_the_tool_server(tool_server):
+    base, _, _ = tool_server
+    (block,) = [b for b in all_blocks() if b.path == "README.md" and "OpenAIResponsesModel" in b.body]
+    assert block.lang == "python" and "http://127.0.0.1:8000" in block.body, block.where
+    assert f'model="{README_ID}"' in block.body and "set_tracing_disabled(True)" in block.body, block.where
+    (eos,) = httpx.post(base + "/tokenize", json={"prompt": "<|im_end|>", "add_special_tokens": False},
+                        timeout=60).json()["tokens"]
+    settings = "ModelSettings(temperature=0, max_tokens=256)"
+    assert settings in block.body, block.where
+    code = block.body.replace("http://127.0.0.1:8000", base).replace(
+        settings, settings[:-1] + f", extra_body={{'min_tokens': 4, 'logit_bias': {{'{eos}': 100}}}})")
+    ns: dict = {}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, block.where, "exec"), ns)   # noqa: S102
+    result = ns["result"]
+    assert isinstance(result.final_output, str) and result.final_output
+    assert out.getvalue().strip() == result.final_output.strip()
+    calls = [i.raw_item for i in result.new_items if isinstance(i, agents.ToolCallItem)]
+    outputs = [i.output for i in result.new_items if isinstance(i, agents.ToolCallOutputItem)]
+    for call in calls:
+        assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    assert len(outputs) == len(calls) and all(o.startswith("18C and sunny in ") for o in outputs)
+    assert result.raw_responses, "no model response"   # each turn one /v1/responses round trip
+    print(f"{block.where}: ran against {base}: {len(result.raw_responses)} model turns, {len(calls)} tool calls, "
+          f"final output {result.final_output[:60]!r}")

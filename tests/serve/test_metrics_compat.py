@@ -1,10 +1,12 @@
 """``jaxllm serve --metrics-compat vllm``: the series llm-d's endpoint picker (the Gateway API
 Inference Extension's) reads, checked by the picker's own parsing rules (tests/support/gie_metrics.py):
-names, types, labels, values, and the running count and KV usage moving with a request in flight.
+names, types, labels, values, the running count and KV usage moving with a request in flight,
+and the waiting count with a request past ``max_num_seqs``.
 One more app on the session's shared engine (support/serve_helpers.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -110,6 +112,38 @@ def test_running_and_kv_usage_move_with_a_request_in_flight(vllm_server, idle_en
     wait_until(lambda: idle_engine.stats().num_running == 0, timeout=10.0, what="the aborted request to end")
     after = gie.read(scrape(vllm_server))
     assert (after.running_requests_size, after.kv_cache_usage_percent) == (0, 0.0)
+
+
+def test_waiting_counts_a_request_past_max_num_seqs(vllm_server, idle_engine):
+    """One more stream than the scheduler seats: the gauge reads it waiting, then 0 once all end."""
+    seats = idle_engine.engine.core.scheduler.max_num_seqs
+    body = {"model": "tiny", "prompt": "word", "max_tokens": 200, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+
+    async def load() -> tuple[gie.PodMetrics, gie.PodMetrics]:
+        async with httpx.AsyncClient(base_url=vllm_server.base, timeout=60,
+                                     limits=httpx.Limits(max_connections=seats + 8)) as c:
+            async def stream():
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+
+            tasks = [asyncio.ensure_future(stream()) for _ in range(seats + 1)]
+            deadline = time.monotonic() + 30
+            while idle_engine.stats().num_waiting == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)
+            # 200 tokens each: the seated streams are far from done when the page is read.
+            during = gie.read((await c.get("/metrics")).text)
+            for t in tasks:
+                t.cancel()   # a closed stream aborts its request, seated or waiting
+            await asyncio.gather(*tasks, return_exceptions=True)
+        wait_until(lambda: idle_engine.stats().num_running + idle_engine.stats().num_waiting == 0, timeout=30.0,
+                   what="the aborted requests to end")
+        return during, gie.read(httpx.get(vllm_server.base + "/metrics", timeout=30).text)
+
+    during, after = asyncio.run(load())
+    assert (during.running_requests_size, during.waiting_queue_size) == (seats, 1)
+    assert (after.running_requests_size, after.waiting_queue_size) == (0, 0)
 
 
 def test_the_flag_reaches_the_server_config_and_a_wrong_value_is_named():

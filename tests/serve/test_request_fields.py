@@ -29,6 +29,11 @@ from serve.protocol import (ChatCompletionNamedToolChoiceParam, ChatCompletionRe
                             RerankRequest, ScoreRequest,
                             FunctionDefinition, NamedFunction, OpenAIModel, StreamOptions, TextContentPart,
                             TokenizeChatRequest, TokenizeCompletionRequest)
+from serve.responses import protocol as responses_protocol  # noqa: E402
+from serve.responses.convert import chat_messages, chat_request, input_items  # noqa: E402
+from serve.responses.protocol import (FunctionCallItem, FunctionCallOutputItem, FunctionTool,  # noqa: E402
+                                      InputText, MessageItem, NamedToolChoice, ReasoningConfig, ReasoningItem,
+                                      ResponsesRequest, TextConfig, TextFormat, Tool)
 from serve.structured import resolve_constraint  # noqa: E402
 
 pytest_plugins = ["support.serve_helpers"]
@@ -142,25 +147,102 @@ NESTED = {
 }
 """The models nested in requests: field -> the test of its effect."""
 
+RESPONSES = "serve/test_responses.py"
+RESPONSES_TOOLS = "serve/test_responses_tools.py"
+MAPPED = f"{HERE}::test_responses_fields_map_onto_the_chat_request"
+"""A Responses field that becomes a chat field: that mapping's test (the chat field's effect is
+the chat tests' own, named in SERVED / NESTED above)."""
+
+RESPONSES_SERVED = {
+    "model": f"{RESPONSES}::test_text_equals_chat_and_the_store_round_trip",
+    "input": f"{RESPONSES}::test_text_equals_chat_and_the_store_round_trip",
+    "max_output_tokens": f"{RESPONSES}::test_text_equals_chat_and_the_store_round_trip",
+    "temperature": f"{RESPONSES}::test_text_equals_chat_and_the_store_round_trip",
+    "instructions": MAPPED, "tool_choice": MAPPED, "parallel_tool_calls": MAPPED, "top_p": MAPPED, "seed": MAPPED,
+    "tools": f"{RESPONSES_TOOLS}::test_function_call_round_trip",
+    "text": f"{RESPONSES}::test_json_schema_validates",
+    "reasoning": f"{RESPONSES_TOOLS}::test_reasoning_effort_reaches_the_chat_template",
+    "metadata": f"{RESPONSES}::test_metadata_and_request_id_name_the_stored_response",
+    "request_id": f"{RESPONSES}::test_metadata_and_request_id_name_the_stored_response",
+    "store": f"{RESPONSES}::test_store_false_is_not_retrievable_and_unknown_previous_is_404",
+    "stream": f"{RESPONSES}::test_stream_events_order_sequence_and_deltas",
+    "background": f"{RESPONSES}::test_background_response_is_cancelled",
+    "previous_response_id": f"{RESPONSES}::test_previous_response_id_continues_the_conversation",
+    "include": f"{RESPONSES}::test_output_logprobs_equal_chat_logprobs_whole_and_streamed",
+    "top_logprobs": f"{RESPONSES}::test_output_logprobs_equal_chat_logprobs_whole_and_streamed",
+    "truncation": f"{RESPONSES}::test_truncation_auto_drops_the_oldest_items",
+}
+"""/v1/responses (ResponsesRequest): field -> the test of its effect."""
+
+RESPONSES_NO_OP = {
+    "user": VLLM_NO_OP["user"],
+}
+"""ResponsesRequest fields accepted without effect, and why."""
+
+_ITEM = {f: MAPPED for f in ("type", "id", "status")}   # the stored input items keep id and status
+NESTED.update({
+    InputText: {f: MAPPED for f in ("type", "text")},
+    MessageItem: {**_ITEM, "role": MAPPED, "content": MAPPED},
+    FunctionCallItem: {**_ITEM, "call_id": MAPPED, "name": MAPPED, "arguments": MAPPED},
+    FunctionCallOutputItem: {**_ITEM, "call_id": MAPPED, "output": MAPPED},
+    FunctionTool: {f: MAPPED for f in ("type", "name", "description", "parameters", "strict")},
+    Tool: {"type": MAPPED},
+    NamedToolChoice: {f: MAPPED for f in ("type", "name")},
+    TextFormat: {f: MAPPED for f in ("type", "name", "schema_", "strict")},
+    TextConfig: {"format": MAPPED},
+    ReasoningConfig: {"effort": f"{RESPONSES_TOOLS}::test_reasoning_effort_reaches_the_chat_template"},
+})
+
+NESTED_NO_OP = {
+    ReasoningItem: {f: "earlier reasoning is not replayed to the model (chat templates strip earlier turns' "
+                       "reasoning; vLLM drops these items too); accepted so that clients may send it back"
+                    for f in ("type", "id", "summary", "content", "encrypted_content", "status")},
+    TextFormat: {"description": "only the schema constrains the output (vLLM's structured outputs take the "
+                                "schema alone); no chat template here reads a format description"},
+    TextConfig: {"verbosity": "accepted without effect, as vLLM does: no chat template here reads a verbosity"},
+    ReasoningConfig: {f: "no reasoning summaries are generated (reasoning items carry the reasoning text and an "
+                         "empty summary, as vLLM's do)" for f in ("summary", "generate_summary")},
+}
+"""Nested fields accepted without effect, and why."""
+
 
 def _request_models() -> set[type]:
     """Every pydantic model a request body is parsed into (so a new one cannot hide)."""
     import serve.protocol as p
-    return {v for v in vars(p).values() if isinstance(v, type) and issubclass(v, OpenAIModel)
-            and v is not OpenAIModel and not v.__name__.startswith("_")}
+    return {v for m in (p, responses_protocol) for v in vars(m).values() if isinstance(v, type)
+            and issubclass(v, OpenAIModel) and v is not OpenAIModel and not v.__name__.startswith("_")}
 
 
 def test_every_request_model_is_walked():
-    assert _request_models() == set(MODELS) | set(NESTED)
+    assert _request_models() == set(MODELS) | {ResponsesRequest} | set(NESTED) | set(NESTED_NO_OP)
 
 
-@pytest.mark.parametrize("model", sorted(NESTED, key=lambda m: m.__name__), ids=lambda m: m.__name__)
+@pytest.mark.parametrize("model", sorted(set(NESTED) | set(NESTED_NO_OP), key=lambda m: m.__name__),
+                         ids=lambda m: m.__name__)
 def test_every_nested_field_is_classified(model):
-    unclassified = sorted(set(model.model_fields) - set(NESTED[model]) - set(model.REFUSED))
+    served, no_op = NESTED.get(model, {}), NESTED_NO_OP.get(model, {})
+    unclassified = sorted(set(model.model_fields) - set(served) - set(no_op) - set(model.REFUSED))
     assert not unclassified, f"{model.__name__}: fields neither honoured nor refused: {unclassified}"
-    for field, ref in NESTED[model].items():
+    assert not set(served) & set(no_op), f"{model.__name__}: fields classified twice"
+    for field, ref in served.items():
         src = _test_source(ref)
         assert src is not None and re.search(rf"\b{field}\b", src), f"{model.__name__}.{field}: {ref}"
+
+
+def test_every_responses_field_is_classified():
+    fields = set(ResponsesRequest.model_fields)
+    classes = [set(RESPONSES_SERVED), set(RESPONSES_NO_OP), set(ResponsesRequest.REFUSED)]
+    unclassified = sorted(fields - set().union(*classes))
+    assert not unclassified, f"ResponsesRequest: fields neither honoured nor refused: {unclassified}"
+    assert sum(map(len, classes)) == len(set().union(*classes)), "ResponsesRequest: a field classified twice"
+    assert set().union(*classes) <= fields, "the tables name fields ResponsesRequest does not have"
+
+
+@pytest.mark.parametrize("field", sorted(RESPONSES_SERVED))
+def test_each_served_responses_field_has_an_effect_test(field):
+    src = _test_source(RESPONSES_SERVED[field])
+    assert src is not None, f"{field}: no test {RESPONSES_SERVED[field]}"
+    assert re.search(rf"\b{field}\b", src), f"{field}: {RESPONSES_SERVED[field]} does not mention it"
 
 
 def _test_source(ref: str) -> str | None:
@@ -329,6 +411,53 @@ def test_message_and_tool_fields_reach_the_chat_template():
     assert set(d) == set(ChatCompletionToolParam.model_fields)
     assert set(d["function"]) == set(FunctionDefinition.model_fields)
     assert set(TextContentPart.model_fields) == {"type", "text"}
+
+
+def test_responses_fields_map_onto_the_chat_request(caplog):
+    """A Responses body becomes the chat request whose fields have their own effect tests: every
+    field and item kind set here (a message's text parts, an assistant turn with its function
+    call, the call's output, a developer message).  The stored input items keep the client's
+    id and status."""
+    weather = {"type": "function", "name": "get_weather", "description": "d", "parameters": {"type": "object"},
+               "strict": True}
+    schema = {"type": "object"}
+    req = ResponsesRequest.model_validate({
+        "model": "tiny", "instructions": "Be brief.", "input": [
+            {"type": "message", "role": "user", "id": "msg_1", "status": "completed",
+             "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "c"}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}", "id": "fc_1",
+             "status": "in_progress"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny", "id": "fco_1",
+             "status": "completed"},
+            {"role": "developer", "content": "d"}],
+        "tools": [weather, {"type": "web_search"}], "tool_choice": {"type": "function", "name": "get_weather"},
+        "parallel_tool_calls": False,
+        "text": {"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
+        "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+        "max_output_tokens": 5, "temperature": 0.5, "top_p": 0.9, "seed": 7})
+    assert req.text.format.schema_ == schema
+    items = input_items(req)
+    assert [(i["id"][:4], i["status"]) for i in items] == [
+        ("msg_", "completed"), ("msg_", "completed"), ("fc_1", "in_progress"), ("fco_", "completed"),
+        ("msg_", "completed")]
+    assert [items[0]["id"], items[2]["id"], items[3]["id"]] == ["msg_1", "fc_1", "fco_1"]
+    with caplog.at_level(logging.WARNING, logger="jaxllm.serve"):
+        chat = chat_request(req, chat_messages(req.instructions, items), stream=False)
+    assert "tool type 'web_search' is not served" in caplog.text   # left out, with a warning
+    assert chat.model_dump(exclude_none=True, exclude_defaults=True) == {
+        "model": "tiny", "temperature": 0.5, "top_p": 0.9, "seed": 7, "max_tokens": 5,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"},
+                     {"role": "assistant", "content": "c", "tool_calls": [
+                         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                     {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+                     {"role": "system", "content": "d"}],
+        "logprobs": True, "top_logprobs": 2,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "d",
+                                                    "parameters": schema, "strict": True}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                                   "strict": True}}}
 
 
 def test_guided_whitespace_pattern_reaches_the_constraint():

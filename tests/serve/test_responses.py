@@ -1,8 +1,9 @@
 """The Responses API through a real server, as the official ``openai`` client sees it: text equal
 to the chat endpoint's, the stream's event order and sequence numbers, ``text.format``
-json_schema, the store (retrieve, input items, delete, ``store: false``), cancel freeing the
-KV, ``include`` logprobs equal to chat's, ``reasoning.effort`` refused on a template that does
-not read it, and fuzzed bad bodies answered 4xx in OpenAI's shape.
+json_schema, the store (retrieve, input items, delete, ``store: false``), a continued
+conversation's prefix-cache hits, cancel freeing the KV, ``include`` logprobs equal to chat's,
+``reasoning.effort`` refused on a template that does not read it, and fuzzed bad bodies
+answered 4xx in OpenAI's shape.
 
 One server on the tiny Llama with its own store file; compact JSON engine-wide
 (``disable_any_whitespace``), since the random model would pad JSON with whitespace.
@@ -94,6 +95,30 @@ def test_previous_response_id_continues_the_conversation(client):
         {"role": "user", "content": "Two"}])
     assert second.output_text == chat.choices[0].message.content
     assert second.previous_response_id == first.id
+
+
+def test_metadata_and_request_id_name_the_stored_response(client):
+    r = client.responses.create(model="tiny", input="Hi", max_output_tokens=1, metadata={"ticket": "42"},
+                                extra_body={"request_id": "resp_mine_1"})
+    assert (r.id, r.metadata) == ("resp_mine_1", {"ticket": "42"})
+    got = client.responses.retrieve("resp_mine_1")
+    assert (got.id, got.metadata) == ("resp_mine_1", {"ticket": "42"})
+    client.responses.delete("resp_mine_1")
+
+
+def test_a_continued_conversation_reuses_its_kv(client, engine):
+    # Long enough to fill blocks: the follow-up's prompt starts with the first turn's prompt and
+    # output, whose KV the prefix cache still holds.
+    block = engine.engine.core.kv_manager.block_size
+    first = client.responses.create(model="tiny", input="Tell me a story about " + "a cat and a dog " * 6,
+                                    max_output_tokens=20, temperature=0)
+    second = client.responses.create(model="tiny", input="And then?", previous_response_id=first.id,
+                                     max_output_tokens=2, temperature=0)
+    # The first turn's last sampled token was never fed back, so its KV is the prompt and all
+    # output tokens but the last; the cache hands back whole blocks of it.  Equal, not just > 0:
+    # the history re-rendered from the store must tokenize exactly as the tokens were generated.
+    reusable = (first.usage.input_tokens + first.usage.output_tokens - 1) // block * block
+    assert second.usage.input_tokens_details.cached_tokens == reusable
 
 
 class _FailingStream:

@@ -21,7 +21,10 @@ pytest.register_assert_rewrite("support.serve_helpers")
 
 from support.serve_helpers import free_port, wait_for_health  # noqa: E402
 
-from serve.responses.store import ResponseStore  # noqa: E402
+from jaxllm import cli  # noqa: E402
+from jaxllm.config import ServingConfig  # noqa: E402
+from serve.cli import serving_config_from_args  # noqa: E402
+from serve.responses.store import ResponseStore, open_store  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,6 +50,35 @@ def test_store_bounds_evict_oldest_and_expired(tmp_path):
     assert aged.total_bytes() == len('{"id":"resp_99","object":"response","status":"completed","output":[],"pad":""}') \
         + len("[]") * 2
     aged.close()
+
+
+def _serving(*flags: str) -> ServingConfig:
+    return serving_config_from_args(cli.parse_args(cli.build_parser(), ["serve", *flags]))
+
+
+def test_the_bound_flags_reach_the_store_and_bad_values_name_the_flag(tmp_path, capsys):
+    path = str(tmp_path / "flags.sqlite3")
+    store = open_store(_serving("--responses-store", path, "--responses-store-max-bytes", "5000"))
+    for i in range(20):
+        store.put(_resp(i, pad=1000), [], [])
+    # ~1.1 kB a row: the 5000-byte bound keeps the newest four, not the default's gigabyte.
+    assert store.total_bytes() <= 5000
+    assert [i for i in range(20) if store.get(f"resp_{i}") is not None] == [16, 17, 18, 19]
+    store.close()
+    store = open_store(_serving("--responses-store", path, "--responses-store-max-age", "0.05"))
+    time.sleep(0.1)
+    assert store.get("resp_19") is None  # older than the flag's 0.05 s: evicted, not the default's 30 days
+    store.put(_resp(20), [], [])
+    assert store.total_bytes() < 200
+    store.close()
+    assert open_store(_serving("--responses-store", "none")) is None
+    for flag, value in (("--responses-store-max-bytes", "0"), ("--responses-store-max-age", "-1"),
+                        ("--responses-store-max-age", "inf")):
+        with pytest.raises(ValueError, match=f"^{flag} must be a positive number"):
+            _serving(flag, value)
+    with pytest.raises(SystemExit):
+        _serving("--responses-store-max-bytes", "1GB")
+    assert "argument --responses-store-max-bytes: invalid int value: '1GB'" in capsys.readouterr().err
 
 
 def test_a_damaged_store_file_is_moved_aside_not_a_failed_start(tmp_path, caplog):
@@ -132,6 +164,5 @@ def test_sigkill_mid_stream_then_restart_keeps_every_completed_response(tiny_lla
     assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     n, total = db.execute("SELECT COUNT(*), SUM(nbytes) FROM responses").fetchone()
     assert n >= len(completed)
-    from jaxllm.config import ServingConfig
     assert total <= ServingConfig().responses_store_max_bytes
     db.close()
