@@ -20,7 +20,7 @@ from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.engine.processor import InputProcessor
 from jaxllm.runner import compile as cc
 
-N = 32
+N = 8   # greedy tokens compared with transformers + peft (each adapter changes the first few)
 ENGINE = {**ONE_SHOT_ENGINE, "max_num_seqs": 8, "max_num_batched_tokens": 64, "skip_tokenizer_init": True,
           "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 BACKENDS = {"native": dict(cpu_matmul="native"),
@@ -74,9 +74,14 @@ def test_one_batch_of_two_ranks_and_the_base_matches_transformers_peft(backend, 
 
 
 def test_a_mixed_batch_equals_each_request_alone(engine, loras):
+    """Seeded sampling, each row drawn as it would be alone.  Greedy, a mixed batch equal to each
+    request alone is the test above: its batch of six rows against transformers + peft run one
+    request at a time."""
     llm = engine("native")
-    items = [(loras["a4"], 0), (None, 1), (loras["b8"], 1), (loras["a4"], 1)]
-    for params in (GREEDY, SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)):
+    # Five rows: their prefill (43 tokens) and decode steps run the buckets (64, 8) and (8, 8) the
+    # test above compiled; alone, each runs the 1-row buckets the tests below run too.
+    items = [(loras["a4"], 0), (None, 1), (loras["b8"], 1), (loras["a4"], 1), (loras["b8"], 0)]
+    for params in (SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),):
         together = run(llm, items, params)
         alone = [run(llm, [it], params)[0] for it in items]
         assert together == alone
@@ -140,10 +145,13 @@ def test_packed_gguf_base_with_a_float_adapter(paths, loras, tmp_path):
     path = str(tmp_path / "base_q8_0.gguf")
     write_gguf(paths["base"], path, matrix_type=gguf.GGMLQuantizationType.Q8_0)
     prompt = [{"prompt_token_ids": PROMPTS[0]}]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     got = {}
     for dequantize in (False, True):
-        llm = LLM(path, **{**ENGINE, "max_num_seqs": 1, "max_loras": 1}, dequantize=dequantize)
+        # The shared engine's settings (auto resolves to the native matmul): the dequantized
+        # engine's programs are the native engine's (cache hits); the packed one compiles its
+        # own step programs only.
+        llm = LLM(path, **ENGINE, dequantize=dequantize)
         got[dequantize] = [llm.generate(prompt, params, lora_request=lr, use_tqdm=False)[0].outputs[0].token_ids
                            for lr in (None, loras["b8"])]
     assert got[False] == got[True]

@@ -70,7 +70,11 @@ def test_every_native_matrix_matches_the_float64_reference(preset):
     assert len(checked) == 16
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+# Served end to end: the two M presets, which between them run every K type of the fixtures
+# (Q4_K, Q5_K, and Q6_K in each: their output matrix and some layers) through the engine.  The
+# all-Q6_K file adds no kernel: its matrices are checked one by one above, and it is served
+# end to end (through the CLI) by tests/engine/test_disposable_caches.py.
+@pytest.mark.parametrize("preset", ["Q4_K_M", "Q5_K_M"])
 def test_engine_serves_the_file_as_shipped(preset):
     """The engine end to end on the llama.cpp-made file, its K blocks kept packed (the layers
     unrolled: the M presets quantize a weight differently in different layers), equal to the
@@ -79,11 +83,13 @@ def test_engine_serves_the_file_as_shipped(preset):
     from jaxllm import LLM, SamplingParams
     from jaxllm.quant import PackedWeight
     from support.engines import SMALL_ENGINE
-    prompts = [{"prompt_token_ids": [1, 17, 40, 300, 7]}, {"prompt_token_ids": list(range(2, 60))}]
-    # Step 1 prefills the first prompt and 27 of the second's 58 tokens, step 2 decodes the first
-    # beside the second's last 31: the second's first token comes a step later, so it asks for
-    # one token less and both end in one step ((32, 4) and (2, 2) compiled, no 1-row tail bucket).
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (12, 11)]
+    # 28 prompt tokens in four requests: one prefill step (32, 4), then every decode step (4, 4):
+    # two step programs and one sampler program (4 rows) per engine, and the dequantized engine's
+    # are the same for both presets (hits in the persistent cache).  The kernel's tiles of fewer
+    # than 4 rows run on every matrix of the files in the test above (3 rows).
+    prompts = [{"prompt_token_ids": ids} for ids in ([1, 17, 40, 300, 7], list(range(2, 14)),
+                                                      list(range(100, 107)), [5, 6, 7, 8])]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     out = {}
     for deq in (False, True):
         # The buckets this generate runs, compiled when first needed, under the strict guard.
@@ -96,6 +102,7 @@ def test_engine_serves_the_file_as_shipped(preset):
         assert types == (set() if deq else PRESETS[preset]), types
         res = llm.generate(prompts, params, use_tqdm=False)
         print(f"{preset} dequantize={deq}: buckets compiled: {sorted(runner.compiler.steps)}")
+        assert sorted(runner.compiler.steps) == [(4, 4), (32, 4)]
         out[deq] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
                                                                               o.outputs[0].token_ids)]) for o in res]
     for (t, lp), (rt, rlp) in zip(out[False], out[True]):
