@@ -53,12 +53,14 @@ def builtin_model():
     return load_model(None)
 
 
-# Every prompt position of IDS through the paged forward, in steps of 5 tokens (FIVE) or of 1
-# and 5 tokens (ONE): two programs per matmul, shared by the step-shape test and the int8
-# error test.  Positions 5-9 are computed one token per step in ONE, five per step in FIVE.
+# Every prompt position of IDS through the paged forward, in steps of 8 tokens (EIGHT) or of 1
+# and 8 tokens (ONE): two programs per matmul, shared by the step-shape test and the int8
+# error test.  Positions 8-15 are computed one token per step in ONE, eight per step in
+# EIGHT (XLA's norm sums some rows of an 8-row step in another order than a 1-row step's; of
+# a 5-row step in the same one).
 IDS = [1] + list(range(300, 340))                    # 41 tokens
-FIVE = tuple(range(5, 41, 5))                        # 5 x 8, then 1
-ONE = (5, 6, 7, 8, 9, *FIVE[1:])                     # 5, 1 x 5, 5 x 6, then 1
+EIGHT = tuple(range(8, 41, 8))                       # 8 x 5, then 1
+ONE = (*range(8, 16), *EIGHT[1:])                    # 8, 1 x 8, 8 x 4, then 1
 
 
 @pytest.fixture(scope="module")
@@ -109,12 +111,12 @@ def test_int8_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
 
 @pytest.mark.slow
 def test_int8_logits_error_against_the_dequantized_model(step_logits):
-    """int8 activations' logits (the FIVE step shapes of the test below: no program of its own)
+    """int8 activations' logits (the EIGHT step shapes of the test below: no program of its own)
     against the dequantized float32 model's: the reference is tests/quant/test_builtin_packed.py's
     ``test_packed_logits_error`` program (same ids, split and backends: a compile-cache hit in
     the suite)."""
     from jaxllm.models.loader import load_model
-    got = step_logits("native-int8", FIVE)
+    got = step_logits("native-int8", EIGHT)
     ref = paged_logits(load_model(None, dequantize=True), IDS, scan_layers=False, split=24)
     err = np.abs(got - ref).max()
     agree = (got.argmax(-1) == ref.argmax(-1)).mean()
@@ -127,19 +129,19 @@ def test_int8_logits_error_against_the_dequantized_model(step_logits):
 @pytest.mark.slow
 @pytest.mark.parametrize("matmul", ["native-int8", "native"])
 def test_a_tokens_logits_do_not_depend_on_the_step_shape(step_logits, matmul):
-    """The same positions computed one token per step and five per step give bit-identical
+    """The same positions computed one token per step and eight per step give bit-identical
     logits on the native CPU path (and so do the later positions, on those caches).  XLA's
     own norms did not: it sums a row's squares in an order that depends on the step's shape
     (cpu/norm.cc), which with int8 activations moved the logits by up to 1.7 after 30 layers."""
-    one, five = step_logits(matmul, ONE), step_logits(matmul, FIVE)
-    rows = np.nonzero(np.abs(one - five).max(-1))[0].tolist()
+    one, eight = step_logits(matmul, ONE), step_logits(matmul, EIGHT)
+    rows = np.nonzero(np.abs(one - eight).max(-1))[0].tolist()
     print(f"{matmul}: positions whose logits differ between the two step shapes: {rows}")
     assert rows == []
 
 
 # One proposal a step: three rows verifying fill 3 to 6 tokens, the (4, 4) and (8, 8) buckets
 # (k = 4 spread 3 to 15 tokens over five); a verification step still has another shape
-# than plain decoding's 3-row (4, 4) step, and the 1- vs 5-token step shapes are
+# than plain decoding's 3-row (4, 4) step, and the 1- vs 8-token step shapes are
 # test_a_tokens_logits_do_not_depend_on_the_step_shape's.
 SPEC = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "cost_model": False}
