@@ -53,6 +53,30 @@ def builtin_model():
     return load_model(None)
 
 
+# Every prompt position of IDS through the paged forward, in steps of 8 tokens (EIGHT) or of 1
+# and 8 tokens (ONE): two programs per matmul, shared by the step-shape test and the int8
+# error test.  Positions 8-15 are computed one token per step in ONE, eight per step in
+# EIGHT (XLA's norm sums some rows of an 8-row step in another order than a 1-row step's; of
+# a 5-row step in the same one).
+IDS = [1] + list(range(300, 340))                    # 41 tokens
+EIGHT = tuple(range(8, 41, 8))                       # 8 x 5, then 1
+ONE = (*range(8, 16), *EIGHT[1:])                    # 8, 1 x 8, 8 x 4, then 1
+
+
+@pytest.fixture(scope="module")
+def step_logits(builtin_model):
+    """(matmul, split) -> the built-in model's logits [41, vocab] (native attention),
+    each computed once for the module."""
+    memo = {}
+
+    def get(matmul, split):
+        if (matmul, split) not in memo:
+            memo[matmul, split] = paged_logits(builtin_model, IDS, scan_layers=False, split=split, matmul=matmul,
+                                               attention="native")
+        return memo[matmul, split]
+    return get
+
+
 @pytest.mark.slow
 def test_int8_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
     llm = int8_llm
@@ -86,36 +110,40 @@ def test_int8_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
 
 
 @pytest.mark.slow
-def test_int8_logits_error_against_the_dequantized_model(builtin_model):
+def test_int8_logits_error_against_the_dequantized_model(step_logits):
+    """int8 activations' logits (the EIGHT step shapes of the test below: no program of its own)
+    against the dequantized float32 model's: the reference is tests/quant/test_builtin_packed.py's
+    ``test_packed_logits_error`` program (same ids, split and backends: a compile-cache hit in
+    the suite)."""
     from jaxllm.models.loader import load_model
-    ids = [1] + list(range(300, 340))
-    got = paged_logits(builtin_model, ids, scan_layers=False, split=24, matmul="native-int8")
-    ref = paged_logits(load_model(None, dequantize=True), ids, scan_layers=False, split=24)
+    got = step_logits("native-int8", EIGHT)
+    ref = paged_logits(load_model(None, dequantize=True), IDS, scan_layers=False, split=24)
     err = np.abs(got - ref).max()
     agree = (got.argmax(-1) == ref.argmax(-1)).mean()
     print(f"built-in model, int8 activations vs dequantized float32: max |logit error| {err:.2f} "
-          f"(logits up to {np.abs(ref).max():.1f}), argmax equal at {agree:.0%} of {len(ids)} positions")
+          f"(logits up to {np.abs(ref).max():.1f}), argmax equal at {agree:.0%} of {len(IDS)} positions")
     assert err < 0.2 * np.abs(ref).max()
     assert agree > 0.5
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("matmul", ["native-int8", "native"])
-def test_a_tokens_logits_do_not_depend_on_the_step_shape(builtin_model, matmul):
-    """The same positions computed one token per step and five per step (then 12 and 13 per
-    step) give bit-identical logits on the native CPU path.  XLA's own norms did not: it sums
-    a row's squares in an order that depends on the step's shape (cpu/norm.cc), which with
-    int8 activations moved the logits by up to 1.7 after 30 layers."""
-    model = builtin_model
-    ids = [1] + list(range(300, 340))
-    one = paged_logits(model, ids, scan_layers=False, split=(24, 25, 26, 27, 28), matmul=matmul, attention="native")
-    five = paged_logits(model, ids, scan_layers=False, split=(24, 29), matmul=matmul, attention="native")
-    rows = np.nonzero(np.abs(one - five).max(-1))[0].tolist()
+def test_a_tokens_logits_do_not_depend_on_the_step_shape(step_logits, matmul):
+    """The same positions computed one token per step and eight per step give bit-identical
+    logits on the native CPU path (and so do the later positions, on those caches).  XLA's
+    own norms did not: it sums a row's squares in an order that depends on the step's shape
+    (cpu/norm.cc), which with int8 activations moved the logits by up to 1.7 after 30 layers."""
+    one, eight = step_logits(matmul, ONE), step_logits(matmul, EIGHT)
+    rows = np.nonzero(np.abs(one - eight).max(-1))[0].tolist()
     print(f"{matmul}: positions whose logits differ between the two step shapes: {rows}")
     assert rows == []
 
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+# One proposal a step: three rows verifying fill 3 to 6 tokens, the (4, 4) and (8, 8) buckets
+# (k = 4 spread 3 to 15 tokens over five); a verification step still has another shape
+# than plain decoding's 3-row (4, 4) step, and the 1- vs 8-token step shapes are
+# test_a_tokens_logits_do_not_depend_on_the_step_shape's.
+SPEC = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "cost_model": False}
 
 
@@ -123,8 +151,9 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
 def test_speculation_on_int8_activations_returns_plain_decodings_tokens(int8_llm):
     # Three short repetitive prompts (n-gram drafts to propose), prefilled in one step of the
     # 32-token bucket and decoded three rows at a time: the plain engine runs only the two
-    # buckets test_int8_engine_runs_the_interleaved_int8_kernel compiled, and 16 tokens hold
-    # accepted and rejected drafts (asserted below).
+    # buckets test_int8_engine_runs_the_interleaved_int8_kernel compiled, the speculating one
+    # (32, 4), (4, 4), (8, 8) and, as rows finish apart, (2, 2) and (1, 1) (with k = 4 it ran
+    # eight); 16 tokens hold accepted and rejected drafts (asserted below).
     prompts = ["one two three four one two three four one two",
                "apple, banana, cherry, apple, banana,",
                "x = 1\nx = 1\nx"]

@@ -10,7 +10,7 @@ import pytest
 
 from jaxllm import SamplingParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+SPEC = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "cost_model": False}
 PROMPTS = ["one two three four five six seven eight nine ten " * 3,
            "The list: apple, banana, cherry, apple, banana, cherry, apple,",
@@ -24,10 +24,12 @@ def spec_server():
     from jaxllm.config import ServingConfig
     from support.serve_helpers import ServerThread, make_engine
 
-    # 8 tokens a step: two rows verifying 3 proposals each fit, and a server builds every bucket
-    # of the 30-layer model (one fewer than at 16).  float32 activations, as the session's
-    # builtin_llm (tests/quant/test_builtin_int8.py checks speculation on the int8 default)
-    engine = make_engine(None, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=256, speculative_config=SPEC,
+    # A server builds every bucket of the 30-layer model: 4 tokens a step (two rows verifying
+    # one proposal each fit) make four, (1, 1), (2, 2), (4, 2) and (4, 4) (three proposals in 8
+    # tokens made six).  Several proposals verified in one step: tests/spec_decode/
+    # test_spec_identity.py on the tiny models.  float32 activations, as the session's
+    # builtin_llm (tests/quant/test_builtin_int8.py checks speculation on int8 activations).
+    engine = make_engine(None, max_num_seqs=2, max_num_batched_tokens=4, max_model_len=256, speculative_config=SPEC,
                          cpu_matmul="native")
     srv = ServerThread(engine, ServingConfig(host="127.0.0.1", port=0))
     yield srv
@@ -41,13 +43,14 @@ def spec_counters(base):
 
 
 def test_served_text_equals_plain_decoding(spec_server, builtin_llm):
+    # 16 tokens of each of the nine requests: drafts accepted and rejected (asserted below)
     before = spec_counters(spec_server.base)
     with httpx.Client(base_url=spec_server.base, timeout=120) as c:
         for prompt in PROMPTS:
             for p in PARAMS:
-                plain = builtin_llm.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, **p),
+                plain = builtin_llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, **p),
                                              use_tqdm=False)[0].outputs[0]
-                r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "ignore_eos": True, **p})
+                r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 16, "ignore_eos": True, **p})
                 assert r.status_code == 200, r.text
                 assert r.json()["choices"][0]["text"] == plain.text, (prompt, p)
     run = spec_counters(spec_server.base).minus(before)
