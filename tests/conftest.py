@@ -13,6 +13,11 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 # Set before jaxllm or jax is imported anywhere in the session.
 os.environ.setdefault("JAXLLM_CACHE_DIR", os.path.join(ROOT, ".jaxllm_cache", "tests"))
+# One intra-op thread for the torch oracles (read when torch starts): each of the two test
+# workers has a core, and a second OpenMP thread only spins there, taking time from the other
+# worker's compiles (a 70-token transformers generate: ~3 CPU-s on two threads, 0.2 on one).
+# jaxllm itself does not use OpenMP; XLA sizes its own thread pools.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The one way tests import what is not a test: helpers as ``support.<module>`` (tests/ on the
 # path), the repository's own ``bench`` and ``serve`` packages from its root (a regular package
 # wins over the test folders of the same name, which have no __init__.py).  Probes started in a
