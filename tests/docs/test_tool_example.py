@@ -2,16 +2,17 @@
 ...`` command (parsers and all) and its openai client block, unchanged but for the server's port.
 
 Reduced: the Hub is tests/support/fake_hub.py on 127.0.0.1 (``HF_ENDPOINT``), holding under the
-README's id a tiny random Qwen3 checkpoint (tests/support/tiny_models.py) with the tool-rendering
-chat template of tests/support/tool_models.py; the server gets the docs suite's smaller buckets
-(SERVER_FLAGS).  Random weights write random text, so what is asserted is the responses' shape:
-each request answered, ``finish_reason`` ``"tool_calls"`` exactly when the hermes parser found
-calls (else ``"stop"`` or ``"length"``), each call's arguments JSON, the streamed chunks well
-formed.  The Responses section's openai-agents block runs against the same server, with one
-substitution: random weights never write EOS, and the SDK takes a ``max_output_tokens`` stop
-as a failure, so the block's ``ModelSettings`` gain a body that ends each answer after a few
-tokens (``min_tokens`` and a ``logit_bias`` on EOS); the agent's run ends with that text, and
-any tool call it made went through the block's function.
+README's id tests/support/tool_models.py's scripted checkpoint (its chat template renders tools
+and hermes turns as Qwen3's does; a ``logit_bias`` on a script's first token makes it write that
+script: a tool call, or ``<think>`` reasoning then text); the server gets the docs suite's
+smaller buckets (SERVER_FLAGS).  The chat block sends no bias, so the text is arbitrary and what
+is asserted is the responses' shape: each request answered, ``finish_reason`` ``"tool_calls"``
+exactly when the hermes parser found calls (else ``"stop"`` or ``"length"``), each call's
+arguments JSON, the streamed chunks well formed.  The Responses section's blocks run against
+the same server, each with one substitution, a body carrying the bias: the function-tool round
+trip (a ``function_call`` item, then after its ``function_call_output`` with
+``previous_response_id`` the final answer), and the openai-agents block (the ``<think>`` script
+ends the answer with EOS; the SDK takes a ``max_output_tokens`` stop as a failure).
 (The README blocks themselves are ``skip``-annotated in tests/docs/test_snippets.py, which
 cannot start a Hub; their reasons name this file.)"""
 
@@ -24,14 +25,12 @@ import os
 import sys
 
 import agents
-import httpx
 import pytest
-import transformers
+import openai
 from support.fake_hub import FakeHub, read_folder
 from support.serve_process import running_server
 from support.snippets import SERVER_FLAGS, all_blocks, argv_of, commands
-from support.tiny_models import build_tiny
-from support.tool_models import CHAT_TEMPLATE
+from support.tool_models import build_scripted, script_ids
 
 README_ID = "Qwen/Qwen3-0.6B"
 START_S = 600
@@ -54,10 +53,9 @@ def tool_server(tmp_path_factory, smollm_tokenizer_dir):
     argv = argv_of(cmd)
     assert argv[:3] == ["jaxllm", "serve", README_ID], argv
     root = tmp_path_factory.mktemp("tool_example")
-    hf = build_tiny("qwen3_qk_norm", str(root / "qwen3"), smollm_tokenizer_dir)
-    tok = transformers.AutoTokenizer.from_pretrained(hf)
-    tok.chat_template = CHAT_TEMPLATE   # renders `tools` and hermes <tool_call> turns, as Qwen3's does
-    tok.save_pretrained(hf)
+    # The scripted checkpoint under the README's id: its template renders `tools` and hermes
+    # <tool_call> turns as Qwen3's does, and a logit_bias picks a script (a tool call, <think>).
+    hf = build_scripted(str(root / "scripted"), smollm_tokenizer_dir)
     hub = FakeHub({README_ID: read_folder(hf)})
     env = dict(os.environ, HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(root / "hf_cache"), HF_HUB_DISABLE_IMPLICIT_TOKEN="1")
     env.pop("HF_HUB_OFFLINE", None)
@@ -66,13 +64,13 @@ def tool_server(tmp_path_factory, smollm_tokenizer_dir):
     try:
         with running_server([sys.executable, "-m", "jaxllm.cli", *argv[1:], *SERVER_FLAGS], env=env, log=log,
                             timeout=START_S) as base:
-            yield base, hub, log
+            yield base, hub, log, script_ids(hf)
     finally:
         hub.stop()
 
 
 def test_readme_tool_calling_example_runs_against_the_hub_id(tool_server):
-    base, hub, log = tool_server
+    base, hub, _, _ = tool_server
     _, client_block = _readme_blocks()
     # the server downloaded the README's id from the fake Hub
     assert any(f.startswith(f"{README_ID}/") and f.endswith(".safetensors") for f in hub.fetched), hub.fetched
@@ -95,16 +93,15 @@ def test_readme_tool_calling_example_runs_against_the_hub_id(tool_server):
 
 
 def test_readme_agents_example_runs_against_the_tool_server(tool_server):
-    base, _, _ = tool_server
+    base, _, _, ids = tool_server
     (block,) = [b for b in all_blocks() if b.path == "README.md" and "OpenAIResponsesModel" in b.body]
     assert block.lang == "python" and "http://127.0.0.1:8000" in block.body, block.where
     assert f'model="{README_ID}"' in block.body and "set_tracing_disabled(True)" in block.body, block.where
-    (eos,) = httpx.post(base + "/tokenize", json={"prompt": "<|im_end|>", "add_special_tokens": False},
-                        timeout=60).json()["tokens"]
     settings = "ModelSettings(temperature=0, max_tokens=256)"
     assert settings in block.body, block.where
+    # The scripted checkpoint answers with its <think> script (reasoning, then text, then EOS).
     code = block.body.replace("http://127.0.0.1:8000", base).replace(
-        settings, settings[:-1] + f", extra_body={{'min_tokens': 4, 'logit_bias': {{'{eos}': 100}}}})")
+        settings, settings[:-1] + f", extra_body={{'logit_bias': {{'{ids['think'][0]}': 100}}}})")
     ns: dict = {}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -120,3 +117,31 @@ def test_readme_agents_example_runs_against_the_tool_server(tool_server):
     assert result.raw_responses, "no model response"   # each turn one /v1/responses round trip
     print(f"{block.where}: ran against {base}: {len(result.raw_responses)} model turns, {len(calls)} tool calls, "
           f"final output {result.final_output[:60]!r}")
+
+
+def test_readme_responses_tool_round_trip_runs_against_the_tool_server(tool_server):
+    base, _, _, ids = tool_server
+    (block,) = [b for b in all_blocks() if b.path == "README.md" and "previous_response_id=first.id" in b.body]
+    assert block.lang == "python" and "function_call_output" in block.body, block.where
+    # The block continues the Responses block before it (its `client` and `model`); its two
+    # requests gain the logit_bias that picks the scripted checkpoint's tool-call script, then
+    # its <think> script.
+    first_call, second_call = "in Paris?\", tools=tools)", "previous_response_id=first.id, tools=tools)"
+    assert first_call in block.body and second_call in block.body, block.where
+    code = block.body.replace(first_call, first_call[:-1] + f", extra_body={{'logit_bias': {{'{ids['tools'][0]}': 100}}}})")
+    code = code.replace(second_call, second_call[:-1] + f", extra_body={{'logit_bias': {{'{ids['think'][0]}': 100}}}})")
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    ns: dict = {"client": client, "model": client.models.list().data[0].id}
+    assert ns["model"] == README_ID
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, block.where, "exec"), ns)   # noqa: S102
+    first, final = ns["first"], ns["final"]
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls][:1] == [("get_weather", {"city": "Paris"})], first.output
+    assert [r["call_id"] for r in ns["results"]] == [c.call_id for c in calls]
+    assert final.previous_response_id == first.id and final.status == "completed"
+    # The answer after the function_call_output items, its reasoning parsed out.
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "It is sunny."
+    assert out.getvalue() == "It is sunny.\n"
+    print(f"{block.where}: ran against {base}: {len(calls)} function calls, then {final.output_text!r}")
