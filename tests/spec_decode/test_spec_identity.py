@@ -29,12 +29,13 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, 
 
 # The engine every test here shares, all of its buckets compiled at start-up (the strict guard
 # then proves that no step with speculation on compiles: the every-bucket proof for
-# speculation).  A 16-token budget keeps two verification buckets (5 and 10: one and two
-# requests verifying 4) and 11 programs in all, where SMALL_ENGINE's 32 makes 15.
-SPEC_ENGINE = {**SMALL_ENGINE, "max_num_batched_tokens": 16}
+# speculation).  An 8-token budget keeps a verification bucket (5: a request verifying 4, its
+# 5 rows and the prefill's 4) and 7 programs in all, where SMALL_ENGINE's 32 makes 15.
+SPEC_ENGINE = {**SMALL_ENGINE, "max_num_batched_tokens": 8}
 
-# Free KV blocks left to the preemption test: fewer than its batch needs.
-PREEMPTION_BLOCKS = 8
+# Free KV blocks left to the preemption test: fewer than its batch needs at the 8-token
+# budget, enough for any one of its requests alone (5 blocks at most, lookahead included).
+PREEMPTION_BLOCKS = 5
 
 # Requests of the workload the small pool runs: enough to preempt, and to cover every
 # kind of sampling parameter (tests/support/spec_workload.py cycles six kinds).
