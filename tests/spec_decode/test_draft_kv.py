@@ -82,7 +82,11 @@ def test_the_draft_model_runs_on_the_one_kv_manager(tiny_llama, monkeypatch):
         return run(sched)
 
     monkeypatch.setattr(draft, "run_sequences", checked)
-    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(40, 70))]
+    # Two 4-token prompts: one 8-token prefill bucket for the target and the draft, and one
+    # verification bucket (2 requests x (1 + 3) tokens); the draft's engine shapes are
+    # SMALL_ENGINE's (the plain tiny_llm's programs).  Each request still outgrows its first
+    # block (4 + 12 tokens + lookahead > 16), so the tables checked have two blocks.
+    prompts = [[5, 6, 7, 8], [40, 41, 42, 43]]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)

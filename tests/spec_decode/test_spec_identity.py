@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from support.engines import SMALL_ENGINE
-from support.spec_workload import (plain_outputs, repetitive, snapshot, spec_stats, tokens,  # noqa: F401
-                                    workload)   # plain_outputs: a fixture
+from support.spec_workload import (plain_outputs, repetitive, small_pool, snapshot, spec_stats,  # noqa: F401
+                                    tokens, workload)   # plain_outputs: a fixture
 
 from jaxllm import LLM, SamplingParams
 
@@ -27,7 +27,17 @@ from jaxllm import LLM, SamplingParams
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
         "min_acceptance_rate": 0.0, "cost_model": False}
 
-# Requests of the workload the small-pool engine runs: enough to preempt, and to cover every
+# The engine every test here shares, all of its buckets compiled at start-up (the strict guard
+# then proves that no step with speculation on compiles: the every-bucket proof for
+# speculation).  An 8-token budget keeps a verification bucket (5: a request verifying 4, its
+# 5 rows and the prefill's 4) and 7 programs in all, where SMALL_ENGINE's 32 makes 15.
+SPEC_ENGINE = {**SMALL_ENGINE, "max_num_batched_tokens": 8}
+
+# Free KV blocks left to the preemption test: fewer than its batch needs at the 8-token
+# budget, enough for any one of its requests alone (5 blocks at most, lookahead included).
+PREEMPTION_BLOCKS = 5
+
+# Requests of the workload the small pool runs: enough to preempt, and to cover every
 # kind of sampling parameter (tests/support/spec_workload.py cycles six kinds).
 PREEMPTION_REQUESTS = 8
 
@@ -84,7 +94,7 @@ class oracle:
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_llama):
-    return LLM(tiny_llama, **SMALL_ENGINE, speculative_config=SPEC)
+    return LLM(tiny_llama, **SPEC_ENGINE, speculative_config=SPEC)
 
 
 def assert_speculated(llm, before=(0, 0, 0)):
@@ -194,22 +204,23 @@ def test_rows_move_while_drafts_are_in_flight(spec_llm, tiny_llm):
     assert moved
 
 
-def test_preemption_keeps_outputs_equal(tiny_llama, plain_outputs):
+def test_preemption_keeps_outputs_equal(spec_llm, plain_outputs):
     """A KV pool too small for the batch: requests are preempted (their proposals' state
-    dropped) and recomputed."""
-    llm = LLM(tiny_llama, **{**SMALL_ENGINE, "num_blocks_override": 8, "max_model_len": 112,
-                             "precompile": "on-demand"}, speculative_config=SPEC)
+    dropped) and recomputed.  The pool is spec_llm's own with all but PREEMPTION_BLOCKS free
+    blocks held out (its programs, not a second engine's)."""
     # The workload's first PREEMPTION_REQUESTS requests (every kind of sampling parameter, a
-    # random prompt among them) overflow the 8-block pool; each is checked against its own
+    # random prompt among them) overflow the small pool; each is checked against its own
     # plain run (a per-request guarantee), and the pool really preempts (asserted).
     prompts, params = workload()
     n = PREEMPTION_REQUESTS
-    with oracle(llm, plain_outputs):
-        outs = llm.generate(prompts[:n], params[:n], use_tqdm=False)
-    core = llm.llm_engine.core
-    assert core.scheduler.num_preemptions > 0
+    core = spec_llm.llm_engine.core
+    preemptions, before = core.scheduler.num_preemptions, snapshot(spec_llm)
+    with oracle(spec_llm, plain_outputs), small_pool(spec_llm, PREEMPTION_BLOCKS):
+        outs = spec_llm.generate(prompts[:n], params[:n], use_tqdm=False)
+        assert core.kv_manager.num_free_blocks == PREEMPTION_BLOCKS
+    assert core.scheduler.num_preemptions > preemptions
     assert tokens(outs) == tokens(plain_outputs[:n])
-    assert_speculated(llm)
+    assert_speculated(spec_llm, before)
     assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks
 
 

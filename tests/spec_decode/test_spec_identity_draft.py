@@ -1,16 +1,20 @@
 """Speculation with a draft model returns exactly the tokens plain decoding returns: the target
 as its own draft and another tiny model, over the identity workload
 (tests/support/spec_workload.py); the draft's cache inside the KV budget; a pool too small for
-the batch.  The target as its own draft runs only in the small pool (one engine's programs,
-not two): its identity, near-full acceptance and whole pool are asserted there, over the
-whole workload; another model as the draft runs in the ordinary pool.  The ngram and
+the batch.  The target as its own draft runs only in the small pool (the engine's pool with
+blocks held out, so its programs stay those of every other engine here): its identity,
+near-full acceptance and whole pool are asserted there, over the whole workload; another
+model as the draft runs in the ordinary pool.  Both generating engines have SMALL_ENGINE's
+shapes and k = 3: the target's programs are the same in both, and the tiny Llama as a draft
+runs the programs of the session's plain ``tiny_llm`` (persistent-cache hits).  The ngram and
 oracle-proposer cases are tests/spec_decode/test_spec_identity.py (one file each, so that the
 two halves can run on two workers)."""
 
 from __future__ import annotations
 
 from support.engines import SMALL_ENGINE
-from support.spec_workload import plain_outputs, snapshot, tokens, workload  # noqa: F401  (plain_outputs: fixture)
+from support.spec_workload import (plain_outputs, small_pool, snapshot, tokens,  # noqa: F401  (plain_outputs: fixture)
+                                    workload)
 
 from jaxllm import LLM
 
@@ -58,13 +62,15 @@ def test_draft_model_with_a_full_pool_keeps_outputs_equal(tiny_llama, plain_outp
     """A pool too small for the batch: the target preempts, and a request whose lookahead
     slots did not fit does not propose that step; nothing fails, the outputs equal plain
     decoding, and the one pool is whole at the end."""
-    llm = draft_llm(tiny_llama, num_blocks_override=8, max_model_len=112)
-    # The whole workload (every kind of sampling parameter) overflows the pool; each output
-    # is its own plain run's (a per-request guarantee), and preemption and left-out lookahead
-    # really happen (asserted).  This is also the target-as-its-own-draft identity test.
+    llm = draft_llm(tiny_llama)
+    # The whole workload (every kind of sampling parameter) overflows the 8 blocks left free;
+    # each output is its own plain run's (a per-request guarantee), and preemption and
+    # left-out lookahead really happen (asserted).  This is also the target-as-its-own-draft
+    # identity test.
     prompts, params = workload()
-    outs = llm.generate(prompts, params, use_tqdm=False)
     core = llm.llm_engine.core
+    with small_pool(llm, 8):
+        outs = llm.generate(prompts, params, use_tqdm=False)
     proposer = core.runner.speculation.proposer
     assert core.scheduler.num_preemptions > 0 and proposer.num_left_out > 0
     assert tokens(outs) == tokens(plain_outputs)

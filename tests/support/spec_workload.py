@@ -1,9 +1,11 @@
 """The speculation identity tests' shared workload (tests/spec_decode/test_spec_identity.py and
 test_spec_identity_draft.py): 18 requests under every kind of sampling parameter, plain
-decoding's outputs of it on the session's ``tiny_llm`` (a module fixture), and readers of an
-engine's speculation counters."""
+decoding's outputs of it on the session's ``tiny_llm`` (a module fixture), readers of an
+engine's speculation counters, and a KV pool shrunk for a preemption test."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -55,3 +57,16 @@ def spec_stats(llm):
 def snapshot(llm):
     s = spec_stats(llm)
     return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
+
+
+@contextlib.contextmanager
+def small_pool(llm, num_free):
+    """Holds all but ``num_free`` of ``llm``'s free KV blocks out of its pool while active: a
+    pool too small for a batch on the engine's own compiled programs (an engine built with a
+    smaller ``num_blocks_override`` has other KV shapes, so a whole new set of programs)."""
+    pool = llm.llm_engine.core.kv_manager.pool
+    held = pool.allocate(pool.num_free_blocks - num_free)
+    try:
+        yield
+    finally:
+        pool.release(held)
