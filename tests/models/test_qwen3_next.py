@@ -32,16 +32,6 @@ def _persistent_xla_cache():
     enable_persistent_cache(os.path.join(os.environ["JAXLLM_CACHE_DIR"], "xla"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # transformers' reference runs on one thread: the suite's workers keep every core busy and a
-    # second torch thread only spins (a 70-token generate: ~3 CPU-s on two threads, 0.2 on one).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def hybrid(request, tmp_path_factory):
     path = build(request.param, str(tmp_path_factory.mktemp(request.param)))

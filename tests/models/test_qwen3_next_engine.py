@@ -35,16 +35,6 @@ ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 24, "max_model_len": 192,
           "strict_compile_guard": True, "show_progress": False, "skip_tokenizer_init": True}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # transformers' reference runs on one thread: the suite's workers keep every core busy and a
-    # second torch thread only spins (a 70-token generate: ~3 CPU-s on two threads, 0.2 on one).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
