@@ -1,8 +1,8 @@
 """The Responses store's reliability: its bounds (size and age eviction), and a real ``jaxllm
-serve`` killed with SIGKILL while stored responses and a few streams are in flight, then
-restarted on the same store under a size bound the load exceeds: the newest responses completed
-before the kill are retrievable, the oldest evicted, the stored bytes fit the bound, and the
-database passes sqlite's integrity check."""
+serve`` killed with SIGKILL while stored responses and a few streams are in flight, then restarted
+on the same store: with 200 concurrent responses, every one the client heard is retrievable; under a
+size bound the load exceeds, the newest are retrievable, the oldest evicted, and the stored bytes fit
+the bound.  The database passes sqlite's integrity check after each kill."""
 
 from __future__ import annotations
 
@@ -107,16 +107,98 @@ def _start(ckpt: str, store: str, log, max_bytes: int):
     return proc, base
 
 
-WAVE = 8  # responses sent together; a wave starts only once the client heard every reply of the last
+async def _concurrent_load_then_kill(base: str, proc) -> dict[str, str]:
+    """200 stored responses at once, 3 long streams joining at 80 heard; SIGKILL once half the 200
+    are heard, while the streams still stream.  Returns the replies heard before the kill (id -> text)."""
+    done: dict[str, str] = {}
+    streaming = asyncio.Event()
+
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=300)) as c:
+        async def one(i):
+            r = await c.post("/v1/responses", json={"model": "tiny", "input": f"question {i}",
+                                                    "max_output_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            done[body["id"]] = body["output"][0]["content"][0]["text"]
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(200)]
+        streams: list = []
+        deadline = time.monotonic() + 240
+        while (len(done) < 100 or not streaming.is_set()) and time.monotonic() < deadline:
+            if len(done) >= 80 and not streams:  # late, so that they are still streaming at the kill
+                streams = [asyncio.ensure_future(_stream(c, streaming)) for _ in range(3)]
+                tasks += streams
+            await asyncio.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        heard, mid_stream = dict(done), not all(s.done() for s in streams)
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(heard) >= 100 and mid_stream, "the load did not get going before the kill"
+    return heard
 
 
-async def _load_then_kill(base: str, proc) -> list[list[str | None]]:
-    """3 long streams, and stored responses in waves of ``WAVE``; SIGKILL once >= 100 are heard,
-    while a wave is in flight.  Returns each wave's ids (None for a reply not heard) and texts.
+async def _stream(c: httpx.AsyncClient, streaming: asyncio.Event) -> None:
+    body = {"model": "tiny", "input": "story " * 20, "max_output_tokens": 200, "stream": True, "ignore_eos": True}
+    async with c.stream("POST", "/v1/responses", json=body) as r:
+        async for line in r.aiter_lines():
+            if '"response.output_text.delta"' in line:
+                streaming.set()
+
+
+def _kill_under_load(ckpt: str, store: str, log: list[str], max_bytes: int, load):
+    proc, base = _start(ckpt, store, log, max_bytes)
+    try:
+        heard = asyncio.run(load(base, proc))
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return heard
+
+
+def _check_store_file(store: str, max_bytes: int, retrievable: int) -> int:
+    """The file passes sqlite's integrity check, holds at least the retrievable rows (more may have
+    been stored but not heard at the kill) and fits the bound; returns the accounted bytes."""
+    db = sqlite3.connect(store)
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    n, total = db.execute("SELECT COUNT(*), SUM(nbytes) FROM responses").fetchone()
+    db.close()
+    assert n >= retrievable
+    assert total <= max_bytes
+    return total
+
+
+def test_sigkill_mid_stream_then_restart_keeps_every_completed_response(tiny_llama, tmp_path):
+    """200 concurrent stored responses and 3 streams, SIGKILL mid-stream, restart on the same store:
+    every response the client heard is retrievable with its text and input items, and the file
+    passes sqlite's integrity check within the size bound."""
+    store, log, bound = str(tmp_path / "responses.sqlite3"), [], 1_000_000
+    heard = _kill_under_load(tiny_llama, store, log, bound, _concurrent_load_then_kill)
+    proc, base = _start(tiny_llama, store, log, bound)
+    try:
+        with httpx.Client(base_url=base, timeout=60) as c:
+            for rid, text in heard.items():
+                r = c.get(f"/v1/responses/{rid}")
+                assert r.status_code == 200, (rid, r.text)
+                assert r.json()["output"][0]["content"][0]["text"] == text
+            items = c.get(f"/v1/responses/{rid}/input_items").json()
+            assert items["data"][0]["content"][0]["text"].startswith("question ")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    _check_store_file(store, bound, len(heard))
+
+
+WAVE = 4  # responses sent together; a wave starts only once the client heard every reply of the last
+
+
+async def _waves_then_kill(base: str, proc) -> list[list[tuple[str, str] | None]]:
+    """Stored responses in waves of ``WAVE``, 3 long streams joining near the end; SIGKILL once >= 48
+    are heard, while a wave and the streams are in flight.  Returns each wave's (id, text) replies
+    (None for one not heard before the kill).
 
     Waves make the store's order knowable from the client: every reply of wave j was stored before
-    the client heard it, so before any request of wave j+1 was sent.  Replies heard together from
-    many concurrent requests carry no such order (a CI run heard the store's newest ones late)."""
+    the client heard it, so before any request of wave j+1 was sent.  Replies heard from many
+    concurrent requests carry no such order (a CI run heard the store's newest ones late)."""
     waves: list[list[tuple[str, str] | None]] = []
     streaming = asyncio.Event()
 
@@ -128,25 +210,17 @@ async def _load_then_kill(base: str, proc) -> list[list[str | None]]:
             body = r.json()
             wave[i % WAVE] = (body["id"], body["output"][0]["content"][0]["text"])
 
-        async def stream():
-            body = {"model": "tiny", "input": "story " * 20, "max_output_tokens": 200, "stream": True,
-                    "ignore_eos": True}
-            async with c.stream("POST", "/v1/responses", json=body) as r:
-                async for line in r.aiter_lines():
-                    if '"response.output_text.delta"' in line:
-                        streaming.set()
-
         streams: list = []
         heard, mid_stream = 0, False
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             heard = len(waves) * WAVE
-            if heard >= 88 and not streams:  # late, so that they are still streaming at the kill
-                streams = [asyncio.ensure_future(stream()) for _ in range(3)]
+            if heard >= 40 and not streams:  # late, so that they are still streaming at the kill
+                streams = [asyncio.ensure_future(_stream(c, streaming)) for _ in range(3)]
             wave: list = [None] * WAVE
             waves.append(wave)
             tasks = [asyncio.ensure_future(one(heard + k, wave)) for k in range(WAVE)]
-            if heard >= 100 and streaming.is_set():
+            if heard >= 48 and streaming.is_set():
                 while not any(wave) and time.monotonic() < deadline:  # kill mid-wave
                     await asyncio.sleep(0.01)
                 proc.send_signal(signal.SIGKILL)
@@ -156,29 +230,22 @@ async def _load_then_kill(base: str, proc) -> list[list[str | None]]:
                 waves[-1] = snapshot
                 break
             await asyncio.gather(*tasks)
-    assert heard >= 100 and mid_stream, "the load did not get going before the kill"
+    assert heard >= 48 and mid_stream, "the load did not get going before the kill"
     return waves
 
 
-# One stored response here (its JSON, input items and conversation) takes about 1.2 kB (measured:
-# 1141..2728 bytes), so the bound holds 21 to 52 of them.  The kill comes after >= 100 are heard, so
-# the load overflows it for certain and the oldest are evicted while it runs; and the newest complete
-# wave with the one in flight (16 rows, at most 44 kB) fits, so it must survive.
-STORE_BOUND = 60_000
+# One stored response of the wave load (its JSON, input items and conversation) takes 1.1 to 2.8 kB
+# (measured: 1141..2728 bytes), so the bound holds 11 to 26 of them.  The kill comes after >= 48 are
+# heard, so the load overflows it for certain and the oldest are evicted while it runs; and the newest
+# complete wave with the one in flight (8 rows, at most 22 kB) fits, so it must survive.
+STORE_BOUND = 30_000
 
 
-def test_sigkill_mid_stream_then_restart_keeps_every_completed_response(tiny_llama, tmp_path):
-    """... under a size bound the load exceeds: after the restart the store's accounted bytes fit
-    the bound, the newest responses are retrievable and the oldest are a 404 in OpenAI's shape."""
-    store = str(tmp_path / "responses.sqlite3")
-    log: list[str] = []
-    proc, base = _start(tiny_llama, store, log, STORE_BOUND)
-    try:
-        waves = asyncio.run(_load_then_kill(base, proc))
-        assert proc.wait(30) == -signal.SIGKILL
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+def test_sigkill_under_a_size_bound_keeps_the_newest_responses(tiny_llama, tmp_path):
+    """Under a size bound the load exceeds, SIGKILL mid-stream, restart: the store's accounted bytes
+    fit the bound, the newest responses are retrievable and the oldest are a 404 in OpenAI's shape."""
+    store, log = str(tmp_path / "responses.sqlite3"), []
+    waves = _kill_under_load(tiny_llama, store, log, STORE_BOUND, _waves_then_kill)
     proc, base = _start(tiny_llama, store, log, STORE_BOUND)
     try:
         with httpx.Client(base_url=base, timeout=60) as c:
@@ -194,22 +261,14 @@ def test_sigkill_mid_stream_then_restart_keeps_every_completed_response(tiny_lla
                     assert r.json()["output"][0]["content"][0]["text"] == text
                     kept += 1
                 kept_per_wave.append(kept)
-            complete = kept_per_wave[:-1]  # the last wave was in flight at the kill
-            # The store evicts in the order it stored, which is wave order: once a wave is (partly)
-            # kept, every later complete wave is whole, and the newest complete wave always is.
-            first = next(j for j, k in enumerate(complete) if k)
-            assert complete[first + 1:] == [WAVE] * (len(complete) - first - 1), kept_per_wave
-            assert complete[-1] == WAVE, ("the newest responses were evicted", kept_per_wave)
-            assert complete[0] == 0, ("the oldest responses survived the size bound", kept_per_wave)
-            newest = waves[-2][-1][0]
-            items = c.get(f"/v1/responses/{newest}/input_items").json()
-            assert items["data"][0]["content"][0]["text"].startswith("question ")
     finally:
         proc.terminate()
         proc.wait(30)
-    db = sqlite3.connect(store)
-    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-    n, total = db.execute("SELECT COUNT(*), SUM(nbytes) FROM responses").fetchone()
-    assert n >= sum(kept_per_wave)  # rows may be stored but unheard at the kill
-    assert STORE_BOUND // 2 < total <= STORE_BOUND  # full to about the bound, not emptied
-    db.close()
+    complete = kept_per_wave[:-1]  # the last wave was in flight at the kill
+    # The store evicts in the order it stored, which is wave order: once a wave is (partly) kept,
+    # every later complete wave is whole, and the newest complete wave always is.
+    first = next(j for j, k in enumerate(complete) if k)
+    assert complete[first + 1:] == [WAVE] * (len(complete) - first - 1), kept_per_wave
+    assert complete[-1] == WAVE, ("the newest responses were evicted", kept_per_wave)
+    assert complete[0] == 0, ("the oldest responses survived the size bound", kept_per_wave)
+    assert _check_store_file(store, STORE_BOUND, sum(kept_per_wave)) > STORE_BOUND // 2  # evicted to the bound, not emptied
