@@ -16,6 +16,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 
 pytest.register_assert_rewrite("support.serve_helpers")
@@ -167,25 +168,67 @@ def _check_store_file(store: str, max_bytes: int, retrievable: int) -> int:
     return total
 
 
-def test_sigkill_mid_stream_then_restart_keeps_every_completed_response(tiny_llama, tmp_path):
+@pytest.fixture(scope="module")
+def restarted(tiny_llama, tmp_path_factory):
+    """A real ``jaxllm serve`` killed under 200 concurrent stored responses and 3 streams, then started
+    again on the same store: (its base URL, the replies heard before the kill, the store file)."""
+    store, log, bound = str(tmp_path_factory.mktemp("store") / "responses.sqlite3"), [], 1_000_000
+    heard = _kill_under_load(tiny_llama, store, log, bound, _concurrent_load_then_kill)
+    proc, base = _start(tiny_llama, store, log, bound)
+    yield base, heard, store, bound
+    proc.terminate()
+    proc.wait(30)
+
+
+def test_sigkill_mid_stream_then_restart_keeps_every_completed_response(restarted):
     """200 concurrent stored responses and 3 streams, SIGKILL mid-stream, restart on the same store:
     every response the client heard is retrievable with its text and input items, and the file
     passes sqlite's integrity check within the size bound."""
-    store, log, bound = str(tmp_path / "responses.sqlite3"), [], 1_000_000
-    heard = _kill_under_load(tiny_llama, store, log, bound, _concurrent_load_then_kill)
-    proc, base = _start(tiny_llama, store, log, bound)
-    try:
-        with httpx.Client(base_url=base, timeout=60) as c:
-            for rid, text in heard.items():
-                r = c.get(f"/v1/responses/{rid}")
-                assert r.status_code == 200, (rid, r.text)
-                assert r.json()["output"][0]["content"][0]["text"] == text
-            items = c.get(f"/v1/responses/{rid}/input_items").json()
-            assert items["data"][0]["content"][0]["text"].startswith("question ")
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    base, heard, store, bound = restarted
+    with httpx.Client(base_url=base, timeout=60) as c:
+        for rid, text in heard.items():
+            r = c.get(f"/v1/responses/{rid}")
+            assert r.status_code == 200, (rid, r.text)
+            assert r.json()["output"][0]["content"][0]["text"] == text
+        items = c.get(f"/v1/responses/{rid}/input_items").json()
+        assert items["data"][0]["content"][0]["text"].startswith("question ")
     _check_store_file(store, bound, len(heard))
+
+
+def _kv_usage(base: str) -> float:
+    text = httpx.get(base + "/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("jaxllm:kv_cache_usage_perc")))
+
+
+def test_the_official_client_against_the_restarted_serve(restarted):
+    """The official ``openai`` client against the real process (test_responses.py checks the same calls
+    in depth on an in-process server): create, stream (event order, sequence numbers, deltas equal
+    the text), retrieve, delete, and cancel of a background response, which frees its KV."""
+    base, heard, _, _ = restarted
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    assert client.responses.retrieve(next(iter(heard))).output_text == next(iter(heard.values()))
+    whole = client.responses.create(model="tiny", input="Tell me", max_output_tokens=6, temperature=0)
+    with client.responses.stream(model="tiny", input="Tell me", max_output_tokens=6, temperature=0) as s:
+        events = list(s)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events][:2] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.incomplete"  # max_output_tokens
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == whole.output_text
+    assert client.responses.delete(whole.id) is None
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(whole.id)
+    r = client.responses.create(model="tiny", input="word " * 30, max_output_tokens=200, background=True,
+                                extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while _kv_usage(base) == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _kv_usage(base) > 0, "the background response never held KV"
+    assert client.responses.cancel(r.id).status == "cancelled"
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    while _kv_usage(base) > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _kv_usage(base) == 0, "cancel did not free the KV"
 
 
 WAVE = 4  # responses sent together; a wave starts only once the client heard every reply of the last
