@@ -7,6 +7,7 @@ the bound.  The database passes sqlite's integrity check after each kill."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sqlite3
@@ -16,6 +17,7 @@ import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -28,6 +30,9 @@ from jaxllm.config import ServingConfig  # noqa: E402
 from serve.cli import serving_config_from_args  # noqa: E402
 from serve.responses.store import ResponseStore, open_store  # noqa: E402
 
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "n"], "additionalProperties": False}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -99,7 +104,9 @@ def _start(ckpt: str, store: str, log, max_bytes: int):
     cmd = [sys.executable, "-m", "jaxllm.cli", "serve", ckpt, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "tiny", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
            "--max-model-len", "256", "--dtype", "float32", "--responses-store", store,
-           "--responses-store-max-bytes", str(max_bytes), "--disable-log-requests"]
+           "--responses-store-max-bytes", str(max_bytes), "--disable-log-requests",
+           # compact JSON: the random model would pad a json_schema answer with whitespace
+           "--structured-outputs-config", '{"disable_any_whitespace": true}']
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
@@ -202,8 +209,10 @@ def _kv_usage(base: str) -> float:
 
 def test_the_official_client_against_the_restarted_serve(restarted):
     """The official ``openai`` client against the real process (test_responses.py checks the same calls
-    in depth on an in-process server): create, stream (event order, sequence numbers, deltas equal
-    the text), retrieve, delete, and cancel of a background response, which frees its KV."""
+    in depth on an in-process server; tests/docs/test_tool_example.py runs tools, reasoning items and
+    the agents SDK against a real one): create, stream (event order, sequence numbers, deltas equal
+    the text), retrieve, delete, ``store: false``, sampled ``json_schema`` answers that validate,
+    and cancel of a background response, which frees its KV."""
     base, heard, _, _ = restarted
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
     assert client.responses.retrieve(next(iter(heard))).output_text == next(iter(heard.values()))
@@ -216,8 +225,16 @@ def test_the_official_client_against_the_restarted_serve(restarted):
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == events[-1].response.output_text == whole.output_text
     assert client.responses.delete(whole.id) is None
-    with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve(whole.id)
+    unstored = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, store=False)
+    for rid in (whole.id, unstored.id):
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(rid)
+    for seed in (1, 2):  # sampled
+        r = client.responses.create(model="tiny", input="Give me the data.", temperature=1.0, max_output_tokens=60,
+                                    extra_body={"seed": seed}, text={"format": {"type": "json_schema", "name": "c",
+                                                                                "schema": SCHEMA}})
+        assert r.status == "completed", r
+        jsonschema.validate(json.loads(r.output_text), SCHEMA)
     r = client.responses.create(model="tiny", input="word " * 30, max_output_tokens=200, background=True,
                                 extra_body={"ignore_eos": True})
     deadline = time.monotonic() + 30
