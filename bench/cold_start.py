@@ -3,10 +3,12 @@
 folders (a fresh ``XDG_CACHE_HOME`` and ``JAXLLM_CACHE_DIR`` per run), for two source trees run
 with the same venv, alternated run by run so that drift in the machine's load hits both; the
 1-minute load average is printed beside each number (the machine may be shared).  With
-``--warm``, each serve is started a second time on the cache the first one filled.
+``--warm``, each serve is started a second time on the cache the first one filled.  With
+``--beside-busy``, one CPU-bound process (a pure-Python loop, one core) runs beside every start,
+as a build or another service would on a developer's machine.
 Results: docs/BENCHMARKS.md ("Start-up").
 
-    python bench/cold_start.py --tree before=/path/to/old --tree after=. [--runs 3] [--warm]
+    python bench/cold_start.py --tree before=/path/to/old --tree after=. [--runs 3] [--warm] [--beside-busy]
 """
 
 from __future__ import annotations
@@ -88,18 +90,41 @@ def serve(tree: str, cache: str, log: str, port: int) -> tuple[float, float]:
             p.wait()
 
 
+BUSY = "while True: pass"
+"""The process ``--beside-busy`` keeps running: one core, all the time, no memory to speak of."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", required=True, help="NAME=PATH of a source tree")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--port", type=int, default=8791)
     ap.add_argument("--warm", action="store_true", help="start each serve again on the cache it filled")
+    ap.add_argument("--beside-busy", action="store_true",
+                    help="run one CPU-bound process beside every start (it is stopped at the end)")
     ap.add_argument("--logs", default=None, help="folder for the runs' logs (default: a temporary one)")
     args = ap.parse_args()
     trees = [t.split("=", 1) for t in args.tree]
     logs = args.logs or tempfile.mkdtemp(prefix="cold_start-")
     os.makedirs(logs, exist_ok=True)
     rows: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    busy = subprocess.Popen([sys.executable, "-c", BUSY]) if args.beside_busy else None
+    try:
+        measure(args, trees, logs, rows)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+    print(f"\nlogs: {logs}" + (" (one CPU-bound process ran beside every start)" if busy else ""))
+    print("\n| arm | measure | median | runs (load average at start) |\n|---|---|---|---|")
+    for (name, what), vals in rows.items():
+        med = statistics.median(v for v, _ in vals)
+        each = ", ".join(f"{v:.1f} ({ld:.1f})" for v, ld in vals)
+        print(f"| {name} | {what} | {med:.1f} | {each} |")
+
+
+def measure(args, trees, logs: str, rows: dict) -> None:
+    """Each run: each tree's cold generate, then its cold serve (and warm serve), alternated."""
     for run in range(args.runs):
         for name, tree in trees:
             for what in ("generate", "serve"):
@@ -122,11 +147,6 @@ def main() -> None:
                 rows.setdefault((name, what), []).append((s, before))
                 print(f"run {run + 1} {name} {what} cold: {s:.1f} s (load {before:.2f}){extra}", flush=True)
                 shutil.rmtree(cache, ignore_errors=True)
-    print(f"\nlogs: {logs}\n\n| arm | measure | median | runs (load average at start) |\n|---|---|---|---|")
-    for (name, what), vals in rows.items():
-        med = statistics.median(v for v, _ in vals)
-        each = ", ".join(f"{v:.1f} ({ld:.1f})" for v, ld in vals)
-        print(f"| {name} | {what} | {med:.1f} | {each} |")
 
 
 if __name__ == "__main__":
