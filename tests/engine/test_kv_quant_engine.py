@@ -1,6 +1,7 @@
 """The engine with a quantized KV cache (``--kv-cache-dtype``), end to end on the tiny Llama:
-the cache is really stored quantized, the native CPU kernel and the XLA path give the same
-greedy tokens over it, and the tokens and logits stay close to the float cache's."""
+the cache is really stored quantized, the native CPU kernel, the Pallas kernel and the XLA
+path give the same greedy tokens over it, and the tokens and logits stay close to the float
+cache's."""
 
 from __future__ import annotations
 
@@ -18,38 +19,31 @@ from jaxllm.cpu import native
 # the first two beside the third's last 16 tokens and 14 of the 15-token one (a chunked prefill
 # beside decodes); step 3 decodes three beside the fourth's last token; then four rows decode.
 # Prompt i's first token comes STAGGER[i] steps after the first's, so asking for MAX_TOKENS
-# minus that ends all four in one step (no 1- or 2-row tail buckets).  8 decode tokens hold the
-# int8 bound below; the native == XLA identity is per token, and these steps reach a chunked
-# prefill, prefills beside decodes and batched decodes.
+# minus that ends all four in one step (no 1- or 2-row tail buckets); the 15-token prompt
+# decodes across the first page boundary (position 16).  6 decode tokens hold the int8 bound
+# below (4 tokens of each prompt); the identities between backends are per token, and these
+# steps reach a chunked prefill, prefills beside decodes and batched decodes.
 PROMPT_LENS = [3, 5, 40, 15]
 STAGGER = [0, 0, 1, 2]
-MAX_TOKENS = 8
-# Each engine compiles the buckets its generate runs, under the strict guard; the longest prompt
-# plus its tokens fits 128 (a narrower block table and a smaller cache than SMALL_ENGINE's 256).
+MAX_TOKENS = 6
+# Each engine compiles the buckets its generate runs, under the strict guard (T=32 and T=4 with
+# 4 rows: Pallas and XLA on the stacked cache as well); the longest prompt plus its tokens fits
+# 128 (a narrower block table and a smaller cache than SMALL_ENGINE's 256).
 ENGINE = {**ONE_SHOT_ENGINE, "max_model_len": 128}
-# Pallas in interpret mode costs per op: the fewest steps that reach its cases.  A 14-token
-# prompt decodes across the first page boundary (position 16); a 40-token one is chunked
-# (32-token budget), its second chunk sharing a step with the other's decodes.
-PALLAS_PROMPT_LENS = [14, 40]
-PALLAS_MAX_TOKENS = 4
-# The 40-token prompt's first token comes a step after the other's: both end in one step (no
-# 1-row tail bucket: (32, 2) and (2, 2) are the only buckets compiled).
-PALLAS_STAGGER = [0, 1]
-PALLAS_ENGINE = {**ONE_SHOT_ENGINE, "max_num_seqs": 2, "max_model_len": 64}
 
 
-def _prompts(lens=PROMPT_LENS):
+def _prompts():
     rng = np.random.default_rng(5)
-    return [{"prompt_token_ids": rng.integers(3, 5000, size=n).tolist()} for n in lens]
+    return [{"prompt_token_ids": rng.integers(3, 5000, size=n).tolist()} for n in PROMPT_LENS]
 
 
-def _greedy(llm, lens=PROMPT_LENS, max_tokens=MAX_TOKENS, stagger=STAGGER):
-    """Greedy tokens and logprobs; prompt i asks for ``max_tokens - stagger[i]`` tokens (all
+def _greedy(llm):
+    """Greedy tokens and logprobs; prompt i asks for ``MAX_TOKENS - STAGGER[i]`` tokens (all
     end in one step: PROMPT_LENS)."""
     from jaxllm import SamplingParams
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens - s, ignore_eos=True, logprobs=0)
-              for s in stagger]
-    outs = llm.generate(_prompts(lens), params, use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS - s, ignore_eos=True, logprobs=0)
+              for s in STAGGER]
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
@@ -68,21 +62,28 @@ def float_run(tiny_llm):
     return _greedy(tiny_llm)
 
 
+# kv_cache_dtype -> (engine, tokens) of the default engine (native attention where the kernel
+# builds): test_quantized_engine makes it, the other backends' test compares with its tokens.
+_DEFAULT_RUNS: dict = {}
+
+
+def _default_run(tiny_llama, kv_cache_dtype):
+    if kv_cache_dtype not in _DEFAULT_RUNS:
+        from jaxllm import LLM
+        llm = LLM(tiny_llama, **ENGINE, kv_cache_dtype=kv_cache_dtype)
+        _DEFAULT_RUNS[kv_cache_dtype] = (llm, _greedy(llm)[0])
+    return _DEFAULT_RUNS[kv_cache_dtype]
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "fp8_e5m2"])
 def test_quantized_engine(tiny_llama, float_run, kv_cache_dtype):
-    from jaxllm import LLM
-    llm = LLM(tiny_llama, **ENGINE, kv_cache_dtype=kv_cache_dtype)
+    llm, tokens = _default_run(tiny_llama, kv_cache_dtype)
     core = llm.llm_engine.core
     want_backend = "native" if native.available() else "xla"
     assert core.resolved.step.kernels.attention == want_backend
     dtypes = {str(a.dtype) for a in jax.tree.leaves(core.runner.kv)}
     assert dtypes == ({"int8", "float16"} if kv_cache_dtype == "int8" else {"uint8"})
-    tokens, logprobs = _greedy(llm)
     print(f"{kv_cache_dtype}: buckets compiled: {sorted(core.runner.compiler.steps)}")
-    # The native kernel and the XLA path read the same quantized pages: the same tokens.
-    if want_backend == "native":
-        xla = LLM(tiny_llama, **ENGINE, kv_cache_dtype=kv_cache_dtype, attention_backend="xla")
-        assert _greedy(xla)[0] == tokens
     ftokens, flogprobs = float_run
     agree = [_agree(a, b) for a, b in zip(tokens, ftokens)]
     print(f"{kv_cache_dtype}: tokens equal before the first divergence vs the float cache: {agree}")
@@ -90,20 +91,44 @@ def test_quantized_engine(tiny_llama, float_run, kv_cache_dtype):
         # The tiny Llama's random weights leave small margins (median top-2 gap 0.2 for a
         # logit spread of 1.5), yet int8's error (~0.4% of a row's max) keeps every prompt's
         # first 4 greedy tokens (measured on earlier prompts: 5, 24, 27, 20, 9, 28 of 32; on PROMPT_LENS'
-        # prompts of 8, 8, 7, 6: 5, 8, 4, 6).  fp8 at scale 1.0
+        # prompts: 5, 8, 4, 6 of 8, 8, 7, 6 tokens; 5, 6, 4, 4 of the 6, 6, 5, 4 asked now, the last
+        # prompt's every token).  fp8 at scale 1.0
         # (3 or 2 mantissa bits) flips the first token of most prompts on this model: its
         # closeness is asserted on the logits below instead.
         assert min(agree) >= 4, agree
 
 
+# Each format runs on one more backend, layers under lax.scan (the stacked cache, as on a
+# GPU), against the default engine's tokens over the same quantized pages: the Pallas kernel
+# (interpret mode on CPU, fused quantized write) on int8 (float16 scales) and fp8 (e4m3 bits),
+# the XLA path on fp8_e5m2.  The cells left out are proven in parts: every format's prompt
+# logits on the XLA and native paths (test_prompt_logits_stay_close_to_the_float_cache),
+# every format in the Pallas kernel and the native kernel against the XLA path
+# (tests/kernels/test_ragged_paged_attention.py::test_quantized_cache_matches_reference,
+# tests/kernels/test_cpu_attention.py::test_quantized_cache_matches_xla_path).
+@pytest.mark.parametrize("backend, kv_cache_dtype", [("pallas", "int8"), ("pallas", "fp8"), ("xla", "fp8_e5m2")])
+def test_stacked_cache_engine_equals_the_default_engine(tiny_llama, backend, kv_cache_dtype):
+    """The same greedy tokens as the default engine (unrolled layers, native attention where
+    it builds): a chunked prefill beside decodes, prefills beside decodes, batched decodes and
+    decodes across a page boundary (PROMPT_LENS)."""
+    from jaxllm import LLM
+    _, want = _default_run(tiny_llama, kv_cache_dtype)
+    llm = LLM(tiny_llama, **ENGINE, kv_cache_dtype=kv_cache_dtype, scan_layers=True, attention_backend=backend)
+    assert llm.llm_engine.core.resolved.step.kernels.attention == backend
+    assert _greedy(llm)[0] == want
+    print(f"{backend} {kv_cache_dtype}: buckets compiled: {sorted(llm.llm_engine.core.runner.compiler.steps)}")
+
+
 PROMPT_IDS = np.random.default_rng(1).integers(3, 5000, size=60).tolist()
+# Two chunks of 30 (the second reads the first's pages): one program per cache format serves both.
+SPLIT = 30
 
 
 @pytest.fixture(scope="module")
 def float_prompt_logits(tiny_llama):
     """The float cache's logits of the 60-token prompt (XLA path): one reference for every case."""
     from support.tiny_models import paged_logits
-    return paged_logits(tiny_llama, PROMPT_IDS, False, split=23, attention="xla")
+    return paged_logits(tiny_llama, PROMPT_IDS, False, split=SPLIT, attention="xla")
 
 
 @pytest.mark.parametrize("attention", ["xla", "native"])
@@ -119,24 +144,9 @@ def test_prompt_logits_stay_close_to_the_float_cache(tiny_llama, float_prompt_lo
     if attention == "native" and not native.available():
         pytest.skip("native CPU kernel unavailable here (no AVX2/FMA or no C++ compiler)")
     want = float_prompt_logits
-    got = paged_logits(tiny_llama, PROMPT_IDS, False, split=23, attention=attention, kv_cache_dtype=kv_cache_dtype)
+    got = paged_logits(tiny_llama, PROMPT_IDS, False, split=SPLIT, attention=attention, kv_cache_dtype=kv_cache_dtype)
     rel = np.abs(got - want).max() / np.abs(want).max()
     top1 = (got.argmax(-1) == want.argmax(-1)).mean()
     print(f"{kv_cache_dtype} {attention}: max relative logit error {rel:.4f}, top-1 agreement {top1:.2f}")
     assert rel < max_rel and top1 >= min_top1
     assert rel > 1e-4        # the cache really was quantized
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
-def test_pallas_engine_equals_the_xla_engine_over_a_quantized_stacked_cache(tiny_llama, kv_cache_dtype):
-    """Layers under lax.scan (the stacked cache, as on a GPU): the Pallas kernel (interpret
-    mode on CPU, fused quantized write) and the XLA path give the same greedy tokens: a chunked
-    prefill beside decodes and a decode across a page boundary (PALLAS_PROMPT_LENS)."""
-    from jaxllm import LLM
-    kw = dict(PALLAS_ENGINE, kv_cache_dtype=kv_cache_dtype, scan_layers=True)
-    pallas = LLM(tiny_llama, **kw, attention_backend="pallas")
-    assert pallas.llm_engine.core.resolved.step.kernels.attention == "pallas"
-    xla = LLM(tiny_llama, **kw, attention_backend="xla")
-    run = dict(lens=PALLAS_PROMPT_LENS, max_tokens=PALLAS_MAX_TOKENS, stagger=PALLAS_STAGGER)
-    assert _greedy(pallas, **run)[0] == _greedy(xla, **run)[0]
-    print(f"{kv_cache_dtype}: buckets compiled: {sorted(pallas.llm_engine.core.runner.compiler.steps)}")
