@@ -4,7 +4,8 @@ The sharded runs happen in one subprocess (tp_families_probe.py).  For each tiny
 (tests/support/tiny_families.py): the prompt's logits within 1e-4 relative of tp=1 in float32 and 32
 greedy tokens identical, on the XLA path and with the Pallas kernel per device (GPT-OSS's
 sinks split with their heads; Gemma 2's soft-cap and window); the weights really split; and
-the engine end to end at tp=2 giving the same tokens (Gemma 3, GPT-OSS).  (tp=1 against transformers: tests/models/test_gemma.py, test_gpt_oss.py.)
+the engine end to end at tp=2 giving the same tokens (Gemma 3: tp_families_probe.ENGINE says
+why GPT-OSS's and Gemma 2's tp2 cells are their sharded forwards).  (tp=1 against transformers: tests/models/test_gemma.py, test_gpt_oss.py.)
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def test_weights_are_split(probe, name, family_checkpoints):  # noqa: F811
 
 @pytest.mark.parametrize("name", ENGINE)
 def test_engine_at_tp2_agrees(probe, name):
-    # The serving path is family-blind: Gemma 3 and GPT-OSS (tp_families_probe.ENGINE) run it;
-    # Gemma 2's sharded forward is its tp2 cell above.
+    # The serving path is family-blind: Gemma 3 (tp_families_probe.ENGINE) runs it, chunked
+    # prefill through its sliding window; Gemma 2's and GPT-OSS's sharded forwards are their
+    # tp2 cells above (the serving path at tp=2 on other families: test_tensor_parallel.py).
     meta = probe[1]
     assert meta[f"engine/{name}/tp2"]["tokens"] == meta[f"{name}/tp1"]["tokens"]

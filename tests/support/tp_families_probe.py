@@ -6,8 +6,8 @@ Run in its own process by test_tp_families.py (the device count is fixed before 
 For each checkpoint: the prompt's logits and 32 greedy tokens through the paged cache at
 tp=1 and tp=2 (``tp_probe.run``, unrolled layers: the layers' windows differ), at tp=2 also
 with the Pallas kernel per device under shard_map (``PALLAS``; GPT-OSS's sinks split with the
-heads), and the engine's tokens at tp=2 (``ENGINE``; sharded AOT warm-up under the strict
-compile guard).
+heads), and the engine's tokens at tp=2 (``ENGINE``: chunked prefill through the sliding
+window, the sharded AOT compile under the strict compile guard).
 """
 
 from __future__ import annotations
@@ -24,10 +24,13 @@ from support.tp_probe import PROMPT, STEPS, run
 # what it alone brings.  The Pallas kernel per device: GPT-OSS (its sinks split with the heads)
 # and Gemma 2 (soft-cap, sliding window and query scale inside shard_map); Gemma 3 brings no
 # kernel feature Gemma 2 does not (its qk-norm and local rope base are outside the kernel).
-# The engine (serving path at tp=2, family-blind): Gemma 3 and GPT-OSS; Gemma 2's sharded
-# forward is its tp2 run.
+# The engine (serving path at tp=2, family-blind: an engine is the probe's dearest piece):
+# Gemma 3, whose alternating sliding/global layers it prefills in chunks.  Gemma 2's and
+# GPT-OSS's sharded forwards are their tp2 runs (every head's sinks, soft-cap and window on the
+# split heads); the serving path at tp=2 on other families: test_tensor_parallel.py (Llama,
+# Qwen3-MoE with expert parallelism), test_gdn_tp.py, test_mla_tp.py.
 PALLAS = ("gemma2", "gpt_oss")
-ENGINE = ("gemma3", "gpt_oss")
+ENGINE = ("gemma3",)
 
 
 def engine_tokens(path: str, tp: int) -> list[int]:
