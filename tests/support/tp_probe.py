@@ -1,4 +1,6 @@
-"""Runs every tiny checkpoint sharded over 1, 2 (and some over 4) simulated CPU devices; writes what it saw.
+"""Runs the tiny checkpoints (but ``NOT_SWEPT``) sharded over 1, 2 (and some over 4) simulated CPU
+devices; writes what it saw.  Also the helpers the other tensor-parallel probes share (``run``,
+``engine_tokens``, ``probe_main``, ``run_probe``).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m support.tp_probe CKPT_ROOT OUT.npz
 
@@ -6,7 +8,8 @@ Run in its own process by test_tensor_parallel.py: the device count must be set 
 JAX starts, and the rest of the suite runs on one device.  For each variant and mesh size
 (4 devices: ``TP4``; expert parallelism: ``EP``): the prompt's logits through the paged cache,
 32 greedy tokens decoded one step at a time, the shard shapes the
-weights and cache really have, and whether the compiled forward communicates.
+weights and cache really have, and whether the compiled forward communicates; and the engine's
+tokens (``ENGINE``).
 """
 
 from __future__ import annotations
