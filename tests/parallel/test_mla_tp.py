@@ -3,7 +3,8 @@
 The sharded runs happen in a subprocess (mla_tp_probe.py): the device count must be set
 before JAX starts.  The query, ``kv_b_proj`` (W_UK and W_UV) and output projections split by
 head, the latent pages replicated (one latent per token serves every head); logits within
-1e-4 relative of tp=1, 32 greedy tokens identical, and V2's engine at tp=2 gives the same tokens.
+1e-4 relative of tp=1, 32 greedy tokens identical, and V2's engine at tp=2 (chunked prefill into
+the replicated latent pages) gives the same tokens.
 """
 
 from __future__ import annotations

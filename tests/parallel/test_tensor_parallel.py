@@ -1,13 +1,15 @@
 """Tensor (and expert) parallelism on 4 simulated CPU devices equals one device.
 
 The sharded runs happen in one subprocess (tp_probe.py): the device count must be fixed
-before JAX starts, and the rest of the suite runs on a single device.  For the tiny
-checkpoints of every architecture (dense and MoE; tp_probe.NOT_SWEPT says which variant is
-left out) at tp=2, and at tp=4 where it adds a case (tp_probe.TP4): prompt logits within 1e-4
+before JAX starts, and the rest of the suite runs on a single device.  For the tiny Llama
+checkpoints (GQA with KV heads that split; one KV head, replicated, with tied embeddings) and
+the MoE one (qwen3_moe) at tp=2 (tp_probe.NOT_SWEPT: the variants left out, and the sharded
+runs of other files that split the same parameters with their features), and at tp=4 where it adds a case (tp_probe.TP4): prompt logits within 1e-4
 relative of tp=1 in float32, 32 greedy tokens identical, weights and cache really split (shard shapes), and
 the compiled forward communicating (an all-reduce joins the row-parallel halves) without
 gathering any weight (expert parallelism keeps each device on its own experts).  The
-engine end to end (sharded AOT warm-up under the strict compile guard) gives the same
+engine end to end with expert parallelism (chunked prefill, sharded AOT compile under the
+strict compile guard; tp_probe.ENGINE says where the plain tp=2 engine runs) gives the same
 tokens, and so does the Pallas attention kernel run per device under shard_map.
 """
 
@@ -22,7 +24,7 @@ import pytest
 
 from support.probes import probe_command, probe_env
 from support.tiny_models import VARIANTS
-from support.tp_probe import EP, NOT_SWEPT, TP4
+from support.tp_probe import ENGINE, EP, NOT_SWEPT, TP4
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +45,12 @@ def _is_moe(variant: str) -> bool:
 
 
 SWEPT = [v for v in sorted(VARIANTS) if v not in NOT_SWEPT]
-# tp=2 on every variant (and expert parallel on qwen3_moe, tp_probe.EP); tp=4 only where it
-# shows what tp=2 does not (tp_probe.TP4: KV heads replicated, experts 2 to a device).  The
-# tp=4 cells left out (mistral_sliding, qwen2_qkv_bias, qwen3_qk_norm, llama3_rope_tied,
-# mixtral, qwen3_moe without ep) split the same weights the same way as their tp=2 cells;
-# mixtral/ep (tp=2 and 4) is the dispatch of qwen3_moe/tp2/ep and qwen3_moe/tp4/ep.
+# tp=2 on every swept variant (and expert parallel on qwen3_moe, tp_probe.EP); tp=4 only where
+# it shows what tp=2 does not (tp_probe.TP4: KV heads replicated, experts 2 to a device).  The
+# tp=4 cells left out (llama3_rope_tied, qwen3_moe without ep) split the same weights the same
+# way as their tp=2 cells; mixtral/ep (tp=2 and 4) is the dispatch of qwen3_moe/tp2/ep and
+# qwen3_moe/tp4/ep.  The variants not swept: tp_probe.NOT_SWEPT says which tp2 cell of which
+# file covers each.
 CASES = ([(v, 2, False) for v in SWEPT] + [(v, 2, True) for v in SWEPT if v in EP]
          + [(v, 4, ep) for v, ep in sorted(TP4)])
 
@@ -94,7 +97,7 @@ def test_weights_and_cache_are_split(probe, variant, tp, ep, tiny_checkpoints):
     assert all(shape[0] == 1 for shape in meta["all_gathers"]), meta["all_gathers"]
 
 
-@pytest.mark.parametrize("key", ["llama_gqa_untied/tp2", "qwen3_moe/tp2/ep"])
+@pytest.mark.parametrize("key", [_key(*e) for e in ENGINE])
 def test_engine_end_to_end(probe, key):
     meta = probe[1]
     assert meta[f"engine/{key}"]["tokens"] == meta[f"{key.split('/')[0]}/tp1"]["tokens"]

@@ -47,6 +47,8 @@ def test_tp2_on_packed_weights_equals_one_device(probe, type_name):
     # The blocks really are split where they can be (tp=2 keeps q/k/v and gate/up unfused):
     # the tiny Llama's 64 q rows, 2 of o's input blocks; down's 5 input blocks stay whole.
     half = two["shards"]
+    # Both engines ran one step program (packed_tp_probe.PROMPTS: prefill and decode in one bucket).
+    assert one["buckets"] == two["buckets"] == [[2, 2]], (one["buckets"], two["buckets"])
     assert half["q"]["qs"][0] == 32 and half["gate"]["qs"][0] == 80, half
     assert half["o"]["qs"][:2] == [64, 1], half["o"]
     assert half["down"]["qs"][:2] == [64, 5], half["down"]

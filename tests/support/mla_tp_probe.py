@@ -4,7 +4,9 @@
 
 For each checkpoint and tp in (1, 2): tp_probe.run's prompt logits and 32 greedy decode steps
 with the shard shapes it saw (V3 unrolled: its dense first layer; V2 stacked), and V2's tokens
-from the engine at tp=2 (every bucket compiled in the sharded AOT warm-up, strict compile guard).
+from the engine at tp=2 (chunked prefill into the replicated latent pages; each bucket the steps
+run compiled ahead of time with the sharded cache, strict compile guard).  The every-bucket
+warm-up at tp=2 is the multi-host engine's (test_multihost.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ def measure(path):
     for tp in (1, 2):
         yield f"{name}/tp{tp}", run(path, tp, False, scan=scan)
     if scan:
-        yield f"engine/{name}/tp2", {"tokens": engine_tokens(path, 2, precompile="all")}
+        yield f"engine/{name}/tp2", {"tokens": engine_tokens(path, 2)}
 
 
 if __name__ == "__main__":

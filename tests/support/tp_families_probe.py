@@ -6,8 +6,7 @@ Run in its own process by test_tp_families.py (the device count is fixed before 
 For each checkpoint: the prompt's logits and 32 greedy tokens through the paged cache at
 tp=1 and tp=2 (``tp_probe.run``, unrolled layers: the layers' windows differ), at tp=2 also
 with the Pallas kernel per device under shard_map (``PALLAS``; GPT-OSS's sinks split with the
-heads), and the engine's tokens at tp=2 (``ENGINE``; sharded AOT warm-up under the strict
-compile guard).
+heads).  No engine (``PALLAS``'s comment says why).
 """
 
 from __future__ import annotations
@@ -18,25 +17,21 @@ import sys
 
 import numpy as np
 
-from support.tp_probe import PROMPT, STEPS, run
+from support.tp_probe import run
 
 # Each run is a compile (the Pallas ones in interpret mode, the dearest), so each family runs
 # what it alone brings.  The Pallas kernel per device: GPT-OSS (its sinks split with the heads)
 # and Gemma 2 (soft-cap, sliding window and query scale inside shard_map); Gemma 3 brings no
 # kernel feature Gemma 2 does not (its qk-norm and local rope base are outside the kernel).
-# The engine (serving path at tp=2, family-blind): Gemma 3 and GPT-OSS; Gemma 2's sharded
-# forward is its tp2 run.
+# No engine (an engine is a probe's dearest piece, three programs): the serving path at tp=2
+# is family-blind (sharded AOT compile, donated sharded cache, sampler, chunked prefill) and
+# runs on the families whose cache it lays out differently (test_gdn_tp.py, test_mla_tp.py),
+# on Qwen3-MoE with expert parallelism (test_tensor_parallel.py) and on the tiny Llama
+# (test_multihost.py); what a family brings to tp=2 is its sharded forward, the runs here
+# (every head's sinks, soft-cap, window and q/k norm on the split heads); each family's engine
+# (chunked prefill through the window, preemption, prefix caching) at tp=1 against
+# transformers: tests/models/test_gemma.py, test_gpt_oss.py.
 PALLAS = ("gemma2", "gpt_oss")
-ENGINE = ("gemma3", "gpt_oss")
-
-
-def engine_tokens(path: str, tp: int) -> list[int]:
-    from jaxllm import LLM, SamplingParams
-    llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=tp, max_num_seqs=1, max_num_batched_tokens=8,
-              max_model_len=64, dtype="float32", strict_compile_guard=True, show_progress=False)
-    out = llm.generate([{"prompt_token_ids": PROMPT.tolist()}],
-                       SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
 
 
 def main():
@@ -54,8 +49,6 @@ def main():
             arrays[key] = r.pop("logits")
             meta[key] = r
             print(key, r["tokens"][:6], r["shards"].get("q"), flush=True)
-        if name in ENGINE:
-            meta[f"engine/{name}/tp2"] = {"tokens": engine_tokens(path, 2)}
     np.savez(out, **arrays)
     with open(out + ".json", "w") as f:
         json.dump(meta, f)

@@ -1,4 +1,6 @@
-"""Runs every tiny checkpoint sharded over 1, 2 (and some over 4) simulated CPU devices; writes what it saw.
+"""Runs the tiny checkpoints (but ``NOT_SWEPT``) sharded over 1, 2 (and some over 4) simulated CPU
+devices; writes what it saw.  Also the helpers the other tensor-parallel probes share (``run``,
+``engine_tokens``, ``probe_main``, ``run_probe``).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m support.tp_probe CKPT_ROOT OUT.npz
 
@@ -6,7 +8,8 @@ Run in its own process by test_tensor_parallel.py: the device count must be set 
 JAX starts, and the rest of the suite runs on one device.  For each variant and mesh size
 (4 devices: ``TP4``; expert parallelism: ``EP``): the prompt's logits through the paged cache,
 32 greedy tokens decoded one step at a time, the shard shapes the
-weights and cache really have, and whether the compiled forward communicates.
+weights and cache really have, and whether the compiled forward communicates; and the engine's
+tokens (``ENGINE``).
 """
 
 from __future__ import annotations
@@ -32,9 +35,20 @@ from jaxllm.runner.weights import allocate_kv_cache, to_device_params
 from support.probes import probe_command, probe_env
 
 BLOCK = 8
-NOT_SWEPT = ("llama_linear_rope_mha",)
-"""Variants left out of the tp sweep to keep the probe short: multi-head attention with KV
-heads that split is the GQA Llama case again (its rope scaling is not sharded)."""
+NOT_SWEPT = ("llama_linear_rope_mha", "mistral_sliding", "qwen2_qkv_bias", "qwen3_qk_norm", "mixtral")
+"""Variants left out of the tp sweep (each variant is two compiles, tp=1 and tp=2), because a
+sharded run elsewhere splits the same parameters (the families share their attention and MLP
+parameter definitions) with the same feature on the split heads:
+
+- llama_linear_rope_mha: multi-head attention with KV heads that split is the GQA Llama case
+  again (its rope scaling is not sharded);
+- mistral_sliding: the sliding window on split heads is Gemma 2's, Gemma 3's and GPT-OSS's tp2
+  cells (test_tp_families.py: XLA, and Pallas per device for Gemma 2 and GPT-OSS);
+- qwen2_qkv_bias: q/k/v biases split with their heads is GPT-OSS's tp2 cell (q/k/v/o biases);
+- qwen3_qk_norm: the per-head q/k norm on split heads is Gemma 3's tp2 cell (and Qwen3-Next's
+  full-attention layers, test_gdn_tp.py);
+- mixtral: the experts' width split is qwen3_moe's tp2 cell here (and GLM-4-MoE's,
+  DeepSeek-V2's and GPT-OSS's); its softmax top-k routing is computed whole on every device."""
 TP4 = {("llama_gqa_untied", False), ("qwen3_moe", True)}
 """The (variant, expert parallel) runs also made on 4 devices; the other variants run at tp=2
 only (each program is a compile).  tp=4 adds two things tp=2 does not show: KV heads fewer
@@ -45,6 +59,11 @@ EP = ("qwen3_moe",)
 """The MoE variant that also runs with expert parallelism (at tp=2; at tp=4 per ``TP4``): the
 expert-parallel dispatch is the same code for Mixtral's 4 experts (2 to a device at tp=2, as
 qwen3_moe's 8 at tp=4), and Mixtral's own routing runs at tp=2 without it."""
+ENGINE = (("qwen3_moe", 2, True),)
+"""The engine end to end on this probe's devices: Qwen3-MoE with expert parallelism (the
+dispatch under chunked prefill).  The plain tp=2 engine on the tiny Llama is the multi-host
+engine's (test_multihost.py: this PROMPT, tp=2 over two processes, 32 greedy tokens equal one
+device's) and the other families' (test_tp_families.py, test_gdn_tp.py, test_mla_tp.py)."""
 PROMPT = np.random.default_rng(1).integers(3, 5000, size=24).astype(np.int32)
 STEPS = 32
 
@@ -77,34 +96,31 @@ def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = 
     rep = pmesh.replicated(mesh)
     jitted = jax.jit(fwd, donate_argnums=(1,), out_shardings=(rep, jax.tree.map(lambda a: a.sharding, kv)))
 
-    def call(kv, lo, hi, ids):
+    def args_at(lo, hi, ids):
         pos = np.arange(lo, hi, dtype=np.int32)
         md = AttentionMetadata(
             positions=pos, slot_mapping=(table[pos // BLOCK] * BLOCK + pos % BLOCK).astype(np.int32),
             token_seq=np.zeros(hi - lo, np.int32), block_tables=table[None, :],
             seq_lens=np.array([hi], np.int32), query_start_loc=np.array([0, hi - lo], np.int32))
-        args = pmesh.place_tree((np.asarray(ids, np.int32), md), rep)
-        with jax.set_mesh(mesh):
-            return jitted(params, kv, *args)
+        return pmesh.place_tree((np.asarray(ids, np.int32), md), rep)
 
     # One token per call, prompt included: one compiled shape per run keeps the probe cheap
-    # (chunked prefill under tensor parallelism is what the engine runs below exercise).
+    # (chunked prefill under tensor parallelism is what the engine runs below exercise).  The
+    # program is compiled once, ahead of time: every call runs it, and its text is what the
+    # partitioner made of it (the collectives read below).
+    with jax.set_mesh(mesh):
+        compiled = jitted.lower(params, kv, *args_at(0, 1, prompt[:1])).compile()
+    hlo = "" if tp == 1 else compiled.as_text()
     logits = []
     for i in range(len(prompt)):
-        lg, kv = call(kv, i, i + 1, prompt[i:i + 1])
+        lg, kv = compiled(params, kv, *args_at(i, i + 1, prompt[i:i + 1]))
         logits.append(np.asarray(lg))
     logits = np.concatenate(logits)
     tokens = [int(logits[-1].argmax())]
     for i in range(STEPS - 1):
         n = len(prompt) + i
-        lg, kv = call(kv, n, n + 1, [tokens[-1]])
+        lg, kv = compiled(params, kv, *args_at(n, n + 1, [tokens[-1]]))
         tokens.append(int(np.asarray(lg)[0].argmax()))
-    hlo = ""
-    with jax.set_mesh(mesh):
-        hlo = "" if tp == 1 else jitted.lower(params, kv, *pmesh.place_tree((np.zeros(1, np.int32), AttentionMetadata(
-            positions=np.zeros(1, np.int32), slot_mapping=np.zeros(1, np.int32), token_seq=np.zeros(1, np.int32),
-            block_tables=table[None, :], seq_lens=np.ones(1, np.int32),
-            query_start_loc=np.array([0, 1], np.int32))), rep)).compile().as_text()
     layers = params["layers"]
     lp = {k: v for k, v in (layers.items() if isinstance(layers, dict) else layers[0].items())}
     shards = {k: list(v.addressable_shards[0].data.shape) for k, v in lp.items()}
@@ -117,14 +133,15 @@ def run(path: str, tp: int, expert_parallel: bool, scan: bool, attention: str = 
             "all_reduce": "all-reduce" in hlo, "all_gathers": [[int(d) for d in g.split(",") if d] for g in gathered]}
 
 
-def engine_tokens(path: str, tp: int, ep: bool = False, scan: bool = True, prompt=PROMPT,
-                  precompile: str = "auto") -> list[int]:
-    """The whole serving path (sharded AOT warm-up, donated sharded cache, sampler) at ``tp``;
-    ``precompile="all"``: every bucket compiled before the first step, none after."""
+def engine_tokens(path: str, tp: int, ep: bool = False, scan: bool = True, prompt=PROMPT) -> list[int]:
+    """The whole serving path (chunked prefill, the buckets it runs compiled ahead of time with
+    the sharded cache, donated sharded cache, sampler) at ``tp``; the strict compile guard fails
+    a step that traces or compiles a bucket already made.  (Every bucket up front at tp=2: the
+    multi-host engine, test_multihost.py.)"""
     from jaxllm import LLM, SamplingParams
     llm = LLM(path, skip_tokenizer_init=True, tensor_parallel_size=tp, enable_expert_parallel=ep, max_num_seqs=1,
               max_num_batched_tokens=4, max_model_len=64, dtype="float32", scan_layers=scan, strict_compile_guard=True,
-              show_progress=False, precompile=precompile)
+              show_progress=False)
     out = llm.generate([{"prompt_token_ids": prompt.tolist()}],
                        SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True), use_tqdm=False)
     return list(out[0].outputs[0].token_ids)
@@ -186,7 +203,7 @@ def main():
     r = run(os.path.join(root, "llama_gqa_untied"), 2, False, scan=True, attention="pallas")
     arrays["llama_gqa_untied/tp2/pallas"] = r.pop("logits")
     meta["llama_gqa_untied/tp2/pallas"] = r
-    for name, tp, ep in (("llama_gqa_untied", 2, False), ("qwen3_moe", 2, True)):
+    for name, tp, ep in ENGINE:
         key = f"engine/{name}/tp{tp}{'/ep' if ep else ''}"
         meta[key] = {"tokens": engine_tokens(os.path.join(root, name), tp, ep)}
         print(key, meta[key]["tokens"][:6], flush=True)
