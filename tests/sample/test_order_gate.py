@@ -159,7 +159,13 @@ def test_order_gate_sees_a_tie_break_the_formula_gate_cannot(monkeypatch, keep_c
     assert np.isfinite(rows[-1].params.bias_row).sum() == 2, "no tie row was built"
     assert device_tokens(padded(tie_rows))[:2] == reference_tokens(tie_rows)
     _resolve_ties_to_the_last_index(monkeypatch)
-    assert device_tokens(padded(tie_rows), fresh=True)[:2] != reference_tokens(tie_rows)
+    # The candidate draw's tie row rides in the same mutated program (one compile, not two):
+    # test_candidate_draw_resolves_ties_to_the_lowest_index's mutation.
+    cand_tie = truncated_rows(4099, 0)[-1]
+    lo = int(np.flatnonzero(np.isfinite(cand_tie.params.bias_row))[0])
+    got = device_tokens(padded(tie_rows + [cand_tie]), fresh=True)
+    assert got[:2] != reference_tokens(tie_rows)
+    assert got[2] != lo, "the candidate draw's tie does not go through the mutated reduction"
 
 
 def _last_index(mask, index, big):
@@ -200,11 +206,11 @@ def test_candidate_draw_equals_the_serial_reference(V):
         assert device_tokens(padded(rows[::-1]))[:n] == reference_tokens(rows)[::-1]
 
 
-def test_candidate_draw_resolves_ties_to_the_lowest_index(monkeypatch, keep_compiled):
+def test_candidate_draw_resolves_ties_to_the_lowest_index():
+    # The same row under the mutation (ties to the last index) draws another token: in
+    # test_order_gate_sees_a_tie_break_the_formula_gate_cannot's mutated program.
     rows = truncated_rows(4099, 0)
     tie = rows[-1]
     assert tie.params.top_k == 2 and np.isfinite(tie.params.bias_row).sum() == 2, "no tie row was built"
     lo = int(np.flatnonzero(np.isfinite(tie.params.bias_row))[0])
     assert device_tokens(padded([tie]))[:1] == reference_tokens([tie]) == [lo]
-    _resolve_ties_to_the_last_index(monkeypatch)
-    assert device_tokens(padded([tie]), fresh=True)[:1] != [lo]
