@@ -357,7 +357,9 @@ def test_prompt_token_is_the_same_bits_in_any_chunk_and_batch(Hq, Hkv, D, case, 
     whole (query tiles of many tokens), in chunks of 1 (the decode path), 7, 32 or 61 tokens
     (tiles cut elsewhere), or beside another sequence's tokens: the engine's guarantee that a
     token's logits do not depend on the step it runs in.  Also equal to the XLA path."""
-    N = 150
+    # 161 tokens: chunks of 7 end flush, of 32 leave a last chunk of 1 (the decode program):
+    # only the chunks of 61 add a tail program (39).
+    N = 161
     cache, feats = BITS_CASES[case]
     q, _, _, kv, md = make_batch(11 + D, [N], [0], Hq=Hq, Hkv=Hkv, D=D, cache="bfloat16" if cache == "bfloat16" else
                                  "float32", pad_tokens=0, pad_rows=0)
