@@ -1,6 +1,9 @@
 """Caches are disposable: garbage written over every cache file (converted tokenizer, native
 kernels, saved programs, JAX's compilation cache), or every file truncated, and the next start
-rebuilds what it needs, says so in one line naming each entry, and prints the same tokens."""
+rebuilds what it needs, says so in one line naming each entry, and prints the same tokens.
+
+Both kinds of damage in one start (a start costs a process, its imports and its compiles):
+the entries of each cache alternate between them, the tokenizer's files take both."""
 
 from __future__ import annotations
 
@@ -90,26 +93,48 @@ def clean_start(tmp_path_factory):
     return cache, r.stdout, _stand_in_compiler(tmp_path_factory.mktemp("cxx"), built)
 
 
-def _damage(cache: str, how: str) -> None:
-    for root, _, files in os.walk(cache):
-        for name in files:
-            path = os.path.join(root, name)
-            size = os.path.getsize(path)
-            if how == "garbage":
-                with open(path, "r+b") as f:
-                    f.write(bytes((i * 251 + 7) % 256 for i in range(min(size, 4096))) or b"\xf6")
-            else:
-                with open(path, "r+b") as f:
-                    f.truncate(size // 2)
+HOWS = ("garbage", "truncated")
 
 
-@pytest.mark.parametrize("how", ["garbage", "truncated"])
-def test_a_damaged_cache_is_rebuilt_with_one_line_each(clean_start, tmp_path, how):
+def _damage_file(path: str, how: str) -> None:
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        if how == "garbage":
+            f.write(bytes((i * 251 + 7) % 256 for i in range(min(size, 4096))) or b"\xf6")
+        else:
+            f.truncate(size // 2)
+
+
+def _damage(cache: str, entries: dict[str, list[str]]) -> dict[str, set[str]]:
+    """Every file of the cache damaged: garbage over the converted tokenizer's JSON (what once
+    stopped a start with a UnicodeDecodeError) and truncation over the tokenizer entry's other
+    files; per kind, the other caches' entries (their files: a kernel's seal goes with it)
+    alternating between garbage and truncation.  Returns kind -> the kinds of damage it got."""
+    got: dict[str, set[str]] = {kind: set() for kind in entries}
+    owner = {}                                      # entry path -> (kind, damage)
+    for kind, paths in entries.items():
+        for j, path in enumerate(sorted(paths)):
+            owner[path] = (kind, HOWS[j % 2])
+    files = sorted(os.path.join(root, name) for root, _, names in os.walk(cache) for name in names)
+    for path in files:
+        entry = next((e for e in owner if path == e or path.startswith(e + os.sep) or path.startswith(e + ".")),
+                     None)
+        kind, how = owner[entry] if entry else (None, "garbage")
+        if kind == "tokenizer":
+            how = "garbage" if os.path.basename(path) == "tokenizer.json" else "truncated"
+        _damage_file(path, how)
+        if kind:
+            got[kind].add(how)
+    return got
+
+
+def test_a_damaged_cache_is_rebuilt_with_one_line_each(clean_start, tmp_path):
     cache, expected, cxx = clean_start
     damaged = str(tmp_path / "cache")
     shutil.copytree(cache, damaged)
     entries = _entries(damaged)
-    _damage(damaged, how)
+    got = _damage(damaged, entries)
+    assert got == {kind: set(HOWS) for kind in entries}, f"precondition: each cache meets both damages: {got}"
     r = _generate(damaged, cxx)
     assert r.stdout == expected
     lines = r.stderr.splitlines()
@@ -118,8 +143,6 @@ def test_a_damaged_cache_is_rebuilt_with_one_line_each(clean_start, tmp_path, ho
             said = [ln for ln in lines if re.search(rf"damaged cache entry {re.escape(path)}\b", ln)]
             assert len(said) == 1, f"{kind} {path}: {said or r.stderr[-4000:]}"
     assert len(re.findall(r"native CPU kernel \S+: compiled in", r.stderr)) == len(entries["kernel"])
-    if how == "truncated":
-        return
     # Rebuilt whole: a third start trusts every entry again.
     again = _generate(damaged)
     assert again.stdout == expected and "damaged cache entry" not in again.stderr, again.stderr[-3000:]

@@ -289,8 +289,20 @@ def sampler_batch(V: int, seed: int):
     return logits, smd.to_metadata(a), state, host
 
 
+@functools.cache
+def _sample(backend):
+    """The sampler with the given draw backend, jitted once for the file: processed logprobs
+    (the mode whose logprobs are read off the logits the draw sees; raw logprobs come from the
+    step's logits before any processing, whichever backend draws), 2 of them."""
+    return jax.jit(lambda l, d, s: sm.sample(l, d, s, max_logprobs=2, logprobs_mode="processed_logprobs",
+                                             kernel_backend=backend))
+
+
+SAMPLER_V = 8192                                         # above the candidate search's 1024 entries
+
+
 def test_sampler_pallas_backend_equals_xla():
-    V = 8192                                             # above the candidate search's 1024 entries
+    V = SAMPLER_V
     logits, md, state, host = sampler_batch(V, 0)
     m = jnp.asarray(np.asarray(logits)[4:5])
     # The flat top_p=0.999 row is left open by the candidate search: the whole-row search runs.
@@ -299,24 +311,22 @@ def test_sampler_pallas_backend_equals_xla():
                                                       jnp.zeros((1, 1), jnp.int32))
     assert bool(open_p[0])
 
-    def run(backend, mode):
-        f = jax.jit(lambda l, d, s: sm.sample(l, d, s, max_logprobs=2, logprobs_mode=mode, kernel_backend=backend))
-        return jax.tree.map(np.asarray, f(logits, md, state))
+    def run(backend):
+        return jax.tree.map(np.asarray, _sample(backend)(logits, md, state))
 
     expect = [ref.sample_row(lg, p, t, counts=c) for lg, p, t, c in host]
-    for mode in ("raw_logprobs", "processed_logprobs"):
-        xla, pallas = run("xla", mode), run("pallas", mode)
-        assert xla.token_ids.tolist() == pallas.token_ids.tolist() == expect, mode
-        for name in ("sampled_logprob", "sampled_rank", "top_ids", "top_logprobs"):
-            np.testing.assert_array_equal(getattr(xla, name), getattr(pallas, name), err_msg=f"{mode} {name}")
+    xla, pallas = run("xla"), run("pallas")
+    assert xla.token_ids.tolist() == pallas.token_ids.tolist() == expect
+    for name in ("sampled_logprob", "sampled_rank", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(getattr(xla, name), getattr(pallas, name), err_msg=name)
 
 
 def test_sampler_pallas_backend_all_greedy_and_refusals():
-    logits, md, state, host = sampler_batch(1000, 1)
+    # The programs of test_sampler_pallas_backend_equals_xla (same shapes), other rows.
+    logits, md, state, host = sampler_batch(SAMPLER_V, 1)
     greedy = dataclasses.replace(md, temperature=jnp.zeros_like(md.temperature))
-    f = jax.jit(lambda l, d, s: sm.sample(l, d, s, max_logprobs=0, kernel_backend="pallas").token_ids)
-    g = jax.jit(lambda l, d, s: sm.sample(l, d, s, max_logprobs=0).token_ids)
-    assert np.asarray(f(logits, greedy, state)).tolist() == np.asarray(g(logits, greedy, state)).tolist()
+    got, want = (np.asarray(_sample(b)(logits, greedy, state).token_ids).tolist() for b in ("pallas", "xla"))
+    assert got == want
     with pytest.raises(ValueError, match="fp64"):
         sm.sample(logits, md, state, max_logprobs=0, fp64=True, kernel_backend="pallas")
     with pytest.raises(ValueError, match="kernel_backend"):

@@ -10,6 +10,8 @@ random too, so a write to a wrong slot or a read of a stale one cannot go unnoti
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,10 +84,13 @@ def check(batch, dtype=jnp.float32, layer=None, **kw):
 MIXED = dict(q_lens=[1, 1, 32, 21, 1, 5], ctx_lens=[0, 16, 0, 11, 70, 27])
 
 
-# Pairwise: every GQA ratio meets both head dims and both page sizes, and every head dim
-# meets every page size (8 cases instead of the 16 of the full product).
-PAIRWISE = [(1, 64, 16), (1, 128, 32), (2, 64, 32), (2, 128, 16), (4, 64, 16), (4, 128, 32), (8, 64, 32),
-            (8, 128, 16)]
+# Each GQA ratio once, every head dim meeting both page sizes (4 cases of the 16 of the full
+# product); each ratio meets the other head dim and page size in another test of this file:
+# 1 (MHA) at 64 / 16 in test_quantized_cache_matches_reference[int8-1-64-16], 2 at 256 / 16 in test_head_dim_256, 4 at
+# 128 / 32 in test_bfloat16[4-32], 8 at 64 / 32 in test_quantized_cache_matches_reference.
+# The ratio sets the rows of a work item (block_q * G), the head dim and the page size the
+# loads: independent parts of the kernel, which the product would not exercise any further.
+PAIRWISE = [(1, 128, 32), (2, 64, 32), (4, 64, 16), (8, 128, 16)]
 
 
 @pytest.mark.parametrize("group,head_dim,page", PAIRWISE)
@@ -95,20 +100,25 @@ def test_mixed_batch_matches_reference(group, head_dim, page):
 
 
 @pytest.mark.parametrize("q_lens,ctx_lens", [
-    ([1], [0]),                       # a one-token sequence
-    ([16], [0]), ([1], [15]), ([1], [16]), ([1], [17]),        # around one page boundary (page 16)
-    ([3], [14]), ([40], [9]),         # chunks straddling one and several boundaries
-    ([1] * 7, [3, 15, 16, 31, 32, 33, 100]),                   # a decode-only batch
-], ids=["len1", "prefill-page", "decode-to-page", "decode-after-page", "decode-17", "straddle", "straddle-many",
-        "decodes"])
+    # One ragged batch (each sequence's output and writes are its own rows and pages), so
+    # its prefill tokens set the prefill-sized work items (block_q 64 / G):
+    ([1,                              # a one-token sequence
+      16, 1, 1, 1,                    # around one page boundary (page 16): a page of prefill,
+                                      # decodes to the boundary, after it and at 17
+      3, 40],                         # chunks straddling one and several boundaries
+     [0, 0, 15, 16, 17, 14, 9]),
+    # A decode-only batch: the decode-sized work items (block_q 16 / G), decodes to, after
+    # and past page boundaries.
+    ([1] * 7, [3, 15, 16, 31, 32, 33, 100]),
+], ids=["len1-page-straddle", "decodes"])
 def test_lengths_around_page_boundaries(q_lens, ctx_lens):
     check(make_batch(len(q_lens) + sum(ctx_lens), q_lens, ctx_lens, Hq=6, Hkv=2, D=64, page=16))
 
 
-def test_odd_gqa_ratio_and_mha():
-    # SmolLM2-135M is 9 query heads over 3 KV heads: G = 3 fills M = 5 * 3 rows of 16.
+def test_odd_gqa_ratio():
+    # SmolLM2-135M is 9 query heads over 3 KV heads: G = 3 fills M = 5 * 3 rows of 16.  MHA
+    # (G = 1) is test_mixed_batch_matches_reference[1-128-32].
     check(make_batch(1, **MIXED, Hq=9, Hkv=3, D=64, page=16))
-    check(make_batch(2, **MIXED, Hq=4, Hkv=4, D=64, page=16))
 
 
 def test_head_dim_256():
@@ -121,22 +131,25 @@ def test_bfloat16(group, page):
     check(make_batch(4 + group, **MIXED, Hq=2 * group, Hkv=2, D=128, page=page, dtype=jnp.bfloat16), jnp.bfloat16)
 
 
-# Two splits run in test_sliding_window and test_attention_sinks[2-9].
-@pytest.mark.parametrize("splits", [3, 8])
+# Two splits run in test_sliding_window and test_attention_sinks[2-9], three in
+# test_attention_sinks[3-None] (the same batch and heads as here, with sinks).
+@pytest.mark.parametrize("splits", [8])
 def test_flash_decoding_splits(splits):
     # More splits than some sequences have pages: empty splits must merge with weight 0.
     check(make_batch(5, **MIXED, Hq=8, Hkv=2, D=64, page=16), kv_splits=splits)
 
 
-# A window of one token, of one page and past two pages; a window inside a page (9) runs
-# in test_attention_sinks[2-9] and test_quantized_cache_stacked_splits_and_window.
-@pytest.mark.parametrize("window", [1, 16, 40])
+# A window of one token and past two pages; one of a page (16) runs in
+# test_soft_cap_and_scale, one inside a page (9) in test_attention_sinks[2-9] and
+# test_quantized_cache_stacked_splits_and_window.
+@pytest.mark.parametrize("window", [1, 40])
 def test_sliding_window(window):
     check(make_batch(6, **MIXED, Hq=4, Hkv=2, D=64, page=16), sliding_window=window, kv_splits=2)
 
 
 def test_soft_cap_and_scale():
-    check(make_batch(7, **MIXED, Hq=4, Hkv=2, D=64, page=16), soft_cap=3.0, sm_scale=0.3)
+    # With a window of one page (the cap bends the scores the window keeps).
+    check(make_batch(7, **MIXED, Hq=4, Hkv=2, D=64, page=16), soft_cap=3.0, sm_scale=0.3, sliding_window=16)
 
 
 @pytest.mark.parametrize("splits,window", [(1, None), (3, None), (2, 9)])
@@ -146,20 +159,19 @@ def test_attention_sinks(splits, window):
           sliding_window=window, soft_cap=4.0 if window else None)
 
 
-def test_attention_sinks_stacked_and_odd_group():
-    batch = make_batch(15, **MIXED, Hq=6, Hkv=2, D=64, page=16, stacked_layers=2)
-    check(batch, layer=jnp.int32(1), sinks=jnp.asarray(SINKS[:6]))
-
-
 def test_block_q_choices():
+    # Blocks of one token and of an odd count; the default for this batch (64 / 4 = 16)
+    # runs in test_mixed_batch_matches_reference[4-64-16] and test_flash_decoding_splits.
     batch = make_batch(8, **MIXED, Hq=8, Hkv=2, D=64, page=16)
-    for bq in (1, 3, 16):
+    for bq in (1, 3):
         check(batch, block_q=bq)
 
 
 def test_stacked_cache_writes_only_its_layer():
-    batch = make_batch(9, **MIXED, Hq=4, Hkv=2, D=64, page=16, stacked_layers=3)
-    check(batch, layer=jnp.int32(1))
+    # The middle one of three layers (check(): the cache equals the reference's, whose write
+    # touches layer 1 only), with sinks over an odd group (6 over 2: G = 3).
+    batch = make_batch(9, **MIXED, Hq=6, Hkv=2, D=64, page=16, stacked_layers=3)
+    check(batch, layer=jnp.int32(1), sinks=jnp.asarray(SINKS[:6]))
 
 
 @pytest.mark.parametrize("features", [{}, dict(sliding_window=9, soft_cap=2.5, sinks=SINKS[:6])],
@@ -181,10 +193,17 @@ def test_reference_equals_the_engine_xla_path(features):
         slots[cu[s]:cu[s + 1]] = pt[s, p // page] * page + p % page
     md = AttentionMetadata(positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots), token_seq=jnp.asarray(seq),
                            block_tables=b["page_table"], seq_lens=b["kv_lens"], query_start_loc=b["cu_q_lens"])
-    kv = write_kv((b["k_cache"], b["v_cache"]), None, md.slot_mapping, b["k_new"], b["v_new"])
-    xla_kw = {k: jnp.asarray(v) if k == "sinks" else v for k, v in features.items()}
-    xla = np.asarray(paged_attention_xla(b["q"], kv, None, md, scale=64 ** -0.5, **xla_kw))
-    ref, _, _ = ragged_paged_attention_reference(**b, **xla_kw)
+    sinks = features.get("sinks")
+    static = {k: v for k, v in features.items() if k != "sinks"}
+    sinks = None if sinks is None else jnp.asarray(sinks)
+
+    @jax.jit
+    def xla_path(b, md, sinks):     # one program, not one per operation
+        kv = write_kv((b["k_cache"], b["v_cache"]), None, md.slot_mapping, b["k_new"], b["v_new"])
+        return paged_attention_xla(b["q"], kv, None, md, scale=64 ** -0.5, sinks=sinks, **static)
+
+    xla = np.asarray(xla_path(b, md, sinks))
+    ref, _, _ = _reference(**b, sinks=sinks, **static)
     real = int(cu[-1])
     np.testing.assert_allclose(np.asarray(ref)[:real], xla[:real], rtol=1e-5, atol=1e-5)
 
@@ -264,18 +283,27 @@ def test_quantized_cache_matches_reference(name, group, head_dim, page):
     for a, b in zip(jax.tree.leaves((kc, vc)), jax.tree.leaves((r_kc, r_vc))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The reference itself against float attention over the dequantized cache.
+    f_out, f_kc, r_kc_deq = _float_attention_over_dequantized(batch, r_kc, name)
+    np.testing.assert_allclose(r_out, np.asarray(f_out), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(r_kc_deq), np.asarray(f_kc))
+
+
+@functools.partial(jax.jit, static_argnames="name")
+def _float_attention_over_dequantized(batch, r_kc, name):
+    """The float reference over the batch's dequantized cache and quantize-dequantized new
+    K/V, and the reference's written K cache dequantized: one program, not one per operation."""
+    from jaxllm.layers import kv_quant
     deq = lambda x: kv_quant.dequantize(kv_quant.QuantPages(*kv_quant.quantize(x, name, jnp.uint8 if "fp8" in name  # noqa: E731
                                                                                else None), name))
     fb = dict(batch, k_cache=kv_quant.dequantize(batch["k_cache"]), v_cache=kv_quant.dequantize(batch["v_cache"]),
               k_new=deq(batch["k_new"]), v_new=deq(batch["v_new"]))
-    f_out, f_kc, _ = _reference(**fb)
-    np.testing.assert_allclose(r_out, np.asarray(f_out), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(kv_quant.dequantize(r_kc)), np.asarray(f_kc))
+    f_out, f_kc, _ = ragged_paged_attention_reference(**fb)
+    return f_out, f_kc, kv_quant.dequantize(r_kc)
 
 
 # Each format (int8 with its float scales, fp8_e4m3 with its byte table) reads a stacked
 # cache; the splits and the window (static: a program each) run on one format each.
-@pytest.mark.parametrize("name,kws", [("int8", (dict(layer=1), dict(layer=0, sliding_window=9))),
+@pytest.mark.parametrize("name,kws", [("int8", (dict(layer=1, sliding_window=9),)),
                                       ("fp8_e4m3", (dict(layer=2, kv_splits=3),))], ids=["int8", "fp8_e4m3"])
 def test_quantized_cache_stacked_splits_and_window(name, kws):
     batch = _quantize_batch(make_batch(410, **MIXED, Hq=4, Hkv=2, D=64, page=16, stacked_layers=3), name)

@@ -22,6 +22,9 @@ from jaxllm.runner.step_config import StepConfig
 # product; the unrolled layers at 256 are also compiled below (quantized caches), and the
 # native attention's steps in tests/kernels/test_cpu_attention.py::test_step_hlo_has_no_cache_copies.
 CONFIGS = [(False, 32), (True, 256)]
+# Two rows and four tokens: three buckets, a decode-shaped (1, 1) and (2, 2) and a prefill-
+# shaped (4, 2) with more tokens than rows (each bucket is a program of its own to compile).
+ROWS = dict(max_num_seqs=2, max_num_batched_tokens=4)
 IDS = [f"{'scan' if scan else 'unrolled'}-{mml}" for scan, mml in CONFIGS]
 
 
@@ -32,7 +35,7 @@ def step_hlos(tiny_llama):
     out = {}
     for scan_layers, max_model_len in CONFIGS:
         cfg = StepConfig(arch=model.arch, platform=jax.default_backend(), dtype="float32", scan_layers=scan_layers,
-                         max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=8, max_logprobs=2)
+                         max_model_len=max_model_len, **ROWS, max_logprobs=2)
         runner = ModelRunner(model, cfg, num_blocks=61, show_progress=False)
         out[(scan_layers, max_model_len)] = runner, {
             (T, S): runner.compiler.lower_step(runner.params, runner.kv, runner.sampler_rows.state, T, S)
@@ -82,7 +85,7 @@ def test_quantized_cache_is_updated_in_place(tiny_llama, kv_cache_dtype, scan_la
         pytest.skip("native CPU kernel unavailable here (no AVX2/FMA or no C++ compiler)")
     model = load_model(tiny_llama)
     cfg = StepConfig(arch=model.arch, platform=jax.default_backend(), dtype="float32", scan_layers=scan_layers,
-                     max_model_len=256, max_num_seqs=4, max_num_batched_tokens=8, max_logprobs=2,
+                     max_model_len=256, **ROWS, max_logprobs=2,
                      kernels=Kernels(attention=attention), kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner(model, cfg, num_blocks=61, show_progress=False)
     a = runner.arch

@@ -19,12 +19,18 @@ import dataclasses
 import numpy as np
 import pytest
 
+from support import sampler_harness
 from support.sampler_harness import Row, device_tokens, reference_tokens, tie_pair
 
 from jaxllm.sample import blocked, draw
 from jaxllm.sample.metadata import RowParams
 
-WIDTHS = [2, 7, 64, 1000, 4099, 32000, 49152, 65537, 128256, 151936, 248320]
+# Each width is a program of its own (~3 CPU-s to compile).  Widths inside one block of the
+# argmax (blocked.BLOCK = 64: 2, 7, 64), padded to whole blocks (1000, 4099, 65537: one past
+# 2^16) and whole blocks (49152, SmolLM2's vocabulary, and 151936, Qwen's).  Other whole-block
+# vocabularies (32000, 128256, 248320) run the same unpadded path with another block count,
+# which no reduction here depends on (max, min of indices, exact counts below 2^24).
+WIDTHS = [2, 7, 64, 1000, 4099, 49152, 65537, 151936]
 # Rows of gate_rows at a width of 4000 or more (ten paths and the tie row): the batch every
 # device_tokens call below pads to, so that each width compiles one sampler program, shared
 # by the tests (padding rows are greedy rows of the engine's buckets; the draw ignores them).
@@ -104,11 +110,11 @@ def test_same_request_same_token_in_any_row_and_bucket(V):
     expect = reference_tokens(rows)
     # Rows reversed (every request in another row and another state slot), same bucket.
     assert device_tokens(rows[::-1]) == expect[::-1]
-    # Alone, one request per call (the S=1 bucket).
-    for i in (1, 3, 8, len(rows) - 1):
-        assert device_tokens([rows[i]]) == [expect[i]]
     if V == 49152:
-        # Interleaved with padding rows in a bigger bucket.
+        # Alone, one request per call (the S=1 bucket), and interleaved with padding rows in
+        # a bigger bucket: at one width (a program per bucket and width).
+        for i in (1, 3, 8, len(rows) - 1):
+            assert device_tokens([rows[i]]) == [expect[i]]
         layout = [x for r in rows for x in (None, r)]
         assert device_tokens(layout)[1::2] == expect
 
@@ -133,7 +139,17 @@ def test_float64_noise_draw_equals_the_reference():
     assert device_tokens(rows, fp64=True) == reference_tokens(rows, fp64=True)
 
 
-def test_order_gate_sees_a_tie_break_the_formula_gate_cannot(monkeypatch):
+@pytest.fixture
+def keep_compiled():
+    """The harness' compiled sampler programs as they were before the test: a ``fresh`` call
+    (which traces the mutated code) drops the cached program, and the tests after it would
+    compile every width again."""
+    saved = dict(sampler_harness._JIT)
+    yield
+    sampler_harness._JIT.update(saved)
+
+
+def test_order_gate_sees_a_tie_break_the_formula_gate_cannot(monkeypatch, keep_compiled):
     """Mutation: resolve ties to the *last* index (what a reduction that keeps its right
     operand on equality would do).  The distribution is unchanged (exact ties have
     probability ~0, so the formula gate cannot notice), but the tie rows no longer match
@@ -143,7 +159,13 @@ def test_order_gate_sees_a_tie_break_the_formula_gate_cannot(monkeypatch):
     assert np.isfinite(rows[-1].params.bias_row).sum() == 2, "no tie row was built"
     assert device_tokens(padded(tie_rows))[:2] == reference_tokens(tie_rows)
     _resolve_ties_to_the_last_index(monkeypatch)
-    assert device_tokens(padded(tie_rows), fresh=True)[:2] != reference_tokens(tie_rows)
+    # The candidate draw's tie row rides in the same mutated program (one compile, not two):
+    # test_candidate_draw_resolves_ties_to_the_lowest_index's mutation.
+    cand_tie = truncated_rows(4099, 0)[-1]
+    lo = int(np.flatnonzero(np.isfinite(cand_tie.params.bias_row))[0])
+    got = device_tokens(padded(tie_rows + [cand_tie]), fresh=True)
+    assert got[:2] != reference_tokens(tie_rows)
+    assert got[2] != lo, "the candidate draw's tie does not go through the mutated reduction"
 
 
 def _last_index(mask, index, big):
@@ -174,7 +196,7 @@ def truncated_rows(V: int, seed: int) -> list[Row]:
     return rows
 
 
-@pytest.mark.parametrize("V", [4099, 49152, 151936, 248320])
+@pytest.mark.parametrize("V", [4099, 49152, 65537, 151936])     # programs of test_parallel_draw...
 def test_candidate_draw_equals_the_serial_reference(V):
     for seed in (0, 1, 2):
         rows = truncated_rows(V, seed)
@@ -184,11 +206,11 @@ def test_candidate_draw_equals_the_serial_reference(V):
         assert device_tokens(padded(rows[::-1]))[:n] == reference_tokens(rows)[::-1]
 
 
-def test_candidate_draw_resolves_ties_to_the_lowest_index(monkeypatch):
+def test_candidate_draw_resolves_ties_to_the_lowest_index():
+    # The same row under the mutation (ties to the last index) draws another token: in
+    # test_order_gate_sees_a_tie_break_the_formula_gate_cannot's mutated program.
     rows = truncated_rows(4099, 0)
     tie = rows[-1]
     assert tie.params.top_k == 2 and np.isfinite(tie.params.bias_row).sum() == 2, "no tie row was built"
     lo = int(np.flatnonzero(np.isfinite(tie.params.bias_row))[0])
     assert device_tokens(padded([tie]))[:1] == reference_tokens([tie]) == [lo]
-    _resolve_ties_to_the_last_index(monkeypatch)
-    assert device_tokens(padded([tie]), fresh=True)[:1] != [lo]
