@@ -143,8 +143,11 @@ def plan(smoke: bool) -> dict:
                              Hq=8, Hkv=2, D=64, page=16)],
             sampler_cases=[(8, 1000)],     # the correctness rows' shape: compiled once
             models=dict(e2e_builtin=SMOKE_VARIANT, e2e_llama1b=SMOKE_VARIANT),
-            batches=[1, 2], input_len=2, output_len=3, e2e_reps=1,
-            max_num_batched_tokens=2, max_model_len=16,
+            # One batch of a 1-token prompt under a 1-token budget: each engine has one step
+            # bucket, (1, 1), and one sampler (the interpret-mode Pallas step is most of the
+            # smoke run's compile time); the GPU plan's batch loop is the same code.
+            batches=[1], input_len=1, output_len=3, e2e_reps=1,
+            max_num_batched_tokens=1, max_model_len=16,
             est=dict(pytest=5, correctness=20, attention=10, sampler=10, engine=25, batch=5, write=1, large_cache=5))
     return dict(
         pytest_cap_s=150, warmup=3, reps=7, inner=10,

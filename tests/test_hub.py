@@ -197,7 +197,11 @@ def test_tokenizer_revision_follows_vllm(fake_hub, repos, tmp_path):
 
 def test_draft_model_hub_id_downloads_then_offline_serves_the_same_tokens(fake_hub, repos, tmp_path, monkeypatch):
     cache = str(tmp_path / "hf_cache")
-    spec = {"model": "tiny/llama", "revision": "main", "num_speculative_tokens": 2}
+    # The same checkpoint and speculation settings as the draft engines of
+    # tests/spec_decode/test_spec_identity_draft.py and test_draft_kv.py (SMALL_ENGINE, k = 3, always
+    # drafting): the same programs, which the run's compile cache holds once for all of them.
+    spec = {"model": "tiny/llama", "revision": "main", "num_speculative_tokens": 3, "min_acceptance_rate": 0.0,
+            "cost_model": False}
     llm = LLM(repos[0], speculative_config=spec, download_dir=cache, **ENGINE)
     online = _tokens(llm)
     del llm
@@ -206,6 +210,8 @@ def test_draft_model_hub_id_downloads_then_offline_serves_the_same_tokens(fake_h
     _go_offline(monkeypatch)
     llm = LLM(repos[0], speculative_config=spec, download_dir=cache, **ENGINE)
     assert _tokens(llm) == online
+    # The draft ran: it is the target's own checkpoint, so greedy proposals are accepted.
+    assert llm.llm_engine.core.scheduler.spec_stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("flag", ["--tokenizer", "--speculative-config model"])

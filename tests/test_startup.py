@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import subprocess
 import sys
 
-from support.cli_errors import assert_one_line_error, cli
+from support.cli_errors import assert_one_line_error
+
+from jaxllm.cli import main
 
 # The native kernels build on threads started before the weights load: their lines come in any
 # order with the loading's, but before the weights go to the device (the layout needs them).
@@ -29,17 +32,21 @@ def assert_in_order(log: str) -> None:
     assert kernels is not None and kernels.start() < device.start(), log
 
 
+# The shared engines' sizing (support/engines.py SMALL_ENGINE, the session's tiny_llm): the
+# subprocesses' programs are the ones the run's compile cache already holds, not new ones.
+SIZING = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "256", "--dtype", "float32"]
+
+
 def test_generate_says_what_it_does_in_order(tiny_llama):
     r = subprocess.run([sys.executable, "-m", "jaxllm.cli", "generate", "Hello", "--model", tiny_llama,
-                        "--max-tokens", "3", "--max-num-seqs", "2", "--max-num-batched-tokens", "8",
-                        "--max-model-len", "64"],
+                        "--max-tokens", "3", *SIZING],
                        capture_output=True, text=True, timeout=600,
                        env={k: v for k, v in os.environ.items() if k != "JAXLLM_LOG_LEVEL"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("Hello") and len(r.stdout.strip()) > len("Hello"), r.stdout
     log = r.stderr.replace("\r", "\n")
     assert_in_order(log)
-    # One-shot: the prompt's bucket and the decode bucket (and their samplers), not all 6 programs.
+    # One-shot: the prompt's bucket and the decode bucket (and their samplers), not all 9 programs.
     ready = [int(n) for n in re.findall(r"(\d+) programs ready", log)]
     assert 0 < sum(ready) <= 4, log
 
@@ -49,7 +56,7 @@ import logging, sys
 from jaxllm import LLM, SamplingParams
 if sys.argv[2] == "configured":
     logging.basicConfig(level=logging.WARNING)   # the script's own choice wins
-llm = LLM(sys.argv[1], max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64)
+llm = LLM(sys.argv[1], max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, dtype="float32")
 print(llm.generate(["Hello"], SamplingParams(max_tokens=3))[0].outputs[0].text != "")
 """
 
@@ -69,10 +76,14 @@ def test_llm_in_a_script_logs_the_same_phases_with_timestamps_and_no_bars(tiny_l
     assert r.returncode == 0 and "INFO" not in r.stderr and "loading weights" not in r.stderr, r.stderr
 
 
-def test_serve_refuses_on_demand_compilation_before_loading():
-    rc, lines, _ = cli("serve", "--precompile", "on-demand", timeout=120)
+def test_serve_refuses_on_demand_compilation_before_loading(capsys, caplog):
+    # In this process (the refusal comes before JAX starts anything): stderr holds the error,
+    # the log records would hold the start-up's phases had it begun loading.
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        rc = main(["serve", "--precompile", "on-demand"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert_one_line_error(rc, lines, "--precompile on-demand is for one-shot commands")
-    assert not any("loading weights" in ln for ln in lines), lines
+    assert not any("loading weights" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_missing_package_is_named_with_how_to_install_it():
