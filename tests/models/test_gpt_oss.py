@@ -57,8 +57,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 # End to end on the default CPU backends, on the engine the prefix-caching and preemption tests
 # share (a Pallas engine of its own cost this file a quarter of its time in compiles). The
 # sinks, windows, biased experts and YaRN reach every backend, the Pallas kernels included, in
-# test_prompt_logits_match_transformers (the paged cache over two chunks); the Pallas kernels
-# run end to end for Gemma 2 (test_gemma.py), Granite and SmolLM3 (test_families_b.py).
+# test_prompt_logits_match_transformers (the paged cache over two chunks), and the sinks decode
+# 32 greedy tokens on the Pallas kernel per device at tp=2 (tests/parallel/test_tp_families.py);
+# the Pallas kernels run end to end in an engine for Granite and SmolLM3 (test_families_b.py).
 def test_greedy_tokens_match_transformers(small_pool, hf_model):
     # One prompt past the windows, prefilled in two chunks of the 32-token budget: the steps
     # the prefix-caching test's first request runs.
