@@ -136,8 +136,10 @@ def test_greedy_tokens_match_transformers(variant, engines, hf_models):
     # first step on, as in transformers' generate (shorter ones that cross 32 while decoding:
     # test_longrope_crossing_keeps_the_cached_keys).
     llm = engines(variant, _scan(variant, scan), attention, matmul)
-    # Phi-3's run one at a time (see below), so two lengths past 32 hold what three did.
-    prompts = [prompt_ids(n, seed=10 + n) for n in ((33, 47) if variant == "phi3" else (5, 21, 40))]
+    # Phi-3's run one at a time (see below), so two lengths past 32 hold what three did.  The
+    # others' two fit one step (61 tokens: the 64-token bucket), then two rows decode: two
+    # programs per engine (OLMo 3's window of 16 is crossed by both prompts).
+    prompts = [prompt_ids(n, seed=10 + n) for n in ((33, 47) if variant == "phi3" else (21, 40))]
     # Phi-3's one at a time: together they would not fit one step's 64 tokens, and a chunked
     # prompt's first chunk would take the short factors.
     batches = [[p] for p in prompts] if variant == "phi3" else [prompts]
@@ -176,9 +178,11 @@ def _hf_greedy_with_cache(hf, prompt, n):
 def test_longrope_crossing_keeps_the_cached_keys(engines, hf_models):
     # A sequence that grows past 32 positions while decoding: each step takes the long factors
     # from the step its length passes 32 on, the keys cached before keep the short ones (no
-    # re-encoding), and sequences of the batch choose independently.
+    # re-encoding), and sequences of the batch choose independently: the prompt of 21 crosses
+    # 32 while the one of 40 decodes beside it on the long factors (one prefill step of 61
+    # tokens, then two rows: the greedy test's 64-token bucket and one more program).
     llm = engines("phi3", False, "xla", "xla")
-    prompts = [prompt_ids(n, seed=10 + n) for n in (5, 21, 40)]
+    prompts = [prompt_ids(n, seed=10 + n) for n in (21, 40)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     for p, out in zip(prompts, outs):

@@ -46,23 +46,33 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
 def _greedy_cases() -> list[tuple[str, str, str]]:
-    """One backend per family (an engine each costs its compiles): Gemma 2 on the Pallas
-    kernels, Gemma 3 on the native CPU kernels (XLA where they are unavailable).  Soft caps,
-    windows and ``query_pre_attn_scalar`` reach every backend in
-    ``test_prompt_logits_match_transformers`` (both families x every backend); Gemma 3 on the
-    default backends runs end to end in ``test_prefix_caching_on_and_off_equal``."""
+    """One backend per family (an engine each costs its compiles): Gemma 2 on the XLA path,
+    Gemma 3 on the default CPU backends (the native kernels; XLA where they are unavailable)
+    on the engine the prefix-caching and preemption tests share.  Soft caps, windows and
+    ``query_pre_attn_scalar`` reach every backend, the Pallas kernels included, in
+    ``test_prompt_logits_match_transformers`` (both families x every backend); the Pallas
+    kernels (interpret mode: the costliest engine to compile) run end to end for Granite and
+    SmolLM3 (test_families_b.py), and Gemma 2's soft cap and window decode 32 greedy tokens
+    on the Pallas kernel per device at tp=2 (tests/parallel/test_tp_families.py)."""
     native = ("native", "native") if ("native", "native") in backends() else ("xla", "xla")
-    return [("gemma2", "xla", "pallas"), ("gemma3", *native)]
+    return [("gemma2", "xla", "xla"), ("gemma3", *native)]
 
 
 @pytest.mark.parametrize("variant,matmul,attention", _greedy_cases(),
                          ids=[f"{v}-{m}-{a}" for v, m, a in _greedy_cases()])
-def test_greedy_tokens_match_transformers(variant, matmul, attention, family_checkpoints, hf_gemmas):  # noqa: F811
-    llm = LLM(family_checkpoints[variant], cpu_matmul=matmul, attention_backend=attention,
-              **{**SMALL_ENGINE, "precompile": "auto", "max_num_batched_tokens": 64})
+def test_greedy_tokens_match_transformers(variant, matmul, attention, family_checkpoints, hf_gemmas,  # noqa: F811
+                                          request):
+    if variant == "gemma3":
+        # The small pool's engine (its default backends are these): the 40-token prompt in two
+        # chunks of its 32-token budget, the steps the prefix-caching test's first request runs.
+        llm = request.getfixturevalue("small_pool_gemma3")
+    else:
+        # One prompt past the windows, prefilled in one step (the paged-logits test covers
+        # chunked prefill): two programs to build.
+        llm = LLM(family_checkpoints[variant], cpu_matmul=matmul, attention_backend=attention,
+                  **{**SMALL_ENGINE, "precompile": "auto", "max_num_batched_tokens": 64})
     assert llm.llm_engine.core.runner.cfg.kernels.attention == attention
-    # One prompt past the windows, prefilled in one step (the paged-logits test covers
-    # chunked prefill): two programs to build per engine.
+    assert llm.llm_engine.core.runner.cfg.kernels.matmul == matmul
     prompts = [prompt_ids(40, seed=50)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     for p, out in zip(prompts, outs):
@@ -72,7 +82,7 @@ def test_greedy_tokens_match_transformers(variant, matmul, attention, family_che
 @pytest.fixture(scope="module")
 def small_pool_gemma3(family_checkpoints):  # noqa: F811
     """Gemma 3 on the default CPU backends with a pool of 10 blocks of 16: one 128-token
-    sequence fits, four running at once do not."""
+    sequence fits, four running at once do not.  The greedy test's Gemma 3 cell shares it."""
     return LLM(family_checkpoints["gemma3"], **{**SMALL_ENGINE, "num_blocks_override": 10, "max_model_len": 128,
                                                 "precompile": "auto"})
 

@@ -4,8 +4,8 @@ A tiny random-weight checkpoint (tests/support/tiny_families.py) with sinks, alt
 8 (crossed by the 40-token prompt), q/k/v/o biases, 4 biased experts with a SwiGLU limit the
 activations reach, and YaRN: the prompt's logits through the paged cache within 1e-4 of
 transformers on the XLA path, the native CPU kernels and the Pallas kernels (interpret);
-32 greedy tokens equal to ``generate`` from the engine on the Pallas kernels; prefix caching on/off and
-preemption; YaRN's frequencies against transformers'; refusals and a missing sink named.
+32 greedy tokens equal to ``generate`` from the engine on the default CPU backends, whose engine
+also runs prefix caching on/off and preemption; YaRN's frequencies against transformers'; refusals and a missing sink named.
 """
 
 from __future__ import annotations
@@ -43,30 +43,29 @@ def test_prompt_logits_match_transformers(matmul, attention, ckpt, hf_model):
     assert rel < 1e-4, f"gpt_oss ({matmul}, {attention}): max relative logit error {rel:.2e}"
 
 
-GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-
-
-# End to end on the Pallas kernels only (an engine per backend costs its compiles): the sinks
-# and windows reach every backend in test_prompt_logits_match_transformers, and the default CPU
-# backends run end to end in test_prefix_caching_on_and_off_equal and the preemption test.
-@pytest.mark.parametrize("matmul,attention", [("xla", "pallas")], ids=["xla-pallas"])
-def test_greedy_tokens_match_transformers(matmul, attention, ckpt, hf_model):
-    llm = LLM(ckpt, cpu_matmul=matmul, attention_backend=attention,
-              **{**SMALL_ENGINE, "precompile": "auto", "max_num_batched_tokens": 64})
-    assert llm.llm_engine.core.runner.cfg.kernels.attention == attention
-    # One prompt past the windows, prefilled in one step (the paged-logits test covers
-    # chunked prefill): two programs to build per engine.
-    prompts = [prompt_ids(40, seed=50)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    for p, out in zip(prompts, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf_model, p), f"prompt of {len(p)}"
-
-
 @pytest.fixture(scope="module")
 def small_pool(ckpt):
     """The default CPU backends with a pool of 10 blocks of 16: one 128-token sequence fits,
-    four running at once do not."""
+    four running at once do not.  The greedy, prefix-caching and preemption tests share it
+    (one engine: the buckets its steps run, compiled once)."""
     return LLM(ckpt, **{**SMALL_ENGINE, "num_blocks_override": 10, "max_model_len": 128, "precompile": "auto"})
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+# End to end on the default CPU backends, on the engine the prefix-caching and preemption tests
+# share (a Pallas engine of its own cost this file a quarter of its time in compiles). The
+# sinks, windows, biased experts and YaRN reach every backend, the Pallas kernels included, in
+# test_prompt_logits_match_transformers (the paged cache over two chunks), and the sinks decode
+# 32 greedy tokens on the Pallas kernel per device at tp=2 (tests/parallel/test_tp_families.py);
+# the Pallas kernels run end to end in an engine for Granite and SmolLM3 (test_families_b.py).
+def test_greedy_tokens_match_transformers(small_pool, hf_model):
+    # One prompt past the windows, prefilled in two chunks of the 32-token budget: the steps
+    # the prefix-caching test's first request runs.
+    prompt = prompt_ids(40, seed=50)
+    out = small_pool.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt), f"prompt of {len(prompt)}"
 
 
 def test_prefix_caching_on_and_off_equal(small_pool):
@@ -92,7 +91,8 @@ def test_preemption_keeps_outputs_equal(small_pool):
     llm = small_pool
     rng = np.random.default_rng(4)
     prompts = [{"prompt_token_ids": rng.integers(3, 5000, size=int(n)).tolist()} for n in (30, 45, 20, 60, 12, 38)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # 205 prompt tokens and 24 each to decode: past the 160-token pool (asserted below).
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     solo = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     core = llm.llm_engine.core
     before = core.scheduler.num_preemptions
