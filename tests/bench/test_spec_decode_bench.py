@@ -36,9 +36,9 @@ def test_a_truncated_gguf_is_the_first_layers_and_drafts_exactly(tiny_llama, tmp
     with pytest.raises(SystemExit, match="--draft-layers"):
         truncated_gguf(src, layers, str(tmp_path / "no.gguf"))
 
-    # One request: its prefill, decodes and verifications of 1 + 3 tokens all land in the 8- and
-    # 4-token buckets (several requests would add the 16-token verification bucket and more
-    # programs to both engines; a draft model verifying a batch: tests/spec_decode/
+    # One request: its prefill, decodes and verifications of up to 1 + 3 tokens compile the
+    # (1, 1), (2, 2), (4, 4) and (8, 4) buckets (three requests added the 16- and 32-token ones
+    # to both engines; a draft model verifying a batch: tests/spec_decode/
     # test_spec_identity_draft.py::test_other_draft_model_batch_equals_plain_decoding).
     prompts = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13, 5]}]
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
