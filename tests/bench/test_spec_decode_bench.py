@@ -36,7 +36,11 @@ def test_a_truncated_gguf_is_the_first_layers_and_drafts_exactly(tiny_llama, tmp
     with pytest.raises(SystemExit, match="--draft-layers"):
         truncated_gguf(src, layers, str(tmp_path / "no.gguf"))
 
-    prompts = [{"prompt_token_ids": [5 + i, 9, 13, 5 + i, 9, 13, 5 + i]} for i in range(3)]
+    # One request: its prefill, decodes and verifications of up to 1 + 3 tokens compile the
+    # (1, 1), (2, 2), (4, 4) and (8, 4) buckets (three requests added the 16- and 32-token ones
+    # to both engines; a draft model verifying a batch: tests/spec_decode/
+    # test_spec_identity_draft.py::test_other_draft_model_batch_equals_plain_decoding).
+    prompts = [{"prompt_token_ids": [5, 9, 13, 5, 9, 13, 5]}]
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)
     engine = {**SMALL_ENGINE, "precompile": "on-demand", "tokenizer": tiny_llama}   # the tiny GGUF has none
     plain = LLM(src, **engine).generate(prompts, params, use_tqdm=False)
@@ -45,3 +49,4 @@ def test_a_truncated_gguf_is_the_first_layers_and_drafts_exactly(tiny_llama, tmp
     outs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
     assert spec.llm_engine.core.scheduler.spec_stats.num_drafts > 0
+    print(f"buckets compiled: {sorted(spec.llm_engine.core.runner.compiler.steps)}")

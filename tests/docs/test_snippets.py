@@ -6,8 +6,13 @@ shell blocks run, ``jaxllm serve`` is ONE server on the built-in model shared by
 that talks to it.  Documented substitutions keep the file near two minutes:
 
 - the shared server is ``jaxllm serve`` on a free port with smaller step buckets
-  (``SERVER_FLAGS``: fewer programs to compile), and ``127.0.0.1:8000`` in a block becomes its
-  address;
+  (``BUILTIN_SERVER_FLAGS``: the engine settings of tests/bench/test_serve_client.py's server on
+  the built-in model, whose programs the run's compile cache then already holds), and
+  ``127.0.0.1:8000`` in a block becomes its address;
+- README's first command (``jaxllm generate``) and its offline ``LLM()`` block run with those
+  settings too (their ``sub``): the three engines compile one set of programs.  The offline
+  defaults on the built-in model are CI's first-run check (scripts/first_run.sh: ``jaxllm
+  generate`` in a fresh venv);
 - a block annotated ``flags`` (benchmarks that take minutes, commands needing GPUs, several
   hosts or llama.cpp) has each command's flags checked against the parser it will meet:
   ``jaxllm``'s (jaxllm/cli.py) or the ``add_argument`` strings of the ``bench/`` script
@@ -28,7 +33,7 @@ import pytest
 from jaxllm import cli
 from support import manifests, snippets
 from support.serve_process import running_server
-from support.snippets import KINDS, ROOT, SERVER_FLAGS, all_blocks, argv_of, commands
+from support.snippets import BUILTIN_SERVER_FLAGS, KINDS, ROOT, all_blocks, argv_of, commands
 
 BLOCKS = all_blocks()
 SERVER_START_S = 600   # cold: every bucket of the built-in model compiles; warm (saved programs): seconds
@@ -58,9 +63,9 @@ def env(bin_dir):
 
 @pytest.fixture(scope="session")
 def docs_server(env, tmp_path_factory):
-    """``jaxllm serve`` on the built-in model (the README's command, SERVER_FLAGS added)."""
+    """``jaxllm serve`` on the built-in model (the README's command, BUILTIN_SERVER_FLAGS added)."""
     log = tmp_path_factory.mktemp("server") / "serve.log"
-    with running_server([sys.executable, "-m", "jaxllm.cli", "serve", *SERVER_FLAGS], env=env, log=log,
+    with running_server([sys.executable, "-m", "jaxllm.cli", "serve", *BUILTIN_SERVER_FLAGS], env=env, log=log,
                         timeout=SERVER_START_S, cwd=ROOT) as base:
         yield base
 

@@ -14,10 +14,12 @@ import torch
 from jaxllm import SamplingParams
 from jaxllm.models.builtin import builtin_gguf_path
 
+# 35 tokens in all: prefilled in one step of the (64, 4) bucket, the one the chat test's 37-token
+# prompt needs too, and decoded in (4, 4): the file's one engine compiles two 30-layer programs.
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
-    "Once upon a time, in a small village,",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "The three primary colors are",
 ]
 
@@ -51,7 +53,11 @@ def test_greedy_continuations_match_transformers(builtin_llm_dequantized, hf_smo
 
 
 @pytest.mark.slow
-def test_chat_template_is_applied(builtin_llm):
+def test_chat_template_is_applied(builtin_llm_dequantized):
+    """On the file's one engine (the dequantized one: each program of 30 layers is seconds to
+    compile); the chat template is the tokenizer's, whatever the weights' format, and the packed
+    engine's continuations equal this one's (tests/quant/test_builtin_packed.py)."""
+    builtin_llm = builtin_llm_dequantized
     out = builtin_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                            SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     tok = builtin_llm.get_tokenizer()

@@ -38,6 +38,13 @@ _ATTR = re.compile(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+))')
 SERVER_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "512"]
 """What a docs server adds to a block's ``jaxllm serve`` (smaller step buckets: fewer programs to compile)."""
 
+BUILTIN_SERVER_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
+"""What the docs' shared server on the built-in model adds to ``jaxllm serve``: the engine
+settings of tests/support/serve_helpers.py's ``SERVE_ENGINE`` (tests/bench/test_serve_client.py's
+server on the built-in model), so that its every-bucket warm-up loads that server's programs from
+the run's compile cache instead of compiling 30-layer programs of its own.  Its longest docs
+request (README's ``jaxllm bench serve``: 128 + 64 tokens) fits ``--max-model-len 256``."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Block:
