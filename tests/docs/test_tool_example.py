@@ -46,6 +46,14 @@ def _readme_blocks():
     return blocks[i], client
 
 
+def _run(code: str, where: str, ns: dict) -> io.StringIO:
+    """Runs a README block's (adapted) code in ``ns``; returns what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, where, "exec"), ns)   # noqa: S102
+    return out
+
+
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory, smollm_tokenizer_dir):
     serve_block, _ = _readme_blocks()
@@ -75,9 +83,7 @@ def test_readme_tool_calling_example_runs_against_the_hub_id(tool_server):
     # the server downloaded the README's id from the fake Hub
     assert any(f.startswith(f"{README_ID}/") and f.endswith(".safetensors") for f in hub.fetched), hub.fetched
     ns: dict = {}
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(client_block.body.replace("http://127.0.0.1:8000", base), client_block.where, "exec"), ns)   # noqa: S102
+    out = _run(client_block.body.replace("http://127.0.0.1:8000", base), client_block.where, ns)
     assert ns["model"] == README_ID   # /v1/models names the Hub id, as vLLM
     for reply in (ns["reply"], ns["final"]):
         choice = reply.choices[0]
@@ -103,9 +109,7 @@ def test_readme_agents_example_runs_against_the_tool_server(tool_server):
     code = block.body.replace("http://127.0.0.1:8000", base).replace(
         settings, settings[:-1] + f", extra_body={{'logit_bias': {{'{ids['think'][0]}': 100}}}})")
     ns: dict = {}
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, block.where, "exec"), ns)   # noqa: S102
+    out = _run(code, block.where, ns)
     result = ns["result"]
     assert isinstance(result.final_output, str) and result.final_output
     assert out.getvalue().strip() == result.final_output.strip()
@@ -133,9 +137,7 @@ def test_readme_responses_tool_round_trip_runs_against_the_tool_server(tool_serv
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
     ns: dict = {"client": client, "model": client.models.list().data[0].id}
     assert ns["model"] == README_ID
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, block.where, "exec"), ns)   # noqa: S102
+    out = _run(code, block.where, ns)
     first, final = ns["first"], ns["final"]
     calls = [item for item in first.output if item.type == "function_call"]
     assert [(c.name, json.loads(c.arguments)) for c in calls][:1] == [("get_weather", {"city": "Paris"})], first.output
