@@ -8,10 +8,12 @@ name."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
-from transformers import ModernBertForMaskedLM
+from transformers import AutoConfig, ModernBertForMaskedLM
 
 from jaxllm import LLM
 from jaxllm.errors import ModelLoadError
@@ -101,3 +103,20 @@ def test_a_masked_lm_checkpoint_loads_as_an_embedder(tmp_path):
     wqkv, wi = layer.attn.Wqkv.weight.detach().numpy(), layer.mlp.Wi.weight.detach().numpy()
     for name, want in [("q", wqkv[:D]), ("k", wqkv[D:2 * D]), ("v", wqkv[2 * D:]), ("up", wi[:F]), ("gate", wi[F:])]:
         np.testing.assert_array_equal(np.asarray(loaded.layers[1][name], np.float32), want, err_msg=name)
+
+
+def test_a_hub_style_config_reads_its_layer_pattern_and_rope_bases(tmp_path):
+    """The config.json the Hub's ModernBERT checkpoints carry (transformers 4.x keys:
+    ``global_attn_every_n_layers``, ``global_rope_theta`` / ``local_rope_theta``), as
+    gte-reranker-modernbert-base has it (mean classifier pooling)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["ModernBertForSequenceClassification"], "model_type": "modernbert", "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 7, "num_attention_heads": 4, "global_attn_every_n_layers": 3,
+        "global_rope_theta": 160000.0, "local_rope_theta": 10000.0, "local_attention": 128,
+        "classifier_pooling": "mean", "vocab_size": 100, "id2label": {"0": "LABEL_0"}}))
+    arch = ModernBertConfig.from_hf(AutoConfig.from_pretrained(str(tmp_path)), "ModernBertForSequenceClassification",
+                                    "config.json")
+    glob, loc = "full_attention", "sliding_attention"
+    assert arch.layer_types == (glob, loc, loc, glob, loc, loc, glob)
+    assert (arch.rope_theta, arch.encoder.local_rope_theta, arch.encoder.half_window) == (160000.0, 10000.0, 64)
+    assert (arch.encoder.num_labels, arch.encoder.classifier_pooling) == (1, "mean")
