@@ -116,8 +116,9 @@ class ArchConfig:
     ``head_dim`` is then the rope dims of a head (``qk_rope_head_dim``) and ``attn_scale`` the
     softmax scale."""
     encoder: FamilyConfig | None = None
-    """``bert.BertConfig``: a bidirectional encoder's knobs (token types, LayerNorm epsilon, GELU,
-    position offset); None: a causal decoder."""
+    """``bert.BertConfig`` or ``modernbert.ModernBertConfig``: a bidirectional encoder's knobs
+    (token types, LayerNorm epsilon, GELU, position offset; ModernBERT's local window); None: a
+    causal decoder."""
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

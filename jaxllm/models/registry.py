@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import bert, deepseek, gemma, gpt_oss, llama, qwen3_next
+from jaxllm.models import bert, deepseek, gemma, gpt_oss, llama, modernbert, qwen3_next
 from jaxllm.models.config import ArchConfig, FamilyConfig
 
 
@@ -38,9 +38,10 @@ class Family:
     """A state per sequence besides the K/V pages (a hybrid model's recurrent GDN state): the
     runner gives each request a state slot; prefix caching and speculative decoding do not apply."""
     pooling: bool = False
-    """An encoder that pools rather than generates (BERT): its module has ``encode`` instead of
-    ``forward`` / ``compute_logits``, it runs under the pooling runner (``jaxllm/pooling/``), and
-    ``runner="auto"`` picks that runner for it."""
+    """An encoder that pools rather than generates (BERT, ModernBERT): its module has ``encode``
+    and ``classify`` (a cross-encoder's head) instead of ``forward`` / ``compute_logits``, it
+    runs under the pooling runner (``jaxllm/pooling/``), and ``runner="auto"`` picks that runner
+    for it."""
     ignored_tensors: tuple[str, ...] = ()
     """Checkpoint tensor names (or name prefixes ending in ``.``) the loader skips: heads and
     buffers the family does not use (BERT's NSP pooler and masked-LM head)."""
@@ -58,6 +59,10 @@ HYBRID = Family(qwen3_next, config=qwen3_next.Qwen3NextConfig, cache_kinds=qwen3
                 allocate_cache=qwen3_next.allocate_cache, per_sequence_state=qwen3_next.PER_SEQUENCE_STATE)
 ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.IGNORED_TENSORS)
 CROSS_ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.CLASSIFIER_IGNORED_TENSORS)
+MODERNBERT = Family(modernbert, config=modernbert.ModernBertConfig, pooling=True,
+                    ignored_tensors=modernbert.IGNORED_TENSORS)
+MODERNBERT_CROSS_ENCODER = Family(modernbert, config=modernbert.ModernBertConfig, pooling=True,
+                                  ignored_tensors=modernbert.CLASSIFIER_IGNORED_TENSORS)
 
 _REGISTRY: dict[str, Family] = {
     "LlamaForCausalLM": DECODER,
@@ -91,6 +96,12 @@ _REGISTRY: dict[str, Family] = {
     "XLMRobertaModel": ENCODER,
     "XLMRobertaForMaskedLM": ENCODER,
     "BertForSequenceClassification": CROSS_ENCODER,   # a cross-encoder: /score, /rerank
+    "RobertaForSequenceClassification": CROSS_ENCODER,     # RobertaClassificationHead over <s>
+    "XLMRobertaForSequenceClassification": CROSS_ENCODER,  # bge-reranker-base / -large
+    # ModernBERT: rotary, alternating local / global attention, GeGLU; no token types.
+    "ModernBertModel": MODERNBERT,
+    "ModernBertForMaskedLM": MODERNBERT,
+    "ModernBertForSequenceClassification": MODERNBERT_CROSS_ENCODER,
 }
 
 # GGUF's general.architecture -> HF architecture name, as each family's config declares it

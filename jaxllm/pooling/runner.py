@@ -86,7 +86,7 @@ class PoolingRunner:
         def step(params, input_ids, positions, seq_ids, token_types, query_start_loc):
             hidden = module.encode(arch, params, input_ids, positions, seq_ids, token_types)   # [T, D]
             if classifier:
-                return module.classify(arch, params, hidden[query_start_loc[:-1]])            # [S, labels]
+                return module.classify(arch, params, hidden, seq_ids, query_start_loc)       # [S, labels]
             return pool(pooler, hidden, seq_ids, query_start_loc)                             # [S, D]
         self._step = jax.jit(step)
         self._compiled: dict[int, object] = {}

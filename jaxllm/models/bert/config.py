@@ -15,8 +15,10 @@ GELU_EXACT = ("gelu",)
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 # RoBERTa's positions start after the padding id: token i of a prompt has position pad_token_id + 1 + i
 # (transformers' ``create_position_ids_from_input_ids``, for prompts without padding inside).
-CLASSIFIERS = ("BertForSequenceClassification",)
-OFFSET_POSITIONS = ("RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel", "XLMRobertaForMaskedLM")
+ROBERTA_CLASSIFIERS = ("RobertaForSequenceClassification", "XLMRobertaForSequenceClassification")
+CLASSIFIERS = ("BertForSequenceClassification", *ROBERTA_CLASSIFIERS)
+OFFSET_POSITIONS = ("RobertaModel", "RobertaForMaskedLM", "XLMRobertaModel", "XLMRobertaForMaskedLM",
+                    *ROBERTA_CLASSIFIERS)
 
 
 @dataclass(frozen=True)
@@ -29,8 +31,9 @@ class BertConfig(FamilyConfig):
     gelu_tanh: bool = False
     """The MLP's GELU: False the exact (erf) one, True the tanh approximation."""
     num_labels: int = 0
-    """A cross-encoder's classifier outputs (``*ForSequenceClassification``: the pooler's tanh
-    layer over the first token, then a linear head); 0: an embedder, no head."""
+    """A cross-encoder's classifier outputs (``*ForSequenceClassification``: a tanh layer over
+    the first token, then a linear head: BERT's pooler and classifier, RoBERTa's
+    ``RobertaClassificationHead``); 0: an embedder, no head."""
     position_offset: int = 0
     """Added to each token's position before the position-embedding lookup (0 for BERT; RoBERTa's
     ``pad_token_id + 1``)."""

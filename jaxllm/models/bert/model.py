@@ -66,8 +66,12 @@ def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_
     return x
 
 
-def classify(arch: ArchConfig, params: dict, first):
-    """A cross-encoder's head: first [S, D] (each prompt's first token) -> logits [S, num_labels]."""
+def classify(arch: ArchConfig, params: dict, hidden, seq_ids, query_start_loc):
+    """A cross-encoder's head: hidden [T, D], seq_ids [T], query_start_loc [S+1] (the runner's
+    step layout) -> logits [S, num_labels], from each prompt's first token (``[CLS]`` / ``<s>``):
+    BERT's ``classifier(tanh(pooler(.)))``, the same sum as RoBERTa's
+    ``out_proj(tanh(dense(.)))`` (``params.py`` maps either's names)."""
     g = params["globals"]
+    first = hidden[query_start_loc[:-1]]                                   # [S, D]
     pooled = jnp.tanh(_linear(first, g["pooler"], g["pooler_bias"]))
     return _linear(pooled, g["classifier"], g["classifier_bias"])

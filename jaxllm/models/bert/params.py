@@ -1,14 +1,16 @@
 """BERT's parameter table: every weight with its HF safetensors names, as ``BertModel`` /
 ``XLMRobertaModel`` save them (a sentence-transformers folder) or under ``bert.`` / ``roberta.``
-(the masked-LM heads' checkpoints).  Encoders have no GGUF form here."""
+(the masked-LM heads' and the sequence classifiers' checkpoints).  Encoders have no GGUF form here."""
 
 from __future__ import annotations
 
+from jaxllm.models.bert.config import ROBERTA_CLASSIFIERS
 from jaxllm.models.params import GLOBAL, LAYER, MATRIX, VECTOR, Param, ParamTable
 
 PREFIXES = ("", "bert.", "roberta.")
-CLASSIFIER_IGNORED_TENSORS = tuple(p + "embeddings.position_ids" for p in PREFIXES)
-"""A cross-encoder uses its pooler (the classifier reads it)."""
+CLASSIFIER_IGNORED_TENSORS = (*(p + "embeddings.position_ids" for p in PREFIXES), "roberta.pooler.")
+"""A BERT cross-encoder uses its pooler (the classifier reads it); a RoBERTa one reads its own
+``classifier.dense`` instead, so a pooler saved beside it is skipped."""
 IGNORED_TENSORS = (*(p + "pooler." for p in PREFIXES), *(p + "embeddings.position_ids" for p in PREFIXES),
                    "cls.", "lm_head.")
 """Checkpoint tensors the encoder does not use: the NSP pooler, the masked-LM heads (BERT's
@@ -22,6 +24,11 @@ def _hf(suffix: str) -> tuple[str, ...]:
 
 def _layer(suffix: str) -> tuple[str, ...]:
     return _hf("encoder.layer.{layer}." + suffix)
+
+
+def _head(bert: tuple[str, ...], roberta: str) -> dict[str, tuple[str, ...]]:
+    """A head tensor's names: BERT's (``"*"``), and RoBERTa / XLM-RoBERTa classifiers' own."""
+    return {"*": bert, **{arch: (roberta,) for arch in ROBERTA_CLASSIFIERS}}
 
 
 def _classifier(a) -> bool:
@@ -63,12 +70,16 @@ PARAMS = ParamTable(params=(
     Param("down_bias", LAYER, VECTOR, ("embed",), _width, _layer("output.dense.bias")),
     Param("mlp_norm", LAYER, VECTOR, ("embed",), _width, _layer("output.LayerNorm.weight")),
     Param("mlp_norm_bias", LAYER, VECTOR, ("embed",), _width, _layer("output.LayerNorm.bias")),
-    # A cross-encoder's head (BertForSequenceClassification): tanh(pooler(h[CLS])) -> classifier.
-    Param("pooler", GLOBAL, MATRIX, ("embed", "embed"), _square, _hf("pooler.dense.weight"), when=_classifier),
-    Param("pooler_bias", GLOBAL, VECTOR, ("embed",), _width, _hf("pooler.dense.bias"), when=_classifier),
-    Param("classifier", GLOBAL, MATRIX, ("labels", "embed"), lambda a: (a.encoder.num_labels, a.hidden_size),
-          "classifier.weight", when=_classifier),
-    Param("classifier_bias", GLOBAL, VECTOR, ("labels",), lambda a: (a.encoder.num_labels,), "classifier.bias",
+    # A cross-encoder's head: BertForSequenceClassification's tanh(pooler(h[CLS])) -> classifier;
+    # (XLM-)RobertaForSequenceClassification's RobertaClassificationHead, the same sum under other
+    # names: tanh(classifier.dense(h[<s>])) -> classifier.out_proj.
+    Param("pooler", GLOBAL, MATRIX, ("embed", "embed"), _square,
+          _head(_hf("pooler.dense.weight"), "classifier.dense.weight"), when=_classifier),
+    Param("pooler_bias", GLOBAL, VECTOR, ("embed",), _width, _head(_hf("pooler.dense.bias"), "classifier.dense.bias"),
           when=_classifier),
+    Param("classifier", GLOBAL, MATRIX, ("labels", "embed"), lambda a: (a.encoder.num_labels, a.hidden_size),
+          _head(("classifier.weight",), "classifier.out_proj.weight"), when=_classifier),
+    Param("classifier_bias", GLOBAL, VECTOR, ("labels",), lambda a: (a.encoder.num_labels,),
+          _head(("classifier.bias",), "classifier.out_proj.bias"), when=_classifier),
 ))
 """BERT's parameters (safetensors names; float32 / bf16 / f16 checkpoints)."""
