@@ -16,7 +16,7 @@ import uuid
 import numpy as np
 
 from jaxllm.pooling.async_engine import AsyncPoolingEngine
-from jaxllm.pooling.heads import class_probs
+from jaxllm.pooling.heads import class_probs, predicted_label
 from serve import chat
 from serve.protocol import ClassifyRequest, EmbeddingRequest, PoolingRequest, bad_request
 from serve.state import ServerState
@@ -109,7 +109,7 @@ async def create_classify(state: ServerState, engine: AsyncPoolingEngine, req: C
     data = []
     for i, r in enumerate(rows):
         probs = class_probs(r)
-        data.append({"index": i, "label": core.labels[int(np.argmax(probs))], "probs": probs.tolist(),
+        data.append({"index": i, "label": predicted_label(probs, core.labels), "probs": probs.tolist(),
                      "num_classes": len(probs)})
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": state.model_name, "data": data, "usage": usage(ids)}

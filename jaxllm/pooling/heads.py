@@ -83,6 +83,11 @@ def read_labels(folder: str, num_labels: int) -> list[str]:
     return [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(num_labels)]
 
 
+def predicted_label(probs: np.ndarray, labels: list[str]) -> str:
+    """The likeliest class's name (vLLM's ``label`` in a ``/classify`` answer)."""
+    return labels[int(np.argmax(probs))]
+
+
 def class_probs(logits: np.ndarray) -> np.ndarray:
     """logits [L] -> probabilities [L] float32: the softmax, or for one label its sigmoid (vLLM's
     and sentence-transformers' rule for a one-label head)."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxllm.pooling.config import PoolerConfig
-from jaxllm.pooling.heads import Matryoshka, class_probs, read_labels, truncate
+from jaxllm.pooling.heads import Matryoshka, class_probs, predicted_label, read_labels, truncate
 
 
 def _folder(tmp_path, config: dict, st: dict | None = None) -> str:
@@ -61,6 +61,10 @@ def test_class_probs_softmax_and_one_label_sigmoid():
     np.testing.assert_allclose(class_probs(np.array([1.0, 2.0, 3.0])), np.exp([1, 2, 3]) / np.exp([1, 2, 3]).sum(),
                                rtol=1e-6)
     np.testing.assert_allclose(class_probs(np.array([0.5])), [1 / (1 + np.exp(-0.5))], rtol=1e-6)
+
+
+def test_the_label_is_the_likeliest_class():
+    assert predicted_label(np.array([0.2, 0.7, 0.1]), ["neg", "neu", "pos"]) == "neu"
 
 
 def test_labels_come_from_id2label(tmp_path):
