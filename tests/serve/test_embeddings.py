@@ -9,7 +9,9 @@ naming what is wrong."""
 from __future__ import annotations
 
 import base64
+import logging
 import os
+import re
 import sys
 
 import httpx
@@ -163,6 +165,15 @@ def test_embedding_requests_are_counted_in_metrics(pooling_server):
     assert httpx.post(pooling_server.base + "/v1/embeddings", json={"input": []}).status_code == 400   # not counted
     n = sum(map(len, _ids(pooling_server, TEXTS))) + len(_ids(pooling_server, TEXTS[2:])[0])
     assert counters(pooling_server.base) == (stop + 4, prompt + n)
+
+
+def test_the_access_log_counts_pooling_requests(pooling_server, caplog):
+    with caplog.at_level(logging.INFO, logger="jaxllm.serve"):
+        httpx.post(pooling_server.base + "/pooling", json={"input": "sky"}).raise_for_status()
+        assert httpx.post(pooling_server.base + "/classify", json={"input": "sky"}).status_code == 400
+    lines = "\n".join(r.getMessage() for r in caplog.records if r.name == "jaxllm.serve")
+    assert re.search(r'"POST /pooling" 200 prompt_tokens=3 output_tokens=0 [\d.]+s', lines), lines
+    assert re.search(r'"POST /classify" 400 prompt_tokens=- output_tokens=- [\d.]+s', lines), lines
 
 
 def test_the_servers_other_routes_answer(pooling_server):
