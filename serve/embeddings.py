@@ -3,7 +3,8 @@
 ``input``: a string, a list of strings, a list of token ids, or a list of token-id lists; or
 vLLM's chat form, ``messages`` (with ``chat_template``, ``chat_template_kwargs``,
 ``add_generation_prompt``, ``continue_final_message``, ``add_special_tokens``) rendered by the
-model's chat template into one prompt; ``encoding_format``: ``float`` or ``base64``
+model's chat template into one prompt (``add_special_tokens`` also applies to ``input`` text:
+default true there); ``encoding_format``: ``float`` or ``base64``
 (little-endian float32, what the ``openai`` client asks for by default);
 ``truncate_prompt_tokens``: keep a prompt's last k tokens (-1: as many as the model takes);
 ``dimensions``: a Matryoshka model's output size (the first values, normalized after the cut),

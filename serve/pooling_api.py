@@ -15,6 +15,7 @@ import uuid
 
 import numpy as np
 
+from jaxllm.engine.tokenizer import encode
 from jaxllm.pooling.async_engine import AsyncPoolingEngine
 from jaxllm.pooling.heads import class_probs, predicted_label
 from serve import chat
@@ -51,7 +52,7 @@ def request_prompts(state: ServerState, engine: AsyncPoolingEngine, req) -> list
         _, ids = chat.render_messages(
             state, messages, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, chat_template=req.chat_template,
-            chat_template_kwargs=req.chat_template_kwargs, tools=None, add_special_tokens=req.add_special_tokens)
+            chat_template_kwargs=req.chat_template_kwargs, tools=None, add_special_tokens=bool(req.add_special_tokens))
         try:
             return [engine.tokenize(ids, truncate)]
         except ValueError as e:
@@ -59,6 +60,8 @@ def request_prompts(state: ServerState, engine: AsyncPoolingEngine, req) -> list
     if req.input is None:
         raise bad_request("send input (or messages)" if isinstance(req, EmbeddingRequest) else "send input", "input")
     prompts = _inputs(req.input)
+    if getattr(req, "add_special_tokens", None) is False and engine.tokenizer is not None:   # text without them
+        prompts = [encode(engine.tokenizer, p, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
     try:
         return [engine.tokenize(p, truncate, index=None if len(prompts) == 1 else i) for i, p in enumerate(prompts)]
     except ValueError as e:
@@ -91,9 +94,9 @@ async def create_pooling(state: ServerState, engine: AsyncPoolingEngine, req: Po
     dims = output_dimensions(state, engine, req.dimensions)
     ids = request_prompts(state, engine, req)
     rows = await engine.embed_ids(ids)
+    data = [encode_vector(core.pooled_data(r, dims), req.encoding_format) for r in rows]
     return {"id": f"pool-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": state.model_name,
-            "data": [{"index": i, "object": "pooling",
-                      "data": encode_vector(core.pooled_data(r, dims), req.encoding_format)} for i, r in enumerate(rows)],
+            "data": [{"index": i, "object": "pooling", "data": d} for i, d in enumerate(data)],
             "usage": usage(ids)}
 
 

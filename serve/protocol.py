@@ -457,8 +457,9 @@ class EmbeddingRequest(OpenAIModel):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = False
     continue_final_message: bool = False
-    add_special_tokens: bool = False
-    """With ``messages`` (vLLM's default False: the template writes the special tokens it wants)."""
+    add_special_tokens: bool | None = None
+    """None: vLLM's default for the form, True for ``input`` text, False for ``messages`` (the
+    template writes the special tokens it wants)."""
 
 
 class PoolingRequest(EmbeddingRequest):

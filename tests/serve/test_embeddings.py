@@ -146,6 +146,13 @@ def test_chat_messages_embed_as_the_rendered_text(pooling_server, reference):
     _close([pooled["data"][0]["data"]], reference[:1])
 
 
+def test_add_special_tokens_false_leaves_cls_and_sep_out_of_input_text(pooling_server):
+    r = httpx.post(pooling_server.base + "/v1/embeddings", json={"input": "sky", "add_special_tokens": False}).json()
+    ids = _ids(pooling_server, ["sky"])[0][1:-1]   # [CLS] sky [SEP] -> sky
+    assert r["usage"]["prompt_tokens"] == len(ids) == 1
+    assert r["data"] == httpx.post(pooling_server.base + "/v1/embeddings", json={"input": ids}).json()["data"]
+
+
 def test_pooling_answers_the_pooled_vectors_in_vllms_shape(pooling_server, reference):
     r = httpx.post(pooling_server.base + "/pooling", json={"model": "tiny-bert", "input": TEXTS}).json()
     assert r["id"].startswith("pool-") and r["object"] == "list" and r["model"] == "tiny-bert"
