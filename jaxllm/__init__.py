@@ -11,7 +11,7 @@ import os
 # jaxllm needs no torch; transformers' import-time advice that PyTorch is missing is noise here.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 
@@ -22,6 +22,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from jaxllm.sampling_params import SamplingParams
         return SamplingParams
+    if name == "PoolingParams":
+        from jaxllm.pooling.params import PoolingParams
+        return PoolingParams
     if name == "LoRARequest":
         from jaxllm.lora.request import LoRARequest
         return LoRARequest

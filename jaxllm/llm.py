@@ -21,7 +21,9 @@ from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.pooling.config import PoolingEngineConfig
 from jaxllm.pooling.engine import PoolingEngine, uses_pooling_runner
-from jaxllm.pooling.outputs import EmbeddingRequestOutput, ScoringRequestOutput
+from jaxllm.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                                    ScoringRequestOutput)
+from jaxllm.pooling.params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 # The engine arguments the pooling runner takes (the rest size a KV cache or a sampler it has not).
@@ -46,7 +48,7 @@ class LLM:
                  **engine_args):
         """``runner``: "generate", "pooling" (an encoder: :meth:`embed`) or "auto" (pooling for an
         encoder checkpoint); ``pooler_config``: vLLM's ``--pooler-config`` (``pooling_type``,
-        ``normalize``) over the checkpoint's pooler."""
+        ``normalize``, ``dimensions``) over the checkpoint's pooler."""
         # The start-up phases as `jaxllm serve` logs them, unless the program set up logging itself.
         self.llm_engine = self.pooling_engine = None
         self._ids = itertools.count()
@@ -78,14 +80,33 @@ class LLM:
     def get_tokenizer(self):
         return (self.pooling_engine or self.llm_engine).tokenizer
 
-    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None,
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt (a string, a list of token ids, or a list of either), in
-        order: ``out.outputs.embedding``.  Needs the pooling runner."""
+        order: ``out.outputs.embedding``; ``pooling_params=PoolingParams(dimensions=d)`` cuts a
+        Matryoshka model's embeddings to d values.  Needs the pooling runner."""
         if self.pooling_engine is None:
             raise ValueError("embed() needs a pooling model: LLM(model, runner='pooling') on an encoder checkpoint; "
                              "this LLM generates (use generate() or chat())")
-        return self.pooling_engine.embed(prompts, truncate_prompt_tokens)
+        return self.pooling_engine.embed(prompts, truncate_prompt_tokens, pooling_params)
+
+    def classify(self, prompts, *, truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify``: a classifier's (``*ForSequenceClassification``) probabilities per
+        prompt, in order: ``out.outputs.probs`` (the softmax of its logits; one label: the sigmoid)."""
+        if self.pooling_engine is None:
+            raise ValueError("classify() needs a pooling model: LLM(model, runner='pooling') on a "
+                             "*ForSequenceClassification checkpoint; this LLM generates")
+        return self.pooling_engine.classify(prompts, truncate_prompt_tokens)
+
+    def encode(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode``: the pooler's raw output per prompt, ``out.outputs.data`` (an
+        embedder's embedding, a classifier's probabilities)."""
+        if self.pooling_engine is None:
+            raise ValueError("encode() needs a pooling model: LLM(model, runner='pooling') on an encoder checkpoint; "
+                             "this LLM generates (use generate() or chat())")
+        return self.pooling_engine.encode(prompts, truncate_prompt_tokens, pooling_params)
 
     def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None,
               use_tqdm: bool = True) -> list[ScoringRequestOutput]:

@@ -2,7 +2,8 @@
 
 Routes (vLLM's): ``POST /v1/completions``, ``POST /v1/chat/completions``, and on a pooling model
 ``POST /v1/embeddings`` (serve/embeddings.py), ``POST /score``, ``POST /rerank`` (``/v1/rerank``,
-``/v2/rerank``; serve/scoring.py), ``GET /v1/models``,
+``/v2/rerank``; serve/scoring.py), ``POST /pooling``, ``POST /classify`` (serve/pooling_api.py),
+``GET /v1/models``,
 ``POST /v1/responses`` with ``GET`` / ``DELETE /v1/responses/{id}``, ``POST
 /v1/responses/{id}/cancel`` and ``GET /v1/responses/{id}/input_items`` (serve/responses/),
 ``GET /health``, ``GET /version``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``, with
@@ -45,15 +46,16 @@ from jaxllm.engine.protocol import EngineClient
 from jaxllm.engine.tokenizer import encode
 from jaxllm.errors import EngineDeadError
 from jaxllm.pooling.async_engine import AsyncPoolingEngine
-from serve import chat, completions, embeddings, lora, scoring
+from serve import chat, completions, embeddings, lora, pooling_api, scoring
 from serve.responses import handler as responses
 from serve.responses.protocol import ResponsesRequest
 from serve.responses.store import open_store
 from serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from serve.metrics import Metrics
-from serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                            DetokenizeResponse, ModelCard, ModelList, RerankRequest, ScoreRequest, TokenizeChatRequest,
-                            TokenizeCompletionRequest, TokenizeResponse, bad_request, error_body, validation_error)
+from serve.protocol import (APIError, ChatCompletionRequest, ClassifyRequest, CompletionRequest, DetokenizeRequest,
+                            DetokenizeResponse, EmbeddingRequest, ModelCard, ModelList, PoolingRequest, RerankRequest,
+                            ScoreRequest, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse, bad_request,
+                            error_body, validation_error)
 from serve.state import ServerState
 
 log = logging.getLogger("jaxllm.serve")
@@ -180,7 +182,7 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
     def _generation_only(endpoint: str):
         if pooling:
             raise bad_request(f"{state.model_name} is a pooling model: it does not serve {endpoint}; "
-                              "use /v1/embeddings", "model")
+                              "use /v1/embeddings (or /score, /rerank, /classify, /pooling)", "model")
 
     @app.post("/v1/completions")
     async def _completions():
@@ -204,6 +206,18 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
         _pooling_only("/v1/embeddings")
         req = await _parse(EmbeddingRequest)
         return _reply(await embeddings.create_embedding(state, engine, req))
+
+    @app.post("/pooling")
+    async def _pooling():
+        _pooling_only("/pooling")
+        req = await _parse(PoolingRequest)
+        return _reply(await pooling_api.create_pooling(state, engine, req))
+
+    @app.post("/classify")
+    async def _classify():
+        _pooling_only("/classify")
+        req = await _parse(ClassifyRequest)
+        return _reply(await pooling_api.create_classify(state, engine, req))
 
     @app.post("/score")
     @app.post("/v1/score")

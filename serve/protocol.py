@@ -442,15 +442,38 @@ class PromptTokenUsageInfo(BaseModel):
 
 
 class EmbeddingRequest(OpenAIModel):
-    """``POST /v1/embeddings`` (serve/embeddings.py): OpenAI's fields and vLLM's ``truncate_prompt_tokens``."""
+    """``POST /v1/embeddings`` (serve/embeddings.py): OpenAI's fields, vLLM's ``truncate_prompt_tokens``,
+    and vLLM's chat form (``messages`` instead of ``input``, rendered by the chat template)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    """Matryoshka truncation: a 400 naming it on a model without Matryoshka support."""
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None
+    """None: vLLM's default for the form, True for ``input`` text, False for ``messages`` (the
+    template writes the special tokens it wants)."""
+
+
+class PoolingRequest(EmbeddingRequest):
+    """``POST /pooling`` (serve/pooling_api.py): the embeddings request's fields; the answer is the
+    pooler's raw output."""
+
+
+class ClassifyRequest(OpenAIModel):
+    """``POST /classify`` (serve/pooling_api.py): vLLM's ``ClassificationRequest``."""
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    """Matryoshka truncation: a 400 naming it on a model without Matryoshka (all served so far)."""
-    user: str | None = None
     truncate_prompt_tokens: int | None = None
+    user: str | None = None
 
 
 class ScoreRequest(OpenAIModel):

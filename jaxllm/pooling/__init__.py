@@ -4,5 +4,6 @@
 sentence-transformers folder declares), ``pool.py`` (CLS / MEAN / LAST pooling inside the
 compiled step), ``runner.py`` (whole prompts packed into ragged buckets, compiled ahead of
 time), ``engine.py`` (tokenize, check, embed), ``async_engine.py`` (the server's batching
-thread), ``outputs.py`` (vLLM-shaped outputs).
+thread), ``heads.py`` (Matryoshka cuts and classifier probabilities on the host), ``params.py``
+(vLLM's ``PoolingParams``), ``outputs.py`` (vLLM-shaped outputs).
 """

@@ -2,7 +2,9 @@
 step runs are embedded together in the next one (their prompts packed into shared buckets).
 
 It answers the model facts of ``engine/protocol.EngineClient`` that the server reads (name,
-tokenizer, lengths, health, statistics); it takes no generation request.
+tokenizer, lengths, health, statistics); it takes no generation request.  After each step it
+hands its ``stats_sink`` (the server's metrics) one finished request per prompt, as vLLM counts
+pooling requests: finish reason ``stop``, its prompt tokens, queue time and latency.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 
 import numpy as np
 
-from jaxllm.engine.async_engine import EngineStoppedError
+from jaxllm.engine.async_engine import EngineStoppedError, FinishedRequestStats, IterationStats
+from jaxllm.engine.llm_engine import EngineStats
 from jaxllm.errors import EngineDeadError
 from jaxllm.pooling.engine import PoolingEngine
 from jaxllm.sampling_params import SamplingParams
@@ -83,7 +87,7 @@ class AsyncPoolingEngine:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         types = token_types if token_types is not None else [[0] * len(p) for p in prompts]
-        self._queue.put((prompts, types, fut, loop))
+        self._queue.put((prompts, types, fut, loop, time.monotonic()))
         return await fut
 
     def _run(self) -> None:
@@ -102,19 +106,21 @@ class AsyncPoolingEngine:
                     stop = True
                     break
                 batch.append(more)
-            flat = [p for prompts, _, _, _ in batch for p in prompts]
-            types = [t for _, ts, _, _ in batch for t in ts]
+            flat = [p for prompts, *_ in batch for p in prompts]
+            types = [t for _, ts, *_ in batch for t in ts]
+            started = time.monotonic()
             try:
                 vecs = self.engine.embed_ids(flat, types)
             except BaseException as e:   # the engine is dead: every waiting request is told
                 log.exception("pooling step failed")
                 self.error = e
-                for _, _, fut, loop in batch:
+                for _, _, fut, loop, _ in batch:
                     loop.call_soon_threadsafe(_fail, fut, EngineDeadError(f"the engine failed: {e!r}"))
                 self._fail_waiting()
                 return
+            self._publish(batch, started, time.monotonic())   # before the answers: a client then reads them
             at = 0
-            for prompts, _, fut, loop in batch:
+            for prompts, _, fut, loop, _ in batch:
                 loop.call_soon_threadsafe(_resolve, fut, vecs[at:at + len(prompts)])
                 at += len(prompts)
             if stop:
@@ -127,8 +133,25 @@ class AsyncPoolingEngine:
             except queue.Empty:
                 return
             if item is not None:
-                _, _, fut, loop = item
+                _, _, fut, loop, _ = item
                 loop.call_soon_threadsafe(_fail, fut, EngineDeadError(f"the engine failed: {self.error!r}"))
+
+    def _publish(self, batch: list, started: float, ended: float) -> None:
+        """One step's requests to the stats sink: each prompt a request finished with ``stop``."""
+        if self.stats_sink is None:
+            return
+        finished = tuple(FinishedRequestStats(request_id="", finish_reason="stop", num_prompt_tokens=len(p),
+                                              num_generation_tokens=0, e2e_latency=ended - t0,
+                                              queue_time=started - t0)
+                         for prompts, _, _, _, t0 in batch for p in prompts)
+        idle = EngineStats(num_running=0, num_waiting=self._queue.qsize(), num_free_blocks=0, num_blocks=0,
+                           num_preemptions=0)
+        try:
+            self.stats_sink.record(IterationStats(
+                engine=idle, num_prompt_tokens=sum(f.num_prompt_tokens for f in finished), num_generation_tokens=0,
+                time_to_first_token=(), inter_token_latency=(), finished=finished))
+        except Exception:  # metrics must never take the engine down
+            log.exception("stats sink failed")
 
     # ------------------------------------------------------------------ health, statistics, life
 

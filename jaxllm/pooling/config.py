@@ -14,6 +14,9 @@ class PoolerConfig:
     """CLS: the first token's hidden state; MEAN: the mean over the prompt's tokens; LAST: the last token's."""
     normalize: bool = False
     """L2-normalize the pooled vector (sentence-transformers' ``Normalize`` module)."""
+    dimensions: int | None = None
+    """A Matryoshka model's default output size (vLLM's ``--pooler-config`` ``dimensions``): the
+    pooled vector's first ``dimensions`` values, normalized after the cut; None: all of them."""
 
     def __post_init__(self):
         if self.pooling_type not in POOLING_TYPES:
@@ -21,18 +24,21 @@ class PoolerConfig:
                              f"got {self.pooling_type!r}")
         if not isinstance(self.normalize, bool):
             raise ValueError(f"--pooler-config normalize must be true or false, got {self.normalize!r}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"--pooler-config dimensions must be a positive integer, got {self.dimensions!r}")
 
     def override(self, d: dict | None) -> "PoolerConfig":
-        """This config with the fields of a ``--pooler-config`` dict (``pooling_type``, ``normalize``)
-        replaced; any other key is a ValueError naming it."""
+        """This config with the fields of a ``--pooler-config`` dict (``pooling_type``, ``normalize``,
+        ``dimensions``) replaced; any other key is a ValueError naming it."""
         if not d:
             return self
         if not isinstance(d, dict):
             raise ValueError(f"--pooler-config must be a JSON object, got {d!r}")
-        unknown = sorted(set(d) - {"pooling_type", "normalize"})
+        unknown = sorted(set(d) - {"pooling_type", "normalize", "dimensions"})
         if unknown:
             raise ValueError(f"--pooler-config: unsupported key(s) {', '.join(unknown)} "
-                             "(supported: pooling_type, normalize)")
+                             "(supported: pooling_type, normalize, dimensions)")
         kw = dict(d)
         if isinstance(kw.get("pooling_type"), str):
             kw["pooling_type"] = kw["pooling_type"].upper()
@@ -44,7 +50,7 @@ class PoolingEngineConfig:
     model: str
     """An HF folder of an encoder (a sentence-transformers folder gives its pooler)."""
     pooler_config: dict = field(default_factory=dict)
-    """``--pooler-config``: overrides the checkpoint's pooler (``pooling_type``, ``normalize``)."""
+    """``--pooler-config``: overrides the checkpoint's pooler (``pooling_type``, ``normalize``, ``dimensions``)."""
     max_model_len: int | None = None
     """The longest prompt; None: the checkpoint's positions (and sentence-transformers' ``max_seq_length``)."""
     max_num_batched_tokens: int = 1024

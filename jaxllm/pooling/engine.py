@@ -20,7 +20,11 @@ from jaxllm.models.loader import load_model
 from jaxllm.models.registry import get_family
 from jaxllm.paths import default_cache_dir
 from jaxllm.pooling.config import PoolerConfig, PoolingEngineConfig
-from jaxllm.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, ScoringOutput, ScoringRequestOutput
+from jaxllm.pooling.heads import Matryoshka, class_probs, read_labels, truncate
+from jaxllm.pooling.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
+                                    EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, ScoringOutput,
+                                    ScoringRequestOutput)
+from jaxllm.pooling.params import PoolingParams
 from jaxllm.pooling.runner import PoolingRunner
 from jaxllm.pooling.st_folder import max_seq_length, read_pooler_config
 
@@ -48,6 +52,7 @@ class PoolingEngine:
             raise ValueError(f"--max-model-len {config.max_model_len} is more than the model's {positions} positions")
         self.max_model_len = min(config.max_model_len or limit, config.max_num_batched_tokens)
         self.vocab_size = loaded.arch.vocab_size
+        self._read_heads(config.model)
         self.runner = PoolingRunner(loaded.arch, family.module, {"globals": loaded.globals, "layers": loaded.layers},
                                     self.pooler, max_num_batched_tokens=config.max_num_batched_tokens,
                                     max_num_seqs=config.max_num_seqs,
@@ -58,6 +63,62 @@ class PoolingEngine:
                  self.max_model_len, self.runner.buckets)
         if config.precompile == "all":
             self.runner.compile_all()
+
+    def _read_heads(self, folder: str) -> None:
+        """The checkpoint's Matryoshka sizes (checked against ``--pooler-config`` ``dimensions``) and
+        a classifier's labels."""
+        self.matryoshka = Matryoshka.read(folder)
+        if self.pooler.dimensions is not None:
+            try:
+                self.matryoshka.check(self.pooler.dimensions, self.arch.hidden_size, self.model_name)
+            except ValueError as e:
+                raise ValueError(f"--pooler-config dimensions: {e}") from None
+        self.default_dimensions = self.pooler.dimensions or self.matryoshka.default
+        self.labels = read_labels(folder, self.arch.encoder.num_labels) if self.cross_encoder else []
+
+    def output_dimensions(self, dimensions: int | None, model_name: str | None = None) -> int | None:
+        """The size an embedding request gets: its ``dimensions`` (checked: a ValueError naming it),
+        else the model's default (None: the whole vector)."""
+        self.matryoshka.check(dimensions, self.arch.hidden_size, model_name or self.model_name)
+        return dimensions if dimensions is not None else self.default_dimensions
+
+    def finish_embedding(self, vec: np.ndarray, dimensions: int | None) -> np.ndarray:
+        """A pooled vector [D] -> the embedding a request gets (cut to ``dimensions``, renormalized)."""
+        return truncate(vec, dimensions, self.pooler.normalize)
+
+    def check_classifier(self) -> None:
+        if not self.cross_encoder:
+            raise ValueError(f"{self.arch.architecture} is an embedding model: it embeds texts (embed(), "
+                             "/v1/embeddings) rather than classifying them (classify() and /classify need a "
+                             "*ForSequenceClassification checkpoint)")
+
+    def pooled_data(self, row: np.ndarray, dimensions: int | None) -> np.ndarray:
+        """One step row -> what ``encode`` and ``/pooling`` return: a classifier's probabilities, an
+        embedder's embedding."""
+        return class_probs(row) if self.cross_encoder else self.finish_embedding(row, dimensions)
+
+    def _prompt_list(self, prompts) -> list:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], (int, np.integer))):
+            return [prompts]
+        return list(prompts)
+
+    def classify(self, prompts, truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify``: texts or token-id lists -> the classifier's probabilities."""
+        self.check_classifier()
+        ids = [self.tokenize(p, truncate_prompt_tokens, index=i) for i, p in enumerate(self._prompt_list(prompts))]
+        rows = self.embed_ids(ids)
+        return [ClassificationRequestOutput(request_id=str(i), outputs=ClassificationOutput(class_probs(r).tolist()),
+                                            prompt_token_ids=p) for i, (p, r) in enumerate(zip(ids, rows))]
+
+    def encode(self, prompts, truncate_prompt_tokens: int | None = None,
+               pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode``: texts or token-id lists -> the pooler's output (``pooled_data``)."""
+        dims = self.output_dimensions((pooling_params or PoolingParams()).dimensions)
+        ids = [self.tokenize(p, truncate_prompt_tokens, index=i) for i, p in enumerate(self._prompt_list(prompts))]
+        rows = self.embed_ids(ids)
+        return [PoolingRequestOutput(request_id=str(i), outputs=PoolingOutput(self.pooled_data(r, dims).tolist()),
+                                     prompt_token_ids=p) for i, (p, r) in enumerate(zip(ids, rows))]
 
     @property
     def hidden_size(self) -> int:
@@ -71,7 +132,7 @@ class PoolingEngine:
     def check_embedder(self) -> None:
         if self.cross_encoder:
             raise ValueError(f"{self.arch.architecture} is a cross-encoder: it scores text pairs (score(), /score, "
-                             "/rerank) rather than embedding texts")
+                             "/rerank) and classifies texts (classify(), /classify) rather than embedding them")
 
     def tokenize(self, prompt, truncate_prompt_tokens: int | None = None, *, index: int | None = None) -> list[int]:
         """A string or a list of token ids -> checked token ids (ValueError naming ``input``)."""
@@ -154,16 +215,17 @@ class PoolingEngine:
         return [ScoringRequestOutput(request_id=str(i), outputs=ScoringOutput(s), prompt_token_ids=p)
                 for i, (s, p) in enumerate(zip(scores, ids))]
 
-    def embed(self, prompts, truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts, truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
         """Texts or token-id lists -> ``EmbeddingRequestOutput``s in order; every prompt is checked
-        before any runs."""
+        before any runs; ``pooling_params.dimensions``: a Matryoshka model's output size."""
         self.check_embedder()
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], (int, np.integer))):
-            prompts = [prompts]
+        dims = self.output_dimensions((pooling_params or PoolingParams()).dimensions)
+        prompts = self._prompt_list(prompts)
         ids = [self.tokenize(p, truncate_prompt_tokens, index=i) for i, p in enumerate(prompts)]
         vecs = self.embed_ids(ids)
-        return [EmbeddingRequestOutput(request_id=str(i), outputs=EmbeddingOutput(v.tolist()), prompt_token_ids=p)
+        return [EmbeddingRequestOutput(request_id=str(i), prompt_token_ids=p,
+                                       outputs=EmbeddingOutput(self.finish_embedding(v, dims).tolist()))
                 for i, (p, v) in enumerate(zip(ids, vecs))]
 
 

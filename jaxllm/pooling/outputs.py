@@ -1,5 +1,6 @@
 """What a pooling request returns, shaped as vLLM's: ``EmbeddingRequestOutput.outputs.embedding``,
-``ScoringRequestOutput.outputs.score``."""
+``ScoringRequestOutput.outputs.score``, ``ClassificationRequestOutput.outputs.probs``,
+``PoolingRequestOutput.outputs.data``."""
 
 from __future__ import annotations
 
@@ -34,5 +35,37 @@ class ScoringOutput:
 class ScoringRequestOutput:
     request_id: str
     outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(frozen=True)
+class ClassificationOutput:
+    probs: list[float]
+    """The classifier's probabilities: the softmax of its logits (one label: the sigmoid)."""
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True)
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(frozen=True)
+class PoolingOutput:
+    data: list[float]
+    """What the model's pooler gives: an embedder's vector (as ``embed``), a classifier's probabilities."""
+
+
+@dataclass(frozen=True)
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput
     prompt_token_ids: list[int]
     finished: bool = True

@@ -2,16 +2,17 @@
 sentence-transformers folder embeds as ``SentenceTransformer.encode`` does (float32), for MEAN
 pooling and for CLS pooling + Normalize, read from the folder's own files, and an XLM-RoBERTa
 (positions offset past the padding id); a batch equals its
-inputs alone; wrong uses are ValueErrors naming what to use."""
+inputs alone; Matryoshka ``dimensions`` (``PoolingParams``, ``--pooler-config``) cut as
+``SentenceTransformer(truncate_dim=d)`` does; wrong uses are ValueErrors naming what to use."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from jaxllm import LLM
+from jaxllm import LLM, PoolingParams
 from jaxllm.config import EngineConfig
-from support.tiny_encoders import build_bert_st, st_encode
+from support.tiny_encoders import build_bert_st, declare_matryoshka, st_encode
 
 # Small buckets (16, 32, 64 tokens), the strict compile guard on: a step never traces or compiles
 # a bucket it already built.
@@ -24,7 +25,9 @@ TEXTS = ["the cat sat on the mat", "a dog", "search rank embed model query docum
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("bert_st")
     return {"mean": build_bert_st(str(root / "mean"), "mean"),
-            "cls_normalize": build_bert_st(str(root / "cls"), "cls", normalize=True, seed=1),
+            # Matryoshka with the sizes it allows (vLLM's matryoshka_dimensions).
+            "cls_normalize": declare_matryoshka(build_bert_st(str(root / "cls"), "cls", normalize=True, seed=1),
+                                                [8, 16]),
             "xlm_roberta_mean": build_bert_st(str(root / "xlmr"), "mean", seed=2, model="xlm-roberta")}
 
 
@@ -98,3 +101,37 @@ def test_an_embedder_scores_by_cosine_similarity(folders, llms):
     want = [float(ref[0] @ ref[i] / np.linalg.norm(ref[0]) / np.linalg.norm(ref[i])) for i in (1, 2)]
     got = [o.outputs.score for o in llms["mean"].score(TEXTS[0], [TEXTS[1], TEXTS[2]])]
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_matryoshka_dimensions_match_sentence_transformers_truncate_dim(folders, llms):
+    """Cut to the first 8 values, then normalized (the folder's Normalize), as
+    ``SentenceTransformer(truncate_dim=8).encode(normalize_embeddings=True)``; ``encode`` too."""
+    llm = llms["cls_normalize"]
+    got = _vectors(llm.embed(TEXTS, pooling_params=PoolingParams(dimensions=8)))
+    ref = st_encode(folders["cls_normalize"], TEXTS, truncate_dim=8, normalize=True)
+    assert got.shape == ref.shape == (len(TEXTS), 8)
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99999 and np.abs(got - ref).max() <= 1e-4
+    encoded = np.array([o.outputs.data for o in llm.encode(TEXTS, pooling_params=PoolingParams(dimensions=8))])
+    np.testing.assert_allclose(encoded, got, rtol=0, atol=1e-7)
+
+
+def test_pooler_config_dimensions_is_the_default_size(folders):
+    llm = LLM(folders["cls_normalize"], pooler_config={"dimensions": 16}, **POOLING_ENGINE)
+    (out,) = llm.embed(TEXTS[:1])
+    ref = st_encode(folders["cls_normalize"], TEXTS[:1], truncate_dim=16, normalize=True)
+    np.testing.assert_allclose([out.outputs.embedding], ref, rtol=0, atol=1e-4)
+
+
+def test_dimensions_refused_as_vllm_words_it(folders, llms):
+    with pytest.raises(ValueError, match="does not support matryoshka representation"):
+        llms["mean"].embed(TEXTS[:1], pooling_params=PoolingParams(dimensions=8))
+    with pytest.raises(ValueError, match=r"only supports \[8, 16\] matryoshka dimensions"):
+        llms["cls_normalize"].embed(TEXTS[:1], pooling_params=PoolingParams(dimensions=12))
+    with pytest.raises(ValueError, match="--pooler-config dimensions: .*does not support matryoshka"):
+        LLM(folders["mean"], pooler_config={"dimensions": 8}, **POOLING_ENGINE)
+
+
+def test_an_embedder_refuses_to_classify_naming_embed(llms):
+    with pytest.raises(ValueError, match=r"is an embedding model: it embeds texts \(embed\(\), /v1/embeddings\)"):
+        llms["mean"].classify(TEXTS[:1])

@@ -75,7 +75,8 @@ def test_pooler_config_overrides_the_checkpoint():
 @pytest.mark.parametrize("override, match", [
     ({"pooling_type": "MAX"}, "pooling_type must be one of CLS, MEAN, LAST"),
     ({"normalize": "yes"}, "normalize must be true or false"),
-    ({"dimensions": 8}, "unsupported key.*dimensions"),
+    ({"activation": True}, "unsupported key.*activation"),
+    ({"dimensions": 0}, "dimensions must be a positive integer, got 0"),
 ])
 def test_a_bad_pooler_config_is_a_value_error_naming_the_flag(override, match):
     with pytest.raises(ValueError, match=match):

@@ -25,8 +25,8 @@ from support.serve_helpers import assert_error_shape  # noqa: E402
 
 from jaxllm.sampling_params import SamplingParams  # noqa: E402
 from serve.protocol import (ChatCompletionNamedToolChoiceParam, ChatCompletionRequest,  # noqa: E402
-                            ChatCompletionToolParam, ChatMessage, CompletionRequest, DetokenizeRequest, EmbeddingRequest,
-                            RerankRequest, ScoreRequest,
+                            ChatCompletionToolParam, ChatMessage, ClassifyRequest, CompletionRequest,
+                            DetokenizeRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest,
                             FunctionDefinition, NamedFunction, OpenAIModel, StreamOptions, TextContentPart,
                             TokenizeChatRequest, TokenizeCompletionRequest)
 from serve.responses import protocol as responses_protocol  # noqa: E402
@@ -41,7 +41,7 @@ pytest_plugins = ["support.serve_helpers"]
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = "serve/test_request_fields.py"
 MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
-          EmbeddingRequest, ScoreRequest, RerankRequest]
+          EmbeddingRequest, PoolingRequest, ClassifyRequest, ScoreRequest, RerankRequest]
 MSGS = [{"role": "user", "content": "Say something."}]
 
 TO_SAMPLING_PARAMS = {
@@ -93,10 +93,11 @@ SERVED = {
     "request_id": f"{HERE}::test_request_id_and_header_name_the_response",
     "include_reasoning": "serve/test_serve_tools.py::test_include_reasoning_false_leaves_the_reasoning_out",
     "reasoning_effort": "serve/test_responses_tools.py::test_reasoning_effort_reaches_the_chat_template",
-    # /v1/embeddings (a pooling server; truncate_prompt_tokens is also served there)
+    # /v1/embeddings, /pooling, /classify (a pooling server; truncate_prompt_tokens is also served there; the
+    # chat fields of an embeddings request: serve/test_embeddings.py::test_chat_messages_embed_as_the_rendered_text)
     "input": "serve/test_embeddings.py::test_token_id_inputs",
     "encoding_format": "serve/test_embeddings.py::test_openai_client_embeddings_match_sentence_transformers",
-    "dimensions": "serve/test_embeddings.py::test_bad_requests_are_400s_naming_what_is_wrong",
+    "dimensions": "serve/test_embeddings.py::test_openai_client_dimensions_match_sentence_transformers_truncate_dim",
     # /score and /rerank (documents is also served there; truncate_prompt_tokens too)
     "text_1": "serve/test_scoring.py::test_score_matches_the_cross_encoder",
     "text_2": "serve/test_scoring.py::test_score_matches_the_cross_encoder",

@@ -15,7 +15,8 @@ from jaxllm.pooling.async_engine import AsyncPoolingEngine
 from jaxllm.pooling.config import PoolingEngineConfig
 from jaxllm.pooling.engine import PoolingEngine
 from support.serve_helpers import ServerThread, assert_error_shape
-from support.tiny_encoders import build_bert_cross_encoder, cross_encoder_scores
+from support.pooling_metrics import counters
+from support.tiny_encoders import build_bert_cross_encoder, classifier_probs, cross_encoder_scores
 
 QUERY = "the cat"
 DOCS = ["the cat sat on the mat", "a dog ran fast", "sky", "blue river tree", "the big red house by the river"]
@@ -67,6 +68,9 @@ def test_rerank_sorts_by_relevance(base, reference, path):
     ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2", "pairs 2 first texts with 3"),
     ("/score", {"text_1": "a"}, "text_2", "send text_1 and text_2"),
     ("/v1/embeddings", {"input": "sky"}, "model", "is a cross-encoder"),
+    ("/pooling", {"input": "sky", "dimensions": 8}, "dimensions", "does not support matryoshka representation"),
+    ("/pooling", {"messages": [{"role": "user", "content": "sky"}]}, "messages", "has no chat template"),
+    ("/classify", {"input": []}, "input", "must not be empty"),
 ])
 def test_bad_requests_are_400s_naming_the_field(base, path, body, param, words):
     r = httpx.post(base + path, json=body)
@@ -78,3 +82,26 @@ def test_bad_requests_are_400s_naming_the_field(base, path, body, param, words):
 def test_truncate_prompt_tokens_cuts_the_document(base):
     r = httpx.post(base + "/rerank", json={"query": QUERY, "documents": ["the " * 80], "truncate_prompt_tokens": 20})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 20
+
+
+def test_classify_gives_the_sigmoid_of_the_one_logit(base, folder):
+    r = httpx.post(base + "/classify", json={"input": DOCS}).json()
+    assert r["id"].startswith("classify-") and r["object"] == "list"
+    assert [(d["index"], d["label"], d["num_classes"]) for d in r["data"]] == [(i, "LABEL_0", 1) for i in range(5)]
+    want = classifier_probs(folder, DOCS)
+    np.testing.assert_allclose([d["probs"] for d in r["data"]], want, rtol=0, atol=1e-5)
+    pooled = httpx.post(base + "/pooling", json={"input": DOCS[:2]}).json()
+    np.testing.assert_allclose([d["data"] for d in pooled["data"]], want[:2], rtol=0, atol=1e-5)
+
+
+def test_scoring_and_classifying_are_counted_in_metrics(base):
+    """Each pooled prompt (a scored pair, a classified text) is a request finished with ``stop``."""
+    stop, prompt = counters(base)
+    tokens = 0
+    for path, body in [("/score", {"text_1": QUERY, "text_2": DOCS[:2]}),
+                       ("/rerank", {"query": QUERY, "documents": DOCS}),
+                       ("/classify", {"input": DOCS[:3]}), ("/pooling", {"input": "sky"})]:
+        r = httpx.post(base + path, json=body)
+        assert r.status_code == 200, r.text
+        tokens += r.json()["usage"]["prompt_tokens"]
+    assert counters(base) == (stop + 2 + 5 + 3 + 1, prompt + tokens)

@@ -111,6 +111,7 @@ def test_embeddings_on_a_generation_server_is_404_naming_the_runner(http):
     """vLLM answers 404 where the model does not embed or score; the message says how to serve one that does."""
     for path, body, name in (("/v1/embeddings", {"input": "x"}, "/v1/embeddings"),
                              ("/score", {"text_1": "a", "text_2": "b"}, "/score"),
+                             ("/pooling", {"input": "x"}, "/pooling"), ("/classify", {"input": "x"}, "/classify"),
                              ("/v2/rerank", {"query": "a", "documents": ["b"]}, "/rerank")):
         r = _post(http, path, body)
         assert r.status_code == 404
