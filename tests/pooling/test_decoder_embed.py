@@ -94,8 +94,12 @@ def test_qwen3_reranker_scores_are_the_yes_no_softmax(folders):
     ref = yes_no_scores(folders["reranker"], [(query, d) for d in docs])
     assert np.abs(got - ref).max() <= 1e-4
     assert list(np.argsort(-got)) == list(np.argsort(-ref)) and np.ptp(ref) > 1e-3
-    # vLLM's rule for an LLM as a reranker: the pair is one text, query + document.
-    assert outs[0].prompt_token_ids == llm.get_tokenizer()(query + docs[0])["input_ids"]
+    # vLLM's rule for an LLM as a reranker: the pair is one text, query + document (a word split
+    # across the two is one token, not two as the tokenizer's pair encoding would give).
+    tok = llm.get_tokenizer()
+    assert outs[0].prompt_token_ids == tok(query + docs[0])["input_ids"]
+    (joined,) = llm.score("the ca", "t sat")
+    assert joined.prompt_token_ids == tok("the cat sat")["input_ids"] != tok("the ca", "t sat")["input_ids"]
 
 
 def test_refusals_name_what_to_use(folders):
