@@ -103,7 +103,7 @@ class LLM:
     def _refuse_pooling(self, method: str) -> None:
         if self.pooling_engine is not None:
             raise ValueError(f"{method}() is for generative models; this LLM runs the pooling runner "
-                             f"({self.pooling_engine.arch.architecture}): use embed()")
+                             f"({self.pooling_engine.architecture}): use embed()")
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: list[int] | None = None,

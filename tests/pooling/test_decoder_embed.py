@@ -112,6 +112,6 @@ def test_refusals_name_what_to_use(folders):
     with pytest.raises(ValueError, match=r"hf_overrides \(--hf-overrides\) applies to the pooling runner only"):
         LLM(folders["causal"], hf_overrides={"max_position_embeddings": 64})
     with pytest.raises(ValueError, match="classifier_from_token needs method"):
-        LLM(folders["reranker"], runner="pooling", convert="classify", hf_overrides={"classifier_from_token": ["no", "yes"]},
-            **ENGINE)
+        LLM(folders["reranker"], runner="pooling", convert="classify",
+            hf_overrides={"classifier_from_token": ["no", "yes"]}, **ENGINE)
     assert os.path.isfile(os.path.join(folders["st"], "modules.json"))

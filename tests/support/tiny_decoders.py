@@ -60,13 +60,13 @@ def st_encode(path: str, texts: list[str]) -> np.ndarray:
 
 def build_qwen3_classifier(out_dir: str, tokenizer_dir: str, seed: int = 4) -> str:
     """A tiny random ``Qwen3ForSequenceClassification`` with one label (its ``score`` head)."""
-    name, overrides = VARIANTS[QWEN3]
+    _, overrides = VARIANTS[QWEN3]
     cfg = transformers.Qwen3Config(**{**BASE, **overrides, "num_labels": 1, "pad_token_id": None})
     cfg.architectures = ["Qwen3ForSequenceClassification"]
     torch.manual_seed(seed)
     model = transformers.Qwen3ForSequenceClassification(cfg).eval()
     with torch.no_grad():
-        for pname, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 1:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
