@@ -28,7 +28,7 @@ from jaxllm.sampling_params import SamplingParams
 
 # The engine arguments the pooling runner takes (the rest size a KV cache or a sampler it has not).
 _POOLING_ARGS = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "strict_compile_guard", "precompile",
-                 "show_progress")
+                 "show_progress", "attention_backend")
 
 
 def _refuse_data_parallel(config: EngineConfig) -> None:
@@ -45,14 +45,17 @@ class LLM:
     the first time a step needs it; ``precompile="all"`` builds every bucket up front."""
 
     def __init__(self, model: str | None = None, *, runner: str = "auto", pooler_config: dict | None = None,
-                 **engine_args):
+                 convert: str = "auto", hf_overrides: dict | None = None, **engine_args):
         """``runner``: "generate", "pooling" (an encoder: :meth:`embed`) or "auto" (pooling for an
         encoder checkpoint); ``pooler_config``: vLLM's ``--pooler-config`` (``pooling_type``,
-        ``normalize``, ``dimensions``) over the checkpoint's pooler."""
+        ``normalize``, ``dimensions``) over the checkpoint's pooler; ``convert``: "embed" / "classify" run a causal
+        decoder as an embedder / classifier ("auto": a ``*ForSequenceClassification`` or a
+        sentence-transformers folder converts by itself); ``hf_overrides``: keys merged over the
+        checkpoint's config.json (Qwen3-Reranker's ``classifier_from_token``), pooling runner only."""
         # The start-up phases as `jaxllm serve` logs them, unless the program set up logging itself.
         self.llm_engine = self.pooling_engine = None
         self._ids = itertools.count()
-        if uses_pooling_runner(model, runner, pooler_config):
+        if uses_pooling_runner(model, runner, pooler_config, convert, hf_overrides):
             other = sorted(k for k in engine_args if k not in _POOLING_ARGS and not (k == "dtype" and
                                                                                      engine_args[k] in ("auto", "float32")))
             if other:
@@ -60,8 +63,8 @@ class LLM:
                                  f"{', '.join(_POOLING_ARGS)}; dtype float32)")
             console.install_default_handler()
             self.pooling_engine = PoolingEngine(PoolingEngineConfig(
-                model=model, pooler_config=dict(pooler_config or {}),
-                **{k: v for k, v in engine_args.items() if k in _POOLING_ARGS}))
+                model=model, pooler_config=dict(pooler_config or {}), convert=convert,
+                hf_overrides=dict(hf_overrides or {}), **{k: v for k, v in engine_args.items() if k in _POOLING_ARGS}))
             return
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         _refuse_data_parallel(config)
@@ -121,7 +124,7 @@ class LLM:
     def _refuse_pooling(self, method: str) -> None:
         if self.pooling_engine is not None:
             raise ValueError(f"{method}() is for generative models; this LLM runs the pooling runner "
-                             f"({self.pooling_engine.arch.architecture}): use embed()")
+                             f"({self.pooling_engine.architecture}): use embed()")
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: list[int] | None = None,

@@ -62,6 +62,14 @@ def register(subparsers) -> None:
     pg.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
                     help="generate, or pooling: an encoder serving /v1/embeddings (default auto: pooling for an "
                          "encoder checkpoint such as BertModel)")
+    pg.add_argument("--convert", default="auto", choices=("auto", "none", "embed", "classify"),
+                    help="with --runner pooling, a causal decoder as an embedder (embed: last token, normalized) "
+                         "or a classifier (classify: its score head, /score and /rerank); default auto: a "
+                         "*ForSequenceClassification or a sentence-transformers folder converts by itself")
+    pg.add_argument("--hf-overrides", default=None, metavar="JSON",
+                    help="keys merged over the checkpoint's config.json (pooling runner), e.g. Qwen3-Reranker's "
+                         "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                         "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}'")
     pg.add_argument("--pooler-config", default=None, metavar="JSON",
                     help="the pooler over the checkpoint's (sentence-transformers' modules.json), e.g. "
                          "'{\"pooling_type\": \"CLS\", \"normalize\": true}' (CLS, MEAN or LAST)")
@@ -126,13 +134,20 @@ def pooling_config_from_args(args: argparse.Namespace):
             pooler = json.loads(args.pooler_config)
         except ValueError as e:
             raise ValueError(f"--pooler-config is not valid JSON ({e})") from None
+    overrides = None
+    if args.hf_overrides:
+        try:
+            overrides = json.loads(args.hf_overrides)
+        except ValueError as e:
+            raise ValueError(f"--hf-overrides is not valid JSON ({e})") from None
     model = args.model_pos or args.model
-    if not uses_pooling_runner(model, args.runner, pooler):
+    if not uses_pooling_runner(model, args.runner, pooler, args.convert, overrides):
         return None
     sizes = {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs") if getattr(args, k) is not None}
     # A server builds every bucket before it takes a request.
     return PoolingEngineConfig(model=model, pooler_config=pooler or {}, max_model_len=args.max_model_len,
-                               precompile="all", **sizes)
+                               precompile="all", convert=args.convert, hf_overrides=overrides or {},
+                               attention_backend=args.attention_backend, **sizes)
 
 
 def _serve_pooling(config, serving: ServingConfig) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST")
+CONVERTS = ("auto", "none", "embed", "classify")
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,15 @@ class PoolingEngineConfig:
     precompile: str = "auto"
     """"all": build every bucket at start; "auto": a bucket the first time a step needs it."""
     show_progress: bool = True
+    convert: str = "auto"
+    """vLLM's ``--convert``: "embed" / "classify" run a causal decoder as an embedder / classifier;
+    "auto" converts a causal ``*ForSequenceClassification`` or sentence-transformers folder
+    (``pooling/decoder.py``); "none": an encoder only."""
+    hf_overrides: dict = field(default_factory=dict)
+    """vLLM's ``--hf-overrides``: keys merged over the checkpoint's config.json (``architectures``,
+    ``classifier_from_token``, ``method``, ``is_original_qwen3_reranker``, ...)."""
+    attention_backend: str = "auto"
+    """A decoder's kernels: auto (Pallas on a GPU, native on a CPU), native, xla or pallas."""
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -72,3 +82,7 @@ class PoolingEngineConfig:
         if self.precompile not in ("auto", "all"):
             raise ValueError(f"--precompile must be auto or all, got {self.precompile!r}")
         PoolerConfig().override(self.pooler_config)   # a bad key or value fails now
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert (--convert) must be one of {', '.join(CONVERTS)}, got {self.convert!r}")
+        if not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides (--hf-overrides) must be a JSON object, got {self.hf_overrides!r}")

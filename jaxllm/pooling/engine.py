@@ -1,4 +1,5 @@
-"""The pooling engine: an encoder checkpoint, its tokenizer and pooler, and the runner.
+"""The pooling engine: an encoder checkpoint (or a causal decoder converted to an embedder or a
+classifier: ``decoder.py``), its tokenizer and pooler, and the runner.
 
 Prompts (text or token ids) are tokenized and checked here, the one validation: an empty
 prompt, an id outside the vocabulary, or a prompt longer than ``max_model_len`` or than a step
@@ -8,9 +9,7 @@ anything runs.  ``truncate_prompt_tokens`` keeps a prompt's last k tokens (vLLM'
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 
 import numpy as np
 
@@ -19,7 +18,10 @@ from jaxllm.errors import ModelLoadError
 from jaxllm.models.loader import load_model
 from jaxllm.models.registry import get_family
 from jaxllm.paths import default_cache_dir
-from jaxllm.pooling.config import PoolerConfig, PoolingEngineConfig
+from jaxllm.pooling.config import CONVERTS, PoolerConfig, PoolingEngineConfig
+from jaxllm.pooling.decoder import (check_hf_overrides, declared_prompts, default_convert, is_causal, load_decoder,
+                                    pooling_convert, read_hf_config)
+from jaxllm.pooling.decoder_runner import DecoderPoolingRunner, pick_kernels
 from jaxllm.pooling.heads import Matryoshka, class_probs, read_labels, truncate
 from jaxllm.pooling.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                                     EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, ScoringOutput,
@@ -36,33 +38,82 @@ RUNNERS = ("auto", "generate", "pooling")
 class PoolingEngine:
     def __init__(self, config: PoolingEngineConfig):
         self.config = config
+        self.model_name = config.model
+        self.pair_as_text = False
+        convert = pooling_convert(config.model, config.convert, config.hf_overrides)
+        self.decoder = convert != "none"
+        if self.decoder:
+            self._init_decoder(config, convert)
+        else:
+            self._init_encoder(config)
+        head = (f"a classifier ({self.num_labels} label(s))" if self.cross_encoder else
+                f"{self.pooler.pooling_type} pooling" + (" + normalize" if self.pooler.normalize else ""))
+        log.info("pooling runner: %s, %s, max_model_len %d, buckets %s", self.architecture, head,
+                 self.max_model_len, self.runner.buckets)
+        if config.precompile == "all":
+            self.runner.compile_all()
+
+    def _init_encoder(self, config: PoolingEngineConfig) -> None:
+        if config.hf_overrides:
+            raise ValueError("hf_overrides (--hf-overrides) applies to a converted decoder (convert), not an encoder")
         loaded = load_model(config.model)
         family = get_family(loaded.arch.architecture)
         if not family.pooling:
             raise ValueError(f"{config.model}: {loaded.arch.architecture} is a generative model; the pooling "
-                             "runner serves encoders (runner='generate' for this one)")
+                             "runner serves encoders and HF folders of causal decoders (convert='embed'), "
+                             "runner='generate' for this one")
         self.arch = loaded.arch
-        self.model_name = config.model
+        self.architecture = loaded.arch.architecture
+        self.num_labels = loaded.arch.encoder.num_labels
         self.tokenizer = load_tokenizer(loaded.tokenizer, default_cache_dir()) if loaded.tokenizer else None
         base = read_pooler_config(config.model) or PoolerConfig()
         self.pooler = base.override(config.pooler_config)
         positions = loaded.arch.max_position_embeddings - loaded.arch.encoder.position_offset
-        limit = min(n for n in (positions, max_seq_length(config.model)) if n)
-        if config.max_model_len is not None and config.max_model_len > positions:
-            raise ValueError(f"--max-model-len {config.max_model_len} is more than the model's {positions} positions")
-        self.max_model_len = min(config.max_model_len or limit, config.max_num_batched_tokens)
+        self.max_model_len = self._model_len(config, positions)
         self.vocab_size = loaded.arch.vocab_size
         self._read_heads(config.model)
         self.runner = PoolingRunner(loaded.arch, family.module, {"globals": loaded.globals, "layers": loaded.layers},
                                     self.pooler, max_num_batched_tokens=config.max_num_batched_tokens,
                                     max_num_seqs=config.max_num_seqs,
                                     strict_compile_guard=config.strict_compile_guard)
-        head = (f"a cross-encoder ({loaded.arch.encoder.num_labels} label(s))" if self.cross_encoder else
-                f"{self.pooler.pooling_type} pooling" + (" + normalize" if self.pooler.normalize else ""))
-        log.info("pooling runner: %s, %s, max_model_len %d, buckets %s", loaded.arch.architecture, head,
-                 self.max_model_len, self.runner.buckets)
-        if config.precompile == "all":
-            self.runner.compile_all()
+
+    def _init_decoder(self, config: PoolingEngineConfig, convert: str) -> None:
+        """A causal decoder converted to an embedder or a classifier (``pooling/decoder.py``)."""
+        kernels = pick_kernels(config.attention_backend)
+        ckpt = load_decoder(config.model, convert, config.hf_overrides)
+        loaded = ckpt.loaded
+        self.arch = loaded.arch
+        self.architecture = ckpt.architecture
+        self.num_labels = 0 if ckpt.head is None else int(ckpt.head.shape[0])
+        self.pair_as_text = ckpt.pair_as_text
+        self.tokenizer = load_tokenizer(loaded.tokenizer, default_cache_dir())
+        if self.num_labels:
+            if config.pooler_config:
+                raise ValueError("pooler_config (--pooler-config) applies to an embedder; a classifier reads the "
+                                 "last token")
+            self.pooler = PoolerConfig(pooling_type="LAST")
+        else:
+            # vLLM's default for a converted decoder: LAST + normalize, unless the folder says otherwise.
+            base = read_pooler_config(config.model) or PoolerConfig(pooling_type="LAST", normalize=True)
+            self.pooler = base.override(config.pooler_config)
+            prompts = declared_prompts(config.model)
+            if prompts:
+                log.info("the checkpoint declares instruction prompts (%s); as vLLM, they are not applied: "
+                         "prepend them to the input yourself", ", ".join(sorted(prompts)))
+        self.max_model_len = self._model_len(config, loaded.arch.max_position_embeddings)
+        self.vocab_size = loaded.arch.vocab_size
+        self._read_heads(config.model)
+        self.runner = DecoderPoolingRunner(loaded, get_family(loaded.arch.architecture).module, self.pooler,
+                                           ckpt.head, kernels=kernels,
+                                           max_num_batched_tokens=config.max_num_batched_tokens,
+                                           max_num_seqs=config.max_num_seqs,
+                                           strict_compile_guard=config.strict_compile_guard)
+
+    def _model_len(self, config: PoolingEngineConfig, positions: int) -> int:
+        limit = min(n for n in (positions, max_seq_length(config.model)) if n)
+        if config.max_model_len is not None and config.max_model_len > positions:
+            raise ValueError(f"--max-model-len {config.max_model_len} is more than the model's {positions} positions")
+        return min(config.max_model_len or limit, config.max_num_batched_tokens)
 
     def _read_heads(self, folder: str) -> None:
         """The checkpoint's Matryoshka sizes (checked against ``--pooler-config`` ``dimensions``) and
@@ -74,7 +125,7 @@ class PoolingEngine:
             except ValueError as e:
                 raise ValueError(f"--pooler-config dimensions: {e}") from None
         self.default_dimensions = self.pooler.dimensions or self.matryoshka.default
-        self.labels = read_labels(folder, self.arch.encoder.num_labels) if self.cross_encoder else []
+        self.labels = read_labels(folder, self.num_labels) if self.cross_encoder else []
 
     def output_dimensions(self, dimensions: int | None, model_name: str | None = None) -> int | None:
         """The size an embedding request gets: its ``dimensions`` (checked: a ValueError naming it),
@@ -88,7 +139,7 @@ class PoolingEngine:
 
     def check_classifier(self) -> None:
         if not self.cross_encoder:
-            raise ValueError(f"{self.arch.architecture} is an embedding model: it embeds texts (embed(), "
+            raise ValueError(f"{self.architecture} is an embedding model: it embeds texts (embed(), "
                              "/v1/embeddings) rather than classifying them (classify() and /classify need a "
                              "*ForSequenceClassification checkpoint)")
 
@@ -126,12 +177,13 @@ class PoolingEngine:
 
     @property
     def cross_encoder(self) -> bool:
-        """A ``*ForSequenceClassification`` checkpoint: it scores text pairs, it does not embed."""
-        return self.arch.encoder.num_labels > 0
+        """A ``*ForSequenceClassification`` checkpoint (or a converted classifier): it scores text
+        pairs, it does not embed."""
+        return self.num_labels > 0
 
     def check_embedder(self) -> None:
         if self.cross_encoder:
-            raise ValueError(f"{self.arch.architecture} is a cross-encoder: it scores text pairs (score(), /score, "
+            raise ValueError(f"{self.architecture} is a cross-encoder: it scores text pairs (score(), /score, "
                              "/rerank) and classifies texts (classify(), /classify) rather than embedding them")
 
     def tokenize(self, prompt, truncate_prompt_tokens: int | None = None, *, index: int | None = None) -> list[int]:
@@ -169,7 +221,7 @@ class PoolingEngine:
     def _check_length(self, ids: list[int], where: str) -> None:
         if len(ids) > self.max_model_len:
             raise ValueError(f"{where} has {len(ids)} tokens, more than the maximum of {self.max_model_len} "
-                             "(max_model_len; an encoder runs a prompt whole); shorten it or set "
+                             "(max_model_len; a pooling model runs a prompt whole); shorten it or set "
                              "truncate_prompt_tokens")
 
     def tokenize_pair(self, first: str, second: str, truncate_prompt_tokens: int | None = None, *,
@@ -178,6 +230,8 @@ class PoolingEngine:
         the document's tokens of type 1; ``truncate_prompt_tokens`` cuts the document's end."""
         if not isinstance(first, str) or not isinstance(second, str):
             raise ValueError(f"{where}: a pair is two strings")
+        if self.decoder:
+            return self._decoder_pair(first, second, truncate_prompt_tokens, where)
         enc = self.tokenizer(first, second)
         ids, types = list(enc["input_ids"]), list(enc.get("token_type_ids") or [0] * len(enc["input_ids"]))
         k = self._keep(truncate_prompt_tokens)
@@ -187,6 +241,21 @@ class PoolingEngine:
         self._check_length(ids, where)
         return ids, types
 
+    def _decoder_pair(self, first: str, second: str, truncate_prompt_tokens: int | None,
+                      where: str) -> tuple[list[int], list[int]]:
+        """A decoder classifier's pair: the two texts as one (an LLM as a reranker: vLLM's
+        ``use_pad_token`` false), else the tokenizer's pair encoding; ``truncate_prompt_tokens``
+        keeps the first k tokens (the tokenizer's right-side truncation)."""
+        enc = self.tokenizer(first + second) if self.pair_as_text else self.tokenizer(first, second)
+        ids = list(enc["input_ids"])
+        k = self._keep(truncate_prompt_tokens)
+        if k is not None:
+            ids = ids[:k]
+        if not ids:
+            raise ValueError(f"{where} is empty")
+        self._check_length(ids, where)
+        return ids, [0] * len(ids)
+
     def embed_ids(self, prompts: list[list[int]], token_types: list[list[int]] | None = None) -> list[np.ndarray]:
         """Checked token-id lists -> one float32 row each (a vector; a cross-encoder's logits)."""
         return self.runner.run(prompts, token_types)
@@ -194,8 +263,8 @@ class PoolingEngine:
     def pair_scores(self, logits: list[np.ndarray]) -> list[float]:
         """A cross-encoder's logits [1] per pair -> relevance scores (the sigmoid, as
         sentence-transformers' CrossEncoder and vLLM apply to one label)."""
-        if self.arch.encoder.num_labels != 1:
-            raise ValueError(f"scoring needs a cross-encoder with one label; this one has {self.arch.encoder.num_labels}")
+        if self.num_labels != 1:
+            raise ValueError(f"scoring needs a cross-encoder with one label; this one has {self.num_labels}")
         return [float(1.0 / (1.0 + np.exp(-np.float64(x[0])))) for x in logits]
 
     def score(self, text_1, text_2, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
@@ -248,28 +317,46 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a64 @ b64 / max(np.linalg.norm(a64) * np.linalg.norm(b64), 1e-12))
 
 
-def is_pooling_checkpoint(model: str | None) -> bool:
+def is_pooling_checkpoint(model: str | None, hf_overrides: dict | None = None) -> bool:
     """Whether ``model`` (an HF folder) is an encoder the pooling runner serves (``runner="auto"``)."""
-    if model is None or not os.path.isfile(os.path.join(model, "config.json")):
-        return False
+    raw = read_hf_config(model, hf_overrides)
     try:
-        with open(os.path.join(model, "config.json")) as f:
-            archs = json.load(f).get("architectures") or []
+        archs = (raw or {}).get("architectures") or []
         return bool(archs) and get_family(archs[0]).pooling
     except (OSError, ValueError, ModelLoadError):
         return False
 
 
-def uses_pooling_runner(model: str | None, runner: str, pooler_config: dict | None) -> bool:
-    """Whether ``runner`` (with ``"auto"``: the checkpoint) asks for the pooling runner."""
+def uses_pooling_runner(model: str | None, runner: str, pooler_config: dict | None, convert: str = "auto",
+                        hf_overrides: dict | None = None) -> bool:
+    """Whether ``runner`` (with ``"auto"``: the checkpoint, and ``convert``) asks for the pooling
+    runner.  ``"auto"`` picks it for an encoder, a causal ``*ForSequenceClassification``, a
+    sentence-transformers folder over a causal LM (vLLM's rules) or an explicit ``convert``."""
     if runner not in RUNNERS:
         raise ValueError(f"runner (--runner) must be one of {', '.join(RUNNERS)}, got {runner!r}")
-    encoder = is_pooling_checkpoint(model)
-    if runner == "generate" and encoder:
-        raise ValueError(f"{model} is an encoder: it embeds rather than generates (runner='pooling')")
-    if runner == "pooling" and not encoder:
-        raise ValueError(f"runner='pooling' needs an encoder checkpoint (BertModel, ...); {model or 'the built-in model'} "
-                         "is generative")
-    if pooler_config and not (encoder and runner != "generate"):
+    if convert not in CONVERTS:
+        raise ValueError(f"convert (--convert) must be one of {', '.join(CONVERTS)}, got {convert!r}")
+    hf_overrides = check_hf_overrides(hf_overrides)
+    encoder = is_pooling_checkpoint(model, hf_overrides)
+    auto = default_convert(model, hf_overrides)
+    if runner == "generate":
+        if encoder:
+            raise ValueError(f"{model} is an encoder: it embeds rather than generates (runner='pooling')")
+        if auto == "classify":
+            raise ValueError(f"{model} is a classifier (*ForSequenceClassification): it scores rather than "
+                             "generates (runner='pooling')")
+        if convert in ("embed", "classify"):
+            raise ValueError(f"convert={convert!r} (--convert) needs runner='pooling' (--runner pooling)")
+    elif runner == "pooling" and not encoder:
+        raw = read_hf_config(model, hf_overrides)
+        archs = (raw or {}).get("architectures") or []
+        if not archs or not is_causal(archs[0]):
+            raise ValueError(f"runner='pooling' needs an encoder checkpoint (BertModel, ...) or an HF folder of a "
+                             f"causal decoder (convert='embed'); {model or 'the built-in model'} is neither")
+    pooling = runner == "pooling" or (runner == "auto" and (encoder or auto != "none"
+                                                            or convert in ("embed", "classify")))
+    if pooler_config and not pooling:
         raise ValueError("pooler_config (--pooler-config) applies to the pooling runner only")
-    return encoder and runner != "generate"
+    if hf_overrides and not pooling:
+        raise ValueError("hf_overrides (--hf-overrides) applies to the pooling runner only")
+    return pooling

@@ -98,13 +98,20 @@ class PoolingRunner:
         """The program of token bucket ``T`` (built once, from shapes only)."""
         exe = self._compiled.get(T)
         if exe is None:
-            S = self.bucket_rows(T)
-            i32 = jnp.int32
-            shapes = [jax.ShapeDtypeStruct((T,), i32)] * 4 + [jax.ShapeDtypeStruct((S + 1,), i32)]
             params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.params)
-            exe = self._compiled[T] = self._step.lower(params, *shapes).compile()
-            log.debug("pooling bucket T=%d S=%d compiled", T, S)
+            exe = self._compiled[T] = self._step.lower(params, *self._shapes(T)).compile()
+            log.debug("pooling bucket T=%d S=%d compiled", T, self.bucket_rows(T))
         return exe
+
+    def _shapes(self, T: int) -> list:
+        """The step's array arguments of bucket ``T`` (after the params), as shapes."""
+        i32 = jnp.int32
+        return [jax.ShapeDtypeStruct((T,), i32)] * 4 + [jax.ShapeDtypeStruct((self.bucket_rows(T) + 1,), i32)]
+
+    def _args(self, chunk: list[list[int]], types: list[list[int]] | None, T: int) -> tuple:
+        """The step's array arguments for the prompts ``chunk`` in bucket ``T``."""
+        packed = pack(chunk, types, T, self.bucket_rows(T))
+        return (packed.input_ids, packed.positions, packed.seq_ids, packed.token_types, packed.query_start_loc)
 
     def compile_all(self) -> None:
         for T in self.buckets:
@@ -133,8 +140,7 @@ class PoolingRunner:
             total = sum(len(p) for p in chunk)
             T = next(t for t in self.buckets if t >= total)
             exe = self.compile(T)
-            packed = pack(chunk, types, T, self.bucket_rows(T))
-            args = (packed.input_ids, packed.positions, packed.seq_ids, packed.token_types, packed.query_start_loc)
+            args = self._args(chunk, types, T)
             if self.strict:
                 with jax.no_tracing(True):
                     pooled = exe(self.params, *args)
