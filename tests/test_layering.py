@@ -52,6 +52,7 @@ LOCAL_IMPORT_ALLOWED = {
     ("jaxllm", "jaxllm.sampling_params"): "lazy public name (PEP 562)",
     ("jaxllm", "jaxllm.outputs"): "lazy public name (PEP 562)",
     ("jaxllm", "jaxllm.lora.request"): "lazy public name (PEP 562)",
+    ("jaxllm", "jaxllm.pooling.params"): "lazy public name (PEP 562)",
     # The command line builds its parser without the engine: `jaxllm --help` and a flag error
     # answer without importing JAX (~60 ms instead of ~4 s); a command imports what it runs.
     ("jaxllm.cli", "jaxllm.llm"): "the engine, imported by the command that starts it",
