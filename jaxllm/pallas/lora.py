@@ -18,8 +18,6 @@ This module imports only jax and numpy: it knows nothing of adapters, layers or 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -78,5 +76,5 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array, *,
     return _call(x, a, b, slots.astype(jnp.int32), interpret=interpret)
 
 
-lora_delta_jit = jax.jit(functools.partial(lora_delta), static_argnames=("interpret",))
+lora_delta_jit = jax.jit(lora_delta, static_argnames=("interpret",))
 """The jitted entry (``interpret`` static)."""
