@@ -51,7 +51,7 @@ class Family:
 
 
 DECODER = Family(llama, config=llama.LlamaConfig, lora=True)
-GEMMA = Family(gemma, config=gemma.GemmaConfig, rope_tables=gemma.rope_tables)
+GEMMA = Family(gemma, config=gemma.GemmaConfig, rope_tables=gemma.rope_tables, lora=True)
 GPT_OSS = Family(gpt_oss, config=gpt_oss.GptOssConfig)
 MLA = Family(deepseek, config=deepseek.DeepseekConfig, cache_kinds=deepseek.cache_kinds,
              allocate_cache=deepseek.allocate_cache)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionMetadata
-from jaxllm.lora.apply import LoRAStep
+from jaxllm.lora.apply import LoRAStep, kernel_for
 from jaxllm.models.registry import keeps_sequence_state
 from jaxllm.parallel.mesh import tp_size
 from jaxllm.runner.step_config import StepConfig
@@ -49,6 +49,7 @@ def make_step(cfg: StepConfig, model: ModuleType):
     arch, kernels, K = cfg.arch, cfg.kernels, max(cfg.max_logprobs, 1)
     # A family with per-sequence state (models/qwen3_next/) reads each sequence's slot.
     stateful = keeps_sequence_state(arch.architecture)
+    lora_kernel = kernel_for(kernels)
 
     def logits_of(params, hidden):
         return model.compute_logits(arch, params, hidden, kernels)
@@ -56,7 +57,7 @@ def make_step(cfg: StepConfig, model: ModuleType):
     def step(params, kv, sstate: SamplerState, inputs: StepInputs):
         extra = {"state_slots": inputs.state_slots} if stateful else {}
         if cfg.max_loras:
-            extra["lora"] = LoRAStep(params["lora"], inputs.lora_slots)
+            extra["lora"] = LoRAStep(params["lora"], inputs.lora_slots, lora_kernel)
         hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels, **extra)   # [T, D]
         logits = logits_of(params, hidden[inputs.logits_indices])        # [S, V]
         if tp_size() > 1:

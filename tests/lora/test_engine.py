@@ -1,5 +1,7 @@
 """LoRA in the engine (jaxllm/lora/ through runner, scheduler and LLM): token-exact against
-transformers + peft, on the native CPU path and on the XLA path (scanned layers); a batch
+transformers + peft, on the native CPU path and on the XLA path (scanned layers), through the
+Pallas LoRA kernel (interpret mode, a few tokens), and for Gemma 2 and Qwen3-MoE (32 tokens,
+one engine each; the MoE adapters change attention, its experts are no target); a batch
 mixing adapters and the base equals each request alone; slots evicted, reloaded and unloaded
 without compiling; the prefix cache keyed by adapter; bad adapters refused, the engine serving on.
 
@@ -13,8 +15,9 @@ import numpy as np
 import pytest
 
 from support.engines import ONE_SHOT_ENGINE
-from support.lora_adapters import build_set, edit_config, hf_greedy
-from support.tiny_models import write_gguf
+from support.lora_adapters import ATTENTION_ADAPTERS, build_set, edit_config, hf_greedy
+from support.tiny_families import build_family
+from support.tiny_models import build_tiny, write_gguf
 
 from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.engine.processor import InputProcessor
@@ -24,7 +27,17 @@ N = 8   # greedy tokens compared with transformers + peft (each adapter changes 
 ENGINE = {**ONE_SHOT_ENGINE, "max_num_seqs": 8, "max_num_batched_tokens": 64, "skip_tokenizer_init": True,
           "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 BACKENDS = {"native": dict(cpu_matmul="native"),
-            "xla": dict(cpu_matmul="xla", attention_backend="xla", scan_layers=True)}
+            "xla": dict(cpu_matmul="xla", attention_backend="xla", scan_layers=True),
+            # The step's attention on Pallas: the LoRA delta is pallas/lora.py's kernel too.
+            "pallas": dict(cpu_matmul="xla", attention_backend="pallas", scan_layers=True)}
+N_PALLAS = 1   # interpret mode runs every kernel program as a loop iteration: the prefill's token only
+# Another dense family and one MoE family, 32 greedy tokens each: (base builder, adapters, backend).
+NF = 32
+FAMILIES = {
+    "gemma2": (lambda d: build_family("gemma2", d), None, dict(cpu_matmul="native")),
+    "qwen3_moe": (lambda d: build_tiny("qwen3_moe", d), ATTENTION_ADAPTERS,
+                  dict(cpu_matmul="xla", attention_backend="xla")),
+}
 PROMPTS = [np.random.default_rng(s).integers(3, 5000, size=n).tolist() for s, n in ((1, 5), (2, 11))]
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
 
@@ -68,9 +81,53 @@ def run(llm, items, params=GREEDY):
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_one_batch_of_two_ranks_and_the_base_matches_transformers_peft(backend, engine, loras, reference):
     items = [(None if n is None else loras[n], i) for n in (None, "a4", "b8") for i in range(len(PROMPTS))]
-    got = run(engine(backend), items)
+    n = N_PALLAS if backend == "pallas" else N
+    got = run(engine(backend), items, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     for (lr, i), toks in zip(items, got):
-        assert toks == reference[(lr and lr.lora_name, i)], f"{backend}: adapter {lr and lr.lora_name}, prompt {i}"
+        want = reference[(lr and lr.lora_name, i)][:n]
+        assert toks == want, f"{backend}: adapter {lr and lr.lora_name}, prompt {i}"
+    if backend == "pallas":   # the adapters do change these first tokens
+        assert len({tuple(t) for t in got[:len(PROMPTS)]} | {tuple(t) for t in got[len(PROMPTS):]}) > len(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """name -> (paths, LoRARequests, transformers + peft's 32 greedy tokens, the engine), built once."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            build, adapters, backend = FAMILIES[name]
+            paths = build_set(str(tmp_path_factory.mktemp(f"lora_{name}")), build=build, adapters=adapters)
+            loras = {n: LoRARequest(n, i + 1, paths[n]) for i, n in enumerate(("a4", "b8"))}
+            ref = hf_greedy(paths["base"], {n: n and paths[n] for n in (None, "a4", "b8")}, PROMPTS, NF)
+            llm = LLM(paths["base"], **{**ENGINE, "max_num_seqs": 6}, **backend)
+            built[name] = (paths, loras, ref, llm)
+        return built[name]
+    yield get
+    built.clear()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_other_families_match_transformers_peft(name, family):
+    _, loras, reference, llm = family(name)
+    items = [(None if n is None else loras[n], i) for n in (None, "a4", "b8") for i in range(len(PROMPTS))]
+    got = run(llm, items, SamplingParams(temperature=0, max_tokens=NF, ignore_eos=True))
+    for (lr, i), toks in zip(items, got):
+        assert toks == reference[(lr and lr.lora_name, i)], f"{name}: adapter {lr and lr.lora_name}, prompt {i}"
+    assert got[:len(PROMPTS)] != got[len(PROMPTS):2 * len(PROMPTS)]   # the adapters change the tokens
+
+
+def test_moe_expert_targets_are_refused_by_name(family, tmp_path):
+    # Qwen3-MoE's experts are no LoRA target here: an adapter listing them is refused naming
+    # them (and what the model has); the engine serves on.
+    paths, loras, reference, llm = family("qwen3_moe")
+    bad = edit_config(paths["a4"], str(tmp_path / "bad"), target_modules=["q_proj", "v_proj", "o_proj", "experts"])
+    with pytest.raises(ValueError, match="lora_path=") as e:
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, lora_request=LoRARequest("bad", 9, bad),
+                     use_tqdm=False)
+    assert "['experts'] are not projections this model has" in str(e.value)
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_a_mixed_batch_equals_each_request_alone(engine, loras):

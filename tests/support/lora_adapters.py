@@ -17,15 +17,24 @@ ADAPTERS = {
 }
 
 
-def build_set(root: str, tokenizer_dir: str | None = None) -> dict[str, str]:
-    """The tiny Llama (``base``) and every adapter of :data:`ADAPTERS` under ``root``: name -> path."""
+# Attention-only adapters, for an MoE base (its experts are no LoRA target here).
+ATTENTION_ADAPTERS = {
+    "a4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"]),
+    "b8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], use_rslora=True),
+}
+
+
+def build_set(root: str, tokenizer_dir: str | None = None, build=None, adapters: dict | None = None) -> dict[str, str]:
+    """A tiny base (``base``; ``build(out_dir)``, default the tiny Llama) and every adapter of
+    ``adapters`` (default :data:`ADAPTERS`) under ``root``: name -> path."""
     import torch
     import transformers
 
     from support.tiny_models import build_tiny
-    paths = {"base": build_tiny("llama_gqa_untied", os.path.join(root, "base"), tokenizer_dir)}
+    base_dir = os.path.join(root, "base")
+    paths = {"base": build(base_dir) if build else build_tiny("llama_gqa_untied", base_dir, tokenizer_dir)}
     model = transformers.AutoModelForCausalLM.from_pretrained(paths["base"], dtype=torch.float32)
-    for i, (name, kw) in enumerate(ADAPTERS.items()):
+    for i, (name, kw) in enumerate((adapters or ADAPTERS).items()):
         paths[name] = save_adapter(model, os.path.join(root, name), seed=i + 1, **kw)
     return paths
 

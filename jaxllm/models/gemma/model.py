@@ -30,6 +30,8 @@ from jaxllm.formats.storage import PACKED_BF16
 from jaxllm.layers.attention import AttentionMetadata, KVCache, attend
 from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.rotary import apply_rope, cos_sin
+from jaxllm.lora import apply as lora_apply
+from jaxllm.lora.apply import LoRAStep
 from jaxllm.models.config import ArchConfig
 from jaxllm.models.kernels import Kernels
 
@@ -49,17 +51,19 @@ def _embed_scale(w) -> np.ndarray:
     return np.asarray(math.sqrt(w.shape[-1]), dtype)
 
 
-def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMetadata, rope, kernels: Kernels):
+def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMetadata, rope, kernels: Kernels,
+           lora: LoRAStep | None = None, index=None):
     # x [T, D]; i: the static layer number (its window and rope); layer: the cache index (scan) or None
+    # lora: the step's adapters (lora/apply.py), added to the projections at layer ``index``
     T = x.shape[0]
     mm = kernels.linear
     eps = cfg.rms_norm_eps
     h = gemma_norm(x, lp["input_norm"], eps)
     if "qkv" in lp:
-        q, k, v = jnp.split(linear(h, lp["qkv"], lp.get("qkv_bias"), mm), [cfg.q_size, cfg.q_size + cfg.kv_size],
-                            axis=-1)
+        qkv = lora_apply.add_fused(linear(h, lp["qkv"], lp.get("qkv_bias"), mm), lora, ("q", "k", "v"), h, index)
+        q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     else:
-        q, k, v = (linear(h, lp[n], lp.get(n + "_bias"), mm) for n in ("q", "k", "v"))
+        q, k, v = (lora_apply.add(linear(h, lp[n], lp.get(n + "_bias"), mm), lora, n, h, index) for n in ("q", "k", "v"))
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)                       # [T, Hq, Dh]
     k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)                    # [T, Hkv, Dh]
     v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -71,19 +75,25 @@ def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMeta
     scale = cfg.attn_scale if cfg.attn_scale is not None else cfg.head_dim ** -0.5
     o, kv = attend(q, k, v, kv, layer, md, scale=scale, sliding_window=window, soft_cap=cfg.gemma.attn_soft_cap,
                    backend=kernels.attention)                           # [T, Hq, Dh]
-    x = x + gemma_norm(linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"), mm), lp["post_norm"], eps)
+    o = o.reshape(T, cfg.q_size)
+    o = lora_apply.add(linear(o, lp["o"], lp.get("o_bias"), mm), lora, "o", o, index)
+    x = x + gemma_norm(o, lp["post_norm"], eps)
     h = gemma_norm(x, lp["pre_ffn_norm"], eps)
     if "gate_up" in lp:
-        gate, up = jnp.split(linear(h, lp["gate_up"], backend=mm), 2, axis=-1)   # [T, F] each
+        gate_up = lora_apply.add_fused(linear(h, lp["gate_up"], backend=mm), lora, ("gate", "up"), h, index)
+        gate, up = jnp.split(gate_up, 2, axis=-1)                       # [T, F] each
     else:
-        gate, up = linear(h, lp["gate"], backend=mm), linear(h, lp["up"], backend=mm)
-    y = linear(jax.nn.gelu(gate, approximate=True) * up, lp["down"], backend=mm)
+        gate = lora_apply.add(linear(h, lp["gate"], backend=mm), lora, "gate", h, index)
+        up = lora_apply.add(linear(h, lp["up"], backend=mm), lora, "up", h, index)
+    a = jax.nn.gelu(gate, approximate=True) * up
+    y = lora_apply.add(linear(a, lp["down"], backend=mm), lora, "down", a, index)
     return x + gemma_norm(y, lp["post_ffn_norm"], eps), kv
 
 
 def forward(cfg: ArchConfig, params: dict, kv: KVCache, input_ids: jax.Array, md: AttentionMetadata,
-            kernels: Kernels = Kernels()) -> tuple[jax.Array, KVCache]:
-    """input_ids [T] -> final hidden states [T, D] and the updated cache."""
+            kernels: Kernels = Kernels(), lora: LoRAStep | None = None) -> tuple[jax.Array, KVCache]:
+    """input_ids [T] -> final hidden states [T, D] and the updated cache.
+    ``lora``: the step's LoRA adapters and each token's slot (None: the base model only)."""
     native = kernels.matmul == "native"
     x = embed(params["embed"], input_ids, panels=native and cfg.tie_word_embeddings)   # [T, D]
     if native:
@@ -96,7 +106,7 @@ def forward(cfg: ArchConfig, params: dict, kv: KVCache, input_ids: jax.Array, md
     if isinstance(layers, (list, tuple)):
         ks, vs = list(kv[0]), list(kv[1])
         for i, lp in enumerate(layers):
-            x, (ks[i], vs[i]) = _layer(cfg, i, x, lp, (ks[i], vs[i]), None, md, rope, kernels)
+            x, (ks[i], vs[i]) = _layer(cfg, i, x, lp, (ks[i], vs[i]), None, md, rope, kernels, lora, i)
         kv = (ks, vs)
     else:
         if not cfg.uniform_layers:
@@ -105,7 +115,7 @@ def forward(cfg: ArchConfig, params: dict, kv: KVCache, input_ids: jax.Array, md
         def body(carry, xs):
             x, kv = carry
             lp, li = xs
-            x, kv = _layer(cfg, 0, x, lp, kv, li, md, rope, kernels)
+            x, kv = _layer(cfg, 0, x, lp, kv, li, md, rope, kernels, lora, li)
             return (x, kv), None
         (x, kv), _ = jax.lax.scan(body, (x, kv), (layers, jnp.arange(cfg.num_layers, dtype=jnp.int32)))
     return gemma_norm(x, params["final_norm"], cfg.rms_norm_eps), kv
