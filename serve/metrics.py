@@ -128,7 +128,8 @@ class Metrics:
             m.waiting.set(s.num_waiting)
             m.kv_usage.set(s.kv_cache_usage)
             m.preemptions.set(s.num_preemptions)
-            self._router_info.update(engine, s.block_size, s.num_blocks)
+            self._router_info.update(engine, s.block_size, s.num_blocks, s.max_loras, s.running_loras,
+                                     s.waiting_loras)
             # The engine keeps running totals; the counters advance by what is new.
             if s.prefix_cache_queries > m.seen_queries:
                 m.prefix_cache_queries.inc(s.prefix_cache_queries - m.seen_queries)

@@ -52,16 +52,20 @@ class RouterInfo:
         with empty adapter lists, so a scraper that expects it finds it)."""
         self._lora = Gauge(f"{prefix}:lora_requests_info", "Running stats on LoRA requests (value: when set).",
                            list(LORA_LABELS), registry=registry)
-        self._lora_now = self._lora.labels(str(max_lora), "", "")
-        self._lora_now.set(time.time())
+        self._lora_labels = (str(max_lora), "", "")
+        self._lora.labels(*self._lora_labels).set(time.time())
+        self._adapters: dict[int, tuple[int, tuple[str, ...], tuple[str, ...]]] = {}
+        """engine -> (its slots, running adapters, waiting adapters): the series is the replicas' union."""
         self._cache = Gauge(f"{prefix}:cache_config_info", "The KV cache's geometry (value 1; read the labels).",
                             list(CACHE_LABELS), registry=registry)
         self._cache_labels: dict[int, tuple[str, str, str]] = {}
 
-    def update(self, engine: int, block_size: int, num_blocks: int) -> None:
-        """Engine ``engine``'s latest snapshot (called under the metrics' lock)."""
-        # vLLM sets the LoRA series to the current time on every iteration.
-        self._lora_now.set(time.time())
+    def update(self, engine: int, block_size: int, num_blocks: int, max_lora: int = 0,
+               running: tuple[str, ...] = (), waiting: tuple[str, ...] = ()) -> None:
+        """Engine ``engine``'s latest snapshot (called under the metrics' lock); ``max_lora``,
+        ``running``, ``waiting``: its adapter slots and the adapters of its running and waiting
+        requests, by name."""
+        self._update_lora(engine, max_lora, running, waiting)
         if block_size <= 0:
             return  # a snapshot that does not know its block size (a stand-in engine)
         labels = (str(block_size), str(num_blocks), str(engine))
@@ -72,6 +76,20 @@ class RouterInfo:
             self._cache.remove(*old)
         self._cache.labels(*labels).set(1)
         self._cache_labels[engine] = labels
+
+    def _update_lora(self, engine: int, max_lora: int, running: tuple[str, ...], waiting: tuple[str, ...]) -> None:
+        # One series, its labels the union over the replicas; vLLM sets it to the current time
+        # on every iteration.  A changed label set replaces the old series (vLLM keeps every
+        # set it has seen; the routers read the newest one), so the page does not grow.
+        self._adapters[engine] = (max_lora, running, waiting)
+        slots = max(a[0] for a in self._adapters.values())
+        run = dict.fromkeys(n for a in self._adapters.values() for n in a[1])
+        wait = dict.fromkeys(n for a in self._adapters.values() for n in a[2])
+        labels = (str(slots), ",".join(wait), ",".join(run))   # LORA_LABELS' order
+        if labels != self._lora_labels:
+            self._lora.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self._lora.labels(*labels).set(time.time())
 
 
 class _Renamed:

@@ -194,7 +194,10 @@ class DataParallelEngine:
             num_free_blocks=sum(s.num_free_blocks for s in ss), num_blocks=sum(s.num_blocks for s in ss),
             num_preemptions=sum(s.num_preemptions for s in ss),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in ss),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in ss))
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in ss),
+            max_loras=max(s.max_loras for s in ss),   # each replica has its own slots
+            running_loras=tuple(dict.fromkeys(n for s in ss for n in s.running_loras)),
+            waiting_loras=tuple(dict.fromkeys(n for s in ss for n in s.waiting_loras)))
 
     def check_health(self) -> None:
         """Raises EngineDeadError (naming the replica) when any replica cannot serve."""

@@ -35,6 +35,11 @@ from jaxllm.structured.grammar import GrammarCompiler
 log = logging.getLogger("jaxllm.engine")
 
 
+def _adapter_names(requests) -> tuple[str, ...]:
+    """The adapters of ``requests`` by name, each once, in order of first appearance."""
+    return tuple(dict.fromkeys(r.lora_request.lora_name for r in requests if r.lora_request is not None))
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the scheduler and the KV pool, for metrics."""
@@ -62,6 +67,12 @@ class EngineStats:
     hits excluded; a preempted request's recomputed prompt counted again)."""
     block_size: int = 0
     """Tokens per KV block (0: not known, e.g. a sum over replicas)."""
+    max_loras: int = 0
+    """LoRA adapter slots (0: the engine runs without LoRA)."""
+    running_loras: tuple[str, ...] = ()
+    """The adapters of the running requests, by name, each once in order of first appearance ..."""
+    waiting_loras: tuple[str, ...] = ()
+    """... and of the waiting ones (vLLM's ``lora_requests_info`` labels)."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -199,7 +210,9 @@ class LLMEngine:
                            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                            spec_num_accepted_tokens=spec.num_accepted_tokens,
                            spec_accepted_per_pos=tuple(spec.accepted_per_pos),
-                           prompt_tokens_computed=sched.num_prompt_tokens_computed, block_size=kv.block_size)
+                           prompt_tokens_computed=sched.num_prompt_tokens_computed, block_size=kv.block_size,
+                           max_loras=sched.lora.max_loras if sched.lora is not None else 0,
+                           running_loras=_adapter_names(sched.running), waiting_loras=_adapter_names(sched.waiting))
 
     def compile_all(self) -> None:
         """Makes every step bucket's programs ready (a server calls it before serving), and the

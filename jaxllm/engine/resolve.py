@@ -255,8 +255,6 @@ def _lora_slots(config: EngineConfig, arch) -> dict:
     if not get_family(arch.architecture).lora:
         raise ValueError(f"--enable-lora: {arch.architecture} does not take LoRA adapters here "
                          f"(the Llama-family decoders do)")
-    if config.parallel.tensor_parallel_size > 1:
-        raise ValueError("--enable-lora with tensor parallelism is not supported yet")
     return {"max_loras": lc.max_loras, "max_lora_rank": lc.max_lora_rank}
 
 

@@ -5,6 +5,11 @@ Per target projection ``A [max_loras, L, in, R]`` and ``B [max_loras, L, R, out]
 One compiled program writes an adapter into a slot (the old arrays donated: updated in
 place), compiled at warm-up with the slot a traced argument, so loading, swapping or
 unloading an adapter never compiles afterwards.
+
+Under tensor parallelism each slot array is laid out like the base weight it adapts
+(parallel/sharding.py ``lora_specs``): ``A`` split like the base's input, ``B`` like its output,
+so a column-parallel projection's delta comes out split as its output is and a row-parallel
+one's partial sums are reduced where the base's are.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.lora.peft import LoRAWeights
 from jaxllm.lora.targets import Target
@@ -22,16 +28,29 @@ def _write(weights: dict, slot: jax.Array, new: dict) -> dict:
     return {n: (A.at[slot].set(new[n][0]), B.at[slot].set(new[n][1])) for n, (A, B) in weights.items()}
 
 
+def _without_slot_axis(sharding):
+    """A slot array's sharding -> that of one slot (its spec without the first axis)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, P(*tuple(sharding.spec)[1:]))
+    return sharding
+
+
 class LoRASlotArrays:
-    def __init__(self, targets: dict[str, Target], num_layers: int, max_loras: int, max_rank: int, sharding):
+    def __init__(self, targets: dict[str, Target], num_layers: int, max_loras: int, max_rank: int, sharding,
+                 shardings: dict | None = None):
+        """``sharding``: the replicated sharding (the slot index; every array without
+        ``shardings``); ``shardings``: param -> (A's, B's) sharding (tensor parallelism)."""
         self.targets, self.L, self.R = targets, num_layers, max_rank
         self.sharding = sharding
+        self.shardings = shardings or {n: (sharding, sharding) for n in targets}
         self.weights = {n: (jax.device_put(jnp.zeros((max_loras, num_layers, t.in_size, max_rank), jnp.float32),
-                                           sharding),
+                                           self.shardings[n][0]),
                             jax.device_put(jnp.zeros((max_loras, num_layers, max_rank, t.out_size), jnp.float32),
-                                           sharding))
+                                           self.shardings[n][1]))
                         for n, t in targets.items()}
-        self._writer = jax.jit(_write, donate_argnums=(0,), out_shardings=sharding)
+        # One adapter's arrays (no slot axis) are sent laid out as a slot of them is.
+        self._one = jax.tree.map(_without_slot_axis, self.shardings)
+        self._writer = jax.jit(_write, donate_argnums=(0,), out_shardings=self.shardings)
 
     def _padded(self, w: LoRAWeights | None) -> dict:
         """param -> (A [L, in, R], B [L, R, out]) numpy: the adapter's, zero-padded; zeros where it has none."""
@@ -48,7 +67,7 @@ class LoRASlotArrays:
 
     def write(self, slot: int, w: LoRAWeights | None) -> None:
         """Puts adapter ``w`` (None: zeros) into ``slot``."""
-        new = jax.device_put(self._padded(w), self.sharding)
+        new = jax.device_put(self._padded(w), self._one)
         self.weights = self._writer(self.weights, jax.device_put(np.int32(slot), self.sharding), new)
 
     def compile(self) -> None:

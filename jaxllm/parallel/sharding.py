@@ -133,6 +133,19 @@ def param_specs(params: dict, rules: dict[str, str | None], axes: Mapping[str, t
     return out
 
 
+def lora_specs(targets, axes: Mapping[str, tuple[str, ...]], rules: dict[str, str | None]) -> dict:
+    """param -> (spec of A ``[max_loras, L, in, R]``, spec of B ``[max_loras, L, R, out]``): A split
+    like the base weight's input, B like its output (``axes``: the model's parameter table, a
+    matrix's ``(out, in)``).  A column-parallel projection (q/k/v, gate/up) gets A whole and B
+    split by output, a row-parallel one (o, down) A split by input and B whole: its delta is a
+    partial sum XLA reduces with the base's."""
+    out = {}
+    for name in targets:
+        out_ax, in_ax = axes[name][-2:]
+        out[name] = (P(None, None, rules.get(in_ax), None), P(None, None, None, rules.get(out_ax)))
+    return out
+
+
 def kv_spec(rules: dict[str, str | None], stacked: bool) -> P:
     return spec(((LAYERS,) if stacked else ()) + KV_AXES, rules)
 

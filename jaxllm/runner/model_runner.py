@@ -117,8 +117,9 @@ class ModelRunner:
         if cfg.max_loras:
             if lora_store is None:
                 raise ValueError("a LoRA step (max_loras > 0) needs the adapter store")
+            lora_specs = psh.lora_specs(lora_store.targets, weights.param_table(model).axes(), self.rules)
             self.lora_slots = LoRASlotArrays(lora_store.targets, model.arch.num_layers, cfg.max_loras,
-                                             cfg.max_lora_rank, self._rep)
+                                             cfg.max_lora_rank, self._rep, psh.named(self.mesh, lora_specs))
             self.params["lora"] = self.lora_slots.weights
         self.num_blocks = num_blocks
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)

@@ -84,7 +84,8 @@ class FakeReplica:
         i = self.index
         return EngineStats(num_running=i, num_waiting=2 * i, num_free_blocks=10 + i, num_blocks=20,
                            num_preemptions=i,
-                           prefix_cache_queries=100 * i, prefix_cache_hits=10 * i)
+                           prefix_cache_queries=100 * i, prefix_cache_hits=10 * i, max_loras=2,
+                           running_loras=((), ("a",), ("b",))[i % 3], waiting_loras=("c",) if i == 1 else ())
 
     def send(self, request_id, item):
         self.queues[request_id].put_nowait(item)
@@ -197,6 +198,7 @@ def test_health_stats_and_per_replica_metrics():
     s = dp.stats()
     assert (s.num_running, s.num_waiting, s.num_free_blocks, s.num_blocks, s.num_preemptions) == (3, 6, 33, 60, 3)
     assert (s.prefix_cache_queries, s.prefix_cache_hits) == (300, 30)
+    assert (s.max_loras, s.running_loras, s.waiting_loras) == (2, ("a", "b"), ("c",))   # the union
     assert [x.num_running for x in dp.replica_stats()] == [0, 1, 2]
 
     dp.check_health()
@@ -221,6 +223,9 @@ def test_health_stats_and_per_replica_metrics():
     text = metrics.render().decode()
     assert 'jaxllm:num_requests_running{engine="2",model_name="m"} 2.0' in text
     assert 'jaxllm:prefix_cache_queries_total{engine="1",model_name="m"} 100.0' in text
+    # One LoRA series for the server: the adapters of every replica that recorded (1, then 2).
+    info = [line for line in text.splitlines() if line.startswith("jaxllm:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2",running_lora_adapters="a,b",waiting_lora_adapters="c"' in info[0], info
     dp.stats_sink = None
     assert all(r.stats_sink is None for r in reps)
 

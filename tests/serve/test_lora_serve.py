@@ -1,6 +1,7 @@
 """LoRA on the server (serve/lora.py), vLLM's surface: the official openai client selects an
 adapter with ``model`` and gets the offline ``LLM``'s tokens for that ``LoRARequest``;
-``/v1/models`` lists the adapters; runtime load / use / unload without compiling; bad
+``/v1/models`` lists the adapters; runtime load / use / unload without compiling;
+``jaxllm:lora_requests_info`` names the adapter of a running request; bad
 adapters refused by name (400, ``lora_path``) while another request completes; the flags'
 errors.
 
@@ -11,6 +12,7 @@ settings, so its programs come from the run's compile cache."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -19,6 +21,7 @@ import pytest
 pytest.register_assert_rewrite("support.serve_helpers")
 
 from support.engines import ONE_SHOT_ENGINE  # noqa: E402
+from support.gie_metrics import families  # noqa: E402
 from support.lora_adapters import build_set, edit_config  # noqa: E402
 from support.serve_helpers import ServerThread, assert_error_shape, make_engine  # noqa: E402
 
@@ -143,6 +146,30 @@ def test_runtime_load_use_unload(client, http, paths, offline):
     assert "c8" not in {m.id for m in client.models.list().data}
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "c8"})
     assert_error_shape(r.json(), 400, "lora_path")
+
+
+def lora_info(http) -> list:
+    """The samples of ``jaxllm:lora_requests_info`` on ``/metrics``."""
+    return families(http.get("/metrics").text)["jaxllm:lora_requests_info"].samples
+
+
+def test_lora_requests_info_names_the_running_adapter(client, http):
+    t0 = time.time()
+    stream = client.completions.create(model="b8", prompt=PROMPT, max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    try:
+        next(iter(stream))                     # the first token is out: the request runs
+        during = lora_info(http)
+    finally:
+        stream.close()                         # aborts it
+    assert [s.labels for s in during] == [{"max_lora": "2", "running_lora_adapters": "b8",
+                                           "waiting_lora_adapters": ""}]
+    assert t0 <= during[0].value <= time.time()   # vLLM's value: when it was set
+    deadline = time.time() + 30
+    while (after := lora_info(http))[0].labels["running_lora_adapters"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert [s.labels for s in after] == [{"max_lora": "2", "running_lora_adapters": "",
+                                          "waiting_lora_adapters": ""}]
 
 
 def test_bad_adapters_refused_by_name_while_a_request_completes(client, http, paths, offline, tmp_path):
