@@ -8,8 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import peft
 import pytest
 import torch
+import transformers
 
 from support.engines import ONE_SHOT_ENGINE
 from support.lora_adapters import hf_greedy
@@ -54,9 +56,6 @@ def test_optax_steps_lower_the_loss(trained):
 
 
 def test_saved_adapter_loads_in_peft_with_the_same_logits(trained, tiny_llama):
-    import peft
-    import transformers
-
     params, forward, lora, _, path = trained
     cfg = read_config(path)
     assert (cfg["peft_type"], cfg["task_type"], cfg["r"], cfg["lora_alpha"]) == ("LORA", "CAUSAL_LM", 8, 16)
