@@ -25,23 +25,24 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 
+import jax
 import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)          # python bench/lora.py from anywhere
 
-from bench.harness import LLMTimer, measure  # noqa: E402
+from bench.harness import LLMTimer, measure, token_prompts  # noqa: E402
+from jaxllm import LoRARequest, SamplingParams  # noqa: E402
+from jaxllm.lora.train import init_lora, save_peft  # noqa: E402
 
 RANKS = (8, 16)
 
 
 def random_adapters(arch, n: int, folder: str) -> list[str]:
     """``n`` adapters on every projection with non-zero A and B, saved as peft saves them."""
-    import jax
-
-    from jaxllm.lora.train import init_lora, save_peft
     paths = []
     for i in range(n):
         r = RANKS[i % len(RANKS)]
@@ -64,14 +65,10 @@ class Arm:
         return [self.loras[i % len(self.loras)] for i in range(len(prompts))] if self.loras else None
 
     def warm(self, prompts):
-        from bench.harness import token_prompts
         self.timer.llm.generate(token_prompts(prompts), self.timer.warm_params, use_tqdm=False,
                                 lora_request=self._requests(prompts))
 
     def time(self, prompts, n=None):
-        import time
-
-        from bench.harness import token_prompts
         n = n or self.timer.output_len
         t0 = time.perf_counter()
         outs = self.timer.llm.generate(token_prompts(prompts), self.timer._params(n), use_tqdm=False,
@@ -95,7 +92,6 @@ def main(argv=None):
     counts = [int(k) for k in args.adapters.split(",")]
     if not batches or min(batches) < 1 or not counts or min(counts) < 1:
         raise ValueError("--batch-sizes and --adapters must be positive integers")
-    from jaxllm import LoRARequest, SamplingParams
 
     # Prefix caching off: every repeat sends the same prompts.
     kw = dict(dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
