@@ -35,6 +35,8 @@ from jaxllm.layers.linear import linear, matmul
 from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin
+from jaxllm.lora import apply as lora_apply
+from jaxllm.lora.apply import LoRAStep
 from jaxllm.models.config import ArchConfig
 from jaxllm.models.llama.variants import FAMILY_B
 from jaxllm.models.loader import gguf_file, load_model
@@ -64,31 +66,37 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     return o.reshape(B, L, Hq, Dh).astype(q.dtype)
 
 
-def _layer(cfg: ArchConfig, x, lp, cos, sin, B: int, L: int):
-    # x [B*L, D]; cos, sin [B*L, Dh/2]
+def _layer(cfg: ArchConfig, x, lp, cos, sin, B: int, L: int, lora: LoRAStep | None = None, index: int = 0):
+    # x [B*L, D]; cos, sin [B*L, Dh/2]; lora: adapters added to the projections of layer
+    # ``index`` by the engine's own lora/apply.py (None: the base model)
     T = x.shape[0]
     h = rms_norm(x, lp["input_norm"], cfg.rms_norm_eps)
-    q = linear(h, lp["q"], lp.get("q_bias")).reshape(T, cfg.num_heads, cfg.head_dim)
-    k = linear(h, lp["k"], lp.get("k_bias")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(h, lp["v"], lp.get("v_bias")).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    q = lora_apply.add(linear(h, lp["q"], lp.get("q_bias")), lora, "q", h, index).reshape(T, cfg.num_heads, cfg.head_dim)
+    k = lora_apply.add(linear(h, lp["k"], lp.get("k_bias")), lora, "k", h, index).reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = lora_apply.add(linear(h, lp["v"], lp.get("v_bias")), lora, "v", h, index).reshape(T, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o = dense_attention(q.reshape(B, L, *q.shape[1:]), k.reshape(B, L, *k.shape[1:]), v.reshape(B, L, *v.shape[1:]),
                         scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
-    x = x + linear(o.reshape(T, cfg.q_size), lp["o"], lp.get("o_bias"))
+    o = o.reshape(T, cfg.q_size)
+    x = x + lora_apply.add(linear(o, lp["o"], lp.get("o_bias")), lora, "o", o, index)
     h = rms_norm(x, lp["post_norm"], cfg.rms_norm_eps)
     if cfg.is_moe:
         # Qwen3-MoE, Mixtral.  The dense expert path (the same function) stays differentiable:
         # the engine's grouped one loops with data-dependent trip counts, which jax.grad refuses.
         return x + moe_mlp(h, lp["router"], lp["experts_gate"], lp["experts_up"], lp["experts_down"],
                            cfg.num_experts_per_tok, cfg.norm_topk_prob, impl="dense")
-    return x + linear(jax.nn.silu(linear(h, lp["gate"])) * linear(h, lp["up"]), lp["down"])
+    gate = lora_apply.add(linear(h, lp["gate"]), lora, "gate", h, index)
+    up = lora_apply.add(linear(h, lp["up"]), lora, "up", h, index)
+    a = jax.nn.silu(gate) * up
+    return x + lora_apply.add(linear(a, lp["down"]), lora, "down", a, index)
 
 
-def hidden_states(cfg: ArchConfig, params: dict, tokens: jax.Array) -> jax.Array:
-    """tokens [B, L] int -> final (normed) hidden states [B, L, D]."""
+def hidden_states(cfg: ArchConfig, params: dict, tokens: jax.Array, lora: LoRAStep | None = None) -> jax.Array:
+    """tokens [B, L] int -> final (normed) hidden states [B, L, D].  ``lora``: a
+    :class:`LoRAStep` whose ``slots`` are ``[B*L]`` (the tokens row-major), or None."""
     B, L = tokens.shape
     x = params["embed"][tokens.reshape(-1)]                                      # [B*L, D]
     if x.dtype == storage.PACKED_BF16:
@@ -98,26 +106,27 @@ def hidden_states(cfg: ArchConfig, params: dict, tokens: jax.Array) -> jax.Array
     layers = params["layers"]
     if isinstance(layers, dict):  # stacked over layers (the engine's scanned layout)
         layers = [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.num_layers)]
-    for lp in layers:
-        x = _layer(cfg, x, lp, cos, sin, B, L)
+    for i, lp in enumerate(layers):
+        x = _layer(cfg, x, lp, cos, sin, B, L, lora, i)
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps).reshape(B, L, -1)
 
 
-def logits(cfg: ArchConfig, params: dict, tokens: jax.Array) -> jax.Array:
+def logits(cfg: ArchConfig, params: dict, tokens: jax.Array, lora: LoRAStep | None = None) -> jax.Array:
     """tokens [B, L] int -> float32 logits [B, L, V] (not jitted; see :func:`make_forward`)."""
-    h = hidden_states(cfg, params, tokens)
+    h = hidden_states(cfg, params, tokens, lora)
     w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     B, L, D = h.shape
     return matmul(h.reshape(B * L, D), w).reshape(B, L, -1)
 
 
 def make_forward(cfg: ArchConfig):
-    """``jax.jit``-ed ``forward(params, tokens [B, L]) -> logits [B, L, V]`` for one architecture."""
+    """``jax.jit``-ed ``forward(params, tokens [B, L], lora=None) -> logits [B, L, V]`` for one
+    architecture; ``lora`` a :class:`~jaxllm.lora.apply.LoRAStep` (jaxllm/lora/train.py builds one)."""
     if cfg.architecture in FAMILY_B:
         raise ModelLoadError(f"jaxllm.functional does not implement {cfg.architecture} (its norms, rotary and "
                              "multipliers differ from Llama's); serve it with jaxllm.LLM")
-    def forward(params, tokens):
-        return logits(cfg, params, jnp.asarray(tokens, jnp.int32))
+    def forward(params, tokens, lora=None):
+        return logits(cfg, params, jnp.asarray(tokens, jnp.int32), lora)
 
     fwd = jax.jit(forward)
     fwd.arch = cfg

@@ -1,0 +1,122 @@
+"""LoRA throughput of the built-in model: output tokens/s with 0, 1 and N distinct adapters.
+
+    python bench/lora.py [--batch-sizes 1,32] [--adapters 1,8] [--output-len 32] [--repeats 5]
+
+Two engines on the built-in model: the base (``enable_lora=False``) and one with
+``enable_lora=True, max_loras=max(--adapters), max_lora_rank=16``.  The adapters are random
+(``jaxllm/lora/train.py``'s ``init_lora``, B made non-zero), on every projection, ranks 8 and
+16 alternating, saved as peft saves them.  Arms, each a whole greedy ``generate`` of exactly
+``--output-len`` tokens per prompt (bench/harness.py's ``measure``: they take turns call by
+call, so a drift of the shared machine moves every arm alike):
+
+* ``base``: the engine without LoRA;
+* ``lora engine, 0 adapters``: the LoRA engine, no request names an adapter (the cost of the
+  LoRA path alone: every step still computes the slots' deltas, zeroed by the slot mask);
+* ``K adapters``: request ``i`` runs adapter ``i % K``.
+
+Printed: the median output tokens/s of each arm and its ratio to ``base``, with the load
+average when the batch size finished (the machine may be shared).  The issue's targets:
+8 adapters at batch 32 >= 0.8x base, 1 adapter at batch 1 >= 0.85x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)          # python bench/lora.py from anywhere
+
+from bench.harness import LLMTimer, measure, token_prompts  # noqa: E402
+from jaxllm import LoRARequest, SamplingParams  # noqa: E402
+from jaxllm.lora.train import init_lora, save_peft  # noqa: E402
+
+RANKS = (8, 16)
+
+
+def random_adapters(arch, n: int, folder: str) -> list[str]:
+    """``n`` adapters on every projection with non-zero A and B, saved as peft saves them."""
+    paths = []
+    for i in range(n):
+        r = RANKS[i % len(RANKS)]
+        lora = init_lora(arch, rank=r, alpha=2 * r, key=jax.random.key(i))
+        rng = np.random.default_rng(i)
+        weights = {p: {"A": ab["A"], "B": rng.normal(0, 0.02, ab["B"].shape).astype(np.float32)}
+                   for p, ab in lora.weights.items()}
+        paths.append(save_peft(type(lora)(weights, lora.rank, lora.alpha, lora.modules),
+                               os.path.join(folder, f"adapter{i}"), "built-in"))
+    return paths
+
+
+class Arm:
+    """One arm: an engine and the adapter each prompt runs with (``None``: the base)."""
+
+    def __init__(self, timer: LLMTimer, loras: list):
+        self.timer, self.loras = timer, loras
+
+    def _requests(self, prompts):
+        return [self.loras[i % len(self.loras)] for i in range(len(prompts))] if self.loras else None
+
+    def warm(self, prompts):
+        self.timer.llm.generate(token_prompts(prompts), self.timer.warm_params, use_tqdm=False,
+                                lora_request=self._requests(prompts))
+
+    def time(self, prompts, n=None):
+        n = n or self.timer.output_len
+        t0 = time.perf_counter()
+        outs = self.timer.llm.generate(token_prompts(prompts), self.timer._params(n), use_tqdm=False,
+                                       lora_request=self._requests(prompts))
+        t = time.perf_counter() - t0
+        if sorted({len(o.outputs[0].token_ids) for o in outs}) != [n]:
+            raise RuntimeError(f"did not produce exactly {n} tokens per prompt")
+        return t
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", default="1,32")
+    ap.add_argument("--adapters", default="1,8", help="numbers of distinct adapters, comma separated")
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    counts = [int(k) for k in args.adapters.split(",")]
+    if not batches or min(batches) < 1 or not counts or min(counts) < 1:
+        raise ValueError("--batch-sizes and --adapters must be positive integers")
+
+    # Prefix caching off: every repeat sends the same prompts.
+    kw = dict(dtype=args.dtype, max_num_seqs=max(batches), max_num_batched_tokens=max(512, max(batches)),
+              max_model_len=512, show_progress=False, enable_prefix_caching=False, precompile="all")
+    warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    base = LLMTimer(args.output_len, warm_params=warm, **kw)
+    lora = LLMTimer(args.output_len, warm_params=warm, enable_lora=True, max_loras=max(counts),
+                    max_lora_rank=max(RANKS), **kw)
+    folder = tempfile.mkdtemp(prefix="jaxllm_lora_bench_")
+    paths = random_adapters(base.arch, max(counts), folder)
+    requests = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
+    arms = {"base": Arm(base, []), "lora engine, 0 adapters": Arm(lora, [])}
+    arms.update({f"{k} adapter{'s' * (k > 1)}": Arm(lora, requests[:k]) for k in counts})
+    rng = np.random.default_rng(0)
+    prompts = {b: rng.integers(3, 20000, size=(b, args.input_len)).tolist() for b in batches}
+    print(f"built-in model, {args.dtype}, input {args.input_len}, output {args.output_len} tokens, "
+          f"median of {args.repeats}; adapters: ranks {'/'.join(map(str, RANKS))} on every projection")
+    print(f"{'batch':>5}  {'arm':<26} {'tok/s':>8}  {'x base':>6}  load avg")
+    for b in batches:
+        rates = measure(arms, {b: prompts[b]}, args.repeats, args.output_len)
+        load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        for name in arms:
+            r = rates[name][b]
+            print(f"{b:>5}  {name:<26} {r:>8.1f}  {r / rates['base'][b]:>6.2f}  {load}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
