@@ -148,17 +148,19 @@ class PoolingEngine:
         embedder's embedding."""
         return class_probs(row) if self.cross_encoder else self.finish_embedding(row, dimensions)
 
-    def _prompt_list(self, prompts) -> list:
+    def _run(self, prompts, truncate_prompt_tokens: int | None) -> tuple[list[list[int]], list[np.ndarray]]:
+        """One prompt or a list (texts or token-id lists) -> (checked token ids, one step row per
+        prompt); every prompt is checked before any runs."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], (int, np.integer))):
-            return [prompts]
-        return list(prompts)
+            prompts = [prompts]
+        ids = [self.tokenize(p, truncate_prompt_tokens, index=i) for i, p in enumerate(prompts)]
+        return ids, self.embed_ids(ids)
 
     def classify(self, prompts, truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
         """vLLM's ``LLM.classify``: texts or token-id lists -> the classifier's probabilities."""
         self.check_classifier()
-        ids = [self.tokenize(p, truncate_prompt_tokens, index=i) for i, p in enumerate(self._prompt_list(prompts))]
-        rows = self.embed_ids(ids)
+        ids, rows = self._run(prompts, truncate_prompt_tokens)
         return [ClassificationRequestOutput(request_id=str(i), outputs=ClassificationOutput(class_probs(r).tolist()),
                                             prompt_token_ids=p) for i, (p, r) in enumerate(zip(ids, rows))]
 
@@ -166,8 +168,7 @@ class PoolingEngine:
                pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: texts or token-id lists -> the pooler's output (``pooled_data``)."""
         dims = self.output_dimensions((pooling_params or PoolingParams()).dimensions)
-        ids = [self.tokenize(p, truncate_prompt_tokens, index=i) for i, p in enumerate(self._prompt_list(prompts))]
-        rows = self.embed_ids(ids)
+        ids, rows = self._run(prompts, truncate_prompt_tokens)
         return [PoolingRequestOutput(request_id=str(i), outputs=PoolingOutput(self.pooled_data(r, dims).tolist()),
                                      prompt_token_ids=p) for i, (p, r) in enumerate(zip(ids, rows))]
 
@@ -290,9 +291,7 @@ class PoolingEngine:
         before any runs; ``pooling_params.dimensions``: a Matryoshka model's output size."""
         self.check_embedder()
         dims = self.output_dimensions((pooling_params or PoolingParams()).dimensions)
-        prompts = self._prompt_list(prompts)
-        ids = [self.tokenize(p, truncate_prompt_tokens, index=i) for i, p in enumerate(prompts)]
-        vecs = self.embed_ids(ids)
+        ids, vecs = self._run(prompts, truncate_prompt_tokens)
         return [EmbeddingRequestOutput(request_id=str(i), prompt_token_ids=p,
                                        outputs=EmbeddingOutput(self.finish_embedding(v, dims).tolist()))
                 for i, (p, v) in enumerate(zip(ids, vecs))]
