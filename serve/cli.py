@@ -96,13 +96,18 @@ def register(subparsers) -> None:
     s.set_defaults(func=cmd_serve)
 
 
+def _json_flag(value: str | None, flag: str):
+    """A JSON-valued flag's value parsed (None when not given); bad JSON a ValueError naming ``flag``."""
+    if not value:
+        return None
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"{flag} is not valid JSON ({e})") from None
+
+
 def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
-    override = {}
-    if args.override_generation_config:
-        try:
-            override = json.loads(args.override_generation_config)
-        except ValueError as e:
-            raise ValueError(f"--override-generation-config is not valid JSON ({e})") from None
+    override = _json_flag(args.override_generation_config, "--override-generation-config") or {}
     api_key = args.api_key if args.api_key is not None else (os.environ.get("JAXLLM_API_KEY") or None)
     interval = os.environ.get("JAXLLM_LOG_STATS_INTERVAL") or "10"
     try:
@@ -128,18 +133,8 @@ def pooling_config_from_args(args: argparse.Namespace):
     from jaxllm.pooling.config import PoolingEngineConfig
     from jaxllm.pooling.engine import uses_pooling_runner
 
-    pooler = None
-    if args.pooler_config:
-        try:
-            pooler = json.loads(args.pooler_config)
-        except ValueError as e:
-            raise ValueError(f"--pooler-config is not valid JSON ({e})") from None
-    overrides = None
-    if args.hf_overrides:
-        try:
-            overrides = json.loads(args.hf_overrides)
-        except ValueError as e:
-            raise ValueError(f"--hf-overrides is not valid JSON ({e})") from None
+    pooler = _json_flag(args.pooler_config, "--pooler-config")
+    overrides = _json_flag(args.hf_overrides, "--hf-overrides")
     model = args.model_pos or args.model
     if not uses_pooling_runner(model, args.runner, pooler, args.convert, overrides):
         return None
