@@ -211,8 +211,15 @@ class LLMEngine:
                            spec_num_accepted_tokens=spec.num_accepted_tokens,
                            spec_accepted_per_pos=tuple(spec.accepted_per_pos),
                            prompt_tokens_computed=sched.num_prompt_tokens_computed, block_size=kv.block_size,
-                           max_loras=sched.lora.max_loras if sched.lora is not None else 0,
-                           running_loras=_adapter_names(sched.running), waiting_loras=_adapter_names(sched.waiting))
+                           **self._lora_stats(sched))
+
+    @staticmethod
+    def _lora_stats(sched) -> dict:
+        """The LoRA fields of ``EngineStats`` (none without LoRA: no walk over the queues per step)."""
+        if sched.lora is None:
+            return {}
+        return {"max_loras": sched.lora.max_loras, "running_loras": _adapter_names(sched.running),
+                "waiting_loras": _adapter_names(sched.waiting)}
 
     def compile_all(self) -> None:
         """Makes every step bucket's programs ready (a server calls it before serving), and the
