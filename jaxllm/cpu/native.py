@@ -22,6 +22,7 @@ all five side by side (not two groups one after the other); ``available()`` and
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -100,25 +101,33 @@ def _build(source: str, flags: list[str] = _FLAGS) -> str:
     key = hashlib.sha1(src + " ".join(flags + [version, include]).encode()).hexdigest()[:16]
     out_dir = os.path.join(default_cache_dir(), "kernels")
     lib = os.path.join(out_dir, f"libjaxllm_{os.path.splitext(source)[0]}_{key}.so")
-    if os.path.isfile(lib):
+    if os.path.isfile(lib) and cache_files.seal_problem(lib) is None:
         # Checked before dlopen: a truncated or overwritten library could crash the process there.
-        problem = cache_files.seal_problem(lib)
-        if problem is None:
-            log.info("native CPU kernel %s: reusing %s", source, lib)
-            return lib
-        cache_files.report_rebuild(lib, problem, "compiling it again")
-    log.info("native CPU kernel %s: compiling with %s (once; cached under %s)", source, os.path.basename(cxx),
-             out_dir)
-    t0 = time.perf_counter()
+        log.info("native CPU kernel %s: reusing %s", source, lib)
+        return lib
     os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    r = subprocess.run([cxx, *flags, f"-I{include}", src_path, "-o", tmp], capture_output=True, text=True)
-    if r.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"compiling {src_path} failed: {r.stderr.strip()[-2000:]}")
-    os.replace(tmp, lib)
-    cache_files.seal(lib)   # after the rename: a library without its seal is never trusted
+    # Another process may be compiling this library now (the second test worker, a second
+    # server started on a fresh install): wait for its g++ and take its library rather than
+    # run the same compile beside it.  The lock goes with the file's closing, or its process.
+    with open(lib + ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if os.path.isfile(lib):
+            problem = cache_files.seal_problem(lib)
+            if problem is None:
+                log.info("native CPU kernel %s: reusing %s", source, lib)
+                return lib
+            cache_files.report_rebuild(lib, problem, "compiling it again")
+        log.info("native CPU kernel %s: compiling with %s (once; cached under %s)", source, os.path.basename(cxx),
+                 out_dir)
+        t0 = time.perf_counter()
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        r = subprocess.run([cxx, *flags, f"-I{include}", src_path, "-o", tmp], capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"compiling {src_path} failed: {r.stderr.strip()[-2000:]}")
+        os.replace(tmp, lib)
+        cache_files.seal(lib)   # after the rename: a library without its seal is never trusted
     log.info("native CPU kernel %s: compiled in %.1f s", source, time.perf_counter() - t0)
     return lib
 
