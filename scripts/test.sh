@@ -4,6 +4,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh test
 . .venv/bin/activate
+# setup.sh built the native CPU kernels into the user's cache; the suite's own cache
+# (tests/conftest.py: .jaxllm_cache/tests) starts with those libraries (keyed by source, flags
+# and compiler, sealed; a damaged one is rebuilt) instead of compiling them again: ~45 CPU-s of g++.
+if [ -z "${JAXLLM_CACHE_DIR:-}" ]; then
+  mkdir -p .jaxllm_cache/tests/kernels
+  cp -n "${XDG_CACHE_HOME:-$HOME/.cache}"/jaxllm/kernels/libjaxllm_*.so* .jaxllm_cache/tests/kernels/ 2>/dev/null || true
+fi
 # Two workers, whole files per worker (module fixtures such as a shared engine stay in one
 # process): most tests wait on single-threaded XLA compiles, so two cores run two at once.
 # JAXLLM_TEST_WORKERS=0 runs in one process.  The 20 slowest items are listed at the end: the
