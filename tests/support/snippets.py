@@ -35,8 +35,11 @@ _ANNOTATION = re.compile(r"^<!--\s*snippet:\s*(\S+)(.*?)-->\s*$")
 _ATTR = re.compile(r'(\w+)=(?:"((?:[^"\\]|\\.)*)"|(\S+))')
 
 
-SERVER_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--max-model-len", "512"]
-"""What a docs server adds to a block's ``jaxllm serve`` (smaller step buckets: fewer programs to compile)."""
+SERVER_FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "512"]
+"""What a docs server adds to a block's ``jaxllm serve`` (smaller step buckets: fewer programs to
+compile).  They are the buckets of tests/serve/test_serve_tools.py's engine on the same scripted
+checkpoint (tests/support/tool_models.py), so tests/docs/test_tool_example.py's server loads its
+programs from the run's compile cache when that file ran first (and the other way round)."""
 
 BUILTIN_SERVER_FLAGS = ["--max-num-seqs", "16", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
 """What the docs' shared server on the built-in model adds to ``jaxllm serve``: the engine
