@@ -70,3 +70,33 @@ class ByteServer:
     def __exit__(self, *exc):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class ImageEngine:
+    """``engine`` (a text model's) saying ``supports_images``: the server's image path runs up to
+    the engine call, where the input processor records each prompt (``multi_modal_data`` and
+    all) and hands the real one the prompt without it.  Stands in for a vision-language engine
+    until the model side of issue 41 lands; everything else is ``engine``'s."""
+
+    supports_images = True
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.prompts: list[dict] = []
+        self.input_processor = _RecordingProcessor(engine.input_processor, self.prompts)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+class _RecordingProcessor:
+    def __init__(self, inner, prompts: list):
+        self._inner, self._prompts = inner, prompts
+
+    def process_inputs(self, request_id, prompt, params, **kw):
+        self._prompts.append(prompt)
+        text_only = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+        return self._inner.process_inputs(request_id, text_only, params, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
