@@ -445,10 +445,6 @@ class ServingConfig:
         path = self.allowed_local_media_path
         if path is not None and not os.path.isdir(path):
             raise ValueError(f"--allowed-local-media-path: {path!r} is not an existing directory")
-
-    def mm_limit(self, modality: str) -> int:
-        """How many items of ``modality`` one prompt may carry."""
-        return self.limit_mm_per_prompt.get(modality, DEFAULT_MM_LIMIT)
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"--host must be an address, got {self.host!r}")
         if isinstance(self.log_stats_interval, bool) or not isinstance(self.log_stats_interval, (int, float)) \
@@ -494,3 +490,7 @@ class ServingConfig:
                 raise ValueError("--profiler-dir must be a folder path")
             if os.path.exists(self.profiler_dir) and not os.path.isdir(self.profiler_dir):
                 raise ValueError(f"--profiler-dir {self.profiler_dir}: exists and is not a directory")
+
+    def mm_limit(self, modality: str) -> int:
+        """How many items of ``modality`` one prompt may carry."""
+        return self.limit_mm_per_prompt.get(modality, DEFAULT_MM_LIMIT)

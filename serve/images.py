@@ -19,6 +19,7 @@ import asyncio
 
 from PIL import Image
 
+from jaxllm.multimodal.chat_parts import ImageInputError, check_image_count
 from jaxllm.multimodal.media import MediaLimits, load_image
 from serve.protocol import ChatMessage, ImageURL, bad_request
 from serve.state import ServerState
@@ -29,15 +30,11 @@ def image_parts(state: ServerState, messages: list[ChatMessage]) -> list[tuple[s
     model takes no images or there are more than the limit."""
     parts = [(f"messages[{i}].content[{j}].image_url", url)
              for i, m in enumerate(messages) for j, url in m.images()]
-    if not parts:
-        return parts
-    if not state.supports_images:
-        field = parts[0][0]
-        raise bad_request(f"{field}: the model `{state.model_name}` does not take images (it is a text-only "
-                          "model); send text only", field)
-    limit = state.config.mm_limit("image")
-    if len(parts) > limit:
-        raise bad_request(f"At most {limit} image(s) may be provided in one prompt.", parts[limit][0])
+    try:
+        check_image_count([f for f, _ in parts], supports_images=state.supports_images,
+                          limit=state.config.mm_limit("image"), model=state.model_name)
+    except ImageInputError as e:
+        raise bad_request(str(e), e.param) from None
     return parts
 
 
