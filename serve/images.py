@@ -60,6 +60,3 @@ def with_images(prompt: dict, images: list[Image.Image]) -> dict:
     if images:
         prompt = {**prompt, "multi_modal_data": {"image": list(images)}}
     return prompt
-
-
-
