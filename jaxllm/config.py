@@ -350,6 +350,23 @@ GENERATION_CONFIG_KEYS = ("repetition_penalty", "presence_penalty", "frequency_p
 """The generation_config.json keys the server reads as sampling defaults (vLLM's list)."""
 
 
+DEFAULT_MM_LIMIT = 999
+"""vLLM's (V1) default for a modality ``--limit-mm-per-prompt`` leaves out."""
+MM_MODALITIES = ("image", "video", "audio")
+"""vLLM's modality names; only images are served, the others may be set (to 0, say) as in vLLM."""
+
+
+def check_mm_limits(limits) -> None:
+    """``--limit-mm-per-prompt``: a JSON object of modality -> non-negative integer."""
+    if not isinstance(limits, dict):
+        raise ValueError(f"--limit-mm-per-prompt must be a JSON object such as '{{\"image\": 4}}', got {limits!r}")
+    for k, v in limits.items():
+        if k not in MM_MODALITIES:
+            raise ValueError(f"--limit-mm-per-prompt: unknown modality {k!r} (one of {', '.join(MM_MODALITIES)})")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"--limit-mm-per-prompt: {k!r} must be a non-negative integer, got {v!r}")
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """The OpenAI-compatible server (``jaxllm serve``)."""
@@ -414,10 +431,20 @@ class ServingConfig:
     responses_store_max_age_s: float = 30 * 24 * 3600.0
     """The store's age bound in seconds (``--responses-store-max-age``; OpenAI keeps responses 30
     days)."""
+    limit_mm_per_prompt: dict = field(default_factory=dict)
+    """The most items of each modality one prompt may carry (``--limit-mm-per-prompt '{"image": N}'``,
+    vLLM's flag and JSON); a modality left out gets vLLM's default, :data:`DEFAULT_MM_LIMIT`."""
+    allowed_local_media_path: str | None = None
+    """The folder ``file://`` image URLs may read from (``--allowed-local-media-path``, vLLM's
+    flag); None refuses ``file://`` URLs."""
 
     def __post_init__(self):
         if not isinstance(self.port, int) or isinstance(self.port, bool) or not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be an integer in [0, 65535], got {self.port!r}")
+        check_mm_limits(self.limit_mm_per_prompt)
+        path = self.allowed_local_media_path
+        if path is not None and not os.path.isdir(path):
+            raise ValueError(f"--allowed-local-media-path: {path!r} is not an existing directory")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"--host must be an address, got {self.host!r}")
         if isinstance(self.log_stats_interval, bool) or not isinstance(self.log_stats_interval, (int, float)) \
@@ -463,3 +490,7 @@ class ServingConfig:
                 raise ValueError("--profiler-dir must be a folder path")
             if os.path.exists(self.profiler_dir) and not os.path.isdir(self.profiler_dir):
                 raise ValueError(f"--profiler-dir {self.profiler_dir}: exists and is not a directory")
+
+    def mm_limit(self, modality: str) -> int:
+        """How many items of ``modality`` one prompt may carry."""
+        return self.limit_mm_per_prompt.get(modality, DEFAULT_MM_LIMIT)

@@ -13,11 +13,13 @@ import itertools
 from tqdm import tqdm
 
 from jaxllm import console
-from jaxllm.config import EngineConfig
+from jaxllm.config import DEFAULT_MM_LIMIT, EngineConfig, check_mm_limits
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.output_processor import OutputKind
 from jaxllm.engine.render import render_chat_prompt
 from jaxllm.lora.request import LoRARequest
+from jaxllm.multimodal.chat_parts import check_image_count, load, split_images
+from jaxllm.multimodal.media import MediaLimits
 from jaxllm.outputs import RequestOutput
 from jaxllm.pooling.config import PoolingEngineConfig
 from jaxllm.pooling.engine import PoolingEngine, uses_pooling_runner
@@ -45,13 +47,20 @@ class LLM:
     the first time a step needs it; ``precompile="all"`` builds every bucket up front."""
 
     def __init__(self, model: str | None = None, *, runner: str = "auto", pooler_config: dict | None = None,
-                 convert: str = "auto", hf_overrides: dict | None = None, **engine_args):
+                 convert: str = "auto", hf_overrides: dict | None = None, limit_mm_per_prompt: dict | None = None,
+                 allowed_local_media_path: str | None = None, **engine_args):
         """``runner``: "generate", "pooling" (an encoder: :meth:`embed`) or "auto" (pooling for an
         encoder checkpoint); ``pooler_config``: vLLM's ``--pooler-config`` (``pooling_type``,
         ``normalize``, ``dimensions``) over the checkpoint's pooler; ``convert``: "embed" / "classify" run a causal
         decoder as an embedder / classifier ("auto": a ``*ForSequenceClassification`` or a
         sentence-transformers folder converts by itself); ``hf_overrides``: keys merged over the
-        checkpoint's config.json (Qwen3-Reranker's ``classifier_from_token``), pooling runner only."""
+        checkpoint's config.json (Qwen3-Reranker's ``classifier_from_token``), pooling runner only;
+        ``limit_mm_per_prompt`` (``{"image": N}``, default 999) and ``allowed_local_media_path``:
+        vLLM's, for :meth:`chat`'s image parts (jaxllm/multimodal/chat_parts.py)."""
+        # Checked before the (slow) engine start.
+        check_mm_limits(limit_mm_per_prompt or {})
+        self._image_limit = (limit_mm_per_prompt or {}).get("image", DEFAULT_MM_LIMIT)
+        self._media = MediaLimits(allowed_local_media_path=allowed_local_media_path)
         # The start-up phases as `jaxllm serve` logs them, unless the program set up logging itself.
         self.llm_engine = self.pooling_engine = None
         self._ids = itertools.count()
@@ -78,6 +87,7 @@ class LLM:
         llm = cls.__new__(cls)
         llm.llm_engine, llm.pooling_engine = LLMEngine(config), None
         llm._ids = itertools.count()
+        llm._image_limit, llm._media = DEFAULT_MM_LIMIT, MediaLimits()
         return llm
 
     def get_tokenizer(self):
@@ -173,10 +183,18 @@ class LLM:
         if tok is None:
             raise ValueError("chat needs a tokenizer (the engine was built with skip_tokenizer_init)")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [render_chat_prompt(tok, conv, add_generation_prompt=add_generation_prompt,
-                                      chat_template=chat_template,
-                                      chat_template_kwargs=chat_template_kwargs).engine_prompt()
-                   for conv in convs]
+        prompts = []
+        for conv in convs:
+            conv, found = split_images(conv)
+            check_image_count([f for f, _ in found], supports_images=bool(getattr(self.llm_engine, "supports_images",
+                                                                                   False)),
+                              limit=self._image_limit, model=self.llm_engine.model_name)
+            prompt = render_chat_prompt(tok, conv, add_generation_prompt=add_generation_prompt,
+                                        chat_template=chat_template,
+                                        chat_template_kwargs=chat_template_kwargs).engine_prompt()
+            if found:  # vLLM's engine input for an image prompt
+                prompt["multi_modal_data"] = {"image": [load(f, src, self._media) for f, src in found]}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def follow(self) -> None:

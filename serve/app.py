@@ -47,6 +47,7 @@ from jaxllm.engine.tokenizer import encode
 from jaxllm.errors import EngineDeadError
 from jaxllm.pooling.async_engine import AsyncPoolingEngine
 from serve import chat, completions, embeddings, lora, pooling_api, scoring
+from serve.images import image_parts
 from serve.responses import handler as responses
 from serve.responses.protocol import ResponsesRequest
 from serve.responses.store import open_store
@@ -300,6 +301,7 @@ def build_app(engine: EngineClient, config: ServingConfig | None = None) -> Quar
         state.check_model(req.model)
         tok = state.require_tokenizer("/tokenize")
         if isinstance(req, TokenizeChatRequest):
+            image_parts(state, req.messages)  # a text-only model's 400, as on /v1/chat/completions
             _, ids = chat.render_messages(
                 state, req.messages, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, chat_template=req.chat_template,

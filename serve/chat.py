@@ -35,6 +35,7 @@ from jaxllm.engine.render import render_chat_prompt, template_reads
 from jaxllm.errors import EngineDeadError
 from jaxllm.outputs import RequestOutput
 from serve.chat_parsing import ChoiceParser
+from serve.images import image_parts, load_chat_images, with_images
 from serve.logprobs import chat_logprobs, prompt_logprobs_json
 from serve.protocol import (APIError, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
                             ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse, ChatResponseMessage,
@@ -72,15 +73,17 @@ def render_messages(state: ServerState, messages, *, add_generation_prompt: bool
 
 
 async def create_chat_completion(state: ServerState, req: ChatCompletionRequest) -> Response | BaseModel:
-    ctx = start_chat(state, req)
+    images = await load_chat_images(state, req.messages)
+    ctx = start_chat(state, req, images)
     if req.stream:
         return sse_response(_stream(ctx), state.config.sse_keep_alive_interval)
     return await full_response(ctx)
 
 
-def start_chat(state: ServerState, req: ChatCompletionRequest) -> "ChatCtx":
+def start_chat(state: ServerState, req: ChatCompletionRequest, images: list | None = None) -> "ChatCtx":
     """Renders, validates and queues the request; its context holds the engine stream (also
-    the Responses API's way in: serve/responses/handler.py)."""
+    the Responses API's way in: serve/responses/handler.py).  ``images``: the messages' images,
+    loaded by serve/images.py (which also refuses them to a text-only model)."""
     state.check_model(req.model)
     req.check_stream_options()
     mode = tool_mode(req, state.config.enable_auto_tool_choice and state.tool_parser is not None)
@@ -91,6 +94,8 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> "ChatCtx":
     if req.top_logprobs is not None and req.top_logprobs < 0:
         raise bad_request(f"top_logprobs must be non-negative, got {req.top_logprobs}.", "top_logprobs")
     _check_template_reads_effort(state, req)
+    if len(image_parts(state, req.messages)) != len(images or []):
+        raise RuntimeError("start_chat: the messages' images were not loaded (serve/images.py:load_chat_images)")
     text, ids = render_messages(
         state, req.messages, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, chat_template=req.chat_template,
@@ -108,7 +113,8 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> "ChatCtx":
     try:
         params = req.to_sampling_params(state.max_tokens(req.requested_max_tokens()), state.defaults,
                                         state.engine.vocab_size, constraint.params)
-        request = state.process(request_id, req.engine_prompt(text, ids), params, req.priority, req.model)
+        prompt = with_images(req.engine_prompt(text, ids), images or [])
+        request = state.process(request_id, prompt, params, req.priority, req.model)
     except ValueError as e:
         raise state.value_error(e, CHAT_FIELDS, aliases) from None
     stream, = state.add_requests([request], stream=bool(req.stream))
@@ -116,9 +122,9 @@ def start_chat(state: ServerState, req: ChatCompletionRequest) -> "ChatCtx":
     role = state.config.response_role if req.add_generation_prompt else req.messages[-1].role
     echo_text = ""
     if req.echo:
-        last = req.messages[-1].to_template_dict()
-        if last.get("role") == role:
-            echo_text = last.get("content") or ""
+        last = req.messages[-1]
+        if last.role == role:
+            echo_text = last.text() or ""
     return ChatCtx(state, req, stream, request_id, now_s(), request.prompt_token_ids, role, echo_text, mode, text)
 
 

@@ -58,6 +58,13 @@ def register(subparsers) -> None:
                         "(default on)")
     g.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
                    help="no access line per request")
+    mg = s.add_argument_group("images in (vision-language models)")
+    mg.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                    help="the most images one prompt may carry, e.g. '{\"image\": 4}' (default 999, vLLM's); "
+                         "more is a 400")
+    mg.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                    help="file:// image URLs may read from this folder (symlinks out of it refused); default: "
+                         "file:// URLs are refused")
     pg = s.add_argument_group("pooling (embeddings)")
     pg.add_argument("--runner", default="auto", choices=("auto", "generate", "pooling"),
                     help="generate, or pooling: an encoder serving /v1/embeddings (default auto: pooling for an "
@@ -125,7 +132,9 @@ def serving_config_from_args(args: argparse.Namespace) -> ServingConfig:
         disable_log_stats=args.disable_log_stats, log_stats_interval=log_stats_interval,
         log_requests=args.log_requests, metrics_compat=args.metrics_compat,
         responses_store=args.responses_store, responses_store_max_bytes=args.responses_store_max_bytes,
-        responses_store_max_age_s=args.responses_store_max_age, lora_modules=parse_lora_modules(args.lora_modules))
+        responses_store_max_age_s=args.responses_store_max_age, lora_modules=parse_lora_modules(args.lora_modules),
+        limit_mm_per_prompt=_json_flag(args.limit_mm_per_prompt, "--limit-mm-per-prompt") or {},
+        allowed_local_media_path=args.allowed_local_media_path)
 
 
 def pooling_config_from_args(args: argparse.Namespace):

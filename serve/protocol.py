@@ -81,6 +81,10 @@ def validation_error(e: ValidationError) -> APIError:
     if not errs:
         return bad_request("invalid request body")
     first = errs[0]
+    top = first.get("loc", ())[:1]
+    # The most specific error about the same field: for a union (a message's content is a string
+    # or a list of parts) the first error is the string branch's, the deepest names the part.
+    first = max((e for e in errs if e.get("loc", ())[:1] == top), key=lambda e: len(e.get("loc", ())))
     loc = [str(x) for x in first.get("loc", ())]
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
@@ -141,6 +145,22 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+class ImageURL(OpenAIModel):
+    url: str
+    """A ``data:image/...;base64,`` URL, an ``http(s)://`` URL, or ``file://`` under
+    ``--allowed-local-media-path`` (jaxllm/multimodal/media.py)."""
+    detail: Literal["auto", "low", "high"] | None = "auto"
+    """OpenAI's resolution hint; accepted and, as in vLLM, not used (the model's processor decides)."""
+
+
+class ImageContentPart(OpenAIModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
+
+
 class FunctionDefinition(OpenAIModel):
     name: str = Field(min_length=1)
     description: str | None = None
@@ -176,18 +196,33 @@ ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoice
 
 class ChatMessage(OpenAIModel):
     role: str
-    content: str | list[TextContentPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
-    def to_template_dict(self) -> dict:
-        """The message as the chat template sees it; text parts are joined with newlines (vLLM)."""
-        d: dict[str, Any] = {"role": self.role}
+    def images(self) -> list[tuple[int, ImageURL]]:
+        """The image parts, in order, with their index in ``content``."""
+        if not isinstance(self.content, list):
+            return []
+        return [(i, p.image_url) for i, p in enumerate(self.content) if isinstance(p, ImageContentPart)]
+
+    def text(self) -> str | None:
+        """The text parts joined with newlines (vLLM), images left out."""
         if isinstance(self.content, list):
-            d["content"] = "\n".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content if isinstance(p, TextContentPart))
+        return self.content
+
+    def to_template_dict(self) -> dict:
+        """The message as the chat template sees it: text parts joined with newlines (vLLM); a
+        message with images keeps its parts, in order, as HF processors' templates read them
+        (``{"type": "text", "text": ...}`` and ``{"type": "image"}``)."""
+        d: dict[str, Any] = {"role": self.role}
+        if self.images():
+            d["content"] = [{"type": "image"} if isinstance(p, ImageContentPart) else {"type": "text", "text": p.text}
+                            for p in self.content]
         else:
-            d["content"] = self.content
+            d["content"] = self.text()
         for key in ("name", "tool_calls", "tool_call_id"):
             v = getattr(self, key)
             if v is not None:

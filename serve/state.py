@@ -239,6 +239,12 @@ class ServerState:
     def prefix_caching(self) -> bool:
         return self.engine.prefix_caching
 
+    @property
+    def supports_images(self) -> bool:
+        """Whether the model takes images (the engine's ``supports_images``; an engine without
+        the attribute serves a text-only model)."""
+        return bool(getattr(self.engine, "supports_images", False))
+
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
               reasoning_tokens: int | None = None) -> UsageInfo:
         """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` when prefix caching is on and

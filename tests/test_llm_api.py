@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from support.images import data_url, encode, pattern
 from support.tiny_models import load_hf
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.output_processor import OutputKind
+from jaxllm.multimodal.chat_parts import ImageInputError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -137,3 +140,36 @@ def test_skip_tokenizer_init(tiny_llama):
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, temperature=0),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4 and out.text == ""
+
+
+def test_chat_image_parts(tiny_llm, tiny_llama, monkeypatch):
+    """LLM.chat's image parts (jaxllm/multimodal/chat_parts.py): refused by a text-only model
+    naming the part; where the engine says ``supports_images``, the limit holds and the images
+    reach ``generate`` as vLLM's ``multi_modal_data`` in order (the call site the vision
+    engine takes them at).  The mm arguments are checked before any engine is built."""
+    pngs = [data_url(encode(pattern(4, 3, seed=s), "PNG")) for s in (0, 1)]
+    conv = [{"role": "user", "content": [{"type": "text", "text": "see"},
+                                         *({"type": "image_url", "image_url": {"url": u}} for u in pngs)]}]
+    with pytest.raises(ImageInputError, match="does not take images") as e:
+        tiny_llm.chat(conv, GREEDY, use_tqdm=False)
+    assert e.value.param == "messages[0].content[1].image_url"
+
+    seen = []
+    monkeypatch.setattr(tiny_llm.llm_engine, "supports_images", True, raising=False)
+    monkeypatch.setattr(tiny_llm, "generate", lambda prompts, *a, **k: seen.extend(prompts))
+    template = ("{% for m in messages %}{% for p in m.content %}{% if p.type == 'image' %}<image>{% else %}"
+                "{{ p.text }}{% endif %}{% endfor %}{% endfor %}")
+    tiny_llm.chat(conv, GREEDY, use_tqdm=False, chat_template=template)
+    prompt, = seen
+    assert prompt["prompt"] == "see<image><image>"
+    assert [np.asarray(i).tolist() for i in prompt["multi_modal_data"]["image"]] == \
+        [np.asarray(pattern(4, 3, seed=s)).tolist() for s in (0, 1)]
+    monkeypatch.setattr(tiny_llm, "_image_limit", 1)
+    with pytest.raises(ImageInputError, match=r"At most 1 image\(s\)") as e:
+        tiny_llm.chat(conv, GREEDY, use_tqdm=False, chat_template=template)
+    assert e.value.param == "messages[0].content[2].image_url"
+
+    for kw, needle in (({"limit_mm_per_prompt": {"image": -1}}, "'image' must be a non-negative integer"),
+                       ({"allowed_local_media_path": "/no/such/dir"}, "not an existing directory")):
+        with pytest.raises(ValueError, match=needle):
+            LLM(tiny_llama, **kw)

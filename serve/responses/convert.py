@@ -20,7 +20,8 @@ import uuid
 from pydantic import ValidationError
 
 from serve.protocol import APIError, ChatCompletionRequest, bad_request
-from serve.responses.protocol import OUTPUT_LOGPROBS, SAMPLING_EXTRAS, FunctionTool, MessageItem, ResponsesRequest
+from serve.responses.protocol import (OUTPUT_LOGPROBS, SAMPLING_EXTRAS, FunctionTool, InputImage, MessageItem,
+                                      ResponsesRequest)
 
 log = logging.getLogger("jaxllm.serve")
 
@@ -35,9 +36,12 @@ def new_id(prefix: str) -> str:
 
 
 def remap(e: APIError) -> APIError:
-    """A chat-path error re-addressed to the Responses parameter it is about."""
+    """A chat-path error re-addressed to the Responses parameter it is about (an image part's
+    ``messages[i].content[j].image_url`` is in ``input``)."""
     if e.param in PARAMS:
         e.param = PARAMS[e.param]
+    elif e.param is not None and e.param.startswith("messages["):
+        e.param = "input"
     return e
 
 
@@ -54,7 +58,11 @@ def input_items(req: ResponsesRequest) -> list[dict]:
         d = it.model_dump(exclude_none=True, by_alias=True)
         if isinstance(it, MessageItem):
             kind = "output_text" if it.role == "assistant" else "input_text"
-            d["content"] = [{"type": kind, "text": it.text()}]
+            if it.has_images():
+                # Parts kept in order (the images stay where the client put them); text parts as sent.
+                d["content"] = [_stored_part(p, kind) for p in it.content]
+            else:
+                d["content"] = [{"type": kind, "text": it.text()}]
             d.setdefault("status", "completed")
         d.setdefault("id", new_id({"message": "msg", "function_call": "fc", "function_call_output": "fco",
                                    "reasoning": "rs"}[it.type]))
@@ -62,10 +70,25 @@ def input_items(req: ResponsesRequest) -> list[dict]:
     return out
 
 
-def _text(content) -> str:
+def _stored_part(p, kind: str) -> dict:
+    if isinstance(p, InputImage):
+        if p.image_url is None:
+            why = "file_id needs OpenAI's Files API, which this server does not have" if p.file_id else "no image_url"
+            raise bad_request(f"input_image: {why}; send image_url (a data: or http(s):// URL)", "input")
+        return {"type": "input_image", "image_url": p.image_url, "detail": p.detail}
+    return {"type": kind, "text": p.text}
+
+
+def _content(content) -> str | list[dict]:
+    """A stored message's content as the chat message's: text joined by newlines, or, when it
+    holds images, the chat API's parts in order (``input_image`` -> ``image_url``)."""
     if isinstance(content, str):
         return content
-    return "\n".join(p.get("text", "") for p in content or [])
+    parts = content or []
+    if not any(p.get("type") == "input_image" for p in parts):
+        return "\n".join(p.get("text", "") for p in parts)
+    return [{"type": "image_url", "image_url": {"url": p["image_url"], "detail": p.get("detail", "auto")}}
+            if p.get("type") == "input_image" else {"type": "text", "text": p.get("text", "")} for p in parts]
 
 
 def chat_messages(instructions: str | None, items: list[dict]) -> list[dict]:
@@ -79,7 +102,7 @@ def chat_messages(instructions: str | None, items: list[dict]) -> list[dict]:
         kind = it.get("type", "message")
         if kind == "message":
             role = "system" if it["role"] == "developer" else it["role"]
-            messages.append({"role": role, "content": _text(it.get("content"))})
+            messages.append({"role": role, "content": _content(it.get("content"))})
         elif kind == "function_call":
             call = {"id": it["call_id"], "type": "function",
                     "function": {"name": it["name"], "arguments": it["arguments"]}}

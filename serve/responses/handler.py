@@ -23,6 +23,7 @@ from typing import AsyncIterator
 
 from jaxllm.errors import EngineDeadError
 from serve.chat import ChatCtx, chat_response, final_output, render_messages, start_chat
+from serve.images import load_chat_images
 from serve.logprobs import chat_logprobs
 from serve.protocol import APIError, bad_request, now_s
 from serve.responses import objects as obj
@@ -106,7 +107,7 @@ async def create_response(state: ServerState, rs: ResponsesState, req: Responses
         chat = _fitted(state, req, history + items) if req.truncation == "auto" else \
             chat_request(req, chat_messages(req.instructions, history + items), stream=req.stream)
         chat.check_supported()
-        ctx = start_chat(state, chat)
+        ctx = start_chat(state, chat, await load_chat_images(state, chat.messages))
     except APIError as e:
         raise remap(e) from None
     job = _Job(state, rs, req, rid, now_s(), items, history, ctx)

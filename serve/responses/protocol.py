@@ -24,8 +24,8 @@ Includable = Literal["message.output_text.logprobs", "reasoning.encrypted_conten
 ``message.output_text.logprobs`` adds anything here: ``output_text`` parts (and their stream
 deltas) carry the tokens' logprobs.  The others are accepted, as vLLM accepts them, because
 none would change this server's output: the tool calls they detail (file search, web search,
-computer use, code interpreter) never run without a tool server, input images are refused
-(text only), and ``reasoning.encrypted_content`` exists so that a stateless client can send
+computer use, code interpreter) never run without a tool server, input images are given back
+as sent, and ``reasoning.encrypted_content`` exists so that a stateless client can send
 reasoning back, which no chat template here is given (earlier reasoning is not replayed)."""
 
 
@@ -35,17 +35,33 @@ class InputText(OpenAIModel):
     text: str
 
 
+class InputImage(OpenAIModel):
+    """OpenAI's ``input_image`` part: an image by URL (``data:``, ``http(s)://``, ``file://``);
+    it reaches the chat path as an ``image_url`` part (serve/responses/convert.py)."""
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    """OpenAI's Files API reference: no files API here, so a 400 naming ``input``."""
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
+MessagePart = Annotated[InputText | InputImage, Field(discriminator="type")]
+
+
 class MessageItem(OpenAIModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[InputText]
+    content: str | list[MessagePart]
     id: str | None = None
     status: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content if isinstance(p, InputText))
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(isinstance(p, InputImage) for p in self.content)
 
 
 class FunctionCallItem(OpenAIModel):

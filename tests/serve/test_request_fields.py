@@ -27,12 +27,13 @@ from jaxllm.sampling_params import SamplingParams  # noqa: E402
 from serve.protocol import (ChatCompletionNamedToolChoiceParam, ChatCompletionRequest,  # noqa: E402
                             ChatCompletionToolParam, ChatMessage, ClassifyRequest, CompletionRequest,
                             DetokenizeRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest,
-                            FunctionDefinition, NamedFunction, OpenAIModel, StreamOptions, TextContentPart,
+                            FunctionDefinition, ImageContentPart, ImageURL, NamedFunction, OpenAIModel,
+                            StreamOptions, TextContentPart,
                             TokenizeChatRequest, TokenizeCompletionRequest)
 from serve.responses import protocol as responses_protocol  # noqa: E402
 from serve.responses.convert import chat_messages, chat_request, input_items  # noqa: E402
 from serve.responses.protocol import (FunctionCallItem, FunctionCallOutputItem, FunctionTool,  # noqa: E402
-                                      InputText, MessageItem, NamedToolChoice, ReasoningConfig, ReasoningItem,
+                                      InputImage, InputText, MessageItem, NamedToolChoice, ReasoningConfig, ReasoningItem,
                                       ResponsesRequest, TextConfig, TextFormat, Tool)
 from serve.structured import resolve_constraint  # noqa: E402
 
@@ -40,6 +41,7 @@ pytest_plugins = ["support.serve_helpers"]
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = "serve/test_request_fields.py"
+IMAGES = "serve/test_image_parts.py"
 MODELS = [CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
           EmbeddingRequest, PoolingRequest, ClassifyRequest, ScoreRequest, RerankRequest]
 MSGS = [{"role": "user", "content": "Say something."}]
@@ -141,6 +143,9 @@ NESTED = {
     ChatMessage: {f: f"{HERE}::test_message_and_tool_fields_reach_the_chat_template" for f in
                   ("role", "content", "name", "tool_calls", "tool_call_id")},
     TextContentPart: {f: f"{HERE}::test_message_and_tool_fields_reach_the_chat_template" for f in ("type", "text")},
+    ImageContentPart: {f: f"{IMAGES}::test_bad_images_are_400s_naming_the_part_and_the_server_keeps_serving"
+                       for f in ("type", "image_url")},
+    ImageURL: {"url": f"{IMAGES}::test_bad_images_are_400s_naming_the_part_and_the_server_keeps_serving"},
     ChatCompletionToolParam: {f: f"{HERE}::test_message_and_tool_fields_reach_the_chat_template"
                               for f in ("type", "function")},
     FunctionDefinition: {f: f"{HERE}::test_message_and_tool_fields_reach_the_chat_template"
@@ -183,6 +188,8 @@ RESPONSES_NO_OP = {
 _ITEM = {f: MAPPED for f in ("type", "id", "status")}   # the stored input items keep id and status
 NESTED.update({
     InputText: {f: MAPPED for f in ("type", "text")},
+    InputImage: {f: f"{IMAGES}::test_responses_input_image_flows_through_the_chat_converter"
+                 for f in ("type", "image_url", "file_id")},
     MessageItem: {**_ITEM, "role": MAPPED, "content": MAPPED},
     FunctionCallItem: {**_ITEM, "call_id": MAPPED, "name": MAPPED, "arguments": MAPPED},
     FunctionCallOutputItem: {**_ITEM, "call_id": MAPPED, "output": MAPPED},
@@ -195,6 +202,9 @@ NESTED.update({
 })
 
 NESTED_NO_OP = {
+    ImageURL: {"detail": "OpenAI's resolution hint, accepted without effect as vLLM does (the model's image "
+                         "processor decides the resolution)"},
+    InputImage: {"detail": "passed on as the chat part's image_url.detail, which vLLM accepts without effect"},
     ReasoningItem: {f: "earlier reasoning is not replayed to the model (chat templates strip earlier turns' "
                        "reasoning; vLLM drops these items too); accepted so that clients may send it back"
                     for f in ("type", "id", "summary", "content", "encrypted_content", "status")},

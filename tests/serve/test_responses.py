@@ -145,8 +145,8 @@ class _FailingStream:
 def test_an_engine_error_still_closes_the_stream_with_response_failed(client, server, monkeypatch):
     real = handler.start_chat
 
-    def failing(state, req):
-        ctx = real(state, req)
+    def failing(state, req, *images):
+        ctx = real(state, req, *images)
         return dataclasses.replace(ctx, stream=_FailingStream(ctx.stream))
 
     monkeypatch.setattr(handler, "start_chat", failing)

@@ -72,8 +72,9 @@ def _post(http, path, body):
     (CHAT, {"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": [{"content": "no role"}]}, "messages"),
+    # A text-only model: the image part is named (tests/serve/test_image_parts.py has the rest).
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages"),
+     "messages[0].content[0].image_url"),
     (CHAT, {"messages": MSGS, "tool_choice": "auto", "tools": []}, "tool_choice"),
     (CHAT, {"messages": MSGS, "response_format": {"type": "yaml"}}, "response_format"),
     (CHAT, {"messages": MSGS, "continue_final_message": True}, "continue_final_message"),
