@@ -75,7 +75,8 @@ class PoolingEngine:
         self.runner = PoolingRunner(loaded.arch, family.module, {"globals": loaded.globals, "layers": loaded.layers},
                                     self.pooler, max_num_batched_tokens=config.max_num_batched_tokens,
                                     max_num_seqs=config.max_num_seqs,
-                                    strict_compile_guard=config.strict_compile_guard)
+                                    strict_compile_guard=config.strict_compile_guard,
+                                    max_model_len=self.max_model_len)
 
     def _init_decoder(self, config: PoolingEngineConfig, convert: str) -> None:
         """A causal decoder converted to an embedder or a classifier (``pooling/decoder.py``)."""

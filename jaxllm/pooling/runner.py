@@ -73,7 +73,8 @@ class PoolingRunner:
     vectors [n, D]), or a cross-encoder's classifier logits [num_labels] (``arch.encoder.num_labels > 0``)."""
 
     def __init__(self, arch: ArchConfig, module: ModuleType, params: dict, pooler: PoolerConfig, *,
-                 max_num_batched_tokens: int, max_num_seqs: int, strict_compile_guard: bool = False):
+                 max_num_batched_tokens: int, max_num_seqs: int, strict_compile_guard: bool = False,
+                 max_model_len: int | None = None):
         self.arch, self.pooler = arch, pooler
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.strict = strict_compile_guard
@@ -85,7 +86,9 @@ class PoolingRunner:
         self.per_token = pooler.pooling_type == "ALL" and not classifier
 
         def step(params, input_ids, positions, seq_ids, token_types, query_start_loc):
-            hidden = module.encode(arch, params, input_ids, positions, seq_ids, token_types)   # [T, D]
+            # max_model_len: no prompt is longer (the encoder may window its attention by it).
+            hidden = module.encode(arch, params, input_ids, positions, seq_ids, token_types,
+                                   max_model_len)                                             # [T, D]
             if classifier:
                 return module.classify(arch, params, hidden, seq_ids, query_start_loc)       # [S, labels]
             return pool(pooler, hidden, seq_ids, query_start_loc)                             # [S, D]
