@@ -86,9 +86,10 @@ class PoolingRunner:
         self.per_token = pooler.pooling_type == "ALL" and not classifier
 
         def step(params, input_ids, positions, seq_ids, token_types, query_start_loc):
-            # max_model_len: no prompt is longer (the encoder may window its attention by it).
+            # max_model_len: no prompt is longer; rows (static): the step's prompt rows (the
+            # encoder may lay its attention out by them).
             hidden = module.encode(arch, params, input_ids, positions, seq_ids, token_types,
-                                   max_model_len)                                             # [T, D]
+                                   max_model_len, query_start_loc.shape[0] - 1)               # [T, D]
             if classifier:
                 return module.classify(arch, params, hidden, seq_ids, query_start_loc)       # [S, labels]
             return pool(pooler, hidden, seq_ids, query_start_loc)                             # [S, D]

@@ -7,9 +7,12 @@ own sequence's tokens of this step and no K/V is kept afterwards.  It is plain X
 same-sequence mask (the paged native CPU and Pallas kernels are causal and read K/V from
 pages, which an encoder does not need).  A step of many prompts is block-diagonal, so a dense
 ``[H, T, T]`` score block would be mostly masked work (T = 4096 tokens of 32 prompts: 32x the
-scores needed): when the longest prompt ``max_len`` is known, queries go in tiles of ``TILE``
-tokens, each against the key window that can hold its prompts (``TILE + 2 (max_len - 1)``
-keys); a step shorter than a window stays dense.
+scores needed).  When the longest prompt ``max_len`` and the step's prompt rows are known, the
+cheapest of three equal computations runs (chosen when the bucket is traced, by score count):
+dense; per prompt (tokens moved into a ``[rows, max_len]`` grid, each row attending to itself:
+prompts near ``max_len`` long); windowed (query tiles of ``TILE`` tokens, each against the key
+window that can hold its prompts, ``TILE + 2 (max_len - 1)`` keys: many prompts much shorter
+than ``max_len``).
 """
 
 from __future__ import annotations
@@ -69,35 +72,72 @@ def _windowed(q, k, v, seq_ids, max_len: int):
     return out.reshape(Tp, H, Dh)[:T]
 
 
-def _attention(arch: ArchConfig, lp: dict, x, seq_ids, max_len: int | None):
+def _per_prompt(q, k, v, seq_ids, positions, rows: int, max_len: int):
+    """The same as ``_dense`` with each prompt (``seq_ids`` < ``rows``, ``positions`` < ``max_len``)
+    moved into a row of a ``[rows, max_len]`` grid and attending within it; padding tokens
+    (``seq_ids`` -1) answer zeros."""
+    T, H, Dh = q.shape
+    cells = rows * max_len
+    slot = jnp.where(seq_ids >= 0, seq_ids * max_len + positions, cells)                  # [T]; cells: a spare
+    grid = [jnp.zeros((cells + 1, H, Dh), a.dtype).at[slot].set(a)[:cells].reshape(rows, max_len, H, Dh)
+            for a in (q, k, v)]                                                             # [rows, L, H, Dh]
+    valid = jnp.zeros(cells + 1, bool).at[slot].set(True)[:cells].reshape(rows, max_len)   # [rows, L]
+    scores = jnp.einsum("rqhd,rkhd->rhqk", grid[0], grid[1], preferred_element_type=jnp.float32)   # [rows, H, L, L]
+    scores = jnp.where(valid[:, None, None, :], scores, -1e30)   # an empty row averages zeros: finite, unused
+    out = jnp.einsum("rhqk,rkhd->rqhd", jax.nn.softmax(scores, axis=-1), grid[2],
+                     preferred_element_type=jnp.float32).reshape(cells, H, Dh)
+    return jnp.where((seq_ids >= 0)[:, None, None], out[jnp.minimum(slot, cells - 1)], 0.0)   # [T, H, Dh]
+
+
+# Relative cost per score of the windowed layout (its gathers and masks), measured on a CPU.
+WINDOW_COST = 3
+
+
+def _attention(arch: ArchConfig, lp: dict, x, seq_ids, positions, rows: int | None, max_len: int | None):
     """x [T, D]; seq_ids [T] (a query sees the keys of its own prompt) -> [T, D]."""
     T = x.shape[0]
     H, Dh = arch.num_heads, arch.head_dim
     q = _linear(x, lp["q"], lp["q_bias"]).reshape(T, H, Dh) * (Dh ** -0.5)
     k = _linear(x, lp["k"], lp["k_bias"]).reshape(T, H, Dh)
     v = _linear(x, lp["v"], lp["v_bias"]).reshape(T, H, Dh)
-    if max_len is None or T <= TILE + 2 * (max_len - 1):
-        out = _dense(q, k, v, seq_ids)
-    else:
+    layout = attention_layout(T, rows, max_len)
+    if layout == "per_prompt":
+        out = _per_prompt(q, k, v, seq_ids, positions, rows, max_len)
+    elif layout == "windowed":
         out = _windowed(q, k, v, seq_ids, max_len)
+    else:
+        out = _dense(q, k, v, seq_ids)
     return _linear(out.reshape(T, H * Dh), lp["o"], lp["o_bias"])
 
 
-def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_types, max_len: int | None = None):
+def attention_layout(T: int, rows: int | None, max_len: int | None) -> str:
+    """Which equal computation a step of ``T`` tokens in ``rows`` prompts of at most ``max_len``
+    tokens runs: the fewest scores (static: one choice per bucket)."""
+    if max_len is None or rows is None:
+        return "dense"
+    cost = {"dense": T * T, "per_prompt": rows * max_len * max_len}
+    if T > TILE + 2 * (max_len - 1):
+        cost["windowed"] = WINDOW_COST * T * (TILE + 2 * (max_len - 1))
+    return min(cost, key=cost.get)
+
+
+def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_types, max_len: int | None = None,
+           rows: int | None = None):
     """The encoder's last hidden states.
 
     input_ids [T] int32, positions [T] int32 (each token's index in its prompt), seq_ids [T]
     int32 (the prompt each token belongs to; padding tokens carry their own id, -1),
     token_types [T] int32 (0 for a single text; a pair's second text 1) -> hidden [T, D]
     float32.  ``params``: ``{"globals": {...}, "layers": [{...}, ...]}``; ``max_len`` (static): no
-    prompt is longer (the windowed attention), None: unknown (dense)."""
+    prompt is longer, ``rows`` (static): prompt rows of the step (seq ids below it); with both the
+    attention may run per prompt or windowed (``attention_layout``), else dense."""
     enc = encoder(arch)
     g = params["globals"]
     x = (g["embed"][input_ids] + g["pos_embed"][positions + enc.position_offset]
          + g["type_embed"][token_types])                                     # [T, D]
     x = _layer_norm(x.astype(jnp.float32), g["embed_norm"], g["embed_norm_bias"], enc.layer_norm_eps)
     for lp in params["layers"]:
-        x = _layer_norm(x + _attention(arch, lp, x, seq_ids, max_len), lp["attn_norm"], lp["attn_norm_bias"],
+        x = _layer_norm(x + _attention(arch, lp, x, seq_ids, positions, rows, max_len), lp["attn_norm"], lp["attn_norm_bias"],
                         enc.layer_norm_eps)
         h = jax.nn.gelu(_linear(x, lp["up"], lp["up_bias"]), approximate=enc.gelu_tanh)   # [T, F]
         x = _layer_norm(x + _linear(h, lp["down"], lp["down_bias"]), lp["mlp_norm"], lp["mlp_norm_bias"],
