@@ -1,9 +1,9 @@
 """Embeddings per second: jaxllm's pooling runner against sentence-transformers (offline) and
 against llama-server ``--embeddings`` (``/v1/embeddings`` under concurrency).
 
-    python -m bench.embeddings offline [--folder F | --layers 6 --hidden 384] [--batches 1,32,256]
+    python bench/embeddings.py offline [--folder F | --layers 6 --hidden 384] [--batches 1,32,256]
                                        [--input-len 128] [--repeats 3] [--threads N]
-    python -m bench.embeddings serve   [--folder F] [--concurrency 1,4,16] [--requests 64]
+    python bench/embeddings.py serve   [--folder F] [--concurrency 1,4,16] [--requests 64]
                                        [--threads N] [--llama-bin DIR]
 
 No model hub is reachable here, so the model is a random-weight BERT of a real embedder's shape
@@ -247,6 +247,11 @@ def cmd_serve(args) -> int:
     logs = {n: os.path.join(args.workdir, f"{n}.log") for n in ("jaxllm", "llama-server")}
     with server(jax_cmd, 18181, logs["jaxllm"]) as jx, server(llama_cmd, 18182, logs["llama-server"]) as ls:
         bases = [("jaxllm", jx, folder), ("llama-server", ls, "bert")]
+        import httpx
+        probe = make_texts(folder, 1, args.input_len, seed=99)[0]   # same weights, same answer
+        vecs = [np.array(httpx.post(f"{base}/v1/embeddings", json={"model": m, "input": probe}, timeout=600)
+                         .json()["data"][0]["embedding"]) for _, base, m in bases]
+        diff = float(np.abs(vecs[0] - vecs[1]).max())
         for c in args.concurrency:
             texts = make_texts(folder, args.requests, args.input_len, seed=c)
             for _, base, model in bases:   # warm
@@ -255,7 +260,8 @@ def cmd_serve(args) -> int:
                 for name, base, model in (bases if r % 2 == 0 else bases[::-1]):
                     rates[c][name].append(asyncio.run(load(base, model, texts, c)))
     print(f"# /v1/embeddings, {args.requests} one-input requests of {args.input_len} tokens, float32, "
-          f"{threads} thread(s), {args.repeats} repeats, medians; model {folder}")
+          f"{threads} thread(s), {args.repeats} repeats, medians; model {folder}; "
+          f"max |jaxllm - llama-server| {diff:.2e}")
     print(table(rates, "concurrency"))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -264,7 +270,7 @@ def cmd_serve(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.embeddings", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python bench/embeddings.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn in (("offline", cmd_offline), ("serve", cmd_serve)):
         s = sub.add_parser(name)
