@@ -115,7 +115,8 @@ class LLM:
     def encode(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
                pooling_params: PoolingParams | None = None) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: the pooler's raw output per prompt, ``out.outputs.data`` (an
-        embedder's embedding, a classifier's probabilities)."""
+        embedder's embedding, with pooling_type ALL one vector per prompt token, a classifier's
+        probabilities)."""
         if self.pooling_engine is None:
             raise ValueError("encode() needs a pooling model: LLM(model, runner='pooling') on an encoder checkpoint; "
                              "this LLM generates (use generate() or chat())")

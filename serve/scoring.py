@@ -21,6 +21,11 @@ from serve.state import ServerState
 async def _scores(engine: AsyncPoolingEngine, pairs: list[tuple], truncate: int | None, field: str):
     """(scores, prompt tokens) for the pairs; ValueErrors become 400s naming ``field``."""
     core = engine.engine
+    if not core.cross_encoder:
+        try:
+            core.check_embedder()   # an embedder scores by cosine: not with ALL pooling's token vectors
+        except ValueError as e:
+            raise bad_request(str(e), "model") from None
     try:
         if core.cross_encoder:
             tok = [engine.tokenize_pair(a, b, truncate, where=f"{field}[{i}]") for i, (a, b) in enumerate(pairs)]

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-POOLING_TYPES = ("CLS", "MEAN", "LAST")
+POOLING_TYPES = ("CLS", "MEAN", "LAST", "ALL")
 CONVERTS = ("auto", "none", "embed", "classify")
 
 
 @dataclass(frozen=True)
 class PoolerConfig:
     pooling_type: str = "MEAN"
-    """CLS: the first token's hidden state; MEAN: the mean over the prompt's tokens; LAST: the last token's."""
+    """CLS: the first token's hidden state; MEAN: the mean over the prompt's tokens; LAST: the last token's;
+    ALL: every token's (vLLM's token embeddings: ``encode`` and ``/pooling`` only, one vector per token)."""
     normalize: bool = False
     """L2-normalize the pooled vector (sentence-transformers' ``Normalize`` module)."""
     dimensions: int | None = None

@@ -75,7 +75,8 @@ class PoolingEngine:
         self.runner = PoolingRunner(loaded.arch, family.module, {"globals": loaded.globals, "layers": loaded.layers},
                                     self.pooler, max_num_batched_tokens=config.max_num_batched_tokens,
                                     max_num_seqs=config.max_num_seqs,
-                                    strict_compile_guard=config.strict_compile_guard)
+                                    strict_compile_guard=config.strict_compile_guard,
+                                    max_model_len=self.max_model_len)
 
     def _init_decoder(self, config: PoolingEngineConfig, convert: str) -> None:
         """A causal decoder converted to an embedder or a classifier (``pooling/decoder.py``)."""
@@ -96,6 +97,9 @@ class PoolingEngine:
             # vLLM's default for a converted decoder: LAST + normalize, unless the folder says otherwise.
             base = read_pooler_config(config.model) or PoolerConfig(pooling_type="LAST", normalize=True)
             self.pooler = base.override(config.pooler_config)
+            if self.pooler.pooling_type == "ALL":
+                raise ValueError("--pooler-config pooling_type ALL is served for encoders; a converted decoder "
+                                 "pools CLS, MEAN or LAST")
             prompts = declared_prompts(config.model)
             if prompts:
                 log.info("the checkpoint declares instruction prompts (%s); as vLLM, they are not applied: "
@@ -183,6 +187,9 @@ class PoolingEngine:
         return self.num_labels > 0
 
     def check_embedder(self) -> None:
+        if self.pooler.pooling_type == "ALL" and not self.cross_encoder:
+            raise ValueError("pooling_type ALL gives one vector per token, not an embedding: use encode() or "
+                             "POST /pooling (or a --pooler-config pooling_type of CLS, MEAN or LAST)")
         if self.cross_encoder:
             raise ValueError(f"{self.architecture} is a cross-encoder: it scores text pairs (score(), /score, "
                              "/rerank) and classifies texts (classify(), /classify) rather than embedding them")
@@ -277,6 +284,7 @@ class PoolingEngine:
             scores = self.pair_scores(self.embed_ids([t[0] for t in tok], [t[1] for t in tok]))
             ids = [t[0] for t in tok]
         else:
+            self.check_embedder()   # cosine of two embeddings: not of ALL pooling's token vectors
             left = [self.tokenize(a, truncate_prompt_tokens, index=i) for i, (a, _) in enumerate(pairs)]
             right = [self.tokenize(b, truncate_prompt_tokens, index=i) for i, (_, b) in enumerate(pairs)]
             vecs = self.embed_ids(left + right)

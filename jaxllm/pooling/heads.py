@@ -65,15 +65,16 @@ class Matryoshka:
 
 
 def truncate(vec: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
-    """vec [D] float32 (already normalized when ``normalize``) -> [dimensions]: the first values,
+    """vec [D] (or ALL pooling's [n, D]) float32, already normalized when ``normalize`` -> [dimensions]
+    ([n, dimensions]): the first values of each vector,
     normalized again after the cut (vLLM's and sentence-transformers' order: a positive scale
     does not change the direction, so cutting the normalized vector and normalizing gives the
     same as cutting the raw one)."""
     if dimensions is None or dimensions >= vec.shape[-1]:
         return vec
-    out = vec[:dimensions]
+    out = vec[..., :dimensions]
     if normalize:   # torch's F.normalize: x / max(||x||, 1e-12)
-        out = out / max(float(np.linalg.norm(out.astype(np.float64))), 1e-12)
+        out = out / np.maximum(np.linalg.norm(out.astype(np.float64), axis=-1, keepdims=True), 1e-12)
     return out.astype(np.float32)
 
 

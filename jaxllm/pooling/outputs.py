@@ -59,8 +59,9 @@ class ClassificationRequestOutput:
 
 @dataclass(frozen=True)
 class PoolingOutput:
-    data: list[float]
-    """What the model's pooler gives: an embedder's vector (as ``embed``), a classifier's probabilities."""
+    data: list[float] | list[list[float]]
+    """What the model's pooler gives: an embedder's vector (as ``embed``), with ``pooling_type`` ALL
+    one vector per prompt token ([n][D]), a classifier's probabilities."""
 
 
 @dataclass(frozen=True)

@@ -69,11 +69,12 @@ def pack(prompts: list[list[int]], types: list[list[int]] | None, T: int, S: int
 
 class PoolingRunner:
     """Holds the encoder's weights on the device and one compiled program per bucket.  A step
-    returns one row per prompt: the pooled vector [D] of an embedder, or a cross-encoder's
-    classifier logits [num_labels] (``arch.encoder.num_labels > 0``)."""
+    returns one row per prompt: the pooled vector [D] of an embedder (with ALL pooling: its tokens'
+    vectors [n, D]), or a cross-encoder's classifier logits [num_labels] (``arch.encoder.num_labels > 0``)."""
 
     def __init__(self, arch: ArchConfig, module: ModuleType, params: dict, pooler: PoolerConfig, *,
-                 max_num_batched_tokens: int, max_num_seqs: int, strict_compile_guard: bool = False):
+                 max_num_batched_tokens: int, max_num_seqs: int, strict_compile_guard: bool = False,
+                 max_model_len: int | None = None):
         self.arch, self.pooler = arch, pooler
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.strict = strict_compile_guard
@@ -82,9 +83,13 @@ class PoolingRunner:
         self.params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32)), params)
 
         classifier = arch.encoder.num_labels > 0
+        self.per_token = pooler.pooling_type == "ALL" and not classifier
 
         def step(params, input_ids, positions, seq_ids, token_types, query_start_loc):
-            hidden = module.encode(arch, params, input_ids, positions, seq_ids, token_types)   # [T, D]
+            # max_model_len: no prompt is longer; rows (static): the step's prompt rows (the
+            # encoder may lay its attention out by them).
+            hidden = module.encode(arch, params, input_ids, positions, seq_ids, token_types,
+                                   max_model_len, query_start_loc.shape[0] - 1)               # [T, D]
             if classifier:
                 return module.classify(arch, params, hidden, seq_ids, query_start_loc)       # [S, labels]
             return pool(pooler, hidden, seq_ids, query_start_loc)                             # [S, D]
@@ -146,7 +151,8 @@ class PoolingRunner:
                     pooled = exe(self.params, *args)
             else:
                 pooled = exe(self.params, *args)
-            pooled = np.asarray(pooled)                                                # [S, D]
+            pooled = np.asarray(pooled)                               # [S, D]; ALL: [T, D]
+            qsl = args[4]
             for row, i in enumerate(idx):
-                out[i] = pooled[row]
+                out[i] = pooled[qsl[row]:qsl[row + 1]] if self.per_token else pooled[row]
         return out

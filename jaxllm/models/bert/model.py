@@ -3,9 +3,16 @@ embeddings, LayerNorm, then post-LN blocks (self-attention, GELU MLP).
 
 Attention is bidirectional within each prompt and never crosses prompts: every prompt of a
 step is whole in that step (the pooling runner schedules it so), so a token attends over its
-own sequence's tokens of this step and no K/V is kept afterwards.  It is plain XLA (a dense
-``[H, T, T]`` score block under a same-sequence mask): the paged native CPU and Pallas kernels
-are causal and read K/V from pages, which an encoder does not need.
+own sequence's tokens of this step and no K/V is kept afterwards.  It is plain XLA under a
+same-sequence mask (the paged native CPU and Pallas kernels are causal and read K/V from
+pages, which an encoder does not need).  A step of many prompts is block-diagonal, so a dense
+``[H, T, T]`` score block would be mostly masked work (T = 4096 tokens of 32 prompts: 32x the
+scores needed).  When the longest prompt ``max_len`` and the step's prompt rows are known, the
+cheapest of three equal computations runs (chosen when the bucket is traced, by score count):
+dense; per prompt (tokens moved into a ``[rows, max_len]`` grid, each row attending to itself:
+prompts near ``max_len`` long); windowed (query tiles of ``TILE`` tokens, each against the key
+window that can hold its prompts, ``TILE + 2 (max_len - 1)`` keys: many prompts much shorter
+than ``max_len``).
 """
 
 from __future__ import annotations
@@ -30,35 +37,107 @@ def _linear(x, w, b):
     return y + b
 
 
-def _attention(arch: ArchConfig, lp: dict, x, same_seq):
-    """x [T, D]; same_seq [T, T] bool (query t may see key s) -> [T, D]."""
-    T = x.shape[0]
-    H, Dh = arch.num_heads, arch.head_dim
-    q = _linear(x, lp["q"], lp["q_bias"]).reshape(T, H, Dh)
-    k = _linear(x, lp["k"], lp["k_bias"]).reshape(T, H, Dh)
-    v = _linear(x, lp["v"], lp["v_bias"]).reshape(T, H, Dh)
-    scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32) * (Dh ** -0.5)   # [H, T, T]
+TILE = 128
+"""Query tokens per tile of the windowed attention."""
+
+
+def _dense(q, k, v, seq_ids):
+    """q, k, v [T, H, Dh] (q scaled); seq_ids [T] -> [T, H, Dh]: each query over its prompt's keys."""
+    same_seq = seq_ids[:, None] == seq_ids[None, :]                                        # [T, T]
+    scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32)          # [H, T, T]
     scores = jnp.where(same_seq[None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)        # every row sees at least its own token: no NaN
-    out = jnp.einsum("hts,shd->thd", probs, v, preferred_element_type=jnp.float32).reshape(T, H * Dh)
-    return _linear(out, lp["o"], lp["o_bias"])
+    return jnp.einsum("hts,shd->thd", probs, v, preferred_element_type=jnp.float32)
 
 
-def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_types):
+def _windowed(q, k, v, seq_ids, max_len: int):
+    """The same as ``_dense`` for prompts of at most ``max_len`` tokens laid side by side: query
+    tile n (tokens ``[n TILE, (n+1) TILE)``) sees keys ``[n TILE - (max_len-1), (n+1) TILE + max_len - 1)``
+    at most, so it scores a window of W keys starting there (moved inside the step at its ends)."""
+    T, H, Dh = q.shape
+    n = -(-T // TILE)
+    Tp = n * TILE
+    W = min(Tp, TILE + 2 * (max_len - 1))
+    pad = Tp - T
+    q, k, v = (jnp.pad(a, ((0, pad), (0, 0), (0, 0))) for a in (q, k, v))                  # [Tp, H, Dh]
+    seq = jnp.pad(seq_ids, (0, pad), constant_values=-1)                                   # [Tp]
+    starts = jnp.clip(jnp.arange(n) * TILE - (max_len - 1), 0, Tp - W)                     # [n]
+    window = jnp.arange(W)[None, :] + starts[:, None]                                      # [n, W]
+    kw, vw, sw = k[window], v[window], seq[window]                                         # [n, W, H, Dh], [n, W]
+    qt, st = q.reshape(n, TILE, H, Dh), seq.reshape(n, TILE)
+    scores = jnp.einsum("nthd,nshd->nhts", qt, kw, preferred_element_type=jnp.float32)     # [n, H, TILE, W]
+    scores = jnp.where((st[:, :, None] == sw[:, None, :])[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)        # a query's own token is in its window: no NaN
+    out = jnp.einsum("nhts,nshd->nthd", probs, vw, preferred_element_type=jnp.float32)     # [n, TILE, H, Dh]
+    return out.reshape(Tp, H, Dh)[:T]
+
+
+def _per_prompt(q, k, v, seq_ids, positions, rows: int, max_len: int):
+    """The same as ``_dense`` with each prompt (``seq_ids`` < ``rows``, ``positions`` < ``max_len``)
+    moved into a row of a ``[rows, max_len]`` grid and attending within it; padding tokens
+    (``seq_ids`` -1) answer zeros."""
+    T, H, Dh = q.shape
+    cells = rows * max_len
+    slot = jnp.where(seq_ids >= 0, seq_ids * max_len + positions, cells)                  # [T]; cells: a spare
+    grid = [jnp.zeros((cells + 1, H, Dh), a.dtype).at[slot].set(a)[:cells].reshape(rows, max_len, H, Dh)
+            for a in (q, k, v)]                                                             # [rows, L, H, Dh]
+    valid = jnp.zeros(cells + 1, bool).at[slot].set(True)[:cells].reshape(rows, max_len)   # [rows, L]
+    scores = jnp.einsum("rqhd,rkhd->rhqk", grid[0], grid[1], preferred_element_type=jnp.float32)   # [rows, H, L, L]
+    scores = jnp.where(valid[:, None, None, :], scores, -1e30)   # an empty row averages zeros: finite, unused
+    out = jnp.einsum("rhqk,rkhd->rqhd", jax.nn.softmax(scores, axis=-1), grid[2],
+                     preferred_element_type=jnp.float32).reshape(cells, H, Dh)
+    return jnp.where((seq_ids >= 0)[:, None, None], out[jnp.minimum(slot, cells - 1)], 0.0)   # [T, H, Dh]
+
+
+# Relative cost per score of the windowed layout (its gathers and masks), measured on a CPU.
+WINDOW_COST = 3
+
+
+def _attention(arch: ArchConfig, lp: dict, x, seq_ids, positions, rows: int | None, max_len: int | None):
+    """x [T, D]; seq_ids [T] (a query sees the keys of its own prompt) -> [T, D]."""
+    T = x.shape[0]
+    H, Dh = arch.num_heads, arch.head_dim
+    q = _linear(x, lp["q"], lp["q_bias"]).reshape(T, H, Dh) * (Dh ** -0.5)
+    k = _linear(x, lp["k"], lp["k_bias"]).reshape(T, H, Dh)
+    v = _linear(x, lp["v"], lp["v_bias"]).reshape(T, H, Dh)
+    layout = attention_layout(T, rows, max_len)
+    if layout == "per_prompt":
+        out = _per_prompt(q, k, v, seq_ids, positions, rows, max_len)
+    elif layout == "windowed":
+        out = _windowed(q, k, v, seq_ids, max_len)
+    else:
+        out = _dense(q, k, v, seq_ids)
+    return _linear(out.reshape(T, H * Dh), lp["o"], lp["o_bias"])
+
+
+def attention_layout(T: int, rows: int | None, max_len: int | None) -> str:
+    """Which equal computation a step of ``T`` tokens in ``rows`` prompts of at most ``max_len``
+    tokens runs: the fewest scores (static: one choice per bucket)."""
+    if max_len is None or rows is None:
+        return "dense"
+    cost = {"dense": T * T, "per_prompt": rows * max_len * max_len}
+    if T > TILE + 2 * (max_len - 1):
+        cost["windowed"] = WINDOW_COST * T * (TILE + 2 * (max_len - 1))
+    return min(cost, key=cost.get)
+
+
+def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_types, max_len: int | None = None,
+           rows: int | None = None):
     """The encoder's last hidden states.
 
     input_ids [T] int32, positions [T] int32 (each token's index in its prompt), seq_ids [T]
     int32 (the prompt each token belongs to; padding tokens carry their own id, -1),
     token_types [T] int32 (0 for a single text; a pair's second text 1) -> hidden [T, D]
-    float32.  ``params``: ``{"globals": {...}, "layers": [{...}, ...]}``."""
+    float32.  ``params``: ``{"globals": {...}, "layers": [{...}, ...]}``; ``max_len`` (static): no
+    prompt is longer, ``rows`` (static): prompt rows of the step (seq ids below it); with both the
+    attention may run per prompt or windowed (``attention_layout``), else dense."""
     enc = encoder(arch)
     g = params["globals"]
     x = (g["embed"][input_ids] + g["pos_embed"][positions + enc.position_offset]
          + g["type_embed"][token_types])                                     # [T, D]
     x = _layer_norm(x.astype(jnp.float32), g["embed_norm"], g["embed_norm_bias"], enc.layer_norm_eps)
-    same_seq = seq_ids[:, None] == seq_ids[None, :]                          # [T, T]
     for lp in params["layers"]:
-        x = _layer_norm(x + _attention(arch, lp, x, same_seq), lp["attn_norm"], lp["attn_norm_bias"],
+        x = _layer_norm(x + _attention(arch, lp, x, seq_ids, positions, rows, max_len), lp["attn_norm"], lp["attn_norm_bias"],
                         enc.layer_norm_eps)
         h = jax.nn.gelu(_linear(x, lp["up"], lp["up_bias"]), approximate=enc.gelu_tanh)   # [T, F]
         x = _layer_norm(x + _linear(h, lp["down"], lp["down_bias"]), lp["mlp_norm"], lp["mlp_norm_bias"],

@@ -52,12 +52,14 @@ def _rope(arch: ArchConfig, theta: float, positions):
     return cos_sin(positions, jnp.asarray(inv_frequencies(arch.head_dim, theta, RopeScaling())))
 
 
-def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_types):
+def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_types, max_len: int | None = None,
+           rows: int | None = None):
     """The encoder's last hidden states (after the final norm).
 
     input_ids [T] int32, positions [T] int32 (each token's index in its prompt), seq_ids [T]
     int32 (the prompt each token belongs to; padding tokens carry -1), token_types [T] int32
-    (unused: ModernBERT has no token types) -> hidden [T, D] float32.  ``params``:
+    (unused: ModernBERT has no token types) -> hidden [T, D] float32; ``max_len``, ``rows``
+    (unused: its attention is dense; BERT's picks a layout by them).  ``params``:
     ``{"globals": {...}, "layers": [{...}, ...]}`` (layer 0 has no ``attn_norm``: an identity)."""
     enc = encoder(arch)
     g = params["globals"]
