@@ -11,7 +11,7 @@ call, so a drift of the shared machine moves every arm alike):
 
 * ``base``: the engine without LoRA;
 * ``lora engine, 0 adapters``: the LoRA engine, no request names an adapter (the cost of the
-  LoRA path alone: every step still computes the slots' deltas, zeroed by the slot mask);
+  LoRA path alone: the slot inputs and a loop of no iteration per projection, lora/apply.py);
 * ``K adapters``: request ``i`` runs adapter ``i % K``.
 
 Printed: the median output tokens/s of each arm and its ratio to ``base``, with the load

@@ -1,15 +1,22 @@
 """The LoRA delta a layer adds to a projection's output, per token, inside the compiled step.
 
-Every slot's shrink is computed and the token's own slot kept by a one-hot mask
-(``einsum(x, one_hot(slot), A)``, as tpu-inference and sglang-jax do): measured on this CPU
-for max_loras=4, T=32, in=out=576, R=16, 107-150 us a projection against 230-520 us for a
-per-token gather of the ``[in, R]`` and ``[R, out]`` matrices (the gather copies T of them).
-A token with slot -1 (the base model, or bucket padding) gets a zero one-hot row: no delta.
+The step carries the distinct slots its tokens use (``LoRAStep.used``, from the host) and a
+loop over just those reads each used slot's ``A [in, R]`` / ``B [R, out]`` of this layer, the
+shrink ``x @ A`` masked to the tokens of that slot, then the expand: the step's cost follows
+the adapters in the batch, not ``max_loras`` (a step with no adapter runs no iteration).  The
+loop's trip count is an input, so a new mix of adapters never compiles.  Measured on the
+built-in model (docs/BENCHMARKS.md "LoRA adapters"): the earlier one-hot einsum over every
+slot read ~20 MB of float32 ``A``/``B`` per slot per step, 0.16x of base at ``max_loras=8``.
+
+Without ``used`` (training, lora/train.py: the loop's dynamic trip count is not
+reverse-differentiable) the one-hot einsum over every slot is kept
+(``einsum(x, one_hot(slot), A)``, as tpu-inference and sglang-jax do).
+A token with slot -1 (the base model, or bucket padding) matches no slot: no delta.
 The delta is float32 (on the native CPU path the activations are float32 already).
 
 When the step runs the GPU path (``Kernels.attention`` or ``Kernels.matmul`` "pallas"), the
 delta is the Pallas kernel of ``pallas/lora.py`` instead (per token, only its own slot's
-matrices are read); on CPU the one-hot einsum stays, measured faster here.
+matrices are read).
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ class LoRAStep:
     """param -> (A [max_loras, L, in, R], B [max_loras, L, R, out]) float32, scale folded into B."""
     slots: jax.Array
     """[T] int32, each token's slot (-1: none)."""
+    used: jax.Array | None = None
+    """[max_loras] int32: the distinct slots in ``slots``, then -1s; None: every slot (the
+    differentiable one-hot einsum)."""
     kernel: str = field(default="einsum", metadata=dict(static=True))
     """"einsum" (the one-hot shrink and expand) or "pallas" (``pallas/lora.py``)."""
 
@@ -46,12 +56,33 @@ def delta(lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array | 
     if lora is None or name not in lora.weights:
         return None
     A, B = lora.weights[name]
+    if lora.kernel != "pallas" and lora.used is not None:
+        return _used_slots_delta(x, A, B, layer, lora.slots, lora.used)
     A_l, B_l = A[:, layer], B[:, layer]                                  # [S, in, R], [S, R, out]
     if lora.kernel == "pallas":
         return lora_delta(x, A_l, B_l, lora.slots)                       # [T, out]
     onehot = jax.nn.one_hot(lora.slots, A.shape[0], dtype=jnp.float32)   # [T, S]
     xa = jnp.einsum("ti,sir->tsr", x.astype(jnp.float32), A_l) * onehot[:, :, None]   # [T, S, R]
     return jnp.einsum("tsr,sro->to", xa, B_l)                            # [T, out]
+
+
+def _used_slots_delta(x, A, B, layer, slots, used) -> jax.Array:
+    """x [T, in]; A [S, L, in, R], B [S, L, R, out]; slots [T]; used [S] -> [T, out] float32,
+    reading only the used slots' matrices of ``layer``."""
+    T, (_, _, n_in, R), n_out = x.shape[0], A.shape, B.shape[-1]
+    xf = x.astype(jnp.float32)
+    layer = jnp.asarray(layer, jnp.int32)
+
+    def one_slot(i, acc):
+        s = used[i]
+        a = jax.lax.dynamic_slice(A, (s, layer, 0, 0), (1, 1, n_in, R))[0, 0]      # [in, R]
+        b = jax.lax.dynamic_slice(B, (s, layer, 0, 0), (1, 1, R, n_out))[0, 0]     # [R, out]
+        xa = jnp.where((slots == s)[:, None], xf @ a, 0.0)                         # [T, R]
+        return acc + xa @ b                                                        # [T, out]
+
+    # A dynamic trip count: the loop runs once per used slot (none when the step has no adapter).
+    count = jnp.sum(used >= 0)
+    return jax.lax.fori_loop(0, count, one_slot, jnp.zeros((T, n_out), jnp.float32))
 
 
 def add(y: jax.Array, lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array:

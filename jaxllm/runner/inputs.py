@@ -168,7 +168,8 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
         sampling=smd.to_metadata(md),
         prompt_targets=prompt_targets,
         state_slots=state_slots,
-        lora_slots=lora_slots)
+        lora_slots=lora_slots,
+        lora_used=None if lora_slots is None else used_slots(lora_slots, cfg.max_loras))
     return PreparedStep(bucket=(Tb, Sb), inputs=inputs, req_ids=tuple(rid for rid, _ in seqs), samples=tuple(samples),
                         prompt_plan=tuple(plan), drafts=tuple(drafts_of),
                         feed=feed if (feed >= 0).any() else None)
@@ -194,4 +195,15 @@ def input_spec(cfg: StepConfig, T: int, S: int, sharding) -> StepInputs:
         sampling=sampling_spec(S, sharding, cfg.num_speculative_tokens),
         prompt_targets=sds((T,)),
         state_slots=sds((S,)),
-        lora_slots=sds((T,)) if cfg.max_loras else None)
+        lora_slots=sds((T,)) if cfg.max_loras else None,
+        lora_used=sds((cfg.max_loras,)) if cfg.max_loras else None)
+
+
+def used_slots(lora_slots: np.ndarray, max_loras: int) -> np.ndarray:
+    """[T] each token's LoRA slot (-1: none) -> [max_loras] int32: the distinct slots the step
+    uses, then -1s.  The step reads only these slots' matrices (lora/apply.py), so its cost
+    follows the adapters in the batch, not ``max_loras``."""
+    used = np.full(max_loras, -1, np.int32)
+    distinct = np.unique(lora_slots[lora_slots >= 0])
+    used[:len(distinct)] = distinct
+    return used

@@ -42,6 +42,7 @@ class StepInputs:
     prompt_targets: jax.Array   # [T] int32, next prompt token for prompt_logprobs, -1: not asked
     state_slots: jax.Array      # [S] int32, each sequence's per-sequence state slot (runner/state_slots.py)
     lora_slots: jax.Array | None = None   # [T] int32, each token's LoRA slot (-1: none); None: LoRA off
+    lora_used: jax.Array | None = None    # [max_loras] int32, the distinct slots in lora_slots, then -1s
 
 
 def make_step(cfg: StepConfig, model: ModuleType):
@@ -57,7 +58,7 @@ def make_step(cfg: StepConfig, model: ModuleType):
     def step(params, kv, sstate: SamplerState, inputs: StepInputs):
         extra = {"state_slots": inputs.state_slots} if stateful else {}
         if cfg.max_loras:
-            extra["lora"] = LoRAStep(params["lora"], inputs.lora_slots, lora_kernel)
+            extra["lora"] = LoRAStep(params["lora"], inputs.lora_slots, inputs.lora_used, lora_kernel)
         hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels, **extra)   # [T, D]
         logits = logits_of(params, hidden[inputs.logits_indices])        # [S, V]
         if tp_size() > 1:

@@ -1,6 +1,6 @@
 """LoRA in the engine (jaxllm/lora/ through runner, scheduler and LLM): token-exact against
 transformers + peft, on the native CPU path and on the XLA path (scanned layers), through the
-Pallas LoRA kernel (interpret mode, a few tokens), and for Gemma 2 and Qwen3-MoE (32 tokens,
+Pallas LoRA kernel (interpret mode, a few tokens), and for Gemma 2, Gemma 3 and Qwen3-MoE (32 tokens,
 one engine each; the MoE adapters change attention, its experts are no target); a batch
 mixing adapters and the base equals each request alone; slots evicted, reloaded and unloaded
 without compiling; the prefix cache keyed by adapter; bad adapters refused, the engine serving on.
@@ -35,6 +35,8 @@ N_PALLAS = 1   # interpret mode runs every kernel program as a loop iteration: t
 NF = 32
 FAMILIES = {
     "gemma2": (lambda d: build_family("gemma2", d), None, dict(cpu_matmul="native")),
+    # Gemma 3: sliding and global layers, q/k norms, its own rope per layer kind.
+    "gemma3": (lambda d: build_family("gemma3", d), None, dict(cpu_matmul="xla", attention_backend="xla")),
     "qwen3_moe": (lambda d: build_tiny("qwen3_moe", d), ATTENTION_ADAPTERS,
                   dict(cpu_matmul="xla", attention_backend="xla")),
 }

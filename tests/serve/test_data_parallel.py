@@ -2,9 +2,10 @@
 
 The routing rule (least unfinished requests, ties to the lowest index, every request's slot
 given back however it ends) is tested on the real ``DataParallelEngine`` over fake replicas,
-without a device.  The end-to-end test starts ``jaxllm serve -dp 2`` as a user would, sends
-concurrent greedy completions, checks each equals the single engine's output and that both
-replicas served (``jaxllm:request_success_total{engine="0"|"1"}`` in /metrics).
+without a device.  The end-to-end test starts ``jaxllm serve -dp 2 --enable-lora`` as a user
+would, sends concurrent greedy completions naming the base and two adapters, checks each equals
+the single engine's output (an adapter's: transformers + peft's, the LoRA tests' oracle) and
+that both replicas served (``jaxllm:request_success_total{engine="0"|"1"}`` in /metrics).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 pytest.register_assert_rewrite("support.serve_helpers")  # before its import, so its asserts show values
+from support.lora_adapters import ADAPTERS, hf_greedy, save_adapter  # noqa: E402
 from support.serve_helpers import free_port, wait_for_health  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -268,10 +270,23 @@ def test_bad_data_parallel_size_exits_2(tiny_llama, capsys):
     assert "--data-parallel-size must be a positive integer, got 0" in capsys.readouterr().err
 
 
-def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, tiny_llm):
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    """Two peft adapters of the tiny Llama (ranks 4 and 8): name -> folder."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    root = tmp_path_factory.mktemp("dp_lora")
+    return {n: save_adapter(model, str(root / n), seed=i + 1, **ADAPTERS[n]) for i, n in enumerate(("a4", "b8"))}
+
+
+def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, tiny_llm, adapters):
     port = free_port()
     cmd = [sys.executable, "-m", "jaxllm.cli", "serve", tiny_llama, "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "tiny", "--data-parallel-size", "2", *SERVE_FLAGS]
+           "--served-model-name", "tiny", "--data-parallel-size", "2", *SERVE_FLAGS,
+           "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+           "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -285,6 +300,17 @@ def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, 
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
                                                              use_tqdm=False)]
+    # Every third request names no adapter, the others a4 or b8 (concurrent, so both replicas
+    # batch adapters with the base); an adapter's reference: transformers + peft, greedy, its
+    # first n_lora tokens (the LoRA tests' token-exact length, tests/lora/test_engine.py N).
+    model_of = ["tiny", "a4", "b8"]
+    n_lora = 8
+    peft_ref = hf_greedy(tiny_llama, adapters, prompts, n_lora)
+    changed = [peft_ref[(model_of[i % 3], i)] != ref[i][:n_lora] for i in range(n) if i % 3]
+    assert any(changed), "the adapters leave the tiny model's tokens as they were"
+    for i in range(n):
+        if i % 3:
+            ref[i] = peft_ref[(model_of[i % 3], i)]
     try:
         wait_for_health(proc, base, lines, timeout=240)
 
@@ -294,7 +320,8 @@ def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, 
         def one(i):
             with httpx.Client(base_url=base, timeout=120) as c:
                 barrier.wait()
-                r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompts[i], "max_tokens": max_tokens,
+                r = c.post("/v1/completions", json={"model": model_of[i % 3], "prompt": prompts[i],
+                                                    "max_tokens": max_tokens if i % 3 == 0 else n_lora,
                                                     "temperature": 0, "ignore_eos": True, "return_token_ids": True})
                 results[i] = r
 
@@ -305,7 +332,7 @@ def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, 
             t.join(180)
         for i, r in enumerate(results):
             assert r is not None and r.status_code == 200, (i, r and r.text)
-            assert r.json()["choices"][0]["token_ids"] == ref[i], f"prompt {i} differs from the single engine"
+            assert r.json()["choices"][0]["token_ids"] == ref[i], f"prompt {i} ({model_of[i % 3]}) differs"
 
         metrics = httpx.get(base + "/metrics", timeout=10).text
         served = {}
