@@ -116,7 +116,9 @@ def test_input_processor_is_the_one_validation():
                                 "is longer than the maximum model length of 8."),
             ([5] * 30, "prompt", "(length 30)"), ([], "prompt", "cannot be empty"),
             ([5, 100], "prompt", "out of vocabulary"), ("text", "prompt", "without a tokenizer"),
-            ({"prompt_token_ids": [5], "cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string")]:
+            ({"prompt_token_ids": [5], "cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string"),
+            ({"prompt_token_ids": [5], "multi_modal_data": {"image": [object()]}}, "multi_modal_data",
+             "takes no images")]:
         with pytest.raises(InvalidRequestError, match=re.escape(needle)) as e:
             proc.process_inputs("c", prompt, SamplingParams())
         assert e.value.param == param

@@ -79,6 +79,10 @@ class InputProcessor:
                 text, ids = prompt["prompt"], None
             else:
                 raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+            if prompt.get("multi_modal_data"):
+                # Would change the output: refused, never ignored (no registered family takes images yet).
+                raise InvalidRequestError("multi_modal_data: this model takes no images (a text-only model)",
+                                          "multi_modal_data")
             salt = prompt.get("cache_salt")
             if salt is not None and (not isinstance(salt, str) or not salt):
                 raise InvalidRequestError("cache_salt must be a non-empty string if provided", "cache_salt")
