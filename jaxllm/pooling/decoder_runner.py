@@ -90,6 +90,7 @@ class DecoderPoolingRunner(PoolingRunner):
         self.arch, self.pooler, self.kernels = arch, pooler, kernels
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.strict = strict_compile_guard
+        self.per_token = False   # pooling_type ALL is refused for a converted decoder at start-up
         self.buckets = token_buckets(max_num_batched_tokens)
         native = kernels.matmul == "native"
         # float32, unrolled layers (the native kernels' layout when they run); the head beside them.
