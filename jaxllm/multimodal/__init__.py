@@ -1,5 +1,3 @@
-"""Images in: fetching and decoding the media a request points at (``media.py``).
-
-The request side of vision-language serving; the image preprocessing and the engine's image
-inputs live beside it once the model side lands (issue 41).
-"""
+"""Images in: fetching and decoding the media a request points at (``media.py``) and the
+preprocessing (``image_processor.py``) that turns a decoded image into the pixel array a vision
+tower takes, without torch (issue 41)."""
