@@ -53,6 +53,10 @@ class AttentionMetadata:
     block_tables: jax.Array    # [S, max_blocks] int32
     seq_lens: jax.Array        # [S] int32, KV length of each sequence after this step (0 for padding rows)
     query_start_loc: jax.Array  # [S + 1] int32, offsets of each sequence's tokens in the flat array
+    # [T] int32 or None: the last position each query sees.  None: its own (causal).  Gemma 3's
+    # image tokens see their whole image (bidirectional inside it; models/gemma3_vl/processing.py),
+    # so the step holding an image must hold all of it.  Text-only steps pass None: unchanged.
+    visible_upto: jax.Array | None = None
 
 
 def write_kv(kv: KVCache, layer, slot_mapping: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
@@ -105,8 +109,9 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
     if pad:
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     qg = (q.astype(jnp.float32) * scale).reshape(T, Hkv, G, Dh)
-    kv_len = md.positions + 1                                # [T]
-    lo = jnp.zeros_like(kv_len) if sliding_window is None else kv_len - sliding_window
+    kv_len = (md.positions if md.visible_upto is None else md.visible_upto) + 1   # [T]
+    # the window counts back from the query's own position, not from what it may see ahead
+    lo = jnp.zeros_like(kv_len) if sliding_window is None else md.positions + 1 - sliding_window
     n_chunks = (jnp.max(kv_len) + chunk - 1) // chunk
 
     def body(j, carry):
@@ -173,6 +178,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
     and refused what cannot run (``engine/resolve.py``).  ``sliding_window``, ``soft_cap``
     (static) and ``sinks`` ([Hq] or None): see :func:`paged_attention_xla`."""
     feats = dict(sliding_window=sliding_window, soft_cap=soft_cap)
+    if md.visible_upto is not None and backend != "xla":
+        # the Pallas and native kernels mask causally by position; only the XLA path reads visible_upto
+        raise ValueError(f"attention backend {backend!r}: bidirectional image tokens need the xla backend")
     if backend == "pallas":
         tp = tp_size()
         if tp > 1:

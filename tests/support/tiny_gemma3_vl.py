@@ -4,6 +4,7 @@ image; a 2-layer Gemma 3 text model with a sliding window."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -33,3 +34,80 @@ def tiny_model(seed: int = 0, **kw) -> Gemma3ForConditionalGeneration:
             if "norm" in name or "mm_input_projection" in name or "embedding" in name:
                 p.normal_(0.0, 0.3 if "norm" in name else 0.2)
     return model
+
+
+def save_text_part(model: Gemma3ForConditionalGeneration, out_dir: str) -> str:
+    """The text model as a ``Gemma3ForCausalLM`` checkpoint (the loader's text family reads it)."""
+    from transformers import Gemma3ForCausalLM
+    text = Gemma3ForCausalLM(model.config.text_config).eval().float()
+    sd = {k.replace("model.language_model.", "model."): v for k, v in model.state_dict().items()
+          if k.startswith("model.language_model.") or k.startswith("lm_head.")}
+    text.load_state_dict(sd)
+    text.config.architectures = ["Gemma3ForCausalLM"]
+    text.save_pretrained(out_dir)
+    return out_dir
+
+
+class PagedGemma3VL:
+    """The jaxllm text model (models/gemma) + vision encoder on one sequence through a paged
+    cache, two compiled programs (the prompt, one decode token), XLA attention, greedy."""
+
+    def __init__(self, text_dir: str, hf_model, block: int = 8, num_blocks: int = 16):
+        import jax
+        from jaxllm.models import gemma
+        from jaxllm.models.gemma3_vl import VisionConfig, encode, load_params
+        from jaxllm.models.loader import load_model
+        from jaxllm.runner.weights import allocate_kv_cache, to_device_params
+        import jax.numpy as jnp
+        model = load_model(text_dir)
+        self.arch = model.arch
+        self.params = to_device_params(model, jnp.float32, False)
+        self.vcfg = VisionConfig.from_hf(hf_model.config)
+        vparams = load_params(self.vcfg, {k: v.numpy() for k, v in hf_model.state_dict().items()})
+        self.encode = jax.jit(lambda px: encode(self.vcfg, vparams, px))
+        self.block, self.num_blocks = block, num_blocks
+        self.new_cache = lambda: allocate_kv_cache(self.arch.num_layers, num_blocks, block, self.arch.num_kv_heads,
+                                                   self.arch.head_dim, jnp.float32, stacked=False)
+        fwd = lambda p, kv, ids, md, rows: gemma.forward(self.arch, p, kv, ids, md, image_rows=rows)
+        self.fwd = jax.jit(lambda p, kv, ids, md, rows: (lambda h, kv: (gemma.compute_logits(self.arch, p, h), kv))(
+            *fwd(p, kv, ids, md, rows)))
+
+    def _md(self, pos, vis):
+        from jaxllm.layers.attention import AttentionMetadata
+        table = np.random.default_rng(0).permutation(self.num_blocks).astype(np.int32)
+        return AttentionMetadata(positions=pos, slot_mapping=(table[pos // self.block] * self.block
+                                                                 + pos % self.block).astype(np.int32),
+                                 token_seq=np.zeros(len(pos), np.int32), block_tables=table[None, :],
+                                 seq_lens=np.array([pos[-1] + 1], np.int32),
+                                 query_start_loc=np.array([0, len(pos)], np.int32), visible_upto=vis)
+
+    def greedy(self, ids: list[int], pixels: np.ndarray, n: int = 32) -> tuple[np.ndarray, list[int]]:
+        """ids: the expanded prompt; pixels [N, 3, S, S] -> (the prompt's logits [T, V], n greedy tokens)."""
+        from jaxllm.models.gemma3_vl import visible_upto
+        emb = self.encode(pixels).reshape(-1, self.arch.hidden_size)          # [N * T_img, D]
+        is_img = np.asarray(ids) == self.vcfg.image_token_id
+        row = np.where(is_img, np.cumsum(is_img) - 1, -1).astype(np.int32)     # [T]
+        T = len(ids)
+        pos = np.arange(T, dtype=np.int32)
+        logits, kv = self.fwd(self.params, self.new_cache(), np.asarray(ids, np.int32),
+                              self._md(pos, visible_upto(self.vcfg, ids)), (row, emb))
+        prompt_logits = np.asarray(logits)
+        out = [int(prompt_logits[-1].argmax())]
+        no_rows = (np.full(1, -1, np.int32), emb[:1])
+        for i in range(n - 1):
+            p = np.array([T + i], np.int32)
+            logits, kv = self.fwd(self.params, kv, np.array(out[-1:], np.int32), self._md(p, p), no_rows)
+            out.append(int(np.asarray(logits)[-1].argmax()))
+        return prompt_logits, out
+
+
+def hf_greedy_vl(hf_model, ids: list[int], pixels: np.ndarray, n: int = 32) -> tuple[np.ndarray, list[int]]:
+    """transformers' prompt logits and ``generate`` (greedy) with the processor's token_type_ids."""
+    x = torch.tensor([ids])
+    tt = (x == IMAGE_TOKEN).long()
+    px = torch.from_numpy(np.asarray(pixels))
+    with torch.no_grad():
+        logits = hf_model(input_ids=x, pixel_values=px, token_type_ids=tt).logits[0].numpy()
+        gen = hf_model.generate(input_ids=x, pixel_values=px, token_type_ids=tt, attention_mask=torch.ones_like(x),
+                                max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return logits, gen[0, len(ids):].tolist()

@@ -91,14 +91,22 @@ def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMeta
 
 
 def forward(cfg: ArchConfig, params: dict, kv: KVCache, input_ids: jax.Array, md: AttentionMetadata,
-            kernels: Kernels = Kernels(), lora: LoRAStep | None = None) -> tuple[jax.Array, KVCache]:
+            kernels: Kernels = Kernels(), lora: LoRAStep | None = None,
+            image_rows: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, KVCache]:
     """input_ids [T] -> final hidden states [T, D] and the updated cache.
-    ``lora``: the step's LoRA adapters and each token's slot (None: the base model only)."""
+    ``lora``: the step's LoRA adapters and each token's slot (None: the base model only).
+    ``image_rows``: (row [T] int32, -1 for a text token; embeds [N, D]): a token with a row takes
+    that image embedding (models/gemma3_vl/vision.py) instead of its scaled token embedding."""
     native = kernels.matmul == "native"
     x = embed(params["embed"], input_ids, panels=native and cfg.tie_word_embeddings)   # [T, D]
     if native:
         x = x.astype(jnp.float32)
     x = x * _embed_scale(params["embed"]).astype(x.dtype)
+    if image_rows is not None:
+        row, embeds = image_rows
+        # after the sqrt(D) scale, as transformers scatters image features into inputs_embeds
+        picked = embeds.astype(x.dtype)[jnp.maximum(row, 0)]            # [T, D]
+        x = jnp.where((row >= 0)[:, None], picked, x)
     rope = {"global": cos_sin(md.positions, params["rope_inv_freq"])}   # [T, Dh/2] each
     if "rope_local_inv_freq" in params:
         rope["local"] = cos_sin(md.positions, params["rope_local_inv_freq"])
