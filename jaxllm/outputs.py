@@ -33,6 +33,8 @@ class NewRequestData:
     num_computed_tokens: int
     lora_slot: int = -1
     """The device slot of its LoRA adapter (-1: the base model)."""
+    images: tuple = ()
+    """Its ``request.ImageInput``s (a vision-language engine's runner encodes them)."""
 
 
 @dataclass(frozen=True)

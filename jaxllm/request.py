@@ -18,6 +18,22 @@ from jaxllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, preprocessed at the edge (multimodal/prompt_images.py): what the
+    runner's vision encoder takes, and where its embeddings go in the prompt."""
+
+    pixels: object
+    """float32 [3, H, W] numpy: the checkpoint's processor output."""
+    hash: str
+    """sha256 of ``pixels``: keys the encoder cache and, through the cache salt, the prefix cache."""
+    start: int
+    """Prompt position of its first placeholder token."""
+    length: int
+    """Its placeholder tokens (one embedding row each), attending to each other both ways: a
+    prefill chunk never ends inside them (``Request.fit_images``)."""
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """A request as the input processor left it: valid for this engine, tokenized, resolved."""
 
@@ -39,6 +55,8 @@ class EngineRequest:
     """``time.monotonic()`` when the request was processed."""
     lora_request: LoRARequest | None = None
     """The adapter it runs with (checked readable for this model), or None: the base model."""
+    images: tuple[ImageInput, ...] = ()
+    """Its images, in prompt order (a vision-language engine only)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,7 +88,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), seed: int = 0, arrival_time: float | None = None,
                  priority: int = 0, max_tokens: int = 16, cache_salt: str | None = None,
-                 lora_request: LoRARequest | None = None):
+                 lora_request: LoRARequest | None = None, images: tuple[ImageInput, ...] = ()):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -85,6 +103,8 @@ class Request:
         self.max_tokens = max_tokens
         self.lora_request = lora_request
         """Its adapter, or None (the base model)."""
+        self.images = images
+        """Its images (``EngineRequest.images``)."""
         self.lora_slot = -1
         """The device slot of its adapter while it runs (the scheduler's), -1: none."""
         """The resolved output cap (``max_tokens``, or what is left of ``max_model_len``)."""
@@ -111,11 +131,21 @@ class Request:
         return cls(child_id, request.prompt_token_ids, request.params, eos_token_ids=request.eos_token_ids,
                    seed=seed, arrival_time=request.arrival_time, priority=request.priority,
                    max_tokens=request.max_tokens, cache_salt=request.cache_salt,
-                   lora_request=request.lora_request)
+                   lora_request=request.lora_request, images=request.images)
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def fit_images(self, start: int, n: int) -> int:
+        """Of ``n`` tokens from ``start``, how many one step may compute: a chunk that would end
+        inside an image stops before it (its tokens attend to each other both ways, so one step
+        holds all of them); 0 when it starts inside one it cannot finish."""
+        end = start + n
+        for im in self.images:
+            if im.start < end < im.start + im.length:
+                return max(im.start - start, 0)
+        return n
 
     @property
     def lora_int_id(self) -> int:

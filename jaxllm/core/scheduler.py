@@ -166,6 +166,8 @@ class Scheduler:
                 i += 1
                 continue  # its in-flight token ends it: nothing more to compute
             n = min(req.num_tokens + inflight - req.num_computed_tokens, budget)
+            if req.images:
+                n = req.fit_images(req.num_computed_tokens, n)
             if n <= 0:
                 i += 1
                 continue
@@ -206,6 +208,10 @@ class Scheduler:
                     break   # every slot is pinned by other adapters: it waits for one to free
                 num_hit = len(hit) * self.kv.block_size
                 n = min(req.num_tokens - num_hit, budget)
+                if req.images:
+                    n = req.fit_images(num_hit, n)
+                    if n <= 0:
+                        break   # its next image does not fit what is left of the budget: next step
                 blocks = self.kv.allocate_slots(req.request_id, num_hit + n, hit)
                 if blocks is None:
                     break
@@ -241,7 +247,7 @@ class Scheduler:
                     req_id=rid, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params, seed=req.seed,
                     block_ids=list(self.kv.get_block_ids(rid)),
-                    num_computed_tokens=req.num_computed_tokens, lora_slot=req.lora_slot))
+                    num_computed_tokens=req.num_computed_tokens, lora_slot=req.lora_slot, images=req.images))
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(new_blocks[rid])

@@ -25,6 +25,7 @@ from jaxllm.host_memory import return_freed_memory
 from jaxllm.lora.request import LoRARequest
 from jaxllm.models.builtin import BUILTIN_MODEL_NAME
 from jaxllm.models.loader import TokenizerSource, load_model
+from jaxllm.multimodal.prompt_images import PromptImages
 from jaxllm.outputs import RequestOutput, SchedulingEvent
 from jaxllm.parallel import distributed
 from jaxllm.paths import default_cache_dir
@@ -135,12 +136,16 @@ class LLMEngine:
             self.tokenizer, self.arch.vocab_size, self.eos_token_ids,
             config.structured_outputs_config.with_tag_resolved(self.tokenizer))
         self.core = EngineCore(config, model, replica=replica, grammar=self.grammar)
+        # A vision-language model: images are preprocessed at the edge (the input processor).
+        images = (None if model.vision is None
+                  else PromptImages(model.vision, self.core.resolved.step.max_num_batched_tokens))
+        self.supports_images = images is not None
         del model  # host copies of the weights are no longer needed
         return_freed_memory()
         self.max_model_len = self.core.resolved.step.max_model_len
         self.input_processor = InputProcessor(self.tokenizer, self.arch.vocab_size, self.max_model_len,
                                               self.eos_token_ids, config.runner.max_logprobs, grammar=self.grammar,
-                                              lora_store=self.core.lora_store)
+                                              lora_store=self.core.lora_store, images=images)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @staticmethod

@@ -19,6 +19,7 @@ import time
 from jaxllm.engine.tokenizer import encode
 from jaxllm.lora.request import LoRARequest
 from jaxllm.lora.store import AdapterStore
+from jaxllm.multimodal.prompt_images import PromptImages, image_salt
 from jaxllm.request import EngineRequest
 from jaxllm.sample.metadata import suppress_capacity_error
 from jaxllm.sampling_params import SamplingParams
@@ -40,9 +41,12 @@ class InvalidRequestError(ValueError):
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: tuple[int, ...],
-                 max_logprobs: int, grammar=None, lora_store: AdapterStore | None = None):
+                 max_logprobs: int, grammar=None, lora_store: AdapterStore | None = None,
+                 images: PromptImages | None = None):
         """``grammar``: the engine's structured-output compiler (structured/grammar.py), or None;
-        ``lora_store``: where adapters are read (None: the engine runs without LoRA)."""
+        ``lora_store``: where adapters are read (None: the engine runs without LoRA);
+        ``images``: a vision-language model's image preprocessing (None: a text-only model)."""
+        self.images = images
         self.lora_store = lora_store
         self.tokenizer = tokenizer
         self.grammar = grammar
@@ -56,6 +60,14 @@ class InputProcessor:
         """Validates and tokenizes one request.  Raises :class:`InvalidRequestError` (a
         ValueError) naming what is wrong; nothing is queued anywhere."""
         text, ids, salt = self._parse(prompt)
+        images = ()
+        mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm:
+            try:
+                ids, images = self.images.process(ids, mm)
+            except ValueError as e:
+                raise InvalidRequestError(str(e), "multi_modal_data") from None
+            salt = image_salt(salt, images)
         self._check_prompt(ids)
         self._check_lora(lora_request)
         resolved = self.check_params(params)
@@ -66,7 +78,7 @@ class InputProcessor:
                                       f"left of max_model_len={self.max_model_len} after the prompt), got "
                                       f"{resolved.min_tokens}.", "min_tokens")
         return EngineRequest(request_id, text, ids, resolved, max_tokens, self.eos_token_ids, priority=priority,
-                             cache_salt=salt, lora_request=lora_request,
+                             cache_salt=salt, lora_request=lora_request, images=images,
                              arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
     def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
@@ -79,8 +91,8 @@ class InputProcessor:
                 text, ids = prompt["prompt"], None
             else:
                 raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
-            if prompt.get("multi_modal_data"):
-                # Would change the output: refused, never ignored (no registered family takes images yet).
+            if prompt.get("multi_modal_data") and self.images is None:
+                # Would change the output: refused, never ignored.
                 raise InvalidRequestError("multi_modal_data: this model takes no images (a text-only model)",
                                           "multi_modal_data")
             salt = prompt.get("cache_salt")

@@ -165,6 +165,13 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
         log.info("layers unrolled: %s's layers differ (attention windows or weights)", model.arch.architecture)
         scan = False
     backend = _attention_backend(rc.attention_backend, platform, dtype, tp, scan)
+    if model.vision is not None and backend != "xla":
+        # image tokens attend both ways inside their image: only the XLA path reads visible_upto
+        if rc.attention_backend != "auto":
+            raise ValueError(f"--attention-backend {rc.attention_backend}: {model.arch.architecture}'s images "
+                             "need --attention-backend xla (bidirectional attention inside an image)")
+        log.info("attention backend xla: %s's image tokens attend both ways", model.arch.architecture)
+        backend = "xla"
     sampler = rc.sampler_backend
     if sampler == "auto":
         sampler = "pallas" if on_gpu and not rc.use_fp64_gumbel else "xla"
@@ -243,7 +250,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                       max_logprobs=rc.max_logprobs, logprobs_mode=rc.logprobs_mode, use_fp64_gumbel=rc.use_fp64_gumbel,
                       kv_cache_dtype=kv_name, num_speculative_tokens=_num_speculative_tokens(config),
-                      **_lora_slots(config, a))
+                      images=model.vision is not None, **_lora_slots(config, a))
     return ResolvedConfig(step=step, kv=kv, kv_sizing=sizing, compile_cache_dir=cache_dir)
 
 

@@ -50,6 +50,8 @@ class LoadedModel:
     generation_config: dict = field(default_factory=dict)
     rope_tables: dict[str, np.ndarray] = field(default_factory=dict)
     """Further RoPE frequency tables by parameter name (Gemma 3's sliding layers' base)."""
+    vision: object | None = None
+    """A vision-language checkpoint's image side (its family's ``vision.split_checkpoint``), or None."""
 
     def tensors(self) -> list:
         return [*self.globals.values(), *(a for lp in self.layers for a in lp.values())]
@@ -133,6 +135,11 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
         tensors = hf_formats.build(method, raw["quantization_config"], tensors, where=path)
 
     ignored = get_family(arch.architecture).ignored_tensors
+    vision_family = get_family(arch.architecture).vision
+    vision = None
+    if vision_family is not None:
+        # the image encoder's tensors leave here; the rest are the text model's, renamed
+        tensors, vision = vision_family.split_checkpoint(hf, tensors, path)
     mtp = int(getattr(hf, "num_mtp_layers", None) or getattr(hf, "num_nextn_predict_layers", None) or 0)
 
     def skip(name: str) -> bool:
@@ -157,7 +164,7 @@ def load_hf_folder(path: str, quantization: str | None = None) -> LoadedModel:
     return LoadedModel(
         name=path, arch=arch, layers=layers, globals=globals_,
         rope_inv_freq=inv_frequencies(arch.rope_dim, arch.rope_theta, arch.rope_scaling),
-        tokenizer=TokenizerSource(path), generation_config=gen, rope_tables=_rope_tables(arch))
+        tokenizer=TokenizerSource(path), generation_config=gen, rope_tables=_rope_tables(arch), vision=vision)
 
 
 def _rope_tables(arch: ArchConfig) -> dict[str, np.ndarray]:

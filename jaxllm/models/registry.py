@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import bert, deepseek, gemma, gpt_oss, llama, modernbert, qwen3_next
+from jaxllm.models import bert, deepseek, gemma, gemma3_vl, gpt_oss, llama, modernbert, qwen3_next
 from jaxllm.models.config import ArchConfig, FamilyConfig
 
 
@@ -48,10 +48,14 @@ class Family:
     lora: bool = False
     """Its layers add LoRA deltas (``forward(..., lora=)``; lora/apply.py) to the projections
     ``lora/targets.py`` reads off its parameter table."""
+    vision: ModuleType | None = None
+    """A vision-language model's image side (``split_checkpoint``, ``encode``, placeholder
+    expansion: models/gemma3_vl/): the engine takes images (``supports_images``)."""
 
 
 DECODER = Family(llama, config=llama.LlamaConfig, lora=True)
 GEMMA = Family(gemma, config=gemma.GemmaConfig, rope_tables=gemma.rope_tables, lora=True)
+GEMMA_VL = Family(gemma, config=gemma.GemmaConfig, rope_tables=gemma.rope_tables, vision=gemma3_vl)
 GPT_OSS = Family(gpt_oss, config=gpt_oss.GptOssConfig)
 MLA = Family(deepseek, config=deepseek.DeepseekConfig, cache_kinds=deepseek.cache_kinds,
              allocate_cache=deepseek.allocate_cache)
@@ -73,6 +77,7 @@ _REGISTRY: dict[str, Family] = {
     "MixtralForCausalLM": DECODER,
     "Gemma2ForCausalLM": GEMMA,
     "Gemma3ForCausalLM": GEMMA,
+    "Gemma3ForConditionalGeneration": GEMMA_VL,   # + SigLIP images (models/gemma3_vl/)
     "GptOssForCausalLM": GPT_OSS,   # sinks, YaRN, biased experts with the clamped SwiGLU
     # models/llama/variants.py reads their configs into ArchConfig switches of the same decoder.
     "Phi3ForCausalLM": DECODER,

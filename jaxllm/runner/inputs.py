@@ -159,20 +159,47 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
         r += 1 + len(drafts)
         qsl[i + 1] = off
     qsl[len(seqs) + 1:] = off
+    images = _image_inputs(seqs, states, positions, cfg) if cfg.images else {}
     inputs = StepInputs(
         input_ids=input_ids,
         attn=AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
-                               block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl),
+                               block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl,
+                               visible_upto=images.get("visible")),
         logits_indices=logits_idx,
         token_row=token_row,
         sampling=smd.to_metadata(md),
         prompt_targets=prompt_targets,
         state_slots=state_slots,
         lora_slots=lora_slots,
-        lora_used=None if lora_slots is None else used_slots(lora_slots, cfg.max_loras))
+        lora_used=None if lora_slots is None else used_slots(lora_slots, cfg.max_loras),
+        image_row=images.get("row"), image_embeds=images.get("embeds"))
     return PreparedStep(bucket=(Tb, Sb), inputs=inputs, req_ids=tuple(rid for rid, _ in seqs), samples=tuple(samples),
                         prompt_plan=tuple(plan), drafts=tuple(drafts_of),
                         feed=feed if (feed >= 0).any() else None)
+
+
+def _image_inputs(seqs: list[tuple[str, int]], states: RequestStates, positions: np.ndarray,
+                  cfg: StepConfig) -> dict[str, np.ndarray]:
+    """A vision-language step's image inputs: each token's ``visible_upto`` [T] (its own
+    position, or its image's last for an image token), ``row`` [T] and ``embeds`` [T, D] (the
+    encoder's row at each image token).  The scheduler never ends a chunk inside an image."""
+    T = len(positions)
+    visible = positions.copy()
+    row = np.full(T, -1, np.int32)
+    embeds = np.zeros((T, cfg.arch.hidden_size), np.float32)
+    off = 0
+    for rid, n in seqs:
+        im = states[rid].images
+        if im is not None:
+            pos = positions[off:off + n]
+            p = pos[pos < len(im.row)]                                       # prompt positions in this chunk
+            visible[off:off + len(p)] = im.visible[p]
+            r = im.row[p]
+            at = off + np.nonzero(r >= 0)[0]
+            row[at] = at
+            embeds[at] = im.embeds[r[r >= 0]]
+        off += n
+    return {"visible": visible, "row": row, "embeds": embeds}
 
 
 def sampling_spec(S: int, sharding, draft_width: int = 0) -> SamplingMetadata:
@@ -189,14 +216,17 @@ def input_spec(cfg: StepConfig, T: int, S: int, sharding) -> StepInputs:
         input_ids=sds((T,)),
         attn=AttentionMetadata(positions=sds((T,)), slot_mapping=sds((T,)), token_seq=sds((T,)),
                                block_tables=sds((S, cfg.max_blocks_per_seq)), seq_lens=sds((S,)),
-                               query_start_loc=sds((S + 1,))),
+                               query_start_loc=sds((S + 1,)), visible_upto=sds((T,)) if cfg.images else None),
         logits_indices=sds((S,)),
         token_row=sds((T,)),
         sampling=sampling_spec(S, sharding, cfg.num_speculative_tokens),
         prompt_targets=sds((T,)),
         state_slots=sds((S,)),
         lora_slots=sds((T,)) if cfg.max_loras else None,
-        lora_used=sds((cfg.max_loras,)) if cfg.max_loras else None)
+        lora_used=sds((cfg.max_loras,)) if cfg.max_loras else None,
+        image_row=sds((T,)) if cfg.images else None,
+        image_embeds=jax.ShapeDtypeStruct((T, cfg.arch.hidden_size), jnp.float32, sharding=sharding)
+        if cfg.images else None)
 
 
 def used_slots(lora_slots: np.ndarray, max_loras: int) -> np.ndarray:

@@ -53,6 +53,7 @@ from jaxllm.runner.requests import RequestState, RequestStates, SampledStep
 from jaxllm.runner.state_slots import StateSlots
 from jaxllm.runner.step_config import StepConfig
 from jaxllm.runner.token_feed import TokenFeed
+from jaxllm.runner.vision import VisionEncoder
 from jaxllm.sample.bitmask import mask_words
 from jaxllm.sample.states import SamplerRows
 from jaxllm.spec_decode.config import SpeculativeConfig
@@ -133,6 +134,10 @@ class ModelRunner:
         programs = ProgramCache(program_dir if jax.process_count() == 1 else None, self.mesh.devices.flat)
         self.compiler = CompilationManager(cfg, get_model_module(model.arch.architecture), self.mesh, self._rep,
                                            self.rules, programs, show_progress)
+        # A vision-language model: its image encoder, a program of its own (runner/vision.py).
+        vision = get_family(model.arch.architecture).vision
+        self.vision = (None if model.vision is None or not cfg.images
+                       else VisionEncoder(vision, model.vision, self._rep, strict_compile_guard))
         self.warm = False
         self.step_seconds: dict[tuple[int, int], float] = {}
         self._cold: set[tuple[int, int]] = set()
@@ -223,6 +228,8 @@ class ModelRunner:
         compiled the first time a step needs it; the compile guard covers the ready ones."""
         cc.install_listeners()
         self.sampler_rows.compile()
+        if self.vision is not None:
+            self.vision.compile()
         if self.lora_slots is not None:
             self.lora_slots.compile()
             self.params["lora"] = self.lora_slots.weights
@@ -253,6 +260,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._load_loras(so.lora_loads)
         self.requests.update(so)
+        self._encode_images(so)
         self.grammars.update(so)
         if self.speculation is not None:
             self.speculation.update(so)
@@ -272,6 +280,7 @@ class ModelRunner:
             raise ValueError("async scheduling does not run speculative decoding")
         self._load_loras(so.lora_loads)
         self.requests.update(so)
+        self._encode_images(so)
         self.grammars.update(so)
         if so.total_num_scheduled_tokens == 0:
             return None
@@ -293,6 +302,15 @@ class ModelRunner:
             h.result = self.requests.record(h.step, SampledStep(*host, prompt=plp), h.states)
             self._accept_grammar(h.result)
         return h.result
+
+    def _encode_images(self, so: SchedulerOutput) -> None:
+        """Encodes the images of the requests seated this step (the encoder cache skips those
+        seen before); their rows go in at the placeholder tokens of each chunk (runner/inputs.py)."""
+        for nr in so.scheduled_new_reqs:
+            if nr.images:
+                if self.vision is None:
+                    raise ValueError(f"request {nr.req_id}: images sent to a model that takes none")
+                self.requests[nr.req_id].images = self.vision.request_images(nr.images, nr.num_prompt_tokens)
 
     def unload_lora(self, slot: int) -> None:
         """Zeroes ``slot`` (its adapter was removed)."""

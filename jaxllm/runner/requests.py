@@ -37,6 +37,9 @@ class RequestState:
     yet (0 or 1); the next step takes such a token on the device (runner/token_feed.py)."""
     lora_slot: int = -1
     """The device slot of its LoRA adapter (-1: the base model)."""
+    images: object | None = None
+    """A vision-language model's request with images: its encoded ``runner.vision.RequestImages``
+    (set by the runner when the request is seated)."""
 
     def take_pending_counts(self) -> list[int]:
         out, self.pending_counts = self.pending_counts or [], None

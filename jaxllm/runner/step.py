@@ -43,6 +43,8 @@ class StepInputs:
     state_slots: jax.Array      # [S] int32, each sequence's per-sequence state slot (runner/state_slots.py)
     lora_slots: jax.Array | None = None   # [T] int32, each token's LoRA slot (-1: none); None: LoRA off
     lora_used: jax.Array | None = None    # [max_loras] int32, the distinct slots in lora_slots, then -1s
+    image_row: jax.Array | None = None    # [T] int32, t for a token that takes image_embeds[t], else -1; None: no images
+    image_embeds: jax.Array | None = None  # [T, D] float32, the image rows at their tokens (zeros elsewhere)
 
 
 def make_step(cfg: StepConfig, model: ModuleType):
@@ -59,6 +61,9 @@ def make_step(cfg: StepConfig, model: ModuleType):
         extra = {"state_slots": inputs.state_slots} if stateful else {}
         if cfg.max_loras:
             extra["lora"] = LoRAStep(params["lora"], inputs.lora_slots, inputs.lora_used, lora_kernel)
+        if inputs.image_row is not None:
+            # a vision-language model: the image tokens take the encoder's rows (runner/vision.py)
+            extra["image_rows"] = (inputs.image_row, inputs.image_embeds)
         hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels, **extra)   # [T, D]
         logits = logits_of(params, hidden[inputs.logits_indices])        # [S, V]
         if tp_size() > 1:

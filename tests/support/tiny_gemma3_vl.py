@@ -111,3 +111,43 @@ def hf_greedy_vl(hf_model, ids: list[int], pixels: np.ndarray, n: int = 32) -> t
         gen = hf_model.generate(input_ids=x, pixel_values=px, token_type_ids=tt, attention_mask=torch.ones_like(x),
                                 max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return logits, gen[0, len(ids):].tolist()
+
+
+WORDS = ["user", "model", "assistant", "system", "what", "is", "in", "this", "image", "describe", "the",
+         "picture", "a", "cat", "dog", "and", "of", "see", "you", "do", "?", ".", ","]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<start_of_image>{% else %}{{ p['text'] }}{% endif %} {% endfor %}{% endif %}"
+    "<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}")
+
+
+def save_tokenizer(out_dir: str) -> None:
+    """A word-level tokenizer over the tiny vocabulary (256) with Gemma 3's image tokens at
+    their ids (250-252) and a chat template that puts ``<start_of_image>`` where an image part is."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
+    for i in range(3, 250):
+        vocab[WORDS[i - 3] if i - 3 < len(WORDS) else f"w{i}"] = i
+    for i, t in enumerate(("<image_soft_token>", "<start_of_image>", "<end_of_image>", "<start_of_turn>",
+                           "<end_of_turn>", "<unk>")):
+        vocab[t] = 250 + i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", additional_special_tokens=[
+                                       "<image_soft_token>", "<start_of_image>", "<end_of_image>",
+                                       "<start_of_turn>", "<end_of_turn>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def save_vl_checkpoint(model: Gemma3ForConditionalGeneration, out_dir: str) -> str:
+    """The whole checkpoint as jaxllm serves it: weights, tokenizer, the image processor's config."""
+    from transformers import Gemma3ImageProcessor
+    model.save_pretrained(out_dir)
+    save_tokenizer(out_dir)
+    size = model.config.vision_config.image_size
+    Gemma3ImageProcessor(size={"height": size, "width": size}).save_pretrained(out_dir)
+    return out_dir

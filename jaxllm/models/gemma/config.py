@@ -9,7 +9,8 @@ from jaxllm.errors import ModelLoadError
 from jaxllm.models.config import ArchConfig, FamilyConfig, RopeScaling, _eos_tuple, rope_scaling_from_dict
 from jaxllm.models.gguf_arch import GgufMeta, base_fields, finish, layer_types, refuse_scaling
 
-ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+_GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 GGUF_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 # Keys under "<arch>." the GGUF reader understands besides gguf_arch.COMMON_KEYS.
@@ -80,7 +81,7 @@ def _from_hf(hf, arch: str, where: str) -> ArchConfig:
         raise ModelLoadError(f"{where}: sliding layers need a positive sliding_window, got {window!r}")
     rope = get("rope_parameters") or {}
     local_theta = None
-    if arch == "Gemma3ForCausalLM":
+    if arch in _GEMMA3:
         full = rope.get("full_attention") or {}
         local = rope.get("sliding_attention") or {}
         if (local.get("rope_type") or "default") != "default":
@@ -113,7 +114,7 @@ def _from_hf(hf, arch: str, where: str) -> ArchConfig:
         tie_word_embeddings=bool(get("tie_word_embeddings", True)),
         qkv_bias=bias,
         o_bias=bias,
-        qk_norm=arch == "Gemma3ForCausalLM",
+        qk_norm=arch in _GEMMA3,
         sliding_window=int(window) if window else None,
         bos_token_id=get("bos_token_id"),
         eos_token_ids=_eos_tuple(get("eos_token_id")),

@@ -1,0 +1,101 @@
+"""A vision-language model's image encoder on the device: the vision tower + projector
+(``Family.vision.encode``) as its own program, compiled ahead of time per image size (Gemma 3
+resizes every image to one size: one program), and each request's image rows laid out for the
+step (``runner/inputs.py`` puts them at the placeholder tokens).
+
+An encoder cache keyed by the image's pixel hash keeps the rows of the last ``cache_images``
+images: the same image again is not encoded again (``hits`` / ``misses`` count it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.errors import CompileGuardError
+from jaxllm.runner import compile as cc
+
+log = logging.getLogger("jaxllm.runner")
+
+
+@dataclass(frozen=True)
+class RequestImages:
+    """One request's images, encoded, by prompt position."""
+
+    row: np.ndarray       # [P] int32: each prompt position's row of ``embeds``, -1 for a text token
+    visible: np.ndarray   # [P] int32: the last position each prompt token's query sees (its image's end)
+    embeds: np.ndarray    # [N, D] float32: the image tokens' embeddings, in prompt order
+
+
+class VisionEncoder:
+    """``module``: the family's vision module (models/gemma3_vl/); ``weights``: its
+    ``VisionWeights``; ``sharding``: where the encoder's parameters and inputs live."""
+
+    def __init__(self, module, weights, sharding, strict: bool, cache_images: int = 64):
+        self.module, self.cfg, self.strict = module, weights.cfg, strict
+        self.params = jax.device_put(module.load_params(weights.cfg, weights.tensors), sharding)
+        self._sharding = sharding
+        self._programs: dict[tuple[int, int], object] = {}
+        self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
+        self.cache_images = cache_images
+        self.hits = self.misses = 0
+        self.warm = False
+
+    def compile(self) -> None:
+        """The encoder of the model's image size, compiled now (a server's start-up)."""
+        S = self.cfg.image_size
+        self._program((S, S))
+        self.warm = True
+        log.info("vision encoder: %dx%d px images -> %d tokens each; encoder cache of %d images",
+                 S, S, self.cfg.mm_tokens_per_image, self.cache_images)
+
+    def _program(self, hw: tuple[int, int]):
+        prog = self._programs.get(hw)
+        if prog is None:
+            cfg, module = self.cfg, self.module
+            spec = jax.ShapeDtypeStruct((1, 3, *hw), jnp.float32, sharding=self._sharding)
+            params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params)
+            prog = self._programs[hw] = jax.jit(lambda p, px: module.encode(cfg, p, px)).lower(params, spec).compile()
+        return prog
+
+    def encode(self, pixels: np.ndarray, key: str) -> np.ndarray:
+        """pixels [3, H, W] -> its rows [mm_tokens_per_image, D] float32 (from the cache if seen)."""
+        rows = self.cache.get(key)
+        if rows is not None:
+            self.hits += 1
+            self.cache.move_to_end(key)
+            return rows
+        self.misses += 1
+        before = cc.counts()
+        prog = self._program(tuple(pixels.shape[-2:]))
+        rows = np.asarray(prog(self.params, pixels[None].astype(np.float32)))[0]
+        after = cc.counts()
+        if self.warm and (after["traces"] > before["traces"] or after["compiles"] > before["compiles"]):
+            msg = f"the vision encoder compiled {after['compiles'] - before['compiles']} programs after warm-up"
+            if self.strict:
+                raise CompileGuardError(msg)
+            log.warning(msg)
+        if self.cache_images:
+            self.cache[key] = rows
+            while len(self.cache) > self.cache_images:
+                self.cache.popitem(last=False)
+        return rows
+
+    def request_images(self, images, num_prompt: int) -> RequestImages:
+        """A request's ``ImageInput``s -> its rows by prompt position."""
+        row = np.full(num_prompt, -1, np.int32)
+        visible = np.arange(num_prompt, dtype=np.int32)
+        embeds, n = [], 0
+        for im in images:
+            e = self.encode(im.pixels, im.hash)                              # [length, D]
+            span = slice(im.start, im.start + im.length)
+            row[span] = np.arange(n, n + im.length, dtype=np.int32)
+            visible[span] = im.start + im.length - 1                         # bidirectional inside the image
+            embeds.append(e)
+            n += im.length
+        return RequestImages(row, visible, np.concatenate(embeds).astype(np.float32))
