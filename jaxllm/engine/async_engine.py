@@ -233,6 +233,11 @@ class AsyncEngine:
         return self.engine.arch.vocab_size
 
     @property
+    def supports_images(self) -> bool:
+        """A vision-language model's engine (serve/state.py reads it before taking image parts)."""
+        return self.engine.supports_images
+
+    @property
     def generation_config(self) -> dict:
         return self.engine.generation_config
 

@@ -151,6 +151,10 @@ class DataParallelEngine:
         return self.replicas[0].vocab_size
 
     @property
+    def supports_images(self) -> bool:
+        return self.replicas[0].supports_images
+
+    @property
     def generation_config(self) -> dict:
         return self.replicas[0].generation_config
 

@@ -125,7 +125,7 @@ CHAT_TEMPLATE = (
 def save_tokenizer(out_dir: str) -> None:
     """A word-level tokenizer over the tiny vocabulary (256) with Gemma 3's image tokens at
     their ids (250-252) and a chat template that puts ``<start_of_image>`` where an image part is."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
     for i in range(3, 250):
@@ -135,6 +135,7 @@ def save_tokenizer(out_dir: str) -> None:
         vocab[t] = 250 + i
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.ByteLevel()   # a decoder llguidance knows (the server's structured outputs)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
                                    unk_token="<unk>", additional_special_tokens=[
                                        "<image_soft_token>", "<start_of_image>", "<end_of_image>",

@@ -1,0 +1,119 @@
+"""Gemma 3 with images through the whole engine (issue 41): a tiny random
+``Gemma3ForConditionalGeneration`` checkpoint (tests/support/tiny_gemma3_vl.py: weights,
+tokenizer, the image processor's config) starts one engine, which says it takes images; the
+offline ``LLM.generate`` with ``multi_modal_data``, ``LLM.chat`` with an ``image_url`` data URL,
+and ``jaxllm serve``'s app through the official ``openai`` client each give transformers'
+32 greedy tokens (float32), with transformers' own processor making the oracle's pixels.
+
+The engine's token budget (8) is smaller than the prompts, so the prefill is chunked around the
+images (a chunk never ends inside one); the strict compile guard fails any step or encoder
+call that compiles after its program was made.  One engine serves the whole module.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from support.images import data_url, encode
+from support.serve_helpers import ServerThread
+from support.tiny_gemma3_vl import BOI, EOI, IMAGE_TOKEN, hf_greedy_vl, save_vl_checkpoint, tiny_model
+
+from jaxllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+ONE = "what is in this <start_of_image> picture ?"
+TWO = "<start_of_image> a cat and <start_of_image> a dog ?"
+
+
+def _image(seed: int, w: int = 70, h: int = 40) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), np.uint8))
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    hf = tiny_model()
+    path = save_vl_checkpoint(hf, str(tmp_path_factory.mktemp("gemma3_vl")))
+    llm = LLM(path, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, dtype="float32", block_size=4,
+              strict_compile_guard=True, show_progress=False)
+    from transformers import AutoTokenizer, Gemma3ImageProcessor
+    return hf, llm, AutoTokenizer.from_pretrained(path), Gemma3ImageProcessor.from_pretrained(path)
+
+
+def _reference(vl, ids: list[int], images: list[Image.Image]) -> list[int]:
+    """transformers: its processor's pixels, each <start_of_image> expanded as Gemma3Processor does
+    (boi, 4 image tokens, eoi), greedy generate."""
+    hf, _, _, processor = vl
+    out = []
+    for t in ids:
+        out += [BOI, *[IMAGE_TOKEN] * 4, EOI] if t == BOI else [t]
+    pixels = processor(images, return_tensors="np")["pixel_values"]
+    return hf_greedy_vl(hf, out, pixels)[1], out
+
+
+def test_generate_with_images_equals_transformers(vl):
+    _, llm, tok, _ = vl
+    assert llm.llm_engine.supports_images
+    vision = llm.llm_engine.core.runner.vision
+    a, b = _image(1), _image(2, 33, 90)
+    cases = [(ONE, [a]), (ONE, [b]), (TWO, [b, a])]
+    outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im if len(im) > 1 else im[0]}}
+                         for p, im in cases], GREEDY, use_tqdm=False)
+    for (prompt, images), out in zip(cases, outs):
+        ref, ids = _reference(vl, tok(prompt)["input_ids"], images)
+        assert out.prompt_token_ids == ids, "placeholders expanded unlike transformers' processor"
+        assert out.outputs[0].token_ids == ref, f"{prompt!r} with {len(images)} image(s): tokens differ"
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids, "two images gave the same tokens"
+    assert len(outs[0].prompt_token_ids) > 8, "the prompt must not fit one step (chunked prefill)"
+    # The same image again: the encoder cache and the prefix cache (its hash is in the salt)
+    # serve it, tokens unchanged; the same text with another image shares no cached block.
+    hits = vision.hits
+    again = llm.generate({"prompt": ONE, "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)[0]
+    assert vision.hits == hits + 1
+    assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert again.num_cached_tokens > 0
+    other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": _image(3)}}, GREEDY, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0
+
+
+def test_image_and_text_requests_batched_equal_each_alone(vl):
+    _, llm, _, _ = vl
+    text = "describe the cat ."
+    image = {"prompt": TWO, "multi_modal_data": {"image": [_image(4), _image(5)]}}
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (image, text)]
+    both = [o.outputs[0].token_ids for o in llm.generate([image, text], GREEDY, use_tqdm=False)]
+    assert both == alone
+
+
+def _messages(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "describe the"},
+                                         {"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "picture ."}]}]
+
+
+def test_chat_and_served_chat_with_an_image_url_equal_transformers(vl):
+    _, llm, tok, _ = vl
+    png = encode(_image(6), "PNG")
+    url = data_url(png)
+    template_msgs = [{"role": "user", "content": [{"type": "text", "text": "describe the"}, {"type": "image"},
+                                                  {"type": "text", "text": "picture ."}]}]
+    text = tok.apply_chat_template(template_msgs, add_generation_prompt=True, tokenize=False)
+    ref, _ = _reference(vl, tok(text, add_special_tokens=False)["input_ids"], [Image.open(io.BytesIO(png)).convert("RGB")])
+    assert llm.chat(_messages(url), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
+
+    # The same engine served (the offline LLM is not used after this): the official client.
+    import openai
+    from jaxllm.config import ServingConfig
+    from jaxllm.engine.async_engine import AsyncEngine
+    srv = ServerThread(AsyncEngine(llm.llm_engine), ServingConfig(host="127.0.0.1", port=0,
+                                                                  served_model_names=("tiny-vl",)))
+    try:
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="tiny-vl", messages=_messages(url), max_tokens=32, temperature=0,
+                                           extra_body={"ignore_eos": True}, logprobs=True)
+        assert [tok.convert_tokens_to_ids(t.token) for t in r.choices[0].logprobs.content] == ref
+    finally:
+        srv.stop()
