@@ -24,9 +24,11 @@ from support.tiny_gemma3_vl import BOI, EOI, IMAGE_TOKEN, hf_greedy_vl, save_vl_
 
 from jaxllm import LLM, SamplingParams
 
-GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
 ONE = "what is in this <start_of_image> picture ?"
-TWO = "<start_of_image> a cat and <start_of_image> a dog ?"
+# first in its batch, so its chunks are 8 tokens from 0 unless cut: its second image (13-16)
+# straddles position 16, where the second chunk would end
+TWO = "<start_of_image> a cat and the picture of <start_of_image> dog ?"
 
 
 def _image(seed: int, w: int = 70, h: int = 40) -> Image.Image:
@@ -43,15 +45,17 @@ def vl(tmp_path_factory):
     return hf, llm, AutoTokenizer.from_pretrained(path), Gemma3ImageProcessor.from_pretrained(path)
 
 
-def _reference(vl, ids: list[int], images: list[Image.Image]) -> list[int]:
+def _reference(vl, ids: list[int], images: list[Image.Image]):
     """transformers: its processor's pixels, each <start_of_image> expanded as Gemma3Processor does
-    (boi, 4 image tokens, eoi), greedy generate."""
+    (boi, 4 image tokens, eoi), greedy generate -> (32 tokens, expanded ids, the first token's logprob)."""
     hf, _, _, processor = vl
     out = []
     for t in ids:
         out += [BOI, *[IMAGE_TOKEN] * 4, EOI] if t == BOI else [t]
     pixels = processor(images, return_tensors="np")["pixel_values"]
-    return hf_greedy_vl(hf, out, pixels)[1], out
+    logits, tokens = hf_greedy_vl(hf, out, pixels)
+    last = logits[-1].astype(np.float64)
+    return tokens, out, last[tokens[0]] - last.max() - np.log(np.exp(last - last.max()).sum())
 
 
 def test_generate_with_images_equals_transformers(vl):
@@ -59,24 +63,29 @@ def test_generate_with_images_equals_transformers(vl):
     assert llm.llm_engine.supports_images
     vision = llm.llm_engine.core.runner.vision
     a, b = _image(1), _image(2, 33, 90)
-    cases = [(ONE, [a]), (ONE, [b]), (TWO, [b, a])]
+    cases = [(TWO, [b, a]), (ONE, [a]), (ONE, [b])]
     outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im if len(im) > 1 else im[0]}}
                          for p, im in cases], GREEDY, use_tqdm=False)
     for (prompt, images), out in zip(cases, outs):
-        ref, ids = _reference(vl, tok(prompt)["input_ids"], images)
+        ref, ids, lp = _reference(vl, tok(prompt)["input_ids"], images)
         assert out.prompt_token_ids == ids, "placeholders expanded unlike transformers' processor"
         assert out.outputs[0].token_ids == ref, f"{prompt!r} with {len(images)} image(s): tokens differ"
-    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids, "two images gave the same tokens"
-    assert len(outs[0].prompt_token_ids) > 8, "the prompt must not fit one step (chunked prefill)"
+        # the prefill's result itself, finer than greedy tokens: the first token's logprob
+        got = out.outputs[0].logprobs[0][ref[0]].logprob
+        assert abs(got - lp) < 1e-4 * max(1.0, abs(lp)), f"{prompt!r}: first logprob {got} vs transformers' {lp}"
+    assert outs[1].outputs[0].token_ids != outs[2].outputs[0].token_ids, "two images gave the same tokens"
+    assert outs[0].prompt_token_ids[13:17] == [IMAGE_TOKEN] * 4, "the image must straddle the chunk end at 16"
     # The same image again: the encoder cache and the prefix cache (its hash is in the salt)
     # serve it, tokens unchanged; the same text with another image shares no cached block.
     hits = vision.hits
     again = llm.generate({"prompt": ONE, "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)[0]
     assert vision.hits == hits + 1
-    assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert again.num_cached_tokens > 0
     other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": _image(3)}}, GREEDY, use_tqdm=False)[0]
     assert other.num_cached_tokens == 0
+    with pytest.raises(ValueError, match=r"multi_modal_data: 2 image\(s\) but the prompt has 1"):
+        llm.generate({"prompt": ONE, "multi_modal_data": {"image": [a, b]}}, GREEDY, use_tqdm=False)
 
 
 def test_image_and_text_requests_batched_equal_each_alone(vl):
@@ -101,7 +110,7 @@ def test_chat_and_served_chat_with_an_image_url_equal_transformers(vl):
     template_msgs = [{"role": "user", "content": [{"type": "text", "text": "describe the"}, {"type": "image"},
                                                   {"type": "text", "text": "picture ."}]}]
     text = tok.apply_chat_template(template_msgs, add_generation_prompt=True, tokenize=False)
-    ref, _ = _reference(vl, tok(text, add_special_tokens=False)["input_ids"], [Image.open(io.BytesIO(png)).convert("RGB")])
+    ref, _, _ = _reference(vl, tok(text, add_special_tokens=False)["input_ids"], [Image.open(io.BytesIO(png)).convert("RGB")])
     assert llm.chat(_messages(url), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
 
     # The same engine served (the offline LLM is not used after this): the official client.
