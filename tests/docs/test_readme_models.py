@@ -17,7 +17,7 @@ def test_readme_model_table_is_the_registry():
     text = open(README, encoding="utf-8").read()
     section = text[text.index("## Models"):]
     section = section[:section.index("\n## ", 1)]
-    arch_name = r"`(\w+(?:ForCausalLM|Model|ForMaskedLM|ForSequenceClassification))`"   # decoders and encoders
+    arch_name = r"`(\w+(?:ForCausalLM|ForConditionalGeneration|Model|ForMaskedLM|ForSequenceClassification))`"  # + VLMs
     rows = [ln for ln in section.splitlines() if ln.startswith("|") and re.search(arch_name, ln)]
     named, with_gguf = set(), set()
     for row in rows:

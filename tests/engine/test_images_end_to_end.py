@@ -12,6 +12,8 @@ call that compiles after its program was made.  One engine serves the whole modu
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import io
 
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 from PIL import Image
 
 from support.images import data_url, encode
+from support.snippets import all_blocks
 from support.serve_helpers import ServerThread
 from support.tiny_gemma3_vl import BOI, EOI, IMAGE_TOKEN, hf_greedy_vl, save_vl_checkpoint, tiny_model
 
@@ -97,6 +100,32 @@ def test_image_and_text_requests_batched_equal_each_alone(vl):
     assert both == alone
 
 
+def test_readme_image_example_runs_as_written(vl):
+    # README's "Images" block (skip-annotated for tests/docs/test_snippets.py, which builds no
+    # checkpoint), its placeholder model swapped for this engine: its tokens are transformers'.
+    _, llm, tok, _ = vl
+    (b,) = [b for b in all_blocks() if b.path == "README.md" and "multi_modal_data" not in b.body
+            and "/path/to/gemma-3-4b-it" in b.body]
+    assert b.kind == "skip" and "test_images_end_to_end.py" in b.attrs["reason"], b.where
+    ns: dict = {"vl_llm": llm}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(b.body.replace('LLM("/path/to/gemma-3-4b-it")', "vl_llm"), b.where, "exec"), ns)  # noqa: S102
+    got = ns["out"][0].outputs[0]
+    image = Image.open(io.BytesIO(base64.b64decode(ns["url"].split(",", 1)[1]))).convert("RGB")
+    text = tok.apply_chat_template(_template(), add_generation_prompt=True, tokenize=False)
+    ref, _, _ = _reference(vl, tok(text, add_special_tokens=False)["input_ids"], [image])
+    eos = ref.index(1) + 1 if 1 in ref else len(ref)                      # the block stops at EOS
+    assert got.token_ids == ref[:eos]
+    assert printed.getvalue() == got.text + "\n"
+
+
+def _template() -> list[dict]:
+    """_messages as the chat template sees them (the image part a placeholder)."""
+    return [{"role": "user", "content": [{"type": "text", "text": "describe the"}, {"type": "image"},
+                                         {"type": "text", "text": "picture ."}]}]
+
+
 def _messages(url: str) -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": "describe the"},
                                          {"type": "image_url", "image_url": {"url": url}},
@@ -107,9 +136,7 @@ def test_chat_and_served_chat_with_an_image_url_equal_transformers(vl):
     _, llm, tok, _ = vl
     png = encode(_image(6), "PNG")
     url = data_url(png)
-    template_msgs = [{"role": "user", "content": [{"type": "text", "text": "describe the"}, {"type": "image"},
-                                                  {"type": "text", "text": "picture ."}]}]
-    text = tok.apply_chat_template(template_msgs, add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(_template(), add_generation_prompt=True, tokenize=False)
     ref, _, _ = _reference(vl, tok(text, add_special_tokens=False)["input_ids"], [Image.open(io.BytesIO(png)).convert("RGB")])
     assert llm.chat(_messages(url), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
 
