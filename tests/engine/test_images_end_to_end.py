@@ -95,8 +95,9 @@ def test_image_and_text_requests_batched_equal_each_alone(vl):
     _, llm, _, _ = vl
     text = "describe the cat ."
     image = {"prompt": TWO, "multi_modal_data": {"image": [_image(4), _image(5)]}}
-    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (image, text)]
-    both = [o.outputs[0].token_ids for o in llm.generate([image, text], GREEDY, use_tqdm=False)]
+    # the text request first: the image's rows sit at an offset in the step's flat tokens
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (text, image)]
+    both = [o.outputs[0].token_ids for o in llm.generate([text, image], GREEDY, use_tqdm=False)]
     assert both == alone
 
 
