@@ -3,7 +3,7 @@
     LLAMA_CPP_BIN=$(../shared/tools/build-llama-cpp.sh | tail -1) \\
         python bench/llama_cpp.py [--batch-sizes 1,8,32] [--input-len 32] [--output-len 64]
                                   [--concurrency 1,4,16] [--repeats 3] [--skip-offline]
-                                  [--skip-serving] [--agreement] [--json FILE]
+                                  [--skip-serving] [--agreement] [--json FILE] [--cpu-matmul MODE]
 
 The built-in SmolLM2-135M-Instruct GGUF (Q4_1 layers, Q8_0 embedding), served by jaxllm as
 shipped (its blocks kept packed, the default) and by llama.cpp (llama-cpp-bin's build,
@@ -17,6 +17,9 @@ ignored, after a ``--input-len`` prompt), the arms alternated repeat by repeat:
 - ``llama-batched-bench -npp IN -ntg OUT -npl B``: B * OUT / T (T: its total time, prefill
   included), the same measure; and ``llama-bench -n OUT`` (decode only, batch 1), the number
   llama.cpp quotes.
+Beside the offline table, the read bandwidth of every core (``bench/read_stream.c``) and the
+batch-1 decode's share of that roofline (weight bytes x tokens/s / bandwidth); ``--cpu-matmul``
+picks jaxllm's matmul for the offline arm (default ``auto``).
 Serving: ``jaxllm bench serve`` (random dataset, 2 x concurrency prompts, one warm-up)
 against ``jaxllm serve`` and ``llama-server --parallel 16`` (continuous batching on), each
 concurrency in turn, the two servers alternated.
@@ -46,6 +49,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.compare import SERVE_KEYS, _free_port, bench_serve, running  # noqa: E402
+from bench.throughput import read_bandwidth  # noqa: E402
 
 THREADS = str(len(os.sched_getaffinity(0)))
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -95,7 +99,8 @@ def offline(args, res: dict) -> None:
     from bench.harness import split_phases
     from bench.throughput import Jaxllm
     rng = np.random.default_rng(args.seed)
-    engine = Jaxllm(args, max(args.batch_sizes), "float32", "auto")
+    engine = Jaxllm(args, max(args.batch_sizes), "float32", args.cpu_matmul)
+    res["weight_bytes"] = engine.weight_bytes
     rows = {}
     for b in args.batch_sizes:
         prompts = rng.integers(100, 40000, size=(b, args.input_len)).tolist()
@@ -221,6 +226,12 @@ def render(res: dict) -> str:
                          f"{row['jaxllm'] / row['llama-batched-bench']:.2f}x | {fmt(dec)} | {fmt(lb)} | "
                          f"{f'{dec / lb:.2f}x' if dec and lb else ''} | {fmt(row.get('llama-bench repack'))} |")
         lines.append("")
+        bw, dec = res.get("read_bandwidth"), res["offline"].get("1", {}).get("jaxllm decode")
+        if bw and dec:   # the read roofline: every weight byte once per decoded token
+            lines += [f"Read bandwidth (bench/read_stream.c, every core) {bw / 1e9:.1f} GB/s; weights "
+                      f"{res['weight_bytes'] / 2**20:.1f} MiB a token: batch-1 decode at "
+                      f"{res['weight_bytes'] * dec / bw:.0%} of the read roofline "
+                      f"({bw / res['weight_bytes']:.0f} tok/s).", ""]
     if "serving" in res:
         srv = res["serving"]
         lines += ["Serving, `jaxllm bench serve` (random dataset, input "
@@ -263,6 +274,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--agreement", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--cpu-matmul", default="auto", help="jaxllm's --cpu-matmul for the offline arm")
     args = p.parse_args(argv)
     if not args.llama_cpp_bin:
         p.error("--llama-cpp-bin (or $LLAMA_CPP_BIN) is required: ../shared/tools/build-llama-cpp.sh prints it")
@@ -276,6 +288,9 @@ def main(argv=None) -> int:
         if args.agreement:
             agreement(args, res, tmp)
         if not args.skip_offline:
+            res["read_bandwidth"], why = read_bandwidth()
+            if why:
+                print(f"read bandwidth not measured: {why}", file=sys.stderr)
             offline(args, res)
         if not args.skip_serving:
             serving(args, res, tmp)

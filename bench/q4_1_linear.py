@@ -1,18 +1,19 @@
 """The float32-activation Q4_1 kernel (``jaxllm_linear_q4_1``, quant_linear.cc) of this tree
 against the same kernel built from another git revision, alternated, at the built-in
-model's (SmolLM2-135M) projection shapes.
+model's (SmolLM2-135M) projection shapes; and its Q8_0 LM head (``jaxllm_linear_q8_0``).
 
     python bench/q4_1_linear.py                       # this tree vs main, M = 1 and 8
     python bench/q4_1_linear.py --base HEAD~1 --rows 1 --reps 31
 
 The base revision's quant_linear.cc and headers (``git show REV:...``) are compiled into a
-temporary library and registered under the target ``jaxllm_linear_q4_1_base``.  Weights are
+temporary library and registered under the targets ``jaxllm_linear_q4_1_base`` and ``_q8_0_base``.  Weights are
 random valid Q4_1 blocks (the kernels' speed does not depend on the values), ``--layers``
 distinct copies per shape so that the calls stream their weights rather than rereading
 one copy from L2.  Each shape's row is one jitted function that runs the ``--layers``
 calls one after another (each x depends on the previous call's output, so XLA cannot run
 them side by side); "step" is every projection of every layer, 30 x (qkv, o, gate_up, down):
-the 63.3 MiB a batch-1 decode step reads, more than the L3.  A cell is the median
+the 63.3 MiB a batch-1 decode step reads.  "lm_head" is the tied LM head, Q8_0 49152 x 576
+(``jaxllm_linear_q8_0``, the other 28.7 MiB of the step), two copies called in turn.  A cell is the median
 of ``--reps`` samples, the two kernels alternating sample by sample; GB/s counts the
 weight bytes (d, m, qs) read per call.  The machine's read bandwidth
 (bench/read_stream.c) is printed beside, measured in the same run.
@@ -46,12 +47,15 @@ from jaxllm.quant.native_matmul import linear_packed  # noqa: E402
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
 STEP = ["qkv", "o", "gate_up", "down"]   # one layer's calls, in order
 BASE_TARGET = "jaxllm_linear_q4_1_base"
+BASE_TARGET_Q8_0 = "jaxllm_linear_q8_0_base"
+HEAD = ("lm_head", 49152, 576)   # the tied embedding, Q8_0 in the built-in GGUF
 _SOURCES = ["quant_linear.cc", "gguf_simd.h", "parallel.h", "simd.h"]
 
 
 def build_base(rev: str) -> ctypes.CDLL:
     """Compiles ``rev``'s quant_linear.cc into a temporary library and registers its Q4_1
-    handler as ``BASE_TARGET``; the library (kept loaded by the caller)."""
+    and Q8_0 handlers as ``BASE_TARGET`` and ``BASE_TARGET_Q8_0``; the library (kept loaded
+    by the caller)."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     folder = tempfile.mkdtemp(prefix="q4_1_base_")
@@ -68,6 +72,7 @@ def build_base(rev: str) -> ctypes.CDLL:
         raise RuntimeError(f"compiling {rev}'s quant_linear.cc failed: {built.stderr.strip()[-2000:]}")
     lib = ctypes.cdll.LoadLibrary(lib_path)
     jax.ffi.register_ffi_target(BASE_TARGET, jax.ffi.pycapsule(lib.JaxllmLinearQ4_1), platform="cpu")
+    jax.ffi.register_ffi_target(BASE_TARGET_Q8_0, jax.ffi.pycapsule(lib.JaxllmLinearQ8_0), platform="cpu")
     return lib
 
 
@@ -80,10 +85,19 @@ def random_q4_1(n: int, k: int, rng: np.random.Generator) -> PackedWeight:
     return PackedWeight(d=jnp.asarray(d), m=jnp.asarray(m), qs=jnp.asarray(qs), type_name="Q4_1", shape=(n, k))
 
 
+def random_q8_0(n: int, k: int, rng: np.random.Generator) -> PackedWeight:
+    """A random Q8_0 weight [n, k]: small f16 scales of either sign, random int8 quants."""
+    d = (rng.uniform(-1.5, 1.5, (n, k // 32)) * 1e-3).astype(np.float16).view(np.uint16)
+    qs = rng.integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+    return PackedWeight(d=jnp.asarray(d), qs=jnp.asarray(qs), type_name="Q8_0", shape=(n, k))
+
+
 def _call(target: str, x: jax.Array, pw: PackedWeight) -> jax.Array:
     if target != BASE_TARGET:
         return linear_packed(x, pw)
     out = jax.ShapeDtypeStruct((x.shape[0], pw.shape[0]), jnp.float32)
+    if pw.type_name == "Q8_0":
+        return jax.ffi.ffi_call(BASE_TARGET_Q8_0, out)(x, pw.d, pw.qs)
     return jax.ffi.ffi_call(target, out)(x, pw.d, pw.m, pw.qs)
 
 
@@ -123,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=21)
     p.add_argument("--inner", type=int, default=3)
     p.add_argument("--no-bandwidth", action="store_true", help="skip the read_stream.c measurement")
+    p.add_argument("--no-head", action="store_true", help="skip the Q8_0 LM head's row")
     args = p.parse_args(argv)
     if not native.quant_available():
         print("native packed-block matmul unavailable here (see the jaxllm.cpu warning)")
@@ -132,6 +147,8 @@ def main(argv=None) -> int:
     weights = {name: [random_q4_1(n, k, rng) for _ in range(args.layers)] for name, n, k in SHAPES}
     cases = [(name, weights[name]) for name, _, _ in SHAPES]
     cases.append(("step", [weights[name][layer] for layer in range(args.layers) for name in STEP]))
+    if not args.no_head:
+        cases.append((HEAD[0], [random_q8_0(HEAD[1], HEAD[2], rng) for _ in range(2)]))
     fns = {"base": chain(BASE_TARGET), "new": chain("jaxllm_linear_q4_1")}
     if not args.no_bandwidth:
         bw, why = read_bandwidth()

@@ -15,7 +15,8 @@
 // over XLA's intra-op thread pool in contiguous ranges, as in linear.cc.  The 32-weight
 // types and the K-quants have a 16-lane AVX-512 variant of their tiles, used where the CPU
 // has it; Q4_1 (the built-in model's layers) has its own AVX-512 walk, several weight rows
-// per pass over x (see "Q4_1, AVX-512" below).
+// per pass over x (see "Q4_1, AVX-512" below), and so do Q8_0 (its tied LM head), Q4_0 and
+// Q5_0 (see "Q8_0, Q4_0, Q5_0, AVX-512").
 // Called from jaxllm/cpu/native.py via XLA's FFI.
 #include <immintrin.h>
 
@@ -371,6 +372,103 @@ JAXLLM_AVX512 void q4_1_rows_512(const float* x, int64_t K, const uint16_t* d, c
     q4_1_tile_512<MR, 1>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
 }
 
+// ---- Q8_0, Q4_0, Q5_0, AVX-512: several weight rows per pass over x ----
+//
+// The same walk as Q4_1's above for the types without a min (the built-in model's tied LM
+// head is Q8_0: 28.7 MiB, 49152 rows, read once per decode step): NR weight rows per pass,
+// so at M = 1 the NR accumulator chains are independent and each x block, loaded once,
+// serves NR rows; d converted 16 blocks at a time.  Per (row of x, weight row) pair the
+// operations and their order are tile_512's (so the bits are the same as that tile's, and
+// the same whatever M is and whichever rows share the call):
+//   acc = sum over blocks b, in order:  fma(d_b, q_hi(b) * x_hi(b) + q_lo(b) * x_lo(b), acc)
+//   y   = reduce_add(acc) + 0
+template <typename T, int MR, int NR>
+JAXLLM_AVX512 void nomin_tile_512(const float* x, int64_t K, const uint16_t* d, const uint8_t* qs,
+                                  const uint8_t* qh, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  constexpr int64_t kLineBlocks = 64 / T::kQsBytes;   // blocks of qs per cache line
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  alignas(64) float db[NR][kChunk];   // this chunk's d as float32, per weight row
+  for (int64_t c0 = 0; c0 < nb; c0 += kChunk) {
+    const int64_t cn = std::min<int64_t>(kChunk, nb - c0);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << cn) - 1);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      _mm512_store_ps(db[j], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, d + j * nb + c0)));
+      _mm_prefetch(reinterpret_cast<const char*>(d + (j + kAhead) * nb + c0), _MM_HINT_T0);
+      if (T::kQhBytes)   // a chunk's qh is at most one line (16 blocks x 4 bytes)
+        _mm_prefetch(reinterpret_cast<const char*>(qh + ((j + kAhead) * nb + c0) * T::kQhBytes), _MM_HINT_T0);
+    }
+    for (int64_t i = 0; i < cn; ++i) {
+      const int64_t b = c0 + i;
+      if (b % kLineBlocks == 0) {
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(qs + ((j + kAhead) * nb + b) * T::kQsBytes), _MM_HINT_T0);
+      }
+      __m512 xlo[MR], xhi[MR];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        xlo[r] = _mm512_loadu_ps(x + r * K + b * kBlock);
+        xhi[r] = _mm512_loadu_ps(x + r * K + b * kBlock + 16);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        __m128i lo, hi;
+        T::bytes(qs + (j * nb + b) * T::kQsBytes, qh + (j * nb + b) * T::kQhBytes, &lo, &hi);
+        const __m512 q0 = widen16_512<T::kSigned>(lo), q1 = widen16_512<T::kSigned>(hi);
+        const __m512 dj = _mm512_set1_ps(db[j][i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r][j] = _mm512_fmadd_ps(dj, _mm512_fmadd_ps(q1, xhi[r], _mm512_mul_ps(q0, xlo[r])), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) y[r * N + j] = _mm512_reduce_add_ps(acc[r][j]) + 0.0f;
+}
+
+// The weight rows [n0, n1) against a tile of MR rows of x, as q4_1_rows_512.
+template <typename T, int MR>
+JAXLLM_AVX512 void nomin_rows_512(const float* x, int64_t K, const uint16_t* d, const uint8_t* qs,
+                                  const uint8_t* qh, float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int NR = kRowsPerPass<MR>;
+  const int64_t nb = K / kBlock;
+  const int64_t first = std::min(n1, n0 + kAhead) - n0;
+  jaxllm_gguf::prefetch(qs + n0 * nb * T::kQsBytes, first * nb * T::kQsBytes);
+  jaxllm_gguf::prefetch(d + n0 * nb, first * nb * 2);
+  if (T::kQhBytes) jaxllm_gguf::prefetch(qh + n0 * nb * T::kQhBytes, first * nb * T::kQhBytes);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    nomin_tile_512<T, MR, NR>(x, K, d + n * nb, qs + n * nb * T::kQsBytes, qh + n * nb * T::kQhBytes, y + n, N);
+  for (; n < n1; ++n)
+    nomin_tile_512<T, MR, 1>(x, K, d + n * nb, qs + n * nb * T::kQsBytes, qh + n * nb * T::kQhBytes, y + n, N);
+}
+
+// y = x . W^T for Q8_0, Q4_0 and Q5_0 weights on the AVX-512 path (as linear_q4_1_512).
+template <typename T>
+JAXLLM_AVX512 void linear_nomin_512(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint8_t* qs,
+                                    const uint8_t* qh, float* y, int64_t M, int64_t K, int64_t N) {
+  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
+    const int64_t tiles = (M + jaxllm_gguf::kMaxRows - 1) / jaxllm_gguf::kMaxRows;
+    int64_t r0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int rows = static_cast<int>(M / tiles + (t < M % tiles));
+      const float* xt = x + r0 * K;
+      float* yt = y + r0 * N;
+      switch (rows) {
+        case 1: nomin_rows_512<T, 1>(xt, K, d, qs, qh, yt, N, n0, n1); break;
+        case 2: nomin_rows_512<T, 2>(xt, K, d, qs, qh, yt, N, n0, n1); break;
+        case 3: nomin_rows_512<T, 3>(xt, K, d, qs, qh, yt, N, n0, n1); break;
+        default: nomin_rows_512<T, 4>(xt, K, d, qs, qh, yt, N, n0, n1); break;
+      }
+      r0 += rows;
+    }
+  });
+}
+
 // Per-32-weight sums of x: [M, K / 32], for the types with a min (row r's at r * K / 32).
 std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock;
@@ -418,6 +516,9 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   const float* sx = m != nullptr ? sums.data() : nullptr;
   if constexpr (std::is_same_v<T, Q4_1>) {
     if (g_avx512) return linear_q4_1_512(pool, x, d, m, qs, sx, y, M, K, N);
+  }
+  if constexpr (std::is_same_v<T, Q8_0> || std::is_same_v<T, Q4_0> || std::is_same_v<T, Q5_0>) {
+    if (g_avx512) return linear_nomin_512<T>(pool, x, d, qs, qh, y, M, K, N);
   }
   const auto tile_fn = g_avx512 ? tile_512<T> : tile<T>;
   const auto prefetch_row = [=](int64_t a) {

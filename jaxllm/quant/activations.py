@@ -4,8 +4,8 @@
 (``cpu/quant_dot.cc``): 1.2% worse perplexity than float32 activations on the built-in model.
 ``native-int8-split`` runs that kernel on the rounded input and on its remainder
 (``native_matmul.linear_packed_split``): the remainder's own rounding error is about 1/254 of
-int8's, so the products are close to float32 activations', at twice an int8 call's cost (half
-a float32 call's at batch 32).  Measured per projection kind and in all on the built-in model:
+int8's, so the products are close to float32 activations'.  Both halves run as one call of
+2M rows (the weights read once): at batch 1 about an int8 call's time.  Measured per projection kind and in all on the built-in model:
 docs/BENCHMARKS.md, "Perplexity".
 
 The choice is recorded on each weight (``PackedWeight.activations``, static: part of the

@@ -88,6 +88,13 @@ def test_split_product_is_within_its_bound(type_name, interleaved):
         via = jax.jit(lambda x, w: qops.matmul(x, w, "native-int8"))(jnp.asarray(x), marked)
         assert np.array_equal(np.asarray(via, np.float64), got)
         one = np.asarray(linear_packed(jnp.asarray(x), pw, int8_activations=True), np.float64)
+        # one kernel call over the stacked halves: the same bits as a call per half
+        def two_calls(x, pw):
+            x1, r = int8_split(x)
+            return linear_packed(x1, pw, int8_activations=True) + linear_packed(r, pw, int8_activations=True)
+
+        two = jax.jit(two_calls)(jnp.asarray(x), pw)
+        assert np.array_equal(np.asarray(two, np.float64), got)
         _, r = (np.asarray(a, np.float64) for a in int8_split(jnp.asarray(x)))
         step = np.repeat(np.abs(r).reshape(m, k // 32, 32).max(-1) / 254, 32, axis=1)  # [M, K]
         bound = step @ wq.T + 1e-6 * (np.abs(x).astype(np.float64) @ wq.T)            # [M, N]
