@@ -3,7 +3,10 @@
 ``step(params, kv, sampler_state, inputs) -> (kv, sampler_state, logits [S, V], prompt
 logprobs)`` is compiled per bucket (T, S): forward, the logits of the sampled rows, the
 sampler state's update (penalty counts) and prompt logprobs.  The KV cache and the sampler
-state are donated, so both are updated in place.
+state are donated, so both are updated in place.  A pooling engine's step
+(``cfg.pooling_type``) also returns ``pooled`` [S, D] float32: per sequence, the final-norm
+hidden state at the row's last token (LAST: the rows the LM head already reads) or the sum
+over the sequence's tokens of this step (MEAN: the runner adds the chunks up).
 
 ``sample_step(sampler_state, logits, sampling, allowed) -> SamplerOutput`` is compiled per
 sequence bucket S only (``allowed``: the grammar's ``[S, ceil(V / 32)]`` uint32 bitmask, filled
@@ -78,8 +81,24 @@ def make_step(cfg: StepConfig, model: ModuleType):
                     jnp.zeros((T, K), jnp.float32))
 
         plp = jax.lax.cond(jnp.any(inputs.prompt_targets >= 0), with_prompt_logprobs, without)
+        if cfg.pooling_type:   # a pooling engine's step: one more output (generation's unchanged)
+            return kv, sstate, logits, plp, pooled_rows(cfg.pooling_type, hidden, inputs)
         return kv, sstate, logits, plp
     return step
+
+
+def pooled_rows(pooling_type: str, hidden, inputs: StepInputs):
+    """hidden [T, D] -> [S, D] float32: LAST, each sequence's last token of the step (the LM head's
+    rows); MEAN, the sum of its tokens of the step (padding tokens, past ``qsl[-1]``, excluded)."""
+    hidden = hidden.astype(jnp.float32)
+    if pooling_type == "LAST":
+        return hidden[inputs.logits_indices]                                           # [S, D]
+    S, T = inputs.logits_indices.shape[0], hidden.shape[0]
+    attn = inputs.attn
+    real = jnp.arange(T, dtype=jnp.int32) < attn.query_start_loc[-1]                   # [T]
+    member = ((attn.token_seq[None, :] == jnp.arange(S, dtype=jnp.int32)[:, None]) & real[None, :])   # [S, T]
+    return jax.lax.dot_general(member.astype(jnp.float32), hidden, (((1,), (0,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def make_sample_step(cfg: StepConfig):

@@ -45,6 +45,9 @@ class StepConfig:
     """LoRA adapter slots (0: LoRA off, the step takes no slot indices); ``lora/``."""
     max_lora_rank: int = 0
     """Every slot's rank (adapters are zero-padded to it)."""
+    pooling_type: str = ""
+    """A pooling engine's step (``RunnerConfig.pooling_type``): "LAST" or "MEAN", the step also
+    returns each sequence's pooled hidden state; "": generation, no extra output."""
 
     @property
     def packed_bf16(self) -> bool:
