@@ -132,7 +132,9 @@ def test_prompts_longer_than_a_step_are_chunked_through_the_scheduler(folders):
     small = dict(max_num_batched_tokens=16, max_num_seqs=2, strict_compile_guard=True)
     long_text = " ".join(TEXTS)
     texts = [long_text, "a dog", TEXTS[4]]
-    last = LLM(folders["st"], **small)
+    # The bare causal LM (vLLM's default LAST + normalize) = the sentence-transformers folder over it; the
+    # MEAN engine below has the same model and buckets: its programs must not be taken for these.
+    last = LLM(folders["causal"], runner="pooling", convert="embed", **small)
     outs = last.embed(texts)
     assert len(outs[0].prompt_token_ids) > 2 * 16 and len(outs[2].prompt_token_ids) > 16   # three chunks, two
     _close(_vectors(outs), st_encode(folders["st"], texts))
