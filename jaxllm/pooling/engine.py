@@ -100,7 +100,7 @@ class PoolingEngine:
             self.pooler = base.override(config.pooler_config)
             if self.pooler.pooling_type == "ALL":
                 raise ValueError("--pooler-config pooling_type ALL is served for encoders; a converted decoder "
-                                 "pools CLS, MEAN or LAST")
+                                 "pools LAST or MEAN")
             prompts = declared_prompts(config.model)
             if prompts:
                 log.info("the checkpoint declares instruction prompts (%s); as vLLM, they are not applied: "
