@@ -200,7 +200,8 @@ class RunnerConfig:
             raise ValueError(
                 f"--sampler-backend must be one of {', '.join(SAMPLER_BACKENDS)}, got {self.sampler_backend!r}")
         if self.pooling_type not in (None, "LAST", "MEAN"):
-            raise ValueError(f"pooling_type must be LAST or MEAN in the generation engine's step, got {self.pooling_type!r}")
+            raise ValueError(f"pooling_type must be LAST or MEAN in the generation engine's step, "
+                             f"got {self.pooling_type!r}")
         if self.cpu_matmul not in CPU_MATMULS:
             raise ValueError(f"--cpu-matmul must be one of {', '.join(CPU_MATMULS)}, got {self.cpu_matmul!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
