@@ -359,8 +359,8 @@ class ModelRunner:
         timed = self.compiler.ready(bucket)
         if not timed:
             # On demand: this bucket, and the decode step of as many requests, which follows
-            # (compiled side by side); the guard covers both from now on.
-            self.compile_buckets([bucket, bk.pick(S, S, self.buckets)])
+            # (compiled side by side; a pooling engine never decodes); the guard covers both from now on.
+            self.compile_buckets([bucket] if self.cfg.pooling_type else [bucket, bk.pick(S, S, self.buckets)])
         before = cc.counts()
         step = prepare_sequences(seqs, spec, self.requests, self.cfg, bucket)
         if self.strict:

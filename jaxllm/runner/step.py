@@ -5,8 +5,10 @@ logprobs)`` is compiled per bucket (T, S): forward, the logits of the sampled ro
 sampler state's update (penalty counts) and prompt logprobs.  The KV cache and the sampler
 state are donated, so both are updated in place.  A pooling engine's step
 (``cfg.pooling_type``) also returns ``pooled`` [S, D] float32: per sequence, the final-norm
-hidden state at the row's last token (LAST: the rows the LM head already reads) or the sum
-over the sequence's tokens of this step (MEAN: the runner adds the chunks up).
+hidden state at the row's last token (LAST: the rows the LM head would read) or the sum
+over the sequence's tokens of this step (MEAN: the runner adds the chunks up); it skips the LM
+head and prompt logprobs (its logits are zeros: the token sampled after a pooling request is
+thrown away), which keeps its programs cheap to compile.
 
 ``sample_step(sampler_state, logits, sampling, allowed) -> SamplerOutput`` is compiled per
 sequence bucket S only (``allowed``: the grammar's ``[S, ceil(V / 32)]`` uint32 bitmask, filled
@@ -63,6 +65,17 @@ def make_step(cfg: StepConfig, model: ModuleType):
         if cfg.max_loras:
             extra["lora"] = LoRAStep(params["lora"], inputs.lora_slots, inputs.lora_used, lora_kernel)
         hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels, **extra)   # [T, D]
+        if cfg.pooling_type:
+            # A pooling step's sampled token is thrown away (core/scheduler.py): no LM head and
+            # no prompt logprobs to compile or run, zero logits [S, V] for the sampler.
+            S = inputs.logits_indices.shape[0]
+            sstate = update_state(sstate, inputs.sampling, inputs.input_ids, inputs.token_row,
+                                  inputs.attn.positions, inputs.attn.query_start_loc[-1])
+            T = inputs.input_ids.shape[0]
+            plp = (jnp.zeros((T,), jnp.float32), jnp.zeros((T,), jnp.int32), jnp.zeros((T, K), jnp.int32),
+                   jnp.zeros((T, K), jnp.float32))
+            return (kv, sstate, jnp.zeros((S, arch.vocab_size), jnp.float32), plp,
+                    pooled_rows(cfg.pooling_type, hidden, inputs))
         logits = logits_of(params, hidden[inputs.logits_indices])        # [S, V]
         if tp_size() > 1:
             # Vocabulary-parallel LM head: gather the (small) logits so the sampler, and its
@@ -81,8 +94,6 @@ def make_step(cfg: StepConfig, model: ModuleType):
                     jnp.zeros((T, K), jnp.float32))
 
         plp = jax.lax.cond(jnp.any(inputs.prompt_targets >= 0), with_prompt_logprobs, without)
-        if cfg.pooling_type:   # a pooling engine's step: one more output (generation's unchanged)
-            return kv, sstate, logits, plp, pooled_rows(cfg.pooling_type, hidden, inputs)
         return kv, sstate, logits, plp
     return step
 
