@@ -185,6 +185,10 @@ class RunnerConfig:
     """Raise instead of warn when a step traces or compiles after warm-up (tests set it)."""
     show_progress: bool = True
     """Progress bar while the buckets compile."""
+    pooling_type: str | None = None
+    """Set by the pooling engine (``pooling/engine.py``), not a flag: "LAST" or "MEAN" makes the
+    step also return each sequence's pooled final-norm hidden state, every request a pooling
+    one.  None: generation."""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -195,6 +199,9 @@ class RunnerConfig:
         if self.sampler_backend not in SAMPLER_BACKENDS:
             raise ValueError(
                 f"--sampler-backend must be one of {', '.join(SAMPLER_BACKENDS)}, got {self.sampler_backend!r}")
+        if self.pooling_type not in (None, "LAST", "MEAN"):
+            raise ValueError(f"pooling_type must be LAST or MEAN in the generation engine's step, "
+                             f"got {self.pooling_type!r}")
         if self.cpu_matmul not in CPU_MATMULS:
             raise ValueError(f"--cpu-matmul must be one of {', '.join(CPU_MATMULS)}, got {self.cpu_matmul!r}")
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:

@@ -129,6 +129,9 @@ class RunnerOutput:
     entry per prompt token after the first (the token itself first, then the top ones)."""
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: tokens proposed for each request's next step (none: no proposal)."""
+    pooled: dict = field(default_factory=dict)
+    """Pooling requests whose last prompt chunk ran this step: request id -> the pooled row
+    (numpy float32 [D])."""
 
 
 EMPTY_RUNNER_OUTPUT = RunnerOutput(req_ids=[], sampled_token_ids=[])
@@ -149,6 +152,8 @@ class EngineCoreOutput:
     """With the first output of a request that asked for prompt_logprobs."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache when the request was first scheduled."""
+    pooled: object = None
+    """A pooling request's pooled row (numpy float32 [D]), with its finishing output."""
 
     @property
     def finished(self) -> bool:

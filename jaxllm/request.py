@@ -88,7 +88,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...] = (), seed: int = 0, arrival_time: float | None = None,
                  priority: int = 0, max_tokens: int = 16, cache_salt: str | None = None,
-                 lora_request: LoRARequest | None = None, images: tuple[ImageInput, ...] = ()):
+                 lora_request: LoRARequest | None = None, images: tuple[ImageInput, ...] = (),
+                 pooling: bool = False):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -101,13 +102,13 @@ class Request:
         self.cache_salt = cache_salt
         """Mixed into the prefix-cache hashes: only requests with the same salt share cached KV."""
         self.max_tokens = max_tokens
+        """The resolved output cap (``max_tokens``, or what is left of ``max_model_len``)."""
         self.lora_request = lora_request
         """Its adapter, or None (the base model)."""
         self.images = images
         """Its images (``EngineRequest.images``)."""
         self.lora_slot = -1
         """The device slot of its adapter while it runs (the scheduler's), -1: none."""
-        """The resolved output cap (``max_tokens``, or what is left of ``max_model_len``)."""
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         """Tokens whose K/V are in the cache."""
@@ -124,6 +125,9 @@ class Request:
         """The scheduler step at which it arrived (for the starvation guard)."""
         self.spec_token_ids: list[int] = []
         """Speculative decoding: tokens proposed after its last step, verified in its next one."""
+        self.pooling = pooling
+        """A pooling request (an embedder's or classifier's prompt): prefill-only, chunked like any
+        prompt, ended at its last chunk with the runner's pooled row instead of a sampled token."""
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest, child_id: str, seed: int) -> "Request":
@@ -163,8 +167,10 @@ class Request:
     @property
     def skip_prefix_cache(self) -> bool:
         """A request that still has to deliver prompt logprobs computes its whole prompt
-        (vLLM skips the cache for them too: cached positions produce no logits)."""
-        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
+        (vLLM skips the cache for them too: cached positions produce no logits).  A pooling
+        request neither reads nor fills the cache (vLLM disables prefix caching for pooling:
+        MEAN pooling needs every token's hidden state, a cached block has none)."""
+        return self.pooling or self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -33,6 +33,12 @@ With a draft model, each sampling request also gets ``num_lookahead_tokens`` slo
 tokens, from the blocks the step left free, for the KV of the draft's proposals: one
 allocation holds both models' pages (vLLM's lookahead slots).
 
+Pooling requests (``Request.pooling``, an embedder's or classifier's prompt) are prefill-only:
+admitted, chunked under the token budget and batched like any prompt, they never read or fill
+the prefix cache, and ``update_from_output`` ends one at its last chunk with the runner's pooled
+row (``RunnerOutput.pooled``), its blocks freed at once; the token the runner drew after it is
+dropped.
+
 Async scheduling (``async_scheduling=True``, engine/core.py): step N+1 is scheduled before
 step N's tokens are known.  ``schedule()`` then advances ``num_computed_tokens`` at once and
 counts each sampling request's token of the step as in flight (vLLM's output placeholders):
@@ -280,7 +286,7 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(
                 0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
             req.num_computed_tokens += n
-            if req.num_computed_tokens >= target:
+            if req.num_computed_tokens >= target and not req.pooling:   # a pooling request samples nothing
                 self._inflight[rid] = self._inflight.get(rid, 0) + 1
 
     def _update_async(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
@@ -298,6 +304,10 @@ class Scheduler:
                     del self._inflight[rid]
             if req is None or req.is_finished:
                 continue  # ended (or aborted) while the step ran: its tokens are discarded
+            if req.pooling:
+                if req.num_computed_tokens >= req.num_tokens:
+                    outs.append(self._finish_pooled(req, result))
+                continue
             if req.status == RequestStatus.RUNNING:
                 self.kv.cache_computed_blocks(req)
             if not new_tokens:
@@ -324,6 +334,14 @@ class Scheduler:
             self._finish(req, req.status)
         return out
 
+    def _finish_pooled(self, req: Request, result: RunnerOutput) -> EngineCoreOutput:
+        """Ends a pooling request whose last chunk ran: its pooled row out, its blocks freed now."""
+        rid = req.request_id
+        if rid not in result.pooled:
+            raise RuntimeError(f"pooling request {rid}: its last chunk ran but the runner returned no pooled row")
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+        return EngineCoreOutput(rid, [], finish_reason="stop", pooled=result.pooled[rid], num_cached_tokens=0)
+
     def update_from_output(self, sched: SchedulerOutput, result: RunnerOutput) -> list[EngineCoreOutput]:
         """Advances computed tokens, appends sampled tokens, applies stop rules."""
         if self.async_scheduling:
@@ -344,6 +362,10 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(
                 0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
             req.num_computed_tokens += n
+            if req.pooling:
+                if req.num_computed_tokens >= req.num_tokens:
+                    outs.append(self._finish_pooled(req, result))
+                continue
             self.kv.cache_computed_blocks(req)
             req.spec_token_ids = result.draft_token_ids.get(rid) or []
             if req.num_computed_tokens < req.num_tokens or not new_tokens:

@@ -56,7 +56,8 @@ class PoolingEngineConfig:
     max_model_len: int | None = None
     """The longest prompt; None: the checkpoint's positions (and sentence-transformers' ``max_seq_length``)."""
     max_num_batched_tokens: int = 1024
-    """Tokens in one step: every prompt runs whole in one step, so also a cap on a prompt's length."""
+    """Tokens in one step: an encoder's prompt runs whole in one step, so also a cap on its length
+    (a decoder's prompt is chunked: ``decoder_runner.py``)."""
     max_num_seqs: int = 64
     """Prompts in one step."""
     strict_compile_guard: bool = False

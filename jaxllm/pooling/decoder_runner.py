@@ -1,133 +1,86 @@
-"""The pooling runner of a causal decoder (``--convert embed|classify``): the family's own
-``forward`` (native CPU, XLA or Pallas attention: the kernels generation runs) over whole prompts
-packed into a token bucket, each prefilled from position 0 into fresh pages of a scratch KV cache
-that the compiled step allocates and drops (nothing kept after it, no prefix caching); the
-final-norm hidden states are pooled (LAST by default) or the last token's go through the
-classifier head.  ``compute_logits`` is never called.
+"""The pooling runner of a causal decoder (``--convert embed|classify``): its prompts are
+prefill-only requests of a generation engine core (``engine/core.py``), so they take KV blocks
+like any prompt, are chunked under ``max_num_batched_tokens`` (a prompt longer than a step
+works), batch continuously with each other and run the engine's AOT-compiled step buckets on
+its kernels (native CPU, XLA or Pallas attention).  The step of a pooling engine also returns
+each sequence's pooled final-norm hidden state (``runner/step.pooled_rows``: LAST, the rows the
+LM head reads; MEAN, summed over the chunks by the runner); the scheduler ends a request at its
+last chunk with that row and frees its blocks at once.  Prefix caching is off (vLLM's rule for
+pooling).  Here, on the host: the classifier head on the last token, or L2 normalization.
 
-Buckets, planning and the compile guard are the encoder runner's (``runner.py``): programs are
-lowered from ``ShapeDtypeStruct``s ahead of time, one per token bucket.
+CLS pooling has no meaning for a causal decoder (its first token sees nothing after it) and is
+refused.  The engine core samples one throw-away token per finished row (the step's sampler
+runs on every row); the scheduler drops it.
 """
 
 from __future__ import annotations
 
-import logging
-from types import ModuleType
+import itertools
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.cpu import native as cpu_native
-from jaxllm.layers.attention import AttentionMetadata
-from jaxllm.models.kernels import Kernels
+from jaxllm.config import CacheConfig, EngineConfig, RunnerConfig, SchedulerConfig
+from jaxllm.engine.core import EngineCore
 from jaxllm.models.loader import LoadedModel
 from jaxllm.pooling.config import PoolerConfig
-from jaxllm.pooling.pool import pool
-from jaxllm.pooling.runner import PoolingRunner, pack, token_buckets
-from jaxllm.runner import weights
+from jaxllm.request import Request
+from jaxllm.sampling_params import SamplingParams
 
-log = logging.getLogger("jaxllm.engine")
-
-BLOCK_SIZE = 16
 ATTENTION_BACKENDS = ("auto", "native", "xla", "pallas")
 
 
-def pick_kernels(asked: str) -> Kernels:
-    """``attention_backend`` -> the step's kernels: auto is Pallas on a GPU, the native CPU
-    kernels (matmul and attention) on a CPU where they build, else XLA."""
+def check_attention_backend(asked: str) -> str:
     if asked not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend (--attention-backend) must be one of {', '.join(ATTENTION_BACKENDS)}, "
                          f"got {asked!r}")
-    platform = jax.default_backend()
-    if asked == "auto":
-        asked = "pallas" if platform in ("gpu", "cuda", "rocm") else (
-            "native" if platform == "cpu" and cpu_native.available() else "xla")
-    if asked == "native":
-        if platform != "cpu" or not cpu_native.available():
-            raise ValueError("--attention-backend native is the CPU kernel, unavailable here; use xla or pallas")
-        return Kernels(matmul="native", attention="native")
-    return Kernels(matmul="xla", attention=asked)
+    return asked
 
 
-def block_count(T: int, S: int) -> tuple[int, int]:
-    """(pages in the scratch cache, pages per row) for bucket (T, S): the null page 0, then at
-    most ``ceil(T / BLOCK_SIZE) + S`` pages for the rows (each row's last page partly filled)."""
-    per_row = -(-T // BLOCK_SIZE)
-    return 1 + per_row + S, per_row
+class DecoderPoolingRunner:
+    """``run(prompts)`` -> one row per prompt: the pooled vector [D], or the classifier's logits
+    [num_labels] (``head`` given)."""
 
+    def __init__(self, loaded: LoadedModel, pooler: PoolerConfig, head: np.ndarray | None, *, attention_backend: str,
+                 max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 strict_compile_guard: bool = False, show_progress: bool = True):
+        if pooler.pooling_type not in ("LAST", "MEAN"):
+            raise ValueError(f"--pooler-config pooling_type {pooler.pooling_type} is not for a causal decoder "
+                             "(its first token sees nothing after it): use LAST or MEAN")
+        self.pooler, self.head = pooler, head
+        config = EngineConfig(
+            model=loaded.name,
+            cache=CacheConfig(enable_prefix_caching=False),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len),
+            # float32 as the oracles; buckets compiled when a step first needs them (compile_all: every one).
+            runner=RunnerConfig(dtype="float32", attention_backend=check_attention_backend(attention_backend),
+                                precompile="on-demand", strict_compile_guard=strict_compile_guard,
+                                show_progress=show_progress, pooling_type=pooler.pooling_type))
+        self.core = EngineCore(config, loaded)
+        step = self.core.resolved.step
+        self.kernels, self.buckets = step.kernels, step.buckets
+        self._ids = itertools.count()
 
-def attention_inputs(prompts: list[list[int]], T: int, S: int) -> tuple[np.ndarray, ...]:
-    """slot_mapping [T], token_seq [T], block_tables [S, max_blocks], seq_lens [S] of the packed
-    prompts, each in fresh pages from page 1 (padding tokens write into the null page 0)."""
-    _, per_row = block_count(T, S)
-    slots = np.zeros(T, np.int32)
-    token_seq = np.zeros(T, np.int32)
-    tables = np.zeros((S, per_row), np.int32)
-    seq_lens = np.zeros(S, np.int32)
-    at, page = 0, 1
-    for row, p in enumerate(prompts):
-        n = len(p)
-        pages = -(-n // BLOCK_SIZE)
-        tables[row, :pages] = np.arange(page, page + pages, dtype=np.int32)
-        pos = np.arange(n, dtype=np.int32)
-        slots[at:at + n] = tables[row, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        token_seq[at:at + n] = row
-        seq_lens[row] = n
-        at += n
-        page += pages
-    return slots, token_seq, tables, seq_lens
+    def compile_all(self) -> None:
+        self.core.compile_all()
 
+    def run(self, prompts: list[list[int]], token_types=None) -> list[np.ndarray]:
+        """Checked token-id lists -> one float32 row each, in order (``token_types``: unused, a
+        decoder has none)."""
+        ids = [f"pool-{next(self._ids)}" for _ in prompts]
+        for rid, p in zip(ids, prompts):
+            self.core.add_request(Request(rid, p, SamplingParams(temperature=0.0, max_tokens=1), max_tokens=1,
+                                          pooling=True))
+        rows: dict[str, np.ndarray] = {}
+        while len(rows) < len(ids):
+            for o in self.core.step().outputs:
+                if o.pooled is not None:
+                    rows[o.request_id] = np.asarray(o.pooled, np.float32)          # [D]
+        return [self._finish(rows[rid]) for rid in ids]
 
-class DecoderPoolingRunner(PoolingRunner):
-    """One row per prompt: the pooled vector [D], or the classifier's logits [num_labels]
-    (``head`` given)."""
-
-    def __init__(self, loaded: LoadedModel, module: ModuleType, pooler: PoolerConfig, head: np.ndarray | None, *,
-                 kernels: Kernels, max_num_batched_tokens: int, max_num_seqs: int,
-                 strict_compile_guard: bool = False):
-        arch = loaded.arch
-        self.arch, self.pooler, self.kernels = arch, pooler, kernels
-        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.strict = strict_compile_guard
-        self.per_token = False   # pooling_type ALL is refused for a converted decoder at start-up
-        self.buckets = token_buckets(max_num_batched_tokens)
-        native = kernels.matmul == "native"
-        # float32, unrolled layers (the native kernels' layout when they run); the head beside them.
-        model = weights.host_params(loaded, jnp.float32, scan_layers=False, packed_bf16=False, native=native)
-        self.params = jax.tree.map(jnp.asarray, {"model": model, **({} if head is None else {"head": head})})
-        L, Hkv, Dh = arch.num_layers, arch.num_kv_heads, arch.head_dim
-
-        def step(params, input_ids, positions, seq_ids, slot_mapping, token_seq, block_tables, seq_lens,
-                 query_start_loc):
-            T, S = input_ids.shape[0], seq_lens.shape[0]
-            nb, _ = block_count(T, S)
-            # The scratch cache: written by this step's prefill, read by its attention, dropped after.
-            kv = tuple([jnp.zeros((nb, BLOCK_SIZE, Hkv, Dh), jnp.float32) for _ in range(L)] for _ in range(2))
-            md = AttentionMetadata(positions=positions, slot_mapping=slot_mapping, token_seq=token_seq,
-                                   block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc)
-            hidden, _ = module.forward(arch, params["model"], kv, input_ids, md, kernels)   # [T, D]
-            hidden = hidden.astype(jnp.float32)
-            if head is not None:
-                last = hidden[jnp.maximum(query_start_loc[1:] - 1, 0)]                      # [S, D]
-                return jax.lax.dot_general(last, params["head"], (((1,), (1,)), ((), ())),
-                                           precision=jax.lax.Precision.HIGHEST,
-                                           preferred_element_type=jnp.float32)              # [S, labels]
-            return pool(pooler, hidden, seq_ids, query_start_loc)                           # [S, D]
-        self._step = jax.jit(step)
-        self._compiled: dict[int, object] = {}
-
-    def _shapes(self, T: int) -> list:
-        S = self.bucket_rows(T)
-        _, per_row = block_count(T, S)
-        i32 = jnp.int32
-        return ([jax.ShapeDtypeStruct((T,), i32)] * 5 + [jax.ShapeDtypeStruct((S, per_row), i32),
-                                                         jax.ShapeDtypeStruct((S,), i32),
-                                                         jax.ShapeDtypeStruct((S + 1,), i32)])
-
-    def _args(self, chunk: list[list[int]], types, T: int) -> tuple:
-        S = self.bucket_rows(T)
-        packed = pack(chunk, None, T, S)
-        slots, token_seq, tables, seq_lens = attention_inputs(chunk, T, S)
-        return (packed.input_ids, packed.positions, packed.seq_ids, slots, token_seq, tables, seq_lens,
-                packed.query_start_loc)
+    def _finish(self, row: np.ndarray) -> np.ndarray:
+        if self.head is not None:
+            return (self.head @ row).astype(np.float32)                              # [labels]
+        if self.pooler.normalize:   # torch's F.normalize: x / max(||x||, 1e-12)
+            row = row / max(float(np.linalg.norm(row)), 1e-12)
+        return row.astype(np.float32)

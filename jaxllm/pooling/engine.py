@@ -2,8 +2,9 @@
 classifier: ``decoder.py``), its tokenizer and pooler, and the runner.
 
 Prompts (text or token ids) are tokenized and checked here, the one validation: an empty
-prompt, an id outside the vocabulary, or a prompt longer than ``max_model_len`` or than a step
-(``max_num_batched_tokens``: a prompt runs whole) is a ValueError naming ``input``, before
+prompt, an id outside the vocabulary, or a prompt longer than ``max_model_len`` (for an encoder,
+which runs a prompt whole, also than a step: ``max_num_batched_tokens``; a decoder's prompt is
+chunked) is a ValueError naming ``input``, before
 anything runs.  ``truncate_prompt_tokens`` keeps a prompt's last k tokens (vLLM's rule).
 """
 
@@ -21,7 +22,7 @@ from jaxllm.paths import default_cache_dir
 from jaxllm.pooling.config import CONVERTS, PoolerConfig, PoolingEngineConfig
 from jaxllm.pooling.decoder import (check_hf_overrides, declared_prompts, default_convert, is_causal, load_decoder,
                                     pooling_convert, read_hf_config)
-from jaxllm.pooling.decoder_runner import DecoderPoolingRunner, pick_kernels
+from jaxllm.pooling.decoder_runner import DecoderPoolingRunner, check_attention_backend
 from jaxllm.pooling.heads import Matryoshka, class_probs, read_labels, truncate
 from jaxllm.pooling.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
                                     EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput, ScoringOutput,
@@ -80,7 +81,7 @@ class PoolingEngine:
 
     def _init_decoder(self, config: PoolingEngineConfig, convert: str) -> None:
         """A causal decoder converted to an embedder or a classifier (``pooling/decoder.py``)."""
-        kernels = pick_kernels(config.attention_backend)
+        check_attention_backend(config.attention_backend)
         ckpt = load_decoder(config.model, convert, config.hf_overrides)
         loaded = ckpt.loaded
         self.arch = loaded.arch
@@ -99,25 +100,30 @@ class PoolingEngine:
             self.pooler = base.override(config.pooler_config)
             if self.pooler.pooling_type == "ALL":
                 raise ValueError("--pooler-config pooling_type ALL is served for encoders; a converted decoder "
-                                 "pools CLS, MEAN or LAST")
+                                 "pools LAST or MEAN")
             prompts = declared_prompts(config.model)
             if prompts:
                 log.info("the checkpoint declares instruction prompts (%s); as vLLM, they are not applied: "
                          "prepend them to the input yourself", ", ".join(sorted(prompts)))
-        self.max_model_len = self._model_len(config, loaded.arch.max_position_embeddings)
+        # Chunked like any prompt: a decoder's prompt may be longer than a step.
+        self.max_model_len = self._model_len(config, loaded.arch.max_position_embeddings, chunked=True)
         self.vocab_size = loaded.arch.vocab_size
         self._read_heads(config.model)
-        self.runner = DecoderPoolingRunner(loaded, get_family(loaded.arch.architecture).module, self.pooler,
-                                           ckpt.head, kernels=kernels,
+        self.runner = DecoderPoolingRunner(loaded, self.pooler, ckpt.head, attention_backend=config.attention_backend,
+                                           max_model_len=self.max_model_len,
                                            max_num_batched_tokens=config.max_num_batched_tokens,
                                            max_num_seqs=config.max_num_seqs,
-                                           strict_compile_guard=config.strict_compile_guard)
+                                           strict_compile_guard=config.strict_compile_guard,
+                                           show_progress=config.show_progress)
 
-    def _model_len(self, config: PoolingEngineConfig, positions: int) -> int:
+    def _model_len(self, config: PoolingEngineConfig, positions: int, chunked: bool = False) -> int:
+        """The longest prompt: the model's positions (or ``max_model_len``), and for an encoder,
+        which runs a prompt whole, a step (``chunked``: a decoder's prompt is split in chunks)."""
         limit = min(n for n in (positions, max_seq_length(config.model)) if n)
         if config.max_model_len is not None and config.max_model_len > positions:
             raise ValueError(f"--max-model-len {config.max_model_len} is more than the model's {positions} positions")
-        return min(config.max_model_len or limit, config.max_num_batched_tokens)
+        n = config.max_model_len or limit
+        return n if chunked else min(n, config.max_num_batched_tokens)
 
     def _read_heads(self, folder: str) -> None:
         """The checkpoint's Matryoshka sizes (checked against ``--pooler-config`` ``dimensions``) and
@@ -229,7 +235,7 @@ class PoolingEngine:
     def _check_length(self, ids: list[int], where: str) -> None:
         if len(ids) > self.max_model_len:
             raise ValueError(f"{where} has {len(ids)} tokens, more than the maximum of {self.max_model_len} "
-                             "(max_model_len; a pooling model runs a prompt whole); shorten it or set "
+                             "(max_model_len; an encoder runs a prompt whole in a step); shorten it or set "
                              "truncate_prompt_tokens")
 
     def tokenize_pair(self, first: str, second: str, truncate_prompt_tokens: int | None = None, *,

@@ -50,7 +50,9 @@ class CompilationManager:
         self._step_desc = (f"step|{cfg.arch!r}|{model_module.__name__}|max_logprobs={cfg.max_logprobs}|"
                            f"{cfg.kernels!r}|"
                            f"blocks_per_seq={cfg.max_blocks_per_seq}|drafts={cfg.num_speculative_tokens}|"
-                           f"rules={sorted(rules.items())!r}")
+                           f"rules={sorted(rules.items())!r}|"
+                           # a pooling engine's step has one more output: never another's program
+                           f"pooling={cfg.pooling_type}")
         self._sample_desc = (f"sample|max_logprobs={cfg.max_logprobs}|sampler={cfg.sampler_backend}|"
                              f"logprobs_mode={cfg.logprobs_mode}|fp64={cfg.use_fp64_gumbel}|vocab={cfg.arch.vocab_size}|"
                              f"drafts={cfg.num_speculative_tokens}")
@@ -80,8 +82,9 @@ class CompilationManager:
             return (*step_fn(params, kv, sstate, packing.unpack(words, inputs)), words[lo:hi])
 
         shardings = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
-        jitted = jax.jit(step, donate_argnums=(1, 2),
-                         out_shardings=(shardings(kv), shardings(sstate), self._rep, self._rep, self._rep))
+        # logits, prompt logprobs, (a pooling step's pooled rows,) the sampling words: replicated
+        extra = (self._rep,) * (4 if self.cfg.pooling_type else 3)
+        jitted = jax.jit(step, donate_argnums=(1, 2), out_shardings=(shardings(kv), shardings(sstate), *extra))
         words = jax.ShapeDtypeStruct((packing.num_words(inputs),), jnp.uint32, sharding=self._rep)
         with jax.set_mesh(self.mesh):
             return jitted.lower(params, kv, sstate, words)

@@ -126,7 +126,7 @@ class ModelRunner:
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)
         self.state_slots = StateSlots(cfg.max_num_seqs) if keeps_sequence_state(model.arch.architecture) else None
-        self.requests = RequestStates(model.arch.vocab_size, self.sampler_rows, self.state_slots)
+        self.requests = RequestStates(model.arch.vocab_size, self.sampler_rows, self.state_slots, cfg.pooling_type)
         self.token_feed = TokenFeed(cfg, self.sampler_rows.scratch + 1, self._rep) if async_scheduling else None
         self.grammars = GrammarStates(grammar, model.arch.vocab_size)
         self._all_allowed: dict[int, jax.Array] = {}   # S -> [S, W] all-ones bitmask on the device
@@ -298,8 +298,8 @@ class ModelRunner:
         """Waits for a dispatched step's tokens and records them (once; later calls return the
         same output)."""
         if h.result is None:
-            *host, plp = self._wait(h.outputs)
-            h.result = self.requests.record(h.step, SampledStep(*host, prompt=plp), h.states)
+            *host, plp, pooled = self._wait(h.outputs)
+            h.result = self.requests.record(h.step, SampledStep(*host, prompt=plp, pooled=pooled), h.states)
             self._accept_grammar(h.result)
         return h.result
 
@@ -352,8 +352,8 @@ class ModelRunner:
         """Runs ``seqs`` ((request id, tokens) in batch order, verifying ``spec``) in the bucket of
         ``num_tokens`` tokens and ``rows`` sampling rows; the step and its output."""
         step, outputs, timed = self._launch(seqs, spec, num_tokens, rows)
-        *host, plp = self._wait(outputs)
-        result = self.requests.record(step, SampledStep(*host, prompt=plp))
+        *host, plp, pooled = self._wait(outputs)
+        result = self.requests.record(step, SampledStep(*host, prompt=plp, pooled=pooled))
         self._accept_grammar(result)
         if timed:
             # Each bucket's step time (moving average): what speculation's cost model reads.
@@ -377,8 +377,8 @@ class ModelRunner:
         timed = self.compiler.ready(bucket)
         if not timed:
             # On demand: this bucket, and the decode step of as many requests, which follows
-            # (compiled side by side); the guard covers both from now on.
-            self.compile_buckets([bucket, bk.pick(S, S, self.buckets)])
+            # (compiled side by side; a pooling engine never decodes); the guard covers both from now on.
+            self.compile_buckets([bucket] if self.cfg.pooling_type else [bucket, bk.pick(S, S, self.buckets)])
         before = cc.counts()
         step = prepare_sequences(seqs, spec, self.requests, self.cfg, bucket)
         if self.strict:
@@ -421,7 +421,8 @@ class ModelRunner:
             words = self._put(words)
         if step.feed is not None:
             words = self.token_feed.apply(step.bucket, words, step.feed)
-        self.kv, rows.state, logits, plp, sampling_words = self.compiler.steps[step.bucket](
+        # ``pooled``: a pooling engine's step's one more output (runner/step.py), else empty.
+        self.kv, rows.state, logits, plp, *pooled, sampling_words = self.compiler.steps[step.bucket](
             self.params, self.kv, rows.state, words)
         # Dispatched, not finished: the grammar masks are computed while the device runs.
         S = step.bucket[1]
@@ -439,7 +440,7 @@ class ModelRunner:
         if self.token_feed is not None:
             self.token_feed.record(S, step.inputs.sampling.slot, out.token_ids)
         return (out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs, out.emitted,
-                plp if step.prompt_plan else None)
+                plp if step.prompt_plan else None, pooled[0] if pooled else None)
 
     def _wait(self, outputs) -> list:
         """Waits for a launched step's outputs and reads them to the host (numpy)."""

@@ -40,6 +40,8 @@ class RequestState:
     images: object | None = None
     """A vision-language model's request with images: its encoded ``runner.vision.RequestImages``
     (set by the runner when the request is seated)."""
+    pool_sum: np.ndarray | None = None
+    """MEAN pooling: the sum of its prompt's hidden states over the chunks run so far [D]."""
 
     def take_pending_counts(self) -> list[int]:
         out, self.pending_counts = self.pending_counts or [], None
@@ -69,12 +71,18 @@ class SampledStep:
     prompt: tuple | None = None
     """(logprob [T], rank [T], top ids [T, K], top logprobs [T, K]) when a row asked for
     prompt logprobs this step."""
+    pooled: np.ndarray | None = None
+    """[S, D] float32, a pooling engine's step: per sequence, its last token's hidden state
+    (LAST) or the sum over its tokens of the step (MEAN); ``RequestStates.pooling_type`` says which."""
 
 
 class RequestStates:
-    def __init__(self, vocab_size: int, sampler_rows: SamplerRows, state_slots: StateSlots | None = None):
-        """``state_slots``: the per-sequence state slots of a model that has some, else None."""
+    def __init__(self, vocab_size: int, sampler_rows: SamplerRows, state_slots: StateSlots | None = None,
+                 pooling_type: str = ""):
+        """``state_slots``: the per-sequence state slots of a model that has some, else None;
+        ``pooling_type``: a pooling engine's (``StepConfig.pooling_type``), "" for generation."""
         self.vocab_size = vocab_size
+        self.pooling_type = pooling_type
         self.rows = sampler_rows
         self.slots = state_slots
         self._states: dict[str, RequestState] = {}
@@ -120,6 +128,7 @@ class RequestStates:
         rows the sampler emitted) to its request and assembles the step's output.  ``states``:
         the step's request states (:meth:`snapshot`; None: the current ones)."""
         states = self._states if states is None else states
+        pooled = {} if out.pooled is None else self._pool(step, out.pooled, states)
         if out.prompt is not None:
             self._gather_prompt_logprobs(step.prompt_plan, step.inputs.prompt_targets, out.prompt, states)
         sampled: list[list[int]] = []
@@ -151,7 +160,20 @@ class RequestStates:
                 prompt_out[rid] = LogprobsArrays.concat(st.prompt_lps, st.sampling.num_prompt_logprobs)
                 st.prompt_lps = None
         return RunnerOutput(req_ids=list(step.req_ids), sampled_token_ids=sampled, logprobs=logprobs,
-                            prompt_logprobs=prompt_out)
+                            prompt_logprobs=prompt_out, pooled=pooled)
+
+    def _pool(self, step, rows: np.ndarray, states) -> dict[str, np.ndarray]:
+        """A pooling step's rows [S, D] -> the pooled vector [D] of each request whose last prompt
+        chunk ran (MEAN: the chunks' sums added up, divided by the prompt's length)."""
+        done = {}
+        for i, rid in enumerate(step.req_ids):
+            st = states[rid]
+            if self.pooling_type == "MEAN":
+                st.pool_sum = rows[i] if st.pool_sum is None else st.pool_sum + rows[i]
+            if step.samples[i]:   # its last chunk: the step "samples" after it
+                done[rid] = (rows[i] if self.pooling_type == "LAST" else
+                             (st.pool_sum / st.num_prompt_tokens).astype(np.float32))
+        return done
 
     def _gather_prompt_logprobs(self, plan, targets: np.ndarray, plp, states) -> None:
         """Appends this step's prompt logprobs to each asking request's list."""

@@ -3,7 +3,12 @@
 ``step(params, kv, sampler_state, inputs) -> (kv, sampler_state, logits [S, V], prompt
 logprobs)`` is compiled per bucket (T, S): forward, the logits of the sampled rows, the
 sampler state's update (penalty counts) and prompt logprobs.  The KV cache and the sampler
-state are donated, so both are updated in place.
+state are donated, so both are updated in place.  A pooling engine's step
+(``cfg.pooling_type``) also returns ``pooled`` [S, D] float32: per sequence, the final-norm
+hidden state at the row's last token (LAST: the rows the LM head would read) or the sum
+over the sequence's tokens of this step (MEAN: the runner adds the chunks up); it skips the LM
+head and prompt logprobs (its logits are zeros: the token sampled after a pooling request is
+thrown away), which keeps its programs cheap to compile.
 
 ``sample_step(sampler_state, logits, sampling, allowed) -> SamplerOutput`` is compiled per
 sequence bucket S only (``allowed``: the grammar's ``[S, ceil(V / 32)]`` uint32 bitmask, filled
@@ -65,6 +70,17 @@ def make_step(cfg: StepConfig, model: ModuleType):
             # a vision-language model: the image tokens take the encoder's rows (runner/vision.py)
             extra["image_rows"] = (inputs.image_row, inputs.image_embeds)
         hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels, **extra)   # [T, D]
+        if cfg.pooling_type:
+            # A pooling step's sampled token is thrown away (core/scheduler.py): no LM head and
+            # no prompt logprobs to compile or run, zero logits [S, V] for the sampler.
+            S = inputs.logits_indices.shape[0]
+            sstate = update_state(sstate, inputs.sampling, inputs.input_ids, inputs.token_row,
+                                  inputs.attn.positions, inputs.attn.query_start_loc[-1])
+            T = inputs.input_ids.shape[0]
+            plp = (jnp.zeros((T,), jnp.float32), jnp.zeros((T,), jnp.int32), jnp.zeros((T, K), jnp.int32),
+                   jnp.zeros((T, K), jnp.float32))
+            return (kv, sstate, jnp.zeros((S, arch.vocab_size), jnp.float32), plp,
+                    pooled_rows(cfg.pooling_type, hidden, inputs))
         logits = logits_of(params, hidden[inputs.logits_indices])        # [S, V]
         if tp_size() > 1:
             # Vocabulary-parallel LM head: gather the (small) logits so the sampler, and its
@@ -85,6 +101,20 @@ def make_step(cfg: StepConfig, model: ModuleType):
         plp = jax.lax.cond(jnp.any(inputs.prompt_targets >= 0), with_prompt_logprobs, without)
         return kv, sstate, logits, plp
     return step
+
+
+def pooled_rows(pooling_type: str, hidden, inputs: StepInputs):
+    """hidden [T, D] -> [S, D] float32: LAST, each sequence's last token of the step (the LM head's
+    rows); MEAN, the sum of its tokens of the step (padding tokens, past ``qsl[-1]``, excluded)."""
+    hidden = hidden.astype(jnp.float32)
+    if pooling_type == "LAST":
+        return hidden[inputs.logits_indices]                                           # [S, D]
+    S, T = inputs.logits_indices.shape[0], hidden.shape[0]
+    attn = inputs.attn
+    real = jnp.arange(T, dtype=jnp.int32) < attn.query_start_loc[-1]                   # [T]
+    member = ((attn.token_seq[None, :] == jnp.arange(S, dtype=jnp.int32)[:, None]) & real[None, :])   # [S, T]
+    return jax.lax.dot_general(member.astype(jnp.float32), hidden, (((1,), (0,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
 def make_sample_step(cfg: StepConfig):

@@ -48,6 +48,9 @@ class StepConfig:
     images: bool = False
     """A vision-language model: the step takes image rows and each token's ``visible_upto``
     (runner/inputs.py, runner/vision.py)."""
+    pooling_type: str = ""
+    """A pooling engine's step (``RunnerConfig.pooling_type``): "LAST" or "MEAN", the step also
+    returns each sequence's pooled hidden state; "": generation, no extra output."""
 
     @property
     def packed_bf16(self) -> bool:

@@ -9,7 +9,7 @@ import pytest
 
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
-from jaxllm.outputs import EventKind, SchedulingEvent
+from jaxllm.outputs import EventKind, RunnerOutput, SchedulingEvent
 from jaxllm.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
 from support.scheduler_steps import run_step
@@ -190,3 +190,44 @@ def test_abort_frees_blocks_and_tells_the_runner():
     assert s.kv.num_free_blocks > free_before
     so = s.schedule()
     assert "a" in so.finished_req_ids and "a" not in so.num_scheduled_tokens
+
+
+def test_pooling_requests_are_chunked_batched_and_end_at_their_last_chunk():
+    """Prefill-only: chunked under the budget, batched together, ended at the last chunk with the
+    runner's pooled row (no sampled token), blocks freed at once, the prefix cache neither read
+    nor filled."""
+    s = Scheduler(KVCacheManager(64, 4, enable_prefix_caching=True), max_num_seqs=4, max_num_batched_tokens=16,
+                  max_model_len=64)
+    free = s.kv.num_free_blocks
+    prompt = list(range(10, 30))                       # 20 tokens: longer than a step
+    s.add_request(Request("p", prompt, SamplingParams(max_tokens=1), pooling=True))
+    s.add_request(Request("q", list(range(40, 45)), SamplingParams(max_tokens=1), pooling=True))
+
+    def step():
+        so = s.schedule()
+        done = [r for r, n in so.num_scheduled_tokens.items()
+                if s.requests[r].num_computed_tokens + n == s.requests[r].num_tokens]
+        pooled = {r: f"row-{r}" for r in done}
+        ids = list(so.num_scheduled_tokens)
+        outs = s.update_from_output(so, RunnerOutput(ids, [[7]] * len(ids), pooled=pooled))
+        return so, outs
+
+    so, outs = step()
+    assert so.num_scheduled_tokens == {"p": 16} and outs == []
+    so, outs = step()
+    assert so.num_scheduled_tokens == {"p": 4, "q": 5}  # the last chunk of one beside another's whole prompt
+    assert [(o.request_id, o.pooled, o.finish_reason, o.new_token_ids) for o in outs] == [
+        ("p", "row-p", "stop", []), ("q", "row-q", "stop", [])]
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == free
+    assert so.finished_req_ids == set() and s.schedule().finished_req_ids == {"p", "q"}   # the runner drops them
+    # A generation request's prompt fills the cache; a pooling request of the same prompt does not read it.
+    s.add_request(Request("g", prompt, SamplingParams(max_tokens=1), max_tokens=1))
+    while s.has_unfinished_requests():
+        run_step(s)
+    s.add_request(Request("p2", prompt, SamplingParams(max_tokens=1), pooling=True))
+    so, _ = step()
+    assert so.num_scheduled_tokens == {"p2": 16} and s.requests["p2"].num_cached_tokens == 0
+    # A last chunk without its pooled row is a runner bug, not a silent empty result.
+    so = s.schedule()
+    with pytest.raises(RuntimeError, match="no pooled row"):
+        s.update_from_output(so, RunnerOutput(["p2"], [[7]]))

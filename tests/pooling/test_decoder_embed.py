@@ -9,19 +9,30 @@ oracles on tiny random Qwen3 checkpoints:
 - a mixed-length batch equals each input alone;
 - a ``Qwen3ForSequenceClassification`` scores as the sigmoid of transformers' logit;
 - a Qwen3-Reranker-style causal LM under vLLM's ``hf_overrides`` (``classifier_from_token``
-  no/yes) scores as the softmax of its "no"/"yes" logits at the last token (p(yes)).
+  no/yes) scores as the softmax of its "no"/"yes" logits at the last token (p(yes));
+- prompts longer than a step (``max_num_batched_tokens``) are chunked through the generation
+  engine's scheduler and compiled buckets: LAST (vs sentence-transformers) and MEAN (the sum
+  carried across chunks, vs transformers' hidden states), a mixed batch equal to each alone,
+  the KV pool full again after, no compile once the buckets ran; the LAST and MEAN engines of
+  one model and buckets look up different programs in the shared program cache (a stale
+  program of the other pooling type is never loaded);
+- ``pooling_type`` ALL (one row per token) and CLS (a first token that sees nothing after it) are
+  refused for a converted decoder at start-up, by name.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
 
 from jaxllm import LLM
+from jaxllm.runner import compile as cc
+from jaxllm.runner.program_cache import ProgramCache
 from support.tiny_decoders import (RERANKER_OVERRIDES, build_qwen3_classifier, build_qwen3_st, classifier_scores,
-                                   rerank_document, rerank_query, st_encode, yes_no_scores)
+                                   mean_hidden, rerank_document, rerank_query, st_encode, yes_no_scores)
 from support.tiny_models import build_tiny
 
 ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=8, strict_compile_guard=True)
@@ -114,4 +125,61 @@ def test_refusals_name_what_to_use(folders):
     with pytest.raises(ValueError, match="classifier_from_token needs method"):
         LLM(folders["reranker"], runner="pooling", convert="classify",
             hf_overrides={"classifier_from_token": ["no", "yes"]}, **ENGINE)
+    with pytest.raises(ValueError, match="pooling_type ALL is served for encoders; a converted decoder"):
+        LLM(folders["causal"], runner="pooling", convert="embed", pooler_config={"pooling_type": "ALL"}, **ENGINE)
+    with pytest.raises(ValueError, match=r"pooling_type CLS is not for a causal decoder .*use LAST or MEAN"):
+        LLM(folders["causal"], runner="pooling", convert="embed", pooler_config={"pooling_type": "CLS"}, **ENGINE)
     assert os.path.isfile(os.path.join(folders["st"], "modules.json"))
+
+
+def _close(got: np.ndarray, ref: np.ndarray) -> None:
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99999, cos
+    assert np.abs(got - ref).max() <= 1e-4
+
+
+def test_prompts_longer_than_a_step_are_chunked_through_the_scheduler(folders, monkeypatch):
+    small = dict(max_num_batched_tokens=16, max_num_seqs=2, strict_compile_guard=True)
+    # Each step program looked up in the program cache: its bucket -> its key.  Whether a saved
+    # program exists depends on earlier runs (a JAX persistent-cache hit is not saved), so the
+    # keys are checked rather than trusting a stale load to show up in the vectors.
+    keyed: dict[str, str] = {}
+    key = ProgramCache.key
+
+    def recording(self, description: str) -> str:
+        k = key(self, description)
+        if description.startswith("step|"):
+            keyed[re.search(r"\|T=\d+\|S=\d+\|", description).group()] = k
+        return k
+
+    monkeypatch.setattr(ProgramCache, "key", recording)
+    long_text = " ".join(TEXTS)
+    texts = [long_text, "a dog", TEXTS[4]]
+    # The bare causal LM (vLLM's default LAST + normalize) = the sentence-transformers folder over it; the
+    # MEAN engine below has the same model and buckets: its programs must not be taken for these.
+    last = LLM(folders["causal"], runner="pooling", convert="embed", **small)
+    outs = last.embed(texts)
+    assert len(outs[0].prompt_token_ids) > 2 * 16 and len(outs[2].prompt_token_ids) > 16   # three chunks, two
+    _close(_vectors(outs), st_encode(folders["st"], texts))
+    last_keys = dict(keyed)
+    keyed.clear()
+
+    mean = LLM(folders["causal"], runner="pooling", convert="embed",
+               pooler_config={"pooling_type": "MEAN", "normalize": False}, **small)
+    core = mean.pooling_engine.runner.core
+    ids = [o.prompt_token_ids for o in outs]
+    batch = _vectors(mean.embed(ids))
+    _close(batch, mean_hidden(folders["causal"], ids))
+    # The same buckets ran, under other keys: the MEAN engine never loads the LAST engine's programs.
+    assert last_keys and set(keyed) == set(last_keys)
+    assert all(keyed[b] != last_keys[b] for b in keyed), (keyed, last_keys)
+    # Chunks of one prompt beside other prompts' in a step: each row as when it runs alone.
+    alone = np.concatenate([_vectors(mean.embed([p])) for p in ids])
+    np.testing.assert_allclose(batch, alone, rtol=0, atol=1e-5)
+    # Every block back in the pool (pooling requests keep none, fill no prefix cache) ...
+    assert core.kv_manager.num_free_blocks == core.kv_manager.num_blocks and not core.has_unfinished_requests()
+    # ... and the buckets that ran run again without tracing or compiling.
+    before = cc.counts()
+    np.testing.assert_allclose(_vectors(mean.embed(ids)), batch, rtol=0, atol=0)
+    after = cc.counts()
+    assert (after["traces"], after["compiles"]) == (before["traces"], before["compiles"])

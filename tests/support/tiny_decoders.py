@@ -101,3 +101,11 @@ def yes_no_scores(path: str, pairs: list[tuple[str, str]]) -> np.ndarray:
             logits = model(input_ids=torch.tensor([tok(a + b)["input_ids"]])).logits[0, -1]
             out.append(torch.softmax(logits[[no, yes]].double(), 0)[1].item())
     return np.array(out)
+
+
+def mean_hidden(path: str, prompts: list[list[int]]) -> np.ndarray:
+    """The MEAN-pooling oracle: transformers' base model (``AutoModel``, float32) on each token-id
+    list alone, its final-norm hidden states averaged over the tokens -> [N, D]."""
+    model = transformers.AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return np.stack([model(torch.tensor([ids])).last_hidden_state[0].mean(0).numpy() for ids in prompts])
