@@ -20,12 +20,12 @@ from jaxllm.cpu import native
 from jaxllm.engine.core import EngineCore
 from jaxllm.engine.output_processor import OutputKind, OutputProcessor
 from jaxllm.engine.processor import InputProcessor, PromptType
-from jaxllm.engine.tokenizer import eos_token_ids, load_tokenizer
+from jaxllm.engine.tokenizer import encode, eos_token_ids, load_tokenizer
 from jaxllm.host_memory import return_freed_memory
 from jaxllm.lora.request import LoRARequest
 from jaxllm.models.builtin import BUILTIN_MODEL_NAME
 from jaxllm.models.loader import TokenizerSource, load_model
-from jaxllm.multimodal.prompt_images import PromptImages
+from jaxllm.multimodal.prompt_images import PromptImages, newline_ids
 from jaxllm.outputs import RequestOutput, SchedulingEvent
 from jaxllm.parallel import distributed
 from jaxllm.paths import default_cache_dir
@@ -137,8 +137,12 @@ class LLMEngine:
             config.structured_outputs_config.with_tag_resolved(self.tokenizer))
         self.core = EngineCore(config, model, replica=replica, grammar=self.grammar)
         # A vision-language model: images are preprocessed at the edge (the input processor).
+        # The newline ids transformers' processor puts around each image come from the tokenizer
+        # (none without one: a token-ids prompt then gets the image blocks alone).
+        newlines = () if self.tokenizer is None or model.vision is None else newline_ids(
+            lambda text: encode(self.tokenizer, text, add_special_tokens=False))
         images = (None if model.vision is None
-                  else PromptImages(model.vision, self.core.resolved.step.max_num_batched_tokens))
+                  else PromptImages(model.vision, self.core.resolved.step.max_num_batched_tokens, newlines))
         self.supports_images = images is not None
         del model  # host copies of the weights are no longer needed
         return_freed_memory()

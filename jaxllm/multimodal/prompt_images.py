@@ -20,10 +20,14 @@ from jaxllm.request import ImageInput
 
 class PromptImages:
     """``vision``: the checkpoint's image side (models/gemma3_vl/checkpoint.py);
-    ``max_num_batched_tokens``: one step's tokens (an image's must fit in one step)."""
+    ``max_num_batched_tokens``: one step's tokens (an image's must fit in one step);
+    ``newlines``: the tokenizer's ids of ``"\\n" * k`` for k = 0, 1, ... (:func:`newline_ids`),
+    the newlines transformers' processor puts around each image; empty without a tokenizer."""
 
-    def __init__(self, vision: VisionWeights, max_num_batched_tokens: int):
+    def __init__(self, vision: VisionWeights, max_num_batched_tokens: int,
+                 newlines: tuple[tuple[int, ...], ...] = ()):
         self.cfg = vision.cfg
+        self.newlines = newlines
         path = os.path.join(vision.path, "preprocessor_config.json")
         size = self.cfg.image_size
         self.processor = (ImageProcessorConfig.from_file(path) if os.path.isfile(path)
@@ -46,7 +50,7 @@ class PromptImages:
         for i, im in enumerate(images):
             if not isinstance(im, Image.Image):
                 raise ValueError(f"multi_modal_data image {i}: expected a PIL.Image.Image, got {type(im).__name__}")
-        ids = expand_placeholders(self.cfg, ids, len(images))
+        ids = expand_placeholders(self.cfg, ids, len(images), self.newlines)
         starts = [i for i, t in enumerate(ids) if t == self.cfg.image_token_id
                   and (i == 0 or ids[i - 1] != self.cfg.image_token_id)]
         out = []
@@ -54,6 +58,12 @@ class PromptImages:
             pixels = preprocess(im, self.processor)                            # [3, S, S] float32
             out.append(ImageInput(pixels, pixel_hash(pixels), start, self.cfg.mm_tokens_per_image))
         return ids, tuple(out)
+
+
+def newline_ids(encode, longest: int = 32) -> tuple[tuple[int, ...], ...]:
+    """``encode``: text -> ids (no special tokens) -> the ids of ``"\\n" * k`` for k = 0..longest
+    (Gemma 3 spells each run of up to 31 newlines as one token), computed once per engine."""
+    return tuple(tuple(encode("\n" * k)) for k in range(longest + 1))
 
 
 def image_salt(salt: str | None, images: tuple[ImageInput, ...]) -> str | None:

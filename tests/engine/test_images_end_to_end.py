@@ -3,7 +3,9 @@
 tokenizer, the image processor's config) starts one engine, which says it takes images; the
 offline ``LLM.generate`` with ``multi_modal_data``, ``LLM.chat`` with an ``image_url`` data URL,
 and ``jaxllm serve``'s app through the official ``openai`` client each give transformers'
-32 greedy tokens (float32), with transformers' own processor making the oracle's pixels.
+32 greedy tokens (float32), with transformers' own ``Gemma3Processor`` making the oracle's
+prompt ids (each placeholder -> "\\n\\n", boi, image tokens, eoi, "\\n\\n": the tokenizer has
+newline tokens) and pixels.
 
 The engine's token budget (8) is smaller than the prompts, so the prefill is chunked around the
 images (a chunk never ends inside one); the strict compile guard fails any step or encoder
@@ -23,15 +25,15 @@ from PIL import Image
 from support.images import data_url, encode
 from support.snippets import all_blocks
 from support.serve_helpers import ServerThread
-from support.tiny_gemma3_vl import BOI, EOI, IMAGE_TOKEN, hf_greedy_vl, save_vl_checkpoint, tiny_model
+from support.tiny_gemma3_vl import IMAGE_TOKEN, NEWLINES, hf_greedy_vl, hf_processor, save_vl_checkpoint, tiny_model
 
 from jaxllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
 ONE = "what is in this <start_of_image> picture ?"
-# first in its batch, so its chunks are 8 tokens from 0 unless cut: its second image (13-16)
-# straddles position 16, where the second chunk would end
-TWO = "<start_of_image> a cat and the picture of <start_of_image> dog ?"
+# first in its batch, so its chunks are 8 tokens from 0 unless cut: its second image (15-18,
+# after "\n\n" boi) straddles position 16, where the second chunk would end
+TWO = "<start_of_image> a cat and the picture <start_of_image> dog ?"
 
 
 def _image(seed: int, w: int = 70, h: int = 40) -> Image.Image:
@@ -44,25 +46,23 @@ def vl(tmp_path_factory):
     path = save_vl_checkpoint(hf, str(tmp_path_factory.mktemp("gemma3_vl")))
     llm = LLM(path, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, dtype="float32", block_size=4,
               strict_compile_guard=True, show_progress=False)
-    from transformers import AutoTokenizer, Gemma3ImageProcessor
-    return hf, llm, AutoTokenizer.from_pretrained(path), Gemma3ImageProcessor.from_pretrained(path)
+    processor = hf_processor(path)
+    return hf, llm, processor.tokenizer, processor
 
 
-def _reference(vl, ids: list[int], images: list[Image.Image]):
-    """transformers: its processor's pixels, each <start_of_image> expanded as Gemma3Processor does
-    (boi, 4 image tokens, eoi), greedy generate -> (32 tokens, expanded ids, the first token's logprob)."""
+def _reference(vl, text: str, images: list[Image.Image]):
+    """transformers: its Gemma3Processor's ids (each <start_of_image> expanded in the text, then
+    tokenized) and pixels, greedy generate -> (32 tokens, expanded ids, the first token's logprob)."""
     hf, _, _, processor = vl
-    out = []
-    for t in ids:
-        out += [BOI, *[IMAGE_TOKEN] * 4, EOI] if t == BOI else [t]
-    pixels = processor(images, return_tensors="np")["pixel_values"]
-    logits, tokens = hf_greedy_vl(hf, out, pixels)
+    inputs = processor(text=text, images=images, return_tensors="np")
+    out = inputs["input_ids"][0].tolist()
+    logits, tokens = hf_greedy_vl(hf, out, inputs["pixel_values"])
     last = logits[-1].astype(np.float64)
     return tokens, out, last[tokens[0]] - last.max() - np.log(np.exp(last - last.max()).sum())
 
 
 def test_generate_with_images_equals_transformers(vl):
-    _, llm, tok, _ = vl
+    _, llm, _, _ = vl
     assert llm.llm_engine.supports_images
     vision = llm.llm_engine.core.runner.vision
     a, b = _image(1), _image(2, 33, 90)
@@ -70,14 +70,15 @@ def test_generate_with_images_equals_transformers(vl):
     outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": im if len(im) > 1 else im[0]}}
                          for p, im in cases], GREEDY, use_tqdm=False)
     for (prompt, images), out in zip(cases, outs):
-        ref, ids, lp = _reference(vl, tok(prompt)["input_ids"], images)
+        ref, ids, lp = _reference(vl, prompt, images)
         assert out.prompt_token_ids == ids, "placeholders expanded unlike transformers' processor"
         assert out.outputs[0].token_ids == ref, f"{prompt!r} with {len(images)} image(s): tokens differ"
         # the prefill's result itself, finer than greedy tokens: the first token's logprob
         got = out.outputs[0].logprobs[0][ref[0]].logprob
         assert abs(got - lp) < 1e-4 * max(1.0, abs(lp)), f"{prompt!r}: first logprob {got} vs transformers' {lp}"
     assert outs[1].outputs[0].token_ids != outs[2].outputs[0].token_ids, "two images gave the same tokens"
-    assert outs[0].prompt_token_ids[13:17] == [IMAGE_TOKEN] * 4, "the image must straddle the chunk end at 16"
+    assert outs[0].prompt_token_ids[15:19] == [IMAGE_TOKEN] * 4, "the image must straddle the chunk end at 16"
+    assert outs[1].prompt_token_ids.count(NEWLINES["\n\n"]) == 2, "an image's newlines are tokens here"
     # The same image again: the encoder cache and the prefix cache (its hash is in the salt)
     # serve it, tokens unchanged; the same text with another image shares no cached block.
     hits = vision.hits
@@ -115,7 +116,7 @@ def test_readme_image_example_runs_as_written(vl):
     got = ns["out"][0].outputs[0]
     image = Image.open(io.BytesIO(base64.b64decode(ns["url"].split(",", 1)[1]))).convert("RGB")
     text = tok.apply_chat_template(_template(), add_generation_prompt=True, tokenize=False)
-    ref, _, _ = _reference(vl, tok(text, add_special_tokens=False)["input_ids"], [image])
+    ref, _, _ = _reference(vl, text, [image])
     eos = ref.index(1) + 1 if 1 in ref else len(ref)                      # the block stops at EOS
     assert got.token_ids == ref[:eos]
     assert printed.getvalue() == got.text + "\n"
@@ -138,7 +139,7 @@ def test_chat_and_served_chat_with_an_image_url_equal_transformers(vl):
     png = encode(_image(6), "PNG")
     url = data_url(png)
     text = tok.apply_chat_template(_template(), add_generation_prompt=True, tokenize=False)
-    ref, _, _ = _reference(vl, tok(text, add_special_tokens=False)["input_ids"], [Image.open(io.BytesIO(png)).convert("RGB")])
+    ref, _, _ = _reference(vl, text, [Image.open(io.BytesIO(png)).convert("RGB")])
     assert llm.chat(_messages(url), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
 
     # The same engine served (the offline LLM is not used after this): the official client.

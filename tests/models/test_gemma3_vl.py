@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from support.tiny_gemma3_vl import BOI, EOI, IMAGE_TOKEN, PagedGemma3VL, hf_greedy_vl, save_text_part, tiny_model
+from support.tiny_gemma3_vl import (BOI, EOI, IMAGE_TOKEN, PagedGemma3VL, hf_greedy_vl, hf_processor, save_text_part,
+                                    save_tokenizer, tiny_model)
 
 from jaxllm.models.gemma3_vl import VisionConfig, encode, expand_placeholders, image_groups, load_params, visible_upto
 
@@ -48,6 +49,27 @@ def test_placeholders_and_groups(hf_vl):
     assert vis.tolist() == [0, 1, 2, 6, 6, 6, 6, 7, 8, 9, 13, 13, 13, 13, 14, 15]
     with pytest.raises(ValueError, match="2 image"):
         expand_placeholders(cfg, [2, 10, BOI, 11], 2)
+
+
+def test_placeholders_expand_as_transformers_processor(hf_vl, tmp_path):
+    # Gemma3Processor replaces each <start_of_image> in the text by "\n\n<boi><img>x4<eoi>\n\n"
+    # and then tokenizes: the newlines are tokens, and they merge with a run of newlines the
+    # text has beside the image (a run of k newlines is one token, as in Gemma 3's vocab).
+    from PIL import Image
+    from jaxllm.multimodal.prompt_images import newline_ids
+    save_tokenizer(str(tmp_path))
+    from transformers import Gemma3ImageProcessor
+    Gemma3ImageProcessor(size={"height": 56, "width": 56}).save_pretrained(str(tmp_path))
+    processor = hf_processor(str(tmp_path))
+    tok = processor.tokenizer
+    newlines = newline_ids(lambda text: tok.encode(text, add_special_tokens=False))
+    cfg = VisionConfig.from_hf(hf_vl.config)
+    image = Image.new("RGB", (56, 56))
+    for text in ("<start_of_image>describe this .", "what is : <start_of_image> and <start_of_image> ?",
+                 "the\n<start_of_image>\n\n\ncat", "a<start_of_image><start_of_image>\n", "\n\n<start_of_image>"):
+        n = text.count("<start_of_image>")
+        want = processor(text=text, images=[image] * n)["input_ids"][0]
+        assert expand_placeholders(cfg, tok.encode(text), n, newlines) == list(want), repr(text)
 
 
 def test_unsupported_vision_configs_refused():

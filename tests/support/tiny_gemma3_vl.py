@@ -122,26 +122,47 @@ CHAT_TEMPLATE = (
     "<end_of_turn> {% endfor %}{% if add_generation_prompt %}<start_of_turn>model {% endif %}")
 
 
+NEWLINES = {"\n" * k: 25 + k for k in range(1, 9)}   # runs of 1..8 newlines, one token each (as Gemma 3's)
+
+
 def save_tokenizer(out_dir: str) -> None:
     """A word-level tokenizer over the tiny vocabulary (256) with Gemma 3's image tokens at
-    their ids (250-252) and a chat template that puts ``<start_of_image>`` where an image part is."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    their ids (250-252), named as Gemma 3's tokenizer names them (``boi_token`` ...) so that
+    transformers' ``Gemma3Processor`` takes it, each run of 1-8 newlines one token (26-33: the
+    processor puts "\\n\\n" around each image, and a run it meets merges as in Gemma 3's vocab),
+    and a chat template that puts ``<start_of_image>`` where an image part is."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2}
     for i in range(3, 250):
         vocab[WORDS[i - 3] if i - 3 < len(WORDS) else f"w{i}"] = i
+    for run, i in NEWLINES.items():
+        del vocab[f"w{i}"]
+        vocab[run] = i
     for i, t in enumerate(("<image_soft_token>", "<start_of_image>", "<end_of_image>", "<start_of_turn>",
                            "<end_of_turn>", "<unk>")):
         vocab[t] = 250 + i
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # words split at spaces (dropped) and at runs of newlines (kept, each run one piece)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"[^\S\n]+"), "removed"),
+                                                 pre_tokenizers.Split(Regex(r"\n+"), "isolated")])
     tok.decoder = decoders.ByteLevel()   # a decoder llguidance knows (the server's structured outputs)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>", additional_special_tokens=[
+                                   unk_token="<unk>", extra_special_tokens={
+                                       "image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                                       "eoi_token": "<end_of_image>"}, additional_special_tokens=[
                                        "<image_soft_token>", "<start_of_image>", "<end_of_image>",
                                        "<start_of_turn>", "<end_of_turn>"])
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
+
+
+def hf_processor(path: str, tokens_per_image: int = 4):
+    """transformers' ``Gemma3Processor`` over a saved checkpoint's tokenizer and image processor:
+    the oracle of the expanded prompt ids and the pixels."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessor, Gemma3Processor
+    return Gemma3Processor(image_processor=Gemma3ImageProcessor.from_pretrained(path),
+                           tokenizer=AutoTokenizer.from_pretrained(path), image_seq_length=tokens_per_image)
 
 
 def save_vl_checkpoint(model: Gemma3ForConditionalGeneration, out_dir: str) -> str:
