@@ -74,7 +74,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     mem.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    default=SchedulerConfig.async_scheduling,
                    help="schedule and prepare the next step while the current one runs, its sampled tokens "
-                        "fed to the next on the device (--no-async-scheduling: one step at a time)")
+                        "fed to the next on the device (default on; speculative decoding and multi-host run "
+                        "synchronously; --no-async-scheduling: one step at a time)")
     out.add_argument("--seed", type=int, default=0, help="seed for the seeds of unseeded requests")
     kern.add_argument("--attention-backend", default="auto",
                    help="auto | xla | pallas | native: paged attention (auto: the Pallas kernel on GPU; on CPU "

@@ -125,11 +125,13 @@ class SchedulerConfig:
     starvation_steps: int = 1000
     """A request in the scheduler this many steps goes ahead of every policy's order and is
     not preempted while a younger one runs, so no request waits forever."""
-    async_scheduling: bool = False
-    """``--async-scheduling`` (vLLM's name): the host schedules and prepares step N+1 while
+    async_scheduling: bool = True
+    """``--async-scheduling`` (vLLM's name; on by default, ``--no-async-scheduling`` /
+    ``async_scheduling=False`` turns it off): the host schedules and prepares step N+1 while
     step N runs, N's sampled tokens feeding N+1 on the device (engine/core.py).  Outputs are
     the same token for token; steps that need the previous token on the host (structured
-    outputs, ``min_tokens``, multi-token bad words) and speculative decoding run synchronously."""
+    outputs, ``min_tokens``, multi-token bad words) run synchronously, and speculative
+    decoding and multi-host serving fall back to synchronous scheduling silently."""
 
     def __post_init__(self):
         if self.scheduling_policy not in SCHEDULING_POLICIES:

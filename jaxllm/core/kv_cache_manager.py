@@ -202,7 +202,10 @@ class KVCacheManager:
         blocks = self._blocks.get(rid)
         if not blocks:
             return
-        n_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        # Async scheduling counts the in-flight token as computed before the host has it: a
+        # block it completes is hashed (and cached) once its last token is known.
+        known = min(request.num_computed_tokens, request.num_tokens)
+        n_full = min(known // self.block_size, len(blocks))
         done = self._num_committed.get(rid, 0)
         if n_full <= done:
             return

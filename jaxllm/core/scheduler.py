@@ -46,7 +46,8 @@ the next schedule computes it (the runner feeds it on the device), and a request
 in-flight token will end it by length is not scheduled again.  ``update_from_output`` of
 step N only appends the tokens and applies the stop rules; a request that ended at N has
 its already scheduled step N+1 discarded (its outputs are skipped, its blocks were freed at
-N's update).  Speculative decoding is not combined with it (the engine refuses the pair).
+N's update).  Speculative decoding is not combined with it (the engine schedules
+synchronously for it, engine/core.py:_use_async).
 """
 
 from __future__ import annotations

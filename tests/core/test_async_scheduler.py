@@ -19,8 +19,8 @@ def make(rid, n_prompt, max_tokens=8):
     return Request(rid, list(range(10, 10 + n_prompt)), params, eos_token_ids=(EOS,), max_tokens=max_tokens)
 
 
-def async_sched(num_blocks=64):
-    return Scheduler(KVCacheManager(num_blocks, 4), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+def async_sched(num_blocks=64, prefix_caching=False):
+    return Scheduler(KVCacheManager(num_blocks, 4, enable_prefix_caching=prefix_caching), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
                      async_scheduling=True)
 
 
@@ -64,3 +64,25 @@ def test_a_request_ended_at_n_has_step_n_plus_1_discarded():
     so3 = s.schedule()
     assert so3.is_empty and so3.finished_req_ids == {"a"}
     assert not s.has_unfinished_requests()
+
+
+def test_a_block_completed_by_an_in_flight_token_is_cached_once_its_token_is_known():
+    """The prefix cache registers a full block under the hash of its tokens.  Under async
+    scheduling ``num_computed_tokens`` counts the in-flight token before the host has it: the
+    block it completes must wait for it (hashed early, it was registered under the hash of
+    its first three tokens, and every later block of the request under hashes chained from
+    it: a follow-up prompt found none of them)."""
+    s = async_sched(prefix_caching=True)
+    a = make("a", 3, max_tokens=6)          # 4-token blocks: its first sampled token completes block 0
+    s.add_request(a)
+    tokens, pending = iter(range(40, 60)), None
+    while s.has_unfinished_requests() or pending is not None:
+        so = s.schedule()                   # as EngineCore._step_async: N+1 scheduled, then N applied
+        if pending is not None:
+            s.update_from_output(pending, sampled(pending, next(tokens)))
+        pending = None if so.is_empty else so
+    assert a.output_token_ids == [40, 41, 42, 43, 44, 45]
+    # Computed: the prompt and all outputs but the last (8 tokens, two full blocks).
+    follow_up = Request("b", a.all_token_ids[:8] + [99], SamplingParams(temperature=0, max_tokens=1),
+                        eos_token_ids=(EOS,), max_tokens=1)
+    assert len(s.kv.find_cached_prefix(follow_up)) == 2

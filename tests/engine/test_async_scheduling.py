@@ -1,5 +1,5 @@
-"""Async scheduling (``--async-scheduling``) changes no output: token for token the same as
-synchronous scheduling on the tiny Llama, for greedy and seeded sampling, penalties,
+"""Async scheduling (``--async-scheduling``, the default) changes no output: token for token
+the same as synchronous scheduling on the tiny Llama, for greedy and seeded sampling, penalties,
 logprobs and prompt logprobs, n > 1, bad words, stop strings and max_tokens ending requests
 at different steps, a JSON schema, preemption (a KV pool too small for the batch) and aborts
 mid-stream; its steps really take the previous step's tokens on the device; nothing
@@ -15,6 +15,7 @@ from support.batch_workload import workload
 from support.engines import SMALL_ENGINE
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.cli import build_parser, engine_config_from_args
 from jaxllm.config import EngineConfig
 from jaxllm.engine.core import _use_async
 from jaxllm.runner import compile as cc
@@ -26,8 +27,9 @@ ENGINE = {**SMALL_ENGINE, "num_blocks_override": 10, "max_model_len": 128}
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama):
-    """(synchronous, asynchronous) engines on the same model and settings."""
-    return (LLM(tiny_llama, **ENGINE, async_scheduling=False), LLM(tiny_llama, **ENGINE, async_scheduling=True))
+    """(synchronous, asynchronous) engines on the same model and settings: the second with
+    the default, which is async scheduling; the first turned off by ``async_scheduling=False``."""
+    return (LLM(tiny_llama, **ENGINE, async_scheduling=False), LLM(tiny_llama, **ENGINE))
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +70,20 @@ def _same(engines, fed_steps, prompts, params):
 
 
 def test_engine_modes(engines):
+    """Async scheduling is the default (LLM, serve); ``async_scheduling=False`` turns it off."""
     assert engines[1].llm_engine.core.async_scheduling
     assert not engines[0].llm_engine.core.async_scheduling
+
+
+def test_cli_default_and_off_switch():
+    """``jaxllm serve`` (every engine command) schedules asynchronously unless given
+    ``--no-async-scheduling``."""
+    parser = build_parser()
+    assert engine_config_from_args(parser.parse_args(["serve"])).scheduler.async_scheduling
+    assert engine_config_from_args(parser.parse_args(["serve", "--async-scheduling"])).scheduler.async_scheduling
+    off = engine_config_from_args(parser.parse_args(["serve", "--no-async-scheduling"]))
+    assert not off.scheduler.async_scheduling
+    assert not _use_async(off)
 
 
 def test_greedy_seeded_penalties_stops(engines, fed_steps):
@@ -162,9 +176,12 @@ def test_abort_mid_stream(engines, fed_steps):
 
 
 def test_speculation_keeps_synchronous_scheduling(tiny_llama):
-    """Speculative decoding proposes from the sampled tokens on the host: the engine keeps
-    synchronous scheduling for it (its own identity tests: tests/spec_decode/)."""
-    cfg = EngineConfig.from_kwargs(model=tiny_llama, async_scheduling=True,
-                                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert not _use_async(cfg)
-    assert _use_async(EngineConfig.from_kwargs(model=tiny_llama, async_scheduling=True))
+    """Speculative decoding proposes from the sampled tokens on the host, and a multi-host
+    engine publishes each step before it runs: with the default (async on) or asked for,
+    both fall back to synchronous scheduling without an error (speculation's own identity
+    tests: tests/spec_decode/)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    for asked in ({}, {"async_scheduling": True}):
+        assert not _use_async(EngineConfig.from_kwargs(model=tiny_llama, speculative_config=spec, **asked))
+        assert not _use_async(EngineConfig.from_kwargs(model=tiny_llama, num_hosts=2, host_index=0, **asked))
+        assert _use_async(EngineConfig.from_kwargs(model=tiny_llama, **asked))

@@ -459,7 +459,10 @@ def test_a_buckets_first_run_is_not_averaged(tiny_llama):
     model stopped proposing.  The runner averages from the second run on."""
     from jaxllm import LLM
     from support.engines import SMALL_ENGINE
-    llm = LLM(tiny_llama, **SMALL_ENGINE)
+    # Synchronous scheduling, as under speculation (the only reader of these timings): the
+    # engine then runs its steps through ``execute``, which times them (async ``dispatch``
+    # returns before the step ends and times nothing).
+    llm = LLM(tiny_llama, **SMALL_ENGINE, async_scheduling=False)
     runner = llm.llm_engine.core.runner
     runs: dict = {}
     orig = runner.execute

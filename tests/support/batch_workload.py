@@ -17,13 +17,17 @@ def workload(n=16, seed=0):
 
 
 def record_schedules(llm):
+    """Records every ``SchedulerOutput`` the engine's scheduler makes (synchronous or async
+    scheduling alike: async steps go to the runner's ``dispatch``, not ``execute``).
+    Returns the list and a function that stops recording."""
     seen = []
-    runner = llm.llm_engine.core.runner
-    execute = runner.execute
+    scheduler = llm.llm_engine.core.scheduler
+    schedule = scheduler.schedule
 
-    def recording(so):
+    def recording():
+        so = schedule()
         seen.append(so)
-        return execute(so)
+        return so
 
-    runner.execute = recording
-    return seen, lambda: setattr(runner, "execute", execute)
+    scheduler.schedule = recording
+    return seen, lambda: delattr(scheduler, "schedule")
