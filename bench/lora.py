@@ -104,7 +104,8 @@ def program_costs(tokens: list[int], dtype: str) -> None:
             t0 = time.process_time()
             compiled = lowered.compile()
             cpu = time.process_time() - t0
-            ops = collections.Counter(re.findall(rf"= \S+ ({'|'.join(OPS)})\(", compiled.as_text()))
+            # " while(": an opcode (an instruction's name starts with "%")
+            ops = collections.Counter(re.findall(rf" ({'|'.join(OPS)})\(", compiled.as_text()))
             cost = compiled.cost_analysis()
             cost = cost[0] if isinstance(cost, list) else cost
             print(f"{name:<6} {T:>4} {cpu:>13.1f}  {cost.get('bytes accessed', 0) / 1e6:>8.1f}  "
