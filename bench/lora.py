@@ -1,6 +1,7 @@
 """LoRA throughput of the built-in model: output tokens/s with 0, 1 and N distinct adapters.
 
     python bench/lora.py [--batch-sizes 1,32] [--adapters 1,8] [--output-len 32] [--repeats 5]
+    python bench/lora.py --programs 1,32      # what one step program costs to compile, no timing run
 
 Two engines on the built-in model: the base (``enable_lora=False``) and one with
 ``enable_lora=True, max_loras=max(--adapters), max_lora_rank=16``.  The adapters are random
@@ -11,8 +12,15 @@ call, so a drift of the shared machine moves every arm alike):
 
 * ``base``: the engine without LoRA;
 * ``lora engine, 0 adapters``: the LoRA engine, no request names an adapter (the cost of the
-  LoRA path alone: the slot inputs and a loop of no iteration per projection, lora/apply.py);
+  LoRA path alone: the slot inputs and, per projection, a loop of no iteration or a cond not
+  taken, lora/apply.py);
 * ``K adapters``: request ``i`` runs adapter ``i % K``.
+
+``--programs T,...``: instead, for the base engine and the LoRA engine (one sequence, ``max_loras``
+8), each one-sequence step program of ``T`` tokens is lowered and compiled once, and printed:
+the process CPU seconds of the compile (less inflated by a shared machine than its wall
+time), the kernels XLA made of it (fusions, dots, loops, conditionals, dynamic slices,
+copies) and its ``bytes accessed`` (XLA's cost analysis: a loop's body counted once).
 
 Printed: the median output tokens/s of each arm and its ratio to ``base``, with the load
 average when the batch size finished (the machine may be shared).  The issue's targets:
@@ -22,7 +30,9 @@ average when the batch size finished (the machine may be shared).  The issue's t
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import sys
 import tempfile
 import time
@@ -79,6 +89,29 @@ class Arm:
         return t
 
 
+OPS = ("fusion", "dot", "while", "conditional", "dynamic-slice", "copy", "custom-call")
+
+
+def program_costs(tokens: list[int], dtype: str) -> None:
+    """``--programs``: compile each one-sequence step program of ``tokens`` once, base and LoRA."""
+    kw = dict(dtype=dtype, max_num_seqs=1, max_num_batched_tokens=max(tokens), max_model_len=512, show_progress=False,
+              enable_prefix_caching=False, precompile="on-demand")
+    print(f"{'engine':<6} {'T':>4} {'compile CPU s':>13}  {'bytes MB':>8}  kernels")
+    for name, extra in (("base", {}), ("lora", dict(enable_lora=True, max_loras=8, max_lora_rank=max(RANKS)))):
+        r = LLMTimer(1, **kw, **extra).runner
+        for T in tokens:
+            lowered = r.compiler.lower_step(r.params, r.kv, r.sampler_rows.state, T, 1)
+            t0 = time.process_time()
+            compiled = lowered.compile()
+            cpu = time.process_time() - t0
+            # " while(": an opcode (an instruction's name starts with "%")
+            ops = collections.Counter(re.findall(rf" ({'|'.join(OPS)})\(", compiled.as_text()))
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            print(f"{name:<6} {T:>4} {cpu:>13.1f}  {cost.get('bytes accessed', 0) / 1e6:>8.1f}  "
+                  + " ".join(f"{op} {ops[op]}" for op in OPS if ops[op]), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,32")
@@ -87,7 +120,13 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--programs", default=None, help="token counts: print each step program's compile cost instead")
     args = ap.parse_args(argv)
+    if args.programs:
+        tokens = [int(t) for t in args.programs.split(",")]
+        if not tokens or min(tokens) < 1:
+            raise ValueError("--programs must be positive integers")
+        return program_costs(tokens, args.dtype)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     counts = [int(k) for k in args.adapters.split(",")]
     if not batches or min(batches) < 1 or not counts or min(counts) < 1:

@@ -8,6 +8,12 @@ loop's trip count is an input, so a new mix of adapters never compiles.  Measure
 built-in model (docs/BENCHMARKS.md "LoRA adapters"): the earlier one-hot einsum over every
 slot read ~20 MB of float32 ``A``/``B`` per slot per step, 0.16x of base at ``max_loras=8``.
 
+A step that can use at most one slot (a one-token bucket: batch-1 decode; or ``max_loras``
+1) runs no loop: a ``cond`` on that slot reads its matrices or nothing.  In the built-in
+model's one-token program that is 490 dynamic slices and 3 copies instead of the loops' 1120
+and 632; it compiles in the same time (docs/BENCHMARKS.md "LoRA adapters": the cost is the 420
+shrink/expand dots and their fusions, not the loops).
+
 Without ``used`` (training, lora/train.py: the loop's dynamic trip count is not
 reverse-differentiable) the one-hot einsum over every slot is kept
 (``einsum(x, one_hot(slot), A)``, as tpu-inference and sglang-jax do).
@@ -57,6 +63,9 @@ def delta(lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array | 
         return None
     A, B = lora.weights[name]
     if lora.kernel != "pallas" and lora.used is not None:
+        if x.shape[0] == 1 or A.shape[0] == 1:
+            # one token (batch-1 decode) or one slot: at most one slot is used, ``used[0]``
+            return _one_slot_delta(x, A, B, layer, lora.slots, lora.used[0])
         return _used_slots_delta(x, A, B, layer, lora.slots, lora.used)
     A_l, B_l = A[:, layer], B[:, layer]                                  # [S, in, R], [S, R, out]
     if lora.kernel == "pallas":
@@ -83,6 +92,23 @@ def _used_slots_delta(x, A, B, layer, slots, used) -> jax.Array:
     # A dynamic trip count: the loop runs once per used slot (none when the step has no adapter).
     count = jnp.sum(used >= 0)
     return jax.lax.fori_loop(0, count, one_slot, jnp.zeros((T, n_out), jnp.float32))
+
+
+def _one_slot_delta(x, A, B, layer, slots, s) -> jax.Array:
+    """x [T, in]; A [S, L, in, R], B [S, L, R, out]; slots [T]; s: the step's one used slot
+    (-1: none) -> [T, out] float32.  A step that can use at most one slot (a one-token bucket,
+    or ``max_loras`` 1) needs no loop: a ``cond`` reads that slot's matrices of ``layer`` or
+    nothing (no copies of a loop's carried values: the module docstring)."""
+    T, (_, _, n_in, R), n_out = x.shape[0], A.shape, B.shape[-1]
+    layer = jnp.asarray(layer, jnp.int32)
+
+    def read():
+        a = jax.lax.dynamic_slice(A, (s, layer, 0, 0), (1, 1, n_in, R))[0, 0]      # [in, R]
+        b = jax.lax.dynamic_slice(B, (s, layer, 0, 0), (1, 1, R, n_out))[0, 0]     # [R, out]
+        xa = jnp.where((slots == s)[:, None], x.astype(jnp.float32) @ a, 0.0)      # [T, R]
+        return xa @ b                                                              # [T, out]
+
+    return jax.lax.cond(s >= 0, read, lambda: jnp.zeros((T, n_out), jnp.float32))
 
 
 def add(y: jax.Array, lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array:
