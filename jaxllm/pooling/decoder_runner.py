@@ -51,7 +51,9 @@ class DecoderPoolingRunner:
             model=loaded.name,
             cache=CacheConfig(enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len,
+                                      # synchronous: the pooled row is read when its last chunk's step ends
+                                      async_scheduling=False),
             # float32 as the oracles; buckets compiled when a step first needs them (compile_all: every one).
             runner=RunnerConfig(dtype="float32", attention_backend=check_attention_backend(attention_backend),
                                 precompile="on-demand", strict_compile_guard=strict_compile_guard,
