@@ -136,6 +136,7 @@ class StepLog:
 
 
 def _step_kind(engine) -> str:
+    """The kind of the step the next ``engine.step()`` schedules."""
     sched = engine.core.scheduler
     if sched.waiting:
         return "prefill"
@@ -146,29 +147,44 @@ def run_batch(engine, prompts: list[list[int]], params, tag: str, log: StepLog |
     """Runs every prompt to completion on an ``LLMEngine`` with ``engine.step()``, timing each
     step into ``log``; returns the final ``RequestOutput``s in prompt order.  ``on_step``: an
     object whose ``begin_step()`` / ``end_step()`` are called around each step (outside the
-    timed region; bench/step_breakdown.py's per-step host spans)."""
+    timed region; bench/step_breakdown.py's per-step host spans).
+
+    Under async scheduling a call dispatches step N+1 and then waits for step N: its time is
+    step N's, so it is logged with step N's kind.  The first call of a batch only dispatches
+    (nothing was in flight): its time is added to the next call's entry, and the last call
+    only waits.  The log then has one entry per dispatched step, as without async."""
     import jax
 
     from jaxllm.engine.output_processor import OutputKind
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, {"prompt_token_ids": p}, params, kind=OutputKind.FINAL_ONLY)
+    core = engine.core
     done = {}
     n = 0
+    waited_kind = None     # async: the kind of the step in flight, which the next call waits for
+    carry = 0.0            # async: time of calls that only dispatched, added to the next entry
     try:
         while len(done) < len(ids) and engine.has_unfinished_requests():
             kind = _step_kind(engine)
-            if on_step is not None:
+            label = kind if not core.async_scheduling else (waited_kind or "dispatch")
+            if on_step is not None and carry == 0.0:
                 on_step.begin_step()
-            with jax.profiler.TraceAnnotation(f"engine.step {n} ({kind})"):
+            with jax.profiler.TraceAnnotation(f"engine.step {n} ({label})"):
                 t0 = time.perf_counter()
                 outs = engine.step()
                 dt = time.perf_counter() - t0
-            if on_step is not None:
-                on_step.end_step()
-            if log is not None:
-                log.times.append(dt)
-                log.kinds.append(kind)
+            if core.async_scheduling:
+                waited_kind = kind if core.step_in_flight else None
+            if label == "dispatch":
+                carry += dt
+            else:
+                if on_step is not None:
+                    on_step.end_step()
+                if log is not None:
+                    log.times.append(carry + dt)
+                    log.kinds.append(label)
+                carry = 0.0
             n += 1
             for o in outs:
                 if o.finished:

@@ -252,6 +252,12 @@ class EngineCore:
         """Requests not ended, or (async scheduling) a dispatched step not applied yet."""
         return self.scheduler.has_unfinished_requests() or self._pending is not None
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Async scheduling: a step is dispatched and its tokens not applied yet (the next
+        ``step()`` waits for it)."""
+        return self._pending is not None
+
     def step(self) -> EngineCoreOutputs:
         if self.is_follower:
             raise ValueError(f"host {self.channel.host} follows host 0's steps: call follow() there")

@@ -269,8 +269,9 @@ def test_start_stop_profile_over_http_writes_a_trace(profiled_engine, tmp_path):
             events = xla_op_events(xplane)
             step_ops = [e for e in events if e[1] == "jit_step"]
             assert step_ops, "the trace holds no XLA op events of the engine step"
-            # The step's and the sampler's programs (runner/step.py).
-            engine_ops = {e[2] for e in events if e[1] in ("jit_step", "jit_sample_step")}
+            # The step's and the sampler's programs (runner/step.py) and, under async scheduling,
+            # the token feed's (runner/token_feed.py: sampled tokens into the next step's input).
+            engine_ops = {e[2] for e in events if e[1] in ("jit_step", "jit_sample_step", "jit_scatter", "jit_feed")}
             assert body["top_ops"] and {o["op"] for o in body["top_ops"]} <= engine_ops
 
             r = http.post("/stop_profile")
