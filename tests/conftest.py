@@ -89,3 +89,22 @@ def builtin_llm_dequantized():
     transformers computes with when it reads the GGUF."""
     from jaxllm import LLM
     return LLM(**BUILTIN_ENGINE, dequantize=True)
+
+
+SHARED_ENGINES = ("tiny_llm", "builtin_llm", "builtin_llm_dequantized")
+
+
+@pytest.fixture(autouse=True)
+def _shared_engines_left_idle(request):
+    """A test that fails midway on a session-shared engine leaves its requests running; they
+    are aborted after it (and any dispatched step drained), so the next tests on that engine
+    do not fail for it."""
+    yield
+    for name in SHARED_ENGINES:
+        if name not in request.fixturenames:
+            continue
+        engine = request.getfixturevalue(name).llm_engine
+        engine.abort_request(engine.output_processor.request_ids())
+        while engine.has_unfinished_requests():
+            engine.step()
+

@@ -89,6 +89,10 @@ class OutputProcessor:
                                                    params, kind, seqs)
         return [s.child_id for s in seqs]
 
+    def request_ids(self) -> list[str]:
+        """The ids of the requests added and neither finished nor aborted yet."""
+        return list(self._reqs)
+
     def child_ids(self, request_id: str) -> list[str]:
         st = self._reqs.get(request_id)
         return [s.child_id for s in st.seqs if s.finish_reason is None] if st else []
