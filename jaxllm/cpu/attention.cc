@@ -266,12 +266,14 @@ inline void scores(const float* qs, const KV* const* krow, float* s, int64_t j0,
 // over the tile's keys stays in registers and the accumulators in memory are touched once
 // per tile.  A row's sum starts at +0 and adds its keys in order; the zero weights of keys
 // it cannot see add exact zeros, so its bits do not depend on the rows beside it.
+// Columns from d0 on (the AVX-512 path hands its last columns, fewer than 16, to this one:
+// a column's sum is over keys in order whatever the vector width, so the bits agree).
 template <int NH, typename KV>
 inline void values(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t j0, int64_t j1,
-                   int64_t Dh, int64_t r0) {
+                   int64_t Dh, int64_t r0, int64_t d0 = 0) {
   const float* ph = p + r0 * kTile;
   float* ah = acc + r0 * Dh;
-  int64_t d = 0;
+  int64_t d = d0;
   for (; d + 16 <= Dh; d += 16) {
     __m256 a0[NH], a1[NH];
     for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
@@ -336,6 +338,174 @@ void values_all(const float* p, const KV* const* vrow, float* acc, const float* 
     case 3: values<3>(p, vrow, acc, corr, j0, j1, Dh, r); break;
     case 2: values<2>(p, vrow, acc, corr, j0, j1, Dh, r); break;
     case 1: values<1>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    default: break;
+  }
+}
+
+// ------------------------------------------------------------------ AVX-512 (16-lane) path
+// Used where the CPU has AVX512F/BW (g_avx512; jaxllm_attention_set_avx512 overrides it so
+// that the tests run both paths on one machine).  Decode (a tile of one) and prefill run the
+// same functions, so a token's bits still do not depend on its tile; they may differ from
+// the AVX2 path's in the scores' last bits (16-lane partial sums), never within one path.
+#define JAXLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+
+bool detect_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+const bool kHasAvx512 = detect_avx512();
+bool g_avx512 = kHasAvx512;
+
+// Query rows per pass: 8 rows x 2 keys (scores) or 8 rows x 2 column vectors (values) of
+// accumulators, plus operands, fit in the 32 AVX-512 registers.
+constexpr int kHeads512 = 8;
+
+// 16 values at p as float32, one load per format.
+JAXLLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+JAXLLM_AVX512 inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+JAXLLM_AVX512 inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+JAXLLM_AVX512 inline __m512 load16_table(const uint8_t* p, const float* table) {
+  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), table, 4);
+}
+JAXLLM_AVX512 inline __m512 load16(const Fp8E4M3* p) { return load16_table(&p->bits, kE4M3.v); }
+JAXLLM_AVX512 inline __m512 load16(const Fp8E5M2* p) { return load16_table(&p->bits, kE5M2.v); }
+
+// Lanes i and i + 8 added: 16 partial sums -> the 8 that the AVX2 tail and hsum2 take on.
+JAXLLM_AVX512 inline __m256 fold16(__m512 a) {
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// scores() with 16-lane accumulators over head_dim: each score is its own 16-lane sum over
+// the first Dh / 16 * 16 dims in order, folded to 8 lanes, an 8-lane step if 8 dims remain,
+// hsum2's tree, then the scalar tail, the same for every row and key.
+template <int NH, typename KV>
+JAXLLM_AVX512 inline void scores512(const float* qs, const KV* const* krow, float* s, int64_t j0, int64_t j1,
+                                    int64_t Dh, int64_t r0) {
+  const float* qh = qs + r0 * Dh;
+  const int64_t d16 = Dh / 16 * 16, d8 = Dh / 8 * 8;
+  int64_t j = j0;
+  for (; j + 2 <= j1; j += 2) {
+    __m512 a0[NH], a1[NH];
+    for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < d16; d += 16) {
+      const __m512 k0 = load16(krow[j] + d), k1 = load16(krow[j + 1] + d);
+      for (int i = 0; i < NH; ++i) {
+        const __m512 qv = _mm512_loadu_ps(qh + i * Dh + d);
+        a0[i] = _mm512_fmadd_ps(qv, k0, a0[i]);
+        a1[i] = _mm512_fmadd_ps(qv, k1, a1[i]);
+      }
+    }
+    for (int i = 0; i < NH; ++i) {
+      __m256 b0 = fold16(a0[i]), b1 = fold16(a1[i]);
+      if (d16 < d8) {
+        const __m256 qv = _mm256_loadu_ps(qh + i * Dh + d16);
+        b0 = _mm256_fmadd_ps(qv, load8(krow[j] + d16), b0);
+        b1 = _mm256_fmadd_ps(qv, load8(krow[j + 1] + d16), b1);
+      }
+      float x0, x1;
+      hsum2(b0, b1, &x0, &x1);
+      for (int64_t d = d8; d < Dh; ++d) {
+        x0 += qh[i * Dh + d] * to_f32(krow[j][d]);
+        x1 += qh[i * Dh + d] * to_f32(krow[j + 1][d]);
+      }
+      s[(r0 + i) * kTile + j] = x0;
+      s[(r0 + i) * kTile + j + 1] = x1;
+    }
+  }
+  for (; j < j1; ++j) {
+    __m512 a[NH];
+    for (int i = 0; i < NH; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < d16; d += 16) {
+      const __m512 kv = load16(krow[j] + d);
+      for (int i = 0; i < NH; ++i) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i * Dh + d), kv, a[i]);
+    }
+    for (int i = 0; i < NH; ++i) {
+      __m256 b = fold16(a[i]);
+      if (d16 < d8) b = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * Dh + d16), load8(krow[j] + d16), b);
+      float x = hsum1(b);
+      for (int64_t d = d8; d < Dh; ++d) x += qh[i * Dh + d] * to_f32(krow[j][d]);
+      s[(r0 + i) * kTile + j] = x;
+    }
+  }
+}
+
+// values() 32 then 16 columns at a time; the last Dh % 16 columns go to values().
+template <int NH, typename KV>
+JAXLLM_AVX512 inline void values512(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t j0,
+                                    int64_t j1, int64_t Dh, int64_t r0) {
+  const float* ph = p + r0 * kTile;
+  float* ah = acc + r0 * Dh;
+  int64_t d = 0;
+  for (; d + 32 <= Dh; d += 32) {
+    __m512 a0[NH], a1[NH];
+    for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m512 v0 = load16(vrow[j] + d), v1 = load16(vrow[j] + d + 16);
+      for (int i = 0; i < NH; ++i) {
+        const __m512 pj = _mm512_set1_ps(ph[i * kTile + j]);
+        a0[i] = _mm512_fmadd_ps(pj, v0, a0[i]);
+        a1[i] = _mm512_fmadd_ps(pj, v1, a1[i]);
+      }
+    }
+    for (int i = 0; i < NH; ++i) {
+      if (corr[r0 + i] < 0.f) continue;
+      const __m512 c = _mm512_set1_ps(corr[r0 + i]);
+      float* o = ah + i * Dh + d;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), c, a0[i]));
+      _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16), c, a1[i]));
+    }
+  }
+  for (; d + 16 <= Dh; d += 16) {
+    __m512 a[NH];
+    for (int i = 0; i < NH; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m512 vv = load16(vrow[j] + d);
+      for (int i = 0; i < NH; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(ph[i * kTile + j]), vv, a[i]);
+    }
+    for (int i = 0; i < NH; ++i) {
+      if (corr[r0 + i] < 0.f) continue;
+      float* o = ah + i * Dh + d;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(corr[r0 + i]), a[i]));
+    }
+  }
+  if (d < Dh) values<NH, KV>(p, vrow, acc, corr, j0, j1, Dh, r0, d);
+}
+
+template <typename KV>
+JAXLLM_AVX512 void scores_all512(const float* qs, const KV* const* krow, float* s, int64_t j0, int64_t j1, int64_t Dh,
+                                 int64_t R) {
+  int64_t r = 0;
+  for (; r + kHeads512 <= R; r += kHeads512) scores512<kHeads512>(qs, krow, s, j0, j1, Dh, r);
+  switch (R - r) {
+    case 7: scores512<7>(qs, krow, s, j0, j1, Dh, r); break;
+    case 6: scores512<6>(qs, krow, s, j0, j1, Dh, r); break;
+    case 5: scores512<5>(qs, krow, s, j0, j1, Dh, r); break;
+    case 4: scores512<4>(qs, krow, s, j0, j1, Dh, r); break;
+    case 3: scores512<3>(qs, krow, s, j0, j1, Dh, r); break;
+    case 2: scores512<2>(qs, krow, s, j0, j1, Dh, r); break;
+    case 1: scores512<1>(qs, krow, s, j0, j1, Dh, r); break;
+    default: break;
+  }
+}
+
+template <typename KV>
+JAXLLM_AVX512 void values_all512(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t j0,
+                                 int64_t j1, int64_t Dh, int64_t R) {
+  int64_t r = 0;
+  for (; r + kHeads512 <= R; r += kHeads512) values512<kHeads512>(p, vrow, acc, corr, j0, j1, Dh, r);
+  switch (R - r) {
+    case 7: values512<7>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 6: values512<6>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 5: values512<5>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 4: values512<4>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 3: values512<3>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 2: values512<2>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 1: values512<1>(p, vrow, acc, corr, j0, j1, Dh, r); break;
     default: break;
   }
 }
@@ -411,7 +581,10 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
         _mm_prefetch(reinterpret_cast<const char*>(krow[j]) + b, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T0);
       }
-    scores_all<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);   // s [R, kTile]
+    if (g_avx512)
+      scores_all512<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);   // s [R, kTile]
+    else
+      scores_all<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);
     for (int64_t r = 0; r < R; ++r) {
       float* s = w.s.data() + r * kTile;
       const int64_t a = w.jlo[r], b = w.jhi[r];
@@ -446,7 +619,10 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
       if (P.vs)   // int8: p_j (scale_j v_j) = (p_j scale_j) v_j; the sum l keeps p_j
         for (int64_t j = a; j < b; ++j) s[j] *= w.vsc[j];
     }
-    values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
+    if (g_avx512)
+      values_all512<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
+    else
+      values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
   }
   for (int64_t i = 0; i < nt; ++i) {
     float* out = P.out + ((t0 + i) * P.Hq + h * G) * Dh;   // [G, Dh], the group's heads are adjacent
@@ -609,6 +785,13 @@ ffi::Error PagedAttentionInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }
 
 }  // namespace
+
+// Selects the AVX-512 path (on: where the CPU has it) or the AVX2 one for every later call;
+// returns whether AVX-512 is now in use.  For tests and benchmarks (native.set_attention_avx512).
+extern "C" int jaxllm_attention_set_avx512(int on) {
+  g_avx512 = on && kHasAvx512;
+  return g_avx512;
+}
 
 #define JAXLLM_PAGED_ATTENTION_BINDING(KT)          \
   ffi::Ffi::Bind()                                  \
