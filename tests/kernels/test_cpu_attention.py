@@ -380,6 +380,47 @@ def test_prompt_token_is_the_same_bits_in_any_chunk_and_batch(Hq, Hkv, D, case, 
     assert err < TOL, f"max relative error {err:.3g}"
 
 
+@pytest.fixture
+def avx2_path():
+    """The kernel's 8-lane AVX2 path for the test, the CPU's default restored after."""
+    default = native.set_attention_avx512(True)
+    native.set_attention_avx512(False)
+    yield default
+    native.set_attention_avx512(default)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,case,chunk", [(9, 3, 64, "f32-softcap-sinks", 7), (4, 1, 40, "int8-window", 1)])
+def test_avx2_path_keeps_the_guarantees(avx2_path, Hq, Hkv, D, case, chunk):
+    """On a CPU with AVX-512 the tests above run its 16-lane path; this runs the AVX2 one
+    (what a CPU without AVX-512 gets) through the same whole / chunked / mixed comparison,
+    and checks that the two paths agree within float32 rounding but are two paths (their
+    scores' partial sums differ, so some bits do)."""
+    N = 161
+    cache, feats = BITS_CASES[case]
+    q, _, _, kv, md = make_batch(11 + D, [N], [0], Hq=Hq, Hkv=Hkv, D=D, pad_tokens=0, pad_rows=0)
+    if cache in QUANT:
+        _, _, _, kv, _ = quantized((q, None, None, kv, md), cache)
+    rng = np.random.default_rng(3)
+    t0 = np.asarray(md.block_tables)[0]
+    tables = jnp.asarray(np.stack([t0, rng.permutation(t0), rng.permutation(t0)]))
+    kw = dict(scale=D ** -0.5, sliding_window=feats.get("sliding_window"), soft_cap=feats.get("soft_cap"))
+    if feats.get("sinks"):
+        kw["sinks"] = jnp.linspace(-2.0, 4.0, Hq, dtype=jnp.float32)
+    whole, chunked, mixed = _prompt_outputs_three_ways(q, kv, tables, N, chunk, **kw)
+    np.testing.assert_array_equal(chunked, whole)
+    np.testing.assert_array_equal(mixed, whole[5:])
+    want = np.asarray(paged_attention_xla(q, kv, None, _prompt_md(tables[:1], [0] * N, range(N)), **kw))
+    assert np.abs(whole - want).max() / np.abs(want).max() < TOL
+    if not avx2_path:
+        print("no AVX-512 on this CPU: the AVX2 path is the default one, nothing to compare it with")
+        return
+    native.set_attention_avx512(True)
+    wide = np.asarray(_native_run(**{k: v for k, v in kw.items() if k != "sinks"})(
+        q, kv, _prompt_md(tables, [0] * N, range(N)), kw.get("sinks")))
+    assert np.abs(wide - whole).max() / np.abs(want).max() < TOL
+    assert not np.array_equal(wide, whole), "set_attention_avx512 did not switch paths"
+
+
 @pytest.mark.slow
 def test_prompt_logits_are_the_same_bits_in_any_chunking():
     """End to end on the built-in model's default CPU path (packed weights through the native
