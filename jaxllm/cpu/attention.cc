@@ -345,8 +345,9 @@ void values_all(const float* p, const KV* const* vrow, float* acc, const float* 
 // ------------------------------------------------------------------ AVX-512 (16-lane) path
 // Used where the CPU has AVX512F/BW (g_avx512; jaxllm_attention_set_avx512 overrides it so
 // that the tests run both paths on one machine).  Decode (a tile of one) and prefill run the
-// same functions, so a token's bits still do not depend on its tile; they may differ from
-// the AVX2 path's in the scores' last bits (16-lane partial sums), never within one path.
+// same functions, so a token's bits still do not depend on its tile; and each path does the
+// AVX2 path's arithmetic lane for lane (scores: two keys' 8-lane sums per register; P.V: a
+// column's sum over keys in order), so the bits do not depend on the CPU either.
 #define JAXLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 bool detect_avx512() {
@@ -375,63 +376,51 @@ JAXLLM_AVX512 inline __m512 load16_table(const uint8_t* p, const float* table) {
 JAXLLM_AVX512 inline __m512 load16(const Fp8E4M3* p) { return load16_table(&p->bits, kE4M3.v); }
 JAXLLM_AVX512 inline __m512 load16(const Fp8E5M2* p) { return load16_table(&p->bits, kE5M2.v); }
 
-// Lanes i and i + 8 added: 16 partial sums -> the 8 that the AVX2 tail and hsum2 take on.
-JAXLLM_AVX512 inline __m256 fold16(__m512 a) {
-  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+// Two keys' 8 dims side by side (lanes 0-7: a's, lanes 8-15: b's), and 8 dims of a query
+// in both halves: one 16-lane FMA then does two AVX2 score steps, lane for lane.
+template <typename KV>
+JAXLLM_AVX512 inline __m512 load8x2(const KV* a, const KV* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8(a))),
+                                             _mm256_castps_pd(load8(b)), 1));
+}
+JAXLLM_AVX512 inline __m512 bcast8(const float* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+}
+JAXLLM_AVX512 inline __m256 lo8(__m512 a) { return _mm512_castps512_ps256(a); }
+JAXLLM_AVX512 inline __m256 hi8(__m512 a) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
 }
 
-// scores() with 16-lane accumulators over head_dim: each score is its own 16-lane sum over
-// the first Dh / 16 * 16 dims in order, folded to 8 lanes, an 8-lane step if 8 dims remain,
-// hsum2's tree, then the scalar tail, the same for every row and key.
+// scores() four keys at a time on 16 lanes, with scores()'s exact arithmetic: each 8-lane
+// half of an accumulator is one key's 8 partial sums over head_dim in the same order, and
+// hsum2 takes them as scores() does, so every score is scores()'s bits.  Summing 16 dims per
+// lane instead (lanes d and d + 16 ...) measured as fast but changed the scores' last bits,
+// and int8 activations (--cpu-matmul native-int8) turn a last-bit change in attention into
+// logit moves of 0.1-0.4 nats: the path a CPU takes must not change what the model says.
+// The last keys (fewer than 4) go to scores(); so do head dims that are not a multiple of 8.
 template <int NH, typename KV>
 JAXLLM_AVX512 inline void scores512(const float* qs, const KV* const* krow, float* s, int64_t j0, int64_t j1,
                                     int64_t Dh, int64_t r0) {
   const float* qh = qs + r0 * Dh;
-  const int64_t d16 = Dh / 16 * 16, d8 = Dh / 8 * 8;
   int64_t j = j0;
-  for (; j + 2 <= j1; j += 2) {
-    __m512 a0[NH], a1[NH];
-    for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < d16; d += 16) {
-      const __m512 k0 = load16(krow[j] + d), k1 = load16(krow[j + 1] + d);
+  for (; j + 4 <= j1; j += 4) {
+    __m512 a01[NH], a23[NH];   // keys (j, j + 1) and (j + 2, j + 3), 8 lanes each
+    for (int i = 0; i < NH; ++i) a01[i] = a23[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < Dh; d += 8) {
+      const __m512 k01 = load8x2(krow[j] + d, krow[j + 1] + d), k23 = load8x2(krow[j + 2] + d, krow[j + 3] + d);
       for (int i = 0; i < NH; ++i) {
-        const __m512 qv = _mm512_loadu_ps(qh + i * Dh + d);
-        a0[i] = _mm512_fmadd_ps(qv, k0, a0[i]);
-        a1[i] = _mm512_fmadd_ps(qv, k1, a1[i]);
+        const __m512 qv = bcast8(qh + i * Dh + d);
+        a01[i] = _mm512_fmadd_ps(qv, k01, a01[i]);
+        a23[i] = _mm512_fmadd_ps(qv, k23, a23[i]);
       }
     }
     for (int i = 0; i < NH; ++i) {
-      __m256 b0 = fold16(a0[i]), b1 = fold16(a1[i]);
-      if (d16 < d8) {
-        const __m256 qv = _mm256_loadu_ps(qh + i * Dh + d16);
-        b0 = _mm256_fmadd_ps(qv, load8(krow[j] + d16), b0);
-        b1 = _mm256_fmadd_ps(qv, load8(krow[j + 1] + d16), b1);
-      }
-      float x0, x1;
-      hsum2(b0, b1, &x0, &x1);
-      for (int64_t d = d8; d < Dh; ++d) {
-        x0 += qh[i * Dh + d] * to_f32(krow[j][d]);
-        x1 += qh[i * Dh + d] * to_f32(krow[j + 1][d]);
-      }
-      s[(r0 + i) * kTile + j] = x0;
-      s[(r0 + i) * kTile + j + 1] = x1;
+      float* si = s + (r0 + i) * kTile + j;
+      hsum2(lo8(a01[i]), hi8(a01[i]), si, si + 1);
+      hsum2(lo8(a23[i]), hi8(a23[i]), si + 2, si + 3);
     }
   }
-  for (; j < j1; ++j) {
-    __m512 a[NH];
-    for (int i = 0; i < NH; ++i) a[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < d16; d += 16) {
-      const __m512 kv = load16(krow[j] + d);
-      for (int i = 0; i < NH; ++i) a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + i * Dh + d), kv, a[i]);
-    }
-    for (int i = 0; i < NH; ++i) {
-      __m256 b = fold16(a[i]);
-      if (d16 < d8) b = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i * Dh + d16), load8(krow[j] + d16), b);
-      float x = hsum1(b);
-      for (int64_t d = d8; d < Dh; ++d) x += qh[i * Dh + d] * to_f32(krow[j][d]);
-      s[(r0 + i) * kTile + j] = x;
-    }
-  }
+  if (j < j1) scores<NH, KV>(qs, krow, s, j, j1, Dh, r0);
 }
 
 // values() 32 then 16 columns at a time; the last Dh % 16 columns go to values().
@@ -479,6 +468,7 @@ JAXLLM_AVX512 inline void values512(const float* p, const KV* const* vrow, float
 template <typename KV>
 JAXLLM_AVX512 void scores_all512(const float* qs, const KV* const* krow, float* s, int64_t j0, int64_t j1, int64_t Dh,
                                  int64_t R) {
+  if (Dh % 8) return scores_all<KV>(qs, krow, s, j0, j1, Dh, R);
   int64_t r = 0;
   for (; r + kHeads512 <= R; r += kHeads512) scores512<kHeads512>(qs, krow, s, j0, j1, Dh, r);
   switch (R - r) {
