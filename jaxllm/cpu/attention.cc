@@ -190,11 +190,13 @@ constexpr int64_t kRows = 48;
 template <typename KV>
 struct Scratch {
   std::vector<float> qs, acc, s, m, l, corr;   // [R, Dh], [R, Dh], [R, kTile], [R], [R], [R]
+  std::vector<float> qp;                       // [ceil(R / 2), Dh / 8, 16]: the AVX-512 path's pack_pairs
   std::vector<int32_t> jlo, jhi;               // [R] each row's visible part of the key tile
   std::vector<const KV*> krow, vrow;           // [kTile] row pointers into the cache
   float ksc[kTile], vsc[kTile];                // the tile's int8 row scales
   void resize(int64_t R, int64_t Dh) {
     qs.resize(R * Dh);
+    qp.resize((R + 1) / 2 * 2 * Dh);
     acc.resize(R * Dh);
     s.resize(R * kTile);
     m.resize(R);
@@ -357,8 +359,9 @@ bool detect_avx512() {
 const bool kHasAvx512 = detect_avx512();
 bool g_avx512 = kHasAvx512;
 
-// Query rows per pass: 8 rows x 2 keys (scores) or 8 rows x 2 column vectors (values) of
-// accumulators, plus operands, fit in the 32 AVX-512 registers.
+// Query rows per pass: 4 row pairs x 4 keys (scores) or 8 rows x 2 column vectors (values)
+// of accumulators, plus operands, fit in the 32 AVX-512 registers.
+constexpr int kPairs512 = 4;
 constexpr int kHeads512 = 8;
 
 // 16 values at p as float32, one load per format.
@@ -376,51 +379,77 @@ JAXLLM_AVX512 inline __m512 load16_table(const uint8_t* p, const float* table) {
 JAXLLM_AVX512 inline __m512 load16(const Fp8E4M3* p) { return load16_table(&p->bits, kE4M3.v); }
 JAXLLM_AVX512 inline __m512 load16(const Fp8E5M2* p) { return load16_table(&p->bits, kE5M2.v); }
 
-// Two keys' 8 dims side by side (lanes 0-7: a's, lanes 8-15: b's), and 8 dims of a query
-// in both halves: one 16-lane FMA then does two AVX2 score steps, lane for lane.
+// 8 values of a key (any format) as float32 in both 8-lane halves.
 template <typename KV>
-JAXLLM_AVX512 inline __m512 load8x2(const KV* a, const KV* b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load8(a))),
-                                             _mm256_castps_pd(load8(b)), 1));
-}
-JAXLLM_AVX512 inline __m512 bcast8(const float* p) {
-  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(p))));
+JAXLLM_AVX512 inline __m512 bcast8(const KV* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8(p))));
 }
 JAXLLM_AVX512 inline __m256 lo8(__m512 a) { return _mm512_castps512_ps256(a); }
 JAXLLM_AVX512 inline __m256 hi8(__m512 a) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
 }
 
-// scores() four keys at a time on 16 lanes, with scores()'s exact arithmetic: each 8-lane
-// half of an accumulator is one key's 8 partial sums over head_dim in the same order, and
-// hsum2 takes them as scores() does, so every score is scores()'s bits.  Summing 16 dims per
-// lane instead (lanes d and d + 16 ...) measured as fast but changed the scores' last bits,
-// and int8 activations (--cpu-matmul native-int8) turn a last-bit change in attention into
-// logit moves of 0.1-0.4 nats: the path a CPU takes must not change what the model says.
-// The last keys (fewer than 4) go to scores(); so do head dims that are not a multiple of 8.
-template <int NH, typename KV>
-JAXLLM_AVX512 inline void scores512(const float* qs, const KV* const* krow, float* s, int64_t j0, int64_t j1,
-                                    int64_t Dh, int64_t r0) {
-  const float* qh = qs + r0 * Dh;
-  int64_t j = j0;
-  for (; j + 4 <= j1; j += 4) {
-    __m512 a01[NH], a23[NH];   // keys (j, j + 1) and (j + 2, j + 3), 8 lanes each
-    for (int i = 0; i < NH; ++i) a01[i] = a23[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < Dh; d += 8) {
-      const __m512 k01 = load8x2(krow[j] + d, krow[j + 1] + d), k23 = load8x2(krow[j + 2] + d, krow[j + 3] + d);
-      for (int i = 0; i < NH; ++i) {
-        const __m512 qv = bcast8(qh + i * Dh + d);
-        a01[i] = _mm512_fmadd_ps(qv, k01, a01[i]);
-        a23[i] = _mm512_fmadd_ps(qv, k23, a23[i]);
-      }
+// The scaled queries two rows to a register: qp [ceil(R / 2), Dh / 8, 16], pair p's chunk c
+// holding row 2p's dims 8c .. 8c + 7 in lanes 0-7 and row 2p + 1's in lanes 8-15 (zeros for
+// a missing last row).  Written once per work item; read by every key tile.
+JAXLLM_AVX512 void pack_pairs(const float* qs, float* qp, int64_t R, int64_t Dh) {
+  const int64_t C = Dh / 8;
+  for (int64_t p = 0; p < (R + 1) / 2; ++p)
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256 a = _mm256_loadu_ps(qs + 2 * p * Dh + 8 * c);
+      const __m256 b = 2 * p + 1 < R ? _mm256_loadu_ps(qs + (2 * p + 1) * Dh + 8 * c) : _mm256_setzero_ps();
+      _mm256_storeu_ps(qp + (p * C + c) * 16, a);
+      _mm256_storeu_ps(qp + (p * C + c) * 16 + 8, b);
     }
-    for (int i = 0; i < NH; ++i) {
-      float* si = s + (r0 + i) * kTile + j;
-      hsum2(lo8(a01[i]), hi8(a01[i]), si, si + 1);
-      hsum2(lo8(a23[i]), hi8(a23[i]), si + 2, si + 3);
+}
+
+// scores() on 16 lanes with scores()'s exact arithmetic: a register holds two rows' 8 partial
+// sums over head_dim for one key, in the same order as scores()'s 8-lane accumulator, and
+// hsum2 takes the two halves as scores() takes its two keys, so every score is scores()'s
+// bits.  (Summing 16 dims per lane instead was as fast but changed the scores' last bits, and
+// int8 activations, --cpu-matmul native-int8, turn a last-bit change in attention into logit
+// moves of 0.1-0.4 nats: which CPU runs the model must not change what it says.)  Row pairs
+// p0 .. p0 + NP, keys j .. j + K: NP x K accumulators, each key's 8 dims broadcast once for
+// NP pairs.  Head dims must be a multiple of 8 (scores_all512 sends the others to scores()).
+template <int NP, int K, typename KV>
+JAXLLM_AVX512 inline void scores512(const float* qp, const KV* const* krow, float* s, int64_t j, int64_t Dh,
+                                    int64_t p0, int64_t R) {
+  const int64_t C = Dh / 8;
+  __m512 a[NP][K];
+  for (int p = 0; p < NP; ++p)
+    for (int k = 0; k < K; ++k) a[p][k] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512 kb[K];
+    for (int k = 0; k < K; ++k) kb[k] = bcast8(krow[j + k] + 8 * c);
+    for (int p = 0; p < NP; ++p) {
+      const __m512 qv = _mm512_loadu_ps(qp + ((p0 + p) * C + c) * 16);
+      for (int k = 0; k < K; ++k) a[p][k] = _mm512_fmadd_ps(qv, kb[k], a[p][k]);
     }
   }
-  if (j < j1) scores<NH, KV>(qs, krow, s, j, j1, Dh, r0);
+  for (int p = 0; p < NP; ++p) {
+    const int64_t r = 2 * (p0 + p);
+    for (int k = 0; k < K; ++k) {
+      float x, y;
+      hsum2(lo8(a[p][k]), hi8(a[p][k]), &x, &y);
+      s[r * kTile + j + k] = x;
+      if (r + 1 < R) s[(r + 1) * kTile + j + k] = y;
+    }
+  }
+}
+
+// Keys j .. j + K for all row pairs, NP at a time.
+template <int K, typename KV>
+JAXLLM_AVX512 inline void scores512_keys(const float* qp, const KV* const* krow, float* s, int64_t j, int64_t Dh,
+                                         int64_t R) {
+  const int64_t P = (R + 1) / 2;
+  int64_t p = 0;
+  for (; p + kPairs512 <= P; p += kPairs512) scores512<kPairs512, K, KV>(qp, krow, s, j, Dh, p, R);
+  switch (P - p) {
+    case 3: scores512<3, K, KV>(qp, krow, s, j, Dh, p, R); break;
+    case 2: scores512<2, K, KV>(qp, krow, s, j, Dh, p, R); break;
+    case 1: scores512<1, K, KV>(qp, krow, s, j, Dh, p, R); break;
+    default: break;
+  }
 }
 
 // values() 32 then 16 columns at a time; the last Dh % 16 columns go to values().
@@ -465,22 +494,14 @@ JAXLLM_AVX512 inline void values512(const float* p, const KV* const* vrow, float
   if (d < Dh) values<NH, KV>(p, vrow, acc, corr, j0, j1, Dh, r0, d);
 }
 
+// s [R, kTile] for keys j0 <= j < j1: scores() on 16 lanes, four keys at a time (qp: pack_pairs').
 template <typename KV>
-JAXLLM_AVX512 void scores_all512(const float* qs, const KV* const* krow, float* s, int64_t j0, int64_t j1, int64_t Dh,
-                                 int64_t R) {
+JAXLLM_AVX512 void scores_all512(const float* qs, const float* qp, const KV* const* krow, float* s, int64_t j0,
+                                 int64_t j1, int64_t Dh, int64_t R) {
   if (Dh % 8) return scores_all<KV>(qs, krow, s, j0, j1, Dh, R);
-  int64_t r = 0;
-  for (; r + kHeads512 <= R; r += kHeads512) scores512<kHeads512>(qs, krow, s, j0, j1, Dh, r);
-  switch (R - r) {
-    case 7: scores512<7>(qs, krow, s, j0, j1, Dh, r); break;
-    case 6: scores512<6>(qs, krow, s, j0, j1, Dh, r); break;
-    case 5: scores512<5>(qs, krow, s, j0, j1, Dh, r); break;
-    case 4: scores512<4>(qs, krow, s, j0, j1, Dh, r); break;
-    case 3: scores512<3>(qs, krow, s, j0, j1, Dh, r); break;
-    case 2: scores512<2>(qs, krow, s, j0, j1, Dh, r); break;
-    case 1: scores512<1>(qs, krow, s, j0, j1, Dh, r); break;
-    default: break;
-  }
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) scores512_keys<4, KV>(qp, krow, s, j, Dh, R);
+  for (; j < j1; ++j) scores512_keys<1, KV>(qp, krow, s, j, Dh, R);
 }
 
 template <typename KV>
@@ -528,6 +549,7 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
     float* qs = w.qs.data() + i * G * Dh;
     for (int64_t e = 0; e < G * Dh; ++e) qs[e] = q[e] * P.scale;
   }
+  if (g_avx512 && Dh % 8 == 0) pack_pairs(w.qs.data(), w.qp.data(), R, Dh);
   std::fill(w.acc.begin(), w.acc.begin() + R * Dh, 0.f);
   std::fill(w.m.begin(), w.m.begin() + R, -INFINITY);
   std::fill(w.l.begin(), w.l.begin() + R, 0.f);
@@ -572,7 +594,7 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
         _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T0);
       }
     if (g_avx512)
-      scores_all512<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);   // s [R, kTile]
+      scores_all512<KV>(w.qs.data(), w.qp.data(), krow, w.s.data(), j0, j1, Dh, R);   // s [R, kTile]
     else
       scores_all<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);
     for (int64_t r = 0; r < R; ++r) {
