@@ -3,7 +3,8 @@
     LLAMA_CPP_BIN=$(../shared/tools/build-llama-cpp.sh | tail -1) \\
         python bench/llama_cpp.py [--batch-sizes 1,8,32] [--input-len 32] [--output-len 64]
                                   [--concurrency 1,4,16] [--repeats 3] [--skip-offline]
-                                  [--skip-serving] [--agreement] [--json FILE] [--cpu-matmul MODE]
+                                  [--skip-serving] [--agreement] [--prefill 512,4096] [--json FILE]
+                                  [--cpu-matmul MODE]
 
 The built-in SmolLM2-135M-Instruct GGUF (Q4_1 layers, Q8_0 embedding), served by jaxllm as
 shipped (its blocks kept packed, the default) and by llama.cpp (llama-cpp-bin's build,
@@ -20,6 +21,8 @@ ignored, after a ``--input-len`` prompt), the arms alternated repeat by repeat:
 Beside the offline table, the read bandwidth of every core (``bench/read_stream.c``) and the
 batch-1 decode's share of that roofline (weight bytes x tokens/s / bandwidth); ``--cpu-matmul``
 picks jaxllm's matmul for the offline arm (default ``auto``).
+``--prefill N,..``: prompt tokens/s of one N-token prompt: jaxllm's ``generate`` of one token
+(prefill and the first token's sampling) against ``llama-bench -p N -n 0``, alternated.
 Serving: ``jaxllm bench serve`` (random dataset, 2 x concurrency prompts, one warm-up)
 against ``jaxllm serve`` and ``llama-server --parallel 16`` (continuous batching on), each
 concurrency in turn, the two servers alternated.
@@ -258,6 +261,36 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
+def llama_bench_prompt(args, n: int) -> float:
+    """llama-bench's prompt tokens/s for an n-token prompt (its mean of -r 3)."""
+    out = subprocess.run([_bin(args, "llama-bench"), "-m", _gguf(), "-t", THREADS, "-p", str(n), "-n", "0",
+                          "-r", "3", "--repack", "0", "-o", "json"], capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def prefill(args, res: dict) -> None:
+    """Prompt tokens/s of one long prompt, jaxllm against llama-bench, arms alternated."""
+    from bench.throughput import Jaxllm
+    rng = np.random.default_rng(args.seed)
+    engine = Jaxllm(args, 1, "float32", "auto", max_model_len=max(args.prefill) + 16, precompile="on-demand")
+    rows = {}
+    for n in args.prefill:
+        prompts = rng.integers(100, 40000, size=(1, n)).tolist()
+        engine.warm(prompts)
+        ours, theirs = [], []
+        arms = [("jaxllm", lambda: ours.append(n / engine.time(prompts, 1))),
+                ("llama-bench", lambda: theirs.append(llama_bench_prompt(args, n)))]
+        for r in range(args.repeats):
+            for name, run in (arms if r % 2 == 0 else arms[::-1]):
+                print(f"prefill {n}, repeat {r + 1}: {name} ...", file=sys.stderr)
+                run()
+        rows[str(n)] = {"jaxllm": statistics.median(ours), "llama-bench": statistics.median(theirs),
+                        "samples": {"jaxllm": ours, "llama-bench": theirs}}
+        print(f"prefill {n}: jaxllm {rows[str(n)]['jaxllm']:.1f} tok/s, llama-bench pp{n} "
+              f"{rows[str(n)]['llama-bench']:.1f} tok/s, samples {rows[str(n)]['samples']}", file=sys.stderr)
+    res["prefill"] = rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
@@ -273,6 +306,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-offline", action="store_true")
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--agreement", action="store_true")
+    p.add_argument("--prefill", default="", help="prompt lengths for the prefill comparison, e.g. 512,4096")
     p.add_argument("--json", default=None)
     p.add_argument("--cpu-matmul", default="auto", help="jaxllm's --cpu-matmul for the offline arm")
     args = p.parse_args(argv)
@@ -281,12 +315,15 @@ def main(argv=None) -> int:
     try:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
+        args.prefill = [int(n) for n in args.prefill.split(",") if n]
     except ValueError:
         p.error("--batch-sizes and --concurrency take comma-separated integers, e.g. 1,8,32")
     res = {"args": vars(args).copy(), "threads": THREADS, "date": time.strftime("%Y-%m-%d %H:%M")}
     with tempfile.TemporaryDirectory() as tmp:
         if args.agreement:
             agreement(args, res, tmp)
+        if args.prefill:
+            prefill(args, res)
         if not args.skip_offline:
             res["read_bandwidth"], why = read_bandwidth()
             if why:

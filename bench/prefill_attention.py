@@ -1,6 +1,7 @@
 """Times the native CPU paged attention alone on one prefill chunk of the built-in model's
 shape (9 query heads over 3 KV heads of 64, float32 cache): a prompt of N tokens from
 nothing, one layer, medians of a few runs.  ``python -m bench.prefill_attention 512 4096``.
+Where the CPU has AVX-512, its 16-lane path and the AVX2 one are both timed, alternated.
 """
 
 from __future__ import annotations
@@ -38,8 +39,18 @@ def time_prefill(n: int, *, Hq: int = 9, Hkv: int = 3, D: int = 64, BS: int = 16
 
 
 if __name__ == "__main__":
+    from jaxllm.cpu import native
+    wide = native.set_attention_avx512(True)
+    paths = [("avx2", False), ("avx512", True)] if wide else [("avx2", False)]
     for arg in sys.argv[1:] or ["512", "4096"]:
         n = int(arg)
-        s = time_prefill(n)
         flop = 4 * 9 * 64 * n * (n + 1) / 2   # q.k and p.v over the causal triangle
-        print(f"prefill {n}: {s * 1e3:.1f} ms/layer, {flop / s / 1e9:.1f} GFLOP/s")
+        got: dict[str, list[float]] = {name: [] for name, _ in paths}
+        for r in range(3):   # arms alternated, medians
+            for name, on in (paths if r % 2 == 0 else paths[::-1]):
+                native.set_attention_avx512(on)
+                got[name].append(time_prefill(n, reps=3))
+        for name, ts in got.items():
+            s = float(np.median(ts))
+            print(f"prefill {n} {name}: {s * 1e3:.1f} ms/layer, {flop / s / 1e9:.1f} GFLOP/s")
+    native.set_attention_avx512(wide)

@@ -190,11 +190,13 @@ constexpr int64_t kRows = 48;
 template <typename KV>
 struct Scratch {
   std::vector<float> qs, acc, s, m, l, corr;   // [R, Dh], [R, Dh], [R, kTile], [R], [R], [R]
+  std::vector<float> qp;                       // [ceil(R / 2), Dh / 8, 16]: the AVX-512 path's pack_pairs
   std::vector<int32_t> jlo, jhi;               // [R] each row's visible part of the key tile
   std::vector<const KV*> krow, vrow;           // [kTile] row pointers into the cache
   float ksc[kTile], vsc[kTile];                // the tile's int8 row scales
   void resize(int64_t R, int64_t Dh) {
     qs.resize(R * Dh);
+    qp.resize((R + 1) / 2 * 2 * Dh);
     acc.resize(R * Dh);
     s.resize(R * kTile);
     m.resize(R);
@@ -266,12 +268,14 @@ inline void scores(const float* qs, const KV* const* krow, float* s, int64_t j0,
 // over the tile's keys stays in registers and the accumulators in memory are touched once
 // per tile.  A row's sum starts at +0 and adds its keys in order; the zero weights of keys
 // it cannot see add exact zeros, so its bits do not depend on the rows beside it.
+// Columns from d0 on (the AVX-512 path hands its last columns, fewer than 16, to this one:
+// a column's sum is over keys in order whatever the vector width, so the bits agree).
 template <int NH, typename KV>
 inline void values(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t j0, int64_t j1,
-                   int64_t Dh, int64_t r0) {
+                   int64_t Dh, int64_t r0, int64_t d0 = 0) {
   const float* ph = p + r0 * kTile;
   float* ah = acc + r0 * Dh;
-  int64_t d = 0;
+  int64_t d = d0;
   for (; d + 16 <= Dh; d += 16) {
     __m256 a0[NH], a1[NH];
     for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
@@ -340,6 +344,183 @@ void values_all(const float* p, const KV* const* vrow, float* acc, const float* 
   }
 }
 
+// ------------------------------------------------------------------ AVX-512 (16-lane) path
+// Used where the CPU has AVX512F/BW (g_avx512; jaxllm_attention_set_avx512 overrides it so
+// that the tests run both paths on one machine).  Decode (a tile of one) and prefill run the
+// same functions, so a token's bits still do not depend on its tile; and each path does the
+// AVX2 path's arithmetic lane for lane (scores: two keys' 8-lane sums per register; P.V: a
+// column's sum over keys in order), so the bits do not depend on the CPU either.
+#define JAXLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+
+bool detect_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+const bool kHasAvx512 = detect_avx512();
+bool g_avx512 = kHasAvx512;
+
+// Query rows per pass: 4 row pairs x 4 keys (scores) or 8 rows x 2 column vectors (values)
+// of accumulators, plus operands, fit in the 32 AVX-512 registers.
+constexpr int kPairs512 = 4;
+constexpr int kHeads512 = 8;
+
+// 16 values at p as float32, one load per format.
+JAXLLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+JAXLLM_AVX512 inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+JAXLLM_AVX512 inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+JAXLLM_AVX512 inline __m512 load16_table(const uint8_t* p, const float* table) {
+  return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), table, 4);
+}
+JAXLLM_AVX512 inline __m512 load16(const Fp8E4M3* p) { return load16_table(&p->bits, kE4M3.v); }
+JAXLLM_AVX512 inline __m512 load16(const Fp8E5M2* p) { return load16_table(&p->bits, kE5M2.v); }
+
+// 8 values of a key (any format) as float32 in both 8-lane halves.
+template <typename KV>
+JAXLLM_AVX512 inline __m512 bcast8(const KV* p) {
+  return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(load8(p))));
+}
+JAXLLM_AVX512 inline __m256 lo8(__m512 a) { return _mm512_castps512_ps256(a); }
+JAXLLM_AVX512 inline __m256 hi8(__m512 a) {
+  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
+
+// The scaled queries two rows to a register: qp [ceil(R / 2), Dh / 8, 16], pair p's chunk c
+// holding row 2p's dims 8c .. 8c + 7 in lanes 0-7 and row 2p + 1's in lanes 8-15 (zeros for
+// a missing last row).  Written once per work item; read by every key tile.
+JAXLLM_AVX512 void pack_pairs(const float* qs, float* qp, int64_t R, int64_t Dh) {
+  const int64_t C = Dh / 8;
+  for (int64_t p = 0; p < (R + 1) / 2; ++p)
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256 a = _mm256_loadu_ps(qs + 2 * p * Dh + 8 * c);
+      const __m256 b = 2 * p + 1 < R ? _mm256_loadu_ps(qs + (2 * p + 1) * Dh + 8 * c) : _mm256_setzero_ps();
+      _mm256_storeu_ps(qp + (p * C + c) * 16, a);
+      _mm256_storeu_ps(qp + (p * C + c) * 16 + 8, b);
+    }
+}
+
+// scores() on 16 lanes with scores()'s exact arithmetic: a register holds two rows' 8 partial
+// sums over head_dim for one key, in the same order as scores()'s 8-lane accumulator, and
+// hsum2 takes the two halves as scores() takes its two keys, so every score is scores()'s
+// bits.  (Summing 16 dims per lane instead was as fast but changed the scores' last bits, and
+// int8 activations, --cpu-matmul native-int8, turn a last-bit change in attention into logit
+// moves of 0.1-0.4 nats: which CPU runs the model must not change what it says.)  Row pairs
+// p0 .. p0 + NP, keys j .. j + K: NP x K accumulators, each key's 8 dims broadcast once for
+// NP pairs.  Head dims must be a multiple of 8 (scores_all512 sends the others to scores()).
+template <int NP, int K, typename KV>
+JAXLLM_AVX512 inline void scores512(const float* qp, const KV* const* krow, float* s, int64_t j, int64_t Dh,
+                                    int64_t p0, int64_t R) {
+  const int64_t C = Dh / 8;
+  __m512 a[NP][K];
+  for (int p = 0; p < NP; ++p)
+    for (int k = 0; k < K; ++k) a[p][k] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512 kb[K];
+    for (int k = 0; k < K; ++k) kb[k] = bcast8(krow[j + k] + 8 * c);
+    for (int p = 0; p < NP; ++p) {
+      const __m512 qv = _mm512_loadu_ps(qp + ((p0 + p) * C + c) * 16);
+      for (int k = 0; k < K; ++k) a[p][k] = _mm512_fmadd_ps(qv, kb[k], a[p][k]);
+    }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t r = 2 * (p0 + p);
+    for (int k = 0; k < K; ++k) {
+      float x, y;
+      hsum2(lo8(a[p][k]), hi8(a[p][k]), &x, &y);
+      s[r * kTile + j + k] = x;
+      if (r + 1 < R) s[(r + 1) * kTile + j + k] = y;
+    }
+  }
+}
+
+// Keys j .. j + K for all row pairs, NP at a time.
+template <int K, typename KV>
+JAXLLM_AVX512 inline void scores512_keys(const float* qp, const KV* const* krow, float* s, int64_t j, int64_t Dh,
+                                         int64_t R) {
+  const int64_t P = (R + 1) / 2;
+  int64_t p = 0;
+  for (; p + kPairs512 <= P; p += kPairs512) scores512<kPairs512, K, KV>(qp, krow, s, j, Dh, p, R);
+  switch (P - p) {
+    case 3: scores512<3, K, KV>(qp, krow, s, j, Dh, p, R); break;
+    case 2: scores512<2, K, KV>(qp, krow, s, j, Dh, p, R); break;
+    case 1: scores512<1, K, KV>(qp, krow, s, j, Dh, p, R); break;
+    default: break;
+  }
+}
+
+// values() 32 then 16 columns at a time; the last Dh % 16 columns go to values().
+template <int NH, typename KV>
+JAXLLM_AVX512 inline void values512(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t j0,
+                                    int64_t j1, int64_t Dh, int64_t r0) {
+  const float* ph = p + r0 * kTile;
+  float* ah = acc + r0 * Dh;
+  int64_t d = 0;
+  for (; d + 32 <= Dh; d += 32) {
+    __m512 a0[NH], a1[NH];
+    for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m512 v0 = load16(vrow[j] + d), v1 = load16(vrow[j] + d + 16);
+      for (int i = 0; i < NH; ++i) {
+        const __m512 pj = _mm512_set1_ps(ph[i * kTile + j]);
+        a0[i] = _mm512_fmadd_ps(pj, v0, a0[i]);
+        a1[i] = _mm512_fmadd_ps(pj, v1, a1[i]);
+      }
+    }
+    for (int i = 0; i < NH; ++i) {
+      if (corr[r0 + i] < 0.f) continue;
+      const __m512 c = _mm512_set1_ps(corr[r0 + i]);
+      float* o = ah + i * Dh + d;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), c, a0[i]));
+      _mm512_storeu_ps(o + 16, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16), c, a1[i]));
+    }
+  }
+  for (; d + 16 <= Dh; d += 16) {
+    __m512 a[NH];
+    for (int i = 0; i < NH; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m512 vv = load16(vrow[j] + d);
+      for (int i = 0; i < NH; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(ph[i * kTile + j]), vv, a[i]);
+    }
+    for (int i = 0; i < NH; ++i) {
+      if (corr[r0 + i] < 0.f) continue;
+      float* o = ah + i * Dh + d;
+      _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(corr[r0 + i]), a[i]));
+    }
+  }
+  if (d < Dh) values<NH, KV>(p, vrow, acc, corr, j0, j1, Dh, r0, d);
+}
+
+// s [R, kTile] for keys j0 <= j < j1: scores() on 16 lanes, four keys at a time (qp: pack_pairs').
+template <typename KV>
+JAXLLM_AVX512 void scores_all512(const float* qs, const float* qp, const KV* const* krow, float* s, int64_t j0,
+                                 int64_t j1, int64_t Dh, int64_t R) {
+  if (Dh % 8) return scores_all<KV>(qs, krow, s, j0, j1, Dh, R);
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) scores512_keys<4, KV>(qp, krow, s, j, Dh, R);
+  for (; j < j1; ++j) scores512_keys<1, KV>(qp, krow, s, j, Dh, R);
+}
+
+template <typename KV>
+JAXLLM_AVX512 void values_all512(const float* p, const KV* const* vrow, float* acc, const float* corr, int64_t j0,
+                                 int64_t j1, int64_t Dh, int64_t R) {
+  int64_t r = 0;
+  for (; r + kHeads512 <= R; r += kHeads512) values512<kHeads512>(p, vrow, acc, corr, j0, j1, Dh, r);
+  switch (R - r) {
+    case 7: values512<7>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 6: values512<6>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 5: values512<5>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 4: values512<4>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 3: values512<3>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 2: values512<2>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    case 1: values512<1>(p, vrow, acc, corr, j0, j1, Dh, r); break;
+    default: break;
+  }
+}
+
 // Work item (tokens t0 .. t0 + nt of one sequence, KV head h): out[t, h*G : (h+1)*G, :] for
 // each of the tokens.  Row r = i * G + g is token t0 + i's query head h * G + g.
 //
@@ -368,6 +549,7 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
     float* qs = w.qs.data() + i * G * Dh;
     for (int64_t e = 0; e < G * Dh; ++e) qs[e] = q[e] * P.scale;
   }
+  if (g_avx512 && Dh % 8 == 0) pack_pairs(w.qs.data(), w.qp.data(), R, Dh);
   std::fill(w.acc.begin(), w.acc.begin() + R * Dh, 0.f);
   std::fill(w.m.begin(), w.m.begin() + R, -INFINITY);
   std::fill(w.l.begin(), w.l.begin() + R, 0.f);
@@ -411,7 +593,10 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
         _mm_prefetch(reinterpret_cast<const char*>(krow[j]) + b, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T0);
       }
-    scores_all<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);   // s [R, kTile]
+    if (g_avx512)
+      scores_all512<KV>(w.qs.data(), w.qp.data(), krow, w.s.data(), j0, j1, Dh, R);   // s [R, kTile]
+    else
+      scores_all<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);
     for (int64_t r = 0; r < R; ++r) {
       float* s = w.s.data() + r * kTile;
       const int64_t a = w.jlo[r], b = w.jhi[r];
@@ -446,7 +631,10 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
       if (P.vs)   // int8: p_j (scale_j v_j) = (p_j scale_j) v_j; the sum l keeps p_j
         for (int64_t j = a; j < b; ++j) s[j] *= w.vsc[j];
     }
-    values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
+    if (g_avx512)
+      values_all512<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
+    else
+      values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
   }
   for (int64_t i = 0; i < nt; ++i) {
     float* out = P.out + ((t0 + i) * P.Hq + h * G) * Dh;   // [G, Dh], the group's heads are adjacent
@@ -609,6 +797,13 @@ ffi::Error PagedAttentionInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }
 
 }  // namespace
+
+// Selects the AVX-512 path (on: where the CPU has it) or the AVX2 one for every later call;
+// returns whether AVX-512 is now in use.  For tests and benchmarks (native.set_attention_avx512).
+extern "C" int jaxllm_attention_set_avx512(int on) {
+  g_avx512 = on && kHasAvx512;
+  return g_avx512;
+}
 
 #define JAXLLM_PAGED_ATTENTION_BINDING(KT)          \
   ffi::Ffi::Bind()                                  \

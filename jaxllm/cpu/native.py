@@ -214,6 +214,16 @@ def quant_available() -> bool:
                  "native packed-block matmul unavailable; using the XLA dequantize path")
 
 
+def set_attention_avx512(on: bool) -> bool:
+    """Selects attention.cc's 16-lane AVX-512 scores and P.V (the default where the CPU has
+    AVX512F/BW) or its 8-lane AVX2 ones, for every later call; returns whether AVX-512 is now
+    in use.  For tests and benchmarks, which run both paths on one machine."""
+    if not available():
+        raise RuntimeError("the native CPU kernels are unavailable")
+    lib = _state["libs"][list(_KERNELS).index("attention.cc")]
+    return bool(lib.jaxllm_attention_set_avx512(int(on)))
+
+
 def set_quant_avx512(on: bool) -> bool:
     """Selects quant_linear.cc's AVX-512 tiles (the default where the CPU has AVX512F/BW) or
     its 8-lane AVX2 ones, for every later call; returns whether AVX-512 is now in use.  For

@@ -380,6 +380,73 @@ def test_prompt_token_is_the_same_bits_in_any_chunk_and_batch(Hq, Hkv, D, case, 
     assert err < TOL, f"max relative error {err:.3g}"
 
 
+@pytest.fixture
+def avx2_path():
+    """The kernel's 8-lane AVX2 path for the test, the CPU's default restored after."""
+    default = native.set_attention_avx512(True)
+    native.set_attention_avx512(False)
+    yield default
+    native.set_attention_avx512(default)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,case,chunk", [(9, 3, 64, "f32-softcap-sinks", 7), (4, 1, 40, "int8-window", 1)])
+def test_avx2_path_keeps_the_guarantees(avx2_path, Hq, Hkv, D, case, chunk):
+    """On a CPU with AVX-512 the tests above run its 16-lane path; this runs the AVX2 one
+    (what a CPU without AVX-512 gets) through the same whole / chunked / mixed comparison,
+    and checks that the two paths give the same bits (the 16-lane path does the 8-lane
+    arithmetic lane for lane: which CPU runs a model must not change what it says)."""
+    N = 161
+    cache, feats = BITS_CASES[case]
+    q, _, _, kv, md = make_batch(11 + D, [N], [0], Hq=Hq, Hkv=Hkv, D=D, pad_tokens=0, pad_rows=0)
+    if cache in QUANT:
+        _, _, _, kv, _ = quantized((q, None, None, kv, md), cache)
+    rng = np.random.default_rng(3)
+    t0 = np.asarray(md.block_tables)[0]
+    tables = jnp.asarray(np.stack([t0, rng.permutation(t0), rng.permutation(t0)]))
+    kw = dict(scale=D ** -0.5, sliding_window=feats.get("sliding_window"), soft_cap=feats.get("soft_cap"))
+    if feats.get("sinks"):
+        kw["sinks"] = jnp.linspace(-2.0, 4.0, Hq, dtype=jnp.float32)
+    whole, chunked, mixed = _prompt_outputs_three_ways(q, kv, tables, N, chunk, **kw)
+    np.testing.assert_array_equal(chunked, whole)
+    np.testing.assert_array_equal(mixed, whole[5:])
+    want = np.asarray(paged_attention_xla(q, kv, None, _prompt_md(tables[:1], [0] * N, range(N)), **kw))
+    assert np.abs(whole - want).max() / np.abs(want).max() < TOL
+    if not avx2_path:
+        print("no AVX-512 on this CPU: the AVX2 path is the default one, nothing to compare it with")
+        return
+    native.set_attention_avx512(True)
+    wide = np.asarray(_native_run(**{k: v for k, v in kw.items() if k != "sinks"})(
+        q, kv, _prompt_md(tables, [0] * N, range(N)), kw.get("sinks")))
+    np.testing.assert_array_equal(wide, whole)
+
+
+# The built-in model's steps as its engine runs them (tests/quant/test_builtin_int8.py): four
+# prompts from nothing in one 32-token step (bucket padding after them), then their decodes;
+# and a ragged batch with long prompts (whole key tiles, odd row counts, decodes beside).
+ENGINE_STEPS = [dict(q_lens=[5, 6, 10, 5], ctx_lens=[0] * 4, pad_tokens=6), dict(q_lens=[1] * 4, ctx_lens=[5, 6, 10, 5]),
+                dict(**BOTH, pad_tokens=3)]
+
+
+def test_avx512_path_gives_the_avx2_paths_bits_on_the_builtin_models_steps(avx2_path):
+    """SmolLM2-135M's shape (9 query heads over 3 KV heads of 64) on each cache format: the
+    AVX-512 path's output is the AVX2 path's, bit for bit.  Summing 16 head dims per lane
+    (the first AVX-512 scores) stayed within 5e-7 of a float64 reference, like the AVX2 path,
+    but changed last bits, which int8 activations turned into 0.1-0.4 nat logit moves and
+    another greedy token at the second token of a prompt."""
+    if not avx2_path:
+        pytest.skip("no AVX-512 on this CPU: the AVX2 path is the only one")
+    run = _native_run(scale=0.125)
+    for i, step in enumerate(ENGINE_STEPS):
+        for fmt in ["float32", "bfloat16", "int8", "fp8_e4m3"]:
+            batch = make_batch(70 + i, Hq=9, Hkv=3, D=64, cache="bfloat16" if fmt == "bfloat16" else "float32", **step)
+            q, _, _, pages, md = quantized(batch, fmt) if fmt in QUANT else batch
+            native.set_attention_avx512(False)
+            narrow = np.asarray(run(q, pages, md, None))
+            native.set_attention_avx512(True)
+            wide = np.asarray(run(q, pages, md, None))
+            np.testing.assert_array_equal(wide, narrow, err_msg=f"step {i}, {fmt} cache")
+
+
 @pytest.mark.slow
 def test_prompt_logits_are_the_same_bits_in_any_chunking():
     """End to end on the built-in model's default CPU path (packed weights through the native
