@@ -12,7 +12,8 @@ import torch
 
 from support.tiny_qwen3_5_vl import tiny_model
 
-from jaxllm.models.qwen3_5_vl import VisionConfig, encode, grid_inputs, load_params, num_tokens
+from jaxllm.models.qwen3_5_vl import (VisionConfig, encode, expand_placeholders, grid_inputs, load_params, mrope_axes,
+                                       mrope_positions, num_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +56,34 @@ def test_config_and_refusals(hf_vl, tower):
     d["vision_config"]["hidden_act"] = "relu"
     with pytest.raises(ValueError, match="hidden_act"):
         VisionConfig.from_hf(d)
+
+
+def test_placeholders_and_mrope_positions_equal_transformers(hf_vl, tower):
+    cfg, _ = tower
+    grids = [(1, 4, 6), (1, 8, 4)]                                           # 6 and 8 tokens
+    ids = expand_placeholders(cfg, [5, 252, 250, 253, 7, 8, 252, 250, 253, 9], grids)
+    assert ids == [5, 252, *[250] * 6, 253, 7, 8, 252, *[250] * 8, 253, 9]
+    x = torch.tensor([ids])
+    ref, ref_delta = hf_vl.model.get_rope_index(x, (x == 250).int(), torch.tensor(grids))
+    pos, delta = mrope_positions(cfg, ids, grids)
+    np.testing.assert_array_equal(pos, ref[:, 0].numpy())
+    assert delta == int(ref_delta) == (3 - 6) + (4 - 8)          # max(merged rows, cols) - tokens
+    with pytest.raises(ValueError, match="2 image"):
+        expand_placeholders(cfg, [5, 250, 7], grids)
+    with pytest.raises(ValueError, match="needs 6"):
+        mrope_positions(cfg, [5, 250, 250, 7], grids[:1])
+
+
+def test_mrope_axes_equal_transformers_rotary(hf_vl):
+    # transformers' text rotary on three different position streams: each frequency turns with
+    # the stream mrope_axes names
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+    tc = hf_vl.config.text_config
+    rot = Qwen3_5TextRotaryEmbedding(tc)
+    p = torch.stack([torch.arange(7), 10 + torch.arange(7) * 3, 50 - torch.arange(7)])[:, None]   # [3, 1, 7]
+    cos, _ = rot(torch.zeros(1), p)
+    half = rot.inv_freq.shape[0]
+    axes = mrope_axes(2 * half, tc.rope_parameters["mrope_section"])
+    assert axes.tolist() == [0, 1, 2, 0]
+    want = np.cos(p[:, 0].numpy()[axes].T * rot.inv_freq.numpy())                # [7, half]
+    np.testing.assert_allclose(cos[0, :, :half].numpy(), want, rtol=0, atol=1e-6)
