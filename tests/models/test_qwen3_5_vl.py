@@ -1,8 +1,11 @@
 """Qwen3.5 with images (jaxllm/models/qwen3_5_vl/) against transformers' tiny random
 ``Qwen3_5ForConditionalGeneration`` (tests/support/tiny_qwen3_5_vl.py), float32: the vision
 tower + patch merger's rows equal ``get_image_features`` for images packed together whose patch
-grids are smaller and larger than the learned position grid, one image alone too; the config
-read off transformers' and refusals by name."""
+grids are smaller and larger than the learned position grid, one image alone too; the
+placeholder expansion and M-RoPE positions equal transformers'; the text model (models/qwen3_next
+with the image rows and the 3D rotary, XLA paged path) gives transformers' prompt logits and 32
+greedy tokens with 1 and 2 images of two sizes (pixels from multimodal/qwen_image_processor.py);
+the config read off transformers' and refusals by name."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from support.tiny_qwen3_5_vl import tiny_model
+from support.tiny_qwen3_5_vl import PagedQwen3_5VL, hf_greedy_vl, save_text_part, tiny_model
 
 from jaxllm.models.qwen3_5_vl import (VisionConfig, encode, expand_placeholders, grid_inputs, load_params, mrope_axes,
                                        mrope_positions, num_tokens)
@@ -87,3 +90,28 @@ def test_mrope_axes_equal_transformers_rotary(hf_vl):
     assert axes.tolist() == [0, 1, 2, 0]
     want = np.cos(p[:, 0].numpy()[axes].T * rot.inv_freq.numpy())                # [7, half]
     np.testing.assert_allclose(cos[0, :, :half].numpy(), want, rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def paged(hf_vl, tmp_path_factory):
+    return PagedQwen3_5VL(save_text_part(hf_vl, str(tmp_path_factory.mktemp("qwen3_5_text"))), hf_vl)
+
+
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_greedy_equals_transformers(hf_vl, tower, paged, n_images):
+    from PIL import Image
+    from jaxllm.multimodal.qwen_image_processor import QwenImageProcessorConfig, preprocess_qwen
+    cfg, _ = tower
+    pcfg = QwenImageProcessorConfig(patch_size=4, min_pixels=16 * 16, max_pixels=32 * 32)
+    rng = np.random.default_rng(n_images)
+    imgs = [Image.fromarray(rng.integers(0, 256, s, dtype=np.uint8)) for s in [(20, 30, 3), (33, 17, 3)][:n_images]]
+    pre = [preprocess_qwen(im, pcfg) for im in imgs]
+    grids = [thw for _, thw in pre]
+    assert grids == [(1, 4, 8), (1, 8, 4)][:n_images]                          # two sizes, two shapes
+    patches = np.concatenate([p for p, _ in pre])
+    prompt = [5, 252, 250, 253, 7, 8, 252, 250, 253, 9][:4 + 6 * (n_images - 1)] + [11, 12]
+    ids = expand_placeholders(cfg, prompt, grids)
+    ref_logits, ref = hf_greedy_vl(hf_vl, ids, patches, grids)
+    logits, got = paged.greedy(ids, patches, grids)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-4 * np.abs(ref_logits).max())
+    assert got == ref and len(set(ref)) > 3

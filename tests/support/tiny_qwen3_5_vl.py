@@ -5,10 +5,11 @@ tests/support/tiny_hybrid.py's hybrid Qwen3.5 with M-RoPE sections."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from support.tiny_hybrid import COMMON
+from support.tiny_hybrid import COMMON, widen
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 250, 251, 252, 253
 
@@ -30,11 +31,95 @@ def tiny_config() -> Qwen3_5Config:
 
 
 def tiny_model(seed: int = 0) -> Qwen3_5ForConditionalGeneration:
-    """Random weights, the norms and the learned position grid included (transformers inits norms to 1)."""
+    """Random weights: the text model's as tiny_hybrid draws them (clear greedy winners); the
+    vision norms, biases and learned position grid too (transformers inits them flat)."""
     torch.manual_seed(seed)
     model = Qwen3_5ForConditionalGeneration(tiny_config()).eval().float()
+    widen(model, tied=False, prefix="model.language_model.")
+    widen(model, tied=False, prefix="lm_head.")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "visual" in name and ("norm" in name or "pos_embed" in name or name.endswith("bias")):
                 p.normal_(1.0 if "norm" in name and name.endswith("weight") else 0.0, 0.2)
     return model
+
+
+def save_text_part(model: Qwen3_5ForConditionalGeneration, out_dir: str) -> str:
+    """The text model as a ``Qwen3_5ForCausalLM`` checkpoint (the loader's hybrid family reads it)."""
+    from transformers import Qwen3_5ForCausalLM
+    text = Qwen3_5ForCausalLM(model.config.text_config).eval().float()
+    sd = {k.replace("model.language_model.", "model."): v for k, v in model.state_dict().items()
+          if k.startswith("model.language_model.") or k.startswith("lm_head.")}
+    text.load_state_dict(sd)
+    text.config.architectures = ["Qwen3_5ForCausalLM"]
+    text.save_pretrained(out_dir)
+    return out_dir
+
+
+class PagedQwen3_5VL:
+    """The jaxllm text model (models/qwen3_next, with image rows and M-RoPE positions) + the
+    vision tower (models/qwen3_5_vl) on one sequence through a paged cache, two compiled
+    programs (the prompt, one decode token), XLA attention, greedy."""
+
+    def __init__(self, text_dir: str, hf_model, block: int = 8, num_blocks: int = 16):
+        import jax
+        import jax.numpy as jnp
+        from jaxllm.models import qwen3_next
+        from jaxllm.models.loader import load_model
+        from jaxllm.models.qwen3_5_vl import VisionConfig, encode, load_params
+        from jaxllm.runner.weights import to_device_params
+        model = load_model(text_dir)
+        self.arch = model.arch
+        self.params = to_device_params(model, jnp.float32, False)
+        self.vcfg = VisionConfig.from_hf(hf_model.config)
+        vparams = load_params(self.vcfg, {k: v.numpy() for k, v in hf_model.state_dict().items()})
+        self.encode = jax.jit(lambda px, gi: encode(self.vcfg, vparams, px, gi))
+        self.block, self.num_blocks = block, num_blocks
+        self.new_cache = lambda: qwen3_next.allocate_cache(self.arch, num_blocks, block, jnp.float32, stacked=False)
+
+        def step(p, kv, ids, md, rows, rope):
+            h, kv = qwen3_next.forward(self.arch, p, kv, ids, md, image_rows=rows, rope_positions=rope)
+            return qwen3_next.compute_logits(self.arch, p, h), kv
+        self.fwd = jax.jit(step)
+
+    def _md(self, pos):
+        from jaxllm.layers.attention import AttentionMetadata
+        table = np.random.default_rng(0).permutation(self.num_blocks).astype(np.int32)
+        return AttentionMetadata(positions=pos, slot_mapping=(table[pos // self.block] * self.block
+                                                                 + pos % self.block).astype(np.int32),
+                                 token_seq=np.zeros(len(pos), np.int32), block_tables=table[None, :],
+                                 seq_lens=np.array([pos[-1] + 1], np.int32),
+                                 query_start_loc=np.array([0, len(pos)], np.int32))
+
+    def greedy(self, ids: list[int], patches: np.ndarray, grids, n: int = 32) -> tuple[np.ndarray, list[int]]:
+        """ids: the expanded prompt; patches [N, C*Tp*P*P] of the images (grid_thw ``grids``)
+        -> (the prompt's logits [T, V], n greedy tokens)."""
+        from jaxllm.models.qwen3_5_vl import grid_inputs, mrope_positions
+        emb = self.encode(patches, grid_inputs(self.vcfg, grids))               # [N / 4, D]
+        is_img = np.asarray(ids) == self.vcfg.image_token_id
+        row = np.where(is_img, np.cumsum(is_img) - 1, -1).astype(np.int32)      # [T]
+        rope, delta = mrope_positions(self.vcfg, ids, grids)                    # [3, T]
+        T = len(ids)
+        logits, kv = self.fwd(self.params, self.new_cache(), np.asarray(ids, np.int32),
+                              self._md(np.arange(T, dtype=np.int32)), (row, emb), rope)
+        prompt_logits = np.asarray(logits)
+        out = [int(prompt_logits[-1].argmax())]
+        no_rows = (np.full(1, -1, np.int32), emb[:1])
+        for i in range(n - 1):
+            p = np.array([T + i], np.int32)
+            logits, kv = self.fwd(self.params, kv, np.array(out[-1:], np.int32), self._md(p), no_rows,
+                                  np.repeat(p[None] + delta, 3, axis=0))
+            out.append(int(np.asarray(logits)[-1].argmax()))
+        return prompt_logits, out
+
+
+def hf_greedy_vl(hf_model, ids: list[int], patches: np.ndarray, grids, n: int = 32) -> tuple[np.ndarray, list[int]]:
+    """transformers' prompt logits and ``generate`` (greedy) with the processor's mm_token_type_ids."""
+    x = torch.tensor([ids])
+    kw = dict(pixel_values=torch.from_numpy(np.asarray(patches)), image_grid_thw=torch.tensor(grids),
+              mm_token_type_ids=(x == IMAGE_TOKEN).int())
+    with torch.no_grad():
+        logits = hf_model(input_ids=x, **kw).logits[0].numpy()
+        gen = hf_model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, **kw)
+    return logits, gen[0, len(ids):].tolist()

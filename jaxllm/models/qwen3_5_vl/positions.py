@@ -10,10 +10,9 @@ positions past the prompt are the sequence index plus one ``delta`` (each image 
 over a merged rows x cols grid adds ``max(rows, cols) - n``), the same in all three streams: a
 decode step needs only ``delta``.
 
-In the rotary, frequency ``j`` of the ``rotary_dim / 2`` turns with the h position when
-``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, with w when ``j % 3 == 2`` and
-``j < 3 * mrope_section[2]``, else with t (the interleaved layout of Qwen3.5's
-``recomposition_frequencies``).
+Which stream turns which rotary frequency: ``layers/rotary.mrope_axes`` (the interleaved
+layout of Qwen3.5's ``recomposition_frequencies``), applied by the text model
+(``models/qwen3_next``'s ``rope_positions``).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxllm.layers.rotary import mrope_axes  # noqa: F401  (re-exported: the rotary half of M-RoPE)
 from jaxllm.models.qwen3_5_vl.config import VisionConfig
 from jaxllm.models.qwen3_5_vl.vision import num_tokens
 
@@ -75,11 +75,3 @@ def mrope_positions(cfg: VisionConfig, ids: Sequence[int], grids: Sequence[Seque
     positions = np.concatenate(cols, axis=1).astype(np.int32) if cols else np.zeros((3, 0), np.int32)
     return positions, int(pos - T)
 
-
-def mrope_axes(rotary_dim: int, mrope_section: Sequence[int]) -> np.ndarray:
-    """int32 [rotary_dim / 2]: which position stream (0 t, 1 h, 2 w) turns each frequency."""
-    j = np.arange(rotary_dim // 2)
-    axes = np.zeros_like(j)
-    axes[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-    axes[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
-    return axes.astype(np.int32)

@@ -48,6 +48,9 @@ class HybridConfig:
     norm_topk_prob: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3.5's multimodal RoPE: frequencies per (t, h, w) stream (layers/rotary.mrope_axes);
+    # text alone has all three streams equal, so it matters only with 3D rope_positions
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -165,6 +168,7 @@ def config_from_hf(hf, arch: str, where: str) -> HybridConfig:
         norm_topk_prob=norm_topk,
         bos_token_id=get("bos_token_id"),
         eos_token_ids=_eos_tuple(get("eos_token_id")),
+        mrope_section=tuple(int(x) for x in rope.get("mrope_section") or ()),
     )
 
 
