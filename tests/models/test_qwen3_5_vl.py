@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from support.tiny_qwen3_5_vl import PagedQwen3_5VL, hf_greedy_vl, save_text_part, tiny_model
+from support.tiny_qwen3_5_vl import PagedQwen3_5VL, hf_greedy_vl, tiny_model
 
+from jaxllm.errors import ModelLoadError
 from jaxllm.models.qwen3_5_vl import (VisionConfig, encode, expand_placeholders, grid_inputs, load_params, mrope_axes,
-                                       mrope_positions, num_tokens)
+                                       mrope_positions, num_tokens, split_text_and_vision, tensor_shapes)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,14 @@ def test_config_and_refusals(hf_vl, tower):
     sd = {k: v.numpy() for k, v in hf_vl.state_dict().items()}
     with pytest.raises(ValueError, match="merger.linear_fc2.bias"):
         load_params(cfg, {k: v for k, v in sd.items() if "merger.linear_fc2.bias" not in k})
+    with pytest.raises(ValueError, match="does not read: model.visual.deepstack_merger_list.0.norm.weight"):
+        load_params(cfg, dict(sd, **{"model.visual.deepstack_merger_list.0.norm.weight": np.zeros(128)}))
+    text, vision = split_text_and_vision(hf_vl.config, {k: (v, "f") for k, v in sd.items()}, "ckpt")
+    assert "model.layers.0.input_layernorm.weight" in text and "lm_head.weight" in text
+    assert not any(k.startswith(("model.language_model.", "model.visual.")) for k in text)
+    assert set(vision.tensors) == set(tensor_shapes(cfg)) and vision.cfg == cfg
+    with pytest.raises(ModelLoadError, match="ckpt: .*pos_embed.weight.*missing"):
+        split_text_and_vision(hf_vl.config, {k: (v, "f") for k, v in sd.items() if "pos_embed" not in k}, "ckpt")
     with pytest.raises(ValueError, match="pos_embed.weight.*shape"):
         load_params(cfg, dict(sd, **{"model.visual.pos_embed.weight": np.zeros((9, 32), np.float32)}))
     with pytest.raises(ValueError, match="spatial_merge_size"):
@@ -94,7 +103,10 @@ def test_mrope_axes_equal_transformers_rotary(hf_vl):
 
 @pytest.fixture(scope="module")
 def paged(hf_vl, tmp_path_factory):
-    return PagedQwen3_5VL(save_text_part(hf_vl, str(tmp_path_factory.mktemp("qwen3_5_text"))), hf_vl)
+    # the whole checkpoint as transformers saves it, through the loader (registry, config, split)
+    path = str(tmp_path_factory.mktemp("qwen3_5_vl"))
+    hf_vl.save_pretrained(path)
+    return PagedQwen3_5VL(path, hf_vl)
 
 
 @pytest.mark.parametrize("n_images", [1, 2])
@@ -113,5 +125,6 @@ def test_greedy_equals_transformers(hf_vl, tower, paged, n_images):
     ids = expand_placeholders(cfg, prompt, grids)
     ref_logits, ref = hf_greedy_vl(hf_vl, ids, patches, grids)
     logits, got = paged.greedy(ids, patches, grids)
+    assert paged.arch.architecture == "Qwen3_5ForConditionalGeneration" and paged.arch.hybrid.mrope_section == (2, 1, 1)
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-4 * np.abs(ref_logits).max())
     assert got == ref and len(set(ref)) > 3

@@ -44,31 +44,22 @@ def tiny_model(seed: int = 0) -> Qwen3_5ForConditionalGeneration:
     return model
 
 
-def save_text_part(model: Qwen3_5ForConditionalGeneration, out_dir: str) -> str:
-    """The text model as a ``Qwen3_5ForCausalLM`` checkpoint (the loader's hybrid family reads it)."""
-    from transformers import Qwen3_5ForCausalLM
-    text = Qwen3_5ForCausalLM(model.config.text_config).eval().float()
-    sd = {k.replace("model.language_model.", "model."): v for k, v in model.state_dict().items()
-          if k.startswith("model.language_model.") or k.startswith("lm_head.")}
-    text.load_state_dict(sd)
-    text.config.architectures = ["Qwen3_5ForCausalLM"]
-    text.save_pretrained(out_dir)
-    return out_dir
-
-
 class PagedQwen3_5VL:
     """The jaxllm text model (models/qwen3_next, with image rows and M-RoPE positions) + the
     vision tower (models/qwen3_5_vl) on one sequence through a paged cache, two compiled
     programs (the prompt, one decode token), XLA attention, greedy."""
 
-    def __init__(self, text_dir: str, hf_model, block: int = 8, num_blocks: int = 16):
+    def __init__(self, path: str, hf_model, block: int = 8, num_blocks: int = 16):
+        """``path``: the whole checkpoint (the loader takes its text half); the tower's weights
+        from ``hf_model``."""
         import jax
         import jax.numpy as jnp
         from jaxllm.models import qwen3_next
         from jaxllm.models.loader import load_model
         from jaxllm.models.qwen3_5_vl import VisionConfig, encode, load_params
         from jaxllm.runner.weights import to_device_params
-        model = load_model(text_dir)
+        model = load_model(path)
+        assert model.vision is None            # the engine gets no image side yet (checkpoint.py)
         self.arch = model.arch
         self.params = to_device_params(model, jnp.float32, False)
         self.vcfg = VisionConfig.from_hf(hf_model.config)

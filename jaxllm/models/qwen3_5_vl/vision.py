@@ -23,44 +23,74 @@ _VISUAL = "model.visual."
 _HI = jax.lax.Precision.HIGHEST
 
 
-def load_params(cfg: VisionConfig, tensors: Mapping[str, np.ndarray]) -> dict:
-    """HF tensor names -> the tower's parameters (linear weights transposed to [in, out]).
-    A missing tensor or a wrong shape is a ValueError naming it."""
-    def get(name, shape):
+def tensor_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the vision tower in the checkpoint (HF name -> shape)."""
+    D, F, Dm = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size * cfg.merge_unit
+    out = {_VISUAL + "patch_embed.proj.weight": (D, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size,
+                                                  cfg.patch_size),
+           _VISUAL + "patch_embed.proj.bias": (D,),
+           _VISUAL + "pos_embed.weight": (cfg.num_position_embeddings, D)}
+    linears = {"attn.qkv": (D, 3 * D), "attn.proj": (D, D), "mlp.linear_fc1": (D, F), "mlp.linear_fc2": (F, D)}
+    for i in range(cfg.depth):
+        p = f"{_VISUAL}blocks.{i}."
+        for n in ("norm1", "norm2"):
+            out[p + n + ".weight"] = out[p + n + ".bias"] = (D,)
+        for n, (n_in, n_out) in linears.items():
+            out[p + n + ".weight"], out[p + n + ".bias"] = (n_out, n_in), (n_out,)
+    m = _VISUAL + "merger."
+    out[m + "norm.weight"] = out[m + "norm.bias"] = (D,)
+    for n, (n_in, n_out) in (("linear_fc1", (Dm, Dm)), ("linear_fc2", (Dm, cfg.out_hidden_size))):
+        out[m + n + ".weight"], out[m + n + ".bias"] = (n_out, n_in), (n_out,)
+    return out
+
+
+def check_tensors(cfg: VisionConfig, tensors: Mapping[str, object]) -> None:
+    """The vision tower's tensors (HF name -> array or shape) are exactly those the tower reads:
+    a missing or unexpected name (Qwen3-VL's DeepStack mergers) or a wrong shape is a ValueError
+    naming it."""
+    want = tensor_shapes(cfg)
+    for name, shape in want.items():
         if name not in tensors:
             raise ValueError(f"Qwen3_5ForConditionalGeneration: tensor {name!r} missing from the checkpoint")
-        x = np.asarray(tensors[name], np.float32)
-        if x.shape != shape:
-            raise ValueError(f"Qwen3_5ForConditionalGeneration: tensor {name!r} has shape {x.shape}, "
-                             f"expected {shape}")
-        return jnp.asarray(x)
+        got = tuple(getattr(tensors[name], "shape", tensors[name]))
+        if got != shape:
+            raise ValueError(f"Qwen3_5ForConditionalGeneration: tensor {name!r} has shape {got}, expected {shape}")
+    extra = sorted(n for n in tensors if n.startswith(_VISUAL) and n not in want)
+    if extra:
+        raise ValueError(f"Qwen3_5ForConditionalGeneration: vision tensor(s) the tower does not read: "
+                         f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}")
 
-    D, F, Dm = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size * cfg.merge_unit
 
-    def linear(name, n_in, n_out):
-        return get(name + ".weight", (n_out, n_in)).T, get(name + ".bias", (n_out,))   # [in, out], [out]
+def load_params(cfg: VisionConfig, tensors: Mapping[str, np.ndarray]) -> dict:
+    """HF tensor names -> the tower's parameters (linear weights transposed to [in, out]).
+    A missing, unexpected or misshapen tensor is a ValueError naming it (:func:`check_tensors`)."""
+    check_tensors(cfg, {n: np.shape(t) for n, t in tensors.items() if n.startswith(_VISUAL)})
+
+    def get(name):
+        return jnp.asarray(np.asarray(tensors[name], np.float32))
+
+    def linear(name):
+        return get(name + ".weight").T, get(name + ".bias")                  # [in, out], [out]
 
     def layers(i):
         p = f"{_VISUAL}blocks.{i}."
         lp = {}
         for n in ("norm1", "norm2"):
-            lp[n], lp[n + "_b"] = get(p + n + ".weight", (D,)), get(p + n + ".bias", (D,))
-        for n, hf, shape in (("qkv", "attn.qkv", (D, 3 * D)), ("o", "attn.proj", (D, D)),
-                             ("fc1", "mlp.linear_fc1", (D, F)), ("fc2", "mlp.linear_fc2", (F, D))):
-            lp[n], lp[n + "_b"] = linear(p + hf, *shape)
+            lp[n], lp[n + "_b"] = get(p + n + ".weight"), get(p + n + ".bias")
+        for n, hf in (("qkv", "attn.qkv"), ("o", "attn.proj"), ("fc1", "mlp.linear_fc1"), ("fc2", "mlp.linear_fc2")):
+            lp[n], lp[n + "_b"] = linear(p + hf)
         return lp
 
-    conv = get(_VISUAL + "patch_embed.proj.weight",
-               (D, cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size))
+    conv = get(_VISUAL + "patch_embed.proj.weight")                           # [D, C, Tp, P, P]
     m = _VISUAL + "merger."
-    fc1, fc1_b = linear(m + "linear_fc1", Dm, Dm)
-    fc2, fc2_b = linear(m + "linear_fc2", Dm, cfg.out_hidden_size)
+    fc1, fc1_b = linear(m + "linear_fc1")
+    fc2, fc2_b = linear(m + "linear_fc2")
     return {
-        "patch": conv.reshape(D, -1).T,                                          # [C*Tp*P*P, D]
-        "patch_b": get(_VISUAL + "patch_embed.proj.bias", (D,)),
-        "pos": get(_VISUAL + "pos_embed.weight", (cfg.num_position_embeddings, D)),  # [side*side, D]
+        "patch": conv.reshape(cfg.hidden_size, -1).T,                            # [C*Tp*P*P, D]
+        "patch_b": get(_VISUAL + "patch_embed.proj.bias"),
+        "pos": get(_VISUAL + "pos_embed.weight"),                                # [side*side, D]
         "layers": [layers(i) for i in range(cfg.depth)],
-        "merge_norm": get(m + "norm.weight", (D,)), "merge_norm_b": get(m + "norm.bias", (D,)),
+        "merge_norm": get(m + "norm.weight"), "merge_norm_b": get(m + "norm.bias"),
         "merge_fc1": fc1, "merge_fc1_b": fc1_b, "merge_fc2": fc2, "merge_fc2_b": fc2_b,
     }
 
