@@ -151,5 +151,6 @@ def test_engine_serves_text_and_refuses_images(hf_vl, vl_path):
     assert out.outputs[0].token_ids == want[0, 20:].tolist() and len(set(out.outputs[0].token_ids)) > 3
     assert not llm.llm_engine.supports_images
     with pytest.raises(ValueError, match="multi_modal_data: this model takes no images"):
-        llm.generate([{"prompt_token_ids": [5, 252, 250, 253], "multi_modal_data": {"image": Image.new("RGB", (8, 8))}}],
+        image = Image.new("RGB", (8, 8))
+        llm.generate([{"prompt_token_ids": [5, 252, 250, 253], "multi_modal_data": {"image": image}}],
                      SamplingParams(max_tokens=1), use_tqdm=False)

@@ -66,11 +66,13 @@ class VisionConfig:
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"Qwen3_5ForConditionalGeneration: vision rope_type {rope.get('rope_type')!r} "
                              "is not supported (axial only)")
+
         def size(name, default):
             x = get(v, name, default)
             if isinstance(x, (list, tuple)):
                 if len(set(x)) != 1:
-                    raise ValueError(f"Qwen3_5ForConditionalGeneration: vision {name}={x} (non-square) is not supported")
+                    raise ValueError(f"Qwen3_5ForConditionalGeneration: vision {name}={x} (non-square) "
+                                     "is not supported")
                 x = x[0]
             return int(x)
         cfg = cls(depth=int(get(v, "depth")), hidden_size=int(get(v, "hidden_size")),
