@@ -47,21 +47,24 @@ def tiny_model(seed: int = 0) -> Qwen3_5ForConditionalGeneration:
 class PagedQwen3_5VL:
     """The jaxllm text model (models/qwen3_next, with image rows and M-RoPE positions) + the
     vision tower (models/qwen3_5_vl) on one sequence through a paged cache, two compiled
-    programs (the prompt, one decode token), XLA attention, greedy."""
+    programs (the prompt, one decode token), greedy; ``backend``: "xla", "native" (the CPU
+    kernels' matmul and attention) or "pallas" (the attention kernel, interpret mode on CPU)."""
 
-    def __init__(self, path: str, hf_model, block: int = 8, num_blocks: int = 16):
+    def __init__(self, path: str, hf_model, block: int = 8, num_blocks: int = 16, backend: str = "xla"):
         """``path``: the whole checkpoint (the loader takes its text half); the tower's weights
         from ``hf_model``."""
         import jax
         import jax.numpy as jnp
         from jaxllm.models import qwen3_next
+        from jaxllm.models.kernels import Kernels
         from jaxllm.models.loader import load_model
         from jaxllm.models.qwen3_5_vl import VisionConfig, encode, load_params
         from jaxllm.runner.weights import to_device_params
         model = load_model(path)
         assert model.vision is None            # the engine gets no image side yet (checkpoint.py)
         self.arch = model.arch
-        self.params = to_device_params(model, jnp.float32, False)
+        self.params = to_device_params(model, jnp.float32, False, native=backend == "native")
+        kernels = Kernels(matmul="native" if backend == "native" else "xla", attention=backend)
         self.vcfg = VisionConfig.from_hf(hf_model.config)
         vparams = load_params(self.vcfg, {k: v.numpy() for k, v in hf_model.state_dict().items()})
         self.encode = jax.jit(lambda px, gi: encode(self.vcfg, vparams, px, gi))
@@ -69,8 +72,8 @@ class PagedQwen3_5VL:
         self.new_cache = lambda: qwen3_next.allocate_cache(self.arch, num_blocks, block, jnp.float32, stacked=False)
 
         def step(p, kv, ids, md, rows, rope):
-            h, kv = qwen3_next.forward(self.arch, p, kv, ids, md, image_rows=rows, rope_positions=rope)
-            return qwen3_next.compute_logits(self.arch, p, h), kv
+            h, kv = qwen3_next.forward(self.arch, p, kv, ids, md, kernels, image_rows=rows, rope_positions=rope)
+            return qwen3_next.compute_logits(self.arch, p, h, kernels), kv
         self.fwd = jax.jit(step)
 
     def _md(self, pos):
