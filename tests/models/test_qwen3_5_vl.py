@@ -5,8 +5,8 @@ grids are smaller and larger than the learned position grid, one image alone too
 placeholder expansion and M-RoPE positions equal transformers'; the text model (models/qwen3_next
 with the image rows and the 3D rotary, paged; XLA and the native CPU kernels) gives
 transformers' prompt logits and 32 greedy tokens with 1 and 2 images of two sizes (pixels from
-multimodal/qwen_image_processor.py); the config read off transformers' and refusals by name; the engine serves the checkpoint's text
-(32 greedy tokens = ``generate``) and refuses an image by name (its image path is not wired yet)."""
+multimodal/qwen_image_processor.py); the config read off transformers' and refusals by name;
+the engine serves the checkpoint's text (32 greedy tokens = ``generate``) and refuses an image by name (its image path is not wired yet)."""
 
 from __future__ import annotations
 
@@ -113,7 +113,12 @@ def vl_path(hf_vl, tmp_path_factory):
 def paged(hf_vl, vl_path):
     # the whole checkpoint as transformers saves it, through the loader (registry, config, split)
     made = {}
-    return lambda backend: made.get(backend) or made.setdefault(backend, PagedQwen3_5VL(vl_path, hf_vl, backend=backend))
+
+    def get(backend):
+        if backend not in made:
+            made[backend] = PagedQwen3_5VL(vl_path, hf_vl, backend=backend)
+        return made[backend]
+    return get
 
 
 # the Pallas attention (interpret mode) also gives these tokens (run by hand; left out of the
