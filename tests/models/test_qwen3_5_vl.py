@@ -6,7 +6,8 @@ placeholder expansion and M-RoPE positions equal transformers'; the text model (
 with the image rows and the 3D rotary, paged; XLA and the native CPU kernels) gives
 transformers' prompt logits and 32 greedy tokens with 1 and 2 images of two sizes (pixels from
 multimodal/qwen_image_processor.py); the config read off transformers' and refusals by name;
-the engine serves the checkpoint's text (32 greedy tokens = ``generate``) and refuses an image by name (its image path is not wired yet)."""
+the engine serves the checkpoint's text (32 greedy tokens = ``generate``) and refuses an image
+by name (its image path is not wired yet)."""
 
 from __future__ import annotations
 
