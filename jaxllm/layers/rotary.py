@@ -107,6 +107,28 @@ def cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.A
     return jax.lax.cond(positions[0] >= 0, rotations, rotations, freqs)
 
 
+
+def mrope_axes(rotary_dim: int, mrope_section) -> np.ndarray:
+    """Multimodal RoPE, interleaved (Qwen3.5 / Qwen3-VL): int32 [rotary_dim / 2], which position
+    stream (0 temporal, 1 height, 2 width) turns each frequency: ``j % 3 == 1`` below
+    ``3 * mrope_section[1]`` height, ``j % 3 == 2`` below ``3 * mrope_section[2]`` width, else temporal."""
+    j = np.arange(rotary_dim // 2)
+    axes = np.zeros_like(j)
+    axes[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+    axes[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    return axes.astype(np.int32)
+
+
+def mrope_cos_sin(positions: jax.Array, inv_freq: jax.Array, axes: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """positions [3, T] (t, h, w streams), inv_freq [R/2], axes [R/2] (:func:`mrope_axes`) ->
+    cos, sin [T, R/2]: each frequency turned by its stream's position."""
+    T = positions.shape[1]
+    cos, sin = cos_sin(positions.reshape(-1), inv_freq)                  # [3T, R/2]
+    axes = jnp.asarray(axes)[None, :]
+    pick = lambda c: jnp.where(axes == 0, c[:T], jnp.where(axes == 1, c[T:2 * T], c[2 * T:]))
+    return pick(cos), pick(sin)
+
+
 def longrope_cos_sin(positions: jax.Array, inv_freq: jax.Array, long: jax.Array,
                      attention_factor: float) -> tuple[jax.Array, jax.Array]:
     """LongRoPE (Phi-3): positions [T], inv_freq [R] (short then long frequencies, R/2 each),

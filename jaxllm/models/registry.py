@@ -9,11 +9,12 @@ the family provides the engine, declared once; architectures that differ only in
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from types import ModuleType
 
 from jaxllm.errors import ModelLoadError
-from jaxllm.models import bert, deepseek, gemma, gemma3_vl, gpt_oss, llama, modernbert, qwen3_next
+from jaxllm.models import bert, deepseek, gemma, gemma3_vl, gpt_oss, llama, modernbert, qwen3_5_vl, qwen3_next
 from jaxllm.models.config import ArchConfig, FamilyConfig
 
 
@@ -61,6 +62,9 @@ MLA = Family(deepseek, config=deepseek.DeepseekConfig, cache_kinds=deepseek.cach
              allocate_cache=deepseek.allocate_cache)
 HYBRID = Family(qwen3_next, config=qwen3_next.Qwen3NextConfig, cache_kinds=qwen3_next.cache_kinds,
                 allocate_cache=qwen3_next.allocate_cache, per_sequence_state=qwen3_next.PER_SEQUENCE_STATE)
+# Qwen3.5 with images: the hybrid text model; its vision side (models/qwen3_5_vl/) splits the
+# checkpoint and checks the tower, but hands the engine no image side yet (text only, images refused)
+HYBRID_VL = dataclasses.replace(HYBRID, vision=qwen3_5_vl)
 ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.IGNORED_TENSORS)
 CROSS_ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.CLASSIFIER_IGNORED_TENSORS)
 MODERNBERT = Family(modernbert, config=modernbert.ModernBertConfig, pooling=True,
@@ -93,6 +97,7 @@ _REGISTRY: dict[str, Family] = {
     "Qwen3NextForCausalLM": HYBRID,
     "Qwen3_5ForCausalLM": HYBRID,
     "Qwen3_5MoeForCausalLM": HYBRID,
+    "Qwen3_5ForConditionalGeneration": HYBRID_VL,   # text served; images: models/qwen3_5_vl/ (not in the engine yet)
     # Encoders (bidirectional, pooled; the pooling runner): BertModel is what sentence-transformers saves.
     "BertModel": ENCODER,
     "BertForMaskedLM": ENCODER,

@@ -38,12 +38,22 @@ def build(arch: str, out_dir: str, seed: int = 0, **overrides) -> str:
     cls, kw = VARIANTS[arch]
     cfg = getattr(transformers, cls)(**{**kw, **overrides})
     torch.manual_seed(seed)
+    model = getattr(transformers, arch)(cfg).eval()
+    widen(model, cfg.tie_word_embeddings)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def widen(model, tied: bool, prefix: str = "") -> None:
+    """Redraws the parameters whose names start with ``prefix`` the way :func:`build` wants them
+    (the docstring there says why); tiny_qwen3_5_vl.py applies it to its text model."""
     # A tied head scores each token by its own embedding: kept small and the blocks' outputs
     # larger, the residual stream is not the input token's embedding (greedy would repeat it).
-    embed_std, out_std = (0.1, 1.2) if cfg.tie_word_embeddings else (1.0, 0.5)
-    model = getattr(transformers, arch)(cfg).eval()
+    embed_std, out_std = (0.1, 1.2) if tied else (1.0, 0.5)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if not name.startswith(prefix):
+                continue
             if name.endswith("A_log"):
                 # Slow decays (transformers draws A from U(0.01, 16)): a state that forgets
                 # within a few tokens would hide a wrongly carried one from the greedy tokens.
@@ -56,5 +66,3 @@ def build(arch: str, out_dir: str, seed: int = 0, **overrides) -> str:
             else:
                 std = embed_std if "embed" in name else (out_std if name.endswith(OUT) else 0.5) / p.shape[-1] ** 0.5
                 p.copy_(torch.randn_like(p) * std)
-    model.save_pretrained(out_dir)
-    return out_dir

@@ -5,12 +5,14 @@ model does not implement), :class:`HybridArch` (the engine's ``ArchConfig`` of i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.config import ArchConfig, FamilyConfig, RopeScaling, _eos_tuple
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+VL_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"   # its text_config read as Qwen3_5ForCausalLM
 LINEAR, FULL = "linear_attention", "full_attention"
 
 
@@ -48,6 +50,9 @@ class HybridConfig:
     norm_topk_prob: bool = True
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Qwen3.5's multimodal RoPE: frequencies per (t, h, w) stream (layers/rotary.mrope_axes);
+    # text alone has all three streams equal, so it matters only with 3D rope_positions
+    mrope_section: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -165,6 +170,7 @@ def config_from_hf(hf, arch: str, where: str) -> HybridConfig:
         norm_topk_prob=norm_topk,
         bos_token_id=get("bos_token_id"),
         eos_token_ids=_eos_tuple(get("eos_token_id")),
+        mrope_section=tuple(int(x) for x in rope.get("mrope_section") or ()),
     )
 
 
@@ -235,6 +241,13 @@ class Qwen3NextConfig(FamilyConfig):
 
     @classmethod
     def from_hf(cls, hf, arch: str, where: str) -> HybridArch:
+        if arch == VL_ARCHITECTURE:
+            # Qwen3.5 with images: the text model is its text_config's Qwen3_5ForCausalLM; the
+            # engine looks the family up by the checkpoint's own name (models/qwen3_5_vl/)
+            text = getattr(hf, "text_config", None)
+            if text is None:
+                raise ModelLoadError(f"{where}: {arch} config.json has no text_config")
+            return dataclasses.replace(_from_hf(text, "Qwen3_5ForCausalLM", where), architecture=arch)
         return _from_hf(hf, arch, where)
 
 

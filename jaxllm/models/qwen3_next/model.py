@@ -21,7 +21,8 @@ A pre-norm decoder whose layers are of two kinds (``layer_types``):
 The MLP is dense SwiGLU or a sparse MoE (softmax top-k, renormalised) plus a shared expert
 scaled by ``sigmoid(shared_expert_gate(x))``.  Every RMSNorm except the GDN output norm is
 zero-centred: it multiplies by ``1 + weight``.  Qwen3.5's multimodal RoPE (``mrope_section``)
-is plain RoPE for text (all three position streams equal), which is all this module serves.
+is plain RoPE for text (all three position streams equal); with images, :func:`forward` takes
+the image rows and the (t, h, w) positions models/qwen3_5_vl/ computes.
 
 The engine serves them (the registry's entry; :func:`forward`, :func:`compute_logits`,
 :func:`cache_kinds`, :func:`allocate_cache` at the end of this module): the full-attention
@@ -60,7 +61,7 @@ from jaxllm.layers.gated_delta import chunk_gated_delta_rule, recurrent_gated_de
 from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
-from jaxllm.layers.rotary import apply_rope, cos_sin
+from jaxllm.layers.rotary import apply_rope, cos_sin, mrope_axes, mrope_cos_sin
 from jaxllm.layers.short_conv import conv_prefill, conv_step
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.qwen3_next.config import HybridArch, HybridConfig, num_full_layers, num_gdn_layers
@@ -262,16 +263,32 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
 
 
 def forward(arch: HybridArch, params: dict, kv, input_ids: jax.Array, md, kernels: Kernels = _XLA,
-                   state_slots: jax.Array | None = None):
+                   state_slots: jax.Array | None = None, image_rows: tuple[jax.Array, jax.Array] | None = None,
+                   rope_positions: jax.Array | None = None):
     """The engine's forward over one ragged step: input_ids [T], md (layers/attention.py's
     AttentionMetadata), kv :func:`allocate_cache`'s pytree, state_slots [S] each sequence's
-    state slot (None: sequence s in slot s) -> final hidden states [T, D] and the cache."""
+    state slot (None: sequence s in slot s) -> final hidden states [T, D] and the cache.
+    With images (Qwen3.5, models/qwen3_5_vl/): ``image_rows`` (row [T] int32, -1 for a text
+    token; embeds [N, D]): a token with a row takes that image embedding instead of its token
+    embedding; ``rope_positions`` [3, T]: the M-RoPE (t, h, w) positions the rotary turns by
+    (``md.positions`` stays the sequence index: the cache slots and the causal mask)."""
     cfg = arch.hybrid
     native = kernels.matmul == "native"
     x = embed(params["embed"], input_ids, panels=native and cfg.tie_word_embeddings)   # [T, D]
     if native:
         x = x.astype(jnp.float32)
-    cos, sin = cos_sin(md.positions, params["rope_inv_freq"])            # [T, R/2]
+    if image_rows is not None:
+        row, embeds = image_rows
+        picked = embeds.astype(x.dtype)[jnp.maximum(row, 0)]            # [T, D]
+        x = jnp.where((row >= 0)[:, None], picked, x)
+    if rope_positions is None:
+        cos, sin = cos_sin(md.positions, params["rope_inv_freq"])        # [T, R/2]
+    else:
+        if len(cfg.mrope_section) != 3:
+            raise ValueError(f"{cfg.architecture}: rope_positions need rope_parameters.mrope_section "
+                             f"(three sections), the config has {list(cfg.mrope_section)}")
+        cos, sin = mrope_cos_sin(rope_positions, params["rope_inv_freq"],
+                                 mrope_axes(cfg.rotary_dim, cfg.mrope_section))
     S = md.query_start_loc.shape[0] - 1
     slots = jnp.arange(S, dtype=jnp.int32) if state_slots is None else state_slots
     ks, vs, convs, deltas = (list(c) for c in kv)
