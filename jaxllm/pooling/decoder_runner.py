@@ -11,8 +11,9 @@ its previous one runs.  Prefix caching is off (vLLM's rule for
 pooling).  Here, on the host: the classifier head on the last token, or L2 normalization.
 
 CLS pooling has no meaning for a causal decoder (its first token sees nothing after it) and is
-refused.  The engine core samples one throw-away token per finished row (the step's sampler
-runs on every row); the scheduler drops it.
+refused.  No sampler runs after a pooling step (the runner compiles none, nor the async token
+feed; its token buckets start at 16: ``runner/buckets.py``); the scheduler drops the
+placeholder token each finished row gets.
 """
 
 from __future__ import annotations

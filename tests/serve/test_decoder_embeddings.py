@@ -1,7 +1,8 @@
 """A decoder embedder served (one shared server on a tiny random Qwen3 saved as a
 sentence-transformers folder, lasttoken + Normalize): the official ``openai`` client's
 ``embeddings.create`` gets ``SentenceTransformer.encode``'s vectors (its engine core schedules
-asynchronously, the default), a generation request is a 400 naming ``/v1/embeddings``; and
+asynchronously, the default, and compiled only its prefill buckets' steps: no sampler, no token
+feed, no bucket under 16 tokens), a generation request is a 400 naming ``/v1/embeddings``; and
 ``jaxllm serve``'s ``--convert`` / ``--hf-overrides`` / ``--no-async-scheduling`` reach the
 pooling engine's config (Qwen3-Reranker's command line)."""
 
@@ -43,7 +44,13 @@ def server(folder):
 
 
 def test_openai_client_embeddings_match_sentence_transformers(server, folder):
-    assert server.engine.engine.runner.core.async_scheduling
+    core = server.engine.engine.runner.core
+    assert core.async_scheduling
+    # Built at start-up: the steps of its prefill buckets only (none under 16 tokens), no sampler
+    # program (a pooling step samples nothing), no async token feed (nothing is ever fed).
+    compiler = core.runner.compiler
+    assert sorted(compiler.steps) == [(16, 4), (32, 4)] and not compiler.samplers
+    assert core.runner.token_feed is None
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused")
     r = client.embeddings.create(model="tiny-qwen3-embed", input=TEXTS, encoding_format="float")
     got = np.array([d.embedding for d in r.data], np.float32)
