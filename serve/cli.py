@@ -151,7 +151,8 @@ def pooling_config_from_args(args: argparse.Namespace):
     # A server builds every bucket before it takes a request.
     return PoolingEngineConfig(model=model, pooler_config=pooler or {}, max_model_len=args.max_model_len,
                                precompile="all", convert=args.convert, hf_overrides=overrides or {},
-                               attention_backend=args.attention_backend, **sizes)
+                               attention_backend=args.attention_backend, async_scheduling=args.async_scheduling,
+                               **sizes)
 
 
 def _serve_pooling(config, serving: ServingConfig) -> int:

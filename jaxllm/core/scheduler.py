@@ -46,7 +46,9 @@ the next schedule computes it (the runner feeds it on the device), and a request
 in-flight token will end it by length is not scheduled again.  ``update_from_output`` of
 step N only appends the tokens and applies the stop rules; a request that ended at N has
 its already scheduled step N+1 discarded (its outputs are skipped, its blocks were freed at
-N's update).  Speculative decoding is not combined with it (the engine schedules
+N's update).  A pooling request ends at the update of the step that ran its last chunk (where
+that step's chunk started, plus its length: its computed count ran ahead when its later chunks
+were scheduled), with that step's pooled row.  Speculative decoding is not combined with it (the engine schedules
 synchronously for it, engine/core.py:_use_async).
 """
 
@@ -64,6 +66,14 @@ from jaxllm.request import Request, RequestStatus
 
 
 POLICIES = SCHEDULING_POLICIES
+
+
+def _chunk_starts(sched: SchedulerOutput) -> dict[str, int]:
+    """Request id -> its computed tokens before ``sched``'s step (where the step's chunk starts)."""
+    c = sched.scheduled_cached_reqs
+    starts = dict(zip(c.req_ids, c.num_computed_tokens))
+    starts.update((nr.req_id, nr.num_computed_tokens) for nr in sched.scheduled_new_reqs)
+    return starts
 
 
 class SpecDecodingStats:
@@ -296,7 +306,8 @@ class Scheduler:
         request preempted since keeps its tokens (its recompute feeds them)."""
         sampled = dict(zip(result.req_ids, result.sampled_token_ids))
         outs: list[EngineCoreOutput] = []
-        for rid in sched.num_scheduled_tokens:
+        starts = None
+        for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             new_tokens = sampled.get(rid) or []
             if new_tokens and self._inflight.get(rid):
@@ -306,7 +317,11 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue  # ended (or aborted) while the step ran: its tokens are discarded
             if req.pooling:
-                if req.num_computed_tokens >= req.num_tokens:
+                # Its computed count ran ahead when later chunks were scheduled: whether this
+                # step ran its last chunk is read from the step itself (where it started + n).
+                # Preempted since, it still ends here: the row of its last chunk is in ``result``.
+                starts = _chunk_starts(sched) if starts is None else starts
+                if starts[rid] + n >= req.num_tokens:
                     outs.append(self._finish_pooled(req, result))
                 continue
             if req.status == RequestStatus.RUNNING:

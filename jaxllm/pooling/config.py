@@ -74,6 +74,9 @@ class PoolingEngineConfig:
     ``classifier_from_token``, ``method``, ``is_original_qwen3_reranker``, ...)."""
     attention_backend: str = "auto"
     """A decoder's kernels: auto (Pallas on a GPU, native on a CPU), native, xla or pallas."""
+    async_scheduling: bool = True
+    """A decoder's engine core (``--async-scheduling``, on by default as for generation): step N+1
+    is scheduled and dispatched while step N runs; an encoder runs each batch whole (no effect)."""
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs"):

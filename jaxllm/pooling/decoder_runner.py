@@ -5,12 +5,15 @@ works), batch continuously with each other and run the engine's AOT-compiled ste
 its kernels (native CPU, XLA or Pallas attention).  The step of a pooling engine also returns
 each sequence's pooled final-norm hidden state (``runner/step.pooled_rows``: LAST, the rows the
 LM head reads; MEAN, summed over the chunks by the runner); the scheduler ends a request at its
-last chunk with that row and frees its blocks at once.  Prefix caching is off (vLLM's rule for
+last chunk with that row and frees its blocks at once.  The core schedules asynchronously by
+default, as for generation (``async_scheduling``): a prompt's next chunk is dispatched while
+its previous one runs.  Prefix caching is off (vLLM's rule for
 pooling).  Here, on the host: the classifier head on the last token, or L2 normalization.
 
 CLS pooling has no meaning for a causal decoder (its first token sees nothing after it) and is
-refused.  The engine core samples one throw-away token per finished row (the step's sampler
-runs on every row); the scheduler drops it.
+refused.  No sampler runs after a pooling step (the runner compiles none, nor the async token
+feed; its token buckets start at 16: ``runner/buckets.py``); the scheduler drops the
+placeholder token each finished row gets.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class DecoderPoolingRunner:
 
     def __init__(self, loaded: LoadedModel, pooler: PoolerConfig, head: np.ndarray | None, *, attention_backend: str,
                  max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 strict_compile_guard: bool = False, show_progress: bool = True):
+                 strict_compile_guard: bool = False, show_progress: bool = True, async_scheduling: bool = True):
         if pooler.pooling_type not in ("LAST", "MEAN"):
             raise ValueError(f"--pooler-config pooling_type {pooler.pooling_type} is not for a causal decoder "
                              "(its first token sees nothing after it): use LAST or MEAN")
@@ -51,9 +54,7 @@ class DecoderPoolingRunner:
             model=loaded.name,
             cache=CacheConfig(enable_prefix_caching=False),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len,
-                                      # synchronous: the pooled row is read when its last chunk's step ends
-                                      async_scheduling=False),
+                                      max_model_len=max_model_len, async_scheduling=async_scheduling),
             # float32 as the oracles; buckets compiled when a step first needs them (compile_all: every one).
             runner=RunnerConfig(dtype="float32", attention_backend=check_attention_backend(attention_backend),
                                 precompile="on-demand", strict_compile_guard=strict_compile_guard,

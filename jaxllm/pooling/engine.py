@@ -114,7 +114,8 @@ class PoolingEngine:
                                            max_num_batched_tokens=config.max_num_batched_tokens,
                                            max_num_seqs=config.max_num_seqs,
                                            strict_compile_guard=config.strict_compile_guard,
-                                           show_progress=config.show_progress)
+                                           show_progress=config.show_progress,
+                                           async_scheduling=config.async_scheduling)
 
     def _model_len(self, config: PoolingEngineConfig, positions: int, chunked: bool = False) -> int:
         """The longest prompt: the model's positions (or ``max_model_len``), and for an encoder,

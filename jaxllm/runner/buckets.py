@@ -17,6 +17,11 @@ Speculation also adds the token buckets ``b * (1 + k)`` for ``b`` = 1, 2, 4, ...
 of ``1 + k``: b requests verifying k proposals each fill such a step exactly, where the
 next power of two would compute up to 60% padding rows (k = 4: 5 tokens in a bucket of 8)
 on hardware where every row costs (a CPU at a few requests).
+
+A pooling engine's steps are prefills only (``StepConfig.pooling_type``): its token buckets
+start at ``POOLING_MIN_TOKENS`` (the encoder runner's rule, pooling/runner.py), since a batch
+of a few short prompts padded to 16 tokens costs little more than its own tokens, and each
+smaller bucket would be one more program to compile.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from __future__ import annotations
 import bisect
 
 LINEAR_STEP = 256
+POOLING_MIN_TOKENS = 16
 
 
-def token_buckets(max_num_batched_tokens: int) -> list[int]:
-    out, b = [], 1
+def token_buckets(max_num_batched_tokens: int, min_tokens: int = 1) -> list[int]:
+    """Powers of two from ``min_tokens`` (one), then linear steps, ``max_num_batched_tokens`` last."""
+    out, b = [], min(min_tokens, max_num_batched_tokens)
     while b < max_num_batched_tokens and b < LINEAR_STEP:
         out.append(b)
         b *= 2
@@ -49,12 +56,13 @@ def verification_buckets(max_num_batched_tokens: int, max_num_seqs: int, k: int)
 
 
 def step_buckets(max_num_batched_tokens: int, max_num_seqs: int, max_rows: int | None = None,
-                 num_speculative_tokens: int = 0) -> list[tuple[int, int]]:
+                 num_speculative_tokens: int = 0, min_tokens: int = 1) -> list[tuple[int, int]]:
     """Every (T, S) shape compiled at start-up, sorted; ``max_rows``: the most sampling rows a
     step can have (``max_num_seqs`` when None: no speculation); ``num_speculative_tokens``:
-    the k whose verification buckets are added."""
+    the k whose verification buckets are added; ``min_tokens``: the smallest token bucket
+    (a power of two; ``POOLING_MIN_TOKENS`` for a pooling engine)."""
     out = set()
-    tokens = set(token_buckets(max_num_batched_tokens))
+    tokens = set(token_buckets(max_num_batched_tokens, min_tokens))
     if num_speculative_tokens:
         tokens.update(verification_buckets(max_num_batched_tokens, max_num_seqs, num_speculative_tokens))
     for t in sorted(tokens):

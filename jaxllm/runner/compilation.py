@@ -1,5 +1,6 @@
 """Ahead-of-time compilation of the runner's programs, one method per program family: the
-step of each bucket (T, S) and the sampler of each sequence bucket S.
+step of each bucket (T, S) and the sampler of each sequence bucket S (a pooling engine's steps
+sample nothing: it has no sampler programs).
 
 Programs are lowered from ``ShapeDtypeStruct``s carrying the shardings serving uses, and
 made ready in this order: loaded from the program cache (runner/program_cache.py), else
@@ -62,8 +63,14 @@ class CompilationManager:
         self.compiled = 0    # programs compiled here
         self.loaded = 0      # ... and loaded from the program cache instead
 
+    @property
+    def samples(self) -> bool:
+        """Whether steps run the sampler: a pooling engine's step samples nothing
+        (runner/model_runner.py), so it has no sampler programs."""
+        return not self.cfg.pooling_type
+
     def ready(self, bucket: tuple[int, int]) -> bool:
-        return bucket in self.steps and bucket[1] in self.samplers
+        return bucket in self.steps and (bucket[1] in self.samplers or not self.samples)
 
     # ------------------------------------------------------------------ the two families
 
@@ -113,7 +120,10 @@ class CompilationManager:
         T, S = max(self.cfg.buckets)
         out = 0
         # The step and then the sampler run one after the other: the larger of the two.
-        for lowered in (self.lower_step(params, kv_shapes, sstate, T, S), self.lower_sampler(sstate, S)):
+        programs = [self.lower_step(params, kv_shapes, sstate, T, S)]
+        if self.samples:
+            programs.append(self.lower_sampler(sstate, S))
+        for lowered in programs:
             analysis = lowered.compile().memory_analysis()
             out = max(out, int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0)
         return out
@@ -126,7 +136,8 @@ class CompilationManager:
         cc.install_listeners()
         params, kv, sstate = (jax.tree.map(spec_of, t) for t in (params, kv, sstate))
         jobs = [("step", b) for b in sorted(set(buckets)) if b not in self.steps]
-        jobs += [("sample", S) for S in sorted({S for _, S in buckets}) if S not in self.samplers]
+        if self.samples:
+            jobs += [("sample", S) for S in sorted({S for _, S in buckets}) if S not in self.samplers]
         if not jobs:
             return
         t0 = time.perf_counter()

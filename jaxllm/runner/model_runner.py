@@ -5,7 +5,9 @@ One ``execute(SchedulerOutput)``: the requests' host state is updated (runner/re
 the step's inputs prepared on the host (runner/inputs.py), the sampler's staged row writes
 applied (sample/states.py), then the compiled step of the (T, S) bucket runs with the KV
 cache and the sampler state donated, and the compiled sampler of its S on the logits it left
-on the device; the sampled tokens come back as a ``RunnerOutput``.  Constrained requests'
+on the device; the sampled tokens come back as a ``RunnerOutput``.  A pooling engine's step
+(``StepConfig.pooling_type``) returns the pooled rows instead, and no sampler runs after it
+(none is compiled; its token feed neither).  Constrained requests'
 grammar bitmask (structured/matchers.py) is filled on the host after the step is dispatched,
 while the device runs the forward, and goes into the sampler; each sampled token then
 advances its request's matcher.  Programs are made ready
@@ -78,6 +80,13 @@ class InFlightStep:
     """Set by ``ModelRunner.collect``."""
 
 
+def _no_tokens(S: int) -> tuple:
+    """A pooling step's sampler outputs, on the host: token 0 for each of its ``S`` rows, no
+    logprobs, nothing emitted (``SampledStep``'s first six fields)."""
+    return (np.zeros(S, np.int32), np.zeros(S, np.float32), np.zeros(S, np.int32), np.zeros((S, 0), np.int32),
+            np.zeros((S, 0), np.float32), np.zeros(S, bool))
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, cfg: StepConfig, *, num_blocks: int | None, devices: list | None = None,
                  program_dir: str | None = None, strict_compile_guard: bool = False, show_progress: bool = True,
@@ -127,7 +136,9 @@ class ModelRunner:
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)
         self.state_slots = StateSlots(cfg.max_num_seqs) if keeps_sequence_state(model.arch.architecture) else None
         self.requests = RequestStates(model.arch.vocab_size, self.sampler_rows, self.state_slots, cfg.pooling_type)
-        self.token_feed = TokenFeed(cfg, self.sampler_rows.scratch + 1, self._rep) if async_scheduling else None
+        # A pooling request never runs after the step that ends it: no token is ever fed.
+        self.token_feed = (TokenFeed(cfg, self.sampler_rows.scratch + 1, self._rep)
+                           if async_scheduling and not cfg.pooling_type else None)
         self.grammars = GrammarStates(grammar, model.arch.vocab_size)
         self._all_allowed: dict[int, jax.Array] = {}   # S -> [S, W] all-ones bitmask on the device
         # Multi-process programs are not saved: each host would load its own copy unchecked.
@@ -291,7 +302,8 @@ class ModelRunner:
             if step.samples[i]:
                 states[rid].inflight += 1
         for x in jax.tree.leaves(outputs):
-            x.copy_to_host_async()   # the host reads them at collect() without waiting for a copy
+            if isinstance(x, jax.Array):   # (a pooling step's placeholder tokens are on the host)
+                x.copy_to_host_async()   # the host reads them at collect() without waiting for a copy
         return InFlightStep(step, outputs, states)
 
     def collect(self, h: InFlightStep) -> RunnerOutput:
@@ -424,8 +436,12 @@ class ModelRunner:
         # ``pooled``: a pooling engine's step's one more output (runner/step.py), else empty.
         self.kv, rows.state, logits, plp, *pooled, sampling_words = self.compiler.steps[step.bucket](
             self.params, self.kv, rows.state, words)
-        # Dispatched, not finished: the grammar masks are computed while the device runs.
         S = step.bucket[1]
+        if self.cfg.pooling_type:
+            # A pooling step samples nothing (the scheduler ends its requests with the pooled
+            # row): no sampler program runs, nor is one compiled; its tokens are placeholders.
+            return (*_no_tokens(S), None, pooled[0])
+        # Dispatched, not finished: the grammar masks are computed while the device runs.
         masked = self.grammars.masked_rows(step.rows()) if len(self.grammars) else []
         if masked:
             allowed = self.grammars.fill(masked, S, dict(zip(step.req_ids, step.drafts)))

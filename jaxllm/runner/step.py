@@ -7,8 +7,8 @@ state are donated, so both are updated in place.  A pooling engine's step
 (``cfg.pooling_type``) also returns ``pooled`` [S, D] float32: per sequence, the final-norm
 hidden state at the row's last token (LAST: the rows the LM head would read) or the sum
 over the sequence's tokens of this step (MEAN: the runner adds the chunks up); it skips the LM
-head and prompt logprobs (its logits are zeros: the token sampled after a pooling request is
-thrown away), which keeps its programs cheap to compile.
+head and prompt logprobs (its logits are zeros: no sampler runs after a pooling step, the
+runner's placeholder tokens are dropped by the scheduler), which keeps its programs cheap to compile.
 
 ``sample_step(sampler_state, logits, sampling, allowed) -> SamplerOutput`` is compiled per
 sequence bucket S only (``allowed``: the grammar's ``[S, ceil(V / 32)]`` uint32 bitmask, filled
@@ -71,8 +71,8 @@ def make_step(cfg: StepConfig, model: ModuleType):
             extra["image_rows"] = (inputs.image_row, inputs.image_embeds)
         hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels, **extra)   # [T, D]
         if cfg.pooling_type:
-            # A pooling step's sampled token is thrown away (core/scheduler.py): no LM head and
-            # no prompt logprobs to compile or run, zero logits [S, V] for the sampler.
+            # A pooling step samples nothing (runner/model_runner.py runs no sampler after it):
+            # no LM head and no prompt logprobs to compile or run, zero logits [S, V].
             S = inputs.logits_indices.shape[0]
             sstate = update_state(sstate, inputs.sampling, inputs.input_ids, inputs.token_row,
                                   inputs.attn.positions, inputs.attn.query_start_loc[-1])

@@ -79,4 +79,5 @@ class StepConfig:
         """Computed once: every step picks its bucket from it."""
         k = self.num_speculative_tokens
         return bk.step_buckets(self.max_num_batched_tokens, self.max_num_seqs,
-                               self.max_num_seqs * (1 + k) if k else None, k)
+                               self.max_num_seqs * (1 + k) if k else None, k,
+                               min_tokens=bk.POOLING_MIN_TOKENS if self.pooling_type else 1)

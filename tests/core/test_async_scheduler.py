@@ -86,3 +86,71 @@ def test_a_block_completed_by_an_in_flight_token_is_cached_once_its_token_is_kno
     follow_up = Request("b", a.all_token_ids[:8] + [99], SamplingParams(temperature=0, max_tokens=1),
                         eos_token_ids=(EOS,), max_tokens=1)
     assert len(s.kv.find_cached_prefix(follow_up)) == 2
+
+
+class _FakeRunner:
+    """Stands in for the runner: its own computed count per request (reset when a request is
+    sent in full), a token after each step that reaches the end of a request's tokens (a
+    function of the request and its position: the same under either scheduling), and for a
+    pooling request's last chunk a pooled "row" that says how many tokens had run by then."""
+
+    def __init__(self, prompt_len: dict[str, int]):
+        self.prompt_len, self.computed, self.outputs = prompt_len, {}, {}
+
+    def __call__(self, so) -> RunnerOutput:
+        for nr in so.scheduled_new_reqs:
+            self.computed[nr.req_id] = nr.num_computed_tokens
+        ids, toks, pooled = list(so.num_scheduled_tokens), [], {}
+        for rid in ids:
+            self.computed[rid] += so.num_scheduled_tokens[rid]
+            pos = self.computed[rid]
+            samples = pos >= self.prompt_len[rid]
+            toks.append([100 + (pos * 7 + len(rid)) % 50] if samples else [])
+            if samples and rid.startswith("pool"):
+                pooled[rid] = [float(pos)]
+        return RunnerOutput(ids, toks, pooled=pooled)
+
+
+def _drive(async_scheduling: bool, num_blocks: int) -> tuple[dict, Scheduler]:
+    """Pooling requests (two longer than a step) beside generation requests in one scheduler,
+    driven as EngineCore.step does (async: N+1 scheduled and dispatched, then N applied)."""
+    s = Scheduler(KVCacheManager(num_blocks, 4), max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                  async_scheduling=async_scheduling)
+    lens = {"gen-a": 5, "pool-long": 40, "gen-b": 9, "pool-short": 6, "pool-mid": 20}
+    for rid, n in lens.items():
+        s.add_request(make(rid, n, max_tokens=6) if rid.startswith("gen") else
+                      Request(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=1), pooling=True))
+    runner, got, pending = _FakeRunner(lens), {}, None
+    for _ in range(200):
+        if not (s.has_unfinished_requests() or pending is not None):
+            break
+        so = s.schedule()
+        res = None if so.is_empty else runner(so)
+        if not async_scheduling:
+            outs = s.update_from_output(so, res) if res is not None else []
+        else:
+            outs = s.update_from_output(*pending) if pending is not None else []
+            pending = None if res is None else (so, res)
+        for o in outs:
+            tokens, pooled, finish = got.get(o.request_id, ([], None, None))
+            got[o.request_id] = (tokens + o.new_token_ids, o.pooled if o.pooled is not None else pooled,
+                                 o.finish_reason or finish)
+    assert not s.has_unfinished_requests() and s.kv.num_free_blocks == s.kv.num_blocks
+    return got, s
+
+
+def test_pooling_beside_generation_under_async_scheduling_gets_the_sync_results():
+    """A pooling request's computed count runs ahead under async scheduling (its later chunks are
+    scheduled before its earlier ones are applied): it ends at the step that ran its last chunk,
+    with that step's pooled row, and every request, pooled or generated, gets what it gets
+    under synchronous scheduling, with and without preemptions."""
+    for num_blocks in (64, 12):
+        sync, _ = _drive(False, num_blocks)
+        got, s = _drive(True, num_blocks)
+        assert got == sync
+        assert {rid: got[rid][1] for rid in got if rid.startswith("pool")} == {
+            "pool-long": [40.0], "pool-short": [6.0], "pool-mid": [20.0]}
+        assert all(got[rid][2] == "stop" and not got[rid][0] for rid in got if rid.startswith("pool"))
+        assert all(len(got[rid][0]) == 6 and got[rid][2] == "length" for rid in ("gen-a", "gen-b"))
+        if num_blocks == 12:
+            assert s.num_preemptions, "precondition: the small pool never forced a preemption"

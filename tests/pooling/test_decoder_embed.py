@@ -15,7 +15,8 @@ oracles on tiny random Qwen3 checkpoints:
   carried across chunks, vs transformers' hidden states), a mixed batch equal to each alone,
   the KV pool full again after, no compile once the buckets ran; the LAST and MEAN engines of
   one model and buckets look up different programs in the shared program cache (a stale
-  program of the other pooling type is never loaded);
+  program of the other pooling type is never loaded); async scheduling (the default: a prompt's
+  next chunk dispatched before its last one is applied) gives the rows of synchronous scheduling;
 - ``pooling_type`` ALL (one row per token) and CLS (a first token that sees nothing after it) are
   refused for a converted decoder at start-up, by name.
 """
@@ -67,6 +68,7 @@ def test_embeddings_match_sentence_transformers(folders, embedders, path):
     engine = llm.pooling_engine
     assert (engine.pooler.pooling_type, engine.pooler.normalize) == ("LAST", True)
     assert engine.runner.kernels.attention == path
+    assert engine.runner.core.async_scheduling   # the default: step N+1 dispatched while N runs
     outs = llm.embed(TEXTS)
     tok = llm.get_tokenizer()
     # The folder's "query" prompt is not applied: the text's own tokens (vLLM leaves prompts to the caller).
@@ -183,3 +185,9 @@ def test_prompts_longer_than_a_step_are_chunked_through_the_scheduler(folders, m
     np.testing.assert_allclose(_vectors(mean.embed(ids)), batch, rtol=0, atol=0)
     after = cc.counts()
     assert (after["traces"], after["compiles"]) == (before["traces"], before["compiles"])
+    # Async scheduling (the default) runs a prompt's next chunk before its last one is applied:
+    # the same rows as one step at a time (the same programs, from the program cache).
+    sync = LLM(folders["causal"], runner="pooling", convert="embed", async_scheduling=False,
+               pooler_config={"pooling_type": "MEAN", "normalize": False}, **small)
+    assert core.async_scheduling and not sync.pooling_engine.runner.core.async_scheduling
+    np.testing.assert_allclose(_vectors(sync.embed(ids)), batch, rtol=0, atol=1e-6)

@@ -1,7 +1,9 @@
 """A decoder embedder served (one shared server on a tiny random Qwen3 saved as a
 sentence-transformers folder, lasttoken + Normalize): the official ``openai`` client's
-``embeddings.create`` gets ``SentenceTransformer.encode``'s vectors, a generation request is a
-400 naming ``/v1/embeddings``; and ``jaxllm serve``'s ``--convert`` / ``--hf-overrides`` reach the
+``embeddings.create`` gets ``SentenceTransformer.encode``'s vectors (its engine core schedules
+asynchronously, the default, and compiled only its prefill buckets' steps: no sampler, no token
+feed, no bucket under 16 tokens), a generation request is a 400 naming ``/v1/embeddings``; and
+``jaxllm serve``'s ``--convert`` / ``--hf-overrides`` / ``--no-async-scheduling`` reach the
 pooling engine's config (Qwen3-Reranker's command line)."""
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ def server(folder):
 
 
 def test_openai_client_embeddings_match_sentence_transformers(server, folder):
+    core = server.engine.engine.runner.core
+    assert core.async_scheduling
+    # Built at start-up: the steps of its prefill buckets only (none under 16 tokens), no sampler
+    # program (a pooling step samples nothing), no async token feed (nothing is ever fed).
+    compiler = core.runner.compiler
+    assert sorted(compiler.steps) == [(16, 4), (32, 4)] and not compiler.samplers
+    assert core.runner.token_feed is None
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused")
     r = client.embeddings.create(model="tiny-qwen3-embed", input=TEXTS, encoding_format="float")
     got = np.array([d.embedding for d in r.data], np.float32)
@@ -66,6 +75,8 @@ def test_convert_and_hf_overrides_flags_reach_the_pooling_config(folder):
     assert (cfg.convert, cfg.hf_overrides, cfg.attention_backend) == ("auto", RERANKER_OVERRIDES, "xla")
     assert pooling_config_from_args(parser.parse_args(["serve", causal])) is None
     embed = pooling_config_from_args(parser.parse_args(["serve", causal, "--runner", "pooling", "--convert", "embed"]))
-    assert embed.convert == "embed"
+    assert embed.convert == "embed" and embed.async_scheduling
+    sync = pooling_config_from_args(parser.parse_args(["serve", causal, "--runner", "pooling", "--no-async-scheduling"]))
+    assert not sync.async_scheduling
     with pytest.raises(ValueError, match="--hf-overrides is not valid JSON"):
         pooling_config_from_args(parser.parse_args(["serve", causal, "--hf-overrides", "{no"]))
