@@ -165,7 +165,8 @@ def _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window, soft_cap, sink
                                md.block_tables.shape[1] * k_cache.shape[-3])
     o, k_cache, v_cache = ragged_paged_attention(
         q, k, v, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, layer=layer,
-        sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, kv_splits=splits)
+        sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, visible_upto=md.visible_upto,
+        kv_splits=splits)
     return o, (k_cache, v_cache)
 
 
@@ -179,9 +180,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
     and refused what cannot run (``engine/resolve.py``).  ``sliding_window``, ``soft_cap``
     (static) and ``sinks`` ([Hq] or None): see :func:`paged_attention_xla`."""
     feats = dict(sliding_window=sliding_window, soft_cap=soft_cap)
-    if md.visible_upto is not None and backend == "pallas":
-        # the Pallas kernel masks causally by position; the XLA and native paths read visible_upto
-        raise ValueError(f"attention backend {backend!r}: bidirectional image tokens need the xla backend")
     if backend == "pallas":
         tp = tp_size()
         if tp > 1:
