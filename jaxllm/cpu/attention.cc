@@ -177,10 +177,13 @@ struct Problem {
 
   // Visible positions [lo, hi) of token t.  Defensive for padding and bad input: hi is
   // capped at what a block table row can address, and an empty range gives zeros.
+  // kVis (vis non-null): a compile-time choice, so the causal kernel is the code it was.
+  template <bool kVis>
   void range(int64_t t, int64_t* lo, int64_t* hi) const {
     const int64_t len = std::min<int64_t>(static_cast<int64_t>(pos[t]) + 1, MB * BS);
+    int64_t see = len;
     // A query may see ahead of itself only as far as visible_upto says (its image's end).
-    const int64_t see = vis ? std::min<int64_t>(std::max<int64_t>(pos[t], vis[t]) + 1, MB * BS) : len;
+    if constexpr (kVis) see = std::min<int64_t>(std::max<int64_t>(pos[t], vis[t]) + 1, MB * BS);
     *hi = std::max<int64_t>(see, 0);
     *lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   }
@@ -356,14 +359,14 @@ void values_all(const float* p, const KV* const* vrow, float* acc, const float* 
 // a position it may see, and within a tile its scores, maxima, exponentials, sums and value
 // accumulation are computed lane for lane as they would be alone, with the positions it
 // may not see as -inf scores / zero weights.
-template <typename KV>
+template <typename KV, bool kVis>
 void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratch<KV>& w) {
   const int64_t G = P.G, Dh = P.Dh, R = nt * G;
   // Each token's visible range, and the union over the tile.
   int64_t lo_all = INT64_MAX, hi_all = 0;
   int64_t lo_t[kRows], hi_t[kRows];   // nt <= kRows
   for (int64_t i = 0; i < nt; ++i) {
-    P.range(t0 + i, &lo_t[i], &hi_t[i]);
+    P.template range<kVis>(t0 + i, &lo_t[i], &hi_t[i]);
     if (lo_t[i] < hi_t[i]) {
       lo_all = std::min(lo_all, lo_t[i]);
       hi_all = std::max(hi_all, hi_t[i]);
@@ -475,7 +478,7 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
   }
 }
 
-template <typename KV>
+template <typename KV, bool kVis>
 void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
   if (P.T * P.Hkv == 0) return;
   // Helpers only when the call is worth waking them: a task costs microseconds to start,
@@ -483,7 +486,7 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
   int64_t cost = 0;   // multiply-adds of q . k over the batch
   for (int64_t t = 0; t < P.T; ++t) {
     int64_t lo, hi;
-    P.range(t, &lo, &hi);
+    P.template range<kVis>(t, &lo, &hi);
     cost += std::max<int64_t>(hi - lo, 0) * P.Hq * P.Dh;
   }
   // Query tiles: runs of consecutive tokens of one sequence at consecutive positions (a
@@ -511,7 +514,7 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
       },
       [P, tiles](int64_t i, Scratch<KV>& w) {
         const auto [t0, nt] = (*tiles)[i / P.Hkv];
-        attend_tile<KV>(P, t0, nt, i % P.Hkv, w);
+        attend_tile<KV, kVis>(P, t0, nt, i % P.Hkv, w);
       });
 }
 
@@ -590,7 +593,10 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const 
   P.scale = scale;
   P.soft_cap = soft_cap;
   P.window = sliding_window;
-  paged_attention<KV>(pool, P);
+  if (P.vis)
+    paged_attention<KV, true>(pool, P);
+  else
+    paged_attention<KV, false>(pool, P);
   return ffi::Error::Success();
 }
 
