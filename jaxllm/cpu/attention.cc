@@ -19,6 +19,9 @@
 //                (--kv-cache-dtype, layers/kv_quant.py): int8 with k/v scales [.., Hkv, 1]
 //                float16 beside it, or fp8 e4m3fn / e5m2 as uint8 bits (scale 1.0)
 //   block_tables [S, MB] int32, token_seq [T] int32, positions [T] int32, layer [] int32
+//   visible_upto [T] int32, only in the *_vis targets: the last position each query may see
+//                (Gemma 3's image tokens see their whole image); the causal targets take none,
+//                so the text-only programs keep their operands and their code path
 //   sinks        [Hq] float32 (GPT-OSS's attention sinks: a logit per query head that joins the
 //                softmax's denominator) or [0]: none
 //   attrs        scale (f32), sliding_window (i64; <= 0: none), soft_cap (f32; <= 0: none:
@@ -30,9 +33,10 @@
 // head_dim, so it multiplies the row's score (K) and its softmax weight (V) instead of
 // every element.
 //
-// Token t of sequence s = token_seq[t] attends over positions [lo, positions[t]] with
-// lo = max(0, positions[t] + 1 - sliding_window) (or 0), position p living in block
-// block_tables[s, p / BS] at offset p % BS.
+// Token t of sequence s = token_seq[t] attends over positions [lo, hi] with
+// hi = positions[t] (causal) or max(positions[t], visible_upto[t]) (the *_vis targets), and
+// lo = max(0, positions[t] + 1 - sliding_window) (or 0): the window counts back from the
+// token's own position; position p lives in block block_tables[s, p / BS] at offset p % BS.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -163,6 +167,7 @@ struct Problem {
   const int32_t* tables;   // [S, MB]
   const int32_t* seq;      // [T]
   const int32_t* pos;      // [T]
+  const int32_t* vis;      // [T] visible_upto, or null: causal
   const float* sinks;      // [Hq] or null: no sinks
   float* out;              // [T, Hq, Dh]
   int64_t T, Hq, Hkv, G, Dh, NB, BS, S, MB;
@@ -172,9 +177,14 @@ struct Problem {
 
   // Visible positions [lo, hi) of token t.  Defensive for padding and bad input: hi is
   // capped at what a block table row can address, and an empty range gives zeros.
+  // kVis (vis non-null): a compile-time choice, so the causal kernel is the code it was.
+  template <bool kVis>
   void range(int64_t t, int64_t* lo, int64_t* hi) const {
     const int64_t len = std::min<int64_t>(static_cast<int64_t>(pos[t]) + 1, MB * BS);
-    *hi = std::max<int64_t>(len, 0);
+    int64_t see = len;
+    // A query may see ahead of itself only as far as visible_upto says (its image's end).
+    if constexpr (kVis) see = std::min<int64_t>(std::max<int64_t>(pos[t], vis[t]) + 1, MB * BS);
+    *hi = std::max<int64_t>(see, 0);
     *lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
   }
 };
@@ -530,14 +540,14 @@ JAXLLM_AVX512 void values_all512(const float* p, const KV* const* vrow, float* a
 // a position it may see, and within a tile its scores, maxima, exponentials, sums and value
 // accumulation are computed lane for lane as they would be alone, with the positions it
 // may not see as -inf scores / zero weights.
-template <typename KV>
+template <typename KV, bool kVis>
 void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratch<KV>& w) {
   const int64_t G = P.G, Dh = P.Dh, R = nt * G;
   // Each token's visible range, and the union over the tile.
   int64_t lo_all = INT64_MAX, hi_all = 0;
   int64_t lo_t[kRows], hi_t[kRows];   // nt <= kRows
   for (int64_t i = 0; i < nt; ++i) {
-    P.range(t0 + i, &lo_t[i], &hi_t[i]);
+    P.template range<kVis>(t0 + i, &lo_t[i], &hi_t[i]);
     if (lo_t[i] < hi_t[i]) {
       lo_all = std::min(lo_all, lo_t[i]);
       hi_all = std::max(hi_all, hi_t[i]);
@@ -656,7 +666,7 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
   }
 }
 
-template <typename KV>
+template <typename KV, bool kVis>
 void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
   if (P.T * P.Hkv == 0) return;
   // Helpers only when the call is worth waking them: a task costs microseconds to start,
@@ -664,7 +674,7 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
   int64_t cost = 0;   // multiply-adds of q . k over the batch
   for (int64_t t = 0; t < P.T; ++t) {
     int64_t lo, hi;
-    P.range(t, &lo, &hi);
+    P.template range<kVis>(t, &lo, &hi);
     cost += std::max<int64_t>(hi - lo, 0) * P.Hq * P.Dh;
   }
   // Query tiles: runs of consecutive tokens of one sequence at consecutive positions (a
@@ -692,7 +702,7 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
       },
       [P, tiles](int64_t i, Scratch<KV>& w) {
         const auto [t0, nt] = (*tiles)[i / P.Hkv];
-        attend_tile<KV>(P, t0, nt, i % P.Hkv, w);
+        attend_tile<KV, kVis>(P, t0, nt, i % P.Hkv, w);
       });
 }
 
@@ -712,7 +722,8 @@ template <typename KV>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const int64_t> kd,
                ffi::Span<const int64_t> vd, const void* k, const void* v, const uint16_t* ks, const uint16_t* vs,
                ffi::Span<const int64_t> ksd, ffi::Span<const int64_t> vsd, ffi::Buffer<ffi::S32>& block_tables,
-               ffi::Buffer<ffi::S32>& token_seq, ffi::Buffer<ffi::S32>& positions, ffi::Buffer<ffi::S32>& layer,
+               ffi::Buffer<ffi::S32>& token_seq, ffi::Buffer<ffi::S32>& positions,
+               ffi::Buffer<ffi::S32>* visible_upto, ffi::Buffer<ffi::S32>& layer,
                ffi::Buffer<ffi::F32>& sinks, float scale, int64_t sliding_window, float soft_cap,
                ffi::ResultBuffer<ffi::F32>& out) {
   auto qd = q.dimensions(), bd = block_tables.dimensions(), od = out->dimensions();
@@ -740,6 +751,9 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const 
     return invalid("token_seq must be [T] with T = " + std::to_string(T) + ", got " + dims_str(token_seq.dimensions()));
   if (positions.dimensions().size() != 1 || positions.dimensions()[0] != T)
     return invalid("positions must be [T] with T = " + std::to_string(T) + ", got " + dims_str(positions.dimensions()));
+  if (visible_upto && (visible_upto->dimensions().size() != 1 || visible_upto->dimensions()[0] != T))
+    return invalid("visible_upto must be [T] with T = " + std::to_string(T) + ", got " +
+                   dims_str(visible_upto->dimensions()));
   if (layer.element_count() != 1) return invalid("layer must be a scalar, got " + dims_str(layer.dimensions()));
   if (sinks.element_count() != 0 && (sinks.dimensions().size() != 1 || sinks.dimensions()[0] != Hq))
     return invalid("sinks must be [Hq] with Hq = " + std::to_string(Hq) + " or [0], got " +
@@ -760,13 +774,17 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::Span<const 
   P.tables = block_tables.typed_data();
   P.seq = token_seq.typed_data();
   P.pos = positions.typed_data();
+  P.vis = visible_upto ? visible_upto->typed_data() : nullptr;
   P.sinks = sinks.element_count() ? sinks.typed_data() : nullptr;
   P.out = out->typed_data();
   P.T = T, P.Hq = Hq, P.Hkv = Hkv, P.G = Hq / Hkv, P.Dh = Dh, P.NB = NB, P.BS = BS, P.S = bd[0], P.MB = bd[1];
   P.scale = scale;
   P.soft_cap = soft_cap;
   P.window = sliding_window;
-  paged_attention<KV>(pool, P);
+  if (P.vis)
+    paged_attention<KV, true>(pool, P);
+  else
+    paged_attention<KV, false>(pool, P);
   return ffi::Error::Success();
 }
 
@@ -778,8 +796,21 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
                               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> sinks, float scale,
                               int64_t sliding_window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Run<KV>(pool, q, k_cache.dimensions(), v_cache.dimensions(), k_cache.untyped_data(),
-                 v_cache.untyped_data(), nullptr, nullptr, {}, {}, block_tables, token_seq, positions, layer,
-                 sinks, scale, sliding_window, soft_cap, out);
+                 v_cache.untyped_data(), nullptr, nullptr, {}, {}, block_tables, token_seq, positions, nullptr,
+                 layer, sinks, scale, sliding_window, soft_cap, out);
+}
+
+// The same with each query's visible_upto [T] (bidirectional image tokens).
+template <ffi::DataType KT, typename KV>
+ffi::Error PagedAttentionVisImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<KT> k_cache,
+                                 ffi::Buffer<KT> v_cache, ffi::Buffer<ffi::S32> block_tables,
+                                 ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
+                                 ffi::Buffer<ffi::S32> visible_upto, ffi::Buffer<ffi::S32> layer,
+                                 ffi::Buffer<ffi::F32> sinks, float scale, int64_t sliding_window, float soft_cap,
+                                 ffi::ResultBuffer<ffi::F32> out) {
+  return Run<KV>(pool, q, k_cache.dimensions(), v_cache.dimensions(), k_cache.untyped_data(),
+                 v_cache.untyped_data(), nullptr, nullptr, {}, {}, block_tables, token_seq, positions, &visible_upto,
+                 layer, sinks, scale, sliding_window, soft_cap, out);
 }
 
 // An int8 cache with its float16 scales [.., Hkv, 1].
@@ -792,8 +823,22 @@ ffi::Error PagedAttentionInt8Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return Run<int8_t>(pool, q, k_cache.dimensions(), v_cache.dimensions(), k_cache.untyped_data(),
                      v_cache.untyped_data(), reinterpret_cast<const uint16_t*>(k_scale.untyped_data()),
                      reinterpret_cast<const uint16_t*>(v_scale.untyped_data()), k_scale.dimensions(),
-                     v_scale.dimensions(), block_tables, token_seq, positions, layer, sinks, scale, sliding_window,
-                     soft_cap, out);
+                     v_scale.dimensions(), block_tables, token_seq, positions, nullptr, layer, sinks, scale,
+                     sliding_window, soft_cap, out);
+}
+
+ffi::Error PagedAttentionInt8VisImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_cache,
+                                     ffi::Buffer<ffi::S8> v_cache, ffi::Buffer<ffi::F16> k_scale,
+                                     ffi::Buffer<ffi::F16> v_scale, ffi::Buffer<ffi::S32> block_tables,
+                                     ffi::Buffer<ffi::S32> token_seq, ffi::Buffer<ffi::S32> positions,
+                                     ffi::Buffer<ffi::S32> visible_upto, ffi::Buffer<ffi::S32> layer,
+                                     ffi::Buffer<ffi::F32> sinks, float scale, int64_t sliding_window,
+                                     float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  return Run<int8_t>(pool, q, k_cache.dimensions(), v_cache.dimensions(), k_cache.untyped_data(),
+                     v_cache.untyped_data(), reinterpret_cast<const uint16_t*>(k_scale.untyped_data()),
+                     reinterpret_cast<const uint16_t*>(v_scale.untyped_data()), k_scale.dimensions(),
+                     v_scale.dimensions(), block_tables, token_seq, positions, &visible_upto, layer, sinks, scale,
+                     sliding_window, soft_cap, out);
 }
 
 }  // namespace
@@ -805,50 +850,62 @@ extern "C" int jaxllm_attention_set_avx512(int on) {
   return g_avx512;
 }
 
-#define JAXLLM_PAGED_ATTENTION_BINDING(KT)          \
-  ffi::Ffi::Bind()                                  \
-      .Ctx<ffi::ThreadPool>()                       \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* q */        \
-      .Arg<ffi::Buffer<KT>>()        /* k_cache */  \
-      .Arg<ffi::Buffer<KT>>()        /* v_cache */  \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* tables */   \
-      .Arg<ffi::Buffer<ffi::S32>>()  /* token_seq */\
-      .Arg<ffi::Buffer<ffi::S32>>()  /* positions */\
-      .Arg<ffi::Buffer<ffi::S32>>()  /* layer */    \
-      .Arg<ffi::Buffer<ffi::F32>>()  /* sinks */    \
-      .Attr<float>("scale")                         \
-      .Attr<int64_t>("sliding_window")              \
-      .Attr<float>("soft_cap")                      \
+// The operands after the cache (and its int8 scales): tables, token_seq, positions,
+// [visible_upto,] layer, sinks; then the attributes and the result.
+#define JAXLLM_PAGED_ATTENTION_TAIL(VIS)                                   \
+  .Arg<ffi::Buffer<ffi::S32>>()      /* tables */                          \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* token_seq */                       \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* positions */                       \
+      VIS                                                                  \
+      .Arg<ffi::Buffer<ffi::S32>>()  /* layer */                           \
+      .Arg<ffi::Buffer<ffi::F32>>()  /* sinks */                           \
+      .Attr<float>("scale")                                                \
+      .Attr<int64_t>("sliding_window")                                     \
+      .Attr<float>("soft_cap")                                             \
       .Ret<ffi::Buffer<ffi::F32>>()
+#define JAXLLM_NO_VIS
+#define JAXLLM_VIS .Arg<ffi::Buffer<ffi::S32>>() /* visible_upto */
+
+#define JAXLLM_PAGED_ATTENTION_BINDING(KT, VIS)                                              \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>() /* q */               \
+      .Arg<ffi::Buffer<KT>>() /* k_cache */.Arg<ffi::Buffer<KT>>()     /* v_cache */          \
+      JAXLLM_PAGED_ATTENTION_TAIL(VIS)
+
+#define JAXLLM_PAGED_ATTENTION_INT8_BINDING(VIS)                                             \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>() /* q */               \
+      .Arg<ffi::Buffer<ffi::S8>>().Arg<ffi::Buffer<ffi::S8>>()         /* k/v cache */        \
+      .Arg<ffi::Buffer<ffi::F16>>().Arg<ffi::Buffer<ffi::F16>>()       /* k/v scales */       \
+      JAXLLM_PAGED_ATTENTION_TAIL(VIS)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionF32, (PagedAttentionImpl<ffi::DataType::F32, float>),
-                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::F32));
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::F32, JAXLLM_NO_VIS));
 
 // U16 caches are bfloat16 bit patterns (see formats/storage.py).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionBF16, (PagedAttentionImpl<ffi::DataType::U16, uint16_t>),
-                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U16));
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U16, JAXLLM_NO_VIS));
 
 // fp8 caches as uint8 bit patterns (see layers/kv_quant.py); the target names the format.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionFp8E4M3, (PagedAttentionImpl<ffi::DataType::U8, Fp8E4M3>),
-                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U8));
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U8, JAXLLM_NO_VIS));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionFp8E5M2, (PagedAttentionImpl<ffi::DataType::U8, Fp8E5M2>),
-                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U8));
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U8, JAXLLM_NO_VIS));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionInt8, PagedAttentionInt8Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // q
-                                  .Arg<ffi::Buffer<ffi::S8>>()    // k_cache
-                                  .Arg<ffi::Buffer<ffi::S8>>()    // v_cache
-                                  .Arg<ffi::Buffer<ffi::F16>>()   // k_scale
-                                  .Arg<ffi::Buffer<ffi::F16>>()   // v_scale
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // token_seq
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // sinks
-                                  .Attr<float>("scale")
-                                  .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              JAXLLM_PAGED_ATTENTION_INT8_BINDING(JAXLLM_NO_VIS));
+
+// The *Vis targets: the same kernels, each query's key limit extended to its visible_upto.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionVisF32, (PagedAttentionVisImpl<ffi::DataType::F32, float>),
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::F32, JAXLLM_VIS));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionVisBF16, (PagedAttentionVisImpl<ffi::DataType::U16, uint16_t>),
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U16, JAXLLM_VIS));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionVisFp8E4M3, (PagedAttentionVisImpl<ffi::DataType::U8, Fp8E4M3>),
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U8, JAXLLM_VIS));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionVisFp8E5M2, (PagedAttentionVisImpl<ffi::DataType::U8, Fp8E5M2>),
+                              JAXLLM_PAGED_ATTENTION_BINDING(ffi::DataType::U8, JAXLLM_VIS));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmPagedAttentionVisInt8, PagedAttentionInt8VisImpl,
+                              JAXLLM_PAGED_ATTENTION_INT8_BINDING(JAXLLM_VIS));

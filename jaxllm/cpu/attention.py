@@ -4,6 +4,10 @@
 function, with its signature, as one XLA custom call: each (token, KV head) walks only the
 positions it may see through its block table, instead of XLA gathering whole KV chunks
 per token.  It only reads the cache: the step's K/V are scattered by ``write_kv`` first.
+
+A step with ``md.visible_upto`` (Gemma 3's image tokens, which see their whole image) calls
+the ``*_vis`` targets, which take it as one more operand; a text-only step calls the causal
+targets with the operands it always had, so its program does not change.
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ def paged_attention_native(q: jax.Array, kv, layer, md, *, scale: float,
     float32 or bf16 (as bf16, or as its uint16 bits, see ``formats/storage.py``), or a
     quantized :class:`~jaxllm.formats.kv_pages.QuantPages` (int8 with its float16 scales, or
     fp8 as uint8 bits), dequantized by the kernel as it reads.
+
+    ``md.visible_upto`` [T] (or None): query t sees keys up to max(positions[t],
+    visible_upto[t]); the sliding window still counts back from positions[t].
 
     The engine picks this kernel only where it can run (``engine/resolve.py``: CPU, one
     device, a float32 or bf16 cache, the kernels built); the checks here guard the callers."""
@@ -66,8 +73,12 @@ def paged_attention_native(q: jax.Array, kv, layer, md, *, scale: float,
     if sinks is not None and sinks.shape != (q.shape[1],):
         raise ValueError(f"paged_attention_native: sinks must be [Hq] = [{q.shape[1]}], got {sinks.shape}")
     sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)   # [Hq] or [0]: none
+    vis = ()
+    if md.visible_upto is not None:
+        target = target.replace("jaxllm_paged_attention_", "jaxllm_paged_attention_vis_")
+        vis = (jnp.asarray(md.visible_upto, jnp.int32),)                                    # [T]
     out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_cache, v_cache, *scales, md.block_tables.astype(jnp.int32),
-        md.token_seq.astype(jnp.int32), md.positions.astype(jnp.int32), layer_idx, sinks,
+        md.token_seq.astype(jnp.int32), md.positions.astype(jnp.int32), *vis, layer_idx, sinks,
         scale=np.float32(scale), sliding_window=np.int64(sliding_window or 0), soft_cap=np.float32(soft_cap or 0))
     return out.astype(q.dtype)

@@ -50,7 +50,12 @@ _KERNELS = {
                      "jaxllm_paged_attention_bf16": "JaxllmPagedAttentionBF16",
                      "jaxllm_paged_attention_int8": "JaxllmPagedAttentionInt8",
                      "jaxllm_paged_attention_fp8_e4m3": "JaxllmPagedAttentionFp8E4M3",
-                     "jaxllm_paged_attention_fp8_e5m2": "JaxllmPagedAttentionFp8E5M2"},
+                     "jaxllm_paged_attention_fp8_e5m2": "JaxllmPagedAttentionFp8E5M2",
+                     "jaxllm_paged_attention_vis_f32": "JaxllmPagedAttentionVisF32",
+                     "jaxllm_paged_attention_vis_bf16": "JaxllmPagedAttentionVisBF16",
+                     "jaxllm_paged_attention_vis_int8": "JaxllmPagedAttentionVisInt8",
+                     "jaxllm_paged_attention_vis_fp8_e4m3": "JaxllmPagedAttentionVisFp8E4M3",
+                     "jaxllm_paged_attention_vis_fp8_e5m2": "JaxllmPagedAttentionVisFp8E5M2"},
     "norm.cc": {"jaxllm_rms_norm_f32": "JaxllmRmsNormF32"},
 }
 # The packed-block matmuls, float32 activations (quant_linear.cc) and 8-bit activations

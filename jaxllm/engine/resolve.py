@@ -165,13 +165,6 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
         log.info("layers unrolled: %s's layers differ (attention windows or weights)", model.arch.architecture)
         scan = False
     backend = _attention_backend(rc.attention_backend, platform, dtype, tp, scan)
-    if model.vision is not None and backend != "xla":
-        # image tokens attend both ways inside their image: only the XLA path reads visible_upto
-        if rc.attention_backend != "auto":
-            raise ValueError(f"--attention-backend {rc.attention_backend}: {model.arch.architecture}'s images "
-                             "need --attention-backend xla (bidirectional attention inside an image)")
-        log.info("attention backend xla: %s's image tokens attend both ways", model.arch.architecture)
-        backend = "xla"
     sampler = rc.sampler_backend
     if sampler == "auto":
         sampler = "pallas" if on_gpu and not rc.use_fp64_gumbel else "xla"

@@ -109,7 +109,8 @@ def paged_attention_xla(q: jax.Array, kv: KVCache, layer, md: AttentionMetadata,
     if pad:
         tables = jnp.pad(tables, ((0, 0), (0, pad)))
     qg = (q.astype(jnp.float32) * scale).reshape(T, Hkv, G, Dh)
-    kv_len = (md.positions if md.visible_upto is None else md.visible_upto) + 1   # [T]
+    # a query sees up to max(its position, visible_upto): never less than causal
+    kv_len = (md.positions if md.visible_upto is None else jnp.maximum(md.positions, md.visible_upto)) + 1   # [T]
     # the window counts back from the query's own position, not from what it may see ahead
     lo = jnp.zeros_like(kv_len) if sliding_window is None else md.positions + 1 - sliding_window
     n_chunks = (jnp.max(kv_len) + chunk - 1) // chunk
@@ -164,7 +165,8 @@ def _pallas_attend(q, k, v, kv, layer, md, scale, sliding_window, soft_cap, sink
                                md.block_tables.shape[1] * k_cache.shape[-3])
     o, k_cache, v_cache = ragged_paged_attention(
         q, k, v, k_cache, v_cache, md.seq_lens, md.block_tables, md.query_start_loc, layer=layer,
-        sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, kv_splits=splits)
+        sm_scale=scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, visible_upto=md.visible_upto,
+        kv_splits=splits)
     return o, (k_cache, v_cache)
 
 
@@ -178,9 +180,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVCache, layer, md: Att
     and refused what cannot run (``engine/resolve.py``).  ``sliding_window``, ``soft_cap``
     (static) and ``sinks`` ([Hq] or None): see :func:`paged_attention_xla`."""
     feats = dict(sliding_window=sliding_window, soft_cap=soft_cap)
-    if md.visible_upto is not None and backend != "xla":
-        # the Pallas and native kernels mask causally by position; only the XLA path reads visible_upto
-        raise ValueError(f"attention backend {backend!r}: bidirectional image tokens need the xla backend")
     if backend == "pallas":
         tp = tp_size()
         if tp > 1:

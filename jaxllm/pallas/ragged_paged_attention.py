@@ -5,7 +5,8 @@ tokens of this step back to back (prefill chunks and single-token decodes alike)
 ``cu_q_lens [S + 1]`` says where each sequence's tokens start, ``kv_lens [S]`` how long its
 KV is after this step, and ``page_table [S, P]`` where its pages are.  Sequence ``s`` has
 ``ctx = kv_lens[s] - q_len`` tokens already in the cache; its new tokens sit at positions
-``ctx ...`` and attend causally to both.
+``ctx ...`` and attend causally to both, or, with ``visible_upto [T]`` (Gemma 3's image
+tokens, which see their whole image), each as far as ``max(own position, visible_upto)``.
 
 How the work is cut (everything static per bucket, so one compiled kernel per bucket):
 
@@ -59,9 +60,13 @@ _EXACT = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
 
 def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, v_new_ref, *refs,
             G: int, block_q: int, M: int, page: int, block_new: int, kv_splits: int,
-            scale: float, window: int | None, soft_cap: float | None, kv_format: str | None = None):
+            scale: float, window: int | None, soft_cap: float | None, kv_format: str | None = None,
+            vis: bool = False):
     # kv_format: None (the cache in q's dtype), or a quantized cache's format; int8 brings
-    # the scales of the new K/V, of the cache, and their outputs.
+    # the scales of the new K/V, of the cache, and their outputs.  vis: the first of refs is
+    # each query row's visible_upto [T * G + M] (laid out as q's rows); without it, causal.
+    if vis:
+        vis_ref, *refs = refs
     scaled = kv_format == "int8"
     if scaled:
         (ks_new_ref, vs_new_ref, k_cache_ref, v_cache_ref, ks_cache_ref, vs_cache_ref,
@@ -82,6 +87,11 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
     q_rel = q_off + rows // G                                       # [M, 1] query index in the sequence
     q = q_ref[h, pl.ds(q_first * G, M), :]                          # [M, D]
     D = q.shape[-1]
+    # The last of this step's new tokens each row sees (index within the sequence's new ones):
+    # itself, or with visible_upto as far ahead as its image ends (never less than itself).
+    q_see = q_rel                                                   # [M, 1]
+    if vis:
+        q_see = jnp.maximum(q_rel, vis_ref[pl.ds(q_first * G, M)][:, None] - ctx)
 
     def dequant(x, sc):
         """Loaded rows [N, D] (and their int8 scales [N, 1]) -> q's dtype."""
@@ -140,7 +150,7 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
         k = dequant(k_new_ref[h, rows_new, :], ks_new_ref[h, rows_new, :] if scaled else None)  # [block_new, D]
         v = dequant(v_new_ref[h, rows_new, :], vs_new_ref[h, rows_new, :] if scaled else None)
         krel = j * block_new + knew0                                # [1, block_new]
-        visible = (krel <= q_rel) & (krel < q_len) & (rows < block_q * G)
+        visible = (krel <= q_see) & (krel < q_len) & (rows < block_q * G)
         if window is not None:
             visible &= krel > q_rel - window
         return update(carry, k, v, visible)
@@ -148,7 +158,11 @@ def _kernel(meta_ref, cu_ref, kv_lens_ref, pt_ref, layer_ref, q_ref, k_new_ref, 
     new_lo = 0
     if window is not None:
         new_lo = jnp.maximum(q_off - window + 1, 0) // block_new
-    new_hi = jnp.where(sp == 0, (q_off + q_count + block_new - 1) // block_new, new_lo)
+    seen = q_off + q_count                                          # new tokens up to the item's last query
+    if vis:                                                         # ... or as far as a row sees ahead
+        ahead = jnp.max(jnp.where(rows < q_count * G, q_see, q_off + q_count - 1)) + 1
+        seen = jnp.minimum(jnp.maximum(seen, ahead), q_len)
+    new_hi = jnp.where(sp == 0, (seen + block_new - 1) // block_new, new_lo)
     acc, m, l = jax.lax.fori_loop(new_lo, new_hi, new_body, carry)
     acc_ref[...] = acc
     m_ref[...] = m
@@ -203,8 +217,8 @@ def _work_items(cu_q_lens, block_q: int, num_items: int):
     return jnp.stack([seq, first, count, jnp.where(used, q_off, 0)]).astype(jnp.int32)
 
 
-def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, layer, sinks, *, scale, window,
-          soft_cap, kv_splits, block_q, interpret, num_warps, num_stages):
+def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, layer, sinks, visible_upto, *, scale,
+          window, soft_cap, kv_splits, block_q, interpret, num_warps, num_stages):
     T, Hq, D = q.shape
     Hkv = k_new.shape[1]
     if Hq % Hkv:
@@ -237,20 +251,23 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
         kn, vn = pad_new(k_new.astype(k_cache.dtype)), pad_new(v_new.astype(v_cache.dtype))
         caches, new_scales, cache_scales = [k_cache, v_cache], [], []
     written = caches + cache_scales                                 # aliased to outputs 3...
+    # visible_upto per query row, in qr's row order (token t's G rows), padded as qr is
+    vis = [] if visible_upto is None else [jnp.pad(jnp.repeat(visible_upto.astype(jnp.int32), G), (0, M))]
 
     kernel = functools.partial(_kernel, G=G, block_q=block_q, M=M, page=page, block_new=block_new,
-                               kv_splits=kv_splits, scale=scale, window=window, soft_cap=soft_cap, kv_format=fmt)
+                               kv_splits=kv_splits, scale=scale, window=window, soft_cap=soft_cap, kv_format=fmt,
+                               vis=bool(vis))
     whole = lambda shape: pl.BlockSpec(shape, lambda i, h, sp: (0,) * len(shape))  # noqa: E731
     extra = {}
     if not interpret:
         extra["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-    first_written = 8 + len(new_scales)
+    first_written = 8 + len(vis) + len(new_scales)
     acc, m, l, *written = pl.pallas_call(
         kernel,
         grid=(N, Hkv, kv_splits),
         in_specs=[whole(meta.shape), whole(cu_q_lens.shape), whole(kv_lens.shape), whole(page_table.shape),
                   whole((1,)), whole(qr.shape), whole(kn.shape), whole(vn.shape),
-                  *(whole(a.shape) for a in new_scales + written)],
+                  *(whole(a.shape) for a in vis + new_scales + written)],
         out_specs=[pl.BlockSpec((None, None, None, M, D), lambda i, h, sp: (sp, i, h, 0, 0)),
                    pl.BlockSpec((None, None, None, M), lambda i, h, sp: (sp, i, h, 0)),
                    pl.BlockSpec((None, None, None, M), lambda i, h, sp: (sp, i, h, 0)),
@@ -261,10 +278,11 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
                    *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in written)],
         input_output_aliases={first_written + j: 3 + j for j in range(len(written))},
         interpret=interpret,
-        name=f"ragged_paged_attention_G{G}_bq{block_q}_p{page}_d{D}_s{kv_splits}" + (f"_{fmt}" if fmt else ""),
+        name=f"ragged_paged_attention_G{G}_bq{block_q}_p{page}_d{D}_s{kv_splits}" + (f"_{fmt}" if fmt else "")
+        + ("_vis" if vis else ""),
         **extra,
     )(meta, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
-      jnp.reshape(layer, (1,)).astype(jnp.int32), qr, kn, vn, *new_scales, *written)
+      jnp.reshape(layer, (1,)).astype(jnp.int32), qr, kn, vn, *vis, *new_scales, *written)
     if quant:
         scales = written[2:] or [None, None]
         k_cache, v_cache = (kv_pages.QuantPages(d, sc, fmt) for d, sc in zip(written[:2], scales))
@@ -299,7 +317,7 @@ def _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, lay
 
 def ragged_paged_attention(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, *,
                            layer=None, sm_scale: float | None = None, sliding_window: int | None = None,
-                           soft_cap: float | None = None, sinks=None, kv_splits: int = 1,
+                           soft_cap: float | None = None, sinks=None, visible_upto=None, kv_splits: int = 1,
                            block_q: int | None = None, interpret: bool | None = None, num_warps: int = 4,
                            num_stages: int = 2):
     """Attention of a ragged batch over a paged cache, writing the step's K/V into it.
@@ -312,7 +330,9 @@ def ragged_paged_attention(q, k_new, v_new, k_cache, v_cache, kv_lens, page_tabl
     are padding: no write, zero output).  ``sliding_window`` W: a token sees its last W
     positions; ``soft_cap`` c: scores ``c * tanh(s / c)``; ``sinks`` [Hq] (or None): a
     learned logit per query head in the softmax's denominator (GPT-OSS), applied where the
-    splits merge.  Returns (out [T, Hq, D], k_cache, v_cache).
+    splits merge; ``visible_upto`` [T] (or None: causal): token t sees up to position
+    max(its own, visible_upto[t]) (the step must hold those keys: an image is never cut), the
+    window still counting back from its own.  Returns (out [T, Hq, D], k_cache, v_cache).
     ``interpret`` None: interpret mode on CPU."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -329,7 +349,7 @@ def ragged_paged_attention(q, k_new, v_new, k_cache, v_cache, kv_lens, page_tabl
         k_cache, v_cache = jax.tree.map(lambda a: a[None], (k_cache, v_cache))
         layer = 0
     out, k_cache, v_cache = _call(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens,
-                                  jnp.asarray(layer, jnp.int32), sinks, scale=scale, window=sliding_window,
+                                  jnp.asarray(layer, jnp.int32), sinks, visible_upto, scale=scale, window=sliding_window,
                                   soft_cap=soft_cap, kv_splits=kv_splits, block_q=block_q,
                                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
     if not stacked:
@@ -349,11 +369,12 @@ ragged_paged_attention_jit = jax.jit(
 def ragged_paged_attention_reference(q, k_new, v_new, k_cache, v_cache, kv_lens, page_table, cu_q_lens, *,
                                      layer=None, sm_scale: float | None = None,
                                      sliding_window: int | None = None, soft_cap: float | None = None,
-                                     sinks=None):
+                                     sinks=None, visible_upto=None):
     """Plain jnp, the oracle: scatter the new K/V, then dense masked softmax per token (a
     quantized cache: the new K/V quantized into it, then attention over its dequantized values);
     ``sinks`` [Hq]: a column of each head's sink logit joins the softmax and is dropped after it,
-    as transformers' GPT-OSS eager attention does."""
+    as transformers' GPT-OSS eager attention does; ``visible_upto`` [T]: token t sees keys up to
+    max(its position, visible_upto[t])."""
     T, Hq, D = q.shape
     stacked = k_cache.ndim == 5
     kc, vc = jax.tree.map(lambda a: a[layer], (k_cache, v_cache)) if stacked else (k_cache, v_cache)
@@ -386,7 +407,8 @@ def ragged_paged_attention_reference(q, k_new, v_new, k_cache, v_cache, kv_lens,
     if soft_cap is not None:
         sc = soft_cap * jnp.tanh(sc / soft_cap)
     kpos = jnp.arange(P * page)[None, :]
-    visible = kpos <= pos[:, None]
+    last = pos if visible_upto is None else jnp.maximum(pos, visible_upto)          # [T]
+    visible = kpos <= last[:, None]
     if sliding_window is not None:
         visible &= kpos > pos[:, None] - sliding_window
     sc = jnp.where(visible[:, None, None, :], sc, -jnp.inf)

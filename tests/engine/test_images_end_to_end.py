@@ -7,7 +7,9 @@ and ``jaxllm serve``'s app through the official ``openai`` client each give tran
 prompt ids (each placeholder -> "\\n\\n", boi, image tokens, eoi, "\\n\\n": the tokenizer has
 newline tokens) and pixels.
 
-The engine's token budget (8) is smaller than the prompts, so the prefill is chunked around the
+The engine resolves ``--attention-backend auto`` as a user's would: on this CPU that is the native
+kernel (jaxllm/cpu/attention.cc, its ``visible_upto`` targets); the XLA path's token-exactness is
+tests/models/test_gemma3_vl.py's.  The engine's token budget (8) is smaller than the prompts, so the prefill is chunked around the
 images (a chunk never ends inside one); the strict compile guard fails any step or encoder
 call that compiles after its program was made.  One engine serves the whole module.
 """
@@ -28,6 +30,7 @@ from support.serve_helpers import ServerThread
 from support.tiny_gemma3_vl import IMAGE_TOKEN, NEWLINES, hf_greedy_vl, hf_processor, save_vl_checkpoint, tiny_model
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.cpu import native as cpu_native
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
 ONE = "what is in this <start_of_image> picture ?"
@@ -64,6 +67,9 @@ def _reference(vl, text: str, images: list[Image.Image]):
 def test_generate_with_images_equals_transformers(vl):
     _, llm, _, _ = vl
     assert llm.llm_engine.supports_images
+    # auto picks the native CPU attention (its *_vis kernel) where it is built: images run there
+    want = "native" if cpu_native.available() else "xla"
+    assert llm.llm_engine.core.resolved.step.kernels.attention == want
     vision = llm.llm_engine.core.runner.vision
     a, b = _image(1), _image(2, 33, 90)
     cases = [(TWO, [b, a]), (ONE, [a]), (ONE, [b])]

@@ -11,6 +11,7 @@ held to the float32 tolerance too.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -196,6 +197,37 @@ def test_attention_sinks():
     check(make_batch(53, **BOTH, Hq=9, Hkv=3, D=64), sinks=sinks)
     check(make_batch(54, **BOTH, Hq=9, Hkv=3, D=40, cache="bfloat16"), sinks=sinks, sliding_window=7, soft_cap=3.0)
     check(make_batch(55, **BOTH, Hq=9, Hkv=3, D=64, layers=2), sinks=sinks, layer=1)
+
+
+def with_images(batch, spans, seed):
+    """The batch with ``visible_upto`` [T]: each (first, last) flat-token span is one image whose
+    tokens all see up to its last position; other tokens get a value below their position
+    (-1 or position - 3 at random), which must mean causal (the max with the position)."""
+    q, k, v, kv, md = batch
+    pos = np.asarray(md.positions)
+    vis = np.where(np.random.default_rng(seed).random(len(pos)) < 0.5, -1, pos - 3).astype(np.int32)
+    for a, b in spans:
+        vis[a:b + 1] = pos[b]
+    return q, k, v, kv, dataclasses.replace(md, visible_upto=jnp.asarray(vis))
+
+
+# Images inside ragged prefill chunks (MIXED: sequence 1 is flat tokens 1-33 at positions
+# 0-32, sequence 3 tokens 41-60 at 120-139, sequence 5 tokens 62-125 at 70-133): one crossing
+# the 32-position key tile, one crossing position 128, one of two tokens, one at a chunk's end,
+# beside decodes and text; float32 alone, bf16 under a window of 5 (the window counts back from
+# each token's own position, so an image token sees its window and the rest of its image).
+@pytest.mark.parametrize("cache,window", [("float32", None), ("bfloat16", 5)])
+def test_image_tokens_see_their_whole_image(cache, window):
+    spans = [(20, 30), (47, 55), (62, 63), (118, 125)]
+    batch = with_images(make_batch(80, **MIXED, Hq=6, Hkv=2, D=64, cache=cache), spans, 81)
+    got = check(batch, sliding_window=window)
+    q, k, v, kv, md = batch
+    causal = np.asarray(_attend("xla", scale=64 ** -0.5, sliding_window=window, soft_cap=None)(
+        q, k, v, kv, dataclasses.replace(md, visible_upto=None))[0])
+    ahead = np.concatenate([np.arange(a, b) for a, b in spans])         # image tokens before their last
+    assert (np.abs(got[ahead] - causal[ahead]).max(axis=(1, 2)) > 1e-3).all(), "an image token attended causally"
+    rest = np.setdiff1d(np.arange(int(md.query_start_loc[-1])), ahead)
+    np.testing.assert_allclose(got[rest], causal[rest], rtol=TOL, atol=TOL)
 
 
 def test_sinks_shape_is_checked():

@@ -64,7 +64,7 @@ SINKS = np.asarray([-30.0, -1.0, 0.0, 0.5, 3.0, 12.0, 2.0, -2.0], np.float32)
 
 
 def check(batch, dtype=jnp.float32, layer=None, **kw):
-    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap", "sinks")}
+    ref_kw = {k: v for k, v in kw.items() if k in ("sm_scale", "sliding_window", "soft_cap", "sinks", "visible_upto")}
     out, kc, vc = _kernel(**batch, layer=layer, **kw)
     r_out, r_kc, r_vc = _reference(**batch, layer=layer, **ref_kw)
     out, r_out = np.asarray(out, np.float32), np.asarray(r_out, np.float32)
@@ -174,12 +174,13 @@ def test_stacked_cache_writes_only_its_layer():
     check(batch, layer=jnp.int32(1), sinks=jnp.asarray(SINKS[:6]))
 
 
-@pytest.mark.parametrize("features", [{}, dict(sliding_window=9, soft_cap=2.5, sinks=SINKS[:6])],
-                         ids=["plain", "window-cap-sinks"])
+@pytest.mark.parametrize("features", [{}, dict(sliding_window=9, soft_cap=2.5, sinks=SINKS[:6], images=True)],
+                         ids=["plain", "window-cap-sinks-images"])
 def test_reference_equals_the_engine_xla_path(features):
     """The oracle computes the engine's function: scatter + paged_attention_xla on the same
-    batch (with soft-capping, a window and sinks too: the reference's sinks are transformers'
-    extra softmax column, the XLA path's a term of the online softmax's denominator)."""
+    batch (with soft-capping, a window, sinks and image tokens' visible_upto too: the reference's
+    sinks are transformers' extra softmax column, the XLA path's a term of the online softmax's
+    denominator)."""
     b = make_batch(10, **MIXED, Hq=6, Hkv=2, D=64, page=16)
     cu, kv_lens, pt = (np.asarray(b[k]) for k in ("cu_q_lens", "kv_lens", "page_table"))
     T, S, page = b["q"].shape[0], kv_lens.shape[0], b["k_cache"].shape[1]
@@ -191,10 +192,12 @@ def test_reference_equals_the_engine_xla_path(features):
         p = np.arange(kv_lens[s] - n, kv_lens[s])
         seq[cu[s]:cu[s + 1]], pos[cu[s]:cu[s + 1]] = s, p
         slots[cu[s]:cu[s + 1]] = pt[s, p // page] * page + p % page
+    vis = with_images(b, IMAGE_SPANS, 17) if features.get("images") else None
     md = AttentionMetadata(positions=jnp.asarray(pos), slot_mapping=jnp.asarray(slots), token_seq=jnp.asarray(seq),
-                           block_tables=b["page_table"], seq_lens=b["kv_lens"], query_start_loc=b["cu_q_lens"])
+                           block_tables=b["page_table"], seq_lens=b["kv_lens"], query_start_loc=b["cu_q_lens"],
+                           visible_upto=vis)
     sinks = features.get("sinks")
-    static = {k: v for k, v in features.items() if k != "sinks"}
+    static = {k: v for k, v in features.items() if k not in ("sinks", "images")}
     sinks = None if sinks is None else jnp.asarray(sinks)
 
     @jax.jit
@@ -203,9 +206,57 @@ def test_reference_equals_the_engine_xla_path(features):
         return paged_attention_xla(b["q"], kv, None, md, scale=64 ** -0.5, sinks=sinks, **static)
 
     xla = np.asarray(xla_path(b, md, sinks))
-    ref, _, _ = _reference(**b, sinks=sinks, **static)
+    ref, _, _ = _reference(**b, sinks=sinks, visible_upto=vis, **static)
     real = int(cu[-1])
     np.testing.assert_allclose(np.asarray(ref)[:real], xla[:real], rtol=1e-5, atol=1e-5)
+
+
+def with_images(batch, spans, seed):
+    """``visible_upto`` [T] for the batch: each (first, last) flat-token span is one image, all
+    of whose tokens see up to its last position; any other token gets a value below its own
+    position (-1 or position - 3), which must mean causal."""
+    cu, kv_lens = np.asarray(batch["cu_q_lens"]), np.asarray(batch["kv_lens"])
+    T = batch["q"].shape[0]
+    pos = np.zeros(T, np.int32)
+    for s in range(len(kv_lens)):
+        n = cu[s + 1] - cu[s]
+        pos[cu[s]:cu[s + 1]] = np.arange(kv_lens[s] - n, kv_lens[s])
+    vis = np.where(np.random.default_rng(seed).random(T) < 0.5, -1, pos - 3).astype(np.int32)
+    for a, b in spans:
+        vis[a:b + 1] = pos[b]
+    return jnp.asarray(vis)
+
+
+# MIXED's flat tokens: sequence 2 is tokens 2-33 at positions 0-31, sequence 3 tokens 34-54 at
+# 11-31, sequence 5 tokens 56-60 at 27-31.  Images: one across the kernel's 16-key block of new
+# tokens and a query block's edge, one inside a chunk that resumes from cached pages, one at a
+# chunk's end; decodes and text beside them.
+IMAGE_SPANS = [(10, 25), (40, 44), (58, 60)]
+
+
+def test_image_tokens_see_their_whole_image():
+    # query blocks of 8 (an image spans items: each must reach ahead to its image's end), a
+    # window of 5 (counted back from each token's own position) and two flash-decoding splits
+    kw = dict(block_q=8, sliding_window=5, kv_splits=2)
+    b = make_batch(13, **MIXED, Hq=4, Hkv=2, D=32, page=16)
+    vis = with_images(b, IMAGE_SPANS, 14)
+    out = check(b, visible_upto=vis, **kw)
+    causal = np.asarray(_reference(**b, sliding_window=kw.get("sliding_window"))[0])
+    ahead = np.concatenate([np.arange(a, c) for a, c in IMAGE_SPANS])   # image tokens before their last
+    assert (np.abs(out[ahead] - causal[ahead]).max(axis=(1, 2)) > 1e-3).all(), "an image token attended causally"
+    rest = np.setdiff1d(np.arange(int(b["cu_q_lens"][-1])), ahead)
+    np.testing.assert_allclose(out[rest], causal[rest], rtol=1e-5, atol=1e-5)
+
+
+def test_image_kernel_lowers_for_the_gpu(monkeypatch, capsys):
+    # the visible_upto rows' load and the item's reach ahead lower through Pallas -> Triton too
+    from jax.experimental import pallas as pl
+    call = pl.pallas_call
+    monkeypatch.setattr(pl, "pallas_call", lambda *a, **k: call(*a, **{**k, "debug": True}))
+    b = make_batch(15, **MIXED, Hq=8, Hkv=2, D=64, page=16)
+    f = jax.jit(lambda vis, **a: ragged_paged_attention(**a, visible_upto=vis, interpret=False, sliding_window=8))
+    text = f.trace(with_images(b, IMAGE_SPANS, 16), **b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "_vis" in capsys.readouterr().out
 
 
 def test_kv_splits_heuristic():

@@ -1,9 +1,11 @@
 """Gemma 3 with images (jaxllm/models/gemma3_vl/) against transformers' tiny random
 ``Gemma3ForConditionalGeneration`` (tests/support/tiny_gemma3_vl.py), float32: the SigLIP tower +
 projector's rows equal ``get_image_features``; the text model (models/gemma) with the image rows
-merged at the placeholders and Gemma 3's bidirectional attention inside each image (XLA paged
-path) gives transformers' prompt logits and 32 greedy tokens with 1 and 2 images; the placeholder expansion and the image groups
-equal what transformers' processor / mask builder make of them; refusals by name."""
+merged at the placeholders and Gemma 3's bidirectional attention inside each image gives
+transformers' prompt logits and 32 greedy tokens with 1 and 2 images, on each paged attention
+backend: XLA, the native CPU kernel and the Pallas kernel in interpret mode (its two-image case);
+the placeholder expansion and the image groups equal what transformers' processor / mask
+builder make of them; refusals by name."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from support.tiny_gemma3_vl import (BOI, EOI, IMAGE_TOKEN, PagedGemma3VL, hf_greedy_vl, hf_processor, save_text_part,
                                     save_tokenizer, tiny_model)
 
+from jaxllm.cpu import native as cpu_native
 from jaxllm.models.gemma3_vl import VisionConfig, encode, expand_placeholders, image_groups, load_params, visible_upto
 
 
@@ -78,35 +81,51 @@ def test_unsupported_vision_configs_refused():
 
 
 @pytest.fixture(scope="module")
-def paged(hf_vl, tmp_path_factory):
-    return PagedGemma3VL(save_text_part(hf_vl, str(tmp_path_factory.mktemp("gemma3_text"))), hf_vl)
+def text_dir(hf_vl, tmp_path_factory):
+    return save_text_part(hf_vl, str(tmp_path_factory.mktemp("gemma3_text")))
+
+
+@pytest.fixture(scope="module")
+def paged(hf_vl, text_dir):
+    return PagedGemma3VL(text_dir, hf_vl)
+
+
+@pytest.fixture(scope="module")
+def paged_native(hf_vl, text_dir):
+    if not cpu_native.available():
+        pytest.skip("native CPU kernels unavailable here (no AVX2/FMA or no C++ compiler)")
+    return PagedGemma3VL(text_dir, hf_vl, attention="native")
+
+
+@pytest.fixture(scope="module")
+def paged_pallas(hf_vl, text_dir):
+    return PagedGemma3VL(text_dir, hf_vl, attention="pallas")    # interpret mode on CPU
 
 
 def _pixels(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, 3, 56, 56)).astype(np.float32)   # [n, 3, 56, 56]
 
 
-def test_greedy_with_images_equals_transformers(hf_vl, paged):
+_HF: dict = {}   # transformers' (prompt logits, greedy tokens) per case, shared by the backends
+
+
+@pytest.mark.parametrize("backend", ["xla", "native", "pallas"])
+def test_greedy_with_images_equals_transformers(hf_vl, backend, request):
+    paged = request.getfixturevalue({"xla": "paged", "native": "paged_native", "pallas": "paged_pallas"}[backend])
     one = expand_placeholders(paged.vcfg, [2, 10, 11, BOI, 12, 13, 14], 1)
     two = expand_placeholders(paged.vcfg, [2, 10, BOI, 11, BOI, 12, 13], 2)
     outs = {}
-    for name, ids, px in (("one", one, _pixels(1, 3)), ("other", one, _pixels(1, 4)), ("two", two, _pixels(2, 5))):
+    cases = (("one", one, _pixels(1, 3)), ("other", one, _pixels(1, 4)), ("two", two, _pixels(2, 5)))
+    if backend == "pallas":         # interpret mode is slow: the two-image case only
+        cases = cases[2:]
+    for name, ids, px in cases:
         ours_logits, ours = paged.greedy(ids, px)
-        ref_logits, ref = hf_greedy_vl(hf_vl, ids, px)
+        if name not in _HF:                                              # the oracle once per case
+            _HF[name] = hf_greedy_vl(hf_vl, ids, px)
+        ref_logits, ref = _HF[name]
         rel = np.abs(ours_logits - ref_logits).max() / np.abs(ref_logits).max()
         assert rel < 1e-4, f"{name}: max relative prompt-logit error {rel:.2e}"
         assert ours == ref, f"{name}: greedy tokens differ from transformers"
         outs[name] = ours
-    assert outs["one"] != outs["other"], "two different images gave the same 32 tokens"
-
-
-@pytest.mark.parametrize("backend", ["native", "pallas"])
-def test_bidirectional_images_refused_off_the_xla_path(paged, backend):
-    # the native and Pallas kernels mask by position only: an image step there is refused, not run causally
-    from jaxllm.layers.attention import attend
-    md = paged._md(np.arange(4, dtype=np.int32), np.full(4, 3, np.int32))
-    q = np.zeros((4, 4, 16), np.float32)
-    k = np.zeros((4, 2, 16), np.float32)
-    ks, vs = paged.new_cache()                                                 # per-layer pages
-    with pytest.raises(ValueError, match="need the xla backend"):
-        attend(q, k, k, (ks[0], vs[0]), None, md, scale=1.0, sliding_window=None, backend=backend)
+    if "other" in outs:
+        assert outs["one"] != outs["other"], "two different images gave the same 32 tokens"

@@ -50,12 +50,14 @@ def save_text_part(model: Gemma3ForConditionalGeneration, out_dir: str) -> str:
 
 class PagedGemma3VL:
     """The jaxllm text model (models/gemma) + vision encoder on one sequence through a paged
-    cache, two compiled programs (the prompt, one decode token), XLA attention, greedy."""
+    cache, two compiled programs (the prompt, one decode token), greedy; ``attention``: the
+    paged attention's backend ("xla", "native" or "pallas" in interpret mode)."""
 
-    def __init__(self, text_dir: str, hf_model, block: int = 8, num_blocks: int = 16):
+    def __init__(self, text_dir: str, hf_model, block: int = 8, num_blocks: int = 16, attention: str = "xla"):
         import jax
         from jaxllm.models import gemma
         from jaxllm.models.gemma3_vl import VisionConfig, encode, load_params
+        from jaxllm.models.kernels import Kernels
         from jaxllm.models.loader import load_model
         from jaxllm.runner.weights import allocate_kv_cache, to_device_params
         import jax.numpy as jnp
@@ -68,7 +70,8 @@ class PagedGemma3VL:
         self.block, self.num_blocks = block, num_blocks
         self.new_cache = lambda: allocate_kv_cache(self.arch.num_layers, num_blocks, block, self.arch.num_kv_heads,
                                                    self.arch.head_dim, jnp.float32, stacked=False)
-        fwd = lambda p, kv, ids, md, rows: gemma.forward(self.arch, p, kv, ids, md, image_rows=rows)
+        kernels = Kernels(attention=attention)
+        fwd = lambda p, kv, ids, md, rows: gemma.forward(self.arch, p, kv, ids, md, kernels, image_rows=rows)
         self.fwd = jax.jit(lambda p, kv, ids, md, rows: (lambda h, kv: (gemma.compute_logits(self.arch, p, h), kv))(
             *fwd(p, kv, ids, md, rows)))
 
