@@ -83,14 +83,15 @@ class ModelRunner:
                  program_dir: str | None = None, strict_compile_guard: bool = False, show_progress: bool = True,
                  grammar: GrammarCompiler | None = None, speculative_config: SpeculativeConfig | None = None,
                  draft: DraftModel | None = None, async_scheduling: bool = False,
-                 lora_store: AdapterStore | None = None):
+                 lora_store: AdapterStore | None = None, encoder_cache_tokens: int | None = None):
         """``num_blocks``: KV blocks per layer (None: allocated later, :meth:`allocate_kv`);
         ``program_dir``: where compiled programs are saved and loaded (None keeps none);
         ``grammar``: compiles structured-output constraints (None: the engine has no tokenizer);
         ``speculative_config``: speculation on (None: off), ``draft``: its draft model for
         ``method: draft_model``; ``async_scheduling``: steps are run by ``dispatch`` and
         ``collect`` (the module's docstring); ``lora_store``: where the adapters the scheduler
-        puts in slots are read from (with ``cfg.max_loras``)."""
+        puts in slots are read from (with ``cfg.max_loras``); ``encoder_cache_tokens``: a
+        vision-language model's encoder cache budget (runner/vision.py; None: its default)."""
         self.cfg = cfg
         self.arch = model.arch
         self.strict = strict_compile_guard
@@ -137,7 +138,8 @@ class ModelRunner:
         # A vision-language model: its image encoder, a program of its own (runner/vision.py).
         vision = get_family(model.arch.architecture).vision
         self.vision = (None if model.vision is None or not cfg.images
-                       else VisionEncoder(vision, model.vision, self._rep, strict_compile_guard))
+                       else VisionEncoder(vision, model.vision, self._rep, strict_compile_guard,
+                                          encoder_cache_tokens))
         self.warm = False
         self.step_seconds: dict[tuple[int, int], float] = {}
         self._cold: set[tuple[int, int]] = set()

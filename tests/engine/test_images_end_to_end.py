@@ -81,11 +81,15 @@ def test_generate_with_images_equals_transformers(vl):
     assert outs[1].prompt_token_ids.count(NEWLINES["\n\n"]) == 2, "an image's newlines are tokens here"
     # The same image again: the encoder cache and the prefix cache (its hash is in the salt)
     # serve it, tokens unchanged; the same text with another image shares no cached block.
-    hits = vision.hits
+    before = llm.llm_engine.get_stats()
     again = llm.generate({"prompt": ONE, "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)[0]
-    assert vision.hits == hits + 1
+    after = llm.llm_engine.get_stats()
+    assert (after.encoder_cache_hits, after.encoder_cache_misses) == (
+        before.encoder_cache_hits + 1, before.encoder_cache_misses), "the same image must not be encoded again"
+    assert after.encoder_cache_entries == len(vision.cache) == 2
     assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert again.num_cached_tokens > 0
+    assert after.prefix_cache_hits - before.prefix_cache_hits == again.num_cached_tokens
     other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": _image(3)}}, GREEDY, use_tqdm=False)[0]
     assert other.num_cached_tokens == 0
     with pytest.raises(ValueError, match=r"multi_modal_data: 2 image\(s\) but the prompt has 1"):
@@ -153,5 +157,16 @@ def test_chat_and_served_chat_with_an_image_url_equal_transformers(vl):
         r = client.chat.completions.create(model="tiny-vl", messages=_messages(url), max_tokens=32, temperature=0,
                                            extra_body={"ignore_eos": True}, logprobs=True)
         assert [tok.convert_tokens_to_ids(t.token) for t in r.choices[0].logprobs.content] == ref
+        # the image llm.chat sent: /metrics shows the encoder cache's hit and the prefix cache's
+        import httpx
+        page = httpx.get(srv.base + "/metrics", timeout=30).text
+        s = llm.llm_engine.get_stats()
+        for name, value in (("jaxllm:encoder_cache_hits_total", s.encoder_cache_hits),
+                            ("jaxllm:encoder_cache_misses_total", s.encoder_cache_misses),
+                            ("jaxllm:encoder_cache_entries", s.encoder_cache_entries),
+                            ("jaxllm:prefix_cache_hits_total", s.prefix_cache_hits)):
+            (line,) = [ln for ln in page.splitlines() if ln.startswith(name + "{")]
+            assert float(line.rsplit(" ", 1)[1]) == value > 0, line
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
     finally:
         srv.stop()
