@@ -41,9 +41,14 @@ def _image(seed: int, w: int = 70, h: int = 40) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+def vl_checkpoint(tmp_path_factory):
     hf = tiny_model()
-    path = save_vl_checkpoint(hf, str(tmp_path_factory.mktemp("gemma3_vl")))
+    return hf, save_vl_checkpoint(hf, str(tmp_path_factory.mktemp("gemma3_vl")))
+
+
+@pytest.fixture(scope="module")
+def vl(vl_checkpoint):
+    hf, path = vl_checkpoint
     llm = LLM(path, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, dtype="float32", block_size=4,
               strict_compile_guard=True, show_progress=False)
     processor = hf_processor(path)
@@ -104,6 +109,34 @@ def test_image_and_text_requests_batched_equal_each_alone(vl):
     alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (text, image)]
     both = [o.outputs[0].token_ids for o in llm.generate([text, image], GREEDY, use_tqdm=False)]
     assert both == alone
+
+
+def test_image_request_preempted_recomputes_its_image_rows(vl_checkpoint):
+    # A KV pool of 16 usable blocks of 4 (one 64-token sequence): the text request (10 blocks
+    # at its end) and the two-image one (15) each fit alone, not together, so the later one,
+    # the image request, is preempted and recomputed from token 0 -- its image rows merged
+    # again (from the encoder cache).  No prefix caching: the recompute cannot skip them.
+    _, path = vl_checkpoint
+    llm = LLM(path, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, dtype="float32", block_size=4,
+              num_gpu_blocks_override=17, enable_prefix_caching=False, strict_compile_guard=True,
+              show_progress=False)
+    engine = llm.llm_engine
+    text = "describe the cat and the dog ."
+    image = {"prompt": TWO, "multi_modal_data": {"image": [_image(7), _image(8, 30, 80)]}}
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in (text, image)]
+    before = engine.get_stats()
+    assert before.num_preemptions == 0, "each request alone must fit the pool"
+    both = llm.generate([text, image], GREEDY, use_tqdm=False)
+    after = engine.get_stats()
+    assert after.num_preemptions > 0, "the pool was meant to force a preemption"
+    assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in alone]
+    # each admission (the first and one per preemption, all of the image request: the later
+    # one) asked for its 2 images: served by the encoder cache, never encoded again
+    assert after.encoder_cache_hits - before.encoder_cache_hits == 2 * (1 + after.num_preemptions)
+    assert after.encoder_cache_misses == before.encoder_cache_misses == 2
+    # its prompt (image tokens included) was run through the model again
+    prompts = sum(len(o.prompt_token_ids) for o in both)
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed > prompts
 
 
 def test_readme_image_example_runs_as_written(vl):
