@@ -23,6 +23,8 @@ steps synchronously.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import logging
 import time
@@ -130,6 +132,7 @@ class ModelRunner:
         self.requests = RequestStates(model.arch.vocab_size, self.sampler_rows, self.state_slots, cfg.pooling_type)
         self.token_feed = TokenFeed(cfg, self.sampler_rows.scratch + 1, self._rep) if async_scheduling else None
         self.grammars = GrammarStates(grammar, model.arch.vocab_size)
+        self._zero_image_rows: dict[int, jax.Array] = {}   # T -> [T, D] zeros on the device (_image_rows)
         self._all_allowed: dict[int, jax.Array] = {}   # S -> [S, W] all-ones bitmask on the device
         # Multi-process programs are not saved: each host would load its own copy unchecked.
         programs = ProgramCache(program_dir if jax.process_count() == 1 else None, self.mesh.devices.flat)
@@ -418,14 +421,15 @@ class ModelRunner:
         # All of the step's inputs in one vector (runner/packing.py).  On one process the
         # compiled call takes it as numpy and transfers it in C++, cheaper again than
         # device_put's Python path; across processes each places its own shards.
-        words = packing.pack(step.inputs)
+        words = packing.pack(dataclasses.replace(step.inputs, image_embeds=None))
         if jax.process_count() > 1:
             words = self._put(words)
         if step.feed is not None:
             words = self.token_feed.apply(step.bucket, words, step.feed)
+        image_rows = () if not self.cfg.images else (self._image_rows(step),)
         # ``pooled``: a pooling engine's step's one more output (runner/step.py), else empty.
         self.kv, rows.state, logits, plp, *pooled, sampling_words = self.compiler.steps[step.bucket](
-            self.params, self.kv, rows.state, words)
+            self.params, self.kv, rows.state, words, *image_rows)
         # Dispatched, not finished: the grammar masks are computed while the device runs.
         S = step.bucket[1]
         masked = self.grammars.masked_rows(step.rows()) if len(self.grammars) else []
@@ -443,6 +447,18 @@ class ModelRunner:
             self.token_feed.record(S, step.inputs.sampling.slot, out.token_ids)
         return (out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs, out.emitted,
                 plp if step.prompt_plan else None, pooled[0] if pooled else None)
+
+    def _image_rows(self, step: PreparedStep):
+        """A vision-language step's image rows: its own [T, D] when it has image tokens, else the
+        bucket's zero buffer, made once and kept on the device (nothing sent)."""
+        embeds = step.inputs.image_embeds
+        if embeds is not None:
+            return embeds if jax.process_count() == 1 else self._put(embeds)
+        T = step.bucket[0]
+        zeros = self._zero_image_rows.get(T)
+        if zeros is None:
+            zeros = self._zero_image_rows[T] = self._put(np.zeros((T, self.arch.hidden_size), np.float32))
+        return zeros
 
     def _wait(self, outputs) -> list:
         """Waits for a launched step's outputs and reads them to the host (numpy)."""

@@ -18,6 +18,7 @@ import base64
 import contextlib
 import io
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -109,6 +110,11 @@ def test_image_and_text_requests_batched_equal_each_alone(vl):
     alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (text, image)]
     both = [o.outputs[0].token_ids for o in llm.generate([text, image], GREEDY, use_tqdm=False)]
     assert both == alone
+    # the steps without image tokens (the decodes, the text prompt's) sent no [T, D] rows: they
+    # passed a zero buffer kept on the device per token bucket (runner/model_runner._image_rows)
+    zeros = llm.llm_engine.core.runner._zero_image_rows
+    assert zeros and all(isinstance(z, jax.Array) and z.shape == (T, 64) and not np.asarray(z).any()
+                         for T, z in zeros.items())
 
 
 def test_image_request_preempted_recomputes_its_image_rows(vl_checkpoint):
