@@ -3,6 +3,7 @@ concurrency 1 and 8, the encoder cache on and off, and the vision encoder's shar
 
     python bench/images.py [--shape real|toy] [--requests 16] [--images 4] [--output-len 8]
                            [--repeats 3] [--output-json F]
+    python bench/images.py --pack-cost 2560    # host cost of sending [T, D] image rows every step
 
 No model hub is reachable here, so the model is a random-weight ``Gemma3ForConditionalGeneration``
 built with transformers and saved with the test suite's tokenizer and image-processor config
@@ -149,6 +150,28 @@ class Arms:
         return statistics.median(ts)
 
 
+def pack_cost(D: int, repeats: int) -> None:
+    """What a step's image rows [T, D] float32 cost on the host when they travel packed with the
+    step's inputs (runner/packing.py), as every vision-language step's did before a text-only step
+    passed a zero buffer kept on the device: ``pack`` of 26 small int32 arrays with and without
+    the rows (and their [T] row indices), the median of 50-call means."""
+    from jaxllm.runner import packing
+    print("| T | D | rows (MiB) | pack with rows (ms) | pack without (ms) |")
+    print("|---|---|---|---|---|")
+    for T in (8, 64, 512, 2048):
+        small = [np.zeros(T, np.int32) for _ in range(8)] + [np.zeros(64, np.int32) for _ in range(18)]
+
+        def run(rows: bool) -> float:
+            t0 = time.perf_counter()
+            for _ in range(50):
+                packing.pack(small + ([np.full(T, -1, np.int32), np.zeros((T, D), np.float32)] if rows else []))
+            return (time.perf_counter() - t0) / 50
+        w = statistics.median(run(True) for _ in range(repeats))
+        wo = statistics.median(run(False) for _ in range(repeats))
+        print(f"| {T} | {D} | {T * D * 4 / 2**20:.1f} | {w * 1e3:.3f} | {wo * 1e3:.3f} |")
+    print(f"load {_load()}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=("real", "toy"), default="real")
@@ -158,7 +181,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--folder", default=None, help="where the checkpoint is built (default: under the temp dir)")
+    ap.add_argument("--pack-cost", type=int, default=None, metavar="D",
+                    help="instead: the host cost of packing [T, D] image rows into a step's inputs")
     a = ap.parse_args(argv)
+    if a.pack_cost:
+        pack_cost(a.pack_cost, max(a.repeats, 3))
+        return 0
     if a.requests < 8 + a.images * -(-8 // a.images):
         raise SystemExit("--requests too few: the c=8 TTFT needs 8 requests after a batch that covers every image")
     folder = a.folder or os.path.join(tempfile.gettempdir(), f"jaxllm-bench-images-{a.shape}")
