@@ -13,6 +13,7 @@ A preempted request's recompute asks again and is served from it while its image
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -52,6 +53,7 @@ class VisionEncoder:
                              if cache_tokens is None else cache_tokens)
         self.cached_tokens = 0     # rows held now, at most cache_tokens
         self.hits = self.misses = 0
+        self.seconds = 0.0         # spent running the encoder (a miss's program call, to its rows on the host)
         self.warm = False
 
     def compile(self) -> None:
@@ -82,8 +84,10 @@ class VisionEncoder:
             return rows
         self.misses += 1
         before = cc.counts()
+        t0 = time.perf_counter()
         prog = self._program(tuple(pixels.shape[-2:]))
         rows = np.asarray(prog(self.params, pixels[None].astype(np.float32)))[0]
+        self.seconds += time.perf_counter() - t0
         after = cc.counts()
         if self.warm and (after["traces"] > before["traces"] or after["compiles"] > before["compiles"]):
             msg = f"the vision encoder compiled {after['compiles'] - before['compiles']} programs after warm-up"
