@@ -421,7 +421,10 @@ class ModelRunner:
         # All of the step's inputs in one vector (runner/packing.py).  On one process the
         # compiled call takes it as numpy and transfers it in C++, cheaper again than
         # device_put's Python path; across processes each places its own shards.
-        words = packing.pack(dataclasses.replace(step.inputs, image_embeds=None))
+        inputs = step.inputs
+        if inputs.image_embeds is not None:   # the image rows go as their own argument (_image_rows)
+            inputs = dataclasses.replace(inputs, image_embeds=None)
+        words = packing.pack(inputs)
         if jax.process_count() > 1:
             words = self._put(words)
         if step.feed is not None:
