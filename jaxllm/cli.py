@@ -68,6 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "fp8 (= fp8_e4m3) or fp8_e5m2: the same memory holds ~2-4x the tokens")
     mem.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of shared prompt prefixes (default on; --no-enable-prefix-caching turns it off)")
+    mem.add_argument("--mm-encoder-cache-tokens", type=int, default=None,
+                   help="a vision-language model's encoder cache budget in image tokens, least recently used "
+                        "image evicted first (default: 64 images' tokens; 0: no cache)")
     mem.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="fcfs (arrival order), priority (lowest request priority first) or lpm "
                         "(longest cached prefix first)")
@@ -141,7 +144,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         kv_cache_memory_bytes=kv_bytes, num_blocks_override=args.num_gpu_blocks_override,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, mm_encoder_cache_tokens=args.mm_encoder_cache_tokens,
         scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend,
         sampler_backend=args.sampler_backend, scan_layers=args.scan_layers,

@@ -90,8 +90,16 @@ class CacheConfig:
     """Storage of the KV cache (``--kv-cache-dtype``): "auto" (the model dtype), "int8" (a
     float16 scale per token per KV head beside the values), "fp8" / "fp8_e4m3" or "fp8_e5m2"
     (scale 1.0, saturated): the same bytes hold ~2-4x the tokens (``layers/kv_quant.py``)."""
+    mm_encoder_cache_tokens: int | None = None
+    """A vision-language model's encoder cache budget, in encoder tokens (image rows of
+    [hidden] float32; ``--mm-encoder-cache-tokens``; vLLM's ``encoder_cache_size`` counts the
+    same unit): the least recently used image is evicted to fit.  None: 64 images' tokens;
+    0: no cache (every image encoded each time it is scheduled)."""
 
     def __post_init__(self):
+        m = self.mm_encoder_cache_tokens
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"--mm-encoder-cache-tokens must be a non-negative integer, got {m!r}")
         _positive("block_size", "--block-size", self.block_size, allow_none=False)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")

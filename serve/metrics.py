@@ -44,6 +44,10 @@ class _EngineMetrics:
         self.prefix_cache_hits = m._prefix_cache_hits.labels(*lv)
         self.seen_queries = 0
         self.seen_hits = 0
+        self.encoder_hits = m._encoder_hits.labels(*lv)
+        self.encoder_misses = m._encoder_misses.labels(*lv)
+        self.encoder_entries = m._encoder_entries.labels(*lv)
+        self.seen_encoder = (0, 0)
         self.spec_drafts = m._spec_drafts.labels(*lv)
         self.spec_draft_tokens = m._spec_draft_tokens.labels(*lv)
         self.spec_accepted = m._spec_accepted.labels(*lv)
@@ -87,6 +91,13 @@ class Metrics:
         self._prefix_cache_hits = Counter(
             "jaxllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens served from the cache.",
             labels, registry=r)
+        # A vision-language model's encoder cache (runner/vision.py), in images.
+        self._encoder_hits = Counter("jaxllm:encoder_cache_hits", "Images served from the encoder cache.",
+                                     labels, registry=r)
+        self._encoder_misses = Counter("jaxllm:encoder_cache_misses", "Images run through the vision encoder.",
+                                       labels, registry=r)
+        self._encoder_entries = Gauge("jaxllm:encoder_cache_entries", "Images held in the encoder cache.",
+                                      labels, registry=r)
         self._spec_drafts = Counter("jaxllm:spec_decode_num_drafts",
                                     "Speculative verifications that had proposals.", labels, registry=r)
         self._spec_draft_tokens = Counter("jaxllm:spec_decode_num_draft_tokens", "Proposed tokens verified.",
@@ -137,6 +148,12 @@ class Metrics:
             if s.prefix_cache_hits > m.seen_hits:
                 m.prefix_cache_hits.inc(s.prefix_cache_hits - m.seen_hits)
                 m.seen_hits = s.prefix_cache_hits
+            enc = (s.encoder_cache_hits, s.encoder_cache_misses)
+            for counter, new, seen in zip((m.encoder_hits, m.encoder_misses), enc, m.seen_encoder):
+                if new > seen:
+                    counter.inc(new - seen)
+            m.seen_encoder = tuple(max(a, b) for a, b in zip(enc, m.seen_encoder))
+            m.encoder_entries.set(s.encoder_cache_entries)
             spec = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
             for counter, new, seen in zip((m.spec_drafts, m.spec_draft_tokens, m.spec_accepted), spec, m.seen_spec):
                 if new > seen:

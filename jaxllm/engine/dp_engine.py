@@ -199,6 +199,9 @@ class DataParallelEngine:
             num_preemptions=sum(s.num_preemptions for s in ss),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in ss),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in ss),
+            encoder_cache_hits=sum(s.encoder_cache_hits for s in ss),
+            encoder_cache_misses=sum(s.encoder_cache_misses for s in ss),
+            encoder_cache_entries=sum(s.encoder_cache_entries for s in ss),
             max_loras=max(s.max_loras for s in ss),   # each replica has its own slots
             running_loras=tuple(dict.fromkeys(n for s in ss for n in s.running_loras)),
             waiting_loras=tuple(dict.fromkeys(n for s in ss for n in s.waiting_loras)))

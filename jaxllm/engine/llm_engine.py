@@ -74,6 +74,12 @@ class EngineStats:
     """The adapters of the running requests, by name, each once in order of first appearance ..."""
     waiting_loras: tuple[str, ...] = ()
     """... and of the waiting ones (vLLM's ``lora_requests_info`` labels)."""
+    encoder_cache_hits: int = 0
+    """A vision-language model's images served from the encoder cache since start (runner/vision.py) ..."""
+    encoder_cache_misses: int = 0
+    """... and encoded (a preempted request's recompute asks again: a hit or a miss) ..."""
+    encoder_cache_entries: int = 0
+    """... and the images in it now."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -220,7 +226,15 @@ class LLMEngine:
                            spec_num_accepted_tokens=spec.num_accepted_tokens,
                            spec_accepted_per_pos=tuple(spec.accepted_per_pos),
                            prompt_tokens_computed=sched.num_prompt_tokens_computed, block_size=kv.block_size,
-                           **self._lora_stats(sched))
+                           **self._lora_stats(sched), **self._encoder_stats())
+
+    def _encoder_stats(self) -> dict:
+        """The encoder cache's fields of ``EngineStats`` (none without a vision encoder)."""
+        vision = getattr(self.core.runner, "vision", None)
+        if vision is None:
+            return {}
+        return {"encoder_cache_hits": vision.hits, "encoder_cache_misses": vision.misses,
+                "encoder_cache_entries": len(vision.cache)}
 
     @staticmethod
     def _lora_stats(sched) -> dict:

@@ -10,6 +10,8 @@ it never traces or compiles (the runner's compile guard checks).
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import time
@@ -85,8 +87,11 @@ class CompilationManager:
         lo, hi = packing.span(inputs, inputs.sampling)
         step_fn = self.step_fn
 
-        def step(params, kv, sstate, words):   # words: the step's inputs, packing.pack'ed
-            return (*step_fn(params, kv, sstate, packing.unpack(words, inputs)), words[lo:hi])
+        def step(params, kv, sstate, words, *rows):   # words: the step's inputs, packing.pack'ed
+            unpacked = packing.unpack(words, inputs)
+            if rows:   # a vision-language step: its image rows [T, D] (runner/inputs.image_rows_spec)
+                unpacked = dataclasses.replace(unpacked, image_embeds=rows[0])
+            return (*step_fn(params, kv, sstate, unpacked), words[lo:hi])
 
         shardings = lambda t: jax.tree.map(lambda x: x.sharding, t)  # noqa: E731
         # logits, prompt logprobs, (a pooling step's pooled rows,) the sampling words: replicated
@@ -94,7 +99,8 @@ class CompilationManager:
         jitted = jax.jit(step, donate_argnums=(1, 2), out_shardings=(shardings(kv), shardings(sstate), *extra))
         words = jax.ShapeDtypeStruct((packing.num_words(inputs),), jnp.uint32, sharding=self._rep)
         with jax.set_mesh(self.mesh):
-            return jitted.lower(params, kv, sstate, words)
+            rows = rin.image_rows_spec(self.cfg, T, self._rep)
+            return jitted.lower(params, kv, sstate, words, *(() if rows is None else (rows,)))
 
     def lower_sampler(self, sstate, S: int):
         """The sampler of sequence bucket S: (sampler state, logits [S, V], packed sampling

@@ -186,7 +186,7 @@ def _image_inputs(seqs: list[tuple[str, int]], states: RequestStates, positions:
     T = len(positions)
     visible = positions.copy()
     row = np.full(T, -1, np.int32)
-    embeds = np.zeros((T, cfg.arch.hidden_size), np.float32)
+    embeds = None    # [T, D] made only for a step with image tokens (a text-only step: None)
     off = 0
     for rid, n in seqs:
         im = states[rid].images
@@ -196,8 +196,11 @@ def _image_inputs(seqs: list[tuple[str, int]], states: RequestStates, positions:
             visible[off:off + len(p)] = im.visible[p]
             r = im.row[p]
             at = off + np.nonzero(r >= 0)[0]
-            row[at] = at
-            embeds[at] = im.embeds[r[r >= 0]]
+            if len(at):
+                if embeds is None:
+                    embeds = np.zeros((T, cfg.arch.hidden_size), np.float32)
+                row[at] = at
+                embeds[at] = im.embeds[r[r >= 0]]
         off += n
     return {"visible": visible, "row": row, "embeds": embeds}
 
@@ -225,8 +228,14 @@ def input_spec(cfg: StepConfig, T: int, S: int, sharding) -> StepInputs:
         lora_slots=sds((T,)) if cfg.max_loras else None,
         lora_used=sds((cfg.max_loras,)) if cfg.max_loras else None,
         image_row=sds((T,)) if cfg.images else None,
-        image_embeds=jax.ShapeDtypeStruct((T, cfg.arch.hidden_size), jnp.float32, sharding=sharding)
-        if cfg.images else None)
+        image_embeds=None)    # not packed: the step's own argument (image_rows_spec)
+
+
+def image_rows_spec(cfg: StepConfig, T: int, sharding) -> jax.ShapeDtypeStruct | None:
+    """A vision-language step's image rows [T, D] float32, an argument of their own beside the
+    packed words: a text-only step passes a zero buffer kept on the device instead of sending
+    T x D floats (5 MiB for a 512-token step at D 2560) every step."""
+    return jax.ShapeDtypeStruct((T, cfg.arch.hidden_size), jnp.float32, sharding=sharding) if cfg.images else None
 
 
 def used_slots(lora_slots: np.ndarray, max_loras: int) -> np.ndarray:

@@ -25,6 +25,8 @@ steps synchronously.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import logging
 import time
@@ -92,14 +94,15 @@ class ModelRunner:
                  program_dir: str | None = None, strict_compile_guard: bool = False, show_progress: bool = True,
                  grammar: GrammarCompiler | None = None, speculative_config: SpeculativeConfig | None = None,
                  draft: DraftModel | None = None, async_scheduling: bool = False,
-                 lora_store: AdapterStore | None = None):
+                 lora_store: AdapterStore | None = None, encoder_cache_tokens: int | None = None):
         """``num_blocks``: KV blocks per layer (None: allocated later, :meth:`allocate_kv`);
         ``program_dir``: where compiled programs are saved and loaded (None keeps none);
         ``grammar``: compiles structured-output constraints (None: the engine has no tokenizer);
         ``speculative_config``: speculation on (None: off), ``draft``: its draft model for
         ``method: draft_model``; ``async_scheduling``: steps are run by ``dispatch`` and
         ``collect`` (the module's docstring); ``lora_store``: where the adapters the scheduler
-        puts in slots are read from (with ``cfg.max_loras``)."""
+        puts in slots are read from (with ``cfg.max_loras``); ``encoder_cache_tokens``: a
+        vision-language model's encoder cache budget (runner/vision.py; None: its default)."""
         self.cfg = cfg
         self.arch = model.arch
         self.strict = strict_compile_guard
@@ -140,6 +143,7 @@ class ModelRunner:
         self.token_feed = (TokenFeed(cfg, self.sampler_rows.scratch + 1, self._rep)
                            if async_scheduling and not cfg.pooling_type else None)
         self.grammars = GrammarStates(grammar, model.arch.vocab_size)
+        self._zero_image_rows: dict[int, jax.Array] = {}   # T -> [T, D] zeros on the device (_image_rows)
         self._all_allowed: dict[int, jax.Array] = {}   # S -> [S, W] all-ones bitmask on the device
         # Multi-process programs are not saved: each host would load its own copy unchecked.
         programs = ProgramCache(program_dir if jax.process_count() == 1 else None, self.mesh.devices.flat)
@@ -148,7 +152,8 @@ class ModelRunner:
         # A vision-language model: its image encoder, a program of its own (runner/vision.py).
         vision = get_family(model.arch.architecture).vision
         self.vision = (None if model.vision is None or not cfg.images
-                       else VisionEncoder(vision, model.vision, self._rep, strict_compile_guard))
+                       else VisionEncoder(vision, model.vision, self._rep, strict_compile_guard,
+                                          encoder_cache_tokens))
         self.warm = False
         self.step_seconds: dict[tuple[int, int], float] = {}
         self._cold: set[tuple[int, int]] = set()
@@ -428,14 +433,18 @@ class ModelRunner:
         # All of the step's inputs in one vector (runner/packing.py).  On one process the
         # compiled call takes it as numpy and transfers it in C++, cheaper again than
         # device_put's Python path; across processes each places its own shards.
-        words = packing.pack(step.inputs)
+        inputs = step.inputs
+        if inputs.image_embeds is not None:   # the image rows go as their own argument (_image_rows)
+            inputs = dataclasses.replace(inputs, image_embeds=None)
+        words = packing.pack(inputs)
         if jax.process_count() > 1:
             words = self._put(words)
         if step.feed is not None:
             words = self.token_feed.apply(step.bucket, words, step.feed)
+        image_rows = () if not self.cfg.images else (self._image_rows(step),)
         # ``pooled``: a pooling engine's step's one more output (runner/step.py), else empty.
         self.kv, rows.state, logits, plp, *pooled, sampling_words = self.compiler.steps[step.bucket](
-            self.params, self.kv, rows.state, words)
+            self.params, self.kv, rows.state, words, *image_rows)
         S = step.bucket[1]
         if self.cfg.pooling_type:
             # A pooling step samples nothing (the scheduler ends its requests with the pooled
@@ -457,6 +466,18 @@ class ModelRunner:
             self.token_feed.record(S, step.inputs.sampling.slot, out.token_ids)
         return (out.token_ids, out.sampled_logprob, out.sampled_rank, out.top_ids, out.top_logprobs, out.emitted,
                 plp if step.prompt_plan else None, pooled[0] if pooled else None)
+
+    def _image_rows(self, step: PreparedStep):
+        """A vision-language step's image rows: its own [T, D] when it has image tokens, else the
+        bucket's zero buffer, made once and kept on the device (nothing sent)."""
+        embeds = step.inputs.image_embeds
+        if embeds is not None:
+            return embeds if jax.process_count() == 1 else self._put(embeds)
+        T = step.bucket[0]
+        zeros = self._zero_image_rows.get(T)
+        if zeros is None:
+            zeros = self._zero_image_rows[T] = self._put(np.zeros((T, self.arch.hidden_size), np.float32))
+        return zeros
 
     def _wait(self, outputs) -> list:
         """Waits for a launched step's outputs and reads them to the host (numpy)."""

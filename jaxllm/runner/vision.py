@@ -3,13 +3,17 @@
 resizes every image to one size: one program), and each request's image rows laid out for the
 step (``runner/inputs.py`` puts them at the placeholder tokens).
 
-An encoder cache keyed by the image's pixel hash keeps the rows of the last ``cache_images``
-images: the same image again is not encoded again (``hits`` / ``misses`` count it).
+An encoder cache keyed by the image's pixel hash keeps the rows of recently used images within
+a budget of ``cache_tokens`` encoder tokens (rows of [D] float32; ``--mm-encoder-cache-tokens``,
+vLLM's ``encoder_cache_size`` is in the same unit), evicting the least recently used image first:
+the same image again is not encoded again (``hits`` / ``misses`` count it; 0 tokens: no cache).
+A preempted request's recompute asks again and is served from it while its image is still there.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -36,14 +40,20 @@ class VisionEncoder:
     """``module``: the family's vision module (models/gemma3_vl/); ``weights``: its
     ``VisionWeights``; ``sharding``: where the encoder's parameters and inputs live."""
 
-    def __init__(self, module, weights, sharding, strict: bool, cache_images: int = 64):
+    DEFAULT_CACHE_IMAGES = 64
+    """Without a budget: room for this many images' tokens."""
+
+    def __init__(self, module, weights, sharding, strict: bool, cache_tokens: int | None = None):
         self.module, self.cfg, self.strict = module, weights.cfg, strict
         self.params = jax.device_put(module.load_params(weights.cfg, weights.tensors), sharding)
         self._sharding = sharding
         self._programs: dict[tuple[int, int], object] = {}
-        self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
-        self.cache_images = cache_images
+        self.cache: OrderedDict[str, np.ndarray] = OrderedDict()   # hash -> [tokens, D], oldest use first
+        self.cache_tokens = (self.DEFAULT_CACHE_IMAGES * weights.cfg.mm_tokens_per_image
+                             if cache_tokens is None else cache_tokens)
+        self.cached_tokens = 0     # rows held now, at most cache_tokens
         self.hits = self.misses = 0
+        self.seconds = 0.0         # spent running the encoder (a miss's program call, to its rows on the host)
         self.warm = False
 
     def compile(self) -> None:
@@ -51,8 +61,10 @@ class VisionEncoder:
         S = self.cfg.image_size
         self._program((S, S))
         self.warm = True
-        log.info("vision encoder: %dx%d px images -> %d tokens each; encoder cache of %d images",
-                 S, S, self.cfg.mm_tokens_per_image, self.cache_images)
+        n = self.cfg.mm_tokens_per_image
+        log.info("vision encoder: %dx%d px images -> %d tokens each; encoder cache budget %d tokens "
+                 "(%d images, %.1f MiB)", S, S, n, self.cache_tokens, self.cache_tokens // n,
+                 self.cache_tokens * self.cfg.text_hidden_size * 4 / 2**20)
 
     def _program(self, hw: tuple[int, int]):
         prog = self._programs.get(hw)
@@ -72,18 +84,22 @@ class VisionEncoder:
             return rows
         self.misses += 1
         before = cc.counts()
+        t0 = time.perf_counter()
         prog = self._program(tuple(pixels.shape[-2:]))
         rows = np.asarray(prog(self.params, pixels[None].astype(np.float32)))[0]
+        self.seconds += time.perf_counter() - t0
         after = cc.counts()
         if self.warm and (after["traces"] > before["traces"] or after["compiles"] > before["compiles"]):
             msg = f"the vision encoder compiled {after['compiles'] - before['compiles']} programs after warm-up"
             if self.strict:
                 raise CompileGuardError(msg)
             log.warning(msg)
-        if self.cache_images:
+        if len(rows) <= self.cache_tokens:
+            # least recently used out first, until the new image's rows fit the budget
+            while self.cached_tokens + len(rows) > self.cache_tokens:
+                self.cached_tokens -= len(self.cache.popitem(last=False)[1])
             self.cache[key] = rows
-            while len(self.cache) > self.cache_images:
-                self.cache.popitem(last=False)
+            self.cached_tokens += len(rows)
         return rows
 
     def request_images(self, images, num_prompt: int) -> RequestImages:

@@ -20,6 +20,7 @@ import base64
 import contextlib
 import io
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -44,9 +45,14 @@ def _image(seed: int, w: int = 70, h: int = 40) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+def vl_checkpoint(tmp_path_factory):
     hf = tiny_model()
-    path = save_vl_checkpoint(hf, str(tmp_path_factory.mktemp("gemma3_vl")))
+    return hf, save_vl_checkpoint(hf, str(tmp_path_factory.mktemp("gemma3_vl")))
+
+
+@pytest.fixture(scope="module")
+def vl(vl_checkpoint):
+    hf, path = vl_checkpoint
     llm = LLM(path, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, dtype="float32", block_size=4,
               strict_compile_guard=True, show_progress=False)
     processor = hf_processor(path)
@@ -87,11 +93,15 @@ def test_generate_with_images_equals_transformers(vl):
     assert outs[1].prompt_token_ids.count(NEWLINES["\n\n"]) == 2, "an image's newlines are tokens here"
     # The same image again: the encoder cache and the prefix cache (its hash is in the salt)
     # serve it, tokens unchanged; the same text with another image shares no cached block.
-    hits = vision.hits
+    before = llm.llm_engine.get_stats()
     again = llm.generate({"prompt": ONE, "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)[0]
-    assert vision.hits == hits + 1
+    after = llm.llm_engine.get_stats()
+    assert (after.encoder_cache_hits, after.encoder_cache_misses) == (
+        before.encoder_cache_hits + 1, before.encoder_cache_misses), "the same image must not be encoded again"
+    assert after.encoder_cache_entries == len(vision.cache) == 2
     assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids
     assert again.num_cached_tokens > 0
+    assert after.prefix_cache_hits - before.prefix_cache_hits == again.num_cached_tokens
     other = llm.generate({"prompt": ONE, "multi_modal_data": {"image": _image(3)}}, GREEDY, use_tqdm=False)[0]
     assert other.num_cached_tokens == 0
     with pytest.raises(ValueError, match=r"multi_modal_data: 2 image\(s\) but the prompt has 1"):
@@ -106,6 +116,39 @@ def test_image_and_text_requests_batched_equal_each_alone(vl):
     alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (text, image)]
     both = [o.outputs[0].token_ids for o in llm.generate([text, image], GREEDY, use_tqdm=False)]
     assert both == alone
+    # the steps without image tokens (the decodes, the text prompt's) sent no [T, D] rows: they
+    # passed a zero buffer kept on the device per token bucket (runner/model_runner._image_rows)
+    zeros = llm.llm_engine.core.runner._zero_image_rows
+    assert zeros and all(isinstance(z, jax.Array) and z.shape == (T, 64) and not np.asarray(z).any()
+                         for T, z in zeros.items())
+
+
+def test_image_request_preempted_recomputes_its_image_rows(vl_checkpoint):
+    # A KV pool of 16 usable blocks of 4 (one 64-token sequence): the text request (10 blocks
+    # at its end) and the two-image one (15) each fit alone, not together, so the later one,
+    # the image request, is preempted and recomputed from token 0 -- its image rows merged
+    # again (from the encoder cache).  No prefix caching: the recompute cannot skip them.
+    _, path = vl_checkpoint
+    llm = LLM(path, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, dtype="float32", block_size=4,
+              num_gpu_blocks_override=17, enable_prefix_caching=False, strict_compile_guard=True,
+              show_progress=False)
+    engine = llm.llm_engine
+    text = "describe the cat and the dog ."
+    image = {"prompt": TWO, "multi_modal_data": {"image": [_image(7), _image(8, 30, 80)]}}
+    alone = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in (text, image)]
+    before = engine.get_stats()
+    assert before.num_preemptions == 0, "each request alone must fit the pool"
+    both = llm.generate([text, image], GREEDY, use_tqdm=False)
+    after = engine.get_stats()
+    assert after.num_preemptions > 0, "the pool was meant to force a preemption"
+    assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in alone]
+    # each admission (the first and one per preemption, all of the image request: the later
+    # one) asked for its 2 images: served by the encoder cache, never encoded again
+    assert after.encoder_cache_hits - before.encoder_cache_hits == 2 * (1 + after.num_preemptions)
+    assert after.encoder_cache_misses == before.encoder_cache_misses == 2
+    # its prompt (image tokens included) was run through the model again
+    prompts = sum(len(o.prompt_token_ids) for o in both)
+    assert after.prompt_tokens_computed - before.prompt_tokens_computed > prompts
 
 
 def test_readme_image_example_runs_as_written(vl):
@@ -159,5 +202,16 @@ def test_chat_and_served_chat_with_an_image_url_equal_transformers(vl):
         r = client.chat.completions.create(model="tiny-vl", messages=_messages(url), max_tokens=32, temperature=0,
                                            extra_body={"ignore_eos": True}, logprobs=True)
         assert [tok.convert_tokens_to_ids(t.token) for t in r.choices[0].logprobs.content] == ref
+        # the image llm.chat sent: /metrics shows the encoder cache's hit and the prefix cache's
+        import httpx
+        page = httpx.get(srv.base + "/metrics", timeout=30).text
+        s = llm.llm_engine.get_stats()
+        for name, value in (("jaxllm:encoder_cache_hits_total", s.encoder_cache_hits),
+                            ("jaxllm:encoder_cache_misses_total", s.encoder_cache_misses),
+                            ("jaxllm:encoder_cache_entries", s.encoder_cache_entries),
+                            ("jaxllm:prefix_cache_hits_total", s.prefix_cache_hits)):
+            (line,) = [ln for ln in page.splitlines() if ln.startswith(name + "{")]
+            assert float(line.rsplit(" ", 1)[1]) == value > 0, line
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
     finally:
         srv.stop()
