@@ -251,6 +251,40 @@ def test_one_engine_and_data_parallel_offer_the_same_interface():
         assert hasattr(DataParallelEngine, m), m
 
 
+class FakeStore:
+    """A replica's AdapterStore as the registry uses it: ``get`` reads (or refuses), ``drop`` forgets."""
+
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+        self.held: set[int] = set()
+
+    def get(self, lora):
+        if self.refuse:
+            raise ValueError(f"LoRA adapter at lora_path={lora.lora_path!r}: no such folder")
+        self.held.add(lora.lora_int_id)
+
+    def drop(self, lora_int_id):
+        held = lora_int_id in self.held
+        self.held.discard(lora_int_id)
+        return held
+
+
+def test_runtime_lora_load_reaches_every_replica_or_none():
+    from serve.lora import LoRARegistry
+
+    stores = [FakeStore(), FakeStore(), FakeStore()]
+    reg = LoRARegistry(stores, "tiny")
+    lora = reg.add("c8", "/adapters/c8")
+    assert [s.held for s in stores] == [{lora.lora_int_id}] * 3 and reg.names() == ["c8"]
+    # The last replica refuses: the error is the load's (a 400 naming lora_path), and the
+    # replicas that read it before forget it.
+    stores[2].refuse = True
+    with pytest.raises(ValueError, match="lora_path="):
+        reg.add("d8", "/adapters/d8")
+    assert [s.held for s in stores] == [{lora.lora_int_id}] * 3 and reg.names() == ["c8"]
+    assert not LoRARegistry((), "tiny").enabled
+
+
 def test_offline_llm_refuses_data_parallel():
     from jaxllm import LLM
     with pytest.raises(ValueError, match=r"jaxllm serve -dp"):
