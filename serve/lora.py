@@ -5,7 +5,12 @@ select by ``"model": NAME``, and the runtime ``POST /v1/load_lora_adapter`` /
 or ``JAXLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; otherwise those routes are 404, as in vLLM).
 
 The engine does the work (jaxllm/lora/): an adapter is read and checked by the engine's
-adapter store, put in a device slot by the scheduler, and never compiles anything.  Unloading
+adapter store, put in a device slot by the scheduler, and never compiles anything.  Under
+``-dp N`` each replica has its own store: a load reads the adapter into every one of them (a
+replica reading it later, from a folder changed or gone since, would fail its step), and one
+that fails is dropped from those that succeeded before the 400, so a load reaches every
+replica or none.  The name is resolved here, before routing, so an unload reaches every
+replica at once (the 404 does not depend on where a request would go).  Unloading
 removes the name from the server (new requests get a 404); a request already running keeps
 its adapter, and its slot is reclaimed by the scheduler's LRU.  Every adapter gets a new
 integer id, so a name loaded again from another folder never reuses the old weights.
@@ -97,15 +102,15 @@ def runtime_updates_allowed(environ=os.environ) -> bool:
 class LoRARegistry:
     """The adapters this server answers to: name -> LoRARequest (each with a fresh integer id)."""
 
-    def __init__(self, store, base_model_name: str):
-        self._store = store              # the engine's AdapterStore; None: the engine runs without LoRA
+    def __init__(self, stores, base_model_name: str):
+        self._stores = tuple(stores)     # each replica's AdapterStore; empty: the engine runs without LoRA
         self.base_model_name = base_model_name
         self._by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
 
     @property
     def enabled(self) -> bool:
-        return self._store is not None
+        return bool(self._stores)
 
     def names(self) -> list[str]:
         return list(self._by_name)
@@ -117,11 +122,18 @@ class LoRARegistry:
         return None if name is None else self._by_name.get(name)
 
     def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
-        """Reads and checks the adapter (ValueError naming ``lora_path`` when the model cannot take it)."""
-        if self._store is None:
+        """Reads and checks the adapter into every replica's store (ValueError naming
+        ``lora_path`` when the model cannot take it; then no replica keeps it)."""
+        if not self._stores:
             raise ValueError("LoRA adapters need a server started with --enable-lora")
         lora = LoRARequest(name, next(self._ids), path, base_model_name)
-        self._store.get(lora)
+        for i, store in enumerate(self._stores):
+            try:
+                store.get(lora)
+            except Exception:
+                for done in self._stores[:i]:   # all or nothing
+                    done.drop(lora.lora_int_id)
+                raise
         self._by_name[name] = lora
         return lora
 

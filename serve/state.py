@@ -146,7 +146,7 @@ class ServerState:
         if metrics is None:
             metrics = Metrics(names[0], None if config.disable_log_stats else config.log_stats_interval)
         tool_parser, reasoning_parser = resolve_parsers(config)
-        loras = LoRARegistry(getattr(engine.input_processor, "lora_store", None), names[0])
+        loras = LoRARegistry(engine.lora_stores, names[0])
         load_static(loras, config.lora_modules)
         return cls(engine=engine, config=config, served_names=tuple(names), defaults=defaults, metrics=metrics,
                    chat_template=resolve_chat_template(config.chat_template), tool_parser=tool_parser,

@@ -253,6 +253,12 @@ class AsyncEngine:
         return self.engine.input_processor
 
     @property
+    def lora_stores(self) -> tuple:
+        """This engine's adapter store, alone; empty without LoRA."""
+        store = self.engine.input_processor.lora_store
+        return () if store is None else (store,)
+
+    @property
     def error(self) -> BaseException | None:
         """The exception that killed the engine, or None."""
         return self._error

@@ -168,6 +168,11 @@ class DataParallelEngine:
         return self.replicas[0].input_processor
 
     @property
+    def lora_stores(self) -> tuple:
+        """Each replica's adapter store: a runtime load reads the adapter into all of them."""
+        return tuple(s for r in self.replicas for s in r.lora_stores)
+
+    @property
     def error(self) -> BaseException | None:
         """The exception that killed the first dead replica, or None."""
         return next((r.error for r in self.replicas if r.error is not None), None)

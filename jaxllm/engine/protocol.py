@@ -69,6 +69,12 @@ class EngineClient(Protocol):
         """``process_inputs(request_id, prompt, params, priority=...)`` -> the request
         :meth:`add_request` takes (ValueError naming what is wrong); ``check_params``."""
 
+    @property
+    def lora_stores(self) -> tuple:
+        """Every replica's adapter store (``jaxllm.lora.store.AdapterStore``), in replica order;
+        empty when the engine runs without LoRA.  A runtime ``load_lora_adapter`` reads the
+        adapter into each, so it reaches every replica or none."""
+
     def add_request(self, request: EngineRequest, *, kind: OutputKind = OutputKind.DELTA) -> OutputStream:
         """Queues a processed request.  EngineDeadError when the engine cannot take it."""
 

@@ -6,6 +6,10 @@ without a device.  The end-to-end test starts ``jaxllm serve -dp 2 --enable-lora
 would, sends concurrent greedy completions naming the base and two adapters, checks each equals
 the single engine's output (an adapter's: transformers + peft's, the LoRA tests' oracle) and
 that both replicas served (``jaxllm:request_success_total{engine="0"|"1"}`` in /metrics).
+The same server allows runtime LoRA updates: an adapter loaded with ``/v1/load_lora_adapter``
+(its folder deleted right after, so a replica that did not read it at load time fails) serves
+concurrent requests on both replicas, each equal to transformers + peft; unloaded, a request
+naming it is a 404 whichever replica it would go to; neither compiles anything.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import asyncio
 import gc
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -246,6 +251,40 @@ def test_one_engine_and_data_parallel_offer_the_same_interface():
         assert hasattr(DataParallelEngine, m), m
 
 
+class FakeStore:
+    """A replica's AdapterStore as the registry uses it: ``get`` reads (or refuses), ``drop`` forgets."""
+
+    def __init__(self, refuse: bool = False):
+        self.refuse = refuse
+        self.held: set[int] = set()
+
+    def get(self, lora):
+        if self.refuse:
+            raise ValueError(f"LoRA adapter at lora_path={lora.lora_path!r}: no such folder")
+        self.held.add(lora.lora_int_id)
+
+    def drop(self, lora_int_id):
+        held = lora_int_id in self.held
+        self.held.discard(lora_int_id)
+        return held
+
+
+def test_runtime_lora_load_reaches_every_replica_or_none():
+    from serve.lora import LoRARegistry
+
+    stores = [FakeStore(), FakeStore(), FakeStore()]
+    reg = LoRARegistry(stores, "tiny")
+    lora = reg.add("c8", "/adapters/c8")
+    assert [s.held for s in stores] == [{lora.lora_int_id}] * 3 and reg.names() == ["c8"]
+    # The last replica refuses: the error is the load's (a 400 naming lora_path), and the
+    # replicas that read it before forget it.
+    stores[2].refuse = True
+    with pytest.raises(ValueError, match="lora_path="):
+        reg.add("d8", "/adapters/d8")
+    assert [s.held for s in stores] == [{lora.lora_int_id}] * 3 and reg.names() == ["c8"]
+    assert not LoRARegistry((), "tiny").enabled
+
+
 def test_offline_llm_refuses_data_parallel():
     from jaxllm import LLM
     with pytest.raises(ValueError, match=r"jaxllm serve -dp"):
@@ -272,22 +311,54 @@ def test_bad_data_parallel_size_exits_2(tiny_llama, capsys):
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, tmp_path_factory):
-    """Two peft adapters of the tiny Llama (ranks 4 and 8): name -> folder."""
+    """Three peft adapters of the tiny Llama (ranks 4, 8, 8): name -> folder (c8 is loaded at runtime)."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     root = tmp_path_factory.mktemp("dp_lora")
-    return {n: save_adapter(model, str(root / n), seed=i + 1, **ADAPTERS[n]) for i, n in enumerate(("a4", "b8"))}
+    return {n: save_adapter(model, str(root / n), seed=i + 1, **ADAPTERS[n]) for i, n in enumerate(("a4", "b8", "c8"))}
 
 
-def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, tiny_llm, adapters):
+def served_per_replica(base: str) -> tuple[dict[str, float], str]:
+    """``{engine label: requests finished by length}`` from /metrics, and the metrics text."""
+    metrics = httpx.get(base + "/metrics", timeout=10).text
+    served: dict[str, float] = {}
+    for m in re.finditer(r'^jaxllm:request_success_total\{(.*)\} (\S+)$', metrics, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels["finished_reason"] == "length":
+            served[labels["engine"]] = float(m.group(2))
+    return served, metrics
+
+
+def concurrent_completions(base: str, bodies: list[dict]) -> list:
+    """POSTs every body to /v1/completions at once (a barrier), one thread each; the responses."""
+    results: list = [None] * len(bodies)
+    barrier = threading.Barrier(len(bodies))
+
+    def one(i):
+        with httpx.Client(base_url=base, timeout=120) as c:
+            barrier.wait()
+            results[i] = c.post("/v1/completions", json=bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    return results
+
+
+def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, tiny_llm, adapters, tmp_path):
     port = free_port()
+    static = {n: adapters[n] for n in ("a4", "b8")}
+    # --max-cpu-loras 3: every replica keeps the runtime adapter read (the static two and it).
     cmd = [sys.executable, "-m", "jaxllm.cli", "serve", tiny_llama, "--host", "127.0.0.1", "--port", str(port),
            "--served-model-name", "tiny", "--data-parallel-size", "2", *SERVE_FLAGS,
-           "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-           "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
+           "--lora-modules", *(f"{n}={p}" for n, p in static.items())]
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
@@ -308,43 +379,55 @@ def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, 
     peft_ref = hf_greedy(tiny_llama, adapters, prompts, n_lora)
     changed = [peft_ref[(model_of[i % 3], i)] != ref[i][:n_lora] for i in range(n) if i % 3]
     assert any(changed), "the adapters leave the tiny model's tokens as they were"
+    base_ref = [t[:n_lora] for t in ref]
     for i in range(n):
         if i % 3:
             ref[i] = peft_ref[(model_of[i % 3], i)]
     try:
         wait_for_health(proc, base, lines, timeout=240)
 
-        results: list = [None] * n
-        barrier = threading.Barrier(n)
-
-        def one(i):
-            with httpx.Client(base_url=base, timeout=120) as c:
-                barrier.wait()
-                r = c.post("/v1/completions", json={"model": model_of[i % 3], "prompt": prompts[i],
-                                                    "max_tokens": max_tokens if i % 3 == 0 else n_lora,
-                                                    "temperature": 0, "ignore_eos": True, "return_token_ids": True})
-                results[i] = r
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
+        results = concurrent_completions(base, [
+            {"model": model_of[i % 3], "prompt": prompts[i], "max_tokens": max_tokens if i % 3 == 0 else n_lora,
+             "temperature": 0, "ignore_eos": True, "return_token_ids": True} for i in range(n)])
         for i, r in enumerate(results):
             assert r is not None and r.status_code == 200, (i, r and r.text)
             assert r.json()["choices"][0]["token_ids"] == ref[i], f"prompt {i} ({model_of[i % 3]}) differs"
 
-        metrics = httpx.get(base + "/metrics", timeout=10).text
-        served = {}
-        for m in re.finditer(r'^jaxllm:request_success_total\{(.*)\} (\S+)$', metrics, re.M):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-            if labels["finished_reason"] == "length":
-                served[labels["engine"]] = float(m.group(2))
+        served, metrics = served_per_replica(base)
         assert sum(served.values()) == n, metrics
         assert served.get("0", 0) > 0 and served.get("1", 0) > 0, f"requests per replica: {served}"
         for g in ("jaxllm:num_requests_running", "jaxllm:num_requests_waiting"):
             vals = re.findall(rf'^{g}\{{.*\}} (\S+)$', metrics, re.M)
             assert len(vals) == 2 and all(float(v) == 0 for v in vals), (g, vals)
+
+        # Runtime load: the adapter's folder is gone once the load answered, so a replica that
+        # was not given it at load time cannot read it when a request names it.
+        runtime = str(tmp_path / "c8")
+        shutil.copytree(adapters["c8"], runtime)
+        r = httpx.post(base + "/v1/load_lora_adapter", json={"lora_name": "c8", "lora_path": runtime}, timeout=60)
+        assert r.status_code == 200, r.text
+        shutil.rmtree(runtime)
+        k = 4   # concurrent: two per replica
+        c8_ref = [peft_ref[("c8", i)] for i in range(k)]
+        assert any(c8_ref[i] != base_ref[i] for i in range(k)), "c8 leaves the tiny model's tokens as they were"
+        results = concurrent_completions(base, [
+            {"model": "c8", "prompt": prompts[i], "max_tokens": n_lora, "temperature": 0, "ignore_eos": True,
+             "return_token_ids": True} for i in range(k)])
+        for i, r in enumerate(results):
+            assert r is not None and r.status_code == 200, (i, r and r.text)
+            assert r.json()["choices"][0]["token_ids"] == c8_ref[i], f"prompt {i} (runtime c8) differs"
+        after, metrics = served_per_replica(base)
+        assert sum(after.values()) == n + k, metrics
+        assert after.get("0", 0) > served.get("0", 0) and after.get("1", 0) > served.get("1", 0), \
+            f"c8 requests per replica: {served} -> {after}"
+
+        # Unload: the name is gone for every replica (k concurrent requests, so both would get one).
+        r = httpx.post(base + "/v1/unload_lora_adapter", json={"lora_name": "c8"}, timeout=60)
+        assert r.status_code == 200, r.text
+        results = concurrent_completions(base, [{"model": "c8", "prompt": prompts[i], "max_tokens": 2}
+                                                for i in range(k)])
+        assert [r.status_code for r in results] == [404] * k, [r.text for r in results]
+        assert served_per_replica(base)[0] == after
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -356,4 +439,5 @@ def test_serve_dp2_outputs_equal_one_engine_and_both_replicas_serve(tiny_llama, 
         reader.join(5)
     log = "".join(lines)
     assert "data parallel: 2 replicas" in log, log
+    assert "programs after warm-up" not in log, log   # loading, serving and unloading c8 compiled nothing
     assert proc.returncode == 0, log
