@@ -11,7 +11,6 @@ it never traces or compiles (the runner's compile guard checks).
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
 import time
