@@ -5,6 +5,7 @@ process once (a segfault inside ``deserialize_executable``)."""
 from __future__ import annotations
 
 import threading
+import types
 import time
 
 from jaxllm.runner.compilation import CompilationManager
@@ -44,6 +45,7 @@ def test_loads_never_overlap_compiles():
     mgr = CompilationManager.__new__(CompilationManager)
     mgr.steps, mgr.samplers = {}, {}
     mgr.show_progress = False
+    mgr.cfg = types.SimpleNamespace(pooling_type=None)   # a generation engine: steps and samplers
     mgr._step_desc, mgr._sample_desc = "step", "sample"
     mgr.seconds, mgr.compiled, mgr.loaded = 0.0, 0, 0
     buckets = [(1, 1), (8, 4), (16, 4), (32, 8)]
