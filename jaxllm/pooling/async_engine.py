@@ -66,6 +66,11 @@ class AsyncPoolingEngine:
     def input_processor(self) -> "AsyncPoolingEngine":
         return self
 
+    @property
+    def lora_stores(self) -> tuple:
+        """A pooling engine runs no LoRA adapters: none to load into."""
+        return ()
+
     def check_params(self, params: SamplingParams) -> None:
         raise ValueError("a pooling model takes no sampling parameters")
 
