@@ -44,11 +44,14 @@ _printed: dict[str, str] = {}   # block where -> what it printed (for output-of-
 
 @pytest.fixture(scope="session")
 def bin_dir(tmp_path_factory):
-    """A folder with a ``jaxllm`` that runs this checkout's CLI on this interpreter."""
+    """A folder with a ``jaxllm`` that runs this checkout's CLI on this interpreter, and ``python``
+    / ``python3`` that are this interpreter (a block's ``python bench/...`` runs with the test's
+    packages whether or not the venv is first on ``PATH``)."""
     d = tmp_path_factory.mktemp("bin")
-    shim = d / "jaxllm"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m jaxllm.cli "$@"\n')
-    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    for name, args in (("jaxllm", " -m jaxllm.cli"), ("python", ""), ("python3", "")):
+        shim = d / name
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}"{args} "$@"\n')
+        shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
     return str(d)
 
 
