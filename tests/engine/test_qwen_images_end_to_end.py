@@ -31,7 +31,7 @@ from support.tiny_qwen3_5_vl import (IMAGE_TOKEN, VISION_END, VISION_START, hf_g
 from jaxllm import LLM, SamplingParams
 from jaxllm.cpu import native as cpu_native
 
-GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
 S, I, E = VISION_START, IMAGE_TOKEN, VISION_END
 ONE = [5, 17, S, I, E, 7, 8, 11]                       # the image's tokens start at 3: chunk 0-7 ends inside
 TWO = [5, S, I, E, 7, 8, S, I, E, 9, 11, 12]
@@ -68,9 +68,19 @@ def _messages(url: str) -> list[dict]:
                                          {"type": "text", "text": "picture ."}]}]
 
 
+_REFS: dict = {}
+
+
 def _reference(hf, prompt: list[int], images: list[Image.Image]):
     """transformers: its processor's pixels and grids, the placeholders expanded by the grids'
-    merged blocks, greedy generate -> (expanded ids, 32 tokens)."""
+    merged blocks, greedy generate -> (expanded ids, 32 tokens); kept for the other backend."""
+    key = (tuple(prompt), tuple(im.tobytes() + bytes(str(im.size), "ascii") for im in images))
+    if key not in _REFS:
+        _REFS[key] = _hf_reference(hf, prompt, images)
+    return _REFS[key]
+
+
+def _hf_reference(hf, prompt: list[int], images: list[Image.Image]):
     px = hf_processor()(images, return_tensors="np")
     grids = [tuple(g) for g in px["image_grid_thw"].tolist()]
     ids, k = [], 0
@@ -80,7 +90,17 @@ def _reference(hf, prompt: list[int], images: list[Image.Image]):
             k += 1
         else:
             ids.append(t)
-    return ids, hf_greedy_vl(hf, ids, px["pixel_values"], grids)[1]
+    logits, tokens = hf_greedy_vl(hf, ids, px["pixel_values"], grids)
+    last = logits[-1].astype(np.float64)
+    # the first token's logprob: the prefill's result itself, finer than greedy tokens
+    return ids, tokens, last[tokens[0]] - last.max() - np.log(np.exp(last - last.max()).sum())
+
+
+def _check(out, ref, what: str) -> None:
+    _, tokens, lp = ref
+    assert out.outputs[0].token_ids == tokens, f"{what}: tokens differ"
+    got = out.outputs[0].logprobs[0][tokens[0]].logprob
+    assert abs(got - lp) < 1e-4 * max(1.0, abs(lp)), f"{what}: first logprob {got} vs transformers' {lp}"
 
 
 def _generate(llm, cases):
@@ -101,10 +121,10 @@ def test_generate_with_images_equals_transformers_native(checkpoint, native_llm)
     assert sorted(vision._programs) == [16, 32, 64], "the encoder's patch buckets, compiled at start-up"
     outs = _generate(native_llm, CASES)
     for (prompt, images), out in zip(CASES, outs):
-        ids, ref = _reference(hf, prompt, images)
-        assert out.prompt_token_ids == ids, "placeholders expanded unlike transformers' grids"
-        assert out.outputs[0].token_ids == ref, f"{len(images)} image(s) of {[im.size for im in images]}: tokens differ"
-        assert len(set(ref)) > 3
+        ref = _reference(hf, prompt, images)
+        assert out.prompt_token_ids == ref[0], "placeholders expanded unlike transformers' grids"
+        _check(out, ref, f"{len(images)} image(s) of {[im.size for im in images]}")
+        assert len(set(ref[1])) > 3
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids, "two images gave the same tokens"
     assert len(outs[2].prompt_token_ids) == 30 and vision.misses == 2
     # the same image again: the encoder cache serves it (keyed by its pixels and grid), tokens unchanged
@@ -144,8 +164,9 @@ def test_chat_and_served_chat_with_an_image_url_equal_transformers(checkpoint, n
                                              {"type": "text", "text": "picture ."}]}]
     prompt = tok(tok.apply_chat_template(template, add_generation_prompt=True, tokenize=False),
                  add_special_tokens=False)["input_ids"]
-    _, ref = _reference(hf, prompt, [Image.open(io.BytesIO(png)).convert("RGB")])
-    assert native_llm.chat(_messages(url), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
+    ref = _reference(hf, prompt, [Image.open(io.BytesIO(png)).convert("RGB")])
+    _check(native_llm.chat(_messages(url), GREEDY, use_tqdm=False)[0], ref, "chat")
+    ref = ref[1]
 
     # The same engine served (the offline LLM is not used after this): the official client.
     import openai
@@ -168,4 +189,4 @@ def test_generate_with_images_equals_transformers_xla(checkpoint):
     assert llm.llm_engine.core.resolved.step.kernels.attention == "xla"
     cases = [CASES[0], CASES[2]]
     for (prompt, images), out in zip(cases, _generate(llm, cases)):
-        assert out.outputs[0].token_ids == _reference(hf, prompt, images)[1]
+        _check(out, _reference(hf, prompt, images), f"xla, {len(images)} image(s)")
