@@ -5,8 +5,7 @@ gives transformers' 32 greedy tokens (float32) with 1 and 2 images of two sizes,
 CPU kernels (``auto`` here) and on the XLA path.  The oracle's pixels and grids are transformers'
 ``Qwen2VLImageProcessorPil``'s; its prompt ids are written out (one image token per merged 2x2
 patch block); ``generate`` runs with its M-RoPE positions (``get_rope_index``).  ``LLM.chat``
-with an ``image_url`` part and the served chat (the official ``openai`` client) give the same
-tokens as transformers on the chat template's prompt.
+with an ``image_url`` part gives transformers' tokens on the chat template's prompt.
 
 The token budget (8) is smaller than the prompts, so prefill chunks end inside an image (its
 tokens attend causally: the runner slices the request's [3, P] positions per chunk) and the
@@ -24,7 +23,6 @@ import torch
 from PIL import Image
 
 from support.images import data_url, encode
-from support.serve_helpers import ServerThread
 from support.tiny_qwen3_5_vl import (IMAGE_TOKEN, VISION_END, VISION_START, hf_greedy_vl, hf_processor,
                                      save_vl_checkpoint, tiny_model)
 
@@ -154,33 +152,22 @@ def test_image_and_text_requests_batched_equal_each_alone(checkpoint, native_llm
     assert alone[0] == want[0, len(text):].tolist()
 
 
-def test_chat_and_served_chat_with_an_image_url_equal_transformers(checkpoint, native_llm):
-    # the chat template's "<|vision_start|><|image_pad|><|vision_end|>" expanded by the image's grid
+def test_chat_with_an_image_url_equals_transformers(checkpoint, native_llm):
+    # the chat template's "<|vision_start|><|image_pad|><|vision_end|>" expanded by the image's
+    # grid.  The server's chat builds the same engine prompt (serve/ -> multimodal/chat_parts.py):
+    # served through the openai client in tests/engine/test_images_end_to_end.py (Gemma 3).
     hf, _ = checkpoint
     tok = native_llm.get_tokenizer()
     png = encode(_image(6, 24, 40), "PNG")
-    url = data_url(png)
     template = [{"role": "user", "content": [{"type": "text", "text": "describe the"}, {"type": "image"},
                                              {"type": "text", "text": "picture ."}]}]
     prompt = tok(tok.apply_chat_template(template, add_generation_prompt=True, tokenize=False),
                  add_special_tokens=False)["input_ids"]
+    assert prompt.count(I) == 1 and prompt.count(S) == 1
     ref = _reference(hf, prompt, [Image.open(io.BytesIO(png)).convert("RGB")])
-    _check(native_llm.chat(_messages(url), GREEDY, use_tqdm=False)[0], ref, "chat")
-    ref = ref[1]
-
-    # The same engine served (the offline LLM is not used after this): the official client.
-    import openai
-    from jaxllm.config import ServingConfig
-    from jaxllm.engine.async_engine import AsyncEngine
-    srv = ServerThread(AsyncEngine(native_llm.llm_engine), ServingConfig(host="127.0.0.1", port=0,
-                                                                         served_model_names=("tiny-qwen-vl",)))
-    try:
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=120)
-        r = client.chat.completions.create(model="tiny-qwen-vl", messages=_messages(url), max_tokens=32,
-                                           temperature=0, extra_body={"ignore_eos": True}, logprobs=True)
-        assert [tok.convert_tokens_to_ids(t.token) for t in r.choices[0].logprobs.content] == ref
-    finally:
-        srv.stop()
+    out = native_llm.chat(_messages(data_url(png)), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ref[0]
+    _check(out, ref, "chat")
 
 
 def test_generate_with_images_equals_transformers_xla(checkpoint):
