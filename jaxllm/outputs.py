@@ -35,6 +35,8 @@ class NewRequestData:
     """The device slot of its LoRA adapter (-1: the base model)."""
     images: tuple = ()
     """Its ``request.ImageInput``s (a vision-language engine's runner encodes them)."""
+    mrope: object | None = None
+    """Its ``request.MRope`` (a Qwen prompt with images), or None."""
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,30 @@ class ImageInput:
     runner's vision encoder takes, and where its embeddings go in the prompt."""
 
     pixels: object
-    """float32 [3, H, W] numpy: the checkpoint's processor output."""
+    """float32 numpy, the checkpoint's processor output: [3, H, W] (Gemma 3), or the patch rows
+    [N, C*Tp*P*P] of a Qwen image (its ``grid``)."""
     hash: str
     """sha256 of ``pixels``: keys the encoder cache and, through the cache salt, the prefix cache."""
     start: int
     """Prompt position of its first placeholder token."""
     length: int
-    """Its placeholder tokens (one embedding row each), attending to each other both ways: a
-    prefill chunk never ends inside them (``Request.fit_images``)."""
+    """Its placeholder tokens (one embedding row each).  Unless ``causal``, they attend to each
+    other both ways: a prefill chunk never ends inside them (``Request.fit_images``)."""
+    grid: tuple[int, int, int] | None = None
+    """A Qwen image's patch grid (t, h, w) (``image_grid_thw``); None: a fixed-size image."""
+    causal: bool = False
+    """Its tokens attend causally like text (Qwen): a prefill chunk may end inside it."""
+
+
+@dataclass(frozen=True)
+class MRope:
+    """A Qwen prompt's multimodal rotary positions (models/qwen3_5_vl/positions.py), computed
+    once at the edge: the prompt's (t, h, w) positions, and the ``delta`` every later token adds
+    to its sequence index in all three streams (transformers' ``rope_deltas``)."""
+
+    positions: object
+    """int32 numpy [3, P], P the prompt's length."""
+    delta: int
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,8 @@ class EngineRequest:
     """The adapter it runs with (checked readable for this model), or None: the base model."""
     images: tuple[ImageInput, ...] = ()
     """Its images, in prompt order (a vision-language engine only)."""
+    mrope: MRope | None = None
+    """A Qwen prompt with images: its M-RoPE positions (None: positions are sequence indices)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -89,7 +107,7 @@ class Request:
                  eos_token_ids: tuple[int, ...] = (), seed: int = 0, arrival_time: float | None = None,
                  priority: int = 0, max_tokens: int = 16, cache_salt: str | None = None,
                  lora_request: LoRARequest | None = None, images: tuple[ImageInput, ...] = (),
-                 pooling: bool = False):
+                 pooling: bool = False, mrope: MRope | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -107,6 +125,8 @@ class Request:
         """Its adapter, or None (the base model)."""
         self.images = images
         """Its images (``EngineRequest.images``)."""
+        self.mrope = mrope
+        """Its M-RoPE positions (``EngineRequest.mrope``)."""
         self.lora_slot = -1
         """The device slot of its adapter while it runs (the scheduler's), -1: none."""
         self.output_token_ids: list[int] = []
@@ -135,7 +155,7 @@ class Request:
         return cls(child_id, request.prompt_token_ids, request.params, eos_token_ids=request.eos_token_ids,
                    seed=seed, arrival_time=request.arrival_time, priority=request.priority,
                    max_tokens=request.max_tokens, cache_salt=request.cache_salt,
-                   lora_request=request.lora_request, images=request.images)
+                   lora_request=request.lora_request, images=request.images, mrope=request.mrope)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -147,7 +167,7 @@ class Request:
         holds all of them); 0 when it starts inside one it cannot finish."""
         end = start + n
         for im in self.images:
-            if im.start < end < im.start + im.length:
+            if not im.causal and im.start < end < im.start + im.length:
                 return max(im.start - start, 0)
         return n
 

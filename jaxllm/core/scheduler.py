@@ -264,7 +264,8 @@ class Scheduler:
                     req_id=rid, token_ids=req.all_token_ids, num_prompt_tokens=req.num_prompt_tokens,
                     sampling_params=req.sampling_params, seed=req.seed,
                     block_ids=list(self.kv.get_block_ids(rid)),
-                    num_computed_tokens=req.num_computed_tokens, lora_slot=req.lora_slot, images=req.images))
+                    num_computed_tokens=req.num_computed_tokens, lora_slot=req.lora_slot, images=req.images,
+                    mrope=req.mrope))
             else:
                 cached.req_ids.append(rid)
                 cached.new_block_ids.append(new_blocks[rid])

@@ -23,9 +23,11 @@ from jaxllm.engine.processor import InputProcessor, PromptType
 from jaxllm.engine.tokenizer import encode, eos_token_ids, load_tokenizer
 from jaxllm.host_memory import return_freed_memory
 from jaxllm.lora.request import LoRARequest
+from jaxllm.models import qwen3_5_vl
 from jaxllm.models.builtin import BUILTIN_MODEL_NAME
 from jaxllm.models.loader import TokenizerSource, load_model
 from jaxllm.multimodal.prompt_images import PromptImages, newline_ids
+from jaxllm.multimodal.qwen_prompt_images import QwenPromptImages
 from jaxllm.outputs import RequestOutput, SchedulingEvent
 from jaxllm.parallel import distributed
 from jaxllm.paths import default_cache_dir
@@ -147,8 +149,12 @@ class LLMEngine:
         # (none without one: a token-ids prompt then gets the image blocks alone).
         newlines = () if self.tokenizer is None or model.vision is None else newline_ids(
             lambda text: encode(self.tokenizer, text, add_special_tokens=False))
-        images = (None if model.vision is None
-                  else PromptImages(model.vision, self.core.resolved.step.max_num_batched_tokens, newlines))
+        if model.vision is None:
+            images = None
+        elif isinstance(model.vision.cfg, qwen3_5_vl.VisionConfig):
+            images = QwenPromptImages(model.vision)      # variable grids, M-RoPE positions
+        else:
+            images = PromptImages(model.vision, self.core.resolved.step.max_num_batched_tokens, newlines)
         self.supports_images = images is not None
         del model  # host copies of the weights are no longer needed
         return_freed_memory()

@@ -20,6 +20,7 @@ from jaxllm.engine.tokenizer import encode
 from jaxllm.lora.request import LoRARequest
 from jaxllm.lora.store import AdapterStore
 from jaxllm.multimodal.prompt_images import PromptImages, image_salt
+from jaxllm.multimodal.qwen_prompt_images import QwenPromptImages
 from jaxllm.request import EngineRequest
 from jaxllm.sample.metadata import suppress_capacity_error
 from jaxllm.sampling_params import SamplingParams
@@ -42,7 +43,7 @@ class InvalidRequestError(ValueError):
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: tuple[int, ...],
                  max_logprobs: int, grammar=None, lora_store: AdapterStore | None = None,
-                 images: PromptImages | None = None):
+                 images: PromptImages | QwenPromptImages | None = None):
         """``grammar``: the engine's structured-output compiler (structured/grammar.py), or None;
         ``lora_store``: where adapters are read (None: the engine runs without LoRA);
         ``images``: a vision-language model's image preprocessing (None: a text-only model)."""
@@ -60,11 +61,12 @@ class InputProcessor:
         """Validates and tokenizes one request.  Raises :class:`InvalidRequestError` (a
         ValueError) naming what is wrong; nothing is queued anywhere."""
         text, ids, salt = self._parse(prompt)
-        images = ()
+        images, mrope = (), None
         mm = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if mm:
             try:
                 ids, images = self.images.process(ids, mm)
+                mrope = self.images.mrope(ids, images)      # Qwen's M-RoPE positions, once (None: Gemma's)
             except ValueError as e:
                 raise InvalidRequestError(str(e), "multi_modal_data") from None
             salt = image_salt(salt, images)
@@ -78,7 +80,7 @@ class InputProcessor:
                                       f"left of max_model_len={self.max_model_len} after the prompt), got "
                                       f"{resolved.min_tokens}.", "min_tokens")
         return EngineRequest(request_id, text, ids, resolved, max_tokens, self.eos_token_ids, priority=priority,
-                             cache_salt=salt, lora_request=lora_request, images=images,
+                             cache_salt=salt, lora_request=lora_request, images=images, mrope=mrope,
                              arrival_time=time.monotonic() if arrival_time is None else arrival_time)
 
     def _parse(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:

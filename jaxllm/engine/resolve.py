@@ -243,7 +243,8 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
                       max_logprobs=rc.max_logprobs, logprobs_mode=rc.logprobs_mode, use_fp64_gumbel=rc.use_fp64_gumbel,
                       kv_cache_dtype=kv_name, num_speculative_tokens=_num_speculative_tokens(config),
-                      images=model.vision is not None, pooling_type=rc.pooling_type or "",
+                      images=model.vision is not None,
+                      mrope=model.vision is not None and get_family(a.architecture).mrope, pooling_type=rc.pooling_type or "",
                       **_lora_slots(config, a))
     return ResolvedConfig(step=step, kv=kv, kv_sizing=sizing, compile_cache_dir=cache_dir)
 

@@ -51,7 +51,10 @@ class Family:
     ``lora/targets.py`` reads off its parameter table."""
     vision: ModuleType | None = None
     """A vision-language model's image side (``split_checkpoint``, ``encode``, placeholder
-    expansion: models/gemma3_vl/): the engine takes images (``supports_images``)."""
+    expansion: models/gemma3_vl/, models/qwen3_5_vl/): the engine takes images (``supports_images``)."""
+    mrope: bool = False
+    """With images, its forward takes M-RoPE ``rope_positions`` [3, T] (Qwen3.5): the engine's
+    step carries them (``StepConfig.mrope``)."""
 
 
 DECODER = Family(llama, config=llama.LlamaConfig, lora=True)
@@ -62,9 +65,8 @@ MLA = Family(deepseek, config=deepseek.DeepseekConfig, cache_kinds=deepseek.cach
              allocate_cache=deepseek.allocate_cache)
 HYBRID = Family(qwen3_next, config=qwen3_next.Qwen3NextConfig, cache_kinds=qwen3_next.cache_kinds,
                 allocate_cache=qwen3_next.allocate_cache, per_sequence_state=qwen3_next.PER_SEQUENCE_STATE)
-# Qwen3.5 with images: the hybrid text model; its vision side (models/qwen3_5_vl/) splits the
-# checkpoint and checks the tower, but hands the engine no image side yet (text only, images refused)
-HYBRID_VL = dataclasses.replace(HYBRID, vision=qwen3_5_vl)
+# Qwen3.5 with images: the hybrid text model with M-RoPE; its vision side (models/qwen3_5_vl/)
+HYBRID_VL = dataclasses.replace(HYBRID, vision=qwen3_5_vl, mrope=True)
 ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.IGNORED_TENSORS)
 CROSS_ENCODER = Family(bert, config=bert.BertConfig, pooling=True, ignored_tensors=bert.CLASSIFIER_IGNORED_TENSORS)
 MODERNBERT = Family(modernbert, config=modernbert.ModernBertConfig, pooling=True,

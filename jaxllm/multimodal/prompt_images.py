@@ -13,8 +13,9 @@ import os
 import numpy as np
 from PIL import Image
 
-from jaxllm.models.gemma3_vl import VisionWeights, expand_placeholders
+from jaxllm.models.gemma3_vl import expand_placeholders
 from jaxllm.multimodal.image_processor import ImageProcessorConfig, pixel_hash, preprocess
+from jaxllm.models.vision_common import VisionWeights
 from jaxllm.request import ImageInput
 
 
@@ -39,17 +40,14 @@ class PromptImages:
             raise ValueError(f"--max-num-batched-tokens {max_num_batched_tokens} is less than one image's "
                              f"{self.cfg.mm_tokens_per_image} tokens (one step holds a whole image)")
 
+    def mrope(self, ids: list[int], images: tuple[ImageInput, ...]) -> None:
+        """Gemma 3's positions are sequence indices: no M-RoPE."""
+        return None
+
     def process(self, ids: list[int], data) -> tuple[list[int], tuple[ImageInput, ...]]:
         """(prompt ids, ``multi_modal_data``) -> (the ids with each image's tokens, its images).
         ValueError naming what is wrong (a caller reports it as ``multi_modal_data``)."""
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            raise ValueError(f"multi_modal_data: only {{'image': PIL.Image | [PIL.Image, ...]}} is taken, got "
-                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
-        images = data.get("image")
-        images = list(images) if isinstance(images, (list, tuple)) else [images]
-        for i, im in enumerate(images):
-            if not isinstance(im, Image.Image):
-                raise ValueError(f"multi_modal_data image {i}: expected a PIL.Image.Image, got {type(im).__name__}")
+        images = pil_images(data)
         ids = expand_placeholders(self.cfg, ids, len(images), self.newlines)
         starts = [i for i, t in enumerate(ids) if t == self.cfg.image_token_id
                   and (i == 0 or ids[i - 1] != self.cfg.image_token_id)]
@@ -58,6 +56,19 @@ class PromptImages:
             pixels = preprocess(im, self.processor)                            # [3, S, S] float32
             out.append(ImageInput(pixels, pixel_hash(pixels), start, self.cfg.mm_tokens_per_image))
         return ids, tuple(out)
+
+
+def pil_images(data) -> list[Image.Image]:
+    """``multi_modal_data`` -> its images, in order; ValueError naming what is wrong."""
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        raise ValueError(f"multi_modal_data: only {{'image': PIL.Image | [PIL.Image, ...]}} is taken, got "
+                         f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+    images = data.get("image")
+    images = list(images) if isinstance(images, (list, tuple)) else [images]
+    for i, im in enumerate(images):
+        if not isinstance(im, Image.Image):
+            raise ValueError(f"multi_modal_data image {i}: expected a PIL.Image.Image, got {type(im).__name__}")
+    return images
 
 
 def newline_ids(encode, longest: int = 32) -> tuple[tuple[int, ...], ...]:

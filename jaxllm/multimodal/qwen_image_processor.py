@@ -85,6 +85,20 @@ class QwenImageProcessorConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def patch_buckets(cfg: QwenImageProcessorConfig) -> tuple[int, ...]:
+    """The patch counts the vision encoder is compiled for (runner/vision.py), ascending: powers
+    of two from the smallest image's patch count (``min_pixels``) up to the largest's
+    (``max_pixels``), at least one merge block.  The encoder's program depends on an image's grid
+    only through its patch count N (the grid's position taps, rotary angles and attention
+    segments are host-computed arrays), so an image runs padded to the first bucket >= N; one
+    larger than the last is refused (the input processor says so)."""
+    area = cfg.patch_size ** 2
+    lo = max(cfg.merge_size ** 2, -(-cfg.min_pixels // area))
+    hi = max(lo, cfg.max_pixels // area)
+    first = 1 << (lo - 1).bit_length()
+    return tuple(1 << k for k in range(first.bit_length() - 1, (hi - 1).bit_length() + 1))
+
+
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """(height, width) -> the resized (height, width): multiples of ``factor``, pixel count in
     [min_pixels, max_pixels], aspect ratio kept as closely as that allows (transformers' formula,

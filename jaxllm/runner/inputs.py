@@ -160,6 +160,7 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
         qsl[i + 1] = off
     qsl[len(seqs) + 1:] = off
     images = _image_inputs(seqs, states, positions, cfg) if cfg.images else {}
+    rope = rope_positions(seqs, states, positions) if cfg.mrope else None
     inputs = StepInputs(
         input_ids=input_ids,
         attn=AttentionMetadata(positions=positions, slot_mapping=slots, token_seq=token_seq,
@@ -172,7 +173,7 @@ def prepare_sequences(seqs: list[tuple[str, int]], spec: dict[str, list[int]], s
         state_slots=state_slots,
         lora_slots=lora_slots,
         lora_used=None if lora_slots is None else used_slots(lora_slots, cfg.max_loras),
-        image_row=images.get("row"), image_embeds=images.get("embeds"))
+        image_row=images.get("row"), image_embeds=images.get("embeds"), rope_positions=rope)
     return PreparedStep(bucket=(Tb, Sb), inputs=inputs, req_ids=tuple(rid for rid, _ in seqs), samples=tuple(samples),
                         prompt_plan=tuple(plan), drafts=tuple(drafts_of),
                         feed=feed if (feed >= 0).any() else None)
@@ -205,6 +206,24 @@ def _image_inputs(seqs: list[tuple[str, int]], states: RequestStates, positions:
     return {"visible": visible, "row": row, "embeds": embeds}
 
 
+def rope_positions(seqs: list[tuple[str, int]], states: RequestStates, positions: np.ndarray) -> np.ndarray:
+    """A step's M-RoPE positions int32 [3, T]: a prompt token of a request with images takes its
+    column of the request's precomputed positions (``request.MRope``), any later token (a
+    decode) its sequence index + the request's delta in all three streams; a text-only
+    request's and padding tokens, the sequence index."""
+    rope = np.broadcast_to(positions, (3, len(positions))).copy()           # [3, T]
+    off = 0
+    for rid, n in seqs:
+        m = states[rid].mrope
+        if m is not None:
+            pos = positions[off:off + n]                                     # this chunk's positions
+            P = m.positions.shape[1]
+            prompt = pos < P
+            rope[:, off:off + n] = np.where(prompt[None], m.positions[:, np.minimum(pos, P - 1)], pos + m.delta)
+        off += n
+    return rope
+
+
 def sampling_spec(S: int, sharding, draft_width: int = 0) -> SamplingMetadata:
     return smd.to_metadata({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
                             for k, v in smd.empty_metadata(S, draft_width).items()})
@@ -228,7 +247,8 @@ def input_spec(cfg: StepConfig, T: int, S: int, sharding) -> StepInputs:
         lora_slots=sds((T,)) if cfg.max_loras else None,
         lora_used=sds((cfg.max_loras,)) if cfg.max_loras else None,
         image_row=sds((T,)) if cfg.images else None,
-        image_embeds=None)    # not packed: the step's own argument (image_rows_spec)
+        image_embeds=None,    # not packed: the step's own argument (image_rows_spec)
+        rope_positions=sds((3, T)) if cfg.mrope else None)
 
 
 def image_rows_spec(cfg: StepConfig, T: int, sharding) -> jax.ShapeDtypeStruct | None:

@@ -53,6 +53,7 @@ from jaxllm.runner import packing, weights
 from jaxllm.runner.compilation import CompilationManager
 from jaxllm.runner.inputs import PreparedStep, num_rows, prepare_sequences
 from jaxllm.runner.program_cache import ProgramCache
+from jaxllm.runner.qwen_vision import QwenVisionEncoder
 from jaxllm.runner.requests import RequestState, RequestStates, SampledStep
 from jaxllm.runner.state_slots import StateSlots
 from jaxllm.runner.step_config import StepConfig
@@ -151,9 +152,10 @@ class ModelRunner:
                                            self.rules, programs, show_progress)
         # A vision-language model: its image encoder, a program of its own (runner/vision.py).
         vision = get_family(model.arch.architecture).vision
+        # Qwen3.5's variable image grids (M-RoPE) run padded to patch buckets (runner/qwen_vision.py).
+        encoder = QwenVisionEncoder if cfg.mrope else VisionEncoder
         self.vision = (None if model.vision is None or not cfg.images
-                       else VisionEncoder(vision, model.vision, self._rep, strict_compile_guard,
-                                          encoder_cache_tokens))
+                       else encoder(vision, model.vision, self._rep, strict_compile_guard, encoder_cache_tokens))
         self.warm = False
         self.step_seconds: dict[tuple[int, int], float] = {}
         self._cold: set[tuple[int, int]] = set()

@@ -40,6 +40,9 @@ class RequestState:
     images: object | None = None
     """A vision-language model's request with images: its encoded ``runner.vision.RequestImages``
     (set by the runner when the request is seated)."""
+    mrope: object | None = None
+    """A Qwen prompt with images: its ``request.MRope`` (the step's ``rope_positions``,
+    runner/inputs.py); None: every stream is the sequence index."""
     pool_sum: np.ndarray | None = None
     """MEAN pooling: the sum of its prompt's hidden states over the chunks run so far [D]."""
 
@@ -55,7 +58,7 @@ class RequestState:
         return cls(token_ids=list(nr.token_ids), num_prompt_tokens=nr.num_prompt_tokens,
                    block_ids=list(nr.block_ids), num_computed_tokens=nr.num_computed_tokens,
                    sampling=p, prompt_lps=[] if wants_plp else None, params=nr.sampling_params, seed=nr.seed,
-                   lora_slot=nr.lora_slot)
+                   lora_slot=nr.lora_slot, mrope=nr.mrope)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class StepInputs:
     lora_used: jax.Array | None = None    # [max_loras] int32, the distinct slots in lora_slots, then -1s
     image_row: jax.Array | None = None    # [T] int32, t for a token that takes image_embeds[t], else -1; None: no images
     image_embeds: jax.Array | None = None  # [T, D] float32, the image rows at their tokens (zeros elsewhere)
+    rope_positions: jax.Array | None = None  # [3, T] int32, M-RoPE (t, h, w) positions; None: no M-RoPE
 
 
 def make_step(cfg: StepConfig, model: ModuleType):
@@ -69,6 +70,9 @@ def make_step(cfg: StepConfig, model: ModuleType):
         if inputs.image_row is not None:
             # a vision-language model: the image tokens take the encoder's rows (runner/vision.py)
             extra["image_rows"] = (inputs.image_row, inputs.image_embeds)
+        if inputs.rope_positions is not None:
+            # Qwen3.5 with images: the rotary turns by the (t, h, w) positions (runner/inputs.py)
+            extra["rope_positions"] = inputs.rope_positions
         hidden, kv = model.forward(arch, params, kv, inputs.input_ids, inputs.attn, kernels, **extra)   # [T, D]
         if cfg.pooling_type:
             # A pooling step samples nothing (runner/model_runner.py runs no sampler after it):

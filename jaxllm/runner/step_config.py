@@ -48,6 +48,9 @@ class StepConfig:
     images: bool = False
     """A vision-language model: the step takes image rows and each token's ``visible_upto``
     (runner/inputs.py, runner/vision.py)."""
+    mrope: bool = False
+    """A model with multimodal rotary positions (Qwen3.5 with images): the step takes
+    ``rope_positions`` [3, T] (runner/inputs.py); other families compile nothing new."""
     pooling_type: str = ""
     """A pooling engine's step (``RunnerConfig.pooling_type``): "LAST" or "MEAN", the step also
     returns each sequence's pooled hidden state; "": generation, no extra output."""

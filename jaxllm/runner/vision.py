@@ -1,6 +1,6 @@
 """A vision-language model's image encoder on the device: the vision tower + projector
 (``Family.vision.encode``) as its own program, compiled ahead of time per image size (Gemma 3
-resizes every image to one size: one program), and each request's image rows laid out for the
+resizes every image to one size: one program; Qwen3.5's grids: ``runner/qwen_vision.py``), and each request's image rows laid out for the
 step (``runner/inputs.py`` puts them at the placeholder tokens).
 
 An encoder cache keyed by the image's pixel hash keeps the rows of recently used images within
@@ -38,10 +38,13 @@ class RequestImages:
 
 class VisionEncoder:
     """``module``: the family's vision module (models/gemma3_vl/); ``weights``: its
-    ``VisionWeights``; ``sharding``: where the encoder's parameters and inputs live."""
+    ``VisionWeights``; ``sharding``: where the encoder's parameters and inputs live.  Gemma 3's
+    encoder; Qwen3.5's (variable grids) is ``runner/qwen_vision.py``'s subclass."""
 
     DEFAULT_CACHE_IMAGES = 64
     """Without a budget: room for this many images' tokens."""
+    bidirectional = True
+    """An image's tokens see each other both ways in the text model (Gemma 3)."""
 
     def __init__(self, module, weights, sharding, strict: bool, cache_tokens: int | None = None):
         self.module, self.cfg, self.strict = module, weights.cfg, strict
@@ -49,12 +52,14 @@ class VisionEncoder:
         self._sharding = sharding
         self._programs: dict[tuple[int, int], object] = {}
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()   # hash -> [tokens, D], oldest use first
-        self.cache_tokens = (self.DEFAULT_CACHE_IMAGES * weights.cfg.mm_tokens_per_image
-                             if cache_tokens is None else cache_tokens)
+        self.cache_tokens = self.default_cache_tokens() if cache_tokens is None else cache_tokens
         self.cached_tokens = 0     # rows held now, at most cache_tokens
         self.hits = self.misses = 0
         self.seconds = 0.0         # spent running the encoder (a miss's program call, to its rows on the host)
         self.warm = False
+
+    def default_cache_tokens(self) -> int:
+        return self.DEFAULT_CACHE_IMAGES * self.cfg.mm_tokens_per_image
 
     def compile(self) -> None:
         """The encoder of the model's image size, compiled now (a server's start-up)."""
@@ -75,8 +80,14 @@ class VisionEncoder:
             prog = self._programs[hw] = jax.jit(lambda p, px: module.encode(cfg, p, px)).lower(params, spec).compile()
         return prog
 
-    def encode(self, pixels: np.ndarray, key: str) -> np.ndarray:
-        """pixels [3, H, W] -> its rows [mm_tokens_per_image, D] float32 (from the cache if seen)."""
+    def run(self, pixels: np.ndarray, grid) -> np.ndarray:
+        """One image through its compiled program: pixels [3, H, W] -> rows [mm_tokens_per_image, D]."""
+        prog = self._program(tuple(pixels.shape[-2:]))
+        return np.asarray(prog(self.params, pixels[None].astype(np.float32)))[0]
+
+    def encode(self, pixels: np.ndarray, key: str, grid=None) -> np.ndarray:
+        """One image (``grid``: a Qwen image's (t, h, w), else None) -> its rows [tokens, D]
+        float32 (from the cache if seen)."""
         rows = self.cache.get(key)
         if rows is not None:
             self.hits += 1
@@ -85,8 +96,7 @@ class VisionEncoder:
         self.misses += 1
         before = cc.counts()
         t0 = time.perf_counter()
-        prog = self._program(tuple(pixels.shape[-2:]))
-        rows = np.asarray(prog(self.params, pixels[None].astype(np.float32)))[0]
+        rows = self.run(pixels, grid)
         self.seconds += time.perf_counter() - t0
         after = cc.counts()
         if self.warm and (after["traces"] > before["traces"] or after["compiles"] > before["compiles"]):
@@ -108,10 +118,11 @@ class VisionEncoder:
         visible = np.arange(num_prompt, dtype=np.int32)
         embeds, n = [], 0
         for im in images:
-            e = self.encode(im.pixels, im.hash)                              # [length, D]
+            e = self.encode(im.pixels, im.hash, im.grid)                     # [length, D]
             span = slice(im.start, im.start + im.length)
             row[span] = np.arange(n, n + im.length, dtype=np.int32)
-            visible[span] = im.start + im.length - 1                         # bidirectional inside the image
+            if self.bidirectional:                                           # else causal, like text
+                visible[span] = im.start + im.length - 1
             embeds.append(e)
             n += im.length
         return RequestImages(row, visible, np.concatenate(embeds).astype(np.float32))

@@ -10,7 +10,7 @@ import pytest
 from jaxllm.core.kv_cache_manager import KVCacheManager
 from jaxllm.core.scheduler import Scheduler
 from jaxllm.outputs import EventKind, RunnerOutput, SchedulingEvent
-from jaxllm.request import Request, RequestStatus
+from jaxllm.request import ImageInput, Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
 from support.scheduler_steps import run_step
 
@@ -231,3 +231,13 @@ def test_pooling_requests_are_chunked_batched_and_end_at_their_last_chunk():
     so = s.schedule()
     with pytest.raises(RuntimeError, match="no pooled row"):
         s.update_from_output(so, RunnerOutput(["p2"], [[7]]))
+
+
+
+def test_a_prefill_chunk_ends_inside_a_causal_image_only():
+    # Gemma 3's image tokens see each other both ways: a chunk stops before the image; Qwen's
+    # attend causally (ImageInput.causal): a chunk may end inside one
+    for causal, want in ((False, 5), (True, 8)):
+        req = Request("r", list(range(10, 30)), SamplingParams(max_tokens=1),
+                      images=(ImageInput(None, "h", 5, 6, causal=causal),))
+        assert req.fit_images(0, 8) == want and req.fit_images(0, 11) == 11

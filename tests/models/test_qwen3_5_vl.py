@@ -5,9 +5,8 @@ grids are smaller and larger than the learned position grid, one image alone too
 placeholder expansion and M-RoPE positions equal transformers'; the text model (models/qwen3_next
 with the image rows and the 3D rotary, paged; XLA and the native CPU kernels) gives
 transformers' prompt logits and 32 greedy tokens with 1 and 2 images of two sizes (pixels from
-multimodal/qwen_image_processor.py); the config read off transformers' and refusals by name;
-the engine serves the checkpoint's text (32 greedy tokens = ``generate``) and refuses an image
-by name (its image path is not wired yet)."""
+multimodal/qwen_image_processor.py); the config read off transformers' and refusals by name.  Through the engine (text and images):
+tests/engine/test_qwen_images_end_to_end.py."""
 
 from __future__ import annotations
 
@@ -147,23 +146,3 @@ def test_greedy_equals_transformers(hf_vl, tower, paged, n_images, backend):
     assert arch.architecture == "Qwen3_5ForConditionalGeneration" and arch.hybrid.mrope_section == (2, 1, 1)
     np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-4 * np.abs(ref_logits).max())
     assert got == ref and len(set(ref)) > 3
-
-
-def test_engine_serves_text_and_refuses_images(hf_vl, vl_path):
-    # the engine's image path is Gemma 3's so far: this checkpoint serves text (prefilled over
-    # two steps), and an image is refused by name as to a text-only model
-    from PIL import Image
-    from jaxllm import LLM, SamplingParams
-    llm = LLM(vl_path, max_num_seqs=1, max_num_batched_tokens=16, max_model_len=64, dtype="float32",
-              strict_compile_guard=True, show_progress=False, skip_tokenizer_init=True)
-    prompt = np.random.default_rng(1).integers(0, 250, 20).tolist()
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                       use_tqdm=False)[0]
-    with torch.no_grad():
-        want = hf_vl.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
-    assert out.outputs[0].token_ids == want[0, 20:].tolist() and len(set(out.outputs[0].token_ids)) > 3
-    assert not llm.llm_engine.supports_images
-    with pytest.raises(ValueError, match="multi_modal_data: this model takes no images"):
-        image = Image.new("RGB", (8, 8))
-        llm.generate([{"prompt_token_ids": [5, 252, 250, 253], "multi_modal_data": {"image": image}}],
-                     SamplingParams(max_tokens=1), use_tqdm=False)

@@ -13,6 +13,11 @@ from support.tiny_hybrid import COMMON, widen
 
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 250, 251, 252, 253
 
+# the image processor the engine tests save with the checkpoint: 4 px patches, images resized
+# to 256..1024 px (16..64 patches: the encoder's patch buckets 16, 32, 64)
+PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2,
+                 size={"shortest_edge": 16 * 16, "longest_edge": 32 * 32})
+
 VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=4,
               spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
               hidden_act="gelu_pytorch_tanh")
@@ -44,6 +49,52 @@ def tiny_model(seed: int = 0) -> Qwen3_5ForConditionalGeneration:
     return model
 
 
+def hf_processor():
+    """transformers' torch-free Qwen image processor (the oracle's pixels and grids)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    return Qwen2VLImageProcessorPil(**PROCESSOR)
+
+
+WORDS = ["user", "assistant", "system", "what", "is", "in", "this", "image", "describe", "the", "picture", "a",
+         "cat", "dog", "and", "of", "?", "."]
+SPECIAL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|im_start|>", "<|im_end|>")
+# Qwen's chat template's shape: an image part is "<|vision_start|><|image_pad|><|vision_end|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %} "
+    "{% endfor %}{% endif %}<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def save_tokenizer(out_dir: str) -> None:
+    """A word-level tokenizer over the tiny vocabulary (320) with Qwen's vision tokens at the
+    config's ids (250-253) and a chat template that puts them where an image part is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<|endoftext|>": 1}
+    for i in range(2, 320):
+        vocab[WORDS[i - 2] if i - 2 < len(WORDS) else f"w{i}"] = i
+    for i, t in enumerate(SPECIAL):
+        del vocab[f"w{250 + i}"]
+        vocab[t] = 250 + i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.ByteLevel()   # a decoder llguidance knows (the server's structured outputs)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<pad>",
+                                   additional_special_tokens=list(SPECIAL))
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+
+def save_vl_checkpoint(model: Qwen3_5ForConditionalGeneration, out_dir: str) -> str:
+    """The whole checkpoint as jaxllm serves it: weights, tokenizer, ``hf_processor``'s
+    ``preprocessor_config.json``."""
+    model.save_pretrained(out_dir)
+    save_tokenizer(out_dir)
+    hf_processor().save_pretrained(out_dir)
+    return out_dir
+
+
 class PagedQwen3_5VL:
     """The jaxllm text model (models/qwen3_next, with image rows and M-RoPE positions) + the
     vision tower (models/qwen3_5_vl) on one sequence through a paged cache, two compiled
@@ -61,7 +112,7 @@ class PagedQwen3_5VL:
         from jaxllm.models.qwen3_5_vl import VisionConfig, encode, load_params
         from jaxllm.runner.weights import to_device_params
         model = load_model(path)
-        assert model.vision is None            # the engine gets no image side yet (checkpoint.py)
+        assert model.vision.cfg == VisionConfig.from_hf(hf_model.config)   # the engine's image side
         self.arch = model.arch
         self.params = to_device_params(model, jnp.float32, False, native=backend == "native")
         kernels = Kernels(matmul="native" if backend == "native" else "xla", attention=backend)

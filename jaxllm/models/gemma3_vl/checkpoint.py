@@ -8,12 +8,11 @@ Both layouts transformers has saved are read: ``model.language_model.* / model.v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from jaxllm.errors import ModelLoadError
 from jaxllm.models.gemma3_vl.config import VisionConfig
+from jaxllm.models.vision_common import VisionWeights
 
 # old name prefix -> the name vision.load_params / models/gemma read
 _RENAMES = (
@@ -26,16 +25,6 @@ _RENAMES = (
     ("multi_modal_projector.", "model.multi_modal_projector."),
 )
 _VISION = ("model.vision_tower.", "model.multi_modal_projector.")
-
-
-@dataclass(frozen=True)
-class VisionWeights:
-    """The image encoder of a checkpoint: its config, its host tensors (HF names), its folder
-    (where ``preprocessor_config.json`` lives)."""
-
-    cfg: VisionConfig
-    tensors: dict
-    path: str
 
 
 def _rename(name: str) -> str:

@@ -1,0 +1,179 @@
+"""Qwen3.5 with images through the whole engine: a tiny random ``Qwen3_5ForConditionalGeneration``
+checkpoint (tests/support/tiny_qwen3_5_vl.py, saved with its ``preprocessor_config.json``: images
+resized to 16..64 patches of 4 px) served by ``LLM``; ``generate`` with ``multi_modal_data``
+gives transformers' 32 greedy tokens (float32) with 1 and 2 images of two sizes, on the native
+CPU kernels (``auto`` here) and on the XLA path.  The oracle's pixels and grids are transformers'
+``Qwen2VLImageProcessorPil``'s; its prompt ids are written out (one image token per merged 2x2
+patch block); ``generate`` runs with its M-RoPE positions (``get_rope_index``).  ``LLM.chat``
+with an ``image_url`` part gives transformers' tokens on the chat template's prompt.
+
+The token budget (8) is smaller than the prompts, so prefill chunks end inside an image (its
+tokens attend causally: the runner slices the request's [3, P] positions per chunk) and the
+decodes use position + rope delta.  The 48-patch image runs in the encoder's 64-patch program
+(padded).  The strict compile guard fails any step or encoder call that compiles after start-up.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from support.images import data_url, encode
+from support.tiny_qwen3_5_vl import (IMAGE_TOKEN, VISION_END, VISION_START, hf_greedy_vl, hf_processor,
+                                     save_vl_checkpoint, tiny_model)
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.cpu import native as cpu_native
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, logprobs=0)
+S, I, E = VISION_START, IMAGE_TOKEN, VISION_END
+ONE = [5, 17, S, I, E, 7, 8, 11]                       # the image's tokens start at 3: chunk 0-7 ends inside
+TWO = [5, S, I, E, 7, 8, S, I, E, 9, 11, 12]
+
+
+def _image(seed: int, h: int, w: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), np.uint8))
+
+
+# (1, 4, 8) patches: 8 tokens, 32 patches (its bucket); (1, 8, 6): 12 tokens, 48 patches (padded to 64)
+A, B = _image(1, 20, 30), _image(2, 40, 28)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    hf = tiny_model()
+    return hf, save_vl_checkpoint(hf, str(tmp_path_factory.mktemp("qwen3_5_vl")))
+
+
+def _engine(path, **kw):
+    return LLM(path, max_num_batched_tokens=8, max_model_len=64, dtype="float32", block_size=4,
+               strict_compile_guard=True, show_progress=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def native_llm(checkpoint):
+    # auto: the native CPU kernels where they are built (the XLA path otherwise)
+    return _engine(checkpoint[1], max_num_seqs=2)
+
+
+def _messages(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "describe the"},
+                                         {"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "picture ."}]}]
+
+
+_REFS: dict = {}
+
+
+def _reference(hf, prompt: list[int], images: list[Image.Image]):
+    """transformers: its processor's pixels and grids, the placeholders expanded by the grids'
+    merged blocks, greedy generate -> (expanded ids, 32 tokens); kept for the other backend."""
+    key = (tuple(prompt), tuple(im.tobytes() + bytes(str(im.size), "ascii") for im in images))
+    if key not in _REFS:
+        _REFS[key] = _hf_reference(hf, prompt, images)
+    return _REFS[key]
+
+
+def _hf_reference(hf, prompt: list[int], images: list[Image.Image]):
+    px = hf_processor()(images, return_tensors="np")
+    grids = [tuple(g) for g in px["image_grid_thw"].tolist()]
+    ids, k = [], 0
+    for t in prompt:
+        if t == I:
+            ids += [I] * (int(np.prod(grids[k])) // 4)
+            k += 1
+        else:
+            ids.append(t)
+    logits, tokens = hf_greedy_vl(hf, ids, px["pixel_values"], grids)
+    last = logits[-1].astype(np.float64)
+    # the first token's logprob: the prefill's result itself, finer than greedy tokens
+    return ids, tokens, last[tokens[0]] - last.max() - np.log(np.exp(last - last.max()).sum())
+
+
+def _check(out, ref, what: str) -> None:
+    _, tokens, lp = ref
+    assert out.outputs[0].token_ids == tokens, f"{what}: tokens differ"
+    got = out.outputs[0].logprobs[0][tokens[0]].logprob
+    assert abs(got - lp) < 1e-4 * max(1.0, abs(lp)), f"{what}: first logprob {got} vs transformers' {lp}"
+
+
+def _generate(llm, cases):
+    return llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": im}} for p, im in cases], GREEDY,
+                        use_tqdm=False)
+
+
+CASES = [(ONE, [A]), (ONE, [B]), (TWO, [B, A])]
+
+
+def test_generate_with_images_equals_transformers_native(checkpoint, native_llm):
+    hf, _ = checkpoint
+    engine = native_llm.llm_engine
+    assert engine.supports_images and engine.core.resolved.step.mrope
+    want = "native" if cpu_native.available() else "xla"
+    assert engine.core.resolved.step.kernels.attention == want
+    vision = engine.core.runner.vision
+    assert sorted(vision._programs) == [16, 32, 64], "the encoder's patch buckets, compiled at start-up"
+    outs = _generate(native_llm, CASES)
+    for (prompt, images), out in zip(CASES, outs):
+        ref = _reference(hf, prompt, images)
+        assert out.prompt_token_ids == ref[0], "placeholders expanded unlike transformers' grids"
+        _check(out, ref, f"{len(images)} image(s) of {[im.size for im in images]}")
+        assert len(set(ref[1])) > 3
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids, "two images gave the same tokens"
+    assert len(outs[2].prompt_token_ids) == 30 and vision.misses == 2
+    # the same image again: the encoder cache serves it (keyed by its pixels and grid), tokens unchanged
+    before = engine.get_stats()
+    again = _generate(native_llm, [(ONE, [A])])[0]
+    after = engine.get_stats()
+    assert (after.encoder_cache_hits, after.encoder_cache_misses) == (before.encoder_cache_hits + 1,
+                                                                     before.encoder_cache_misses)
+    assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"multi_modal_data: 2 image\(s\) but the prompt has 1"):
+        _generate(native_llm, [(ONE, [A, B])])
+
+
+def test_image_and_text_requests_batched_equal_each_alone(checkpoint, native_llm):
+    hf, _ = checkpoint
+    text = np.random.default_rng(1).integers(0, 250, 13).tolist()
+    image = {"prompt_token_ids": TWO, "multi_modal_data": {"image": [A, _image(3, 16, 16)]}}
+    # the text request first: the image request's rows and positions sit at an offset in the step
+    alone = [native_llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+             for p in ({"prompt_token_ids": text}, image)]
+    both = [o.outputs[0].token_ids for o in native_llm.generate([{"prompt_token_ids": text}, image], GREEDY,
+                                                                use_tqdm=False)]
+    assert both == alone
+    # text alone on this engine: its three rotary streams are the sequence index (transformers' text rotary)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([text]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert alone[0] == want[0, len(text):].tolist()
+
+
+def test_chat_with_an_image_url_equals_transformers(checkpoint, native_llm):
+    # the chat template's "<|vision_start|><|image_pad|><|vision_end|>" expanded by the image's
+    # grid.  The server's chat builds the same engine prompt (serve/ -> multimodal/chat_parts.py):
+    # served through the openai client in tests/engine/test_images_end_to_end.py (Gemma 3).
+    hf, _ = checkpoint
+    tok = native_llm.get_tokenizer()
+    png = encode(_image(6, 24, 40), "PNG")
+    template = [{"role": "user", "content": [{"type": "text", "text": "describe the"}, {"type": "image"},
+                                             {"type": "text", "text": "picture ."}]}]
+    prompt = tok(tok.apply_chat_template(template, add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    assert prompt.count(I) == 1 and prompt.count(S) == 1
+    ref = _reference(hf, prompt, [Image.open(io.BytesIO(png)).convert("RGB")])
+    out = native_llm.chat(_messages(data_url(png)), GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == ref[0]
+    _check(out, ref, "chat")
+
+
+def test_generate_with_images_equals_transformers_xla(checkpoint):
+    hf, path = checkpoint
+    llm = _engine(path, max_num_seqs=1, cpu_matmul="xla", attention_backend="xla", skip_tokenizer_init=True)
+    assert llm.llm_engine.core.resolved.step.kernels.attention == "xla"
+    cases = [CASES[0], CASES[2]]
+    for (prompt, images), out in zip(cases, _generate(llm, cases)):
+        _check(out, _reference(hf, prompt, images), f"xla, {len(images)} image(s)")
