@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxllm.models.bert.config import encoder
 from jaxllm.models.config import ArchConfig
@@ -37,17 +38,42 @@ def _linear(x, w, b):
     return y + b
 
 
+def _gelu(x, tanh: bool):
+    """GELU; exact (``tanh`` False) as torch computes it on a CPU, ``x (1 + erf(x / sqrt 2)) / 2``:
+    XLA's float32 erf is one rational polynomial, where ``jax.nn.gelu``'s ``erfc`` adds an
+    exponential branch (measured on two cores: [128, 1536] 0.28 ms against 0.11 ms)."""
+    if tanh:
+        return jax.nn.gelu(x, approximate=True)
+    return x * (0.5 + 0.5 * jax.lax.erf(x * np.float32(0.7071067811865476)))
+
+
 TILE = 128
 """Query tokens per tile of the windowed attention."""
 
 
+def _each(fn, xs):
+    """``fn`` over the leading axis of the arrays ``xs``, one slice after another (``lax.map``):
+    XLA:CPU runs a batch of small attention matmuls many times slower than the same matmuls one
+    slice at a time (measured on two cores: 32 prompts of 128 tokens, 12 heads, 167 ms batched
+    against 24 ms in a loop)."""
+    return jax.lax.map(fn, xs)
+
+
+def _attend(q, k, v, mask):
+    """q [Lq, H, Dh] (scaled), k, v [Lk, H, Dh]; mask [Lq or 1, Lk] bool (the keys each query
+    sees) -> [Lq, H, Dh].  The softmax's division waits for the output (``[Lq, H, Dh]`` divisions
+    instead of ``[H, Lq, Lk]``).  A query that sees no key (an empty grid row) averages every
+    value: finite, and unused."""
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)          # [H, Lq, Lk]
+    scores = jnp.where(mask[None], scores, -1e30)
+    p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))                          # [H, Lq, Lk]
+    out = jnp.einsum("hqk,khd->qhd", p, v, preferred_element_type=jnp.float32)             # [Lq, H, Dh]
+    return out / jnp.transpose(jnp.sum(p, axis=-1))[:, :, None]
+
+
 def _dense(q, k, v, seq_ids):
     """q, k, v [T, H, Dh] (q scaled); seq_ids [T] -> [T, H, Dh]: each query over its prompt's keys."""
-    same_seq = seq_ids[:, None] == seq_ids[None, :]                                        # [T, T]
-    scores = jnp.einsum("thd,shd->hts", q, k, preferred_element_type=jnp.float32)          # [H, T, T]
-    scores = jnp.where(same_seq[None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)        # every row sees at least its own token: no NaN
-    return jnp.einsum("hts,shd->thd", probs, v, preferred_element_type=jnp.float32)
+    return _attend(q, k, v, seq_ids[:, None] == seq_ids[None, :])                          # mask [T, T]
 
 
 def _windowed(q, k, v, seq_ids, max_len: int):
@@ -65,10 +91,8 @@ def _windowed(q, k, v, seq_ids, max_len: int):
     window = jnp.arange(W)[None, :] + starts[:, None]                                      # [n, W]
     kw, vw, sw = k[window], v[window], seq[window]                                         # [n, W, H, Dh], [n, W]
     qt, st = q.reshape(n, TILE, H, Dh), seq.reshape(n, TILE)
-    scores = jnp.einsum("nthd,nshd->nhts", qt, kw, preferred_element_type=jnp.float32)     # [n, H, TILE, W]
-    scores = jnp.where((st[:, :, None] == sw[:, None, :])[:, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)        # a query's own token is in its window: no NaN
-    out = jnp.einsum("nhts,nshd->nthd", probs, vw, preferred_element_type=jnp.float32)     # [n, TILE, H, Dh]
+    mask = st[:, :, None] == sw[:, None, :]        # [n, TILE, W]; a query's own token is in its window
+    out = _each(lambda a: _attend(*a), (qt, kw, vw, mask))                                 # [n, TILE, H, Dh]
     return out.reshape(Tp, H, Dh)[:T]
 
 
@@ -81,11 +105,8 @@ def _per_prompt(q, k, v, seq_ids, positions, rows: int, max_len: int):
     slot = jnp.where(seq_ids >= 0, seq_ids * max_len + positions, cells)                  # [T]; cells: a spare
     grid = [jnp.zeros((cells + 1, H, Dh), a.dtype).at[slot].set(a)[:cells].reshape(rows, max_len, H, Dh)
             for a in (q, k, v)]                                                             # [rows, L, H, Dh]
-    valid = jnp.zeros(cells + 1, bool).at[slot].set(True)[:cells].reshape(rows, max_len)   # [rows, L]
-    scores = jnp.einsum("rqhd,rkhd->rhqk", grid[0], grid[1], preferred_element_type=jnp.float32)   # [rows, H, L, L]
-    scores = jnp.where(valid[:, None, None, :], scores, -1e30)   # an empty row averages zeros: finite, unused
-    out = jnp.einsum("rhqk,rkhd->rqhd", jax.nn.softmax(scores, axis=-1), grid[2],
-                     preferred_element_type=jnp.float32).reshape(cells, H, Dh)
+    valid = jnp.zeros(cells + 1, bool).at[slot].set(True)[:cells].reshape(rows, 1, max_len)   # [rows, 1, L]
+    out = _each(lambda a: _attend(*a), (*grid, valid)).reshape(cells, H, Dh)              # [rows, L, H, Dh]
     return jnp.where((seq_ids >= 0)[:, None, None], out[jnp.minimum(slot, cells - 1)], 0.0)   # [T, H, Dh]
 
 
@@ -139,7 +160,7 @@ def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_
     for lp in params["layers"]:
         x = _layer_norm(x + _attention(arch, lp, x, seq_ids, positions, rows, max_len), lp["attn_norm"], lp["attn_norm_bias"],
                         enc.layer_norm_eps)
-        h = jax.nn.gelu(_linear(x, lp["up"], lp["up_bias"]), approximate=enc.gelu_tanh)   # [T, F]
+        h = _gelu(_linear(x, lp["up"], lp["up_bias"]), enc.gelu_tanh)                  # [T, F]
         x = _layer_norm(x + _linear(h, lp["down"], lp["down_bias"]), lp["mlp_norm"], lp["mlp_norm_bias"],
                         enc.layer_norm_eps)
     return x
