@@ -118,9 +118,8 @@ def _attention(arch: ArchConfig, lp: dict, x, seq_ids, positions, rows: int | No
     """x [T, D]; seq_ids [T] (a query sees the keys of its own prompt) -> [T, D]."""
     T = x.shape[0]
     H, Dh = arch.num_heads, arch.head_dim
-    q = _linear(x, lp["q"], lp["q_bias"]).reshape(T, H, Dh) * (Dh ** -0.5)
-    k = _linear(x, lp["k"], lp["k_bias"]).reshape(T, H, Dh)
-    v = _linear(x, lp["v"], lp["v_bias"]).reshape(T, H, Dh)
+    qkv = _linear(x, lp["qkv"], lp["qkv_bias"]).reshape(T, 3, H, Dh)                     # [T, 3, H, Dh]
+    q, k, v = qkv[:, 0] * (Dh ** -0.5), qkv[:, 1], qkv[:, 2]
     layout = attention_layout(T, rows, max_len)
     if layout == "per_prompt":
         out = _per_prompt(q, k, v, seq_ids, positions, rows, max_len)
@@ -142,6 +141,19 @@ def attention_layout(T: int, rows: int | None, max_len: int | None) -> str:
     return min(cost, key=cost.get)
 
 
+def prepare(params: dict) -> dict:
+    """The loaded weights as ``encode`` reads them (the runner calls it once, on the host): each
+    layer's ``q``, ``k``, ``v`` [D, D] stacked into ``qkv`` [3D, D] (their biases into
+    ``qkv_bias`` [3D]), one matmul instead of three (XLA:CPU runs the one faster)."""
+    layers = []
+    for lp in params["layers"]:
+        lp = dict(lp)
+        lp["qkv"] = np.concatenate([np.asarray(lp.pop(n)) for n in ("q", "k", "v")])
+        lp["qkv_bias"] = np.concatenate([np.asarray(lp.pop(n)) for n in ("q_bias", "k_bias", "v_bias")])
+        layers.append(lp)
+    return {**params, "layers": layers}
+
+
 def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_types, max_len: int | None = None,
            rows: int | None = None):
     """The encoder's last hidden states.
@@ -149,7 +161,7 @@ def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_
     input_ids [T] int32, positions [T] int32 (each token's index in its prompt), seq_ids [T]
     int32 (the prompt each token belongs to; padding tokens carry their own id, -1),
     token_types [T] int32 (0 for a single text; a pair's second text 1) -> hidden [T, D]
-    float32.  ``params``: ``{"globals": {...}, "layers": [{...}, ...]}``; ``max_len`` (static): no
+    float32.  ``params``: ``{"globals": {...}, "layers": [{...}, ...]}`` as ``prepare`` returns them; ``max_len`` (static): no
     prompt is longer, ``rows`` (static): prompt rows of the step (seq ids below it); with both the
     attention may run per prompt or windowed (``attention_layout``), else dense."""
     enc = encoder(arch)
