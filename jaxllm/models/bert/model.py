@@ -12,7 +12,9 @@ cheapest of three equal computations runs (chosen when the bucket is traced, by 
 dense; per prompt (tokens moved into a ``[rows, max_len]`` grid, each row attending to itself:
 prompts near ``max_len`` long); windowed (query tiles of ``TILE`` tokens, each against the key
 window that can hold its prompts, ``TILE + 2 (max_len - 1)`` keys: many prompts much shorter
-than ``max_len``).
+than ``max_len``).  The grid's rows and the windowed tiles are attended one after another
+(``lax.map``: XLA:CPU runs one batched matmul over all of them several times slower), and q, k,
+v come from one matmul (``prepare`` stacks their weights once).
 """
 
 from __future__ import annotations
