@@ -79,7 +79,11 @@ class PoolingRunner:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.strict = strict_compile_guard
         self.buckets = token_buckets(max_num_batched_tokens)
-        # float32 on the device; every weight of an encoder is read once per step.
+        # float32 on the device; every weight of an encoder is read once per step.  A family may
+        # lay its weights out for its forward first (BERT: q, k, v stacked).
+        prepare = getattr(module, "prepare", None)
+        if prepare is not None:
+            params = prepare(params)
         self.params = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float32)), params)
 
         classifier = arch.encoder.num_labels > 0

@@ -12,6 +12,7 @@ import pytest
 
 from jaxllm import LLM, PoolingParams
 from jaxllm.config import EngineConfig
+from jaxllm.models.bert.model import attention_layout
 from support.tiny_encoders import build_bert_st, declare_matryoshka, st_encode
 
 # Small buckets (16, 32, 64 tokens), the strict compile guard on: a step never traces or compiles
@@ -62,6 +63,22 @@ def test_a_mixed_batch_equals_each_input_alone(llms):
     alone = np.concatenate([_vectors(llm.embed([t])) for t in TEXTS])
     # Different buckets sum in different orders: equal to float32 rounding, not bit for bit.
     np.testing.assert_allclose(batch, alone, rtol=0, atol=1e-6)
+
+
+def test_prompts_attended_row_by_row_match_sentence_transformers(folders):
+    """With ``max_model_len`` 16 the 64-token bucket lays attention out per prompt (each prompt
+    moved into a row of an [8, 16] grid, the rows attended one after another): still
+    sentence-transformers' vectors."""
+    assert attention_layout(64, POOLING_ENGINE["max_num_seqs"], 16) == "per_prompt"
+    llm = LLM(folders["mean"], max_model_len=16, **POOLING_ENGINE)
+    short = [t for t in TEXTS if len(llm.get_tokenizer().encode(t)) <= 16]
+    texts = short + [t.upper() for t in short[::-1]]
+    assert 32 < sum(len(llm.get_tokenizer().encode(t)) for t in texts) <= 64 and len(texts) <= 8   # one 64-token step
+    got = _vectors(llm.embed(texts))
+    ref = st_encode(folders["mean"], texts)
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.99999, cos
+    assert np.abs(got - ref).max() <= 1e-4
 
 
 def test_token_ids_embed_as_their_text_does(llms):
