@@ -15,12 +15,15 @@ ROOT = os.path.dirname(TESTS)
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
 
 
-def with_test_xla_flags(flags: str) -> str:
+def with_test_xla_flags(flags: str, inherited: str = "") -> str:
     """``flags`` (an XLA_FLAGS value) with :data:`TEST_XLA_FLAGS` appended where it does not
-    already set them (a flag the caller set wins)."""
+    already set them (a flag the caller set wins), each as ``inherited`` (the XLA_FLAGS of the
+    process that starts the probe) sets it where it does."""
     parts = flags.split()
     names = {p.split("=", 1)[0] for p in parts}
-    return " ".join(parts + [f for f in TEST_XLA_FLAGS if f.split("=", 1)[0] not in names])
+    given = {p.split("=", 1)[0]: p for p in inherited.split()}
+    return " ".join(parts + [given.get(name, f) for f in TEST_XLA_FLAGS
+                             if (name := f.split("=", 1)[0]) not in names])
 
 
 def probe_command(name: str, *args) -> list[str]:
@@ -32,8 +35,9 @@ def probe_env(base: dict | None = None, **extra: str) -> dict:
     """``base`` (default: this process's environment) plus ``extra``, with the repository root
     and tests/ first on PYTHONPATH and the suite's XLA flags kept in an ``XLA_FLAGS`` that
     ``extra`` or ``base`` sets (a probe's device count)."""
-    env = {**(os.environ if base is None else base), **extra}
-    env["XLA_FLAGS"] = with_test_xla_flags(env.get("XLA_FLAGS", ""))
+    base = os.environ if base is None else base
+    env = {**base, **extra}
+    env["XLA_FLAGS"] = with_test_xla_flags(env.get("XLA_FLAGS", ""), base.get("XLA_FLAGS", ""))
     paths = [ROOT, TESTS] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
