@@ -6,7 +6,8 @@ long test (an engine compiled for a whole workload) last: the other worker then 
 runs.  Longest first (``--no-loadscope-reorder`` in scripts/test.sh, the order below from
 conftest) leaves the short files to fill the end.  Files not listed keep collection order after
 these; a renamed file only loses its place.  The list is the item-seconds ranking of a
-``--durations=0`` run, heaviest first.
+``--durations=0`` run, heaviest first; a file that run did not rank goes where its slowest item
+of a later run's ``--durations=20`` puts it (at least that much time).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ HEAVIEST_FIRST = (
     "tests/kernels/test_cpu_attention.py",
     "tests/models/test_hf_quantized.py",
     "tests/models/test_families_b.py",
+    "tests/parallel/test_tensor_parallel.py",
     "tests/parallel/test_gdn_tp.py",
     "tests/bench/test_device_check.py",
     "tests/serve/test_data_parallel.py",
@@ -36,6 +38,7 @@ HEAVIEST_FIRST = (
     "tests/kernels/test_ragged_paged_attention.py",
     "tests/models/test_deepseek.py",
     "tests/spec_decode/test_spec_identity_draft.py",
+    "tests/parallel/test_lora_tp.py",
     "tests/parallel/test_mla_tp.py",
     "tests/engine/test_disposable_caches.py",
     "tests/quant/test_activations.py",
@@ -44,8 +47,11 @@ HEAVIEST_FIRST = (
     "tests/parallel/test_families_b_tp.py",
     "tests/kernels/test_gumbel_argmax.py",
     "tests/models/test_smollm2.py",
+    "tests/docs/test_tool_example.py",
+    "tests/parallel/test_multihost.py",
     "tests/spec_decode/test_ngram_builtin.py",
     "tests/serve/test_lora_serve.py",
+    "tests/docs/test_lora_notebook.py",
     "tests/runner/test_kv_in_place.py",
     "tests/models/test_gemma.py",
     "tests/engine/test_pallas_backend.py",
