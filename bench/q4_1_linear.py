@@ -4,7 +4,6 @@ model's (SmolLM2-135M) projection shapes; and its Q8_0 LM head (``jaxllm_linear_
 
     python bench/q4_1_linear.py                       # this tree vs main, M = 1 and 8
     python bench/q4_1_linear.py --base HEAD~1 --rows 1 --reps 31
-    python bench/q4_1_linear.py --linger-us 60 --rows 1   # the relay (cpu/parallel.h) off vs on
 
 The base revision's quant_linear.cc and headers (``git show REV:...``) are compiled into a
 temporary library and registered under the targets ``jaxllm_linear_q4_1_base`` and ``_q8_0_base``.  Weights are
@@ -114,14 +113,6 @@ def chain(target: str):
     return jax.jit(run)
 
 
-def with_linger(run, us: int):
-    """``run`` with the kernels' helper threads lingering ``us`` between calls (0: off)."""
-    def timed(*args):
-        native.set_linger_us(us)
-        return run(*args)
-    return timed
-
-
 def time_alternated(fns: dict, args: tuple, reps: int, inner: int) -> dict:
     """Median seconds per call of each fn(*args), the fns alternating sample by sample."""
     for f in fns.values():
@@ -147,14 +138,11 @@ def main(argv=None) -> int:
     p.add_argument("--inner", type=int, default=3)
     p.add_argument("--no-bandwidth", action="store_true", help="skip the read_stream.c measurement")
     p.add_argument("--no-head", action="store_true", help="skip the Q8_0 LM head's row")
-    p.add_argument("--linger-us", type=int, default=None,
-                   help="instead of a base revision: this tree with the kernels' helper threads "
-                        "lingering this long between calls (jaxllm/cpu/parallel.h) against not")
     args = p.parse_args(argv)
     if not native.quant_available():
         print("native packed-block matmul unavailable here (see the jaxllm.cpu warning)")
         return 1
-    lib = None if args.linger_us is not None else build_base(args.base)   # noqa: F841  (kept loaded)
+    lib = build_base(args.base)   # noqa: F841  (kept loaded: XLA holds a pointer into it)
     rng = np.random.default_rng(0)
     weights = {name: [random_q4_1(n, k, rng) for _ in range(args.layers)] for name, n, k in SHAPES}
     cases = [(name, weights[name]) for name, _, _ in SHAPES]
@@ -162,16 +150,11 @@ def main(argv=None) -> int:
     if not args.no_head:
         cases.append((HEAD[0], [random_q8_0(HEAD[1], HEAD[2], rng) for _ in range(2)]))
     fns = {"base": chain(BASE_TARGET), "new": chain("jaxllm_linear_q4_1")}
-    if args.linger_us is not None:   # one kernel, the relay off ("base") and on ("new")
-        run = chain("jaxllm_linear_q4_1")
-        fns = {"base": with_linger(run, 0), "new": with_linger(run, args.linger_us)}
     if not args.no_bandwidth:
         bw, why = read_bandwidth()
         print(f"read stream (bench/read_stream.c, both cores): "
               + (f"{bw / 1e9:.1f} GB/s" if bw else f"unmeasured ({why})"))
-    arms = (f"base = this tree, linger 0; new = linger {args.linger_us} us" if args.linger_us is not None
-            else f"base = {args.base}, new = this tree")
-    print(f"{arms}; median of {args.reps} alternated samples; "
+    print(f"base = {args.base}, new = this tree; median of {args.reps} alternated samples; "
           f"us per call, GB/s of weight bytes")
     print("| shape | N x K | M | base us | new us | base GB/s | new GB/s | speed-up |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")

@@ -174,23 +174,6 @@ def _built(source: str, flags: list[str]) -> str:
     return future.result() if future is not None else _build(source, flags)
 
 
-_relay: list[int] = []   # the address of the first library's relay (parallel.h), once one is loaded
-
-
-def _share_relay(lib) -> None:
-    """Hands ``lib`` the relay of the first kernel library loaded (parallel.h): the helper
-    threads that linger after one library's call take the next call's items whichever
-    library it is in (a matmul, then attention, then a matmul).  norm.cc has no pool work."""
-    if not hasattr(lib, "jaxllm_parallel_relay"):
-        return
-    fn = lib.jaxllm_parallel_relay
-    fn.restype, fn.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
-    if _relay:
-        fn(_relay[0])
-    else:
-        _relay.append(fn(None))
-
-
 def _load(state: dict, kernels: dict, flags: list[str], cpu_flags: set[str], unavailable: str) -> bool:
     """Builds ``kernels`` (source -> {FFI target: symbol}) with ``flags`` and registers their
     targets, once per ``state``; logs ``unavailable`` with the reason when that fails."""
@@ -210,7 +193,6 @@ def _load(state: dict, kernels: dict, flags: list[str], cpu_flags: set[str], una
                 libs = []
                 for path, targets in zip(paths, kernels.values()):
                     lib = ctypes.cdll.LoadLibrary(path)
-                    _share_relay(lib)
                     for name, symbol in targets.items():
                         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                     libs.append(lib)
@@ -321,28 +303,3 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%Y-%m-%d %H:%M:%S")
     raise SystemExit(build_all())
-
-
-def _relay_lib():
-    """A loaded kernel library with the relay's functions (any: they share one relay)."""
-    if not (quant_available() or available()):
-        raise RuntimeError("the native CPU kernels are unavailable")
-    return next(lib for lib in _quant_state.get("libs", []) + _state.get("libs", [])
-                if hasattr(lib, "jaxllm_parallel_set_linger_us"))
-
-
-def set_linger_us(us: int) -> int:
-    """How long (microseconds) a kernel's helper thread, its items done, waits for the next
-    kernel call's items instead of returning to XLA's pool (parallel.h, "the relay"); 0, the
-    default, turns it off.  Shared by every kernel library; returns the previous value.  For
-    benchmarks (bench/q4_1_linear.py --linger-us) and tests."""
-    fn = _relay_lib().jaxllm_parallel_set_linger_us
-    fn.restype, fn.argtypes = ctypes.c_int64, [ctypes.c_int64]
-    return int(fn(int(us)))
-
-
-def relayed_jobs() -> int:
-    """How many kernel calls' items a lingering helper has taken so far (parallel.h)."""
-    fn = _relay_lib().jaxllm_parallel_relayed
-    fn.restype = ctypes.c_int64
-    return int(fn())

@@ -128,28 +128,6 @@ def test_a_row_is_the_same_bits_whatever_rows_share_the_call(isa, type_name):
     np.testing.assert_array_equal(three, full[4:7], err_msg="rows 4..6: M=3 vs M=32")
 
 
-def test_lingering_helpers_take_later_calls_and_change_no_bits(kernel):
-    """parallel.h's relay (``native.set_linger_us``): with the kernels' helper threads
-    lingering between calls, a chain of batch-1 calls gives the same bits as without, and
-    lingering helpers do take later calls' items (on a 2-core pool under load: a few of 240
-    calls at least)."""
-    shape = (576, 192)
-    pw = pack(_quantized("Q4_1", shape, 41), "Q4_1", shape)
-    chain = jax.jit(lambda x, pw: [x := linear_packed(x[:, :192], pw) * 1e-2 for _ in range(12)])
-    x = jnp.asarray(np.random.default_rng(42).standard_normal((1, 192), dtype=np.float32))
-    off = [np.asarray(y) for y in chain(x, pw)]
-    before = native.relayed_jobs()
-    previous = native.set_linger_us(5000)
-    try:
-        for _ in range(20):
-            on = [np.asarray(y) for y in chain(x, pw)]
-            for a, b in zip(off, on):
-                np.testing.assert_array_equal(a, b)
-    finally:
-        native.set_linger_us(previous)
-    assert native.relayed_jobs() > before, "no lingering helper took a call's items"
-
-
 def _weight(type_name: str, shape, seed: int) -> np.ndarray:
     if block_size(type_name) == 256:
         return _random_k_blocks(type_name, shape, seed)
