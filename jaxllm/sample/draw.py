@@ -29,7 +29,7 @@ from jaxllm.formats import numerics as nx
 from jaxllm.formats.gumbel import element_bits, noise_at, noise_upper_bound, row_keys, runtime_zero
 from jaxllm.pallas.gumbel_argmax import gumbel_argmax as pallas_gumbel_argmax
 from jaxllm.sample.arrays import SamplingMetadata
-from jaxllm.sample.blocked import CAND_BLOCK, NEG_INF, blocked_argmax, blocks, candidates, first_index
+from jaxllm.sample.blocked import CAND_BLOCK, NEG_INF, blocked_argmax, first_index
 from jaxllm.sample.truncation import Truncation, apply_key, mass, limbs, truncate, whole_key
 
 KERNEL_BACKENDS = ("xla", "pallas")
@@ -51,13 +51,43 @@ class _Scored(NamedTuple):
     outside: jax.Array  # [S] an upper bound of every other entry's score
 
 
+def _strided_bound_maxima(x: jax.Array, keys: jax.Array, fp64: bool) -> jax.Array:
+    """x [S, V] -> [S, nb] the largest noise bound ``x + noise_upper_bound`` of each strided
+    block: block b holds the entries b, b + nb, ..., b + (CAND_BLOCK - 1) nb (V padded to
+    CAND_BLOCK * nb with -inf).
+
+    Strided, not contiguous, so that the maximum is CAND_BLOCK elementwise maxima of
+    contiguous [S, nb] slices, which XLA fuses with the hash into one vectorised loop; a
+    max over contiguous 16-entry blocks is a separate reduction over a materialised [S, V]
+    bound (XLA:CPU hands it to YNNPACK): ~45% of a batch-1 draw's time at V = 49,152.  Any
+    partition into blocks gives the same token (the draw's argument needs only an upper
+    bound of every entry outside the candidates)."""
+    S, V = x.shape
+    nb = -(-V // CAND_BLOCK)
+    dt = jnp.float64 if fp64 else jnp.float32
+    xp = jnp.pad(x, ((0, 0), (0, nb * CAND_BLOCK - V)), constant_values=NEG_INF) if nb * CAND_BLOCK > V else x
+    bits = element_bits(keys, jnp.arange(nb * CAND_BLOCK, dtype=jnp.uint32))   # [S, nb * 16]
+    ub = xp.astype(dt) + noise_upper_bound(bits, fp64).astype(dt)        # [S, nb * 16] >= x + g
+    bm = ub[:, :nb]
+    for i in range(1, CAND_BLOCK):
+        bm = jnp.maximum(bm, ub[:, i * nb:(i + 1) * nb])                 # [S, nb]
+    return bm
+
+
 def _score_candidates(x: jax.Array, keys: jax.Array, zero: jax.Array, fp64: bool) -> _Scored:
     S, V = x.shape
     dt = jnp.float64 if fp64 else jnp.float32
-    bits = element_bits(keys, jnp.arange(V, dtype=jnp.uint32))           # [S, V]
-    ub = x.astype(dt) + noise_upper_bound(bits, fp64).astype(dt)         # [S, V] >= x + g
-    _, idx, outside = candidates(ub, DRAW_BLOCKS)                        # [S, N], [S]
-    xc = jnp.take_along_axis(blocks(x, NEG_INF, CAND_BLOCK).reshape(S, -1), idx, axis=1)   # [S, N]
+    bm = _strided_bound_maxima(x, keys, fp64)                            # [S, nb]
+    nb = bm.shape[1]
+    n = min(DRAW_BLOCKS, nb)
+    # All of top_k's outputs are used as they are (blocked.candidates: a sliced top_k
+    # becomes a full sort on XLA:CPU).
+    _, bi = jax.lax.top_k(bm, n)                                         # [S, n]
+    idx = (bi[:, :, None] + nb * jnp.arange(CAND_BLOCK, dtype=jnp.int32)).reshape(S, n * CAND_BLOCK)
+    chosen = jnp.zeros((S, nb), jnp.bool_).at[jnp.arange(S)[:, None], bi].set(True)
+    outside = jnp.max(jnp.where(chosen, NEG_INF, bm), axis=-1)           # [S] bound of the rest
+    # padding indices (>= V) score -inf: never a winner, never beating a real entry
+    xc = jnp.where(idx < V, jnp.take_along_axis(x, jnp.minimum(idx, V - 1), axis=1), NEG_INF)   # [S, N]
     sc = xc.astype(dt) + noise_at(keys, idx, zero, fp64)                 # [S, N] exact scores
     return _Scored(idx, xc, sc, outside)
 
@@ -183,10 +213,12 @@ def _draw_truncated(xf: jax.Array, tr: Truncation, md: SamplingMetadata, is_rand
     return jax.lax.cond(jnp.all(closed), lambda: draw_candidates(cand, cidx, tr.tau, md, fp64), whole_rows)
 
 
-def _random_rows(x: jax.Array, greedy: jax.Array, md: SamplingMetadata, zero: jax.Array, fp64: bool,
-                 processed_mode: bool):
-    """Tokens of a batch holding random rows: truncation, then the draw."""
+def _random_rows(x: jax.Array, md: SamplingMetadata, zero: jax.Array, fp64: bool, processed_mode: bool):
+    """Tokens of a batch holding random rows: truncation, then the draw (and the greedy rows'
+    argmax only when there are any: a batch-1 step at temperature 1 has none)."""
     is_random = md.temperature > 0.0
+    greedy = jax.lax.cond(jnp.all(is_random), lambda: jnp.zeros(is_random.shape, jnp.int32),
+                          lambda: blocked_argmax(x))
     tr = truncate(x, md, zero, is_random, keep_candidates=True)
     xf = apply_key(tr.x1, tr.tau)                                        # [S, V]
     if fp64:
@@ -205,10 +237,9 @@ def _random_rows(x: jax.Array, greedy: jax.Array, md: SamplingMetadata, zero: ja
 def draw_xla(x: jax.Array, md: SamplingMetadata, zero: jax.Array, fp64: bool, processed_mode: bool):
     """Every row's token by XLA: x [S, V] processed logits -> (tokens [S], processed or None).
     The random path runs only when a row is random."""
-    greedy = blocked_argmax(x)
     is_random = md.temperature > 0.0
-    return jax.lax.cond(jnp.any(is_random), lambda: _random_rows(x, greedy, md, zero, fp64, processed_mode),
-                        lambda: (greedy, x if processed_mode else None))
+    return jax.lax.cond(jnp.any(is_random), lambda: _random_rows(x, md, zero, fp64, processed_mode),
+                        lambda: (blocked_argmax(x), x if processed_mode else None))
 
 
 # ---------------------------------------------------------------- Pallas backend
