@@ -5,8 +5,9 @@ grid only through host-computed arrays (``qwen3_5_vl.grid_inputs``: position tap
 angles, attention segments) and the patch count N, so an image runs padded to the first patch
 bucket >= N (``qwen_image_processor.patch_buckets``: powers of two up to ``max_pixels``' patch
 count, the checkpoint's with ``--mm-processor-kwargs`` over it and capped by default at
-``DEFAULT_MAX_PATCHES``, as the edge's processor: a few programs, all compiled at start-up).  The padding patches form a segment of their
-own (no real patch attends to them) and their rows are dropped.
+``DEFAULT_MAX_PATCHES``, as the edge's processor: a few programs, all compiled at start-up).
+The padding patches form a segment of their own (no real patch attends to them) and their
+rows are dropped.
 
 Resizing every image to a fixed set of grids was the other way: fewer programs, but the
 pixels and the token count would differ from the checkpoint's processor, so the outputs from
