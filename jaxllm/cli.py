@@ -71,6 +71,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     mem.add_argument("--mm-encoder-cache-tokens", type=int, default=None,
                    help="a vision-language model's encoder cache budget in image tokens, least recently used "
                         "image evicted first (default: 64 images' tokens; 0: no cache)")
+    mem.add_argument("--mm-processor-kwargs", default=None, metavar="JSON",
+                   help="the image processor's arguments over preprocessor_config.json, vLLM's JSON: Qwen3.5's "
+                        "min_pixels / max_pixels, e.g. '{\"max_pixels\": 4194304}' (also the encoder's largest "
+                        "compiled patch bucket; default: the checkpoint's, capped at 4096 patches)")
     mem.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
                    help="fcfs (arrival order), priority (lowest request priority first) or lpm "
                         "(longest cached prefix first)")
@@ -153,7 +157,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel, distributed_coordinator=args.distributed_coordinator,
         num_hosts=args.num_hosts, host_index=args.host_index,
-        structured_outputs_config=args.structured_outputs_config,
+        structured_outputs_config=args.structured_outputs_config, mm_processor_kwargs=args.mm_processor_kwargs,
         speculative_config=args.speculative_config)
 
 

@@ -9,6 +9,7 @@ all report the same message.  Values that depend on the checkpoint (``max_model_
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -306,8 +307,14 @@ class EngineConfig:
     parsed); None: off."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """Multi-LoRA (``enable_lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``): jaxllm/lora/."""
+    mm_processor_kwargs: dict = field(default_factory=dict)
+    """The image processor's arguments over the checkpoint's ``preprocessor_config.json``
+    (``--mm-processor-kwargs '{json}'``, vLLM's flag; a dict or JSON text): for Qwen3.5,
+    ``min_pixels`` and ``max_pixels`` (transformers' processor kwargs), which also bound the
+    image encoder's compiled patch buckets.  Other families take none."""
 
     def __post_init__(self):
+        object.__setattr__(self, "mm_processor_kwargs", check_mm_processor_kwargs(self.mm_processor_kwargs))
         object.__setattr__(self, "structured_outputs_config",
                            StructuredOutputsConfig.parse(self.structured_outputs_config))
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -371,6 +378,33 @@ DEFAULT_MM_LIMIT = 999
 """vLLM's (V1) default for a modality ``--limit-mm-per-prompt`` leaves out."""
 MM_MODALITIES = ("image", "video", "audio")
 """vLLM's modality names; only images are served, the others may be set (to 0, say) as in vLLM."""
+
+
+MM_PROCESSOR_KWARGS = ("min_pixels", "max_pixels")
+"""The ``--mm-processor-kwargs`` keys served (Qwen3.5's image processor; transformers' spelling)."""
+
+
+def check_mm_processor_kwargs(kwargs) -> dict:
+    """``--mm-processor-kwargs``: a JSON object (or its text) of :data:`MM_PROCESSOR_KWARGS` ->
+    positive integers, min_pixels <= max_pixels; returns it as a dict."""
+    flag = "--mm-processor-kwargs (mm_processor_kwargs)"
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag}: not JSON ({e}); example: '{{\"max_pixels\": 1048576}}'") from None
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{flag} must be a JSON object such as '{{\"max_pixels\": 1048576}}', got {kwargs!r}")
+    for k, v in kwargs.items():
+        if k not in MM_PROCESSOR_KWARGS:
+            raise ValueError(f"{flag}: unknown key {k!r} (served: {', '.join(MM_PROCESSOR_KWARGS)})")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{flag}: {k} must be a positive integer (pixels), got {v!r}")
+    if kwargs.get("min_pixels", 0) > kwargs.get("max_pixels", float("inf")):
+        raise ValueError(f"{flag}: min_pixels {kwargs['min_pixels']} > max_pixels {kwargs['max_pixels']}")
+    return dict(kwargs)
 
 
 def check_mm_limits(limits) -> None:

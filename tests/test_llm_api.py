@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,7 @@ from support.images import data_url, encode, pattern
 from support.tiny_models import load_hf
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.engine.llm_engine import check_processor_kwargs_family
 from jaxllm.engine.output_processor import OutputKind
 from jaxllm.multimodal.chat_parts import ImageInputError
 
@@ -170,6 +173,12 @@ def test_chat_image_parts(tiny_llm, tiny_llama, monkeypatch):
     assert e.value.param == "messages[0].content[2].image_url"
 
     for kw, needle in (({"limit_mm_per_prompt": {"image": -1}}, "'image' must be a non-negative integer"),
-                       ({"allowed_local_media_path": "/no/such/dir"}, "not an existing directory")):
+                       ({"allowed_local_media_path": "/no/such/dir"}, "not an existing directory"),
+                       ({"mm_processor_kwargs": {"max_pixels": 0}}, r"\(mm_processor_kwargs\): max_pixels must be a"),
+                       # a model without Qwen3.5's image processor: refused, not ignored
+                       ({"mm_processor_kwargs": {"max_pixels": 9}}, r"\(mm_processor_kwargs\) \['max_pixels'\]: "
+                                                                    r".* has no image processor")):
         with pytest.raises(ValueError, match=needle):
             LLM(tiny_llama, **kw)
+    with pytest.raises(ValueError, match=r"--mm-processor-kwargs .* has an image processor without min/max"):
+        check_processor_kwargs_family({"min_pixels": 1}, SimpleNamespace(cfg=object()), "gemma-3")

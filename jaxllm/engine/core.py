@@ -148,7 +148,8 @@ class EngineCore:
                 program_dir=os.path.join(r.compile_cache_dir, "programs"),
                 strict_compile_guard=config.runner.strict_compile_guard, show_progress=config.runner.show_progress,
                 grammar=grammar, speculative_config=spec, draft=draft, async_scheduling=self.async_scheduling,
-                lora_store=self.lora_store, encoder_cache_tokens=config.cache.mm_encoder_cache_tokens)
+                lora_store=self.lora_store, encoder_cache_tokens=config.cache.mm_encoder_cache_tokens,
+                mm_processor_kwargs=config.mm_processor_kwargs)
         self.runner = make_runner(r.step, None if r.kv is None else r.kv.num_blocks)
         if r.kv is None:
             kv = self._size_kv_from_device(r.kv_sizing)

@@ -121,6 +121,15 @@ def resolve_hub_ids(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, **changes) if changes else config
 
 
+def check_processor_kwargs_family(kwargs: dict, vision, name: str) -> None:
+    """``--mm-processor-kwargs`` is for a model whose image processor takes them (Qwen3.5's);
+    elsewhere it would be silently ignored, so it is a ValueError (before the slow start)."""
+    if kwargs and (vision is None or not isinstance(vision.cfg, qwen3_5_vl.VisionConfig)):
+        what = "has no image processor" if vision is None else "has an image processor without min/max pixels"
+        raise ValueError(f"--mm-processor-kwargs (mm_processor_kwargs) {sorted(kwargs)}: {name} {what} "
+                         f"(only Qwen3.5's takes min_pixels / max_pixels)")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, replica: int = 0):
         """``replica``: the data-parallel replica this engine is (it runs on that slice of the devices)."""
@@ -138,6 +147,7 @@ class LLMEngine:
         self.model_name = hub_id or model.name
         self.arch = model.arch
         self.generation_config = dict(model.generation_config)
+        check_processor_kwargs_family(config.mm_processor_kwargs, model.vision, self.model_name)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, self.generation_config)
         # One grammar compiler (and its cache) for the input processor and the runner.
         self.grammar = None if self.tokenizer is None else GrammarCompiler(
@@ -152,7 +162,7 @@ class LLMEngine:
         if model.vision is None:
             images = None
         elif isinstance(model.vision.cfg, qwen3_5_vl.VisionConfig):
-            images = QwenPromptImages(model.vision)      # variable grids, M-RoPE positions
+            images = QwenPromptImages(model.vision, config.mm_processor_kwargs)  # variable grids, M-RoPE positions
         else:
             images = PromptImages(model.vision, self.core.resolved.step.max_num_batched_tokens, newlines)
         self.supports_images = images is not None

@@ -12,6 +12,7 @@ the still image repeated over the temporal patch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -83,6 +84,28 @@ class QwenImageProcessorConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> QwenImageProcessorConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+DEFAULT_MAX_PATCHES = 4096
+"""The largest image, in patches, served without ``--mm-processor-kwargs``: the tower's dense
+attention holds ``[H, N, N]`` float32 scores a layer, at Qwen3.5's 16 heads 16 * 4096^2 * 4 B
+= 1 GiB at N = 4096 (16 GiB at 16,384; 64 GiB at 32,768, and a real checkpoint's
+max_pixels (16.7M px of 16-px patches) asks for 65,536: 256 GiB, which neither compiles nor
+runs).  4096 patches of 16 px are about 1024 x 1024 px, 1024 tokens an image."""
+
+
+def with_pixels(cfg: QwenImageProcessorConfig, kwargs: dict) -> QwenImageProcessorConfig:
+    """``cfg`` with ``kwargs``' ``min_pixels`` / ``max_pixels`` over it (``--mm-processor-kwargs``,
+    as transformers' processor takes them); without max_pixels, max_pixels is capped at
+    :data:`DEFAULT_MAX_PATCHES` patches (never below min_pixels).  ValueError naming the flag."""
+    over = {k: kwargs[k] for k in ("min_pixels", "max_pixels") if k in kwargs}
+    if "max_pixels" not in over:
+        over["max_pixels"] = min(cfg.max_pixels, max(DEFAULT_MAX_PATCHES * cfg.patch_size ** 2,
+                                                     over.get("min_pixels", cfg.min_pixels)))
+    try:
+        return dataclasses.replace(cfg, **over)
+    except ValueError as e:
+        raise ValueError(f"--mm-processor-kwargs (mm_processor_kwargs): {e}") from None
 
 
 def patch_buckets(cfg: QwenImageProcessorConfig) -> tuple[int, ...]:

@@ -95,7 +95,8 @@ class ModelRunner:
                  program_dir: str | None = None, strict_compile_guard: bool = False, show_progress: bool = True,
                  grammar: GrammarCompiler | None = None, speculative_config: SpeculativeConfig | None = None,
                  draft: DraftModel | None = None, async_scheduling: bool = False,
-                 lora_store: AdapterStore | None = None, encoder_cache_tokens: int | None = None):
+                 lora_store: AdapterStore | None = None, encoder_cache_tokens: int | None = None,
+                 mm_processor_kwargs: dict | None = None):
         """``num_blocks``: KV blocks per layer (None: allocated later, :meth:`allocate_kv`);
         ``program_dir``: where compiled programs are saved and loaded (None keeps none);
         ``grammar``: compiles structured-output constraints (None: the engine has no tokenizer);
@@ -103,7 +104,8 @@ class ModelRunner:
         ``method: draft_model``; ``async_scheduling``: steps are run by ``dispatch`` and
         ``collect`` (the module's docstring); ``lora_store``: where the adapters the scheduler
         puts in slots are read from (with ``cfg.max_loras``); ``encoder_cache_tokens``: a
-        vision-language model's encoder cache budget (runner/vision.py; None: its default)."""
+        vision-language model's encoder cache budget (runner/vision.py; None: its default);
+        ``mm_processor_kwargs``: Qwen3.5's image processor's min/max pixels (its patch buckets)."""
         self.cfg = cfg
         self.arch = model.arch
         self.strict = strict_compile_guard
@@ -153,9 +155,13 @@ class ModelRunner:
         # A vision-language model: its image encoder, a program of its own (runner/vision.py).
         vision = get_family(model.arch.architecture).vision
         # Qwen3.5's variable image grids (M-RoPE) run padded to patch buckets (runner/qwen_vision.py).
-        encoder = QwenVisionEncoder if cfg.mrope else VisionEncoder
-        self.vision = (None if model.vision is None or not cfg.images
-                       else encoder(vision, model.vision, self._rep, strict_compile_guard, encoder_cache_tokens))
+        if model.vision is None or not cfg.images:
+            self.vision = None
+        elif cfg.mrope:
+            self.vision = QwenVisionEncoder(vision, model.vision, self._rep, strict_compile_guard, encoder_cache_tokens,
+                                            mm_processor_kwargs)
+        else:
+            self.vision = VisionEncoder(vision, model.vision, self._rep, strict_compile_guard, encoder_cache_tokens)
         self.warm = False
         self.step_seconds: dict[tuple[int, int], float] = {}
         self._cold: set[tuple[int, int]] = set()

@@ -4,8 +4,10 @@ ratio), so one program per grid cannot be compiled ahead of time.  The tower dep
 grid only through host-computed arrays (``qwen3_5_vl.grid_inputs``: position taps, 2D rotary
 angles, attention segments) and the patch count N, so an image runs padded to the first patch
 bucket >= N (``qwen_image_processor.patch_buckets``: powers of two up to ``max_pixels``' patch
-count; a few programs, all compiled at start-up).  The padding patches form a segment of their
-own (no real patch attends to them) and their rows are dropped.
+count, the checkpoint's with ``--mm-processor-kwargs`` over it and capped by default at
+``DEFAULT_MAX_PATCHES``, as the edge's processor: a few programs, all compiled at start-up).
+The padding patches form a segment of their own (no real patch attends to them) and their
+rows are dropped.
 
 Resizing every image to a fixed set of grids was the other way: fewer programs, but the
 pixels and the token count would differ from the checkpoint's processor, so the outputs from
@@ -35,8 +37,10 @@ MAX_DEFAULT_CACHE_TOKENS = 65536
 class QwenVisionEncoder(VisionEncoder):
     bidirectional = False
 
-    def __init__(self, module, weights, sharding, strict: bool, cache_tokens: int | None = None):
-        self.buckets = patch_buckets(processor_config(weights))    # patch counts, ascending
+    def __init__(self, module, weights, sharding, strict: bool, cache_tokens: int | None = None,
+                 mm_processor_kwargs: dict | None = None):
+        # patch counts, ascending; the edge (multimodal/qwen_prompt_images.py) resizes to the same config
+        self.buckets = patch_buckets(processor_config(weights, mm_processor_kwargs))
         super().__init__(module, weights, sharding, strict, cache_tokens)
 
     def default_cache_tokens(self) -> int:

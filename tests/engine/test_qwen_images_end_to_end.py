@@ -10,7 +10,9 @@ with an ``image_url`` part gives transformers' tokens on the chat template's pro
 The token budget (8) is smaller than the prompts, so prefill chunks end inside an image (its
 tokens attend causally: the runner slices the request's [3, P] positions per chunk) and the
 decodes use position + rope delta.  The 48-patch image runs in the encoder's 64-patch program
-(padded).  The strict compile guard fails any step or encoder call that compiles after start-up.
+(padded).  The XLA engine runs with ``mm_processor_kwargs={"max_pixels": 384}``: its pixels and
+grids are transformers' processor's called with it, its encoder buckets stop at 32 patches.
+The strict compile guard fails any step or encoder call that compiles after start-up.
 """
 
 from __future__ import annotations
@@ -69,17 +71,19 @@ def _messages(url: str) -> list[dict]:
 _REFS: dict = {}
 
 
-def _reference(hf, prompt: list[int], images: list[Image.Image]):
-    """transformers: its processor's pixels and grids, the placeholders expanded by the grids'
-    merged blocks, greedy generate -> (expanded ids, 32 tokens); kept for the other backend."""
-    key = (tuple(prompt), tuple(im.tobytes() + bytes(str(im.size), "ascii") for im in images))
+def _reference(hf, prompt: list[int], images: list[Image.Image], **kwargs):
+    """transformers: its processor's pixels and grids (called with ``kwargs``: min/max_pixels),
+    the placeholders expanded by the grids' merged blocks, greedy generate -> (expanded ids, 32
+    tokens); kept for the other backend."""
+    key = (tuple(prompt), tuple(im.tobytes() + bytes(str(im.size), "ascii") for im in images),
+           tuple(sorted(kwargs.items())))
     if key not in _REFS:
-        _REFS[key] = _hf_reference(hf, prompt, images)
+        _REFS[key] = _hf_reference(hf, prompt, images, **kwargs)
     return _REFS[key]
 
 
-def _hf_reference(hf, prompt: list[int], images: list[Image.Image]):
-    px = hf_processor()(images, return_tensors="np")
+def _hf_reference(hf, prompt: list[int], images: list[Image.Image], **kwargs):
+    px = hf_processor()(images, return_tensors="np", **kwargs)
     grids = [tuple(g) for g in px["image_grid_thw"].tolist()]
     ids, k = [], 0
     for t in prompt:
@@ -170,10 +174,21 @@ def test_chat_with_an_image_url_equals_transformers(checkpoint, native_llm):
     _check(out, ref, "chat")
 
 
+@pytest.mark.filterwarnings("ignore:Passing `min_pixels` and `max_pixels`:FutureWarning")
 def test_generate_with_images_equals_transformers_xla(checkpoint):
     hf, path = checkpoint
-    llm = _engine(path, max_num_seqs=1, cpu_matmul="xla", attention_backend="xla", skip_tokenizer_init=True)
-    assert llm.llm_engine.core.resolved.step.kernels.attention == "xla"
+    # --mm-processor-kwargs' max_pixels: 384 px (24 patches) resizes both images smaller than the
+    # checkpoint's 1024 would (A to 4x6 patches, B to 4x4), as transformers' processor called with it,
+    # and the encoder's buckets follow (16, 32: not the checkpoint's 64)
+    kwargs = {"max_pixels": 16 * 24}
+    llm = _engine(path, max_num_seqs=1, cpu_matmul="xla", attention_backend="xla", skip_tokenizer_init=True,
+                  mm_processor_kwargs=kwargs)
+    engine = llm.llm_engine
+    assert engine.core.resolved.step.kernels.attention == "xla"
+    assert engine.core.runner.vision.buckets == (16, 32) and engine.input_processor.images.max_patches == 32
     cases = [CASES[0], CASES[2]]
     for (prompt, images), out in zip(cases, _generate(llm, cases)):
-        _check(out, _reference(hf, prompt, images), f"xla, {len(images)} image(s)")
+        ref = _reference(hf, prompt, images, **kwargs)
+        assert out.prompt_token_ids == ref[0], "placeholders expanded unlike transformers' grids with the kwargs"
+        _check(out, ref, f"xla, {len(images)} image(s), {kwargs}")
+    assert len(_generate(llm, [CASES[0]])[0].prompt_token_ids) == len(ONE) - 1 + 6     # A: 4x6 patches, 6 tokens

@@ -1,8 +1,11 @@
 """A Qwen3.5 engine's images at the edge (jaxllm/multimodal/qwen_prompt_images.py): placeholders
 expanded per image grid, each image's start, grid and causal flag, its key (pixels and grid), the
 prompt's M-RoPE positions; refusals naming ``multi_modal_data``: an image larger than the
-encoder's largest patch bucket, a processor whose patch size is not the tower's.  No JAX runs:
-the tower's config is read off transformers' tiny config."""
+encoder's largest patch bucket, a processor whose patch size is not the tower's.
+``--mm-processor-kwargs``: its max_pixels resizes the edge's images (the largest patch count
+follows), the default cap logs one INFO line naming the flag, bad values are refused naming it
+(``LLM(...)``'s config and the CLI).  No JAX runs: the tower's config is read off transformers'
+tiny config."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from PIL import Image
 
 from support.tiny_qwen3_5_vl import PROCESSOR, tiny_config
 
+from jaxllm.cli import build_parser, engine_config_from_args
+from jaxllm.config import EngineConfig
 from jaxllm.models.qwen3_5_vl import VisionConfig, mrope_positions
 from jaxllm.multimodal.qwen_prompt_images import QwenPromptImages
 
@@ -56,3 +61,36 @@ def test_refusals_name_the_field(tmp_path):
         pi.process([I], {"image": _img(20, 30)})
     with pytest.raises(ValueError, match="patch_size 8 is not the vision tower's patch_size 4"):
         QwenPromptImages(_vision(tmp_path, patch_size=8))
+
+
+def test_processor_kwargs_at_the_edge(tmp_path, caplog):
+    caplog.set_level("INFO", "jaxllm.engine")
+    pi = QwenPromptImages(_vision(tmp_path), {"max_pixels": 16 * 16})
+    assert pi.max_patches == 16 and pi.processor.max_pixels == 256
+    _, (im,) = pi.process([I], {"image": _img(40, 28)})               # 48 patches by the config alone
+    assert im.grid == (1, 4, 2)                                      # 16x8 px: 8 patches
+    assert "capped" not in caplog.text
+    # a huge max_pixels (a real checkpoint's) is capped at 4096 patches of 4 px, said once
+    pi = QwenPromptImages(_vision(tmp_path, size={"shortest_edge": 256, "longest_edge": 16777216}))
+    assert (pi.processor.max_pixels, pi.max_patches) == (4096 * 16, 4096)
+    assert caplog.text.count("max_pixels capped at 65536 (4096 patches; preprocessor_config.json asks "
+                             "16777216)") == 1 and "--mm-processor-kwargs" in caplog.text
+
+
+def test_processor_kwargs_refused_naming_the_flag():
+    flag = r"--mm-processor-kwargs \(mm_processor_kwargs\)"
+    for kwargs, needle in [({"max_pixel": 10}, "unknown key 'max_pixel'"),
+                           ({"max_pixels": 0}, "max_pixels must be a positive integer"),
+                           ({"min_pixels": True}, "min_pixels must be a positive integer"),
+                           ({"min_pixels": 900, "max_pixels": 100}, "min_pixels 900 > max_pixels 100"),
+                           ([1], "must be a JSON object"), ("{max_pixels: 1}", "not JSON")]:
+        with pytest.raises(ValueError, match=f"{flag}: .*{needle}|{flag} {needle}"):
+            EngineConfig(mm_processor_kwargs=kwargs)
+
+    def config(*flags):
+        return engine_config_from_args(build_parser().parse_args(["serve", *flags]))
+
+    assert config("--mm-processor-kwargs", '{"max_pixels": 4194304}').mm_processor_kwargs == {"max_pixels": 4194304}
+    assert config().mm_processor_kwargs == {}
+    with pytest.raises(ValueError, match=f"{flag}: unknown key 'size'"):
+        config("--mm-processor-kwargs", '{"size": 1}')
