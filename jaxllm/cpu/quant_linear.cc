@@ -15,8 +15,10 @@
 // over XLA's intra-op thread pool in contiguous ranges, as in linear.cc.  The 32-weight
 // types and the K-quants have a 16-lane AVX-512 variant of their tiles, used where the CPU
 // has it; Q4_1 (the built-in model's layers) has its own AVX-512 walk, several weight rows
-// per pass over x (see "Q4_1, AVX-512" below), and so do Q8_0 (its tied LM head), Q4_0 and
-// Q5_0 (see "Q8_0, Q4_0, Q5_0, AVX-512").
+// per pass over x (see "Q4_1, AVX-512" below), and from 32 rows of x (a prefill) a walk over
+// weights widened once per call into float32 panels with the same bits ("Q4_1, AVX-512, a
+// prefill's many rows"); Q8_0 (its tied LM head), Q4_0 and Q5_0 have a several-rows walk
+// too (see "Q8_0, Q4_0, Q5_0, AVX-512").
 // Called from jaxllm/cpu/native.py via XLA's FFI.
 #include <immintrin.h>
 
