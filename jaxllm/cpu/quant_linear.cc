@@ -15,8 +15,10 @@
 // over XLA's intra-op thread pool in contiguous ranges, as in linear.cc.  The 32-weight
 // types and the K-quants have a 16-lane AVX-512 variant of their tiles, used where the CPU
 // has it; Q4_1 (the built-in model's layers) has its own AVX-512 walk, several weight rows
-// per pass over x (see "Q4_1, AVX-512" below), and so do Q8_0 (its tied LM head), Q4_0 and
-// Q5_0 (see "Q8_0, Q4_0, Q5_0, AVX-512").
+// per pass over x (see "Q4_1, AVX-512" below), and from 32 rows of x (a prefill) a walk over
+// weights widened once per call into float32 panels with the same bits ("Q4_1, AVX-512, a
+// prefill's many rows"); Q8_0 (its tied LM head), Q4_0 and Q5_0 have a several-rows walk
+// too (see "Q8_0, Q4_0, Q5_0, AVX-512").
 // Called from jaxllm/cpu/native.py via XLA's FFI.
 #include <immintrin.h>
 
@@ -372,6 +374,128 @@ JAXLLM_AVX512 void q4_1_rows_512(const float* x, int64_t K, const uint16_t* d, c
     q4_1_tile_512<MR, 1>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
 }
 
+// ---- Q4_1, AVX-512, a prefill's many rows: the weights widened once per call ----
+//
+// q4_1_tile_512 widens each block's nibbles to floats in registers (a load, a zero-extend, a
+// table shuffle, a shift and a convert per weight row and block) for a tile of at most 4 rows
+// of x: at a prefill chunk's 512 rows that widening is redone 128 times per weight and, with
+// the 3 FMAs per block and pair, keeps the vector ports ~30% busier than the arithmetic.
+// From kPanelMinRows rows on, a call widens each part's weight rows once into float32 panels
+// (q: [rows, nb, 32] weights 0..15 then 16..31 of each block, d and m: [rows, nbp] floats,
+// nbp = nb rounded up to kChunk, zeros past nb) and runs 4 x 4 tiles whose weights are
+// plain loads.  The arithmetic of each (row of x, weight row) pair is q4_1_tile_512's,
+// operation for operation and in its order (the same float values: the nibbles are exact
+// small integers, d and m the same f16 -> f32 converts; the min term's lanes past nb add
+// fma(+0, +0, acc) as the masked loads there do), so a row's result is the same bits as in a
+// decode step's 1-row call (tests/kernels/test_cpu_quant_linear.py).
+constexpr int64_t kPanelMinRows = 32;
+constexpr int64_t kPanelRows = 64;   // weight rows widened at once (L2: 64 x K x 4 bytes)
+constexpr int kPanelMR = 4, kPanelNR = 4;   // 16 accumulators + 8 x vectors + q, d in 32 zmm
+
+template <int MR, int NR>
+JAXLLM_AVX512 void q4_1_panel_tile_512(const float* x, int64_t K, const float* q, const float* dp, const float* mp,
+                                       int64_t nbp, const float* sx, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < nb; c0 += kChunk) {
+    const int64_t cn = std::min<int64_t>(kChunk, nb - c0);
+    const __mmask16 lanes = static_cast<__mmask16>((1u << cn) - 1);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const __m512 mv = _mm512_loadu_ps(mp + j * nbp + c0);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        acc[r][j] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(lanes, sx + r * nb + c0), acc[r][j]);
+    }
+    for (int64_t i = 0; i < cn; ++i) {
+      const int64_t b = c0 + i;
+      __m512 xlo[MR], xhi[MR];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        xlo[r] = _mm512_loadu_ps(x + r * K + b * kBlock);
+        xhi[r] = _mm512_loadu_ps(x + r * K + b * kBlock + 16);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const float* qb = q + (j * nb + b) * kBlock;
+        const __m512 qlo = _mm512_loadu_ps(qb), qhi = _mm512_loadu_ps(qb + 16);
+        const __m512 dj = _mm512_set1_ps(dp[j * nbp + b]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r)
+          acc[r][j] = _mm512_fmadd_ps(dj, _mm512_fmadd_ps(qhi, xhi[r], _mm512_mul_ps(qlo, xlo[r])), acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) y[r * N + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+// The panel's rows [0, pn) against a tile of MR rows of x, kPanelNR at a time (the last
+// < kPanelNR one by one).
+template <int MR>
+JAXLLM_AVX512 void q4_1_panel_rows_512(const float* x, int64_t K, const float* q, const float* dp, const float* mp,
+                                       int64_t nbp, const float* sx, float* y, int64_t N, int64_t pn) {
+  const int64_t nb = K / kBlock;
+  int64_t j = 0;
+  for (; j + kPanelNR <= pn; j += kPanelNR)
+    q4_1_panel_tile_512<MR, kPanelNR>(x, K, q + j * nb * kBlock, dp + j * nbp, mp + j * nbp, nbp, sx, y + j, N);
+  for (; j < pn; ++j)
+    q4_1_panel_tile_512<MR, 1>(x, K, q + j * nb * kBlock, dp + j * nbp, mp + j * nbp, nbp, sx, y + j, N);
+}
+
+// Weight rows [n0, n0 + pn) widened into the panels (layout above).
+JAXLLM_AVX512 void q4_1_widen_panel_512(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb,
+                                        int64_t nbp, int64_t n0, int64_t pn, float* q, float* dp, float* mp) {
+  const __m512i low4 = _mm512_set1_epi32(15);
+  for (int64_t j = 0; j < pn; ++j) {
+    const int64_t n = n0 + j;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512i v = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (n * nb + b) * Q4_1::kQsBytes)));
+      float* qb = q + (j * nb + b) * kBlock;
+      _mm512_storeu_ps(qb, _mm512_cvtepi32_ps(_mm512_and_si512(v, low4)));
+      _mm512_storeu_ps(qb + 16, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+    }
+    for (int64_t c0 = 0; c0 < nbp; c0 += kChunk) {
+      const int64_t cn = std::max<int64_t>(0, std::min<int64_t>(kChunk, nb - c0));
+      const __mmask16 lanes = static_cast<__mmask16>((1u << cn) - 1);
+      _mm512_storeu_ps(dp + j * nbp + c0, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, d + n * nb + c0)));
+      _mm512_storeu_ps(mp + j * nbp + c0, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, m + n * nb + c0)));
+    }
+  }
+}
+
+// y = x . W^T for Q4_1 weights, M >= kPanelMinRows, on the AVX-512 path: the weight rows
+// split over the pool as in linear(); each part widens kPanelRows weight rows at a time and
+// walks every tile of x (kPanelMR rows; the last tile 1-3) over them.
+JAXLLM_AVX512 void linear_q4_1_panel_512(ffi::ThreadPool& pool, const float* x, const uint16_t* d,
+                                         const uint16_t* m, const uint8_t* qs, const float* sx, float* y, int64_t M,
+                                         int64_t K, int64_t N) {
+  const int64_t nb = K / kBlock;
+  const int64_t nbp = (nb + kChunk - 1) / kChunk * kChunk;
+  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
+    std::vector<float> q(std::min<int64_t>(kPanelRows, n1 - n0) * nb * kBlock);
+    std::vector<float> dp(std::min<int64_t>(kPanelRows, n1 - n0) * nbp), mp(dp.size());
+    for (int64_t p0 = n0; p0 < n1; p0 += kPanelRows) {
+      const int64_t pn = std::min<int64_t>(kPanelRows, n1 - p0);
+      q4_1_widen_panel_512(d, m, qs, nb, nbp, p0, pn, q.data(), dp.data(), mp.data());
+      for (int64_t r0 = 0; r0 < M; r0 += kPanelMR) {
+        const float* xt = x + r0 * K;
+        const float* st = sx + r0 * nb;
+        float* yt = y + r0 * N + p0;
+        switch (std::min<int64_t>(kPanelMR, M - r0)) {
+          case 1: q4_1_panel_rows_512<1>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
+          case 2: q4_1_panel_rows_512<2>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
+          case 3: q4_1_panel_rows_512<3>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
+          default: q4_1_panel_rows_512<kPanelMR>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
+        }
+      }
+    }
+  });
+}
+
 // ---- Q8_0, Q4_0, Q5_0, AVX-512: several weight rows per pass over x ----
 //
 // The same walk as Q4_1's above for the types without a min (the built-in model's tied LM
@@ -515,6 +639,7 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   if (m != nullptr) sums = block_sums(x, M, K);
   const float* sx = m != nullptr ? sums.data() : nullptr;
   if constexpr (std::is_same_v<T, Q4_1>) {
+    if (g_avx512 && M >= kPanelMinRows) return linear_q4_1_panel_512(pool, x, d, m, qs, sx, y, M, K, N);
     if (g_avx512) return linear_q4_1_512(pool, x, d, m, qs, sx, y, M, K, N);
   }
   if constexpr (std::is_same_v<T, Q8_0> || std::is_same_v<T, Q4_0> || std::is_same_v<T, Q5_0>) {

@@ -485,7 +485,8 @@ def test_prompt_logits_are_the_same_bits_in_any_chunking():
     matmuls, native norms and attention): the logits of positions 8-40 are the same bits
     computed a token per step (the decode path) or in chunks of 7 (multi-token query tiles
     cut at 15, 22, 29 and 36: not at multiples of 8, and across the key tile boundary at 32).
-    The steps stay small: that the other kernels' bits do not depend on the step's shape is
+    And computed in one 40-token step (a prefill chunk's many-row kernels).  The steps stay
+    small: that the other kernels' bits do not depend on the step's shape is
     held for such steps by tests/quant/test_builtin_int8.py, whose ids and 8- and 1-token
     steps these are (the same programs: compile-cache hits in the suite; only the 7-token
     step is this test's own)."""
@@ -497,6 +498,11 @@ def test_prompt_logits_are_the_same_bits_in_any_chunking():
     got = paged_logits(model, ids, False, split=split, matmul="native", attention="native")
     rows = np.nonzero(np.abs(got[8:] - one[8:]).max(-1))[0] + 8
     assert rows.tolist() == [], f"split {split}: positions whose logits differ: {rows.tolist()}"
+    # A prefill's step: 40 tokens at once take the matmul's many-row path (the Q4_1 panels,
+    # from 32 rows: cpu/quant_linear.cc) and the attention's 4-key score sums of whole tiles.
+    whole = paged_logits(model, ids, False, split=(40,), matmul="native", attention="native")
+    rows = np.nonzero(np.abs(whole[8:] - one[8:]).max(-1))[0] + 8
+    assert rows.tolist() == [], f"a 40-token step: positions whose logits differ: {rows.tolist()}"
 
 
 # The tiny checkpoints whose attention differs for the kernel: GQA 4 over 2 (the base),
