@@ -305,7 +305,8 @@ class EngineConfig:
     """Speculative decoding (``--speculative-config``, vLLM's shape; a dict or JSON text is
     parsed); None: off."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """Multi-LoRA (``enable_lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``): jaxllm/lora/."""
+    """Multi-LoRA (``enable_lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``,
+    ``--lora-dtype``): jaxllm/lora/."""
 
     def __post_init__(self):
         object.__setattr__(self, "structured_outputs_config",

@@ -18,7 +18,8 @@ Without ``used`` (training, lora/train.py: the loop's dynamic trip count is not
 reverse-differentiable) the one-hot einsum over every slot is kept
 (``einsum(x, one_hot(slot), A)``, as tpu-inference and sglang-jax do).
 A token with slot -1 (the base model, or bucket padding) matches no slot: no delta.
-The delta is float32 (on the native CPU path the activations are float32 already).
+The delta is float32 (on the native CPU path the activations are float32 already), whatever
+the slots' dtype (``--lora-dtype``): a slice of a bfloat16 slot is widened before its dot.
 
 When the step runs the GPU path (``Kernels.attention`` or ``Kernels.matmul`` "pallas"), the
 delta is the Pallas kernel of ``pallas/lora.py`` instead (per token, only its own slot's
@@ -41,7 +42,8 @@ class LoRAStep:
     """The step's adapters: the slot arrays and each token's slot."""
 
     weights: dict
-    """param -> (A [max_loras, L, in, R], B [max_loras, L, R, out]) float32, scale folded into B."""
+    """param -> (A [max_loras, L, in, R], B [max_loras, L, R, out]), scale folded into B; float32,
+    or the 16-bit ``--lora-dtype`` (each slice read is widened to float32)."""
     slots: jax.Array
     """[T] int32, each token's slot (-1: none)."""
     used: jax.Array | None = None
@@ -68,11 +70,18 @@ def delta(lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array | 
             return _one_slot_delta(x, A, B, layer, lora.slots, lora.used[0])
         return _used_slots_delta(x, A, B, layer, lora.slots, lora.used)
     A_l, B_l = A[:, layer], B[:, layer]                                  # [S, in, R], [S, R, out]
+    if lora.kernel != "pallas":
+        A_l, B_l = _f32(A_l), _f32(B_l)
     if lora.kernel == "pallas":
         return lora_delta(x, A_l, B_l, lora.slots)                       # [T, out]
     onehot = jax.nn.one_hot(lora.slots, A.shape[0], dtype=jnp.float32)   # [T, S]
     xa = jnp.einsum("ti,sir->tsr", x.astype(jnp.float32), A_l) * onehot[:, :, None]   # [T, S, R]
     return jnp.einsum("tsr,sro->to", xa, B_l)                            # [T, out]
+
+
+def _f32(w: jax.Array) -> jax.Array:
+    # a slot slice in the --lora-dtype, widened: the shrink and expand accumulate in float32
+    return w.astype(jnp.float32)
 
 
 def _used_slots_delta(x, A, B, layer, slots, used) -> jax.Array:
@@ -84,8 +93,8 @@ def _used_slots_delta(x, A, B, layer, slots, used) -> jax.Array:
 
     def one_slot(i, acc):
         s = used[i]
-        a = jax.lax.dynamic_slice(A, (s, layer, 0, 0), (1, 1, n_in, R))[0, 0]      # [in, R]
-        b = jax.lax.dynamic_slice(B, (s, layer, 0, 0), (1, 1, R, n_out))[0, 0]     # [R, out]
+        a = _f32(jax.lax.dynamic_slice(A, (s, layer, 0, 0), (1, 1, n_in, R))[0, 0])    # [in, R]
+        b = _f32(jax.lax.dynamic_slice(B, (s, layer, 0, 0), (1, 1, R, n_out))[0, 0])   # [R, out]
         xa = jnp.where((slots == s)[:, None], xf @ a, 0.0)                         # [T, R]
         return acc + xa @ b                                                        # [T, out]
 
@@ -103,8 +112,8 @@ def _one_slot_delta(x, A, B, layer, slots, s) -> jax.Array:
     layer = jnp.asarray(layer, jnp.int32)
 
     def read():
-        a = jax.lax.dynamic_slice(A, (s, layer, 0, 0), (1, 1, n_in, R))[0, 0]      # [in, R]
-        b = jax.lax.dynamic_slice(B, (s, layer, 0, 0), (1, 1, R, n_out))[0, 0]     # [R, out]
+        a = _f32(jax.lax.dynamic_slice(A, (s, layer, 0, 0), (1, 1, n_in, R))[0, 0])    # [in, R]
+        b = _f32(jax.lax.dynamic_slice(B, (s, layer, 0, 0), (1, 1, R, n_out))[0, 0])   # [R, out]
         xa = jnp.where((slots == s)[:, None], x.astype(jnp.float32) @ a, 0.0)      # [T, R]
         return xa @ b                                                              # [T, out]
 

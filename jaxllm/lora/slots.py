@@ -1,7 +1,10 @@
 """The device slot arrays of the adapters and their writer.
 
-Per target projection ``A [max_loras, L, in, R]`` and ``B [max_loras, L, R, out]`` float32
-(``R`` = max_lora_rank; an adapter of smaller rank is zero-padded, the padding adds zero).
+Per target projection ``A [max_loras, L, in, R]`` and ``B [max_loras, L, R, out]`` in the
+``--lora-dtype`` (``R`` = max_lora_rank; an adapter of smaller rank is zero-padded, the padding
+adds zero).  An adapter is sent as float32 and rounded to that dtype on the device by the
+writer; bfloat16 slots halve what a step reads of them (lora/apply.py widens each slice it
+reads to float32, so the arithmetic is float32's).
 One compiled program writes an adapter into a slot (the old arrays donated: updated in
 place), compiled at warm-up with the slot a traced argument, so loading, swapping or
 unloading an adapter never compiles afterwards.
@@ -25,7 +28,9 @@ from jaxllm.lora.targets import Target
 
 def _write(weights: dict, slot: jax.Array, new: dict) -> dict:
     # weights: param -> (A [S, L, in, R], B [S, L, R, out]); new: param -> (A [L, in, R], B [L, R, out])
-    return {n: (A.at[slot].set(new[n][0]), B.at[slot].set(new[n][1])) for n, (A, B) in weights.items()}
+    # new is float32: rounded here to the slots' dtype (numpy has no bfloat16 to send it in)
+    return {n: (A.at[slot].set(new[n][0].astype(A.dtype)), B.at[slot].set(new[n][1].astype(B.dtype)))
+            for n, (A, B) in weights.items()}
 
 
 def _without_slot_axis(sharding):
@@ -37,15 +42,17 @@ def _without_slot_axis(sharding):
 
 class LoRASlotArrays:
     def __init__(self, targets: dict[str, Target], num_layers: int, max_loras: int, max_rank: int, sharding,
-                 shardings: dict | None = None):
+                 shardings: dict | None = None, dtype: str = "float32"):
         """``sharding``: the replicated sharding (the slot index; every array without
-        ``shardings``); ``shardings``: param -> (A's, B's) sharding (tensor parallelism)."""
+        ``shardings``); ``shardings``: param -> (A's, B's) sharding (tensor parallelism);
+        ``dtype``: the slots' dtype (``--lora-dtype``, resolved)."""
         self.targets, self.L, self.R = targets, num_layers, max_rank
         self.sharding = sharding
         self.shardings = shardings or {n: (sharding, sharding) for n in targets}
-        self.weights = {n: (jax.device_put(jnp.zeros((max_loras, num_layers, t.in_size, max_rank), jnp.float32),
+        self.dtype = jnp.dtype(dtype)
+        self.weights = {n: (jax.device_put(jnp.zeros((max_loras, num_layers, t.in_size, max_rank), self.dtype),
                                            self.shardings[n][0]),
-                            jax.device_put(jnp.zeros((max_loras, num_layers, max_rank, t.out_size), jnp.float32),
+                            jax.device_put(jnp.zeros((max_loras, num_layers, max_rank, t.out_size), self.dtype),
                                            self.shardings[n][1]))
                         for n, t in targets.items()}
         # One adapter's arrays (no slot axis) are sent laid out as a slot of them is.
