@@ -12,6 +12,7 @@ native engine has max_loras=2 so a third adapter evicts one."""
 from __future__ import annotations
 
 import gguf
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -205,19 +206,25 @@ def test_bfloat16_slots_equal_peft_with_the_adapters_rounded_to_bfloat16(engine,
     ref = hf_greedy(paths["base"], rounded, PROMPTS, N)
     llm = LLM(paths["base"], **{**ENGINE, "max_num_seqs": 4}, **BACKENDS["native"], lora_dtype="bfloat16")
     runner = llm.llm_engine.core.runner
-    assert {str(w.dtype) for ab in runner.lora_slots.weights.values() for w in ab} == {"bfloat16"}
+    assert {str(w.dtype) for w in jax.tree.leaves(runner.lora_slots.weights)} == {"bfloat16"}
     # "auto" (the default) is the model's dtype: float32 here
-    assert {str(w.dtype) for ab in engine("native").llm_engine.core.runner.lora_slots.weights.values()
-            for w in ab} == {"float32"}
+    assert {str(w.dtype) for w in jax.tree.leaves(engine("native").llm_engine.core.runner.lora_slots.weights)} \
+        == {"float32"}
     items = [(loras[n], i) for n in ("a4", "c8") for i in range(len(PROMPTS))]
     for (lr, i), toks in zip(items, run(llm, items)):
         assert toks == ref[(lr.lora_name, i)], f"adapter {lr.lora_name}, prompt {i}"
+    # q/k/v's A side by side, gate/up's too (one shrink dot each: lora/apply.py)
+    assert sorted(runner.lora_slots.weights["A"]) == ["down", "gate+up", "o", "q+k+v"]
     # What a slot holds: the adapter's float32 weights (scale folded) rounded to bfloat16.
     w = llm.llm_engine.core.lora_store.get(loras["c8"])
     one = LoRASlotArrays(runner.lora_slots.targets, runner.lora_slots.L, 1, 8, runner._rep, dtype="bfloat16")
     one.write(0, w)
     for name, (a, b) in w.weights.items():
-        A, B = (np.asarray(x[0].astype("float32")) for x in one.weights[name])
+        key = one.group_of(name)
+        A = np.asarray(one.weights["A"][key][0].astype("float32"))        # [L, in, n*8]: the group's
+        B = np.asarray(one.weights["B"][name][0].astype("float32"))       # [L, 8, out]
+        i = one.groups[key].index(name)
+        A = A[..., i * 8:(i + 1) * 8]
         assert np.array_equal(A[..., :w.rank], a.astype(ml_dtypes.bfloat16).astype(np.float32)), name
         assert np.array_equal(B[:, :w.rank], b.astype(ml_dtypes.bfloat16).astype(np.float32)), name
         assert not A[..., w.rank:].any()
