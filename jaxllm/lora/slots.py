@@ -3,9 +3,9 @@
 Per target projection ``A [max_loras, L, in, R]`` and ``B [max_loras, L, R, out]`` in the
 ``--lora-dtype``, the ``A`` of q/k/v and of gate/up side by side in one array each
 (``{"A": {"q+k+v": [max_loras, L, in, 3R], ...}, "B": {"q": ..., ...}}``, lora/apply.py's
-``shrink_groups``: one shrink dot for the group) (``R`` = max_lora_rank; an adapter of smaller rank is zero-padded, the padding
-adds zero).  An adapter is sent as float32 and rounded to that dtype on the device by the
-writer; bfloat16 slots halve what a step reads of them (lora/apply.py widens each slice it
+``shrink_groups``: one shrink dot for the group); ``R`` = max_lora_rank, an adapter of smaller
+rank is zero-padded (the padding adds zero).  An adapter is sent as float32 and rounded to
+that dtype on the device by the writer; bfloat16 slots halve what a step reads of them (lora/apply.py widens each slice it
 reads to float32, so the arithmetic is float32's).
 One compiled program writes an adapter into a slot (the old arrays donated: updated in
 place), compiled at warm-up with the slot a traced argument, so loading, swapping or
@@ -57,7 +57,9 @@ class LoRASlotArrays:
         self.shardings = {"A": {k: per_param[g[0]][0] for k, g in self.groups.items()},
                           "B": {n: per_param[n][1] for n in targets}}
         self.dtype = jnp.dtype(dtype)
-        zeros = lambda shape, sh: jax.device_put(jnp.zeros((max_loras, num_layers) + shape, self.dtype), sh)  # noqa: E731
+        def zeros(shape, sh):
+            return jax.device_put(jnp.zeros((max_loras, num_layers) + shape, self.dtype), sh)
+
         self.weights = {
             "A": {k: zeros((targets[g[0]].in_size, len(g) * max_rank), self.shardings["A"][k])
                   for k, g in self.groups.items()},
