@@ -104,8 +104,6 @@ def program_costs(tokens: list[int], dtype: str, lora_dtype: str = "auto") -> No
     for name, extra in (("base", {}), ("lora", dict(enable_lora=True, max_loras=8, max_lora_rank=max(RANKS),
                                                            lora_dtype=lora_dtype))):
         r = LLMTimer(1, **kw, **extra).runner
-        # each program compiled here, not loaded from the persistent cache (an earlier run's)
-        jax.config.update("jax_enable_compilation_cache", False)
         for T in tokens:
             lowered = r.compiler.lower_step(r.params, r.kv, r.sampler_rows.state, T, 1)
             t0 = time.process_time()
