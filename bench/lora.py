@@ -2,6 +2,7 @@
 
     python bench/lora.py [--batch-sizes 1,32] [--adapters 1,8] [--output-len 32] [--repeats 5]
     python bench/lora.py --programs 1,32      # what one step program costs to compile, no timing run
+    python bench/lora.py --lora-dtype auto,bfloat16   # a LoRA engine per slot dtype, arms of each
 
 Two engines on the built-in model: the base (``enable_lora=False``) and one with
 ``enable_lora=True, max_loras=max(--adapters), max_lora_rank=16``.  The adapters are random
@@ -15,6 +16,9 @@ call, so a drift of the shared machine moves every arm alike):
   LoRA path alone: the slot inputs and, per projection, a loop of no iteration or a cond not
   taken, lora/apply.py);
 * ``K adapters``: request ``i`` runs adapter ``i % K``.
+
+With several ``--lora-dtype`` values (``--lora-dtype``: the slots' dtype, "auto" = the model's)
+each has its own LoRA engine and its arms are named with it: ``1 adapter (bfloat16)``.
 
 ``--programs T,...``: instead, for the base engine and the LoRA engine (one sequence, ``max_loras``
 8), each one-sequence step program of ``T`` tokens is lowered and compiled once, and printed:
@@ -92,12 +96,13 @@ class Arm:
 OPS = ("fusion", "dot", "while", "conditional", "dynamic-slice", "copy", "custom-call")
 
 
-def program_costs(tokens: list[int], dtype: str) -> None:
+def program_costs(tokens: list[int], dtype: str, lora_dtype: str = "auto") -> None:
     """``--programs``: compile each one-sequence step program of ``tokens`` once, base and LoRA."""
     kw = dict(dtype=dtype, max_num_seqs=1, max_num_batched_tokens=max(tokens), max_model_len=512, show_progress=False,
               enable_prefix_caching=False, precompile="on-demand")
     print(f"{'engine':<6} {'T':>4} {'compile CPU s':>13}  {'bytes MB':>8}  kernels")
-    for name, extra in (("base", {}), ("lora", dict(enable_lora=True, max_loras=8, max_lora_rank=max(RANKS)))):
+    for name, extra in (("base", {}), ("lora", dict(enable_lora=True, max_loras=8, max_lora_rank=max(RANKS),
+                                                           lora_dtype=lora_dtype))):
         r = LLMTimer(1, **kw, **extra).runner
         for T in tokens:
             lowered = r.compiler.lower_step(r.params, r.kv, r.sampler_rows.state, T, 1)
@@ -121,12 +126,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--programs", default=None, help="token counts: print each step program's compile cost instead")
+    ap.add_argument("--lora-dtype", default="auto",
+                    help="the adapter slots' dtype (auto, float16, bfloat16, float32); several, comma separated: "
+                         "a LoRA engine each")
     args = ap.parse_args(argv)
     if args.programs:
         tokens = [int(t) for t in args.programs.split(",")]
         if not tokens or min(tokens) < 1:
             raise ValueError("--programs must be positive integers")
-        return program_costs(tokens, args.dtype)
+        return program_costs(tokens, args.dtype, args.lora_dtype.split(",")[0])
     batches = [int(b) for b in args.batch_sizes.split(",")]
     counts = [int(k) for k in args.adapters.split(",")]
     if not batches or min(batches) < 1 or not counts or min(counts) < 1:
@@ -137,24 +145,28 @@ def main(argv=None):
               max_model_len=512, show_progress=False, enable_prefix_caching=False, precompile="all")
     warm = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     base = LLMTimer(args.output_len, warm_params=warm, **kw)
-    lora = LLMTimer(args.output_len, warm_params=warm, enable_lora=True, max_loras=max(counts),
-                    max_lora_rank=max(RANKS), **kw)
+    lora_dtypes = args.lora_dtype.split(",")
     folder = tempfile.mkdtemp(prefix="jaxllm_lora_bench_")
     paths = random_adapters(base.arch, max(counts), folder)
     requests = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
-    arms = {"base": Arm(base, []), "lora engine, 0 adapters": Arm(lora, [])}
-    arms.update({f"{k} adapter{'s' * (k > 1)}": Arm(lora, requests[:k]) for k in counts})
+    arms = {"base": Arm(base, [])}
+    for ld in lora_dtypes:
+        lora = LLMTimer(args.output_len, warm_params=warm, enable_lora=True, max_loras=max(counts),
+                        max_lora_rank=max(RANKS), lora_dtype=ld, **kw)
+        tag = f" ({ld})" if len(lora_dtypes) > 1 else ""
+        arms[f"lora engine, 0 adapters{tag}"] = Arm(lora, [])
+        arms.update({f"{k} adapter{'s' * (k > 1)}{tag}": Arm(lora, requests[:k]) for k in counts})
     rng = np.random.default_rng(0)
     prompts = {b: rng.integers(3, 20000, size=(b, args.input_len)).tolist() for b in batches}
     print(f"built-in model, {args.dtype}, input {args.input_len}, output {args.output_len} tokens, "
           f"median of {args.repeats}; adapters: ranks {'/'.join(map(str, RANKS))} on every projection")
-    print(f"{'batch':>5}  {'arm':<26} {'tok/s':>8}  {'x base':>6}  load avg")
+    print(f"{'batch':>5}  {'arm':<36} {'tok/s':>8}  {'x base':>6}  load avg")
     for b in batches:
         rates = measure(arms, {b: prompts[b]}, args.repeats, args.output_len)
         load = " ".join(f"{x:.1f}" for x in os.getloadavg())
         for name in arms:
             r = rates[name][b]
-            print(f"{b:>5}  {name:<26} {r:>8.1f}  {r / rates['base'][b]:>6.2f}  {load}", flush=True)
+            print(f"{b:>5}  {name:<36} {r:>8.1f}  {r / rates['base'][b]:>6.2f}  {load}", flush=True)
 
 
 if __name__ == "__main__":

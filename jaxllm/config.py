@@ -306,7 +306,8 @@ class EngineConfig:
     """Speculative decoding (``--speculative-config``, vLLM's shape; a dict or JSON text is
     parsed); None: off."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """Multi-LoRA (``enable_lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``): jaxllm/lora/."""
+    """Multi-LoRA (``enable_lora``, ``--max-loras``, ``--max-lora-rank``, ``--max-cpu-loras``,
+    ``--lora-dtype``): jaxllm/lora/."""
     mm_processor_kwargs: dict = field(default_factory=dict)
     """The image processor's arguments over the checkpoint's ``preprocessor_config.json``
     (``--mm-processor-kwargs '{json}'``, vLLM's flag; a dict or JSON text): for Qwen3.5,

@@ -1,5 +1,5 @@
 """LoRA adapters on the server, vLLM's surface: the ``--enable-lora`` / ``--lora-modules`` /
-``--max-loras`` / ``--max-lora-rank`` / ``--max-cpu-loras`` flags, the adapters a request may
+``--max-loras`` / ``--max-lora-rank`` / ``--max-cpu-loras`` / ``--lora-dtype`` flags, the adapters a request may
 select by ``"model": NAME``, and the runtime ``POST /v1/load_lora_adapter`` /
 ``POST /v1/unload_lora_adapter`` routes (only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
 or ``JAXLLM_ALLOW_RUNTIME_LORA_UPDATING=1``; otherwise those routes are 404, as in vLLM).
@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from http import HTTPStatus
 
-from jaxllm.lora.config import LORA_RANKS, LoRAConfig
+from jaxllm.lora.config import LORA_DTYPES, LORA_RANKS, LoRAConfig
 from jaxllm.lora.request import LoRARequest
 from serve.protocol import APIError, bad_request
 
@@ -55,6 +55,9 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
                    help=f"the largest adapter rank (default 16; one of {', '.join(map(str, LORA_RANKS))})")
     g.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept read in host memory (default: --max-loras)")
+    g.add_argument("--lora-dtype", default="auto",
+                   help=f"the adapters' dtype in their device slots, one of {', '.join(LORA_DTYPES)} (default "
+                        "auto: the model's dtype; bfloat16 halves their reads, the arithmetic stays float32)")
 
 
 def parse_lora_modules(values: list[str] | None) -> tuple[LoRAModule, ...]:
@@ -91,7 +94,7 @@ def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig:
     if modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     return LoRAConfig(enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                      max_cpu_loras=args.max_cpu_loras)
+                      max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype)
 
 
 def runtime_updates_allowed(environ=os.environ) -> bool:

@@ -245,19 +245,21 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
                       kv_cache_dtype=kv_name, num_speculative_tokens=_num_speculative_tokens(config),
                       images=model.vision is not None,
                       mrope=model.vision is not None and get_family(a.architecture).mrope, pooling_type=rc.pooling_type or "",
-                      **_lora_slots(config, a))
+                      **_lora_slots(config, a, dtype))
     return ResolvedConfig(step=step, kv=kv, kv_sizing=sizing, compile_cache_dir=cache_dir)
 
 
-def _lora_slots(config: EngineConfig, arch) -> dict:
-    """The step's LoRA settings: slots only with ``enable_lora``, for a family that takes adapters."""
+def _lora_slots(config: EngineConfig, arch, dtype: str) -> dict:
+    """The step's LoRA settings: slots only with ``enable_lora``, for a family that takes
+    adapters; ``--lora-dtype auto`` is the model's ``dtype``."""
     lc = config.lora
     if not lc.enable_lora:
         return {}
     if not get_family(arch.architecture).lora:
         raise ValueError(f"--enable-lora: {arch.architecture} does not take LoRA adapters here "
                          f"(the Llama-family decoders do)")
-    return {"max_loras": lc.max_loras, "max_lora_rank": lc.max_lora_rank}
+    return {"max_loras": lc.max_loras, "max_lora_rank": lc.max_lora_rank,
+            "lora_dtype": dtype if lc.lora_dtype == "auto" else lc.lora_dtype}
 
 
 def _int8_activations(cpu_matmul: str) -> bool:

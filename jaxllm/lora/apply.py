@@ -18,7 +18,13 @@ Without ``used`` (training, lora/train.py: the loop's dynamic trip count is not
 reverse-differentiable) the one-hot einsum over every slot is kept
 (``einsum(x, one_hot(slot), A)``, as tpu-inference and sglang-jax do).
 A token with slot -1 (the base model, or bucket padding) matches no slot: no delta.
-The delta is float32 (on the native CPU path the activations are float32 already).
+The delta is float32 (on the native CPU path the activations are float32 already), whatever
+the slots' dtype (``--lora-dtype``): a slice of a bfloat16 slot is widened before its dot.
+
+Projections of one input (q/k/v; gate/up) store their ``A`` side by side in one slot array
+(``A [max_loras, L, in, n*R]``, lora/slots.py, for every family, fused base weights or not):
+their shrinks are one dot ``x @ A`` and only the expands are one per projection, 11 dots a
+layer instead of 14 (docs/BENCHMARKS.md "LoRA adapters": what that saves in compile time).
 
 When the step runs the GPU path (``Kernels.attention`` or ``Kernels.matmul`` "pallas"), the
 delta is the Pallas kernel of ``pallas/lora.py`` instead (per token, only its own slot's
@@ -34,6 +40,23 @@ import jax.numpy as jnp
 
 from jaxllm.pallas.lora import lora_delta
 
+GROUPS = (("q", "k", "v"), ("gate", "up"))
+"""Projections of one input whose ``A`` the slots hold side by side (one shrink for them all)."""
+
+
+def shrink_groups(params, can_group=lambda members: True) -> dict[str, tuple[str, ...]]:
+    """The slot layout's ``A`` keys: ``"q+k+v"`` -> ("q", "k", "v") for each of :data:`GROUPS`
+    whose members are all among ``params`` (and ``can_group(members)``: e.g. laid out alike
+    under tensor parallelism), every other param its own key."""
+    params = list(params)
+    out, grouped = {}, set()
+    for g in GROUPS:
+        if all(p in params for p in g) and can_group(g):
+            out["+".join(g)] = g
+            grouped |= set(g)
+    out.update((p, (p,)) for p in params if p not in grouped)
+    return out
+
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
@@ -41,7 +64,10 @@ class LoRAStep:
     """The step's adapters: the slot arrays and each token's slot."""
 
     weights: dict
-    """param -> (A [max_loras, L, in, R], B [max_loras, L, R, out]) float32, scale folded into B."""
+    """``{"A": {key: A [max_loras, L, in, n*R]}, "B": {param: B [max_loras, L, R, out]}}``, the
+    scale folded into B; a key of ``A`` names its params joined by "+" (:func:`shrink_groups`:
+    ``"q+k+v"`` holds q's, k's and v's ``A`` side by side, ``"o"`` o's alone).  float32, or the
+    16-bit ``--lora-dtype`` (each slice read is widened to float32)."""
     slots: jax.Array
     """[T] int32, each token's slot (-1: none)."""
     used: jax.Array | None = None
@@ -56,59 +82,113 @@ def kernel_for(kernels) -> str:
     return "pallas" if "pallas" in (kernels.attention, kernels.matmul) else "einsum"
 
 
-def delta(lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array | None:
-    """x [T, in] -> the delta [T, out] float32 of projection ``name`` at ``layer`` (an int, or a
-    traced index under ``lax.scan``); None when no adapter can change it."""
-    if lora is None or name not in lora.weights:
+def _f32(w: jax.Array) -> jax.Array:
+    # a slot slice in the --lora-dtype, widened: the shrink and expand accumulate in float32
+    return w.astype(jnp.float32)
+
+
+def _own_A(lora: LoRAStep, name: str) -> jax.Array:
+    """``name``'s A [S, L, in, R]: its key's array, or its columns of a group's."""
+    for key, A in lora.weights["A"].items():
+        members = key.split("+")
+        if name in members:
+            R = lora.weights["B"][name].shape[-2]
+            i = members.index(name)
+            return A if len(members) == 1 else A[..., i * R:(i + 1) * R]
+    raise KeyError(name)
+
+
+def deltas(lora: LoRAStep | None, names: tuple[str, ...], x: jax.Array, layer) -> list | None:
+    """x [T, in] -> the deltas [T, out_i] float32 of projections ``names`` (all of one input ``x``)
+    at ``layer`` (an int, or a traced index under ``lax.scan``); None when no adapter can change
+    them.  One shrink when the slots hold their ``A`` side by side (a key ``"+".join(names)``);
+    a name that is no target (only alone) gives None."""
+    if lora is None or not any(n in lora.weights["B"] for n in names):
         return None
-    A, B = lora.weights[name]
+    key = "+".join(names)
+    if key in lora.weights["A"]:
+        groups = [(lora.weights["A"][key], names)]
+    elif len(names) == 1:
+        groups = [(_own_A(lora, names[0]), names)]
+    else:
+        return [delta(lora, n, x, layer) for n in names]
+    out = []
+    for A, members in groups:
+        Bs = [lora.weights["B"][n] for n in members]
+        out += _group_delta(lora, A, Bs, x, layer)
+    return out
+
+
+def _group_delta(lora: LoRAStep, A, Bs, x, layer) -> list:
+    """A [S, L, in, n*R] (n parts side by side), Bs n x [S, L, R, out_i] -> n deltas [T, out_i]."""
+    R = Bs[0].shape[-2]
     if lora.kernel != "pallas" and lora.used is not None:
         if x.shape[0] == 1 or A.shape[0] == 1:
             # one token (batch-1 decode) or one slot: at most one slot is used, ``used[0]``
-            return _one_slot_delta(x, A, B, layer, lora.slots, lora.used[0])
-        return _used_slots_delta(x, A, B, layer, lora.slots, lora.used)
-    A_l, B_l = A[:, layer], B[:, layer]                                  # [S, in, R], [S, R, out]
+            return _one_slot_delta(x, A, Bs, layer, lora.slots, lora.used[0])
+        return _used_slots_delta(x, A, Bs, layer, lora.slots, lora.used)
+    A_l = A[:, layer]                                                    # [S, in, n*R]
     if lora.kernel == "pallas":
-        return lora_delta(x, A_l, B_l, lora.slots)                       # [T, out]
+        return [lora_delta(x, A_l[..., i * R:(i + 1) * R], B[:, layer], lora.slots) for i, B in enumerate(Bs)]
     onehot = jax.nn.one_hot(lora.slots, A.shape[0], dtype=jnp.float32)   # [T, S]
-    xa = jnp.einsum("ti,sir->tsr", x.astype(jnp.float32), A_l) * onehot[:, :, None]   # [T, S, R]
-    return jnp.einsum("tsr,sro->to", xa, B_l)                            # [T, out]
+    xa = jnp.einsum("ti,sir->tsr", x.astype(jnp.float32), _f32(A_l)) * onehot[:, :, None]   # [T, S, n*R]
+    return [jnp.einsum("tsr,sro->to", xa[..., i * R:(i + 1) * R], _f32(B[:, layer]))        # [T, out_i]
+            for i, B in enumerate(Bs)]
 
 
-def _used_slots_delta(x, A, B, layer, slots, used) -> jax.Array:
-    """x [T, in]; A [S, L, in, R], B [S, L, R, out]; slots [T]; used [S] -> [T, out] float32,
-    reading only the used slots' matrices of ``layer``."""
-    T, (_, _, n_in, R), n_out = x.shape[0], A.shape, B.shape[-1]
+def _expand(xa, bs, R) -> list:
+    # xa [T, n*R]; bs n x [R, out_i] float32 -> n x [T, out_i]
+    return [xa[:, i * R:(i + 1) * R] @ b for i, b in enumerate(bs)]
+
+
+def _read(A, Bs, s, layer):
+    """Slot ``s``'s matrices of ``layer``, widened: A [in, n*R], n x B [R, out_i]."""
+    (_, _, n_in, nR) = A.shape
+    a = _f32(jax.lax.dynamic_slice(A, (s, layer, 0, 0), (1, 1, n_in, nR))[0, 0])               # [in, n*R]
+    bs = [_f32(jax.lax.dynamic_slice(B, (s, layer, 0, 0), (1, 1) + B.shape[2:])[0, 0]) for B in Bs]  # [R, out_i]
+    return a, bs
+
+
+def _used_slots_delta(x, A, Bs, layer, slots, used) -> list:
+    """x [T, in]; A [S, L, in, n*R], Bs n x [S, L, R, out_i]; slots [T]; used [S] -> n x [T, out_i]
+    float32, reading only the used slots' matrices of ``layer``."""
+    T, R = x.shape[0], Bs[0].shape[-2]
     xf = x.astype(jnp.float32)
     layer = jnp.asarray(layer, jnp.int32)
 
-    def one_slot(i, acc):
+    def one_slot(i, accs):
         s = used[i]
-        a = jax.lax.dynamic_slice(A, (s, layer, 0, 0), (1, 1, n_in, R))[0, 0]      # [in, R]
-        b = jax.lax.dynamic_slice(B, (s, layer, 0, 0), (1, 1, R, n_out))[0, 0]     # [R, out]
-        xa = jnp.where((slots == s)[:, None], xf @ a, 0.0)                         # [T, R]
-        return acc + xa @ b                                                        # [T, out]
+        a, bs = _read(A, Bs, s, layer)
+        xa = jnp.where((slots == s)[:, None], xf @ a, 0.0)                         # [T, n*R]
+        return tuple(acc + d for acc, d in zip(accs, _expand(xa, bs, R)))          # [T, out_i] each
 
     # A dynamic trip count: the loop runs once per used slot (none when the step has no adapter).
     count = jnp.sum(used >= 0)
-    return jax.lax.fori_loop(0, count, one_slot, jnp.zeros((T, n_out), jnp.float32))
+    zeros = tuple(jnp.zeros((T, B.shape[-1]), jnp.float32) for B in Bs)
+    return list(jax.lax.fori_loop(0, count, one_slot, zeros))
 
 
-def _one_slot_delta(x, A, B, layer, slots, s) -> jax.Array:
-    """x [T, in]; A [S, L, in, R], B [S, L, R, out]; slots [T]; s: the step's one used slot
-    (-1: none) -> [T, out] float32.  A step that can use at most one slot (a one-token bucket,
-    or ``max_loras`` 1) needs no loop: a ``cond`` reads that slot's matrices of ``layer`` or
-    nothing (no copies of a loop's carried values: the module docstring)."""
-    T, (_, _, n_in, R), n_out = x.shape[0], A.shape, B.shape[-1]
+def _one_slot_delta(x, A, Bs, layer, slots, s) -> list:
+    """x [T, in]; A [S, L, in, n*R], Bs n x [S, L, R, out_i]; slots [T]; s: the step's one used
+    slot (-1: none) -> n x [T, out_i] float32.  A step that can use at most one slot (a one-token
+    bucket, or ``max_loras`` 1) needs no loop: a ``cond`` reads that slot's matrices of ``layer``
+    or nothing (no copies of a loop's carried values: the module docstring)."""
+    T, R = x.shape[0], Bs[0].shape[-2]
     layer = jnp.asarray(layer, jnp.int32)
 
     def read():
-        a = jax.lax.dynamic_slice(A, (s, layer, 0, 0), (1, 1, n_in, R))[0, 0]      # [in, R]
-        b = jax.lax.dynamic_slice(B, (s, layer, 0, 0), (1, 1, R, n_out))[0, 0]     # [R, out]
-        xa = jnp.where((slots == s)[:, None], x.astype(jnp.float32) @ a, 0.0)      # [T, R]
-        return xa @ b                                                              # [T, out]
+        a, bs = _read(A, Bs, s, layer)
+        xa = jnp.where((slots == s)[:, None], x.astype(jnp.float32) @ a, 0.0)      # [T, n*R]
+        return tuple(_expand(xa, bs, R))                                           # [T, out_i] each
 
-    return jax.lax.cond(s >= 0, read, lambda: jnp.zeros((T, n_out), jnp.float32))
+    zeros = tuple(jnp.zeros((T, B.shape[-1]), jnp.float32) for B in Bs)
+    return list(jax.lax.cond(s >= 0, read, lambda: zeros))
+
+
+def delta(lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array | None:
+    """x [T, in] -> the delta [T, out] float32 of projection ``name``; None when no adapter can change it."""
+    d = deltas(lora, (name,), x, layer)
+    return None if d is None else d[0]
 
 
 def add(y: jax.Array, lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array:
@@ -117,11 +197,20 @@ def add(y: jax.Array, lora: LoRAStep | None, name: str, x: jax.Array, layer) -> 
     return y if d is None else (y.astype(jnp.float32) + d).astype(y.dtype)
 
 
+def add_each(ys: tuple, lora: LoRAStep | None, names: tuple[str, ...], x: jax.Array, layer) -> tuple:
+    """``ys``: the projections ``names`` of one input ``x`` (separate base weights), each plus
+    its delta, their shrinks one dot where the slots hold their ``A`` side by side."""
+    ds = deltas(lora, names, x, layer)
+    if ds is None:
+        return tuple(ys)
+    return tuple(y if d is None else (y.astype(jnp.float32) + d).astype(y.dtype) for y, d in zip(ys, ds))
+
+
 def add_fused(y: jax.Array, lora: LoRAStep | None, names: tuple[str, ...], x: jax.Array, layer) -> jax.Array:
     """``y``: a fused projection (the parts' outputs concatenated in ``names``' order) plus each
     part's delta.  The slot arrays hold every target the model has (lora/targets.py), so a
     part no adapter changes adds zeros."""
-    if lora is None:
+    ds = deltas(lora, names, x, layer)                                   # [T, out_i] each
+    if ds is None:
         return y
-    deltas = [delta(lora, n, x, layer) for n in names]                   # [T, out_i] each
-    return (y.astype(jnp.float32) + jnp.concatenate(deltas, axis=-1)).astype(y.dtype)
+    return (y.astype(jnp.float32) + jnp.concatenate(ds, axis=-1)).astype(y.dtype)

@@ -1,5 +1,5 @@
 """``LoRAConfig``: the engine's LoRA settings (``enable_lora``, ``--max-loras``,
-``--max-lora-rank``, ``--max-cpu-loras``), vLLM's names and defaults."""
+``--max-lora-rank``, ``--max-cpu-loras``, ``--lora-dtype``), vLLM's names and defaults."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 # vLLM's accepted ranks; the slot arrays are padded to the chosen one.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# vLLM's ``--lora-dtype`` choices, and float32 (the default's dtype for a float32 model).
+LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,10 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
     """Adapters kept read in host memory (None: ``max_loras``); the least recently used
     beyond it is dropped and read again from its folder when asked for."""
+    lora_dtype: str = "auto"
+    """The device slots' dtype (vLLM's ``--lora-dtype``): "auto" (the model's dtype),
+    "float16", "bfloat16" or "float32".  The shrink and expand accumulate in float32 whatever
+    it is; a 16-bit dtype halves the adapter bytes a step reads (lora/slots.py)."""
 
     def __post_init__(self):
         if not isinstance(self.enable_lora, bool):
@@ -33,6 +40,9 @@ class LoRAConfig:
             v = self.max_cpu_loras
             if isinstance(v, bool) or not isinstance(v, int) or v < self.max_loras:
                 raise ValueError(f"--max-cpu-loras ({v!r}) must be an integer >= --max-loras ({self.max_loras})")
+
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"--lora-dtype {self.lora_dtype!r} is not one of {', '.join(LORA_DTYPES)}")
 
     @property
     def cpu_loras(self) -> int:

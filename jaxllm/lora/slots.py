@@ -1,7 +1,12 @@
 """The device slot arrays of the adapters and their writer.
 
-Per target projection ``A [max_loras, L, in, R]`` and ``B [max_loras, L, R, out]`` float32
-(``R`` = max_lora_rank; an adapter of smaller rank is zero-padded, the padding adds zero).
+Per target projection ``A [max_loras, L, in, R]`` and ``B [max_loras, L, R, out]`` in the
+``--lora-dtype``, the ``A`` of q/k/v and of gate/up side by side in one array each
+(``{"A": {"q+k+v": [max_loras, L, in, 3R], ...}, "B": {"q": ..., ...}}``, lora/apply.py's
+``shrink_groups``: one shrink dot for the group); ``R`` = max_lora_rank, an adapter of smaller
+rank is zero-padded (the padding adds zero).  An adapter is sent as float32 and rounded to
+that dtype on the device by the writer; bfloat16 slots halve what a step reads of them (lora/apply.py widens each slice it
+reads to float32, so the arithmetic is float32's).
 One compiled program writes an adapter into a slot (the old arrays donated: updated in
 place), compiled at warm-up with the slot a traced argument, so loading, swapping or
 unloading an adapter never compiles afterwards.
@@ -19,13 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxllm.lora.apply import shrink_groups
 from jaxllm.lora.peft import LoRAWeights
 from jaxllm.lora.targets import Target
 
 
 def _write(weights: dict, slot: jax.Array, new: dict) -> dict:
-    # weights: param -> (A [S, L, in, R], B [S, L, R, out]); new: param -> (A [L, in, R], B [L, R, out])
-    return {n: (A.at[slot].set(new[n][0]), B.at[slot].set(new[n][1])) for n, (A, B) in weights.items()}
+    # weights: {"A": {key: [S, L, in, n*R]}, "B": {param: [S, L, R, out]}}; new: the same without S.
+    # new is float32: rounded here to the slots' dtype (numpy has no bfloat16 to send it in)
+    return jax.tree.map(lambda W, w: W.at[slot].set(w.astype(W.dtype)), weights, new)
 
 
 def _without_slot_axis(sharding):
@@ -37,23 +44,36 @@ def _without_slot_axis(sharding):
 
 class LoRASlotArrays:
     def __init__(self, targets: dict[str, Target], num_layers: int, max_loras: int, max_rank: int, sharding,
-                 shardings: dict | None = None):
+                 shardings: dict | None = None, dtype: str = "float32"):
         """``sharding``: the replicated sharding (the slot index; every array without
-        ``shardings``); ``shardings``: param -> (A's, B's) sharding (tensor parallelism)."""
+        ``shardings``); ``shardings``: param -> (A's, B's) sharding (tensor parallelism);
+        ``dtype``: the slots' dtype (``--lora-dtype``, resolved)."""
         self.targets, self.L, self.R = targets, num_layers, max_rank
         self.sharding = sharding
-        self.shardings = shardings or {n: (sharding, sharding) for n in targets}
-        self.weights = {n: (jax.device_put(jnp.zeros((max_loras, num_layers, t.in_size, max_rank), jnp.float32),
-                                           self.shardings[n][0]),
-                            jax.device_put(jnp.zeros((max_loras, num_layers, max_rank, t.out_size), jnp.float32),
-                                           self.shardings[n][1]))
-                        for n, t in targets.items()}
+        per_param = shardings or {n: (sharding, sharding) for n in targets}
+        # A group's members share one A array: only where their A are laid out alike (they are:
+        # q/k/v and gate/up are all column-parallel, A whole)
+        self.groups = shrink_groups(targets, lambda g: all(per_param[n][0] == per_param[g[0]][0] for n in g))
+        self.shardings = {"A": {k: per_param[g[0]][0] for k, g in self.groups.items()},
+                          "B": {n: per_param[n][1] for n in targets}}
+        self.dtype = jnp.dtype(dtype)
+        def zeros(shape, sh):
+            return jax.device_put(jnp.zeros((max_loras, num_layers) + shape, self.dtype), sh)
+
+        self.weights = {
+            "A": {k: zeros((targets[g[0]].in_size, len(g) * max_rank), self.shardings["A"][k])
+                  for k, g in self.groups.items()},
+            "B": {n: zeros((max_rank, t.out_size), self.shardings["B"][n]) for n, t in targets.items()}}
         # One adapter's arrays (no slot axis) are sent laid out as a slot of them is.
         self._one = jax.tree.map(_without_slot_axis, self.shardings)
         self._writer = jax.jit(_write, donate_argnums=(0,), out_shardings=self.shardings)
 
+    def group_of(self, name: str) -> str:
+        """The key of ``weights["A"]`` that holds ``name``'s A."""
+        return next(k for k, g in self.groups.items() if name in g)
+
     def _padded(self, w: LoRAWeights | None) -> dict:
-        """param -> (A [L, in, R], B [L, R, out]) numpy: the adapter's, zero-padded; zeros where it has none."""
+        """The slot layout without the slot axis, numpy: the adapter's, zero-padded; zeros where it has none."""
         out = {}
         for n, t in self.targets.items():
             A = np.zeros((self.L, t.in_size, self.R), np.float32)
@@ -63,7 +83,8 @@ class LoRASlotArrays:
                 A[:, :, :w.rank] = a
                 B[:, :w.rank, :] = b
             out[n] = (A, B)
-        return out
+        return {"A": {k: np.concatenate([out[n][0] for n in g], axis=-1) for k, g in self.groups.items()},
+                "B": {n: out[n][1] for n in self.targets}}
 
     def write(self, slot: int, w: LoRAWeights | None) -> None:
         """Puts adapter ``w`` (None: zeros) into ``slot``."""

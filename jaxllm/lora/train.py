@@ -74,7 +74,9 @@ def init_lora(arch: ArchConfig, rank: int, alpha: float, targets=ALL_LINEAR, *, 
 
 def lora_step(lora: LoRAParams, num_tokens: int) -> LoRAStep:
     """The engine's per-step adapter input for ``num_tokens`` tokens all in one slot (slot 0)."""
-    w = {p: (ab["A"][None], (ab["B"] * lora.scale)[None]) for p, ab in lora.weights.items()}  # [1, L, ...]
+    # the slots' layout, each A under its own key: [1, L, in, r], [1, L, r, out]
+    w = {"A": {p: ab["A"][None] for p, ab in lora.weights.items()},
+         "B": {p: (ab["B"] * lora.scale)[None] for p, ab in lora.weights.items()}}
     return LoRAStep(w, jnp.zeros((num_tokens,), jnp.int32))
 
 

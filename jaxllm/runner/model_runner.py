@@ -135,7 +135,8 @@ class ModelRunner:
                 raise ValueError("a LoRA step (max_loras > 0) needs the adapter store")
             lora_specs = psh.lora_specs(lora_store.targets, weights.param_table(model).axes(), self.rules)
             self.lora_slots = LoRASlotArrays(lora_store.targets, model.arch.num_layers, cfg.max_loras,
-                                             cfg.max_lora_rank, self._rep, psh.named(self.mesh, lora_specs))
+                                             cfg.max_lora_rank, self._rep, psh.named(self.mesh, lora_specs),
+                                             dtype=cfg.lora_dtype)
             self.params["lora"] = self.lora_slots.weights
         self.num_blocks = num_blocks
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)

@@ -45,6 +45,8 @@ class StepConfig:
     """LoRA adapter slots (0: LoRA off, the step takes no slot indices); ``lora/``."""
     max_lora_rank: int = 0
     """Every slot's rank (adapters are zero-padded to it)."""
+    lora_dtype: str = "float32"
+    """The slots' dtype (``--lora-dtype``, "auto" resolved to ``dtype``); the delta is float32."""
     images: bool = False
     """A vision-language model: the step takes image rows and each token's ``visible_upto``
     (runner/inputs.py, runner/vision.py)."""

@@ -3,7 +3,8 @@ transformers + peft, on the native CPU path and on the XLA path (scanned layers)
 Pallas LoRA kernel (interpret mode, a few tokens), and for Gemma 2, Gemma 3 and Qwen3-MoE (32 tokens,
 one engine each; the MoE adapters change attention, its experts are no target); a batch
 mixing adapters and the base equals each request alone; slots evicted, reloaded and unloaded
-without compiling; the prefix cache keyed by adapter; bad adapters refused, the engine serving on.
+without compiling; the prefix cache keyed by adapter; bad adapters refused, the engine serving on;
+``lora_dtype="bfloat16"`` token-exact against peft with the adapters rounded to bfloat16.
 
 The adapters (tests/support/lora_adapters.py) have random non-zero B and ranks 4 and 8; the
 native engine has max_loras=2 so a third adapter evicts one."""
@@ -11,16 +12,19 @@ native engine has max_loras=2 so a third adapter evicts one."""
 from __future__ import annotations
 
 import gguf
+import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
 from support.engines import ONE_SHOT_ENGINE
-from support.lora_adapters import ATTENTION_ADAPTERS, build_set, edit_config, hf_greedy
+from support.lora_adapters import ATTENTION_ADAPTERS, bf16_rounded, build_set, edit_config, hf_greedy
 from support.tiny_families import build_family
 from support.tiny_models import build_tiny, write_gguf
 
 from jaxllm import LLM, LoRARequest, SamplingParams
 from jaxllm.engine.processor import InputProcessor
+from jaxllm.lora.slots import LoRASlotArrays
 from jaxllm.runner import compile as cc
 
 N = 8   # greedy tokens compared with transformers + peft (each adapter changes the first few)
@@ -189,6 +193,41 @@ def test_bad_adapters_are_refused_and_the_engine_serves_on(engine, loras, paths,
             llm.llm_engine.add_request("bad", {"prompt_token_ids": PROMPTS[0]}, GREEDY, lora_request=bad)
     assert not llm.llm_engine.has_unfinished_requests()
     assert run(llm, [(loras["a4"], 1)])[0] == reference[("a4", 1)]
+
+
+def test_bfloat16_slots_equal_peft_with_the_adapters_rounded_to_bfloat16(engine, paths, loras, tmp_path_factory):
+    """``lora_dtype="bfloat16"``: the slots hold each adapter rounded to bfloat16 and the shrink
+    and expand run in float32, so the tokens are transformers + peft's (float32) with the
+    adapter's ``lora_A``/``lora_B`` rounded to bfloat16: token-exact on the tiny model, 8
+    tokens.  (a4 and c8: scales 2 and 0.5, so rounding B with the scale folded in, as the
+    engine does, rounds peft's B alike; b8's rsLoRA scale is no power of two.)"""
+    root = tmp_path_factory.mktemp("lora_bf16")
+    rounded = {n: bf16_rounded(paths[n], str(root / n)) for n in ("a4", "c8")}
+    ref = hf_greedy(paths["base"], rounded, PROMPTS, N)
+    llm = LLM(paths["base"], **{**ENGINE, "max_num_seqs": 4}, **BACKENDS["native"], lora_dtype="bfloat16")
+    runner = llm.llm_engine.core.runner
+    assert {str(w.dtype) for w in jax.tree.leaves(runner.lora_slots.weights)} == {"bfloat16"}
+    # "auto" (the default) is the model's dtype: float32 here
+    assert {str(w.dtype) for w in jax.tree.leaves(engine("native").llm_engine.core.runner.lora_slots.weights)} \
+        == {"float32"}
+    items = [(loras[n], i) for n in ("a4", "c8") for i in range(len(PROMPTS))]
+    for (lr, i), toks in zip(items, run(llm, items)):
+        assert toks == ref[(lr.lora_name, i)], f"adapter {lr.lora_name}, prompt {i}"
+    # q/k/v's A side by side, gate/up's too (one shrink dot each: lora/apply.py)
+    assert sorted(runner.lora_slots.weights["A"]) == ["down", "gate+up", "o", "q+k+v"]
+    # What a slot holds: the adapter's float32 weights (scale folded) rounded to bfloat16.
+    w = llm.llm_engine.core.lora_store.get(loras["c8"])
+    one = LoRASlotArrays(runner.lora_slots.targets, runner.lora_slots.L, 1, 8, runner._rep, dtype="bfloat16")
+    one.write(0, w)
+    for name, (a, b) in w.weights.items():
+        key = one.group_of(name)
+        A = np.asarray(one.weights["A"][key][0].astype("float32"))        # [L, in, n*8]: the group's
+        B = np.asarray(one.weights["B"][name][0].astype("float32"))       # [L, 8, out]
+        i = one.groups[key].index(name)
+        A = A[..., i * 8:(i + 1) * 8]
+        assert np.array_equal(A[..., :w.rank], a.astype(ml_dtypes.bfloat16).astype(np.float32)), name
+        assert np.array_equal(B[:, :w.rank], b.astype(ml_dtypes.bfloat16).astype(np.float32)), name
+        assert not A[..., w.rank:].any()
 
 
 def test_lora_request_needs_enable_lora(loras):

@@ -205,6 +205,7 @@ def test_runtime_routes_are_404_without_the_environment_variable(engine, paths):
     (["--enable-lora", "--max-lora-rank", "12"], "--max-lora-rank 12"),
     (["--enable-lora", "--max-loras", "0"], "--max-loras"),
     (["--enable-lora", "--max-loras", "2", "--max-cpu-loras", "1"], "--max-cpu-loras"),
+    (["--enable-lora", "--lora-dtype", "int8"], "--lora-dtype 'int8'"),
     (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
     (["--enable-lora", "--lora-modules", "nopath"], "--lora-modules 'nopath'"),
     (["--enable-lora", "--lora-modules", '{"name": "a"}'], "--lora-modules"),

@@ -75,6 +75,21 @@ def edit_config(src: str, dst: str, **changes) -> str:
     return dst
 
 
+def bf16_rounded(src: str, dst: str) -> str:
+    """A copy of adapter ``src`` whose ``lora_A``/``lora_B`` are rounded to bfloat16 (stored
+    float32 again): what ``--lora-dtype bfloat16`` holds in its slots, for peft to run in
+    float32.  (The engine rounds ``B`` with the scale folded in: the same numbers when the scale
+    is a power of two.)"""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    edit_config(src, dst)
+    path = os.path.join(dst, "adapter_model.safetensors")
+    tensors = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32) for k, v in load_file(path).items()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return dst
+
+
 def hf_greedy(base_path: str, adapters: dict, prompts: list[list[int]], n: int) -> dict:
     """transformers (+ peft for each adapter path; None: the base) greedy continuations,
     float32: {name: path or None} -> {(name, prompt index): tokens}."""

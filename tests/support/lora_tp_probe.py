@@ -37,9 +37,11 @@ def main() -> None:
               max_model_len=64, dtype="float32", scan_layers=True, cpu_matmul="xla", attention_backend="xla",
               enable_lora=True, max_loras=2, max_lora_rank=8, strict_compile_guard=True, show_progress=False)
     meta = {"tp2": batch(llm, loras, ITEMS), "evicting": batch(llm, loras, (("c8", 1),))}
-    weights = llm.llm_engine.core.runner.lora_slots.weights   # after the loads (each donates the last)
-    meta |= {"shards": {n: [list(a.addressable_shards[0].data.shape) for a in ab] for n, ab in weights.items()},
-            "full": {n: [list(a.shape) for a in ab] for n, ab in weights.items()}}
+    slots = llm.llm_engine.core.runner.lora_slots
+    w = slots.weights   # after the loads (each donates the last); a param's A: its group's array
+    ab = {n: (w["A"][slots.group_of(n)], w["B"][n]) for n in slots.targets}
+    meta |= {"shards": {n: [list(a.addressable_shards[0].data.shape) for a in pair] for n, pair in ab.items()},
+             "full": {n: [list(a.shape) for a in pair] for n, pair in ab.items()}}
     with open(out, "w") as f:
         json.dump(meta, f)
 

@@ -63,7 +63,8 @@ def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMeta
         qkv = lora_apply.add_fused(linear(h, lp["qkv"], lp.get("qkv_bias"), mm), lora, ("q", "k", "v"), h, index)
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     else:
-        q, k, v = (lora_apply.add(linear(h, lp[n], lp.get(n + "_bias"), mm), lora, n, h, index) for n in ("q", "k", "v"))
+        q, k, v = lora_apply.add_each(tuple(linear(h, lp[n], lp.get(n + "_bias"), mm) for n in ("q", "k", "v")),
+                                      lora, ("q", "k", "v"), h, index)
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)                       # [T, Hq, Dh]
     k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)                    # [T, Hkv, Dh]
     v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -83,8 +84,8 @@ def _layer(cfg: ArchConfig, i: int, x, lp, kv: KVCache, layer, md: AttentionMeta
         gate_up = lora_apply.add_fused(linear(h, lp["gate_up"], backend=mm), lora, ("gate", "up"), h, index)
         gate, up = jnp.split(gate_up, 2, axis=-1)                       # [T, F] each
     else:
-        gate = lora_apply.add(linear(h, lp["gate"], backend=mm), lora, "gate", h, index)
-        up = lora_apply.add(linear(h, lp["up"], backend=mm), lora, "up", h, index)
+        gate, up = lora_apply.add_each((linear(h, lp["gate"], backend=mm), linear(h, lp["up"], backend=mm)),
+                                       lora, ("gate", "up"), h, index)
     a = jax.nn.gelu(gate, approximate=True) * up
     y = lora_apply.add(linear(a, lp["down"], backend=mm), lora, "down", a, index)
     return x + gemma_norm(y, lp["post_ffn_norm"], eps), kv

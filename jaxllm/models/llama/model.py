@@ -55,8 +55,8 @@ def _mlp(cfg: ArchConfig, h, lp, layer, md: AttentionMetadata, kernels: Kernels,
         gate_up = lora_apply.add_fused(linear(h, lp["gate_up"], backend=mm), lora, ("gate", "up"), h, index)
         gate, up = jnp.split(gate_up, 2, axis=-1)                        # [T, F] each
     else:
-        gate = lora_apply.add(linear(h, lp["gate"], backend=mm), lora, "gate", h, index)
-        up = lora_apply.add(linear(h, lp["up"], backend=mm), lora, "up", h, index)
+        gate, up = lora_apply.add_each((linear(h, lp["gate"], backend=mm), linear(h, lp["up"], backend=mm)),
+                                       lora, ("gate", "up"), h, index)
     a = jax.nn.silu(gate) * up
     return lora_apply.add(linear(a, lp["down"], backend=mm), lora, "down", a, index)
 
@@ -83,9 +83,8 @@ def _layer(cfg: ArchConfig, x, lp, kv: KVCache, layer, md: AttentionMetadata, co
         qkv = lora_apply.add_fused(qkv, lora, ("q", "k", "v"), h, index)
         q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     else:
-        q = lora_apply.add(linear(h, lp["q"], lp.get("q_bias"), mm), lora, "q", h, index)
-        k = lora_apply.add(linear(h, lp["k"], lp.get("k_bias"), mm), lora, "k", h, index)
-        v = lora_apply.add(linear(h, lp["v"], lp.get("v_bias"), mm), lora, "v", h, index)
+        q, k, v = lora_apply.add_each(tuple(linear(h, lp[n], lp.get(n + "_bias"), mm) for n in ("q", "k", "v")),
+                                      lora, ("q", "k", "v"), h, index)
     if cfg.qk_norm and var.qk_norm_whole:                                # OLMo 2/3: over [T, q_size]
         q = rms_norm(q, lp["q_norm_full"], cfg.rms_norm_eps, nat)
         k = rms_norm(k, lp["k_norm_full"], cfg.rms_norm_eps, nat)
