@@ -35,8 +35,9 @@ def toks(rng, n):
     return rng.integers(3, 5000, size=n).tolist()
 
 
-def run(llm, prompts, params):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+def run(llm, prompts, params, salt=None):
+    salted = {"cache_salt": salt} if salt else {}
+    outs = llm.generate([{"prompt_token_ids": p, **salted} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
@@ -62,10 +63,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 def test_outputs_equal_with_prefix_caching_on_and_off(tiny_llm):
+    # The engine is shared by the session's tests: a salt of this test's own keeps blocks other
+    # tests cached (the same random tokens) out of its counts (a suite run saw 16 extra hits).
     warm, prompts, expected_cached = shared_prefix_case(seed=1)
+    salt = "test_outputs_equal_with_prefix_caching_on_and_off"
     stats0 = tiny_llm.llm_engine.get_stats()
-    run(tiny_llm, [warm], GREEDY)
-    on, cached = run(tiny_llm, prompts, GREEDY)
+    _, warm_cached = run(tiny_llm, [warm], GREEDY, salt)
+    on, cached = run(tiny_llm, prompts, GREEDY, salt)
     stats1 = tiny_llm.llm_engine.get_stats()
     with caching_off(tiny_llm):
         warm_off, _ = run(tiny_llm, [warm], GREEDY)
@@ -74,6 +78,7 @@ def test_outputs_equal_with_prefix_caching_on_and_off(tiny_llm):
     assert cached_off == [0] * len(prompts)
     assert on == off
     assert on[-1] == warm_off[0]
+    assert warm_cached == [0]
     assert stats1.prefix_cache_hits - stats0.prefix_cache_hits == sum(expected_cached)
     assert stats1.prefix_cache_queries - stats0.prefix_cache_queries == len(warm) + sum(map(len, prompts))
 
