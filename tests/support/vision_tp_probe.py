@@ -1,23 +1,19 @@
-"""A vision-language engine at tp=2 on two simulated CPU devices, one image; writes what it saw.
+"""A vision-language engine at tp=2 on two simulated CPU devices, one image: what it saw.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m support.vision_tp_probe OUT.npz CKPT...
-
-Run in its own process by tests/parallel/test_vision_tp.py (the device count is fixed before JAX
-starts).  For each checkpoint (a tiny ``Gemma3ForConditionalGeneration`` or
+Run by tp_families_probe.py (its process has two devices, fixed before JAX starts; the tests:
+tests/parallel/test_tp_families.py).  For a checkpoint (a tiny ``Gemma3ForConditionalGeneration`` or
 ``Qwen3_5ForConditionalGeneration``, named by its folder): ``LLM`` at tp=2 on the XLA path under
 the strict compile guard (the encoder compiled at start-up, nothing compiled twice), ``PROMPTS``'
 one image, 32 greedy tokens; the image's rows as the sharded encoder made them (``<name>/rows``)
 and as a one-device encoder of the same class makes them from the same pixels (``<name>/rows1``);
 the shard shapes of the encoder's and the text model's weights; the all-reduces and all-gathers
-in the compiled encoder.
+in the compiled encoder (``measure``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import sys
 
 import jax
 import numpy as np
@@ -27,6 +23,9 @@ from PIL import Image
 STEPS = 32
 PROMPTS = {"gemma3": "what is in this <start_of_image> picture ?",
            "qwen3_5": "what is in <|vision_start|><|image_pad|><|vision_end|> the picture ?"}
+TOKENS = {"gemma3": 16, "qwen3_5": 1}
+"""The step's token budget: Gemma's prompt in one step (an image is never cut); Qwen's one token a
+step (its image tokens are causal: the image's rows cross steps), one step program fewer."""
 QWEN_KWARGS = {"max_pixels": 16 * 16}
 """Qwen3.5's images capped at 16x16 px (4x4 patches of 4 px): one patch bucket, one encoder
 program to compile at start-up; ``image()`` is that size, so the cap resizes nothing."""
@@ -37,11 +36,12 @@ def image() -> Image.Image:
     return Image.fromarray(np.random.default_rng(7).integers(0, 256, (16, 16, 3), np.uint8))
 
 
-def measure(path):
+def measure(path: str) -> tuple[dict, dict]:
+    """One checkpoint -> (arrays ``rows``, ``rows1`` [tokens, D], what else it saw)."""
     from jaxllm import LLM, SamplingParams
     name = os.path.basename(path)
     kw = {"mm_processor_kwargs": QWEN_KWARGS} if name == "qwen3_5" else {}
-    llm = LLM(path, tensor_parallel_size=2, max_num_seqs=1, max_num_batched_tokens=32, max_model_len=64,
+    llm = LLM(path, tensor_parallel_size=2, max_num_seqs=1, max_num_batched_tokens=TOKENS[name], max_model_len=64,
               dtype="float32", attention_backend="xla", strict_compile_guard=True, show_progress=False, **kw)
     runner = llm.llm_engine.core.runner
     vision = runner.vision
@@ -69,23 +69,3 @@ def measure(path):
                                                         for k, v in text.items() if hasattr(v, "addressable_shards")},
                  "all_reduce": "all-reduce" in hlo, "all_gathers": [[int(d) for d in g.split(",") if d]
                                                                     for g in gathered]}
-
-
-def main():
-    from jaxllm.config import default_cache_dir
-    from jaxllm.runner import compile as cc
-    cc.enable_persistent_cache(os.path.join(default_cache_dir(), "xla"))
-    out, paths = sys.argv[1], sys.argv[2:]
-    arrays, meta = {}, {}
-    for path in paths:
-        name = os.path.basename(path)
-        rows, meta[name] = measure(path)
-        arrays.update({f"{name}/{k}": v for k, v in rows.items()})
-        print(name, meta[name]["tokens"][:6], meta[name]["shards"], flush=True)
-    np.savez(out, **arrays)
-    with open(out + ".json", "w") as f:
-        json.dump(meta, f)
-
-
-if __name__ == "__main__":
-    main()
