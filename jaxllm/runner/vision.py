@@ -67,6 +67,9 @@ class VisionEncoder:
             params = module.tp_layout(params, self.rules.get(psh.VISION_HEADS) is not None)
             specs = psh.param_specs(params, self.rules, module.PARAM_AXES, tp)
             self.params = jax.device_put(params, psh.named(mesh, specs))
+            split = [axis for axis, mesh_axis in self.rules.items() if mesh_axis is not None]
+            log.info("vision encoder: weights split over %d devices by %s (vLLM's mm_encoder_tp_mode weights)", tp,
+                     ", ".join(split) or "nothing (replicated)")
         self._sharding = sharding
         self._programs: dict[tuple[int, int], object] = {}
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()   # hash -> [tokens, D], oldest use first
