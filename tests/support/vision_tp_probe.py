@@ -19,6 +19,8 @@ import jax
 import numpy as np
 from PIL import Image
 
+from jaxllm.models.loader import load_model
+
 
 STEPS = 32
 PROMPTS = {"gemma3": "what is in this <start_of_image> picture ?",
@@ -52,7 +54,6 @@ def measure(path: str) -> tuple[dict, dict]:
                        SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True), use_tqdm=False)[0]
     (rows,) = vision.cache.values()                                    # [tokens, D]: what the step took
     # the same pixels through a one-device encoder of the same class and weights
-    from jaxllm.models.loader import load_model
     one = type(vision)(vision.module, load_model(path).vision, jax.sharding.SingleDeviceSharding(jax.devices()[0]),
                        strict=False, **kw)
     rows1 = one.run(*seen[0])
@@ -63,9 +64,9 @@ def measure(path: str) -> tuple[dict, dict]:
     text = text if isinstance(text, dict) else text[0]
     hlo = "".join(p.as_text() for p in vision._programs.values())
     gathered = sorted({m.group(1) for m in re.finditer(r"= \w+\[([\d,]*)\][^=]*? all-gather\(", hlo)})
-    return {"rows": rows, "rows1": rows1}, {"tokens": list(out.outputs[0].token_ids), "prompt_token_ids": out.prompt_token_ids,
-                 "shards": shards, "programs": len(vision._programs),
-                 "encoded": len(seen), "text_shards": {k: list(v.addressable_shards[0].data.shape)
-                                                        for k, v in text.items() if hasattr(v, "addressable_shards")},
-                 "all_reduce": "all-reduce" in hlo, "all_gathers": [[int(d) for d in g.split(",") if d]
-                                                                    for g in gathered]}
+    seen_meta = {"tokens": list(out.outputs[0].token_ids), "prompt_token_ids": out.prompt_token_ids,
+                 "shards": shards, "programs": len(vision._programs), "encoded": len(seen),
+                 "text_shards": {k: list(v.addressable_shards[0].data.shape) for k, v in text.items()},
+                 "all_reduce": "all-reduce" in hlo,
+                 "all_gathers": [[int(d) for d in g.split(",") if d] for g in gathered]}
+    return {"rows": rows, "rows1": rows1}, seen_meta
