@@ -8,7 +8,9 @@ q/k/v, gate/up split by output rows (heads, MLP width) and o/down by input colum
 device computes its heads and its slice of the MLP and one all-reduce per block joins them
 (XLA's SPMD partitioner inserts it).  The embedding and LM head are split over the
 vocabulary; the sampler sees the logits gathered.  A hybrid model's GDN layers split by key-head
-group (``gdn_heads``, ``gdn_value_heads``), their recurrent states with them.
+group (``gdn_heads``, ``gdn_value_heads``), their recurrent states with them.  A vision-language
+model's image encoder splits the same way (:func:`vision_rules`: vLLM's
+``--mm-encoder-tp-mode weights``, its default).
 """
 
 from __future__ import annotations
@@ -84,6 +86,27 @@ def rules_for(arch: ShardedModel, tp: int, expert_parallel: bool = False) -> dic
             rules["moe_mlp"] = TP if moe_f % tp == 0 else None
     elif expert_parallel:
         raise ValueError(f"--enable-expert-parallel: {arch.architecture} has no experts")
+    return rules
+
+
+VISION_HEADS, VISION_MLP, VISION_MERGE = "vision_heads", "vision_mlp", "vision_merge"
+"""The image encoder's split axes: its attention heads, its MLP width, its patch merger's width."""
+
+
+def vision_rules(sizes: Mapping[str, int], tp: int) -> dict[str, str | None]:
+    """An image encoder's logical axes -> mesh axes on a ``tp``-way mesh: the encoder's weights
+    split as the text model's are (vLLM's ``--mm-encoder-tp-mode weights``: heads for attention,
+    the MLP and the merger column- then row-parallel, one all-reduce each).  ``sizes``: each
+    split axis's size (``VISION_HEADS``: the heads; the others: their width); an axis ``tp``
+    does not divide is replicated, with a log line (the encoder still runs; vLLM refuses)."""
+    if tp == 1:
+        return {}
+    rules: dict[str, str | None] = {}
+    for axis, size in sizes.items():
+        rules[axis] = TP if size % tp == 0 else None
+        if size % tp:
+            log.info("image encoder: %s (%d) is not a multiple of --tensor-parallel-size %d: replicated",
+                     axis, size, tp)
     return rules
 
 

@@ -8,6 +8,13 @@ a budget of ``cache_tokens`` encoder tokens (rows of [D] float32; ``--mm-encoder
 vLLM's ``encoder_cache_size`` is in the same unit), evicting the least recently used image first:
 the same image again is not encoded again (``hits`` / ``misses`` count it; 0 tokens: no cache).
 A preempted request's recompute asks again and is served from it while its image is still there.
+
+Under tensor parallelism (a mesh of several devices) the encoder's weights split as the text
+model's do, vLLM's ``--mm-encoder-tp-mode weights`` (its default; ``data``, every device a whole
+copy and the images split between them, is not built: this encoder runs one image a call):
+attention by heads, the MLP (and Qwen's patch merger) column- then row-parallel, the rules of
+``parallel/sharding.vision_rules`` on the family's ``PARAM_AXES``.  Each device holds and computes
+1/tp of the tower; the pixels go in and the rows come out whole on every device.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.errors import CompileGuardError
+from jaxllm.parallel import sharding as psh
 from jaxllm.runner import compile as cc
 
 log = logging.getLogger("jaxllm.runner")
@@ -38,8 +46,9 @@ class RequestImages:
 
 class VisionEncoder:
     """``module``: the family's vision module (models/gemma3_vl/); ``weights``: its
-    ``VisionWeights``; ``sharding``: where the encoder's parameters and inputs live.  Gemma 3's
-    encoder; Qwen3.5's (variable grids) is ``runner/qwen_vision.py``'s subclass."""
+    ``VisionWeights``; ``sharding``: where the encoder's inputs and outputs live (replicated
+    over the runner's mesh; the parameters split over it when it has several devices).
+    Gemma 3's encoder; Qwen3.5's (variable grids) is ``runner/qwen_vision.py``'s subclass."""
 
     DEFAULT_CACHE_IMAGES = 64
     """Without a budget: room for this many images' tokens."""
@@ -48,7 +57,19 @@ class VisionEncoder:
 
     def __init__(self, module, weights, sharding, strict: bool, cache_tokens: int | None = None):
         self.module, self.cfg, self.strict = module, weights.cfg, strict
-        self.params = jax.device_put(module.load_params(weights.cfg, weights.tensors), sharding)
+        params = module.load_params(weights.cfg, weights.tensors)
+        mesh = getattr(sharding, "mesh", None)
+        tp = 1 if mesh is None else mesh.devices.size
+        self.rules = psh.vision_rules(module.split_sizes(weights.cfg), tp) if tp > 1 else {}
+        if tp == 1:
+            self.params = jax.device_put(params, sharding)
+        else:
+            params = module.tp_layout(params, self.rules.get(psh.VISION_HEADS) is not None)
+            specs = psh.param_specs(params, self.rules, module.PARAM_AXES, tp)
+            self.params = jax.device_put(params, psh.named(mesh, specs))
+            split = [axis for axis, mesh_axis in self.rules.items() if mesh_axis is not None]
+            log.info("vision encoder: weights split over %d devices by %s (vLLM's mm_encoder_tp_mode weights)", tp,
+                     ", ".join(split) or "nothing (replicated)")
         self._sharding = sharding
         self._programs: dict[tuple[int, int], object] = {}
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()   # hash -> [tokens, D], oldest use first

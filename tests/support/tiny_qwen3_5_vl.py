@@ -23,9 +23,12 @@ VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_cha
               hidden_act="gelu_pytorch_tanh")
 
 
-def tiny_config() -> Qwen3_5Config:
+def tiny_config(text_layers: int = 5) -> Qwen3_5Config:
+    """``text_layers``: 5 (tiny_hybrid's), or 2 (one GDN and one full-attention layer: fewer to
+    compile where the text model is not what a test is about)."""
     # head_dim 16, partial rotary 0.5 -> 8 rotary dims = 4 frequencies, split t/h/w as 2/1/1
-    text = dict(COMMON, intermediate_size=48, tie_word_embeddings=False,
+    layers = {} if text_layers == 5 else dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    text = dict(COMMON, **layers, intermediate_size=48, tie_word_embeddings=False,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                  "mrope_section": [2, 1, 1], "mrope_interleaved": True})
     cfg = Qwen3_5Config(text_config=text, vision_config=dict(VISION), image_token_id=IMAGE_TOKEN,
@@ -35,11 +38,11 @@ def tiny_config() -> Qwen3_5Config:
     return cfg
 
 
-def tiny_model(seed: int = 0) -> Qwen3_5ForConditionalGeneration:
+def tiny_model(seed: int = 0, text_layers: int = 5) -> Qwen3_5ForConditionalGeneration:
     """Random weights: the text model's as tiny_hybrid draws them (clear greedy winners); the
     vision norms, biases and learned position grid too (transformers inits them flat)."""
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(tiny_config()).eval().float()
+    model = Qwen3_5ForConditionalGeneration(tiny_config(text_layers)).eval().float()
     widen(model, tied=False, prefix="model.language_model.")
     widen(model, tied=False, prefix="lm_head.")
     with torch.no_grad():

@@ -1,12 +1,15 @@
 """Gemma 2/3 and GPT-OSS sharded over 1 and 2 simulated CPU devices; writes what it saw.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m support.tp_families_probe CKPT_ROOT OUT.npz
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m support.tp_families_probe CKPT_ROOT OUT.npz \
+        NAME,... [VL_CKPT,...]
 
 Run in its own process by test_tp_families.py (the device count is fixed before JAX starts).
 For each checkpoint: the prompt's logits and 32 greedy tokens through the paged cache at
 tp=1 and tp=2 (``tp_probe.run``, unrolled layers: the layers' windows differ), at tp=2 also
 with the Pallas kernel per device under shard_map (``PALLAS``; GPT-OSS's sinks split with the
-heads).  No engine (``PALLAS``'s comment says why).
+heads).  No engine (``PALLAS``'s comment says why) for the text families; the vision-language
+checkpoints (``VL_CKPT``: a folder named ``gemma3`` or ``qwen3_5``) run the engine with an image
+at tp=2 (``vision_tp_probe.measure``; in this process, which has loaded transformers and JAX once).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import numpy as np
 
 from support.tp_probe import run
+from support.vision_tp_probe import measure as measure_vision
 
 # Each run is a compile (the Pallas ones in interpret mode, the dearest), so each family runs
 # what it alone brings.  The Pallas kernel per device: GPT-OSS (its sinks split with the heads)
@@ -49,6 +53,11 @@ def main():
             arrays[key] = r.pop("logits")
             meta[key] = r
             print(key, r["tokens"][:6], r["shards"].get("q"), flush=True)
+    for path in sys.argv[4].split(",") if len(sys.argv) > 4 else ():
+        name = os.path.basename(path)
+        rows, meta[f"vision/{name}"] = measure_vision(path)
+        arrays.update({f"vision/{name}/{k}": v for k, v in rows.items()})
+        print(f"vision/{name}", meta[f"vision/{name}"]["tokens"][:6], flush=True)
     np.savez(out, **arrays)
     with open(out + ".json", "w") as f:
         json.dump(meta, f)

@@ -5,7 +5,7 @@ the image groups of the bidirectional attention), ``checkpoint.py`` (the checkpo
 from jaxllm.models.gemma3_vl.checkpoint import VisionWeights, split_checkpoint
 from jaxllm.models.gemma3_vl.config import VisionConfig
 from jaxllm.models.gemma3_vl.processing import expand_placeholders, image_groups, visible_upto
-from jaxllm.models.gemma3_vl.vision import encode, load_params
+from jaxllm.models.gemma3_vl.vision import PARAM_AXES, encode, load_params, split_sizes, tp_layout
 
-__all__ = ["VisionConfig", "VisionWeights", "encode", "expand_placeholders", "image_groups", "load_params",
-           "split_checkpoint", "visible_upto"]
+__all__ = ["PARAM_AXES", "VisionConfig", "VisionWeights", "encode", "expand_placeholders", "image_groups",
+           "load_params", "split_checkpoint", "split_sizes", "tp_layout", "visible_upto"]

@@ -4,6 +4,7 @@ text model's hidden size), following transformers' ``modeling_siglip`` / ``model
 
 The output rows are what the text model takes at an image's placeholder tokens
 (``processing.py`` expands them); the engine runs ``encode`` as its own compiled program.
+Under tensor parallelism the parameters split by ``PARAM_AXES`` (``parallel/sharding.vision_rules``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,35 @@ import numpy as np
 
 from jaxllm.models.gemma.model import gemma_norm
 from jaxllm.models.gemma3_vl.config import VisionConfig
+from jaxllm.parallel.sharding import VISION_HEADS, VISION_MLP
 
 _TOWER = "model.vision_tower."
 _PROJ = "model.multi_modal_projector."
 _HI = jax.lax.Precision.HIGHEST
+
+
+_E = ("vision_embed",)   # the tower's hidden width: never split
+PARAM_AXES = {
+    "patch": ("vision_patch",) + _E, "patch_b": _E, "pos": ("vision_positions",) + _E,
+    **{n: _E for n in ("layer_norm1", "layer_norm1_b", "layer_norm2", "layer_norm2_b", "o_b", "fc2_b",
+                       "post_ln", "post_ln_b", "mm_norm")},
+    # Megatron's layout: q/k/v and fc1 by output (heads, MLP width), o and fc2 by input
+    **{n: _E + (VISION_HEADS,) for n in ("q", "k", "v")}, **{n + "_b": (VISION_HEADS,) for n in ("q", "k", "v")},
+    "o": (VISION_HEADS,) + _E, "fc1": _E + (VISION_MLP,), "fc1_b": (VISION_MLP,), "fc2": (VISION_MLP,) + _E,
+    "mm_proj": _E + ("embed",),
+}
+"""Logical axes of each parameter of ``load_params`` (a layer's by its name in ``layers[i]``)."""
+
+
+def split_sizes(cfg: VisionConfig) -> dict[str, int]:
+    """The sizes of the axes tensor parallelism may split (``parallel/sharding.vision_rules``)."""
+    return {VISION_HEADS: cfg.num_heads, VISION_MLP: cfg.intermediate_size}
+
+
+def tp_layout(params: dict, split_heads: bool) -> dict:
+    """``load_params``' parameters laid out for a tensor-parallel split: unchanged (q, k and v
+    are separate matrices already)."""
+    return params
 
 
 def load_params(cfg: VisionConfig, tensors: Mapping[str, np.ndarray]) -> dict:

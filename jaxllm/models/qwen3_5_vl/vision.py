@@ -6,7 +6,9 @@ block of patches into one text-model row.  Follows transformers' ``Qwen3_5Vision
 
 ``grid_inputs`` is the host half (numpy, from the images' ``grid_thw`` alone: the same for every
 image of one size, so an image-size bucket compiles ``encode`` once); ``encode`` is the jitted
-half.  Several images are packed along the patch axis and kept apart by a segment mask.
+half.  Several images are packed along the patch axis and kept apart by a segment mask.  Under tensor
+parallelism the parameters split by ``PARAM_AXES`` (``parallel/sharding.vision_rules``), the
+fused q/k/v projection cut in three first (``tp_layout``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.models.qwen3_5_vl.config import VisionConfig
+from jaxllm.parallel.sharding import VISION_HEADS, VISION_MERGE, VISION_MLP
 
 _VISUAL = "model.visual."
 _HI = jax.lax.Precision.HIGHEST
@@ -59,6 +62,45 @@ def check_tensors(cfg: VisionConfig, tensors: Mapping[str, object]) -> None:
     if extra:
         raise ValueError(f"Qwen3_5ForConditionalGeneration: vision tensor(s) the tower does not read: "
                          f"{', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}")
+
+
+_E = ("vision_embed",)   # the tower's hidden width: never split
+PARAM_AXES = {
+    "patch": ("vision_patch",) + _E, "patch_b": _E, "pos": ("vision_positions",) + _E,
+    **{n: _E for n in ("norm1", "norm1_b", "norm2", "norm2_b", "o_b", "fc2_b", "merge_norm", "merge_norm_b")},
+    # the fused [D, 3D] q/k/v: whole on every device (its columns are (q | k | v) x heads, so an
+    # even cut would not be by heads); ``tp_layout`` replaces it by q, k, v when heads split
+    "qkv": _E + ("vision_qkv",), "qkv_b": ("vision_qkv",),
+    # Megatron's layout: q/k/v, fc1 and the merger's fc1 by output, o, fc2 and merger fc2 by input
+    **{n: _E + (VISION_HEADS,) for n in ("q", "k", "v")}, **{n + "_b": (VISION_HEADS,) for n in ("q", "k", "v")},
+    "o": (VISION_HEADS,) + _E, "fc1": _E + (VISION_MLP,), "fc1_b": (VISION_MLP,), "fc2": (VISION_MLP,) + _E,
+    "merge_fc1": ("vision_merged", VISION_MERGE), "merge_fc1_b": (VISION_MERGE,),
+    "merge_fc2": (VISION_MERGE, "embed"), "merge_fc2_b": ("embed",),
+}
+"""Logical axes of each parameter of ``load_params`` / ``tp_layout`` (a layer's by its name in ``layers[i]``)."""
+
+
+def split_sizes(cfg: VisionConfig) -> dict[str, int]:
+    """The sizes of the axes tensor parallelism may split (``parallel/sharding.vision_rules``)."""
+    return {VISION_HEADS: cfg.num_heads, VISION_MLP: cfg.intermediate_size,
+            VISION_MERGE: cfg.hidden_size * cfg.merge_unit}
+
+
+def tp_layout(params: dict, split_heads: bool) -> dict:
+    """``load_params``' parameters laid out for a tensor-parallel split: with ``split_heads``,
+    each layer's fused q/k/v [D, 3D] (columns q | k | v, each heads x head_dim, as transformers'
+    ``reshape(N, 3, H, Dh)`` reads them) as three [D, D] matrices ``q``, ``k``, ``v`` (and
+    their biases), which split by heads; else unchanged (``encode`` reads either)."""
+    if not split_heads:
+        return params
+    layers = []
+    for lp in params["layers"]:
+        lp = dict(lp)
+        w, b = lp.pop("qkv"), lp.pop("qkv_b")
+        for n, wn, bn in zip("qkv", jnp.split(w, 3, axis=1), jnp.split(b, 3)):
+            lp[n], lp[n + "_b"] = wn, bn
+        layers.append(lp)
+    return {**params, "layers": layers}
 
 
 def load_params(cfg: VisionConfig, tensors: Mapping[str, np.ndarray]) -> dict:
@@ -167,8 +209,11 @@ def _block(cfg: VisionConfig, x, lp, cos, sin, mask):
     N, D = x.shape
     H, Dh = cfg.num_heads, cfg.head_dim
     h = _ln(x, lp["norm1"], lp["norm1_b"], cfg.layer_norm_eps)
-    q, k, v = jnp.split(_dense(h, lp["qkv"], lp["qkv_b"]).reshape(N, 3, H, Dh), 3, axis=1)
-    q, k, v = q[:, 0], k[:, 0], v[:, 0]                                       # [N, H, Dh]
+    if "qkv" in lp:
+        q, k, v = jnp.split(_dense(h, lp["qkv"], lp["qkv_b"]).reshape(N, 3, H, Dh), 3, axis=1)
+        q, k, v = q[:, 0], k[:, 0], v[:, 0]                                   # [N, H, Dh]
+    else:   # tensor parallel (tp_layout): each device computes its heads' q, k, v
+        q, k, v = (_dense(h, lp[n], lp[n + "_b"]).reshape(N, H, Dh) for n in ("q", "k", "v"))
     q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
     k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
     s = jnp.einsum("qhd,khd->hqk", q, k, precision=_HI) * (Dh ** -0.5)       # [H, N, N]
