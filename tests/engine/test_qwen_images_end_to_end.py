@@ -185,8 +185,13 @@ def test_chat_and_served_chat_with_an_image_url_equal_transformers(checkpoint, n
                                            temperature=0, extra_body={"ignore_eos": True}, logprobs=True)
     finally:
         srv.stop()
-    assert [tok.convert_tokens_to_ids(t.token) for t in r.choices[0].logprobs.content] == ref[1]
+    content = r.choices[0].logprobs.content
+    assert [tok.convert_tokens_to_ids(t.token) for t in content] == ref[1]
     assert r.choices[0].message.content == out.outputs[0].text and r.usage.prompt_tokens == len(ref[0])
+    # every token's logprob = LLM.chat's: the same pixels reached the encoder (greedy tokens alone
+    # survive a mirrored image on this tiny model)
+    want = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+    np.testing.assert_allclose([t.logprob for t in content], want, rtol=0, atol=1e-5)
 
 
 # --mm-processor-kwargs' max_pixels: 384 px (24 patches) resizes both images smaller than the
