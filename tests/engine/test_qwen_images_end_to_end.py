@@ -5,7 +5,12 @@ gives transformers' 32 greedy tokens (float32) with 1 and 2 images of two sizes,
 CPU kernels (``auto`` here) and on the XLA path.  The oracle's pixels and grids are transformers'
 ``Qwen2VLImageProcessorPil``'s; its prompt ids are written out (one image token per merged 2x2
 patch block); ``generate`` runs with its M-RoPE positions (``get_rope_index``).  ``LLM.chat``
-with an ``image_url`` part gives transformers' tokens on the chat template's prompt.
+with an ``image_url`` part gives transformers' tokens on the chat template's prompt, and the same
+engine served: the official ``openai`` client's chat gives the same tokens and logprobs.  On the
+XLA engine (max_pixels 384, a KV pool of one sequence) an image request batched with a text one
+is preempted and recomputed (its rows from the encoder cache, its M-RoPE positions again): every
+token and logprob = alone.  The Pallas attention (interpret mode): one image, transformers'
+tokens and the XLA engine's logprobs (one case: two more step programs, slow in interpret mode).
 
 The token budget (8) is smaller than the prompts, so prefill chunks end inside an image (its
 tokens attend causally: the runner slices the request's [3, P] positions per chunk) and the
@@ -109,6 +114,11 @@ def _check(out, ref, what: str) -> None:
     assert abs(got - lp) < 1e-4 * max(1.0, abs(lp)), f"{what}: first logprob {got} vs transformers' {lp}"
 
 
+def _logprobs(out) -> list[float]:
+    """Each sampled token's logprob."""
+    return [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+
+
 def _generate(llm, cases):
     return llm.generate([{"prompt_token_ids": p, "multi_modal_data": {"image": im}} for p, im in cases], GREEDY,
                         use_tqdm=False)
@@ -190,8 +200,7 @@ def test_chat_and_served_chat_with_an_image_url_equal_transformers(checkpoint, n
     assert r.choices[0].message.content == out.outputs[0].text and r.usage.prompt_tokens == len(ref[0])
     # every token's logprob = LLM.chat's: the same pixels reached the encoder (greedy tokens alone
     # survive a mirrored image on this tiny model)
-    want = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
-    np.testing.assert_allclose([t.logprob for t in content], want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose([t.logprob for t in content], _logprobs(out), rtol=0, atol=1e-5)
 
 
 # --mm-processor-kwargs' max_pixels: 384 px (24 patches) resizes both images smaller than the
@@ -247,12 +256,12 @@ def test_image_request_preempted_recomputes_its_rows_and_positions(checkpoint, x
         # every token's logprob, finer than greedy tokens (which survive a recompute at wrong
         # positions here): batched and alone differ by float32 rounding only (~5e-7), a
         # recompute without its M-RoPE positions by ~1e-2 from its first token after it
-        lp = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in (a, b)]
-        np.testing.assert_allclose(lp[1], lp[0], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(_logprobs(b), _logprobs(a), rtol=0, atol=1e-5)
     # each admission (the first and one per preemption, all of the image request's) asked for
     # its 2 images; a recompute's are served by the encoder cache (encoded here only if the XLA
     # test did not run first)
-    asked = after.encoder_cache_hits + after.encoder_cache_misses - before.encoder_cache_hits - before.encoder_cache_misses
+    asked = (after.encoder_cache_hits + after.encoder_cache_misses
+             - before.encoder_cache_hits - before.encoder_cache_misses)
     assert asked == 2 * (1 + after.num_preemptions)
     assert after.encoder_cache_misses - before.encoder_cache_misses <= 2
     prompts = sum(len(o.prompt_token_ids) for o in both)
@@ -274,6 +283,4 @@ def test_generate_with_an_image_equals_transformers_pallas(checkpoint, xla_llm):
     assert out.prompt_token_ids == ref[0]
     _check(out, ref, f"pallas, 1 image, {KWARGS}")
     # every token's logprob = the XLA engine's (its own decodes' too, finer than greedy tokens)
-    lp = [[d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-          for o in (out, _generate(xla_llm, [CASES[0]])[0])]
-    np.testing.assert_allclose(lp[0], lp[1], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(_logprobs(out), _logprobs(_generate(xla_llm, [CASES[0]])[0]), rtol=0, atol=1e-5)
