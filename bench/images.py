@@ -1,8 +1,8 @@
 """Image requests through the engine: requests per second and time to first token at
 concurrency 1 and 8, the encoder cache on and off, and the vision encoder's share of TTFT.
 
-    python bench/images.py [--shape real|toy] [--requests 16] [--images 4] [--output-len 8]
-                           [--repeats 3] [--output-json F]
+    python bench/images.py [--family gemma3|qwen3_5] [--shape real|toy] [--requests 16] [--images 4]
+                           [--output-len 8] [--repeats 3] [--output-json F]
     python bench/images.py --pack-cost 2560    # host cost of sending [T, D] image rows every step
 
 No model hub is reachable here, so the model is a random-weight ``Gemma3ForConditionalGeneration``
@@ -14,6 +14,19 @@ Gemma 3's layer shapes, few layers -- the vision tower SigLIP-so400m's (hidden 1
 model Gemma 3 1B's layer (hidden 1152, FFN 6912, 4 heads, 1 KV head, head_dim 256) with 2 layers
 (4B, the smallest with images, has hidden 2560 and 34 layers); a 256-token vocabulary (the tests'
 tokenizer).  ``--shape toy``: the tests' tiny config (the cheap test's).  float32.
+
+``--family qwen3_5``: a random-weight ``Qwen3_5ForConditionalGeneration`` (tests/support/
+tiny_qwen3_5_vl.py's tokenizer, vision token ids and processor kind).  ``--shape real``: the
+vision tower transformers' ``Qwen3_5VisionConfig`` defaults (the Qwen3.5 checkpoints' tower:
+hidden 1152, FFN 4304, 16 heads, 16 px patches x 2 frames, 2x2 merger, a 48x48 learned position
+grid) with 2 blocks (27 there) on 256x256 px images: 16x16 patches merged to 64 tokens an image
+(the processor's pixels 128^2..256^2: encoder buckets 64, 128, 256 patches); the text model
+``Qwen3_5TextConfig``'s head layout (full attention 16 heads x 256, 4 KV heads, gated output,
+partial rotary 0.25 with M-RoPE sections 11/11/10 interleaved; Gated DeltaNet 16 key heads x 128,
+32 value heads x 128, conv 4) at hidden 1024, FFN 3072 (the default's 3x), 2 layers (one GDN, one
+full attention; the checkpoints repeat 3 GDN + 1 full); the tests' 320-token vocabulary.
+``--shape toy``: the tests' tiny Qwen3.5 checkpoint.  Each request is ``<|vision_start|>
+<|image_pad|><|vision_end|>`` and a few word ids distinct per request (``prompt_token_ids``).
 
 One engine (``max_num_seqs`` 8, prefix caching off so every request prefills its image tokens and
 only the encoder cache can save work).  Each request is ``<start_of_image>`` and a few words
@@ -50,19 +63,62 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)          # python bench/images.py from anywhere
 
 
-def _support():
-    """tests/support/tiny_gemma3_vl.py, imported by path under a private name."""
-    name = "_bench_images_tiny_gemma3_vl"
+def _support(module: str = "tiny_gemma3_vl"):
+    """tests/support/<module>.py, imported by path under a private name (its own ``support.``
+    imports resolve through tests/ on sys.path)."""
+    name = f"_bench_images_{module}"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "tests", "support", "tiny_gemma3_vl.py"))
+        tests = os.path.join(REPO, "tests")
+        if tests not in sys.path:
+            sys.path.append(tests)
+        spec = importlib.util.spec_from_file_location(name, os.path.join(tests, "support", f"{module}.py"))
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
 
 
-def build_checkpoint(out_dir: str, shape: str) -> str:
-    """A random-weight Gemma 3 VLM of ``shape`` ("real" or "toy", the module's docstring), saved."""
+# Qwen3.5 --shape real's image processor: 16 px patches, images of 128^2..256^2 px (64..256 patches)
+QWEN_PROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2,
+                      size={"shortest_edge": 128 * 128, "longest_edge": 256 * 256})
+
+
+def build_qwen_checkpoint(out_dir: str, shape: str) -> str:
+    """A random-weight Qwen3.5 VLM of ``shape`` (the module's docstring), saved with the tests'
+    tokenizer and the processor's config."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    sup = _support("tiny_qwen3_5_vl")
+    if shape == "toy":
+        return sup.save_vl_checkpoint(sup.tiny_model(), out_dir)
+    text = dict(vocab_size=320, hidden_size=1024, intermediate_size=3072, num_hidden_layers=2,
+                layer_types=["linear_attention", "full_attention"], num_attention_heads=16, num_key_value_heads=4,
+                head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=1024,
+                tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=1024, num_position_embeddings=2304,
+                  hidden_act="gelu_pytorch_tanh")
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=sup.IMAGE_TOKEN,
+                        video_token_id=sup.VIDEO_TOKEN, vision_start_token_id=sup.VISION_START,
+                        vision_end_token_id=sup.VISION_END)
+    cfg.architectures = ["Qwen3_5ForConditionalGeneration"]
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(cfg).eval().float()
+    model.save_pretrained(out_dir)
+    sup.save_tokenizer(out_dir)
+    Qwen2VLImageProcessorPil(**QWEN_PROCESSOR).save_pretrained(out_dir)
+    return out_dir
+
+
+def build_checkpoint(out_dir: str, shape: str, family: str = "gemma3") -> str:
+    """A random-weight Gemma 3 (or Qwen3.5: ``family``) VLM of ``shape`` ("real" or "toy", the
+    module's docstring), saved."""
+    if family == "qwen3_5":
+        return build_qwen_checkpoint(out_dir, shape)
     import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
     sup = _support()
@@ -97,13 +153,24 @@ class Arms:
                        enable_prefix_caching=False, show_progress=False)
         self.vision = self.llm.llm_engine.core.runner.vision
         self.default_budget = self.vision.cache_tokens
-        size = self.vision.cfg.image_size
+        self.qwen = hasattr(self.vision, "buckets")          # runner/qwen_vision.py's encoder
+        # Gemma 3: its one image size (each image resized to it); Qwen3.5: the processor's largest
+        # square (max_pixels), so each image's grid is about the largest bucket's
+        size = (int(self.llm.llm_engine.input_processor.images.processor.max_pixels ** 0.5) if self.qwen
+                else self.vision.cfg.image_size)
         rng = np.random.default_rng(0)
         pics = [Image.fromarray(rng.integers(0, 256, (size + 13 * i, size, 3), np.uint8)) for i in range(images)]
-        words = ["what", "is", "in", "this", "picture", "describe", "the", "cat", "dog", "and", "a", "of"]
         # distinct text per request (no two prompts alike), the image in turn
-        self.reqs = [{"prompt": f"<start_of_image> {words[i % 12]} {words[(i // 12) % 12]} {words[(i * 7) % 12]} ?",
-                      "multi_modal_data": {"image": pics[i % images]}} for i in range(requests)]
+        if self.qwen:
+            c = self.vision.cfg
+            self.reqs = [{"prompt_token_ids": [c.vision_start_token_id, c.image_token_id, c.vision_end_token_id,
+                                               10 + i % 12, 10 + (i // 12) % 12, 10 + (i * 7) % 12, 18],
+                          "multi_modal_data": {"image": pics[i % images]}} for i in range(requests)]
+        else:
+            words = ["what", "is", "in", "this", "picture", "describe", "the", "cat", "dog", "and", "a", "of"]
+            self.reqs = [{"prompt": f"<start_of_image> {words[i % 12]} {words[(i // 12) % 12]} "
+                                    f"{words[(i * 7) % 12]} ?", "multi_modal_data": {"image": pics[i % images]}}
+                         for i in range(requests)]
         self.params = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)   # noqa: E731
         self.output_len = output_len
         self.images = images
@@ -140,18 +207,40 @@ class Arms:
         return t
 
     def encoder_seconds(self, repeats: int) -> float:
+        """The encoder on one image (Qwen3.5: of the largest bucket's patches, its grid's host
+        arrays included), timed to its rows."""
         import jax
         v = self.vision
-        S = v.cfg.image_size
-        prog = v._program((S, S))
-        px = np.random.default_rng(1).standard_normal((1, 3, S, S)).astype(np.float32)
-        jax.block_until_ready(prog(v.params, px))
+        if self.qwen:
+            n, m = v.buckets[-1], v.cfg.spatial_merge_size
+            side = int(n ** 0.5) // m * m
+            px = np.random.default_rng(1).standard_normal((side * side, v.cfg.patch_dim)).astype(np.float32)
+
+            def call():
+                return v.run(px, (1, side, side))
+        else:
+            S = v.cfg.image_size
+            prog = v._program((S, S))
+            px = np.random.default_rng(1).standard_normal((1, 3, S, S)).astype(np.float32)
+
+            def call():
+                return prog(v.params, px)
+        jax.block_until_ready(call())
         ts = []
         for _ in range(max(5, repeats * 3)):
             t0 = time.perf_counter()
-            jax.block_until_ready(prog(v.params, px))
+            jax.block_until_ready(call())
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
+
+    def describe(self) -> str:
+        cfg = self.vision.cfg
+        if self.qwen:
+            n = self.vision.buckets[-1]
+            return (f"Qwen3.5: vision hidden {cfg.hidden_size} x {cfg.depth} blocks, up to {n} patches -> "
+                    f"{n // cfg.merge_unit} tokens/image, text hidden {cfg.out_hidden_size}")
+        return (f"Gemma 3: vision hidden {cfg.hidden_size}, {cfg.image_size} px -> {cfg.mm_tokens_per_image} "
+                f"tokens/image, text hidden {cfg.text_hidden_size}")
 
 
 def pack_cost(D: int, repeats: int) -> None:
@@ -178,6 +267,7 @@ def pack_cost(D: int, repeats: int) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--family", choices=("gemma3", "qwen3_5"), default="gemma3")
     ap.add_argument("--shape", choices=("real", "toy"), default="real")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--images", type=int, default=4)
@@ -193,9 +283,10 @@ def main(argv=None) -> int:
         return 0
     if a.requests < 8 + a.images * -(-8 // a.images):
         raise SystemExit("--requests too few: the c=8 TTFT needs 8 requests after a batch that covers every image")
-    folder = a.folder or os.path.join(tempfile.gettempdir(), f"jaxllm-bench-images-{a.shape}")
+    tag = a.shape if a.family == "gemma3" else f"{a.family}-{a.shape}"
+    folder = a.folder or os.path.join(tempfile.gettempdir(), f"jaxllm-bench-images-{tag}")
     if not os.path.exists(os.path.join(folder, "config.json")):
-        build_checkpoint(folder, a.shape)
+        build_checkpoint(folder, a.shape, a.family)
     arms = Arms(folder, a.requests, a.images, a.output_len)
     names = [(on, c) for c in (1, 8) for on in (True, False)]
     for on, c in names:               # warm: every program of every arm, outside the timing
@@ -212,9 +303,7 @@ def main(argv=None) -> int:
             ttfts[k].append(arms.ttft(*k))
             shares.setdefault(k, []).append(arms.encoder_share)
     enc = arms.encoder_seconds(a.repeats)
-    cfg = arms.vision.cfg
-    print(f"shape {a.shape}: vision hidden {cfg.hidden_size}, {cfg.image_size} px -> {cfg.mm_tokens_per_image} "
-          f"tokens/image, text hidden {cfg.text_hidden_size}; {a.requests} requests over {a.images} images, "
+    print(f"shape {a.shape}, {arms.describe()}; {a.requests} requests over {a.images} images, "
           f"{a.output_len} tokens each; medians of {a.repeats}; load {_load()}")
     print("| concurrency | encoder cache | requests/s | TTFT (ms) | encoder's share of TTFT | images encoded per run |")
     print("|---|---|---|---|---|---|")
