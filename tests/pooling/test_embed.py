@@ -89,7 +89,8 @@ def test_whole_layers_in_grid_rows_equal_the_flat_encoder(llms, monkeypatch, gro
     grid (the rows layout), groups of rows one after another: the same hidden states as the flat
     encoder under the dense same-prompt mask (which matches sentence-transformers above), for
     prompts of ``max_len`` tokens and shorter, two empty rows and padding after the last prompt;
-    with 32-token groups (2 rows of 16: four groups) and the default (one group of 8 rows)."""
+    with 32-token groups (2 rows of 16: four groups; the flat reference then runs the part after
+    attention in four 32-token pieces) and the default (one group of 8 rows, one flat piece)."""
     monkeypatch.setattr(bert, "GROUP_TOKENS", group_tokens)
     runner = llms["mean"].pooling_engine.runner
     T, rows, max_len = 128, 8, 16

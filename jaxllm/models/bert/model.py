@@ -23,7 +23,8 @@ groups of ``GROUP_TOKENS`` cells go through all the layers one group after anoth
 ``[T, 1536]`` activations (24 MiB) fall out of the cores' caches between the dots, and XLA:CPU
 fuses the whole block after attention into one YNNPACK graph at that size, which ran at about
 two thirds of the per-token rate of the same dots on 128 or 512 rows (profile in
-docs/BENCHMARKS.md ``## Embeddings``).
+docs/BENCHMARKS.md ``## Embeddings``).  Other steps longer than ``GROUP_TOKENS`` run the
+token-by-token part of each layer after attention in pieces of that size for the same reason.
 """
 
 from __future__ import annotations
@@ -125,17 +126,28 @@ def _per_prompt(q, k, v, seq_ids, positions, rows: int, max_len: int):
 WINDOW_COST = 3
 
 
-def _layer(arch: ArchConfig, lp: dict, x, attend, eps: float, gelu_tanh: bool):
+def _after_attention(lp: dict, x, a, eps: float, gelu_tanh: bool):
+    """x [N, D] (the layer's input), a [N, D] (attention's output before ``o``) -> [N, D]: the
+    output projection, residual, LayerNorm, GELU MLP, residual, LayerNorm (token by token)."""
+    x = _layer_norm(x + _linear(a, lp["o"], lp["o_bias"]), lp["attn_norm"], lp["attn_norm_bias"], eps)
+    h = _gelu(_linear(x, lp["up"], lp["up_bias"]), gelu_tanh)                              # [N, F]
+    return _layer_norm(x + _linear(h, lp["down"], lp["down_bias"]), lp["mlp_norm"], lp["mlp_norm_bias"], eps)
+
+
+def _layer(arch: ArchConfig, lp: dict, x, attend, eps: float, gelu_tanh: bool, chunk: int | None = None):
     """One post-LN block: x [N, D] -> [N, D]; ``attend(q, k, v)`` [N, H, Dh] (q scaled) -> [N, H, Dh]
-    says which queries see which keys."""
-    N = x.shape[0]
+    says which queries see which keys.  ``chunk``: the token-by-token part after attention runs
+    ``chunk`` rows at a time (``lax.map``; when it divides N and is smaller) so its ``[chunk, F]``
+    activations stay in cache (``GROUP_TOKENS`` says why)."""
+    N, D = x.shape
     H, Dh = arch.num_heads, arch.head_dim
     qkv = _linear(x, lp["qkv"], lp["qkv_bias"]).reshape(N, 3, H, Dh)                     # [N, 3, H, Dh]
     q, k, v = qkv[:, 0] * (Dh ** -0.5), qkv[:, 1], qkv[:, 2]
-    a = _linear(attend(q, k, v).reshape(N, H * Dh), lp["o"], lp["o_bias"])                # [N, D]
-    x = _layer_norm(x + a, lp["attn_norm"], lp["attn_norm_bias"], eps)
-    h = _gelu(_linear(x, lp["up"], lp["up_bias"]), gelu_tanh)                              # [N, F]
-    return _layer_norm(x + _linear(h, lp["down"], lp["down_bias"]), lp["mlp_norm"], lp["mlp_norm_bias"], eps)
+    a = attend(q, k, v).reshape(N, H * Dh)                                                # [N, D]
+    if chunk is None or N <= chunk or N % chunk:
+        return _after_attention(lp, x, a, eps, gelu_tanh)
+    pieces = (x.reshape(N // chunk, chunk, D), a.reshape(N // chunk, chunk, D))           # [N / chunk, chunk, D]
+    return _each(lambda t: _after_attention(lp, *t, eps, gelu_tanh), pieces).reshape(N, D)
 
 
 def _flat_attend(layout: str, seq_ids, positions, rows: int | None, max_len: int | None):
@@ -148,7 +160,8 @@ def _flat_attend(layout: str, seq_ids, positions, rows: int | None, max_len: int
 
 
 GROUP_TOKENS = 512
-"""Grid cells the rows layout runs through the encoder at once (``group_rows``): at this size a
+"""Grid cells the rows layout runs through the encoder at once (``group_rows``), and the rows of
+a longer flat step's pieces after attention (``_layer``'s ``chunk``): at this size a
 layer's activations ([512, 1536] float32, 3 MiB) stay near the cores between its dots, where a
 4096-token step's ([4096, 1536], 24 MiB) do not (measured on two cores: a 32 x 128-token step
 1.2-1.4x the CPU time per prompt of 8 groups of 4 prompts)."""
@@ -245,7 +258,7 @@ def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_
                             enc.gelu_tanh)
     attend = _flat_attend(layout, seq_ids, positions, rows, max_len)
     for lp in params["layers"]:
-        x = _layer(arch, lp, x, attend, enc.layer_norm_eps, enc.gelu_tanh)
+        x = _layer(arch, lp, x, attend, enc.layer_norm_eps, enc.gelu_tanh, GROUP_TOKENS)
     return x
 
 
