@@ -7,11 +7,13 @@ inputs alone; Matryoshka ``dimensions`` (``PoolingParams``, ``--pooler-config``)
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
 from jaxllm import LLM, PoolingParams
 from jaxllm.config import EngineConfig
+from jaxllm.models.bert import model as bert
 from jaxllm.models.bert.model import attention_layout
 from support.tiny_encoders import build_bert_st, declare_matryoshka, st_encode
 
@@ -79,6 +81,35 @@ def test_prompts_attended_row_by_row_match_sentence_transformers(folders):
     cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     assert cos.min() >= 0.99999, cos
     assert np.abs(got - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("group_tokens", [32, bert.GROUP_TOKENS])
+def test_whole_layers_in_grid_rows_equal_the_flat_encoder(llms, monkeypatch, group_tokens):
+    """A step whose ``[rows, max_len]`` grid is no bigger than the step runs every layer in the
+    grid (the rows layout), groups of rows one after another: the same hidden states as the flat
+    encoder under the dense same-prompt mask (which matches sentence-transformers above), for
+    prompts of ``max_len`` tokens and shorter, two empty rows and padding after the last prompt;
+    with 32-token groups (2 rows of 16: four groups; the flat reference then runs the part after
+    attention in four 32-token pieces) and the default (one group of 8 rows, one flat piece)."""
+    monkeypatch.setattr(bert, "GROUP_TOKENS", group_tokens)
+    runner = llms["mean"].pooling_engine.runner
+    T, rows, max_len = 128, 8, 16
+    assert bert.encoder_layout(T, rows, max_len) == "rows" and bert.encoder_layout(T, rows + 1, max_len) != "rows"
+    assert bert.group_rows(rows, max_len) == min(rows, group_tokens // max_len)
+    lengths = [16, 5, 16, 9, 1, 16]                     # rows 6 and 7 empty; 63 tokens, then padding
+    rng = np.random.default_rng(0)
+    seq = np.full(T, -1, np.int32)
+    seq[:sum(lengths)] = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    pos = np.zeros(T, np.int32)
+    pos[:sum(lengths)] = np.concatenate([np.arange(n) for n in lengths])
+    ids = np.where(seq >= 0, rng.integers(5, runner.arch.vocab_size, T), 0).astype(np.int32)
+    types = (pos % 2).astype(np.int32)
+    run = jax.jit(lambda *a: bert.encode(*a), static_argnums=(0, 6, 7))   # a fresh trace: GROUP_TOKENS is read then
+    got = np.asarray(run(runner.arch, runner.params, ids, pos, seq, types, max_len, rows))        # [T, D]
+    want = np.asarray(run(runner.arch, runner.params, ids, pos, seq, types, None, None))         # dense
+    real = seq >= 0
+    np.testing.assert_allclose(got[real], want[real], rtol=0, atol=1e-5)
+    assert not got[~real].any()
 
 
 def test_token_ids_embed_as_their_text_does(llms):

@@ -15,6 +15,16 @@ window that can hold its prompts, ``TILE + 2 (max_len - 1)`` keys: many prompts 
 than ``max_len``).  The grid's rows and the windowed tiles are attended one after another
 (``lax.map``: XLA:CPU runs one batched matmul over all of them several times slower), and q, k,
 v come from one matmul (``prepare`` stacks their weights once).
+
+A per-prompt step whose grid is no bigger than the step itself (prompts near ``max_len``, e.g.
+32 prompts of 128 tokens in a 4096-token step) runs every layer, not only attention, in the grid:
+groups of ``GROUP_TOKENS`` cells go through all the layers one group after another ("rows",
+``_encode_rows``).  The same sums per token; the point is the memory: a 4096-token step's
+``[T, 1536]`` activations (24 MiB) fall out of the cores' caches between the dots, and XLA:CPU
+fuses the whole block after attention into one YNNPACK graph at that size, which ran at about
+two thirds of the per-token rate of the same dots on 128 or 512 rows (profile in
+docs/BENCHMARKS.md ``## Embeddings``).  Other steps longer than ``GROUP_TOKENS`` run the
+token-by-token part of each layer after attention in pieces of that size for the same reason.
 """
 
 from __future__ import annotations
@@ -116,20 +126,89 @@ def _per_prompt(q, k, v, seq_ids, positions, rows: int, max_len: int):
 WINDOW_COST = 3
 
 
-def _attention(arch: ArchConfig, lp: dict, x, seq_ids, positions, rows: int | None, max_len: int | None):
-    """x [T, D]; seq_ids [T] (a query sees the keys of its own prompt) -> [T, D]."""
-    T = x.shape[0]
+def _after_attention(lp: dict, x, a, eps: float, gelu_tanh: bool):
+    """x [N, D] (the layer's input), a [N, D] (attention's output before ``o``) -> [N, D]: the
+    output projection, residual, LayerNorm, GELU MLP, residual, LayerNorm (token by token)."""
+    x = _layer_norm(x + _linear(a, lp["o"], lp["o_bias"]), lp["attn_norm"], lp["attn_norm_bias"], eps)
+    h = _gelu(_linear(x, lp["up"], lp["up_bias"]), gelu_tanh)                              # [N, F]
+    return _layer_norm(x + _linear(h, lp["down"], lp["down_bias"]), lp["mlp_norm"], lp["mlp_norm_bias"], eps)
+
+
+def _layer(arch: ArchConfig, lp: dict, x, attend, eps: float, gelu_tanh: bool, chunk: int | None = None):
+    """One post-LN block: x [N, D] -> [N, D]; ``attend(q, k, v)`` [N, H, Dh] (q scaled) -> [N, H, Dh]
+    says which queries see which keys.  ``chunk``: the token-by-token part after attention runs
+    ``chunk`` rows at a time (``lax.map``; when it divides N and is smaller) so its ``[chunk, F]``
+    activations stay in cache (``GROUP_TOKENS`` says why)."""
+    N, D = x.shape
     H, Dh = arch.num_heads, arch.head_dim
-    qkv = _linear(x, lp["qkv"], lp["qkv_bias"]).reshape(T, 3, H, Dh)                     # [T, 3, H, Dh]
+    qkv = _linear(x, lp["qkv"], lp["qkv_bias"]).reshape(N, 3, H, Dh)                     # [N, 3, H, Dh]
     q, k, v = qkv[:, 0] * (Dh ** -0.5), qkv[:, 1], qkv[:, 2]
-    layout = attention_layout(T, rows, max_len)
+    a = attend(q, k, v).reshape(N, H * Dh)                                                # [N, D]
+    if chunk is None or N <= chunk or N % chunk:
+        return _after_attention(lp, x, a, eps, gelu_tanh)
+    pieces = (x.reshape(N // chunk, chunk, D), a.reshape(N // chunk, chunk, D))           # [N / chunk, chunk, D]
+    return _each(lambda t: _after_attention(lp, *t, eps, gelu_tanh), pieces).reshape(N, D)
+
+
+def _flat_attend(layout: str, seq_ids, positions, rows: int | None, max_len: int | None):
+    """``attend`` for ``_layer`` over the whole flat step in ``layout`` (dense, per_prompt, windowed)."""
     if layout == "per_prompt":
-        out = _per_prompt(q, k, v, seq_ids, positions, rows, max_len)
-    elif layout == "windowed":
-        out = _windowed(q, k, v, seq_ids, max_len)
-    else:
-        out = _dense(q, k, v, seq_ids)
-    return _linear(out.reshape(T, H * Dh), lp["o"], lp["o_bias"])
+        return lambda q, k, v: _per_prompt(q, k, v, seq_ids, positions, rows, max_len)
+    if layout == "windowed":
+        return lambda q, k, v: _windowed(q, k, v, seq_ids, max_len)
+    return lambda q, k, v: _dense(q, k, v, seq_ids)
+
+
+GROUP_TOKENS = 512
+"""Grid cells the rows layout runs through the encoder at once (``group_rows``), and the rows of
+a longer flat step's pieces after attention (``_layer``'s ``chunk``): at this size a
+layer's activations ([512, 1536] float32, 3 MiB) stay near the cores between its dots, where a
+4096-token step's ([4096, 1536], 24 MiB) do not (measured on two cores: a 32 x 128-token step
+1.2-1.4x the CPU time per prompt of 8 groups of 4 prompts)."""
+
+
+def group_rows(rows: int, max_len: int) -> int:
+    """Grid rows per group of the rows layout: the most that divide ``rows`` within ``GROUP_TOKENS``
+    cells (at least one)."""
+    return max([g for g in range(1, rows + 1) if rows % g == 0 and g * max_len <= GROUP_TOKENS] or [1])
+
+
+def _encode_rows(arch: ArchConfig, layers: list, x, seq_ids, positions, rows: int, max_len: int, eps: float,
+                 gelu_tanh: bool):
+    """The encoder's layers with each prompt in a row of a ``[rows, max_len]`` grid: groups of
+    ``group_rows`` rows go through every layer one group after another (``lax.map``), each row
+    attending within itself.  x [T, D] (embedded) -> [T, D]; padding tokens (``seq_ids`` -1)
+    answer zeros.  Equal to the flat layers under the same-prompt mask; cheaper when the grid is
+    no bigger than the step (``encoder_layout``)."""
+    T, D = x.shape
+    H, Dh = arch.num_heads, arch.head_dim
+    cells, g = rows * max_len, group_rows(rows, max_len)
+    slot = jnp.where(seq_ids >= 0, seq_ids * max_len + positions, cells)                   # [T]; cells: a spare
+    grid = jnp.zeros((cells + 1, D), x.dtype).at[slot].set(x)[:cells].reshape(rows // g, g * max_len, D)
+    valid = jnp.zeros(cells + 1, bool).at[slot].set(True)[:cells].reshape(rows // g, g, 1, max_len)
+
+    def group(args):
+        xg, vg = args                                                   # [g L, D], [g, 1, L]
+
+        def attend(q, k, v):                                            # [g L, H, Dh] each
+            q, k, v = (a.reshape(g, max_len, H, Dh) for a in (q, k, v))
+            return _each(lambda a: _attend(*a), (q, k, v, vg)).reshape(g * max_len, H, Dh)
+        for lp in layers:
+            xg = _layer(arch, lp, xg, attend, eps, gelu_tanh)
+        return xg
+
+    out = _each(group, (grid, valid)).reshape(cells, D)                                  # [rows L, D]
+    return jnp.where((seq_ids >= 0)[:, None], out[jnp.minimum(slot, cells - 1)], 0.0)
+
+
+def encoder_layout(T: int, rows: int | None, max_len: int | None) -> str:
+    """How a step runs: ``attention_layout``'s choice, except that a per-prompt step whose
+    ``[rows, max_len]`` grid holds no more cells than the step's ``T`` tokens runs whole layers
+    in the grid ("rows": ``_encode_rows``)."""
+    layout = attention_layout(T, rows, max_len)
+    if layout == "per_prompt" and rows * max_len <= T:
+        return "rows"
+    return layout
 
 
 def attention_layout(T: int, rows: int | None, max_len: int | None) -> str:
@@ -165,18 +244,21 @@ def encode(arch: ArchConfig, params: dict, input_ids, positions, seq_ids, token_
     token_types [T] int32 (0 for a single text; a pair's second text 1) -> hidden [T, D]
     float32.  ``params``: ``{"globals": {...}, "layers": [{...}, ...]}`` as ``prepare`` returns them; ``max_len`` (static): no
     prompt is longer, ``rows`` (static): prompt rows of the step (seq ids below it); with both the
-    attention may run per prompt or windowed (``attention_layout``), else dense."""
+    attention may run per prompt or windowed, or the whole layers in grid rows
+    (``encoder_layout``), else dense.  Padding tokens' rows are not meaningful (zeros in the rows
+    layout)."""
     enc = encoder(arch)
     g = params["globals"]
     x = (g["embed"][input_ids] + g["pos_embed"][positions + enc.position_offset]
          + g["type_embed"][token_types])                                     # [T, D]
     x = _layer_norm(x.astype(jnp.float32), g["embed_norm"], g["embed_norm_bias"], enc.layer_norm_eps)
+    layout = encoder_layout(input_ids.shape[0], rows, max_len)
+    if layout == "rows":
+        return _encode_rows(arch, params["layers"], x, seq_ids, positions, rows, max_len, enc.layer_norm_eps,
+                            enc.gelu_tanh)
+    attend = _flat_attend(layout, seq_ids, positions, rows, max_len)
     for lp in params["layers"]:
-        x = _layer_norm(x + _attention(arch, lp, x, seq_ids, positions, rows, max_len), lp["attn_norm"], lp["attn_norm_bias"],
-                        enc.layer_norm_eps)
-        h = _gelu(_linear(x, lp["up"], lp["up_bias"]), enc.gelu_tanh)                  # [T, F]
-        x = _layer_norm(x + _linear(h, lp["down"], lp["down_bias"]), lp["mlp_norm"], lp["mlp_norm_bias"],
-                        enc.layer_norm_eps)
+        x = _layer(arch, lp, x, attend, enc.layer_norm_eps, enc.gelu_tanh, GROUP_TOKENS)
     return x
 
 
