@@ -14,8 +14,11 @@
 // all its tokens.  A step with no adapter returns at once (y is aliased: nothing is copied).
 // The expand sums a token's delta over the rank first, then adds it to y: the function of
 // (y + (xa @ B)) in float32, as apply.py's XLA path computes it.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -27,7 +30,6 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kBlock = 8;    // tokens of one slot that share one read of its rows
-constexpr int64_t kCols = 64;    // the expand's output columns per accumulator pass
 
 struct Block {
   int64_t slot, begin, end;      // tokens order[begin:end], all of `slot`
@@ -63,6 +65,62 @@ void run_blocks(ffi::ThreadPool& pool, const std::vector<Block>& blocks, Body bo
   jaxllm_parallel::for_each_item(pool, n, tasks, [=](int64_t i) { body(bp[i]); });
 }
 
+// out[t][c0 + c] (+)= sum_k xr[t][k] * w[k * ldw + c0 + c] for TT tokens and 8 * NV columns, the
+// TT x NV accumulators in registers; k ascending (one FMA per k): the same order for any tile.
+template <int TT, int NV, bool kAdd>
+inline void tile(const float* const* xr, const float* w, int64_t K, int64_t ldw, int64_t c0, float* const* out) {
+  __m256 acc[TT][NV];
+  for (int t = 0; t < TT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 a[NV];
+    for (int v = 0; v < NV; ++v) a[v] = _mm256_loadu_ps(w + k * ldw + c0 + 8 * v);
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xv = _mm256_set1_ps(xr[t][k]);
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_fmadd_ps(xv, a[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int v = 0; v < NV; ++v) {
+      float* o = out[t] + c0 + 8 * v;
+      _mm256_storeu_ps(o, kAdd ? _mm256_add_ps(_mm256_loadu_ps(o), acc[t][v]) : acc[t][v]);
+    }
+}
+
+// The columns [0, ncols) of TT tokens: tiles of 32, then of 8, then one at a time.
+template <int TT, bool kAdd>
+void tokens(const float* const* xr, const float* w, int64_t K, int64_t ldw, int64_t ncols, float* const* out) {
+  int64_t c0 = 0;
+  for (; c0 + 32 <= ncols; c0 += 32) tile<TT, 4, kAdd>(xr, w, K, ldw, c0, out);
+  for (; c0 + 8 <= ncols; c0 += 8) tile<TT, 1, kAdd>(xr, w, K, ldw, c0, out);
+  for (; c0 < ncols; ++c0)
+    for (int t = 0; t < TT; ++t) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s = std::fma(xr[t][k], w[k * ldw + c0], s);
+      out[t][c0] = kAdd ? out[t][c0] + s : s;
+    }
+}
+
+// For each token i of the block: out_i[0:ncols] (+)= x_i[0:K] @ w [K, ldw] (its first ncols
+// columns), x_i = x + order[i] * ldx, out_i = o + order[i] * ldo; tokens three at a time.
+template <bool kAdd>
+void block(const Block& b, const int64_t* order, const float* x, int64_t ldx, const float* w, int64_t K,
+           int64_t ldw, int64_t ncols, float* o, int64_t ldo) {
+  for (int64_t i = b.begin; i < b.end;) {
+    const float* xr[3];
+    float* out[3];
+    const int64_t n = std::min<int64_t>(3, b.end - i);
+    for (int64_t j = 0; j < n; ++j) {
+      xr[j] = x + order[i + j] * ldx;
+      out[j] = o + order[i + j] * ldo;
+    }
+    if (n == 3) tokens<3, kAdd>(xr, w, K, ldw, ncols, out);
+    else if (n == 2) tokens<2, kAdd>(xr, w, K, ldw, ncols, out);
+    else tokens<1, kAdd>(xr, w, K, ldw, ncols, out);
+    i += n;
+  }
+}
+
 int64_t layer_of(const ffi::Buffer<ffi::S32>& layer) { return static_cast<int64_t>(layer.typed_data()[0]); }
 
 ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::S32> slots,
@@ -83,14 +141,7 @@ ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const int64_t* op = order.data();
   run_blocks(pool, blocks, [=](const Block& b) {
     const float* as = ap + (b.slot * L + l) * K * C;   // this slot's [in, C] of this layer
-    for (int64_t k = 0; k < K; ++k) {
-      const float* arow = as + k * C;
-      for (int64_t i = b.begin; i < b.end; ++i) {
-        const float v = xp[op[i] * K + k];
-        float* o = out + op[i] * C;
-        for (int64_t c = 0; c < C; ++c) o[c] += v * arow[c];
-      }
-    }
+    block<false>(b, op, xp, K, as, K, C, C, out, C);
   });
   return ffi::Error::Success();
 }
@@ -116,21 +167,8 @@ ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi
   const int64_t* op = order.data();
   run_blocks(pool, blocks, [=](const Block& b) {
     const float* bs = bp + (b.slot * L + l) * R * O;   // this slot's [R, O] of this layer
-    float acc[kCols];
-    for (int64_t i = b.begin; i < b.end; ++i) {
-      const float* v = xp + op[i] * C + r0;
-      float* yr = yp + op[i] * N + col;
-      for (int64_t c0 = 0; c0 < O; c0 += kCols) {
-        const int64_t w = std::min(kCols, O - c0);
-        for (int64_t c = 0; c < w; ++c) acc[c] = 0.0f;
-        for (int64_t r = 0; r < R; ++r) {
-          const float vr = v[r];
-          const float* brow = bs + r * O + c0;
-          for (int64_t c = 0; c < w; ++c) acc[c] += vr * brow[c];
-        }
-        for (int64_t c = 0; c < w; ++c) yr[c0 + c] += acc[c];
-      }
-    }
+    // y[t, col:col+O] += xa[t, r0:r0+R] @ B: the delta summed over the rank in registers, then added
+    block<true>(b, op, xp + r0, C, bs, R, O, O, yp + col, N);
   });
   return ffi::Error::Success();
 }
