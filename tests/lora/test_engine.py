@@ -94,6 +94,10 @@ def test_one_batch_of_two_ranks_and_the_base_matches_transformers_peft(backend, 
         assert toks == want, f"{backend}: adapter {lr and lr.lora_name}, prompt {i}"
     if backend == "pallas":   # the adapters do change these first tokens
         assert len({tuple(t) for t in got[:len(PROMPTS)]} | {tuple(t) for t in got[len(PROMPTS):]}) > len(PROMPTS)
+    if backend == "native":   # these tokens came through cpu/lora.cc, not the XLA loop over the used slots
+        r = engine(backend).llm_engine.core.runner
+        hlo = r.compiler.lower_step(r.params, r.kv, r.sampler_rows.state, 16, 2).as_text()
+        assert "jaxllm_lora_shrink_f32" in hlo and "jaxllm_lora_expand_f32" in hlo
 
 
 @pytest.fixture(scope="module")
