@@ -2,7 +2,8 @@
 // multiplied by its own slot's matrices only, read in place from the slot arrays.
 //
 //   shrink: xa[t, :] = x[t, :] @ A[slot[t], layer]            A [S, L, in, C], xa [T, C]
-//   expand: y[t, col:col+O] += xa[t, r0:r0+R] @ B[slot[t], layer]   B [S, L, R, O], y aliased
+//   expand: y[t, col:col+O] += xa[t, r0:r0+r] @ B[slot[t], layer][:r]   B [S, L, R, O], y aliased,
+//           r = ranks[slot[t]] (the rows past it are zero padding: not read)
 //
 // A token whose slot is out of [0, S) (-1: the base model, or bucket padding) gets xa = 0 and
 // leaves y as it is.  Why a kernel (jaxllm/lora/apply.py): in XLA a mixed batch needs either
@@ -147,28 +148,34 @@ ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
 }
 
 ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> xa, ffi::Buffer<ffi::F32> bw,
-                  ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> layer, int64_t col, int64_t r0,
-                  ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ranks, int64_t col,
+                  int64_t r0, ffi::ResultBuffer<ffi::F32> out) {
   auto yd = y.dimensions();
   auto xd = xa.dimensions();
   auto bd = bw.dimensions();
   if (yd.size() != 2 || xd.size() != 2 || bd.size() != 4 || xd[0] != yd[0] || slots.dimensions().size() != 1 ||
-      slots.dimensions()[0] != yd[0] || r0 < 0 || r0 + bd[2] > xd[1] || col < 0 || col + bd[3] > yd[1])
+      slots.dimensions()[0] != yd[0] || r0 < 0 || r0 + bd[2] > xd[1] || col < 0 || col + bd[3] > yd[1] ||
+      ranks.dimensions().size() != 1 || ranks.dimensions()[0] != bd[0])
     return ffi::Error::InvalidArgument(
-        "jaxllm_lora_expand_f32: expected y [T, N], xa [T, C], B [S, L, R, O], slots [T], r0 + R <= C, col + O <= N");
+        "jaxllm_lora_expand_f32: expected y [T, N], xa [T, C], B [S, L, R, O], slots [T], ranks [S], r0 + R <= C, "
+        "col + O <= N");
   const int64_t T = yd[0], N = yd[1], C = xd[1], S = bd[0], L = bd[1], R = bd[2], O = bd[3], l = layer_of(layer);
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("jaxllm_lora_expand_f32: layer out of range");
   float* yp = out->typed_data();
   if (yp != y.typed_data()) std::memcpy(yp, y.typed_data(), sizeof(float) * T * N);   // not aliased
   const float* xp = xa.typed_data();
   const float* bp = bw.typed_data();
+  const int32_t* rp = ranks.typed_data();
   std::vector<int64_t> order;
   const std::vector<Block> blocks = blocks_by_slot(slots.typed_data(), T, S, order);
   const int64_t* op = order.data();
   run_blocks(pool, blocks, [=](const Block& b) {
     const float* bs = bp + (b.slot * L + l) * R * O;   // this slot's [R, O] of this layer
-    // y[t, col:col+O] += xa[t, r0:r0+R] @ B: the delta summed over the rank in registers, then added
-    block<true>(b, op, xp + r0, C, bs, R, O, O, yp + col, N);
+    // y[t, col:col+O] += xa[t, r0:r0+R] @ B: the delta summed over the rank in registers, then
+    // added.  Only the slot's own rank: B's rows past it are the zero padding of a smaller
+    // adapter (lora/slots.py), skipped unread (a rank-8 adapter in rank-16 slots: half of B).
+    const int64_t rank = std::max<int64_t>(0, std::min<int64_t>(R, rp[b.slot]));
+    block<true>(b, op, xp + r0, C, bs, rank, O, O, yp + col, N);
   });
   return ffi::Error::Success();
 }
@@ -192,6 +199,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraExpandF32, Expand,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // B [S, L, R, O]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ranks [S]: each slot's adapter's rank
                                   .Attr<int64_t>("col")           // y's first column of this projection
                                   .Attr<int64_t>("r0")            // xa's first column of this projection
                                   .Ret<ffi::Buffer<ffi::F32>>()); // y [T, N]

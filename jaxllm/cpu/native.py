@@ -309,13 +309,18 @@ def lora_shrink(x: jax.Array, a: jax.Array, slots: jax.Array, layer) -> jax.Arra
                                                            jnp.asarray(layer, jnp.int32))
 
 
-def lora_expand(y: jax.Array, xa: jax.Array, b: jax.Array, slots: jax.Array, layer, col: int, r0: int) -> jax.Array:
-    """y [T, N] float32 plus, in its columns ``col:col+O``, each token's ``xa[:, r0:r0+R] @ B[slot, layer]``
-    (B [S, L, R, O] float32, read in place; a slot outside [0, S) adds nothing: lora.cc).  ``y``'s
-    buffer is reused for the result."""
+def lora_expand(y: jax.Array, xa: jax.Array, b: jax.Array, slots: jax.Array, layer, col: int, r0: int,
+                ranks: jax.Array | None = None) -> jax.Array:
+    """y [T, N] float32 plus, in its columns ``col:col+O``, each token's ``xa[:, r0:r0+r] @ B[slot, layer][:r]``
+    (B [S, L, R, O] float32, read in place; ``r = ranks[slot]``, [S] int32, default R: B's rows
+    past a slot's rank are taken as its zero padding and not read; a slot outside [0, S) adds
+    nothing: lora.cc).  ``y``'s buffer is reused for the result."""
+    if ranks is None:
+        ranks = jnp.full((b.shape[0],), b.shape[-2], jnp.int32)
     return jax.ffi.ffi_call("jaxllm_lora_expand_f32", jax.ShapeDtypeStruct(y.shape, jnp.float32),
                             input_output_aliases={0: 0})(
-        y, xa, b, slots.astype(jnp.int32), jnp.asarray(layer, jnp.int32), col=np.int64(col), r0=np.int64(r0))
+        y, xa, b, slots.astype(jnp.int32), jnp.asarray(layer, jnp.int32), ranks.astype(jnp.int32),
+        col=np.int64(col), r0=np.int64(r0))
 
 
 if __name__ == "__main__":

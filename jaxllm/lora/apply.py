@@ -78,7 +78,8 @@ class LoRAStep:
     """``{"A": {key: A [max_loras, L, in, n*R]}, "B": {param: B [max_loras, L, R, out]}}``, the
     scale folded into B; a key of ``A`` names its params joined by "+" (:func:`shrink_groups`:
     ``"q+k+v"`` holds q's, k's and v's ``A`` side by side, ``"o"`` o's alone).  float32, or the
-    16-bit ``--lora-dtype`` (each slice read is widened to float32)."""
+    16-bit ``--lora-dtype`` (each slice read is widened to float32).  ``"rank"`` (lora/slots.py,
+    optional): [max_loras] int32, each slot's adapter's rank, past which its B rows are padding."""
     slots: jax.Array
     """[T] int32, each token's slot (-1: none)."""
     used: jax.Array | None = None
@@ -129,7 +130,8 @@ def _native_add(lora: LoRAStep, ys: list, names: tuple[str, ...], where: list[tu
         if key not in shrunk:
             shrunk[key] = native.lora_shrink(xf, lora.weights["A"][key], lora.slots, layer)   # [T, n*R]
         B = lora.weights["B"][name]                                                           # [S, L, R, out]
-        out[k] = native.lora_expand(out[k], shrunk[key], B, lora.slots, layer, col, i * B.shape[-2])
+        out[k] = native.lora_expand(out[k], shrunk[key], B, lora.slots, layer, col, i * B.shape[-2],
+                                    lora.weights.get("rank"))                                 # [T, N]
     return out
 
 
