@@ -13,8 +13,9 @@ call, so a drift of the shared machine moves every arm alike):
 
 * ``base``: the engine without LoRA;
 * ``lora engine, 0 adapters``: the LoRA engine, no request names an adapter (the cost of the
-  LoRA path alone: the slot inputs and, per projection, a loop of no iteration or a cond not
-  taken, lora/apply.py);
+  LoRA path alone: the slot inputs and, per projection, a call of cpu/lora.cc that finds no
+  token with a slot (on the native matmul; on XLA a loop of no iteration or a cond not taken),
+  lora/apply.py);
 * ``K adapters``: request ``i`` runs adapter ``i % K``.
 
 With several ``--lora-dtype`` values (``--lora-dtype``: the slots' dtype, "auto" = the model's)

@@ -57,6 +57,7 @@ _KERNELS = {
                      "jaxllm_paged_attention_vis_fp8_e4m3": "JaxllmPagedAttentionVisFp8E4M3",
                      "jaxllm_paged_attention_vis_fp8_e5m2": "JaxllmPagedAttentionVisFp8E5M2"},
     "norm.cc": {"jaxllm_rms_norm_f32": "JaxllmRmsNormF32"},
+    "lora.cc": {"jaxllm_lora_shrink_f32": "JaxllmLoraShrinkF32", "jaxllm_lora_expand_f32": "JaxllmLoraExpandF32"},
 }
 # The packed-block matmuls, float32 activations (quant_linear.cc) and 8-bit activations
 # (quant_dot.cc): separate from _KERNELS so they never decide ``available()``.
@@ -297,6 +298,29 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     target = _TARGETS[jnp.dtype(w.dtype)]
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w)
+
+
+def lora_shrink(x: jax.Array, a: jax.Array, slots: jax.Array, layer) -> jax.Array:
+    """x [T, in] float32, A [S, L, in, C] float32 (every slot and layer: read in place), slots [T]
+    int32, layer: an int or int32 scalar -> xa [T, C] float32, each token's ``x @ A[slot, layer]``
+    (zeros for a slot outside [0, S): lora.cc)."""
+    out = jax.ShapeDtypeStruct((x.shape[0], a.shape[-1]), jnp.float32)
+    return jax.ffi.ffi_call("jaxllm_lora_shrink_f32", out)(x, a, slots.astype(jnp.int32),
+                                                           jnp.asarray(layer, jnp.int32))
+
+
+def lora_expand(y: jax.Array, xa: jax.Array, b: jax.Array, slots: jax.Array, layer, col: int, r0: int,
+                ranks: jax.Array | None = None) -> jax.Array:
+    """y [T, N] float32 plus, in its columns ``col:col+O``, each token's ``xa[:, r0:r0+r] @ B[slot, layer][:r]``
+    (B [S, L, R, O] float32, read in place; ``r = ranks[slot]``, [S] int32, default R: B's rows
+    past a slot's rank are taken as its zero padding and not read; a slot outside [0, S) adds
+    nothing: lora.cc).  ``y``'s buffer is reused for the result."""
+    if ranks is None:
+        ranks = jnp.full((b.shape[0],), b.shape[-2], jnp.int32)
+    return jax.ffi.ffi_call("jaxllm_lora_expand_f32", jax.ShapeDtypeStruct(y.shape, jnp.float32),
+                            input_output_aliases={0: 0})(
+        y, xa, b, slots.astype(jnp.int32), jnp.asarray(layer, jnp.int32), ranks.astype(jnp.int32),
+        col=np.int64(col), r0=np.int64(r0))
 
 
 if __name__ == "__main__":

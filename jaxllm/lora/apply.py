@@ -29,6 +29,16 @@ layer instead of 14 (docs/BENCHMARKS.md "LoRA adapters": what that saves in comp
 When the step runs the GPU path (``Kernels.attention`` or ``Kernels.matmul`` "pallas"), the
 delta is the Pallas kernel of ``pallas/lora.py`` instead (per token, only its own slot's
 matrices are read).
+
+On the native CPU matmul (``Kernels.matmul`` "native", float32 slots) the deltas are the native
+kernel of ``cpu/lora.cc`` (punica's sgmv): one shrink call per ``A`` key and one expand per
+projection, added straight into the base output (aliased).  It groups the tokens by slot, reads
+each used slot's rows in place once per block of tokens, and returns at once when no token has
+a slot.  Profiled on the built-in model at batch 32 (docs/BENCHMARKS.md "LoRA adapters"), the
+XLA loop's cost was not its arithmetic but its machinery: with no adapter in use, copies and
+concatenations were ~8% of the step's op time; with 8 adapters, the masked dots over every
+token per slot (8x the work), the accumulating adds, copies of each slot's slice and the loops
+were ~31%; the kernel's calls are ~16% with 8 adapters and nothing visible with none.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from jaxllm.cpu import native
 from jaxllm.pallas.lora import lora_delta
 
 GROUPS = (("q", "k", "v"), ("gate", "up"))
@@ -67,19 +78,61 @@ class LoRAStep:
     """``{"A": {key: A [max_loras, L, in, n*R]}, "B": {param: B [max_loras, L, R, out]}}``, the
     scale folded into B; a key of ``A`` names its params joined by "+" (:func:`shrink_groups`:
     ``"q+k+v"`` holds q's, k's and v's ``A`` side by side, ``"o"`` o's alone).  float32, or the
-    16-bit ``--lora-dtype`` (each slice read is widened to float32)."""
+    16-bit ``--lora-dtype`` (each slice read is widened to float32).  ``"rank"`` (lora/slots.py,
+    optional): [max_loras] int32, each slot's adapter's rank, past which its B rows are padding."""
     slots: jax.Array
     """[T] int32, each token's slot (-1: none)."""
     used: jax.Array | None = None
     """[max_loras] int32: the distinct slots in ``slots``, then -1s; None: every slot (the
     differentiable one-hot einsum)."""
     kernel: str = field(default="einsum", metadata=dict(static=True))
-    """"einsum" (the one-hot shrink and expand) or "pallas" (``pallas/lora.py``)."""
+    """"einsum" (XLA: the used slots' loop or ``cond``, or the one-hot einsum without ``used``),
+    "pallas" (``pallas/lora.py``) or "native" (``cpu/lora.cc``, float32 slots; other dtypes
+    take the XLA path)."""
 
 
 def kernel_for(kernels) -> str:
     """The delta's implementation for a step run with ``kernels`` (models/kernels.py)."""
-    return "pallas" if "pallas" in (kernels.attention, kernels.matmul) else "einsum"
+    if "pallas" in (kernels.attention, kernels.matmul):
+        return "pallas"
+    return "native" if kernels.matmul == "native" else "einsum"
+
+
+def _a_key(lora: LoRAStep, name: str) -> tuple[str, int]:
+    """The key of ``lora.weights["A"]`` holding ``name``'s A, and ``name``'s place in it."""
+    for key in lora.weights["A"]:
+        members = key.split("+")
+        if name in members:
+            return key, members.index(name)
+    raise KeyError(name)
+
+
+def _native_ok(lora: LoRAStep | None, names: tuple[str, ...], ys) -> bool:
+    """Whether ``cpu/lora.cc`` adds the deltas of ``names`` to ``ys``: the native path, every name
+    a target, float32 slots and outputs."""
+    if lora is None or lora.kernel != "native" or not all(n in lora.weights["B"] for n in names):
+        return False
+    arrays = [lora.weights["B"][n] for n in names] + [lora.weights["A"][_a_key(lora, n)[0]] for n in names]
+    return all(a.dtype == jnp.float32 for a in arrays) and all(y.dtype == jnp.float32 for y in ys)
+
+
+def _native_add(lora: LoRAStep, ys: list, names: tuple[str, ...], where: list[tuple[int, int]], x, layer) -> list:
+    """``ys`` with the delta of ``names[j]`` added to ``ys[k]``'s columns ``col:`` for
+    ``(k, col) = where[j]`` (one fused output, or each projection its own), through cpu/lora.cc:
+    one shrink per ``A`` key (q/k/v's side by side: one), then an expand per projection
+    straight into its output (aliased: no copy; nothing read or written at a step whose tokens
+    use no slot)."""
+    xf = x.astype(jnp.float32)
+    shrunk = {}
+    out = list(ys)
+    for name, (k, col) in zip(names, where):
+        key, i = _a_key(lora, name)
+        if key not in shrunk:
+            shrunk[key] = native.lora_shrink(xf, lora.weights["A"][key], lora.slots, layer)   # [T, n*R]
+        B = lora.weights["B"][name]                                                           # [S, L, R, out]
+        out[k] = native.lora_expand(out[k], shrunk[key], B, lora.slots, layer, col, i * B.shape[-2],
+                                    lora.weights.get("rank"))                                 # [T, N]
+    return out
 
 
 def _f32(w: jax.Array) -> jax.Array:
@@ -193,6 +246,8 @@ def delta(lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array | 
 
 def add(y: jax.Array, lora: LoRAStep | None, name: str, x: jax.Array, layer) -> jax.Array:
     """``y`` (the projection of ``x``) plus its LoRA delta, in ``y``'s dtype."""
+    if _native_ok(lora, (name,), (y,)):
+        return _native_add(lora, [y], (name,), [(0, 0)], x, layer)[0]
     d = delta(lora, name, x, layer)
     return y if d is None else (y.astype(jnp.float32) + d).astype(y.dtype)
 
@@ -200,6 +255,8 @@ def add(y: jax.Array, lora: LoRAStep | None, name: str, x: jax.Array, layer) -> 
 def add_each(ys: tuple, lora: LoRAStep | None, names: tuple[str, ...], x: jax.Array, layer) -> tuple:
     """``ys``: the projections ``names`` of one input ``x`` (separate base weights), each plus
     its delta, their shrinks one dot where the slots hold their ``A`` side by side."""
+    if _native_ok(lora, names, ys):
+        return tuple(_native_add(lora, list(ys), names, [(j, 0) for j in range(len(names))], x, layer))
     ds = deltas(lora, names, x, layer)
     if ds is None:
         return tuple(ys)
@@ -210,6 +267,9 @@ def add_fused(y: jax.Array, lora: LoRAStep | None, names: tuple[str, ...], x: ja
     """``y``: a fused projection (the parts' outputs concatenated in ``names``' order) plus each
     part's delta.  The slot arrays hold every target the model has (lora/targets.py), so a
     part no adapter changes adds zeros."""
+    if _native_ok(lora, names, (y,)):
+        widths = [lora.weights["B"][n].shape[-1] for n in names]
+        return _native_add(lora, [y], names, [(0, sum(widths[:j])) for j in range(len(names))], x, layer)[0]
     ds = deltas(lora, names, x, layer)                                   # [T, out_i] each
     if ds is None:
         return y

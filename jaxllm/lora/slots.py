@@ -2,9 +2,10 @@
 
 Per target projection ``A [max_loras, L, in, R]`` and ``B [max_loras, L, R, out]`` in the
 ``--lora-dtype``, the ``A`` of q/k/v and of gate/up side by side in one array each
-(``{"A": {"q+k+v": [max_loras, L, in, 3R], ...}, "B": {"q": ..., ...}}``, lora/apply.py's
-``shrink_groups``: one shrink dot for the group); ``R`` = max_lora_rank, an adapter of smaller
-rank is zero-padded (the padding adds zero).  An adapter is sent as float32 and rounded to
+(``{"A": {"q+k+v": [max_loras, L, in, 3R], ...}, "B": {"q": ..., ...}, "rank": [max_loras]}``,
+lora/apply.py's ``shrink_groups``: one shrink dot for the group); ``R`` = max_lora_rank, an
+adapter of smaller rank is zero-padded (the padding adds zero; ``rank`` says where it starts,
+so that the native kernel, cpu/lora.cc, does not read it).  An adapter is sent as float32 and rounded to
 that dtype on the device by the writer; bfloat16 slots halve what a step reads of them (lora/apply.py widens each slice it
 reads to float32, so the arithmetic is float32's).
 One compiled program writes an adapter into a slot (the old arrays donated: updated in
@@ -55,7 +56,7 @@ class LoRASlotArrays:
         # q/k/v and gate/up are all column-parallel, A whole)
         self.groups = shrink_groups(targets, lambda g: all(per_param[n][0] == per_param[g[0]][0] for n in g))
         self.shardings = {"A": {k: per_param[g[0]][0] for k, g in self.groups.items()},
-                          "B": {n: per_param[n][1] for n in targets}}
+                          "B": {n: per_param[n][1] for n in targets}, "rank": sharding}
         self.dtype = jnp.dtype(dtype)
         def zeros(shape, sh):
             return jax.device_put(jnp.zeros((max_loras, num_layers) + shape, self.dtype), sh)
@@ -63,7 +64,9 @@ class LoRASlotArrays:
         self.weights = {
             "A": {k: zeros((targets[g[0]].in_size, len(g) * max_rank), self.shardings["A"][k])
                   for k, g in self.groups.items()},
-            "B": {n: zeros((max_rank, t.out_size), self.shardings["B"][n]) for n, t in targets.items()}}
+            "B": {n: zeros((max_rank, t.out_size), self.shardings["B"][n]) for n, t in targets.items()},
+            # [max_loras] int32: each slot's adapter's rank (0: empty), for cpu/lora.cc to read no padding
+            "rank": jax.device_put(jnp.zeros((max_loras,), jnp.int32), sharding)}
         # One adapter's arrays (no slot axis) are sent laid out as a slot of them is.
         self._one = jax.tree.map(_without_slot_axis, self.shardings)
         self._writer = jax.jit(_write, donate_argnums=(0,), out_shardings=self.shardings)
@@ -84,7 +87,7 @@ class LoRASlotArrays:
                 B[:, :w.rank, :] = b
             out[n] = (A, B)
         return {"A": {k: np.concatenate([out[n][0] for n in g], axis=-1) for k, g in self.groups.items()},
-                "B": {n: out[n][1] for n in self.targets}}
+                "B": {n: out[n][1] for n in self.targets}, "rank": np.int32(0 if w is None else w.rank)}
 
     def write(self, slot: int, w: LoRAWeights | None) -> None:
         """Puts adapter ``w`` (None: zeros) into ``slot``."""

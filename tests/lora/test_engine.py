@@ -94,6 +94,10 @@ def test_one_batch_of_two_ranks_and_the_base_matches_transformers_peft(backend, 
         assert toks == want, f"{backend}: adapter {lr and lr.lora_name}, prompt {i}"
     if backend == "pallas":   # the adapters do change these first tokens
         assert len({tuple(t) for t in got[:len(PROMPTS)]} | {tuple(t) for t in got[len(PROMPTS):]}) > len(PROMPTS)
+    if backend == "native":   # these tokens came through cpu/lora.cc, not the XLA loop over the used slots
+        r = engine(backend).llm_engine.core.runner
+        hlo = r.compiler.lower_step(r.params, r.kv, r.sampler_rows.state, 16, 2).as_text()
+        assert "jaxllm_lora_shrink_f32" in hlo and "jaxllm_lora_expand_f32" in hlo
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +210,10 @@ def test_bfloat16_slots_equal_peft_with_the_adapters_rounded_to_bfloat16(engine,
     ref = hf_greedy(paths["base"], rounded, PROMPTS, N)
     llm = LLM(paths["base"], **{**ENGINE, "max_num_seqs": 4}, **BACKENDS["native"], lora_dtype="bfloat16")
     runner = llm.llm_engine.core.runner
-    assert {str(w.dtype) for w in jax.tree.leaves(runner.lora_slots.weights)} == {"bfloat16"}
+    mats = lambda slots: jax.tree.leaves({k: slots.weights[k] for k in ("A", "B")})   # noqa: E731
+    assert {str(w.dtype) for w in mats(runner.lora_slots)} == {"bfloat16"}
     # "auto" (the default) is the model's dtype: float32 here
-    assert {str(w.dtype) for w in jax.tree.leaves(engine("native").llm_engine.core.runner.lora_slots.weights)} \
-        == {"float32"}
+    assert {str(w.dtype) for w in mats(engine("native").llm_engine.core.runner.lora_slots)} == {"float32"}
     items = [(loras[n], i) for n in ("a4", "c8") for i in range(len(PROMPTS))]
     for (lr, i), toks in zip(items, run(llm, items)):
         assert toks == ref[(lr.lora_name, i)], f"adapter {lr.lora_name}, prompt {i}"
@@ -219,6 +223,7 @@ def test_bfloat16_slots_equal_peft_with_the_adapters_rounded_to_bfloat16(engine,
     w = llm.llm_engine.core.lora_store.get(loras["c8"])
     one = LoRASlotArrays(runner.lora_slots.targets, runner.lora_slots.L, 1, 8, runner._rep, dtype="bfloat16")
     one.write(0, w)
+    assert int(one.weights["rank"][0]) == w.rank == 8    # the slot's rank: cpu/lora.cc reads B's rows up to it
     for name, (a, b) in w.weights.items():
         key = one.group_of(name)
         A = np.asarray(one.weights["A"][key][0].astype("float32"))        # [L, in, n*8]: the group's

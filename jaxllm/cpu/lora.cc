@@ -1,0 +1,205 @@
+// Native CPU LoRA shrink and expand for XLA (punica's sgmv on the CPU), float32: each token
+// multiplied by its own slot's matrices only, read in place from the slot arrays.
+//
+//   shrink: xa[t, :] = x[t, :] @ A[slot[t], layer]            A [S, L, in, C], xa [T, C]
+//   expand: y[t, col:col+O] += xa[t, r0:r0+r] @ B[slot[t], layer][:r]   B [S, L, R, O], y aliased,
+//           r = ranks[slot[t]] (the rows past it are zero padding: not read)
+//
+// A token whose slot is out of [0, S) (-1: the base model, or bucket padding) gets xa = 0 and
+// leaves y as it is.  Why a kernel (jaxllm/lora/apply.py): in XLA a mixed batch needs either
+// every slot's dot over every token (masked: the work grows with the adapters in the batch)
+// or a loop over the used slots, whose dynamic slices of the slot arrays are copies, and
+// whose many small ops (adds, selects, slices per slot and projection) cost more than their
+// arithmetic at a decode step.  Here the tokens are grouped by slot (a counting sort) and
+// cut into blocks of up to kBlock tokens of one slot; a block reads its slot's rows once for
+// all its tokens.  A step with no adapter returns at once (y is aliased: nothing is copied).
+// The expand sums a token's delta over the rank first, then adds it to y: the function of
+// (y + (xa @ B)) in float32, as apply.py's XLA path computes it.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kBlock = 8;    // tokens of one slot that share one read of its rows
+
+struct Block {
+  int64_t slot, begin, end;      // tokens order[begin:end], all of `slot`
+};
+
+// Tokens grouped by slot (stable), cut into blocks; `order` gets the token indices.
+std::vector<Block> blocks_by_slot(const int32_t* slots, int64_t T, int64_t S, std::vector<int64_t>& order) {
+  std::vector<int64_t> count(S + 1, 0);
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= 0 && slots[t] < S) ++count[slots[t] + 1];
+  for (int64_t s = 0; s < S; ++s) count[s + 1] += count[s];
+  order.assign(count[S], 0);
+  std::vector<int64_t> next(count.begin(), count.end() - 1);
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= 0 && slots[t] < S) order[next[slots[t]]++] = t;
+  std::vector<Block> out;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t b = count[s]; b < count[s + 1]; b += kBlock) out.push_back({s, b, std::min(b + kBlock, count[s + 1])});
+  return out;
+}
+
+// Runs body(block) over the pool: the calling thread and up to threads - 1 tasks (linear.cc's rule).
+template <typename Body>
+void run_blocks(ffi::ThreadPool& pool, const std::vector<Block>& blocks, Body body) {
+  const int64_t n = static_cast<int64_t>(blocks.size());
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t tasks = std::min<int64_t>(threads - 1, n - 1);
+  if (tasks <= 0) {
+    for (const Block& b : blocks) body(b);
+    return;
+  }
+  const Block* bp = blocks.data();
+  jaxllm_parallel::for_each_item(pool, n, tasks, [=](int64_t i) { body(bp[i]); });
+}
+
+// out[t][c0 + c] (+)= sum_k xr[t][k] * w[k * ldw + c0 + c] for TT tokens and 8 * NV columns, the
+// TT x NV accumulators in registers; k ascending (one FMA per k): the same order for any tile.
+template <int TT, int NV, bool kAdd>
+inline void tile(const float* const* xr, const float* w, int64_t K, int64_t ldw, int64_t c0, float* const* out) {
+  __m256 acc[TT][NV];
+  for (int t = 0; t < TT; ++t)
+    for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 a[NV];
+    for (int v = 0; v < NV; ++v) a[v] = _mm256_loadu_ps(w + k * ldw + c0 + 8 * v);
+    for (int t = 0; t < TT; ++t) {
+      const __m256 xv = _mm256_set1_ps(xr[t][k]);
+      for (int v = 0; v < NV; ++v) acc[t][v] = _mm256_fmadd_ps(xv, a[v], acc[t][v]);
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int v = 0; v < NV; ++v) {
+      float* o = out[t] + c0 + 8 * v;
+      _mm256_storeu_ps(o, kAdd ? _mm256_add_ps(_mm256_loadu_ps(o), acc[t][v]) : acc[t][v]);
+    }
+}
+
+// The columns [0, ncols) of TT tokens: tiles of 32, then of 8, then one at a time.
+template <int TT, bool kAdd>
+void tokens(const float* const* xr, const float* w, int64_t K, int64_t ldw, int64_t ncols, float* const* out) {
+  int64_t c0 = 0;
+  for (; c0 + 32 <= ncols; c0 += 32) tile<TT, 4, kAdd>(xr, w, K, ldw, c0, out);
+  for (; c0 + 8 <= ncols; c0 += 8) tile<TT, 1, kAdd>(xr, w, K, ldw, c0, out);
+  for (; c0 < ncols; ++c0)
+    for (int t = 0; t < TT; ++t) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s = std::fma(xr[t][k], w[k * ldw + c0], s);
+      out[t][c0] = kAdd ? out[t][c0] + s : s;
+    }
+}
+
+// For each token i of the block: out_i[0:ncols] (+)= x_i[0:K] @ w [K, ldw] (its first ncols
+// columns), x_i = x + order[i] * ldx, out_i = o + order[i] * ldo; tokens three at a time.
+template <bool kAdd>
+void block(const Block& b, const int64_t* order, const float* x, int64_t ldx, const float* w, int64_t K,
+           int64_t ldw, int64_t ncols, float* o, int64_t ldo) {
+  for (int64_t i = b.begin; i < b.end;) {
+    const float* xr[3];
+    float* out[3];
+    const int64_t n = std::min<int64_t>(3, b.end - i);
+    for (int64_t j = 0; j < n; ++j) {
+      xr[j] = x + order[i + j] * ldx;
+      out[j] = o + order[i + j] * ldo;
+    }
+    if (n == 3) tokens<3, kAdd>(xr, w, K, ldw, ncols, out);
+    else if (n == 2) tokens<2, kAdd>(xr, w, K, ldw, ncols, out);
+    else tokens<1, kAdd>(xr, w, K, ldw, ncols, out);
+    i += n;
+  }
+}
+
+int64_t layer_of(const ffi::Buffer<ffi::S32>& layer) { return static_cast<int64_t>(layer.typed_data()[0]); }
+
+ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::S32> slots,
+                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> xa) {
+  auto xd = x.dimensions();
+  auto ad = a.dimensions();
+  if (xd.size() != 2 || ad.size() != 4 || ad[2] != xd[1] || slots.dimensions().size() != 1 ||
+      slots.dimensions()[0] != xd[0])
+    return ffi::Error::InvalidArgument("jaxllm_lora_shrink_f32: expected x [T, in], A [S, L, in, C], slots [T]");
+  const int64_t T = xd[0], K = xd[1], S = ad[0], L = ad[1], C = ad[3], l = layer_of(layer);
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("jaxllm_lora_shrink_f32: layer out of range");
+  const float* xp = x.typed_data();
+  const float* ap = a.typed_data();
+  float* out = xa->typed_data();
+  std::memset(out, 0, sizeof(float) * T * C);          // tokens of no slot: a zero shrink
+  std::vector<int64_t> order;
+  const std::vector<Block> blocks = blocks_by_slot(slots.typed_data(), T, S, order);
+  const int64_t* op = order.data();
+  run_blocks(pool, blocks, [=](const Block& b) {
+    const float* as = ap + (b.slot * L + l) * K * C;   // this slot's [in, C] of this layer
+    block<false>(b, op, xp, K, as, K, C, C, out, C);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> xa, ffi::Buffer<ffi::F32> bw,
+                  ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ranks, int64_t col,
+                  int64_t r0, ffi::ResultBuffer<ffi::F32> out) {
+  auto yd = y.dimensions();
+  auto xd = xa.dimensions();
+  auto bd = bw.dimensions();
+  if (yd.size() != 2 || xd.size() != 2 || bd.size() != 4 || xd[0] != yd[0] || slots.dimensions().size() != 1 ||
+      slots.dimensions()[0] != yd[0] || r0 < 0 || r0 + bd[2] > xd[1] || col < 0 || col + bd[3] > yd[1] ||
+      ranks.dimensions().size() != 1 || ranks.dimensions()[0] != bd[0])
+    return ffi::Error::InvalidArgument(
+        "jaxllm_lora_expand_f32: expected y [T, N], xa [T, C], B [S, L, R, O], slots [T], ranks [S], r0 + R <= C, "
+        "col + O <= N");
+  const int64_t T = yd[0], N = yd[1], C = xd[1], S = bd[0], L = bd[1], R = bd[2], O = bd[3], l = layer_of(layer);
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("jaxllm_lora_expand_f32: layer out of range");
+  float* yp = out->typed_data();
+  if (yp != y.typed_data()) std::memcpy(yp, y.typed_data(), sizeof(float) * T * N);   // not aliased
+  const float* xp = xa.typed_data();
+  const float* bp = bw.typed_data();
+  const int32_t* rp = ranks.typed_data();
+  std::vector<int64_t> order;
+  const std::vector<Block> blocks = blocks_by_slot(slots.typed_data(), T, S, order);
+  const int64_t* op = order.data();
+  run_blocks(pool, blocks, [=](const Block& b) {
+    const float* bs = bp + (b.slot * L + l) * R * O;   // this slot's [R, O] of this layer
+    // y[t, col:col+O] += xa[t, r0:r0+R] @ B: the delta summed over the rank in registers, then
+    // added.  Only the slot's own rank: B's rows past it are the zero padding of a smaller
+    // adapter (lora/slots.py), skipped unread (a rank-8 adapter in rank-16 slots: half of B).
+    const int64_t rank = std::max<int64_t>(0, std::min<int64_t>(R, rp[b.slot]));
+    block<true>(b, op, xp + r0, C, bs, rank, O, O, yp + col, N);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraShrinkF32, Shrink,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [T, in]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // A [S, L, in, C]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // xa [T, C]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraExpandF32, Expand,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // y [T, N] (aliased to the result)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // xa [T, C]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // B [S, L, R, O]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ranks [S]: each slot's adapter's rank
+                                  .Attr<int64_t>("col")           // y's first column of this projection
+                                  .Attr<int64_t>("r0")            // xa's first column of this projection
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [T, N]
