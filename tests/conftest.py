@@ -6,6 +6,7 @@ compiles after warm-up fails the test that caused it.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -50,9 +51,24 @@ from support.schedule import heaviest_first  # noqa: E402
 from support.tiny_models import VARIANTS, build_tiny  # noqa: E402
 
 
+# Allocations between young collections (Python's default: 700).
+GC_THRESHOLD0 = 20_000
+
+
 def pytest_collection_modifyitems(config, items):
     # The heaviest files reach the workers first (tests/support/schedule.py).
     heaviest_first(items)
+
+
+def pytest_collection_finish(session):
+    # Python's cyclic collector was an eighth of a test process's CPU time (perf: gc_collect_main
+    # and its visits), most of it full collections walking what the test modules imported (jax,
+    # torch, transformers) again and again while JAX traces.  Those objects live for the whole
+    # session: frozen out of the collector's generations once collected, and young collections
+    # made rarer; cycles the tests create are still collected.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD0, 20, 20)
 
 
 @pytest.fixture(scope="session")
