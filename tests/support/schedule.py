@@ -7,7 +7,7 @@ runs.  Longest first (``--no-loadscope-reorder`` in scripts/test.sh, the order b
 conftest) leaves the short files to fill the end.  Files not listed keep collection order after
 these; a renamed file only loses its place.  The list is the item-seconds ranking of a
 ``--durations=0`` run, heaviest first; a file that run did not rank goes where its slowest item
-of a later run's ``--durations=20`` puts it (at least that much time).
+of a later run's ``--durations=40`` puts it (at least that much time).
 """
 
 from __future__ import annotations
