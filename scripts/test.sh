@@ -13,11 +13,11 @@ if [ -z "${JAXLLM_CACHE_DIR:-}" ]; then
 fi
 # Two workers, whole files per worker (module fixtures such as a shared engine stay in one
 # process): most tests wait on single-threaded XLA compiles, so two cores run two at once.
-# JAXLLM_TEST_WORKERS=0 runs in one process.  The 20 slowest items are listed at the end: the
+# JAXLLM_TEST_WORKERS=0 runs in one process.  The 40 slowest items are listed at the end: the
 # suite's time is budgeted (20 minutes on a quiet 2-core machine).
 # A crashed worker ends the run (--max-worker-restart=0): pytest-xdist 3.8 can wait forever
 # after replacing one under --dist loadfile (pytest-dev/pytest-xdist#784, #1378).
 # Files go out heaviest first (--no-loadscope-reorder keeps the order tests/conftest.py sets,
 # tests/support/schedule.py), so no long file is left for the end while the other worker idles.
 exec python -m pytest -n "${JAXLLM_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --max-worker-restart=0 \
-  --durations=20 "$@"
+  --durations=40 "$@"

@@ -6,6 +6,7 @@ compiles after warm-up fails the test that caused it.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -38,7 +39,10 @@ pytest.register_assert_rewrite("support")  # before its first import: helpers' a
 # machine code runs, not what it computes: no fast-math at either level, and the tokens of both
 # of those runs were identical.  Probes, servers and scripts the tests start inherit it
 # (support.probes.probe_env keeps it beside a probe's device count); a level set in XLA_FLAGS
-# before the run wins.
+# before the run wins.  The suite also compiles with XLA CPU's classic fusion emitter rather than
+# its MLIR fusion emitters (support.probes.TEST_XLA_FLAGS), about half an engine's compile CPU time
+# again (six heavy files 354 -> 230 CPU-s, all passing); the prompt logits of three tiny families
+# (Llama, Qwen3-MoE, Mistral; XLA and native attention) were bit-identical under both emitters.
 from support.probes import with_test_xla_flags  # noqa: E402
 
 os.environ["XLA_FLAGS"] = with_test_xla_flags(os.environ.get("XLA_FLAGS", ""))
@@ -48,9 +52,24 @@ from support.schedule import heaviest_first  # noqa: E402
 from support.tiny_models import VARIANTS, build_tiny  # noqa: E402
 
 
+# Allocations between young collections (Python's default: 700).
+GC_THRESHOLD0 = 20_000
+
+
 def pytest_collection_modifyitems(config, items):
     # The heaviest files reach the workers first (tests/support/schedule.py).
     heaviest_first(items)
+
+
+def pytest_collection_finish(session):
+    # Python's cyclic collector was an eighth of a test process's CPU time (perf: gc_collect_main
+    # and its visits), most of it full collections walking what the test modules imported (jax,
+    # torch, transformers) again and again while JAX traces.  Those objects live for the whole
+    # session: frozen out of the collector's generations once collected, and young collections
+    # made rarer; cycles the tests create are still collected.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD0, 20, 20)
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,12 @@ TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 
 # What the suite adds to XLA_FLAGS (tests/conftest.py): the LLVM back end at -O0, which compiles
-# the tests' tiny programs faster and computes the same values (no fast-math at any level).
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+# the tests' tiny programs faster and computes the same values (no fast-math at any level); and
+# XLA CPU's classic elemental fusion emitter instead of its MLIR fusion emitters, whose pass
+# pipelines were half of an engine's compile CPU time (the tiny Llama's 4-bucket warm-up
+# 15-16 -> 7.5 CPU-s).  Both are code generators for the same HLO; the suite's oracles
+# (transformers, the XLA reference paths) bound what the programs compute either way.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
 def with_test_xla_flags(flags: str, inherited: str = "") -> str:
