@@ -113,13 +113,28 @@ def _per_prompt(q, k, v, seq_ids, positions, rows: int, max_len: int):
     moved into a row of a ``[rows, max_len]`` grid and attending within it; padding tokens
     (``seq_ids`` -1) answer zeros."""
     T, H, Dh = q.shape
-    cells = rows * max_len
-    slot = jnp.where(seq_ids >= 0, seq_ids * max_len + positions, cells)                  # [T]; cells: a spare
-    grid = [jnp.zeros((cells + 1, H, Dh), a.dtype).at[slot].set(a)[:cells].reshape(rows, max_len, H, Dh)
-            for a in (q, k, v)]                                                             # [rows, L, H, Dh]
-    valid = jnp.zeros(cells + 1, bool).at[slot].set(True)[:cells].reshape(rows, 1, max_len)   # [rows, 1, L]
-    out = _each(lambda a: _attend(*a), (*grid, valid)).reshape(cells, H, Dh)              # [rows, L, H, Dh]
-    return jnp.where((seq_ids >= 0)[:, None, None], out[jnp.minimum(slot, cells - 1)], 0.0)   # [T, H, Dh]
+    slot, cells = _grid_slot(seq_ids, positions, rows, max_len), rows * max_len          # [T]
+    grid = [_into_grid(a, slot, cells).reshape(rows, max_len, H, Dh) for a in (q, k, v)]   # [rows, L, H, Dh]
+    valid = _into_grid(jnp.ones(T, bool), slot, cells).reshape(rows, 1, max_len)           # [rows, 1, L]
+    out = _each(lambda a: _attend(*a), (*grid, valid)).reshape(cells, H, Dh)              # [rows L, H, Dh]
+    return _out_of_grid(out, seq_ids, slot)                                                # [T, H, Dh]
+
+
+def _grid_slot(seq_ids, positions, rows: int, max_len: int):
+    """[T] each token's cell in a ``[rows, max_len]`` grid (prompt ``seq_ids`` in its row, at its
+    position); padding tokens (``seq_ids`` -1) the spare cell ``rows * max_len``."""
+    return jnp.where(seq_ids >= 0, seq_ids * max_len + positions, rows * max_len)
+
+
+def _into_grid(a, slot, cells: int):
+    """a [T, ...] -> [cells, ...]: each token's row at its cell, zeros in the cells no token holds."""
+    return jnp.zeros((cells + 1,) + a.shape[1:], a.dtype).at[slot].set(a)[:cells]
+
+
+def _out_of_grid(out, seq_ids, slot):
+    """out [cells, ...] -> [T, ...]: each token's cell back; padding tokens zeros."""
+    keep = (seq_ids >= 0).reshape((-1,) + (1,) * (out.ndim - 1))
+    return jnp.where(keep, out[jnp.minimum(slot, out.shape[0] - 1)], 0.0)
 
 
 # Relative cost per score of the windowed layout (its gathers and masks), measured on a CPU.
@@ -183,9 +198,9 @@ def _encode_rows(arch: ArchConfig, layers: list, x, seq_ids, positions, rows: in
     T, D = x.shape
     H, Dh = arch.num_heads, arch.head_dim
     cells, g = rows * max_len, group_rows(rows, max_len)
-    slot = jnp.where(seq_ids >= 0, seq_ids * max_len + positions, cells)                   # [T]; cells: a spare
-    grid = jnp.zeros((cells + 1, D), x.dtype).at[slot].set(x)[:cells].reshape(rows // g, g * max_len, D)
-    valid = jnp.zeros(cells + 1, bool).at[slot].set(True)[:cells].reshape(rows // g, g, 1, max_len)
+    slot = _grid_slot(seq_ids, positions, rows, max_len)                                   # [T]
+    grid = _into_grid(x, slot, cells).reshape(rows // g, g * max_len, D)                   # [rows / g, g L, D]
+    valid = _into_grid(jnp.ones(T, bool), slot, cells).reshape(rows // g, g, 1, max_len)   # [rows / g, g, 1, L]
 
     def group(args):
         xg, vg = args                                                   # [g L, D], [g, 1, L]
@@ -198,7 +213,7 @@ def _encode_rows(arch: ArchConfig, layers: list, x, seq_ids, positions, rows: in
         return xg
 
     out = _each(group, (grid, valid)).reshape(cells, D)                                  # [rows L, D]
-    return jnp.where((seq_ids >= 0)[:, None], out[jnp.minimum(slot, cells - 1)], 0.0)
+    return _out_of_grid(out, seq_ids, slot)                                                # [T, D]
 
 
 def encoder_layout(T: int, rows: int | None, max_len: int | None) -> str:
