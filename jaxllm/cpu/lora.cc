@@ -1,7 +1,9 @@
 // Native CPU LoRA shrink and expand for XLA (punica's sgmv on the CPU), float32: each token
 // multiplied by its own slot's matrices only, read in place from the slot arrays.
 //
-//   shrink: xa[t, :] = x[t, :] @ A[slot[t], layer]            A [S, L, in, C], xa [T, C]
+//   shrink: xa[t, p*R:p*R+r] = A[slot[t], layer][p*R:p*R+r, :] @ x[t, :] for each part p of C
+//           (one projection's R = `part` rows), r = ranks[slot[t]]; xa's other columns 0
+//           A [S, L, C, in] (transposed: its rows past the rank, zero padding, are not read), xa [T, C]
 //   expand: y[t, col:col+O] += xa[t, r0:r0+r] @ B[slot[t], layer][:r]   B [S, L, R, O], y aliased,
 //           r = ranks[slot[t]] (the rows past it are zero padding: not read)
 //
@@ -14,7 +16,8 @@
 // cut into blocks of up to kBlock tokens of one slot; a block reads its slot's rows once for
 // all its tokens.  A step with no adapter returns at once (y is aliased: nothing is copied).
 // The expand sums a token's delta over the rank first, then adds it to y: the function of
-// (y + (xa @ B)) in float32, as apply.py's XLA path computes it.
+// (y + (xa @ B)) in float32, as apply.py's XLA path computes it.  The shrink's dot products
+// run in a fixed order of their own (dot_tile says which).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -68,6 +71,7 @@ void run_blocks(ffi::ThreadPool& pool, const std::vector<Block>& blocks, Body bo
 
 // out[t][c0 + c] (+)= sum_k xr[t][k] * w[k * ldw + c0 + c] for TT tokens and 8 * NV columns, the
 // TT x NV accumulators in registers; k ascending (one FMA per k): the same order for any tile.
+// The expand's tile: its K is a rank (8-16), a short chain.
 template <int TT, int NV, bool kAdd>
 inline void tile(const float* const* xr, const float* w, int64_t K, int64_t ldw, int64_t c0, float* const* out) {
   __m256 acc[TT][NV];
@@ -88,11 +92,11 @@ inline void tile(const float* const* xr, const float* w, int64_t K, int64_t ldw,
     }
 }
 
-// The columns [0, ncols) of TT tokens: tiles of 32, then of 8, then one at a time.
-template <int TT, bool kAdd>
+// The columns [0, ncols) of TT tokens: tiles of 8 * NV, then of 8, then one at a time.
+template <int TT, int NV, bool kAdd>
 void tokens(const float* const* xr, const float* w, int64_t K, int64_t ldw, int64_t ncols, float* const* out) {
   int64_t c0 = 0;
-  for (; c0 + 32 <= ncols; c0 += 32) tile<TT, 4, kAdd>(xr, w, K, ldw, c0, out);
+  for (; c0 + 8 * NV <= ncols; c0 += 8 * NV) tile<TT, NV, kAdd>(xr, w, K, ldw, c0, out);
   for (; c0 + 8 <= ncols; c0 += 8) tile<TT, 1, kAdd>(xr, w, K, ldw, c0, out);
   for (; c0 < ncols; ++c0)
     for (int t = 0; t < TT; ++t) {
@@ -102,11 +106,11 @@ void tokens(const float* const* xr, const float* w, int64_t K, int64_t ldw, int6
     }
 }
 
-// For each token i of the block: out_i[0:ncols] (+)= x_i[0:K] @ w [K, ldw] (its first ncols
-// columns), x_i = x + order[i] * ldx, out_i = o + order[i] * ldo; tokens three at a time.
-template <bool kAdd>
-void block(const Block& b, const int64_t* order, const float* x, int64_t ldx, const float* w, int64_t K,
-           int64_t ldw, int64_t ncols, float* o, int64_t ldo) {
+// For each token i of the block: out_i[0:ncols] += x_i[0:K] @ w [K, ldw] (its first ncols
+// columns), x_i = x + order[i] * ldx, out_i = o + order[i] * ldo; tokens three at a time
+// (one alone: 64 columns a tile, eight accumulator chains side by side).
+void expand_block(const Block& b, const int64_t* order, const float* x, int64_t ldx, const float* w, int64_t K,
+                  int64_t ldw, int64_t ncols, float* o, int64_t ldo) {
   for (int64_t i = b.begin; i < b.end;) {
     const float* xr[3];
     float* out[3];
@@ -115,9 +119,90 @@ void block(const Block& b, const int64_t* order, const float* x, int64_t ldx, co
       xr[j] = x + order[i + j] * ldx;
       out[j] = o + order[i + j] * ldo;
     }
-    if (n == 3) tokens<3, kAdd>(xr, w, K, ldw, ncols, out);
-    else if (n == 2) tokens<2, kAdd>(xr, w, K, ldw, ncols, out);
-    else tokens<1, kAdd>(xr, w, K, ldw, ncols, out);
+    if (n == 3) tokens<3, 4, true>(xr, w, K, ldw, ncols, out);
+    else if (n == 2) tokens<2, 4, true>(xr, w, K, ldw, ncols, out);
+    else tokens<1, 8, true>(xr, w, K, ldw, ncols, out);
+    i += n;
+  }
+}
+
+// The shrink reads A transposed, A_T [C, in]: each of xa's columns is a dot product of a token's x
+// with one contiguous row of A_T, so a part reads its `rank` rows and nothing of the padding
+// (a rank-8 adapter in rank-16 slots: half the bytes).  A dot product runs in 8 lanes over k
+// (lane l: the k = l (mod 8) of each 8-chunk) with two chains (even and odd chunks, so that
+// the FMAs of a few rows keep the pipes busy), a last partial chunk read with its lanes past
+// K as zeros; the chains are added, then the lanes in one fixed tree.  The operations and
+// their order do not depend on the tile or on the tokens sharing the step: a token's xa is
+// the same bits whatever else runs with it.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// out[t][c] = x_t . w_c for TT tokens and NR rows c of A_T (w_c = w + c * K).
+template <int TT, int NR>
+inline void dot_tile(const float* const* xr, const float* w, int64_t K, const int64_t* rows, __m256i tail,
+                     float* const* out) {
+  __m256 acc[2][TT][NR];
+  for (int j = 0; j < 2; ++j)
+    for (int t = 0; t < TT; ++t)
+      for (int r = 0; r < NR; ++r) acc[j][t][r] = _mm256_setzero_ps();
+  auto chunk = [&](int64_t k, int j, bool masked) {
+    __m256 xv[TT];
+    for (int t = 0; t < TT; ++t) xv[t] = masked ? _mm256_maskload_ps(xr[t] + k, tail) : _mm256_loadu_ps(xr[t] + k);
+    for (int r = 0; r < NR; ++r) {
+      const float* p = w + rows[r] * K + k;
+      const __m256 a = masked ? _mm256_maskload_ps(p, tail) : _mm256_loadu_ps(p);
+      for (int t = 0; t < TT; ++t) acc[j][t][r] = _mm256_fmadd_ps(xv[t], a, acc[j][t][r]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    chunk(k, 0, false);
+    chunk(k + 8, 1, false);
+  }
+  if (k + 8 <= K) {
+    chunk(k, 0, false);
+    k += 8;
+    if (k < K) chunk(k, 1, true);
+  } else if (k < K) {
+    chunk(k, 0, true);
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < NR; ++r) out[t][rows[r]] = hsum(_mm256_add_ps(acc[0][t][r], acc[1][t][r]));
+}
+
+// The shrink of a block: for each token, xa[c] for c in each part's [p * R, p * R + rank) (the
+// columns past the slot's rank stay 0: A's padding there is not read); tokens three at a time.
+void shrink_block(const Block& b, const int64_t* order, const float* x, int64_t K, const float* a, int64_t C,
+                  int64_t R, int64_t rank, float* xa) {
+  std::vector<int64_t> rows;
+  for (int64_t c = 0; c < C; c += R)
+    for (int64_t i = 0; i < rank; ++i) rows.push_back(c + i);
+  const int64_t n_rows = static_cast<int64_t>(rows.size());
+  const int64_t rem = K % 8;
+  const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rem)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t i = b.begin; i < b.end;) {
+    const float* xr[3];
+    float* out[3];
+    const int64_t n = std::min<int64_t>(3, b.end - i);
+    for (int64_t j = 0; j < n; ++j) {
+      xr[j] = x + order[i + j] * K;
+      out[j] = xa + order[i + j] * C;
+    }
+    int64_t r = 0;
+    if (n == 1) {
+      for (; r + 4 <= n_rows; r += 4) dot_tile<1, 4>(xr, a, K, rows.data() + r, tail, out);
+      for (; r < n_rows; ++r) dot_tile<1, 1>(xr, a, K, rows.data() + r, tail, out);
+    } else if (n == 2) {
+      for (; r + 2 <= n_rows; r += 2) dot_tile<2, 2>(xr, a, K, rows.data() + r, tail, out);
+      for (; r < n_rows; ++r) dot_tile<2, 1>(xr, a, K, rows.data() + r, tail, out);
+    } else {
+      for (; r + 2 <= n_rows; r += 2) dot_tile<3, 2>(xr, a, K, rows.data() + r, tail, out);
+      for (; r < n_rows; ++r) dot_tile<3, 1>(xr, a, K, rows.data() + r, tail, out);
+    }
     i += n;
   }
 }
@@ -125,24 +210,29 @@ void block(const Block& b, const int64_t* order, const float* x, int64_t ldx, co
 int64_t layer_of(const ffi::Buffer<ffi::S32>& layer) { return static_cast<int64_t>(layer.typed_data()[0]); }
 
 ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::S32> slots,
-                  ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> xa) {
+                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ranks, int64_t part,
+                  ffi::ResultBuffer<ffi::F32> xa) {
   auto xd = x.dimensions();
   auto ad = a.dimensions();
-  if (xd.size() != 2 || ad.size() != 4 || ad[2] != xd[1] || slots.dimensions().size() != 1 ||
-      slots.dimensions()[0] != xd[0])
-    return ffi::Error::InvalidArgument("jaxllm_lora_shrink_f32: expected x [T, in], A [S, L, in, C], slots [T]");
-  const int64_t T = xd[0], K = xd[1], S = ad[0], L = ad[1], C = ad[3], l = layer_of(layer);
+  if (xd.size() != 2 || ad.size() != 4 || ad[3] != xd[1] || slots.dimensions().size() != 1 ||
+      slots.dimensions()[0] != xd[0] || ranks.dimensions().size() != 1 || ranks.dimensions()[0] != ad[0] ||
+      part <= 0 || ad[2] % part != 0)
+    return ffi::Error::InvalidArgument(
+        "jaxllm_lora_shrink_f32: expected x [T, in], A [S, L, C, in], slots [T], ranks [S], C a multiple of part");
+  const int64_t T = xd[0], K = xd[1], S = ad[0], L = ad[1], C = ad[2], l = layer_of(layer);
   if (l < 0 || l >= L) return ffi::Error::InvalidArgument("jaxllm_lora_shrink_f32: layer out of range");
   const float* xp = x.typed_data();
   const float* ap = a.typed_data();
+  const int32_t* rp = ranks.typed_data();
   float* out = xa->typed_data();
-  std::memset(out, 0, sizeof(float) * T * C);          // tokens of no slot: a zero shrink
+  std::memset(out, 0, sizeof(float) * T * C);          // tokens of no slot, columns past a rank: 0
   std::vector<int64_t> order;
   const std::vector<Block> blocks = blocks_by_slot(slots.typed_data(), T, S, order);
   const int64_t* op = order.data();
   run_blocks(pool, blocks, [=](const Block& b) {
-    const float* as = ap + (b.slot * L + l) * K * C;   // this slot's [in, C] of this layer
-    block<false>(b, op, xp, K, as, K, C, C, out, C);
+    const float* as = ap + (b.slot * L + l) * C * K;   // this slot's A_T [C, in] of this layer
+    const int64_t rank = std::max<int64_t>(0, std::min<int64_t>(part, rp[b.slot]));
+    shrink_block(b, op, xp, K, as, C, part, rank, out);
   });
   return ffi::Error::Success();
 }
@@ -175,7 +265,7 @@ ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi
     // added.  Only the slot's own rank: B's rows past it are the zero padding of a smaller
     // adapter (lora/slots.py), skipped unread (a rank-8 adapter in rank-16 slots: half of B).
     const int64_t rank = std::max<int64_t>(0, std::min<int64_t>(R, rp[b.slot]));
-    block<true>(b, op, xp + r0, C, bs, rank, O, O, yp + col, N);
+    expand_block(b, op, xp + r0, C, bs, rank, O, O, yp + col, N);
   });
   return ffi::Error::Success();
 }
@@ -186,9 +276,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraShrinkF32, Shrink,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [T, in]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // A [S, L, in, C]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // A [S, L, C, in] (transposed)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // ranks [S]: each slot's adapter's rank
+                                  .Attr<int64_t>("part")          // columns of one projection's A (R)
                                   .Ret<ffi::Buffer<ffi::F32>>()); // xa [T, C]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraExpandF32, Expand,

@@ -300,13 +300,20 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w)
 
 
-def lora_shrink(x: jax.Array, a: jax.Array, slots: jax.Array, layer) -> jax.Array:
-    """x [T, in] float32, A [S, L, in, C] float32 (every slot and layer: read in place), slots [T]
-    int32, layer: an int or int32 scalar -> xa [T, C] float32, each token's ``x @ A[slot, layer]``
-    (zeros for a slot outside [0, S): lora.cc)."""
-    out = jax.ShapeDtypeStruct((x.shape[0], a.shape[-1]), jnp.float32)
+def lora_shrink(x: jax.Array, a: jax.Array, slots: jax.Array, layer, part: int | None = None,
+                ranks: jax.Array | None = None) -> jax.Array:
+    """x [T, in] float32, A [S, L, C, in] float32 (transposed; every slot and layer: read in
+    place), slots [T] int32, layer: an int or int32 scalar -> xa [T, C] float32, each token's
+    ``A[slot, layer] @ x`` (zeros for a slot outside [0, S): lora.cc).  A's rows are parts of
+    ``part`` (default C) rows, one per projection; a part's rows past ``ranks[slot]`` ([S] int32,
+    default ``part``) are taken as zero padding: not read, 0 in xa."""
+    part = a.shape[-2] if part is None else part
+    if ranks is None:
+        ranks = jnp.full((a.shape[0],), part, jnp.int32)
+    out = jax.ShapeDtypeStruct((x.shape[0], a.shape[-2]), jnp.float32)
     return jax.ffi.ffi_call("jaxllm_lora_shrink_f32", out)(x, a, slots.astype(jnp.int32),
-                                                           jnp.asarray(layer, jnp.int32))
+                                                           jnp.asarray(layer, jnp.int32), ranks.astype(jnp.int32),
+                                                           part=np.int64(part))
 
 
 def lora_expand(y: jax.Array, xa: jax.Array, b: jax.Array, slots: jax.Array, layer, col: int, r0: int,

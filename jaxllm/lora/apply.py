@@ -89,6 +89,18 @@ class LoRAStep:
     """"einsum" (XLA: the used slots' loop or ``cond``, or the one-hot einsum without ``used``),
     "pallas" (``pallas/lora.py``) or "native" (``cpu/lora.cc``, float32 slots; other dtypes
     take the XLA path)."""
+    a_transposed: bool = field(default=False, metadata=dict(static=True))
+    """``A`` held as ``[max_loras, L, n*R, in]`` (:func:`transposes_a`: the native kernel's
+    layout) instead of ``[max_loras, L, in, n*R]``."""
+
+
+def transposes_a(kernel: str, dtype) -> bool:
+    """Whether the slots hold ``A`` transposed, ``[max_loras, L, n*R, in]``: for cpu/lora.cc (the
+    native kernel, float32 slots), whose shrink reads a part's first ``rank`` rows of it and
+    none of the padding past them (lora/slots.py pads a smaller adapter to ``max_lora_rank``;
+    a rank-8 adapter in rank-16 slots: half of ``A``'s bytes, and a shrink of a batch-1 step
+    is bound by the bytes it reads)."""
+    return kernel == "native" and jnp.dtype(dtype) == jnp.float32
 
 
 def kernel_for(kernels) -> str:
@@ -108,9 +120,10 @@ def _a_key(lora: LoRAStep, name: str) -> tuple[str, int]:
 
 
 def _native_ok(lora: LoRAStep | None, names: tuple[str, ...], ys) -> bool:
-    """Whether ``cpu/lora.cc`` adds the deltas of ``names`` to ``ys``: the native path, every name
-    a target, float32 slots and outputs."""
-    if lora is None or lora.kernel != "native" or not all(n in lora.weights["B"] for n in names):
+    """Whether ``cpu/lora.cc`` adds the deltas of ``names`` to ``ys``: the native path (A
+    transposed), every name a target, float32 slots and outputs."""
+    if (lora is None or lora.kernel != "native" or not lora.a_transposed
+            or not all(n in lora.weights["B"] for n in names)):
         return False
     arrays = [lora.weights["B"][n] for n in names] + [lora.weights["A"][_a_key(lora, n)[0]] for n in names]
     return all(a.dtype == jnp.float32 for a in arrays) and all(y.dtype == jnp.float32 for y in ys)
@@ -127,9 +140,10 @@ def _native_add(lora: LoRAStep, ys: list, names: tuple[str, ...], where: list[tu
     out = list(ys)
     for name, (k, col) in zip(names, where):
         key, i = _a_key(lora, name)
-        if key not in shrunk:
-            shrunk[key] = native.lora_shrink(xf, lora.weights["A"][key], lora.slots, layer)   # [T, n*R]
         B = lora.weights["B"][name]                                                           # [S, L, R, out]
+        if key not in shrunk:
+            shrunk[key] = native.lora_shrink(xf, lora.weights["A"][key], lora.slots, layer,  # [T, n*R]
+                                             B.shape[-2], lora.weights.get("rank"))
         out[k] = native.lora_expand(out[k], shrunk[key], B, lora.slots, layer, col, i * B.shape[-2],
                                     lora.weights.get("rank"))                                 # [T, N]
     return out
@@ -140,9 +154,17 @@ def _f32(w: jax.Array) -> jax.Array:
     return w.astype(jnp.float32)
 
 
+def _a(lora: LoRAStep, key: str) -> jax.Array:
+    """The slots' A of ``key`` as the XLA paths read it, [S, L, in, n*R] (held transposed for
+    the native kernel: its outputs' dtype a fallback to these paths, never the default)."""
+    A = lora.weights["A"][key]
+    return jnp.swapaxes(A, -1, -2) if lora.a_transposed else A
+
+
 def _own_A(lora: LoRAStep, name: str) -> jax.Array:
     """``name``'s A [S, L, in, R]: its key's array, or its columns of a group's."""
-    for key, A in lora.weights["A"].items():
+    for key in lora.weights["A"]:
+        A = _a(lora, key)
         members = key.split("+")
         if name in members:
             R = lora.weights["B"][name].shape[-2]
@@ -160,7 +182,7 @@ def deltas(lora: LoRAStep | None, names: tuple[str, ...], x: jax.Array, layer) -
         return None
     key = "+".join(names)
     if key in lora.weights["A"]:
-        groups = [(lora.weights["A"][key], names)]
+        groups = [(_a(lora, key), names)]
     elif len(names) == 1:
         groups = [(_own_A(lora, names[0]), names)]
     else:

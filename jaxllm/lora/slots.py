@@ -5,7 +5,9 @@ Per target projection ``A [max_loras, L, in, R]`` and ``B [max_loras, L, R, out]
 (``{"A": {"q+k+v": [max_loras, L, in, 3R], ...}, "B": {"q": ..., ...}, "rank": [max_loras]}``,
 lora/apply.py's ``shrink_groups``: one shrink dot for the group); ``R`` = max_lora_rank, an
 adapter of smaller rank is zero-padded (the padding adds zero; ``rank`` says where it starts,
-so that the native kernel, cpu/lora.cc, does not read it).  An adapter is sent as float32 and rounded to
+so that the native kernel, cpu/lora.cc, does not read it).  For that kernel ``A`` is held
+transposed, ``[max_loras, L, n*R, in]`` (lora/apply.py ``transposes_a``), so that a part's
+first ``rank`` rows are contiguous and the padding is never read.  An adapter is sent as float32 and rounded to
 that dtype on the device by the writer; bfloat16 slots halve what a step reads of them (lora/apply.py widens each slice it
 reads to float32, so the arithmetic is float32's).
 One compiled program writes an adapter into a slot (the old arrays donated: updated in
@@ -43,15 +45,26 @@ def _without_slot_axis(sharding):
     return sharding
 
 
+def _transposed(sharding):
+    """An ``A`` sharding -> that of ``A`` with its last two axes swapped."""
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (4 - len(tuple(sharding.spec)))
+        return NamedSharding(sharding.mesh, P(*spec[:2], spec[3], spec[2]))
+    return sharding
+
+
 class LoRASlotArrays:
     def __init__(self, targets: dict[str, Target], num_layers: int, max_loras: int, max_rank: int, sharding,
-                 shardings: dict | None = None, dtype: str = "float32"):
+                 shardings: dict | None = None, dtype: str = "float32", transposed: bool = False):
         """``sharding``: the replicated sharding (the slot index; every array without
         ``shardings``); ``shardings``: param -> (A's, B's) sharding (tensor parallelism);
-        ``dtype``: the slots' dtype (``--lora-dtype``, resolved)."""
+        ``dtype``: the slots' dtype (``--lora-dtype``, resolved); ``transposed``: ``A`` held as
+        ``[max_loras, L, n*R, in]`` (lora/apply.py ``transposes_a``: the native kernel's layout)."""
         self.targets, self.L, self.R = targets, num_layers, max_rank
-        self.sharding = sharding
+        self.sharding, self.transposed = sharding, transposed
         per_param = shardings or {n: (sharding, sharding) for n in targets}
+        if transposed:
+            per_param = {n: (_transposed(a), b) for n, (a, b) in per_param.items()}
         # A group's members share one A array: only where their A are laid out alike (they are:
         # q/k/v and gate/up are all column-parallel, A whole)
         self.groups = shrink_groups(targets, lambda g: all(per_param[n][0] == per_param[g[0]][0] for n in g))
@@ -61,9 +74,12 @@ class LoRASlotArrays:
         def zeros(shape, sh):
             return jax.device_put(jnp.zeros((max_loras, num_layers) + shape, self.dtype), sh)
 
+        def a_shape(g):
+            shape = (targets[g[0]].in_size, len(g) * max_rank)
+            return shape[::-1] if transposed else shape
+
         self.weights = {
-            "A": {k: zeros((targets[g[0]].in_size, len(g) * max_rank), self.shardings["A"][k])
-                  for k, g in self.groups.items()},
+            "A": {k: zeros(a_shape(g), self.shardings["A"][k]) for k, g in self.groups.items()},
             "B": {n: zeros((max_rank, t.out_size), self.shardings["B"][n]) for n, t in targets.items()},
             # [max_loras] int32: each slot's adapter's rank (0: empty), for cpu/lora.cc to read no padding
             "rank": jax.device_put(jnp.zeros((max_loras,), jnp.int32), sharding)}
@@ -86,7 +102,10 @@ class LoRASlotArrays:
                 A[:, :, :w.rank] = a
                 B[:, :w.rank, :] = b
             out[n] = (A, B)
-        return {"A": {k: np.concatenate([out[n][0] for n in g], axis=-1) for k, g in self.groups.items()},
+        A = {k: np.concatenate([out[n][0] for n in g], axis=-1) for k, g in self.groups.items()}   # [L, in, n*R]
+        if self.transposed:
+            A = {k: np.ascontiguousarray(a.swapaxes(-1, -2)) for k, a in A.items()}                 # [L, n*R, in]
+        return {"A": A,
                 "B": {n: out[n][1] for n in self.targets}, "rank": np.int32(0 if w is None else w.rank)}
 
     def write(self, slot: int, w: LoRAWeights | None) -> None:

@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding
 
 from jaxllm.cpu import native as cpu_native
 from jaxllm.errors import CompileGuardError
+from jaxllm.lora.apply import kernel_for, transposes_a
 from jaxllm.lora.slots import LoRASlotArrays
 from jaxllm.lora.store import AdapterStore
 from jaxllm.models.loader import LoadedModel
@@ -136,7 +137,8 @@ class ModelRunner:
             lora_specs = psh.lora_specs(lora_store.targets, weights.param_table(model).axes(), self.rules)
             self.lora_slots = LoRASlotArrays(lora_store.targets, model.arch.num_layers, cfg.max_loras,
                                              cfg.max_lora_rank, self._rep, psh.named(self.mesh, lora_specs),
-                                             dtype=cfg.lora_dtype)
+                                             dtype=cfg.lora_dtype,
+                                             transposed=transposes_a(kernel_for(cfg.kernels), cfg.lora_dtype))
             self.params["lora"] = self.lora_slots.weights
         self.num_blocks = num_blocks
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.layers.attention import AttentionMetadata
-from jaxllm.lora.apply import LoRAStep, kernel_for
+from jaxllm.lora.apply import LoRAStep, kernel_for, transposes_a
 from jaxllm.models.registry import keeps_sequence_state
 from jaxllm.parallel.mesh import tp_size
 from jaxllm.runner.step_config import StepConfig
@@ -59,6 +59,7 @@ def make_step(cfg: StepConfig, model: ModuleType):
     # A family with per-sequence state (models/qwen3_next/) reads each sequence's slot.
     stateful = keeps_sequence_state(arch.architecture)
     lora_kernel = kernel_for(kernels)
+    lora_a_transposed = transposes_a(lora_kernel, cfg.lora_dtype)   # as model_runner.py's slots hold it
 
     def logits_of(params, hidden):
         return model.compute_logits(arch, params, hidden, kernels)
@@ -66,7 +67,8 @@ def make_step(cfg: StepConfig, model: ModuleType):
     def step(params, kv, sstate: SamplerState, inputs: StepInputs):
         extra = {"state_slots": inputs.state_slots} if stateful else {}
         if cfg.max_loras:
-            extra["lora"] = LoRAStep(params["lora"], inputs.lora_slots, inputs.lora_used, lora_kernel)
+            extra["lora"] = LoRAStep(params["lora"], inputs.lora_slots, inputs.lora_used, lora_kernel,
+                                     lora_a_transposed)
         if inputs.image_row is not None:
             # a vision-language model: the image tokens take the encoder's rows (runner/vision.py)
             extra["image_rows"] = (inputs.image_row, inputs.image_embeds)
