@@ -209,70 +209,87 @@ void shrink_block(const Block& b, const int64_t* order, const float* x, int64_t 
 
 int64_t layer_of(const ffi::Buffer<ffi::S32>& layer) { return static_cast<int64_t>(layer.typed_data()[0]); }
 
-ffi::Error Shrink(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::S32> slots,
-                  ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ranks, int64_t part,
-                  ffi::ResultBuffer<ffi::F32> xa) {
+// Whether a token has a slot in [0, S): a step without one returns before any allocation.
+bool any_slot(const int32_t* slots, int64_t T, int64_t S) {
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= 0 && slots[t] < S) return true;
+  return false;
+}
+
+// The deltas of the projections of one input (one A: q/k/v side by side, or one projection
+// alone) added into their outputs, in one call: each block of a slot's tokens is shrunk into
+// xa, then expanded into every projection's columns, so a step pays one call per A (not one
+// per shrink and per expand) and one spread over the pool.
+//   B_j [S, L, R, O_j] (R = part): the rows r0s[j] ... r0s[j] + R of xa (this projection's part),
+//   added into ys[outs[j]][:, cols[j] : cols[j] + O_j]; ys [T, N_i] aliased to the results.
+ffi::Error Add(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::S32> slots,
+               ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ranks, ffi::RemainingArgs rest,
+               ffi::Span<const int64_t> cols, ffi::Span<const int64_t> outs, int64_t part,
+               ffi::Span<const int64_t> r0s, ffi::RemainingRets results) {
+  constexpr const char* kShapes =
+      "jaxllm_lora_add_f32: expected x [T, in], A [S, L, C, in] (C a multiple of part), slots [T], ranks [S], "
+      "then B_j [S, L, part, O_j] and ys [T, N_i], as many results as ys, cols/outs/r0s one per B, "
+      "r0 + part <= C, col + O_j <= N_out";
   auto xd = x.dimensions();
   auto ad = a.dimensions();
+  const int64_t nb = static_cast<int64_t>(outs.size());
+  const int64_t ny = static_cast<int64_t>(rest.size()) - nb;
   if (xd.size() != 2 || ad.size() != 4 || ad[3] != xd[1] || slots.dimensions().size() != 1 ||
       slots.dimensions()[0] != xd[0] || ranks.dimensions().size() != 1 || ranks.dimensions()[0] != ad[0] ||
-      part <= 0 || ad[2] % part != 0)
-    return ffi::Error::InvalidArgument(
-        "jaxllm_lora_shrink_f32: expected x [T, in], A [S, L, C, in], slots [T], ranks [S], C a multiple of part");
+      part <= 0 || ad[2] % part != 0 || ny <= 0 || static_cast<int64_t>(results.size()) != ny ||
+      static_cast<int64_t>(cols.size()) != nb || static_cast<int64_t>(r0s.size()) != nb)
+    return ffi::Error::InvalidArgument(kShapes);
   const int64_t T = xd[0], K = xd[1], S = ad[0], L = ad[1], C = ad[2], l = layer_of(layer);
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("jaxllm_lora_shrink_f32: layer out of range");
+  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("jaxllm_lora_add_f32: layer out of range");
+  std::vector<float*> y(ny);
+  std::vector<int64_t> width(ny);
+  for (int64_t i = 0; i < ny; ++i) {
+    auto in = rest.get<ffi::Buffer<ffi::F32>>(nb + i);
+    auto out = results.get<ffi::Buffer<ffi::F32>>(i);
+    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument(kShapes);
+    auto yd = in->dimensions();
+    if (yd.size() != 2 || yd[0] != T || (*out)->dimensions().size() != 2 || (*out)->dimensions()[1] != yd[1])
+      return ffi::Error::InvalidArgument(kShapes);
+    y[i] = (*out)->typed_data();
+    width[i] = yd[1];
+    if (y[i] != in->typed_data()) std::memcpy(y[i], in->typed_data(), sizeof(float) * T * yd[1]);   // not aliased
+  }
+  std::vector<const float*> bw(nb);
+  std::vector<int64_t> bo(nb);
+  for (int64_t j = 0; j < nb; ++j) {
+    auto b = rest.get<ffi::Buffer<ffi::F32>>(j);
+    if (!b.has_value()) return ffi::Error::InvalidArgument(kShapes);
+    auto bd = b->dimensions();
+    if (bd.size() != 4 || bd[0] != S || bd[1] != L || bd[2] != part || outs[j] < 0 || outs[j] >= ny ||
+        r0s[j] < 0 || r0s[j] + part > C || cols[j] < 0 || cols[j] + bd[3] > width[outs[j]])
+      return ffi::Error::InvalidArgument(kShapes);
+    bw[j] = b->typed_data();
+    bo[j] = bd[3];
+  }
+  if (!any_slot(slots.typed_data(), T, S)) return ffi::Error::Success();
   const float* xp = x.typed_data();
   const float* ap = a.typed_data();
   const int32_t* rp = ranks.typed_data();
-  float* out = xa->typed_data();
-  std::memset(out, 0, sizeof(float) * T * C);          // tokens of no slot, columns past a rank: 0
+  std::vector<float> xa(T * C, 0.0f);                  // [T, C]: only the blocks' tokens are written
   std::vector<int64_t> order;
   const std::vector<Block> blocks = blocks_by_slot(slots.typed_data(), T, S, order);
   const int64_t* op = order.data();
-  run_blocks(pool, blocks, [=](const Block& b) {
-    const float* as = ap + (b.slot * L + l) * C * K;   // this slot's A_T [C, in] of this layer
+  run_blocks(pool, blocks, [&](const Block& b) {
     const int64_t rank = std::max<int64_t>(0, std::min<int64_t>(part, rp[b.slot]));
-    shrink_block(b, op, xp, K, as, C, part, rank, out);
-  });
-  return ffi::Error::Success();
-}
-
-ffi::Error Expand(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::F32> xa, ffi::Buffer<ffi::F32> bw,
-                  ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> ranks, int64_t col,
-                  int64_t r0, ffi::ResultBuffer<ffi::F32> out) {
-  auto yd = y.dimensions();
-  auto xd = xa.dimensions();
-  auto bd = bw.dimensions();
-  if (yd.size() != 2 || xd.size() != 2 || bd.size() != 4 || xd[0] != yd[0] || slots.dimensions().size() != 1 ||
-      slots.dimensions()[0] != yd[0] || r0 < 0 || r0 + bd[2] > xd[1] || col < 0 || col + bd[3] > yd[1] ||
-      ranks.dimensions().size() != 1 || ranks.dimensions()[0] != bd[0])
-    return ffi::Error::InvalidArgument(
-        "jaxllm_lora_expand_f32: expected y [T, N], xa [T, C], B [S, L, R, O], slots [T], ranks [S], r0 + R <= C, "
-        "col + O <= N");
-  const int64_t T = yd[0], N = yd[1], C = xd[1], S = bd[0], L = bd[1], R = bd[2], O = bd[3], l = layer_of(layer);
-  if (l < 0 || l >= L) return ffi::Error::InvalidArgument("jaxllm_lora_expand_f32: layer out of range");
-  float* yp = out->typed_data();
-  if (yp != y.typed_data()) std::memcpy(yp, y.typed_data(), sizeof(float) * T * N);   // not aliased
-  const float* xp = xa.typed_data();
-  const float* bp = bw.typed_data();
-  const int32_t* rp = ranks.typed_data();
-  std::vector<int64_t> order;
-  const std::vector<Block> blocks = blocks_by_slot(slots.typed_data(), T, S, order);
-  const int64_t* op = order.data();
-  run_blocks(pool, blocks, [=](const Block& b) {
-    const float* bs = bp + (b.slot * L + l) * R * O;   // this slot's [R, O] of this layer
-    // y[t, col:col+O] += xa[t, r0:r0+R] @ B: the delta summed over the rank in registers, then
-    // added.  Only the slot's own rank: B's rows past it are the zero padding of a smaller
-    // adapter (lora/slots.py), skipped unread (a rank-8 adapter in rank-16 slots: half of B).
-    const int64_t rank = std::max<int64_t>(0, std::min<int64_t>(R, rp[b.slot]));
-    expand_block(b, op, xp + r0, C, bs, rank, O, O, yp + col, N);
+    shrink_block(b, op, xp, K, ap + (b.slot * L + l) * C * K, C, part, rank, xa.data());   // A_T [C, in]
+    // ys[outs[j]][t, col:col+O] += xa[t, r0:r0+rank] @ B_j[:rank]: the delta summed over the
+    // rank in registers, then added (B's rows past the rank, the padding of a smaller adapter
+    // in larger slots, are not read).
+    for (int64_t j = 0; j < nb; ++j)
+      expand_block(b, op, xa.data() + r0s[j], C, bw[j] + (b.slot * L + l) * part * bo[j], rank, bo[j], bo[j],
+                   y[outs[j]] + cols[j], width[outs[j]]);
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraShrinkF32, Shrink,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraAddF32, Add,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [T, in]
@@ -280,18 +297,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraShrinkF32, Shrink,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // ranks [S]: each slot's adapter's rank
-                                  .Attr<int64_t>("part")          // columns of one projection's A (R)
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // xa [T, C]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmLoraExpandF32, Expand,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // y [T, N] (aliased to the result)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // xa [T, C]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // B [S, L, R, O]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // ranks [S]: each slot's adapter's rank
-                                  .Attr<int64_t>("col")           // y's first column of this projection
-                                  .Attr<int64_t>("r0")            // xa's first column of this projection
-                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [T, N]
+                                  .RemainingArgs()                // B_j [S, L, part, O_j], then ys [T, N_i] (aliased)
+                                  .Attr<ffi::Span<const int64_t>>("cols")   // ys' first column of each B's projection
+                                  .Attr<ffi::Span<const int64_t>>("outs")   // the y each B adds into
+                                  .Attr<int64_t>("part")                    // rows of one projection's A (R)
+                                  .Attr<ffi::Span<const int64_t>>("r0s")    // xa's first column of each B's part
+                                  .RemainingRets());              // ys

@@ -57,7 +57,7 @@ _KERNELS = {
                      "jaxllm_paged_attention_vis_fp8_e4m3": "JaxllmPagedAttentionVisFp8E4M3",
                      "jaxllm_paged_attention_vis_fp8_e5m2": "JaxllmPagedAttentionVisFp8E5M2"},
     "norm.cc": {"jaxllm_rms_norm_f32": "JaxllmRmsNormF32"},
-    "lora.cc": {"jaxllm_lora_shrink_f32": "JaxllmLoraShrinkF32", "jaxllm_lora_expand_f32": "JaxllmLoraExpandF32"},
+    "lora.cc": {"jaxllm_lora_add_f32": "JaxllmLoraAddF32"},
 }
 # The packed-block matmuls, float32 activations (quant_linear.cc) and 8-bit activations
 # (quant_dot.cc): separate from _KERNELS so they never decide ``available()``.
@@ -300,34 +300,27 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     return jax.ffi.ffi_call(target, out)(x.astype(jnp.float32), w)
 
 
-def lora_shrink(x: jax.Array, a: jax.Array, slots: jax.Array, layer, part: int | None = None,
-                ranks: jax.Array | None = None) -> jax.Array:
-    """x [T, in] float32, A [S, L, C, in] float32 (transposed; every slot and layer: read in
-    place), slots [T] int32, layer: an int or int32 scalar -> xa [T, C] float32, each token's
-    ``A[slot, layer] @ x`` (zeros for a slot outside [0, S): lora.cc).  A's rows are parts of
-    ``part`` (default C) rows, one per projection; a part's rows past ``ranks[slot]`` ([S] int32,
-    default ``part``) are taken as zero padding: not read, 0 in xa."""
-    part = a.shape[-2] if part is None else part
-    if ranks is None:
-        ranks = jnp.full((a.shape[0],), part, jnp.int32)
-    out = jax.ShapeDtypeStruct((x.shape[0], a.shape[-2]), jnp.float32)
-    return jax.ffi.ffi_call("jaxllm_lora_shrink_f32", out)(x, a, slots.astype(jnp.int32),
-                                                           jnp.asarray(layer, jnp.int32), ranks.astype(jnp.int32),
-                                                           part=np.int64(part))
+def lora_add(ys: list, x: jax.Array, a: jax.Array, bs: list, slots: jax.Array, layer, ranks: jax.Array,
+             outs: list[int], cols: list[int], r0s: list[int]) -> list:
+    """``ys`` (n_y x [T, N_i] float32, the projections of ``x``) plus the LoRA deltas of the
+    projections whose ``A`` is ``a`` (lora.cc, one call: shrink, then every expand):
 
+    ``ys[outs[j]][:, cols[j]:cols[j] + O_j] += xa[:, r0s[j]:r0s[j] + r] @ B_j[slot, layer][:r]``, with
+    ``xa = x @ A[slot, layer][rows r0s[j]...]`` per token, ``r = ranks[slot]`` ([S] int32: each
+    slot's adapter's rank; A's rows and B's rows past it are zero padding, not read).
 
-def lora_expand(y: jax.Array, xa: jax.Array, b: jax.Array, slots: jax.Array, layer, col: int, r0: int,
-                ranks: jax.Array | None = None) -> jax.Array:
-    """y [T, N] float32 plus, in its columns ``col:col+O``, each token's ``xa[:, r0:r0+r] @ B[slot, layer][:r]``
-    (B [S, L, R, O] float32, read in place; ``r = ranks[slot]``, [S] int32, default R: B's rows
-    past a slot's rank are taken as its zero padding and not read; a slot outside [0, S) adds
-    nothing: lora.cc).  ``y``'s buffer is reused for the result."""
-    if ranks is None:
-        ranks = jnp.full((b.shape[0],), b.shape[-2], jnp.int32)
-    return jax.ffi.ffi_call("jaxllm_lora_expand_f32", jax.ShapeDtypeStruct(y.shape, jnp.float32),
-                            input_output_aliases={0: 0})(
-        y, xa, b, slots.astype(jnp.int32), jnp.asarray(layer, jnp.int32), ranks.astype(jnp.int32),
-        col=np.int64(col), r0=np.int64(r0))
+    x [T, in] float32; a [S, L, C, in] float32 (transposed: every slot and layer, read in
+    place), C = parts of ``R`` rows; bs: B_j [S, L, R, O_j] float32; slots [T] int32 (a slot
+    outside [0, S): no delta); layer: an int or int32 scalar.  ``ys``' buffers are reused for
+    the results."""
+    R = bs[0].shape[-2]
+    args = [x, a, slots.astype(jnp.int32), jnp.asarray(layer, jnp.int32), ranks.astype(jnp.int32), *bs, *ys]
+    first_y = 5 + len(bs)
+    out = [jax.ShapeDtypeStruct(y.shape, jnp.float32) for y in ys]
+    return list(jax.ffi.ffi_call("jaxllm_lora_add_f32", out,
+                                 input_output_aliases={first_y + i: i for i in range(len(ys))})(
+        *args, cols=np.asarray(cols, np.int64), outs=np.asarray(outs, np.int64), part=np.int64(R),
+        r0s=np.asarray(r0s, np.int64)))
 
 
 if __name__ == "__main__":

@@ -122,7 +122,7 @@ def _a_key(lora: LoRAStep, name: str) -> tuple[str, int]:
 def _native_ok(lora: LoRAStep | None, names: tuple[str, ...], ys) -> bool:
     """Whether ``cpu/lora.cc`` adds the deltas of ``names`` to ``ys``: the native path (A
     transposed), every name a target, float32 slots and outputs."""
-    if (lora is None or lora.kernel != "native" or not lora.a_transposed
+    if (lora is None or lora.kernel != "native" or not lora.a_transposed or "rank" not in lora.weights
             or not all(n in lora.weights["B"] for n in names)):
         return False
     arrays = [lora.weights["B"][n] for n in names] + [lora.weights["A"][_a_key(lora, n)[0]] for n in names]
@@ -132,20 +132,24 @@ def _native_ok(lora: LoRAStep | None, names: tuple[str, ...], ys) -> bool:
 def _native_add(lora: LoRAStep, ys: list, names: tuple[str, ...], where: list[tuple[int, int]], x, layer) -> list:
     """``ys`` with the delta of ``names[j]`` added to ``ys[k]``'s columns ``col:`` for
     ``(k, col) = where[j]`` (one fused output, or each projection its own), through cpu/lora.cc:
-    one shrink per ``A`` key (q/k/v's side by side: one), then an expand per projection
-    straight into its output (aliased: no copy; nothing read or written at a step whose tokens
+    one call per ``A`` key (q/k/v's side by side: one) that shrinks, then expands into each of
+    its projections' outputs (aliased: no copy; nothing read or written at a step whose tokens
     use no slot)."""
     xf = x.astype(jnp.float32)
-    shrunk = {}
-    out = list(ys)
+    by_key: dict[str, list] = {}
     for name, (k, col) in zip(names, where):
         key, i = _a_key(lora, name)
-        B = lora.weights["B"][name]                                                           # [S, L, R, out]
-        if key not in shrunk:
-            shrunk[key] = native.lora_shrink(xf, lora.weights["A"][key], lora.slots, layer,  # [T, n*R]
-                                             B.shape[-2], lora.weights.get("rank"))
-        out[k] = native.lora_expand(out[k], shrunk[key], B, lora.slots, layer, col, i * B.shape[-2],
-                                    lora.weights.get("rank"))                                 # [T, N]
+        by_key.setdefault(key, []).append((name, i, k, col))
+    out = list(ys)
+    for key, parts in by_key.items():
+        mine = sorted({k for _, _, k, _ in parts})                      # the outputs this A's projections add to
+        bs = [lora.weights["B"][name] for name, _, _, _ in parts]       # [S, L, R, out] each
+        R = bs[0].shape[-2]
+        new = native.lora_add([out[k] for k in mine], xf, lora.weights["A"][key], bs, lora.slots, layer,
+                              lora.weights["rank"], [mine.index(k) for _, _, k, _ in parts],
+                              [col for _, _, _, col in parts], [i * R for _, i, _, _ in parts])
+        for k, y in zip(mine, new):
+            out[k] = y                                                  # [T, N]
     return out
 
 
