@@ -1,11 +1,13 @@
 // Native CPU LoRA shrink and expand for XLA (punica's sgmv on the CPU), float32: each token
-// multiplied by its own slot's matrices only, read in place from the slot arrays.
+// multiplied by its own slot's matrices only, read in place from the slot arrays.  One call,
+// jaxllm_lora_add_f32, does the shrink of one A (q/k/v's side by side, or one projection's)
+// and then the expand of each of its projections:
 //
 //   shrink: xa[t, p*R:p*R+r] = A[slot[t], layer][p*R:p*R+r, :] @ x[t, :] for each part p of C
 //           (one projection's R = `part` rows), r = ranks[slot[t]]; xa's other columns 0
 //           A [S, L, C, in] (transposed: its rows past the rank, zero padding, are not read), xa [T, C]
 //   expand: y[t, col:col+O] += xa[t, r0:r0+r] @ B[slot[t], layer][:r]   B [S, L, R, O], y aliased,
-//           r = ranks[slot[t]] (the rows past it are zero padding: not read)
+//           r = ranks[slot[t]] (the rows past it are zero padding: not read), per projection
 //
 // A token whose slot is out of [0, S) (-1: the base model, or bucket padding) gets xa = 0 and
 // leaves y as it is.  Why a kernel (jaxllm/lora/apply.py): in XLA a mixed batch needs either

@@ -31,10 +31,14 @@ delta is the Pallas kernel of ``pallas/lora.py`` instead (per token, only its ow
 matrices are read).
 
 On the native CPU matmul (``Kernels.matmul`` "native", float32 slots) the deltas are the native
-kernel of ``cpu/lora.cc`` (punica's sgmv): one shrink call per ``A`` key and one expand per
-projection, added straight into the base output (aliased).  It groups the tokens by slot, reads
-each used slot's rows in place once per block of tokens, and returns at once when no token has
-a slot.  Profiled on the built-in model at batch 32 (docs/BENCHMARKS.md "LoRA adapters"), the
+kernel of ``cpu/lora.cc`` (punica's sgmv): one call per ``A`` key, its shrink and then the
+expand of each of its projections, added straight into the base outputs (aliased): 4 calls a
+layer of the built-in model, where one call per shrink and per expand made 11 (~1 us each
+even when they return at once).  It groups the tokens by slot, reads each used slot's rows in
+place once per block of tokens, and returns at once when no token has a slot.  The slots hold
+``A`` transposed for it (:func:`transposes_a`), so a rank-8 adapter in rank-16 slots reads 8
+rows of each part and none of the padding: a batch-1 step's LoRA calls are bound by the
+bytes they read (~10 MB of float32 a step for one rank-8 adapter on every projection).  Profiled on the built-in model at batch 32 (docs/BENCHMARKS.md "LoRA adapters"), the
 XLA loop's cost was not its arithmetic but its machinery: with no adapter in use, copies and
 concatenations were ~8% of the step's op time; with 8 adapters, the masked dots over every
 token per slot (8x the work), the accumulating adds, copies of each slot's slice and the loops
