@@ -45,3 +45,12 @@ def probe_env(base: dict | None = None, **extra: str) -> dict:
     paths = [ROOT, TESTS] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
+
+
+def production_env(base: dict | None = None) -> dict:
+    """:func:`probe_env` without :data:`TEST_XLA_FLAGS`: XLA's own defaults (optimized LLVM code,
+    the MLIR fusion emitters), what a user's process compiles with."""
+    env = probe_env(base)
+    names = {f.split("=", 1)[0] for f in TEST_XLA_FLAGS}
+    env["XLA_FLAGS"] = " ".join(p for p in env["XLA_FLAGS"].split() if p.split("=", 1)[0] not in names)
+    return env
