@@ -19,7 +19,8 @@ v come from one matmul (``prepare`` stacks their weights once).
 A per-prompt step whose grid is no bigger than the step itself (prompts near ``max_len``, e.g.
 32 prompts of 128 tokens in a 4096-token step) runs every layer, not only attention, in the grid:
 groups of ``GROUP_TOKENS`` cells go through all the layers one group after another ("rows",
-``_encode_rows``), a group's rows attended together, head-major (``_attend_rows``).  The same sums per token; the point is the memory: a 4096-token step's
+``_encode_rows``), a group's rows attended together, head-major (``_attend_rows``).  The same
+sums per token; the point is the memory: a 4096-token step's
 ``[T, 1536]`` activations (24 MiB) fall out of the cores' caches between the dots, and XLA:CPU
 fuses the whole block after attention into one YNNPACK graph at that size, which ran at about
 two thirds of the per-token rate of the same dots on 128 or 512 rows (profile in
