@@ -5,6 +5,7 @@ against llama-server ``--embeddings`` (``/v1/embeddings`` under concurrency).
                                        [--input-len 128] [--repeats 3] [--threads N]
     python bench/embeddings.py serve   [--folder F] [--concurrency 1,4,16] [--requests 64]
                                        [--threads N] [--llama-bin DIR]
+    python bench/embeddings.py profile [--folder F] [--batch 32] [--input-len 128] [--repeats 3] [--threads N]
 
 No model hub is reachable here, so the model is a random-weight BERT of a real embedder's shape
 (bge-small / all-MiniLM-L6: hidden 384, 12 heads, FFN 1536, a 30522-token WordPiece vocabulary;
@@ -18,6 +19,11 @@ two arms alternate (the order flips every repeat), each timed call is preceded b
 call of the same batch (compiles, warm caches), medians are reported.  ``--threads N`` pins the
 process to N cores (``sched_setaffinity``: XLA's pool and torch's both see N) and sets
 ``torch.set_num_threads(N)``.
+
+``profile``: where each arm's time goes on one batch, op by op, side by side: jaxllm's compiled
+step under ``jax.profiler`` (``jaxllm.profiling``: XLA ops' self time, each op put in a category
+from the HLO it runs) and ``SentenceTransformer.encode`` under ``torch.profiler`` (aten ops' self
+CPU time), both in milliseconds per input, the same texts, threads and repeats.
 
 ``serve``: ``jaxllm serve F --runner pooling`` and ``llama-server --embeddings`` on the same
 weights converted to an F32 GGUF (llama.cpp's ``convert_hf_to_gguf.py``), each pinned to the same
@@ -33,6 +39,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -177,6 +184,122 @@ def cmd_offline(args) -> int:
     return 0
 
 
+# --- profile ----------------------------------------------------------------------------------
+
+CATEGORIES = ["linear layers", "attention matmuls", "softmax", "GELU", "LayerNorm", "other reductions",
+              "elementwise (bias, residual, mask, scale)", "copies, transposes, gathers", "loops and the rest"]
+
+# aten op -> category (torch's SDPA is one op: its matmuls and softmax together).
+TORCH_CATEGORY = {"aten::addmm": 0, "aten::mm": 0, "aten::linear": 0, "aten::matmul": 0,
+                  "aten::bmm": 1, "aten::baddbmm": 1, "aten::_scaled_dot_product_flash_attention_for_cpu": 1,
+                  "aten::_scaled_dot_product_attention_math": 1, "aten::scaled_dot_product_attention": 1,
+                  "aten::softmax": 2, "aten::_softmax": 2, "aten::gelu": 3, "aten::native_layer_norm": 4,
+                  "aten::layer_norm": 4, "aten::sum": 5, "aten::mean": 5, "aten::add": 6, "aten::add_": 6,
+                  "aten::mul": 6, "aten::div": 6, "aten::sub": 6, "aten::where": 6, "aten::clamp": 6,
+                  "aten::copy_": 7, "aten::contiguous": 7, "aten::clone": 7, "aten::index_select": 7,
+                  "aten::embedding": 7, "aten::cat": 7, "aten::to": 7, "aten::_to_copy": 7}
+
+
+def hlo_bodies(hlo: str) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """({instruction: (shape, the computation it calls or "")}, {computation: its text}) of an
+    HLO module's text (``compiled.as_text()``)."""
+    insts, bodies, name = {}, {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if head:
+            name = head.group(1)
+            bodies[name] = ""
+            continue
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+?)(?:\{[\d,]*\})? [\w\-]+\(", line)
+        if m:
+            calls = re.search(r"calls=%([\w.\-]+)", line)
+            insts[m.group(1)] = (m.group(2), calls.group(1) if calls else "")
+        if name is not None:
+            bodies[name] += line + "\n"
+    return insts, bodies
+
+
+def xla_category(op: str, insts: dict, bodies: dict) -> int:
+    """The index in ``CATEGORIES`` of XLA op ``op`` (an HLO instruction of the step), from what
+    its fused computation computes: a dot with a 2-D result is a linear layer, a batched one
+    attention's; else its costliest kind of work."""
+    shape, calls = insts.get(op, ("", ""))
+    body = bodies.get(calls, "") if calls else ""
+    if not body:   # not a fusion: the opcode is the op's own name
+        body = " " + re.sub(r"[.\d]+$", "", op) + "("
+    if " dot(" in body:
+        return 0 if shape.count(",") == 1 else 1
+    for needle, cat in ((" exponential(", 2), (" erf(", 3), (" rsqrt(", 4), (" reduce(", 5)):
+        if needle in body:
+            return cat
+    if re.search(r" (gather|scatter|dynamic-slice|dynamic-update-slice|transpose|copy|slice|concatenate|pad)\(",
+                 body):
+        return 7
+    if re.search(r" (add|subtract|multiply|divide|select|maximum|compare)\(", body):
+        return 6
+    return 8
+
+
+def profile_jaxllm(folder: str, texts: list[str], repeats: int, workdir: str) -> list[float]:
+    """Self time (ms) per category of ``repeats`` embeds of ``texts`` by jaxllm (warmed first)."""
+    from jaxllm import profiling
+    arm = JaxllmArm(folder, len(texts), max(len(t.split()) for t in texts) + 2)
+    arm(texts)
+    profiling.start(os.path.join(workdir, "jaxllm-profile"))
+    for _ in range(repeats):
+        arm(texts)
+    stats = profiling.top_ops(profiling.stop())
+    insts, bodies = {}, {}
+    for exe in arm.llm.pooling_engine.runner._compiled.values():
+        i, b = hlo_bodies(exe.as_text())
+        insts.update(i)
+        bodies.update(b)
+    ms = [0.0] * len(CATEGORIES)
+    for o in stats:
+        ms[xla_category(o.name, insts, bodies)] += o.self_ns / 1e6
+    return ms
+
+
+def profile_torch(folder: str, texts: list[str], repeats: int, seen: dict | None = None) -> list[float]:
+    """Self CPU time (ms) per category of ``repeats`` ``encode`` calls of ``texts`` (warmed first);
+    ``seen`` gets each aten op's category name."""
+    from torch.profiler import ProfilerActivity, profile
+    arm = SentenceTransformersArm(folder)
+    arm(texts)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            arm(texts)
+    ms = [0.0] * len(CATEGORIES)
+    for e in prof.key_averages():
+        if e.key.startswith("aten::"):
+            ms[TORCH_CATEGORY.get(e.key, 8)] += e.self_cpu_time_total / 1e3
+            if seen is not None:
+                seen[e.key] = CATEGORIES[TORCH_CATEGORY.get(e.key, 8)]
+    return ms
+
+
+def cmd_profile(args) -> int:
+    threads = pin_threads(args.threads)
+    folder = args.folder or build_folder(os.path.join(args.workdir, f"bert{args.layers}x{args.hidden}"),
+                                         layers=args.layers, hidden=args.hidden,
+                                         heads=args.heads, ffn=4 * args.hidden)
+    texts = make_texts(folder, args.batch, args.input_len, seed=args.batch)
+    per = args.repeats * len(texts)
+    jx = [m / per for m in profile_jaxllm(folder, texts, args.repeats, args.workdir)]
+    seen: dict = {}
+    st = [m / per for m in profile_torch(folder, texts, args.repeats, seen)]
+    print(f"# self time by op, ms per input: {args.batch} inputs of {args.input_len} tokens, float32, "
+          f"{threads} thread(s), {args.repeats} repeats; model {folder}")
+    print("| ops | jaxllm ms | sentence-transformers ms | difference ms |\n|---|---:|---:|---:|")
+    for name, a, b in zip(CATEGORIES + ["all"], jx + [sum(jx)], st + [sum(st)]):
+        print(f"| {name} | {a:.2f} | {b:.2f} | {a - b:+.2f} |")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"categories": CATEGORIES, "jaxllm_ms": jx, "sentence_transformers_ms": st, "torch_ops": seen},
+                      f, indent=2)
+    return 0
+
+
 # --- serve ------------------------------------------------------------------------------------
 
 def convert_gguf(folder: str, out: str) -> str:
@@ -272,7 +395,7 @@ def cmd_serve(args) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python bench/embeddings.py", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    for name, fn in (("offline", cmd_offline), ("serve", cmd_serve)):
+    for name, fn in (("offline", cmd_offline), ("serve", cmd_serve), ("profile", cmd_profile)):
         s = sub.add_parser(name)
         s.set_defaults(fn=fn)
         s.add_argument("--folder", default=None, help="a sentence-transformers folder (default: build a random "
@@ -286,6 +409,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--threads", type=int, default=None, help="cores for both arms (default: all allowed)")
         s.add_argument("--output-json", default=None)
     sub.choices["offline"].add_argument("--batches", type=_ints, default=[1, 32, 256])
+    sub.choices["profile"].add_argument("--batch", type=int, default=32)
     sub.choices["serve"].add_argument("--concurrency", type=_ints, default=[1, 4, 16])
     sub.choices["serve"].add_argument("--requests", type=int, default=64)
     sub.choices["serve"].add_argument("--llama-bin", default=os.path.join(LLAMA_DIR, "build/bin"))

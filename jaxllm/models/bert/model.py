@@ -19,7 +19,8 @@ v come from one matmul (``prepare`` stacks their weights once).
 A per-prompt step whose grid is no bigger than the step itself (prompts near ``max_len``, e.g.
 32 prompts of 128 tokens in a 4096-token step) runs every layer, not only attention, in the grid:
 groups of ``GROUP_TOKENS`` cells go through all the layers one group after another ("rows",
-``_encode_rows``).  The same sums per token; the point is the memory: a 4096-token step's
+``_encode_rows``), a group's rows attended together, head-major (``_attend_rows``).  The same
+sums per token; the point is the memory: a 4096-token step's
 ``[T, 1536]`` activations (24 MiB) fall out of the cores' caches between the dots, and XLA:CPU
 fuses the whole block after attention into one YNNPACK graph at that size, which ran at about
 two thirds of the per-token rate of the same dots on 128 or 512 rows (profile in
@@ -81,6 +82,21 @@ def _attend(q, k, v, mask):
     p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))                          # [H, Lq, Lk]
     out = jnp.einsum("hqk,khd->qhd", p, v, preferred_element_type=jnp.float32)             # [Lq, H, Dh]
     return out / jnp.transpose(jnp.sum(p, axis=-1))[:, :, None]
+
+
+def _attend_rows(q, k, v, valid):
+    """q [g, L, H, Dh] (scaled), k, v [g, L, H, Dh]; valid [g, 1, L] bool (each row's tokens) ->
+    [g, L, H, Dh]: each of g grid rows attending within itself, all g rows and H heads as one
+    batched matmul over head-major copies (``[g, H, L, Dh]``).  The rows layout's attention: with
+    the transposes written out XLA:CPU fuses the softmax's exponential into the value matmul and
+    needs fewer copies than ``_attend`` one row at a time (``lax.map``), which transposes each
+    row's q, k, v and output in separate ops (profile in docs/BENCHMARKS.md ``## Embeddings``)."""
+    q, k, v = (jnp.transpose(a, (0, 2, 1, 3)) for a in (q, k, v))                          # [g, H, L, Dh]
+    scores = jnp.einsum("ghqd,ghkd->ghqk", q, k, preferred_element_type=jnp.float32)         # [g, H, L, L]
+    scores = jnp.where(valid[:, None], scores, -1e30)
+    p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))                            # [g, H, L, L]
+    out = jnp.einsum("ghqk,ghkd->ghqd", p, v, preferred_element_type=jnp.float32)            # [g, H, L, Dh]
+    return jnp.transpose(out / jnp.sum(p, axis=-1)[..., None], (0, 2, 1, 3))                 # [g, L, H, Dh]
 
 
 def _dense(q, k, v, seq_ids):
@@ -192,7 +208,7 @@ def _encode_rows(arch: ArchConfig, layers: list, x, seq_ids, positions, rows: in
                  gelu_tanh: bool):
     """The encoder's layers with each prompt in a row of a ``[rows, max_len]`` grid: groups of
     ``group_rows`` rows go through every layer one group after another (``lax.map``), each row
-    attending within itself.  x [T, D] (embedded) -> [T, D]; padding tokens (``seq_ids`` -1)
+    attending within itself (``_attend_rows``: the group's rows at once).  x [T, D] (embedded) -> [T, D]; padding tokens (``seq_ids`` -1)
     answer zeros.  Equal to the flat layers under the same-prompt mask; cheaper when the grid is
     no bigger than the step (``encoder_layout``)."""
     T, D = x.shape
@@ -207,7 +223,7 @@ def _encode_rows(arch: ArchConfig, layers: list, x, seq_ids, positions, rows: in
 
         def attend(q, k, v):                                            # [g L, H, Dh] each
             q, k, v = (a.reshape(g, max_len, H, Dh) for a in (q, k, v))
-            return _each(lambda a: _attend(*a), (q, k, v, vg)).reshape(g * max_len, H, Dh)
+            return _attend_rows(q, k, v, vg).reshape(g * max_len, H, Dh)
         for lp in layers:
             xg = _layer(arch, lp, xg, attend, eps, gelu_tanh)
         return xg
