@@ -111,13 +111,11 @@ def pin_threads(threads: int | None) -> int:
 class JaxllmArm:
     name = "jaxllm"
 
-    def __init__(self, folder: str, batch: int, input_len: int):
+    def __init__(self, folder: str):
         from jaxllm import LLM
-        # One step holds up to 32 inputs of input_len tokens (sentence-transformers' batch size);
-        # a token bucket is compiled the first time a batch needs it.
-        seqs = min(batch, 32)
-        self.llm = LLM(folder, runner="pooling", max_num_seqs=seqs, max_num_batched_tokens=seqs * input_len,
-                       max_model_len=input_len)
+        # The engine's defaults, as a user gets them (max_model_len: the model's 512 positions,
+        # 1024-token steps); a program is compiled the first time a step needs it.
+        self.llm = LLM(folder, runner="pooling")
 
     def __call__(self, texts: list[str]):
         """[N, D] float32: one embedding per text."""
@@ -172,7 +170,7 @@ def cmd_offline(args) -> int:
                                          layers=args.layers, hidden=args.hidden,
                                          heads=args.heads, ffn=4 * args.hidden)
     st = SentenceTransformersArm(folder)
-    rates, diffs = run_offline(lambda b: [JaxllmArm(folder, b, args.input_len), st],
+    rates, diffs = run_offline(lambda b: [JaxllmArm(folder), st],
                                lambda b: make_texts(folder, b, args.input_len, seed=b), args.batches, args.repeats)
     print(f"# offline, {args.input_len}-token inputs, float32, {threads} thread(s), {args.repeats} repeats, "
           f"medians; model {folder}; max |jaxllm - sentence-transformers| {max(diffs.values()):.2e}")
@@ -243,7 +241,7 @@ def xla_category(op: str, insts: dict, bodies: dict) -> int:
 def profile_jaxllm(folder: str, texts: list[str], repeats: int, workdir: str) -> list[float]:
     """Self time (ms) per category of ``repeats`` embeds of ``texts`` by jaxllm (warmed first)."""
     from jaxllm import profiling
-    arm = JaxllmArm(folder, len(texts), max(len(t.split()) for t in texts) + 2)
+    arm = JaxllmArm(folder)
     arm(texts)
     profiling.start(os.path.join(workdir, "jaxllm-profile"))
     for _ in range(repeats):
@@ -360,9 +358,10 @@ def cmd_serve(args) -> int:
                                          heads=args.heads, ffn=4 * args.hidden)
     gguf = convert_gguf(folder, os.path.join(args.workdir, "bert-f32.gguf"))
     top = max(args.concurrency)
+    # jaxllm at its defaults (max_model_len: the model's 512 positions, 1024-token steps);
+    # llama-server needs its slots and context sized for the run.
     jax_cmd = [sys.executable, "-m", "jaxllm.cli", "serve", folder, "--runner", "pooling", "--port", "18181",
-               "--max-num-seqs", str(top), "--max-num-batched-tokens", str(top * args.input_len),
-               "--max-model-len", str(args.input_len), "--precompile", "all"]
+               "--precompile", "all"]
     llama_cmd = [os.path.join(args.llama_bin, "llama-server"), "-m", gguf, "--embeddings", "--pooling", "mean",
                  "--port", "18182", "-t", str(threads), "-tb", str(threads), "-np", str(top),
                  "-c", str(top * args.input_len), "-b", str(top * args.input_len), "-ub", str(top * args.input_len)]

@@ -30,7 +30,7 @@ from jaxllm.sampling_params import SamplingParams
 
 # The engine arguments the pooling runner takes (the rest size a KV cache or a sampler it has not).
 _POOLING_ARGS = ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "strict_compile_guard", "precompile",
-                 "show_progress", "attention_backend", "async_scheduling")
+                 "compile_cache_dir", "show_progress", "attention_backend", "async_scheduling")
 
 
 def _refuse_data_parallel(config: EngineConfig) -> None:

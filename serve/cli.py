@@ -150,7 +150,8 @@ def pooling_config_from_args(args: argparse.Namespace):
     sizes = {k: getattr(args, k) for k in ("max_num_batched_tokens", "max_num_seqs") if getattr(args, k) is not None}
     # A server builds every bucket before it takes a request.
     return PoolingEngineConfig(model=model, pooler_config=pooler or {}, max_model_len=args.max_model_len,
-                               precompile="all", convert=args.convert, hf_overrides=overrides or {},
+                               precompile="all", compile_cache_dir=args.compile_cache_dir,
+                               convert=args.convert, hf_overrides=overrides or {},
                                attention_backend=args.attention_backend, async_scheduling=args.async_scheduling,
                                **sizes)
 

@@ -42,7 +42,8 @@ class Family:
     """An encoder that pools rather than generates (BERT, ModernBERT): its module has ``encode``
     and ``classify`` (a cross-encoder's head) instead of ``forward`` / ``compute_logits``, it
     runs under the pooling runner (``jaxllm/pooling/``), and ``runner="auto"`` picks that runner
-    for it."""
+    for it.  A module that also has ``encoder_layout`` (BERT) runs steps of short prompts in
+    narrower grid programs (``pooling/runner.py``)."""
     ignored_tensors: tuple[str, ...] = ()
     """Checkpoint tensor names (or name prefixes ending in ``.``) the loader skips: heads and
     buffers the family does not use (BERT's NSP pooler and masked-LM head)."""

@@ -64,6 +64,9 @@ class PoolingEngineConfig:
     """Fail a step that would trace or compile after its bucket was built (tests)."""
     precompile: str = "auto"
     """"all": build every bucket at start; "auto": a bucket the first time a step needs it."""
+    compile_cache_dir: str | None = None
+    """Persistent XLA compilation cache of an encoder's programs (``--compile-cache-dir``); None:
+    ``$JAXLLM_CACHE_DIR/xla``, the generation engine's (a converted decoder runs in that engine)."""
     show_progress: bool = True
     convert: str = "auto"
     """vLLM's ``--convert``: "embed" / "classify" run a causal decoder as an embedder / classifier;

@@ -45,7 +45,8 @@ class DecoderPoolingRunner:
 
     def __init__(self, loaded: LoadedModel, pooler: PoolerConfig, head: np.ndarray | None, *, attention_backend: str,
                  max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 strict_compile_guard: bool = False, show_progress: bool = True, async_scheduling: bool = True):
+                 strict_compile_guard: bool = False, show_progress: bool = True, async_scheduling: bool = True,
+                 compile_cache_dir: str | None = None):
         if pooler.pooling_type not in ("LAST", "MEAN"):
             raise ValueError(f"--pooler-config pooling_type {pooler.pooling_type} is not for a causal decoder "
                              "(its first token sees nothing after it): use LAST or MEAN")
@@ -58,7 +59,8 @@ class DecoderPoolingRunner:
             # float32 as the oracles; buckets compiled when a step first needs them (compile_all: every one).
             runner=RunnerConfig(dtype="float32", attention_backend=check_attention_backend(attention_backend),
                                 precompile="on-demand", strict_compile_guard=strict_compile_guard,
-                                show_progress=show_progress, pooling_type=pooler.pooling_type))
+                                show_progress=show_progress, pooling_type=pooler.pooling_type,
+                                compile_cache_dir=compile_cache_dir))
         self.core = EngineCore(config, loaded)
         step = self.core.resolved.step
         self.kernels, self.buckets = step.kernels, step.buckets

@@ -11,6 +11,7 @@ anything runs.  ``truncate_prompt_tokens`` keeps a prompt's last k tokens (vLLM'
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from jaxllm.pooling.outputs import (ClassificationOutput, ClassificationRequestO
 from jaxllm.pooling.params import PoolingParams
 from jaxllm.pooling.runner import PoolingRunner
 from jaxllm.pooling.st_folder import max_seq_length, read_pooler_config
+from jaxllm.runner import compile as cc
 
 log = logging.getLogger("jaxllm.engine")
 
@@ -59,6 +61,9 @@ class PoolingEngine:
             raise ValueError("hf_overrides (--hf-overrides) applies to a converted decoder (convert), not an encoder")
         loaded = load_model(config.model)
         family = get_family(loaded.arch.architecture)
+        # The generation engine's persistent program cache: a second start loads its programs.
+        cc.enable_persistent_cache(config.compile_cache_dir or os.path.join(default_cache_dir(), "xla"))
+        cc.install_listeners()
         if not family.pooling:
             raise ValueError(f"{config.model}: {loaded.arch.architecture} is a generative model; the pooling "
                              "runner serves encoders and HF folders of causal decoders (convert='embed'), "
@@ -115,7 +120,8 @@ class PoolingEngine:
                                            max_num_seqs=config.max_num_seqs,
                                            strict_compile_guard=config.strict_compile_guard,
                                            show_progress=config.show_progress,
-                                           async_scheduling=config.async_scheduling)
+                                           async_scheduling=config.async_scheduling,
+                                           compile_cache_dir=config.compile_cache_dir)
 
     def _model_len(self, config: PoolingEngineConfig, positions: int, chunked: bool = False) -> int:
         """The longest prompt: the model's positions (or ``max_model_len``), and for an encoder,

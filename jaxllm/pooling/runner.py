@@ -4,8 +4,20 @@ run through the encoder and pooled by one compiled program per bucket.
 Every prompt runs whole in one step (no chunking: a bidirectional encoder needs all of a prompt's
 tokens at once), so nothing outlives a step: no KV cache, no prefix caching.  Buckets: token
 counts ``T`` in powers of two from 16 up to ``max_num_batched_tokens`` (that value last), each
-with ``S = min(T, max_num_seqs)`` prompt rows.  Programs are lowered from ``ShapeDtypeStruct``s
-and compiled ahead of time; a step never traces or compiles a bucket already built.
+with ``S = min(T, max_num_seqs)`` prompt rows of at most ``max_model_len`` tokens.  Programs are
+lowered from ``ShapeDtypeStruct``s and compiled ahead of time; a step never traces or compiles a
+bucket already built.
+
+Grid programs: a family whose encoder can run whole layers in a ``[rows, width]`` grid of its
+prompts (BERT's rows layout, ``encoder_layout``) gets, beside each bucket's program from
+``GRID_MIN_TOKENS`` tokens, one per grid width ``w`` (powers of two below ``max_model_len``, and
+``max_model_len``) with ``T // w`` rows of at most ``w`` tokens.  A step whose prompts fit one
+(no prompt longer than ``w``, no more prompts than rows) runs the narrowest that fits.  The bucket's own program must allow ``max_model_len``-token prompts, so its
+grid would be ``max_num_seqs x max_model_len`` cells, far more than ``T`` for a server's defaults,
+and it attends windowed instead: a 6-layer BERT at an engine's defaults (``max_model_len`` 512,
+1024-token steps) embedded 128-token texts at 21 a second that way, 60 in 8 x 128 grids
+(docs/BENCHMARKS.md, ``## Embeddings``).  The same sums either way: a vector does not depend on
+the program its step ran in beyond float32 rounding.
 """
 
 from __future__ import annotations
@@ -25,6 +37,21 @@ from jaxllm.pooling.pool import pool
 log = logging.getLogger("jaxllm.engine")
 
 MIN_BUCKET = 16
+
+
+GRID_MIN_TOKENS = 256
+"""The smallest bucket with grid programs: in a step of up to 128 tokens the bucket's own dense
+attention is about 5% of a BERT layer's multiply-adds (128 x 128 scores per head against the
+linear layers' 128 rows), not worth programs to compile."""
+
+
+def _widths(max_model_len: int) -> list[int]:
+    """Grid widths: powers of two from 16 below ``max_model_len``, then ``max_model_len``."""
+    out, w = [], MIN_BUCKET
+    while w < max_model_len:
+        out.append(w)
+        w *= 2
+    return out + [max_model_len]
 
 
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -89,42 +116,60 @@ class PoolingRunner:
         classifier = arch.encoder.num_labels > 0
         self.per_token = pooler.pooling_type == "ALL" and not classifier
 
-        def step(params, input_ids, positions, seq_ids, token_types, query_start_loc):
-            # max_model_len: no prompt is longer; rows (static): the step's prompt rows (the
-            # encoder may lay its attention out by them).
+        def step(params, input_ids, positions, seq_ids, token_types, query_start_loc, max_len):
+            # max_len: no prompt is longer; rows (static): the step's prompt rows (the encoder may
+            # lay its attention out by them).
             hidden = module.encode(arch, params, input_ids, positions, seq_ids, token_types,
-                                   max_model_len, query_start_loc.shape[0] - 1)               # [T, D]
+                                   max_len or max_model_len, query_start_loc.shape[0] - 1)   # [T, D]
             if classifier:
                 return module.classify(arch, params, hidden, seq_ids, query_start_loc)       # [S, labels]
             return pool(pooler, hidden, seq_ids, query_start_loc)                             # [S, D]
-        self._step = jax.jit(step)
-        self._compiled: dict[int, object] = {}
+        # max_len (static): no prompt of the step is longer; None: max_model_len (a bucket's own
+        # program), else a grid width.
+        self._step = jax.jit(step, static_argnums=6)
+        self._compiled: dict[tuple[int, int | None], object] = {}
+        # Per bucket, the widths of at least two rows whose grid program is not the bucket's own.
+        layout = getattr(module, "encoder_layout", None)
+        self.grid_widths = {T: [w for w in _widths(max_model_len or T)
+                                if layout is not None and T >= GRID_MIN_TOKENS and T // w >= 2
+                                and layout(T, T // w, w) == "rows" and (T // w, w) != (self.bucket_rows(T), max_model_len)]
+                            for T in self.buckets}
 
-    def bucket_rows(self, T: int) -> int:
-        return min(T, self.max_num_seqs)
+    def bucket_rows(self, T: int, width: int | None = None) -> int:
+        """Prompt rows of bucket ``T``'s program (of its grid program of ``width``)."""
+        return T // width if width else min(T, self.max_num_seqs)
 
-    def compile(self, T: int):
-        """The program of token bucket ``T`` (built once, from shapes only)."""
-        exe = self._compiled.get(T)
+    def grid_width(self, T: int, prompts: int, longest: int) -> int | None:
+        """The narrowest grid width of bucket ``T`` that holds ``prompts`` prompts of at most
+        ``longest`` tokens; None: the bucket's own program runs the step."""
+        return next((w for w in self.grid_widths[T] if longest <= w and prompts <= T // w), None)
+
+    def compile(self, T: int, width: int | None = None):
+        """The program of token bucket ``T`` (``width``: its grid program of that width), built
+        once, from shapes only."""
+        exe = self._compiled.get((T, width))
         if exe is None:
             params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.params)
-            exe = self._compiled[T] = self._step.lower(params, *self._shapes(T)).compile()
-            log.debug("pooling bucket T=%d S=%d compiled", T, self.bucket_rows(T))
+            exe = self._step.lower(params, *self._shapes(T, width), width).compile()
+            self._compiled[(T, width)] = exe
+            log.debug("pooling bucket T=%d S=%d width %s compiled", T, self.bucket_rows(T, width), width)
         return exe
 
-    def _shapes(self, T: int) -> list:
+    def _shapes(self, T: int, width: int | None = None) -> list:
         """The step's array arguments of bucket ``T`` (after the params), as shapes."""
         i32 = jnp.int32
-        return [jax.ShapeDtypeStruct((T,), i32)] * 4 + [jax.ShapeDtypeStruct((self.bucket_rows(T) + 1,), i32)]
+        return [jax.ShapeDtypeStruct((T,), i32)] * 4 + [jax.ShapeDtypeStruct((self.bucket_rows(T, width) + 1,), i32)]
 
-    def _args(self, chunk: list[list[int]], types: list[list[int]] | None, T: int) -> tuple:
-        """The step's array arguments for the prompts ``chunk`` in bucket ``T``."""
-        packed = pack(chunk, types, T, self.bucket_rows(T))
+    def _args(self, chunk: list[list[int]], types: list[list[int]] | None, T: int, width: int | None = None) -> tuple:
+        """The step's array arguments for the prompts ``chunk`` in bucket ``T`` (its grid program of ``width``)."""
+        packed = pack(chunk, types, T, self.bucket_rows(T, width))
         return (packed.input_ids, packed.positions, packed.seq_ids, packed.token_types, packed.query_start_loc)
 
     def compile_all(self) -> None:
         for T in self.buckets:
             self.compile(T)
+            for w in self.grid_widths[T]:
+                self.compile(T, w)
 
     def plan(self, lengths: list[int]) -> list[list[int]]:
         """Indices of the prompts each step runs, in order: as many as fit the token budget and
@@ -148,8 +193,9 @@ class PoolingRunner:
             types = None if token_types is None else [token_types[i] for i in idx]
             total = sum(len(p) for p in chunk)
             T = next(t for t in self.buckets if t >= total)
-            exe = self.compile(T)
-            args = self._args(chunk, types, T)
+            width = self.grid_width(T, len(chunk), max(len(p) for p in chunk))
+            exe = self.compile(T, width)
+            args = self._args(chunk, types, T, width)
             if self.strict:
                 with jax.no_tracing(True):
                     pooled = exe(self.params, *args)

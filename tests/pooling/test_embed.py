@@ -7,6 +7,9 @@ inputs alone; Matryoshka ``dimensions`` (``PoolingParams``, ``--pooler-config``)
 
 from __future__ import annotations
 
+import json
+import subprocess
+
 import jax
 import numpy as np
 import pytest
@@ -15,6 +18,8 @@ from jaxllm import LLM, PoolingParams
 from jaxllm.config import EngineConfig
 from jaxllm.models.bert import model as bert
 from jaxllm.models.bert.model import attention_layout
+from jaxllm.runner import compile as cc
+from support.probes import probe_command, probe_env
 from support.tiny_encoders import build_bert_st, declare_matryoshka, st_encode
 
 # Small buckets (16, 32, 64 tokens), the strict compile guard on: a step never traces or compiles
@@ -110,6 +115,82 @@ def test_whole_layers_in_grid_rows_equal_the_flat_encoder(llms, monkeypatch, gro
     real = seq >= 0
     np.testing.assert_allclose(got[real], want[real], rtol=0, atol=1e-5)
     assert not got[~real].any()
+
+
+def _id_prompts(llm, lengths: list[int], seed: int) -> list[list[int]]:
+    """[CLS] + random word ids + [SEP], ``lengths`` tokens each."""
+    tok, rng = llm.get_tokenizer(), np.random.default_rng(seed)
+    return [[tok.cls_token_id, *rng.integers(5, tok.vocab_size, n - 2).tolist(), tok.sep_token_id] for n in lengths]
+
+
+# Steps up to 256 tokens: the 256-token bucket has grid programs (runner.GRID_MIN_TOKENS).
+GRID_ENGINE = dict(max_num_batched_tokens=256, max_num_seqs=8, strict_compile_guard=True)
+
+
+@pytest.fixture(scope="module")
+def grid_llm(folders):
+    return LLM(folders["mean"], **GRID_ENGINE)
+
+
+def test_steps_of_short_prompts_run_in_the_narrowest_grid_that_holds_them(grid_llm, folders):
+    """The runner's grid programs (``T // w`` rows of at most ``w`` tokens, BERT's rows layout):
+    a step runs in the narrowest grid that holds its prompts, else in its bucket's own program
+    (prompts up to ``max_model_len``); the vectors are sentence-transformers' and each prompt's
+    alone, in a grid filled to its last cell and one prompt past it."""
+    llm = grid_llm
+    runner = llm.pooling_engine.runner
+    assert llm.pooling_engine.max_model_len == 128
+    assert runner.grid_widths[256] == [16, 32, 64, 128] and runner.grid_widths[128] == []
+    assert runner.grid_width(256, 4, 64) == 64       # a full 4 x 64 grid
+    assert runner.grid_width(256, 2, 65) == 128
+    assert runner.grid_width(256, 5, 40) is None     # 5 rows: more than the 64-wide grid holds
+    assert runner.grid_width(256, 1, 200) is None
+    full = _id_prompts(llm, [64, 64, 64, 64], seed=3)              # one 256-token step, every cell
+    over = _id_prompts(llm, [48, 48, 48, 48, 48], seed=4)          # 240 tokens, five prompts
+    two = _id_prompts(llm, [100, 90], seed=5)                       # a 2 x 128 grid
+    for prompts, width in ((full, 64), (over, None), (two, 128)):
+        assert runner.plan([len(p) for p in prompts]) == [list(range(len(prompts)))]   # one step
+        assert runner.grid_width(256, len(prompts), max(map(len, prompts))) == width
+        batch = _vectors(llm.embed(prompts))
+        alone = np.concatenate([_vectors(llm.embed([p])) for p in prompts])
+        np.testing.assert_allclose(batch, alone, rtol=0, atol=1e-6)
+    texts = [" ".join(["the cat sat on the mat"] * 6), " ".join(["a dog and the big red house by the river"] * 4),
+             " ".join([TEXTS[2]] * 4), " ".join(["sky is green and the tree is tall"] * 5)]
+    lengths = [len(llm.get_tokenizer().encode(t)) for t in texts]
+    assert 128 < sum(lengths) <= 256 and runner.grid_width(256, len(texts), max(lengths)) == 64, lengths
+    got, ref = _vectors(llm.embed(texts)), st_encode(folders["mean"], texts)
+    assert np.abs(got - ref).max() <= 1e-4
+
+
+def test_a_precompiled_engine_compiles_nothing_for_any_step(folders):
+    """``precompile="all"`` builds every bucket's program and every grid program: steps in grids of
+    each width and in a bucket's own program then trace and compile nothing."""
+    cc.install_listeners()
+    llm = LLM(folders["mean"], precompile="all", **GRID_ENGINE)
+    before = cc.counts()
+    for lengths in ([64, 64, 64, 64], [100, 90], [48] * 5, [30] * 8, [20] * 8, [16] * 8, [120], [5]):
+        llm.embed(_id_prompts(llm, lengths, seed=len(lengths)))
+    after = cc.counts()
+    assert (after["traces"], after["compiles"]) == (before["traces"], before["compiles"])
+
+
+def test_a_second_start_loads_every_program_from_the_persistent_cache(folders, tmp_path):
+    """Two processes start the same encoder with every program built, on one compile cache: the
+    first compiles them (persistent-cache misses), the second loads every one (no miss) and
+    embeds the same vector."""
+    cache = str(tmp_path / "xla")
+
+    def start():
+        r = subprocess.run(probe_command("pooling_cache_probe", folders["mean"], cache), capture_output=True,
+                           text=True, timeout=300, env=probe_env())
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first, second = start(), start()
+    assert first["programs"] == second["programs"] == 5 + 4          # 16 ... 256, and 4 grids of 256
+    assert first["cache_misses"] >= first["programs"]
+    assert second["cache_misses"] == 0 and second["cache_hits"] >= second["programs"], second
+    assert second["vector"] == first["vector"]
 
 
 def test_token_ids_embed_as_their_text_does(llms):
