@@ -15,7 +15,7 @@ first start after an install does not wait ~15-20 s for g++ on a two-core machin
 
 ``prefetch()`` starts every build at once on a thread pool and returns: an engine calls it
 before it loads the weights, so that the compilers run while the checkpoint and tokenizer load,
-all five side by side (not two groups one after the other); ``available()`` and
+every source side by side (not two groups one after the other); ``available()`` and
 ``quant_available()`` then wait for the builds they need.
 """
 
