@@ -12,12 +12,13 @@ Grid programs: a family whose encoder can run whole layers in a ``[rows, width]`
 prompts (BERT's rows layout, ``encoder_layout``) gets, beside each bucket's program from
 ``GRID_MIN_TOKENS`` tokens, one per grid width ``w`` (powers of two below ``max_model_len``, and
 ``max_model_len``) with ``T // w`` rows of at most ``w`` tokens.  A step whose prompts fit one
-(no prompt longer than ``w``, no more prompts than rows) runs the narrowest that fits.  The bucket's own program must allow ``max_model_len``-token prompts, so its
-grid would be ``max_num_seqs x max_model_len`` cells, far more than ``T`` for a server's defaults,
-and it attends windowed instead: a 6-layer BERT at an engine's defaults (``max_model_len`` 512,
-1024-token steps) embedded 128-token texts at 21 a second that way, 60 in 8 x 128 grids
-(docs/BENCHMARKS.md, ``## Embeddings``).  The same sums either way: a vector does not depend on
-the program its step ran in beyond float32 rounding.
+(no prompt longer than ``w``, no more prompts than rows) runs the narrowest that fits.  The
+bucket's own program must take ``max_model_len``-token prompts, so its grid would be
+``max_num_seqs x max_model_len`` cells, far more than ``T`` at a server's defaults, and it
+attends over the whole step under a same-prompt mask instead: a 6-layer BERT at an engine's
+defaults (``max_model_len`` 512, 1024-token steps) embedded 128-token texts at 21 a second that
+way, 60 in 8 x 128 grids (docs/BENCHMARKS.md, ``## Embeddings``).  The same sums either way: a
+vector does not depend on the program its step ran in beyond float32 rounding.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ class PoolingRunner:
         layout = getattr(module, "encoder_layout", None)
         self.grid_widths = {T: [w for w in _widths(max_model_len or T)
                                 if layout is not None and T >= GRID_MIN_TOKENS and T // w >= 2
-                                and layout(T, T // w, w) == "rows" and (T // w, w) != (self.bucket_rows(T), max_model_len)]
+                                and layout(T, T // w, w) == "rows"
+                                and (T // w, w) != (self.bucket_rows(T), max_model_len)]
                             for T in self.buckets}
 
     def bucket_rows(self, T: int, width: int | None = None) -> int:

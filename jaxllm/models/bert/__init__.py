@@ -5,4 +5,5 @@ from jaxllm.models.bert.config import BertConfig
 from jaxllm.models.bert.model import classify, encode, encoder_layout, prepare
 from jaxllm.models.bert.params import CLASSIFIER_IGNORED_TENSORS, IGNORED_TENSORS, PARAMS
 
-__all__ = ["BertConfig", "CLASSIFIER_IGNORED_TENSORS", "IGNORED_TENSORS", "PARAMS", "classify", "encode", "encoder_layout", "prepare"]
+__all__ = ["BertConfig", "CLASSIFIER_IGNORED_TENSORS", "IGNORED_TENSORS", "PARAMS", "classify", "encode", "encoder_layout",
+           "prepare"]
