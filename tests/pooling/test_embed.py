@@ -3,7 +3,10 @@ sentence-transformers folder embeds as ``SentenceTransformer.encode`` does (floa
 pooling and for CLS pooling + Normalize, read from the folder's own files, and an XLM-RoBERTa
 (positions offset past the padding id); a batch equals its
 inputs alone; Matryoshka ``dimensions`` (``PoolingParams``, ``--pooler-config``) cut as
-``SentenceTransformer(truncate_dim=d)`` does; wrong uses are ValueErrors naming what to use."""
+``SentenceTransformer(truncate_dim=d)`` does; wrong uses are ValueErrors naming what to use.
+Steps of short prompts run in the runner's grid programs (the narrowest that holds them), a
+precompiled engine compiles nothing more, and a second start loads every program from the
+persistent compile cache."""
 
 from __future__ import annotations
 
