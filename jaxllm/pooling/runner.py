@@ -46,17 +46,9 @@ attention is about 5% of a BERT layer's multiply-adds (128 x 128 scores per head
 linear layers' 128 rows), not worth programs to compile."""
 
 
-def _widths(max_model_len: int) -> list[int]:
-    """Grid widths: powers of two from 16 below ``max_model_len``, then ``max_model_len``."""
-    out, w = [], MIN_BUCKET
-    while w < max_model_len:
-        out.append(w)
-        w *= 2
-    return out + [max_model_len]
-
-
 def token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Powers of two from 16, then ``max_num_batched_tokens`` itself."""
+    """Powers of two from 16, then ``max_num_batched_tokens`` itself (also the grid widths up to
+    ``max_model_len``)."""
     out, t = [], MIN_BUCKET
     while t < max_num_batched_tokens:
         out.append(t)
@@ -131,7 +123,7 @@ class PoolingRunner:
         self._compiled: dict[tuple[int, int | None], object] = {}
         # Per bucket, the widths of at least two rows whose grid program is not the bucket's own.
         layout = getattr(module, "encoder_layout", None)
-        self.grid_widths = {T: [w for w in _widths(max_model_len or T)
+        self.grid_widths = {T: [w for w in token_buckets(max_model_len or T)
                                 if layout is not None and T >= GRID_MIN_TOKENS and T // w >= 2
                                 and layout(T, T // w, w) == "rows"
                                 and (T // w, w) != (self.bucket_rows(T), max_model_len)]

@@ -1,5 +1,5 @@
 """bench/embeddings.py's offline arm on a tiny random BERT: both arms embed the same texts to the
-same vectors (jaxllm's windowed attention included: 40 inputs of 16 tokens make a 512-token step),
+same vectors (40 inputs of 16 tokens make one step, run in a 16-wide grid program at the engine's defaults),
 each repeat times every arm, and the table reports the medians; the profile puts both arms' op
 time in the same categories, the linear layers and attention's matmuls found on both sides."""
 

@@ -208,8 +208,8 @@ def _encode_rows(arch: ArchConfig, layers: list, x, seq_ids, positions, rows: in
                  gelu_tanh: bool):
     """The encoder's layers with each prompt in a row of a ``[rows, max_len]`` grid: groups of
     ``group_rows`` rows go through every layer one group after another (``lax.map``), each row
-    attending within itself (``_attend_rows``: the group's rows at once).  x [T, D] (embedded) -> [T, D]; padding tokens (``seq_ids`` -1)
-    answer zeros.  Equal to the flat layers under the same-prompt mask; cheaper when the grid is
+    attending within itself (``_attend_rows``: the group's rows at once).  x [T, D] (embedded) ->
+    [T, D]; padding tokens (``seq_ids`` -1) answer zeros.  Equal to the flat layers under the same-prompt mask; cheaper when the grid is
     no bigger than the step (``encoder_layout``)."""
     T, D = x.shape
     H, Dh = arch.num_heads, arch.head_dim
