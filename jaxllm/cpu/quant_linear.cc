@@ -18,7 +18,8 @@
 // per pass over x (see "Q4_1, AVX-512" below), and from 32 rows of x (a prefill) a walk over
 // weights widened once per call into float32 panels with the same bits ("Q4_1, AVX-512, a
 // prefill's many rows"); Q8_0 (its tied LM head), Q4_0 and Q5_0 have a several-rows walk
-// too (see "Q8_0, Q4_0, Q5_0, AVX-512").
+// too (see "Q8_0, Q4_0, Q5_0, AVX-512").  Without AVX-512, Q4_1 runs the same kind of walk
+// 8 lanes wide at every M ("Q4_1, AVX2"), the other types the one-row tiles.
 // Called from jaxllm/cpu/native.py via XLA's FFI.
 #include <immintrin.h>
 
@@ -197,6 +198,165 @@ inline void tile(int rows, const float* x, int64_t K, const uint16_t* d, const u
     case 3: row_tile<3, T>(x, K, d, m, qs, qh, sx, y, N); break;
     default: row_tile<4, T>(x, K, d, m, qs, qh, sx, y, N); break;
   }
+}
+
+// ---- Q4_1, AVX2: several weight rows per pass over x ----
+//
+// The 8-lane path's walk for the built-in model's layers, on CPUs without AVX-512 (AMD Zen 2
+// and 3, most laptops).  row_tile above takes one weight row at a time, with a scalar f16 -> f32
+// convert of d and of m and a scalar min term per block: on a Zen 3 core (family 25 model 1)
+// 3.5-4.5 ns a block, 8.3 ms of a 12.2 ms batch-1 decode step, 8 GB/s where the two cores
+// read 27; this walk 1.9-2.1 ns (docs/BENCHMARKS.md, "The Q4_1 kernel on AVX2").  As "Q4_1, AVX-512" below: NR weight
+// rows per pass for a tile of MR rows of x, so the MR x NR accumulator chains are independent
+// and each x block serves NR rows (read by the FMAs from L1: 16 ymm registers hold no x tile);
+// d and m converted 8 blocks at a time (one vcvtph2ps each); a block's bytes 0..7 and 8..15
+// zero-extended to int32 lanes, whose low 4 bits are weights 0..7 (8..15) and whose bits
+// 4..7 are weights 16..23 (24..31).
+//
+// For each (row of x, weight row) pair the operations and their order are the same whatever
+// MR and NR are (acc and s hold that pair's lanes alone), so a row's result does not depend on
+// M or on which rows share the call:
+//   per chunk c of 8 blocks:  acc = fma(m[c], sx[c], acc) lane by lane (lanes past nb: +0 * +0)
+//   then per block b of it:   s   = q[0..7] * x[0..7];  s = fma(q[16..23], x[16..23], s)
+//                             s   = fma(q[8..15], x[8..15], s);  s = fma(q[24..31], x[24..31], s)
+//                             acc = fma(d_b, s, acc)
+//   y = hsum(acc)
+constexpr int64_t kChunk8 = 8;    // blocks whose d and m are converted at once
+constexpr int64_t kAhead8 = 8;    // weight rows ahead whose fields are prefetched (as kAhead below)
+
+// Values [c0, c0 + cn) of a row of nb f16 values (row: its first) as 8 float32 lanes, lanes
+// past cn +0.  A row's last chunk (cn < 8) is read as the row's last 8 values, moved down
+// into place: no read past the row, and no copy through memory (a 16-byte load of values
+// just stored 2 bytes at a time waits for the stores: ~2x the kernel's time at K = 576).
+inline __m256 f16x8(const uint16_t* row, int64_t nb, int64_t c0, int64_t cn, __m256 lanes) {
+  if (cn == kChunk8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c0)));
+  if (nb >= kChunk8) {
+    const __m256 last = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + nb - kChunk8)));
+    const __m256i from = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(static_cast<int>(kChunk8 - cn)));
+    return _mm256_and_ps(_mm256_permutevar8x32_ps(last, from), lanes);
+  }
+  alignas(16) uint16_t tail[kChunk8] = {};   // a row shorter than a chunk (K < 256)
+  std::copy(row + c0, row + c0 + cn, tail);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+}
+
+template <int MR, int NR>
+void q4_1_tile_256(const float* x, int64_t K, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
+                   const float* sx, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  const __m256i low4 = _mm256_set1_epi32(15);
+  // a block's bytes 0..7 (8..15), in both 128-bit halves, to int32 lanes 0..7: vpshufb within
+  // each half, where vpmovzxbd crosses halves (1.5 cycles a ymm in llvm-mca's Zen 3 model, 0.5)
+  const __m256i bytes0_7 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
+                                            4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
+  const __m256i bytes8_15 = _mm256_add_epi32(bytes0_7, _mm256_set1_epi32(8));
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  alignas(32) float db[NR][kChunk8];   // this chunk's d as float32, per weight row
+  for (int64_t c0 = 0; c0 < nb; c0 += kChunk8) {
+    const int64_t cn = std::min<int64_t>(kChunk8, nb - c0);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cn)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 lanes_ps = _mm256_castsi256_ps(lanes);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      _mm256_store_ps(db[j], f16x8(d + j * nb, nb, c0, cn, lanes_ps));
+      const __m256 mv = f16x8(m + j * nb, nb, c0, cn, lanes_ps);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        acc[r][j] = _mm256_fmadd_ps(mv, _mm256_maskload_ps(sx + r * nb + c0, lanes), acc[r][j]);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {   // the same chunk of the row kAhead8 rows on
+      _mm_prefetch(reinterpret_cast<const char*>(d + (j + kAhead8) * nb + c0), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(m + (j + kAhead8) * nb + c0), _MM_HINT_T0);
+    }
+    for (int64_t i = 0; i < cn; ++i) {
+      const int64_t b = c0 + i;
+      if (b % 4 == 0) {   // a cache line of qs is 4 blocks
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(qs + ((j + kAhead8) * nb + b) * Q4_1::kQsBytes), _MM_HINT_T0);
+      }
+      const float* xb = x + b * kBlock;
+      __m256 s[MR][NR];
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const uint8_t* qb = qs + (j * nb + b) * Q4_1::kQsBytes;
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qb)));
+        const __m256i v0 = _mm256_shuffle_epi8(v, bytes0_7), v1 = _mm256_shuffle_epi8(v, bytes8_15);
+        const __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v0, low4));    // weights 0..7
+        const __m256 q16 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4));     // 16..23
+        const __m256 q8 = _mm256_cvtepi32_ps(_mm256_and_si256(v1, low4));    // 8..15
+        const __m256 q24 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4));     // 24..31
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = xb + r * K;
+          __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
+          t = _mm256_fmadd_ps(q16, _mm256_loadu_ps(xr + 16), t);
+          t = _mm256_fmadd_ps(q8, _mm256_loadu_ps(xr + 8), t);
+          s[r][j] = _mm256_fmadd_ps(q24, _mm256_loadu_ps(xr + 24), t);
+        }
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const __m256 dj = _mm256_broadcast_ss(&db[j][i]);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) acc[r][j] = _mm256_fmadd_ps(dj, s[r][j], acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) y[r * N + j] = jaxllm_simd::hsum(acc[r][j]);
+}
+
+// Weight rows per pass for a tile of MR rows of x: 2 * MR * NR accumulators and partials + a
+// block's 4 weight vectors + constants within the 16 ymm registers.
+template <int MR>
+constexpr int kRowsPerPass8 = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+
+// The weight rows [n0, n1) against a tile of MR rows of x, NR at a time (the last < NR one
+// by one); the first kAhead8 rows of the part requested as it starts.
+template <int MR>
+void q4_1_rows_256(const float* x, int64_t K, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
+                   const float* sx, float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int NR = kRowsPerPass8<MR>;
+  const int64_t nb = K / kBlock;
+  const int64_t first = std::min(n1, n0 + kAhead8) - n0;
+  jaxllm_gguf::prefetch(qs + n0 * nb * Q4_1::kQsBytes, first * nb * Q4_1::kQsBytes);
+  jaxllm_gguf::prefetch(d + n0 * nb, first * nb * 2);
+  jaxllm_gguf::prefetch(m + n0 * nb, first * nb * 2);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    q4_1_tile_256<MR, NR>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
+  for (; n < n1; ++n)
+    q4_1_tile_256<MR, 1>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
+}
+
+// y = x . W^T for Q4_1 weights on the AVX2 path: the weight rows split over the pool as in
+// linear(), each part walked tile of x by tile of x (tiles as rows_range makes them).
+void linear_q4_1_256(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
+                     const uint8_t* qs, const float* sx, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / kBlock;
+  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
+    const int64_t tiles = (M + jaxllm_gguf::kMaxRows - 1) / jaxllm_gguf::kMaxRows;
+    int64_t r0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int rows = static_cast<int>(M / tiles + (t < M % tiles));
+      const float* xt = x + r0 * K;
+      const float* st = sx + r0 * nb;
+      float* yt = y + r0 * N;
+      switch (rows) {
+        case 1: q4_1_rows_256<1>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        case 2: q4_1_rows_256<2>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        case 3: q4_1_rows_256<3>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        default: q4_1_rows_256<4>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+      }
+      r0 += rows;
+    }
+  });
 }
 
 // ---- AVX-512: the same tiles 16 lanes wide, chosen at run time ----
@@ -641,6 +801,7 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   if constexpr (std::is_same_v<T, Q4_1>) {
     if (g_avx512 && M >= kPanelMinRows) return linear_q4_1_panel_512(pool, x, d, m, qs, sx, y, M, K, N);
     if (g_avx512) return linear_q4_1_512(pool, x, d, m, qs, sx, y, M, K, N);
+    return linear_q4_1_256(pool, x, d, m, qs, sx, y, M, K, N);
   }
   if constexpr (std::is_same_v<T, Q8_0> || std::is_same_v<T, Q4_0> || std::is_same_v<T, Q5_0>) {
     if (g_avx512) return linear_nomin_512<T>(pool, x, d, qs, qh, y, M, K, N);
