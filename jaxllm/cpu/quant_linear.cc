@@ -203,15 +203,15 @@ inline void tile(int rows, const float* x, int64_t K, const uint16_t* d, const u
 // ---- Q4_1, AVX2: several weight rows per pass over x ----
 //
 // The 8-lane path's walk for the built-in model's layers, on CPUs without AVX-512 (AMD Zen 2
-// and 3, most laptops).  row_tile above takes one weight row at a time, with a scalar f16 -> f32
-// convert of d and of m and a scalar min term per block: on a Zen 3 core (family 25 model 1)
-// 3.5-4.5 ns a block, 8.3 ms of a 12.2 ms batch-1 decode step, 8 GB/s where the two cores
-// read 27; this walk 1.9-2.1 ns (docs/BENCHMARKS.md, "The Q4_1 kernel on AVX2").  As "Q4_1, AVX-512" below: NR weight
-// rows per pass for a tile of MR rows of x, so the MR x NR accumulator chains are independent
-// and each x block serves NR rows (read by the FMAs from L1: 16 ymm registers hold no x tile);
-// d and m converted 8 blocks at a time (one vcvtph2ps each); a block's bytes 0..7 and 8..15
-// zero-extended to int32 lanes, whose low 4 bits are weights 0..7 (8..15) and whose bits
-// 4..7 are weights 16..23 (24..31).
+// and 3, most laptops).  row_tile above takes one weight row at a time, with a scalar f16 ->
+// f32 convert of d and of m and a scalar min term per block: on a Zen 3 core (family 25
+// model 1) 3.5-4.5 ns a block, 8.3 ms of a 12.2 ms batch-1 decode step, 8 GB/s where the two
+// cores read 27; this walk takes 1.9-2.1 ns (docs/BENCHMARKS.md, "The Q4_1 kernel on AVX2").
+// As "Q4_1, AVX-512" below: NR weight rows per pass for a tile of MR rows of x, so the
+// MR x NR accumulator chains are independent and each x block serves NR rows (read by the
+// FMAs from L1: 16 ymm registers hold no x tile); d and m converted 8 blocks at a time (one
+// vcvtph2ps each); a block's bytes 0..7 and 8..15 zero-extended to int32 lanes, whose low 4
+// bits are weights 0..7 (8..15) and whose bits 4..7 are weights 16..23 (24..31).
 //
 // For each (row of x, weight row) pair the operations and their order are the same whatever
 // MR and NR are (acc and s hold that pair's lanes alone), so a row's result does not depend on
@@ -247,7 +247,8 @@ void q4_1_tile_256(const float* x, int64_t K, const uint16_t* d, const uint16_t*
   const int64_t nb = K / kBlock;
   const __m256i low4 = _mm256_set1_epi32(15);
   // a block's bytes 0..7 (8..15), in both 128-bit halves, to int32 lanes 0..7: vpshufb within
-  // each half, where vpmovzxbd crosses halves (1.5 cycles a ymm in llvm-mca's Zen 3 model, 0.5)
+  // each half, where vpmovzxbd crosses halves (1.5 cycles a ymm against vpshufb's 0.5 in
+  // llvm-mca's Zen 3 model)
   const __m256i bytes0_7 = _mm256_setr_epi8(0, -1, -1, -1, 1, -1, -1, -1, 2, -1, -1, -1, 3, -1, -1, -1,
                                             4, -1, -1, -1, 5, -1, -1, -1, 6, -1, -1, -1, 7, -1, -1, -1);
   const __m256i bytes8_15 = _mm256_add_epi32(bytes0_7, _mm256_set1_epi32(8));
