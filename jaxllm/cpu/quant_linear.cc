@@ -336,29 +336,14 @@ void q4_1_rows_256(const float* x, int64_t K, const uint16_t* d, const uint16_t*
     q4_1_tile_256<MR, 1>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
 }
 
-// y = x . W^T for Q4_1 weights on the AVX2 path: the weight rows split over the pool as in
-// linear(), each part walked tile of x by tile of x (tiles as rows_range makes them).
-void linear_q4_1_256(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
-                     const uint8_t* qs, const float* sx, float* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t nb = K / kBlock;
-  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
-    const int64_t tiles = (M + jaxllm_gguf::kMaxRows - 1) / jaxllm_gguf::kMaxRows;
-    int64_t r0 = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int rows = static_cast<int>(M / tiles + (t < M % tiles));
-      const float* xt = x + r0 * K;
-      const float* st = sx + r0 * nb;
-      float* yt = y + r0 * N;
-      switch (rows) {
-        case 1: q4_1_rows_256<1>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
-        case 2: q4_1_rows_256<2>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
-        case 3: q4_1_rows_256<3>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
-        default: q4_1_rows_256<4>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
-      }
-      r0 += rows;
-    }
-  });
-}
+// The walk's entry for linear_q4_1_walk below.
+struct Q4_1Rows256 {
+  template <int MR>
+  static void run(const float* x, int64_t K, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
+                  const float* sx, float* y, int64_t N, int64_t n0, int64_t n1) {
+    q4_1_rows_256<MR>(x, K, d, m, qs, sx, y, N, n0, n1);
+  }
+};
 
 // ---- AVX-512: the same tiles 16 lanes wide, chosen at run time ----
 //
@@ -732,7 +717,7 @@ JAXLLM_AVX512 void nomin_rows_512(const float* x, int64_t K, const uint16_t* d, 
     nomin_tile_512<T, MR, 1>(x, K, d + n * nb, qs + n * nb * T::kQsBytes, qh + n * nb * T::kQhBytes, y + n, N);
 }
 
-// y = x . W^T for Q8_0, Q4_0 and Q5_0 weights on the AVX-512 path (as linear_q4_1_512).
+// y = x . W^T for Q8_0, Q4_0 and Q5_0 weights on the AVX-512 path (as linear_q4_1_walk).
 template <typename T>
 JAXLLM_AVX512 void linear_nomin_512(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint8_t* qs,
                                     const uint8_t* qh, float* y, int64_t M, int64_t K, int64_t N) {
@@ -768,10 +753,21 @@ std::vector<float> block_sums(const float* x, int64_t M, int64_t K) {
   return sums;
 }
 
-// y = x . W^T for Q4_1 weights on the AVX-512 path: the weight rows split over the pool as
-// in linear(), each part walked tile of x by tile of x (tiles as rows_range makes them).
-JAXLLM_AVX512 void linear_q4_1_512(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
-                                   const uint8_t* qs, const float* sx, float* y, int64_t M, int64_t K, int64_t N) {
+// The AVX-512 walk's entry for linear_q4_1_walk.
+struct Q4_1Rows512 {
+  template <int MR>
+  JAXLLM_AVX512 static void run(const float* x, int64_t K, const uint16_t* d, const uint16_t* m,
+                                const uint8_t* qs, const float* sx, float* y, int64_t N, int64_t n0, int64_t n1) {
+    q4_1_rows_512<MR>(x, K, d, m, qs, sx, y, N, n0, n1);
+  }
+};
+
+// y = x . W^T for Q4_1 weights by a several-rows walk (Rows: Q4_1Rows512 on the AVX-512
+// path, Q4_1Rows256 on the AVX2 one): the weight rows split over the pool as in linear(),
+// each part walked tile of x by tile of x (tiles as rows_range makes them).
+template <typename Rows>
+void linear_q4_1_walk(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
+                      const uint8_t* qs, const float* sx, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t nb = K / kBlock;
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
     const int64_t tiles = (M + jaxllm_gguf::kMaxRows - 1) / jaxllm_gguf::kMaxRows;
@@ -782,10 +778,10 @@ JAXLLM_AVX512 void linear_q4_1_512(ffi::ThreadPool& pool, const float* x, const 
       const float* st = sx + r0 * nb;
       float* yt = y + r0 * N;
       switch (rows) {
-        case 1: q4_1_rows_512<1>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
-        case 2: q4_1_rows_512<2>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
-        case 3: q4_1_rows_512<3>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
-        default: q4_1_rows_512<4>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        case 1: Rows::template run<1>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        case 2: Rows::template run<2>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        case 3: Rows::template run<3>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
+        default: Rows::template run<4>(xt, K, d, m, qs, st, yt, N, n0, n1); break;
       }
       r0 += rows;
     }
@@ -801,8 +797,8 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   const float* sx = m != nullptr ? sums.data() : nullptr;
   if constexpr (std::is_same_v<T, Q4_1>) {
     if (g_avx512 && M >= kPanelMinRows) return linear_q4_1_panel_512(pool, x, d, m, qs, sx, y, M, K, N);
-    if (g_avx512) return linear_q4_1_512(pool, x, d, m, qs, sx, y, M, K, N);
-    return linear_q4_1_256(pool, x, d, m, qs, sx, y, M, K, N);
+    if (g_avx512) return linear_q4_1_walk<Q4_1Rows512>(pool, x, d, m, qs, sx, y, M, K, N);
+    return linear_q4_1_walk<Q4_1Rows256>(pool, x, d, m, qs, sx, y, M, K, N);
   }
   if constexpr (std::is_same_v<T, Q8_0> || std::is_same_v<T, Q4_0> || std::is_same_v<T, Q5_0>) {
     if (g_avx512) return linear_nomin_512<T>(pool, x, d, qs, qh, y, M, K, N);
