@@ -137,21 +137,10 @@ struct Q5_1 {
   }
 };
 
+// Q4_1: weight d * q + m, q the nibble in 0..15 (byte j: weight j low, weight j + 16 high).
+// Its blocks are read by its own walks ("Q4_1, AVX2", "Q4_1, AVX-512"), not by the tiles below.
 struct Q4_1 {
   static constexpr int64_t kQsBytes = 16;
-  static constexpr int64_t kQhBytes = 0;
-  static constexpr bool kSigned = false;
-  static inline void bytes(const uint8_t* qs, const uint8_t*, __m128i* lo, __m128i* hi) { nibbles(qs, lo, hi); }
-  // byte j: weight j in the low nibble, weight j + 16 in the high nibble
-  static inline void widen(const uint8_t* qs, const uint8_t*, __m256 q[4]) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-  }
 };
 
 // y[r, n] for r < MR rows of x (K apart) and one weight row n; y rows N apart.
@@ -795,27 +784,28 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   std::vector<float> sums;
   if (m != nullptr) sums = block_sums(x, M, K);
   const float* sx = m != nullptr ? sums.data() : nullptr;
-  if constexpr (std::is_same_v<T, Q4_1>) {
+  if constexpr (std::is_same_v<T, Q4_1>) {   // its walks at every M, on either path
     if (g_avx512 && M >= kPanelMinRows) return linear_q4_1_panel_512(pool, x, d, m, qs, sx, y, M, K, N);
     if (g_avx512) return linear_q4_1_walk<Q4_1Rows512>(pool, x, d, m, qs, sx, y, M, K, N);
     return linear_q4_1_walk<Q4_1Rows256>(pool, x, d, m, qs, sx, y, M, K, N);
-  }
-  if constexpr (std::is_same_v<T, Q8_0> || std::is_same_v<T, Q4_0> || std::is_same_v<T, Q5_0>) {
-    if (g_avx512) return linear_nomin_512<T>(pool, x, d, qs, qh, y, M, K, N);
-  }
-  const auto tile_fn = g_avx512 ? tile_512<T> : tile<T>;
-  const auto prefetch_row = [=](int64_t a) {
-    jaxllm_gguf::prefetch(qs + a * nb * T::kQsBytes, nb * T::kQsBytes);
-    jaxllm_gguf::prefetch(d + a * nb, nb * 2);
-    if (m) jaxllm_gguf::prefetch(m + a * nb, nb * 2);
-    if (T::kQhBytes) jaxllm_gguf::prefetch(qh + a * nb * T::kQhBytes, nb * T::kQhBytes);
-  };
-  split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
-    rows_range_prefetched(M, n0, n1, prefetch_row, [=](int rows, int64_t r0, int64_t n) {
-      tile_fn(rows, x + r0 * K, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
-              qh + n * nb * T::kQhBytes, sx ? sx + r0 * nb : nullptr, y + r0 * N + n, N);
+  } else {
+    if constexpr (std::is_same_v<T, Q8_0> || std::is_same_v<T, Q4_0> || std::is_same_v<T, Q5_0>) {
+      if (g_avx512) return linear_nomin_512<T>(pool, x, d, qs, qh, y, M, K, N);
+    }
+    const auto tile_fn = g_avx512 ? tile_512<T> : tile<T>;
+    const auto prefetch_row = [=](int64_t a) {
+      jaxllm_gguf::prefetch(qs + a * nb * T::kQsBytes, nb * T::kQsBytes);
+      jaxllm_gguf::prefetch(d + a * nb, nb * 2);
+      if (m) jaxllm_gguf::prefetch(m + a * nb, nb * 2);
+      if (T::kQhBytes) jaxllm_gguf::prefetch(qh + a * nb * T::kQhBytes, nb * T::kQhBytes);
+    };
+    split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
+      rows_range_prefetched(M, n0, n1, prefetch_row, [=](int rows, int64_t r0, int64_t n) {
+        tile_fn(rows, x + r0 * K, K, d + n * nb, m ? m + n * nb : nullptr, qs + n * nb * T::kQsBytes,
+                qh + n * nb * T::kQhBytes, sx ? sx + r0 * nb : nullptr, y + r0 * N + n, N);
+      });
     });
-  });
+  }
 }
 
 // ---- K-quants: 256-weight super-blocks whose sub-blocks have their own scale ----
