@@ -96,6 +96,24 @@ def test_int8_activation_matmul(type_name, shape, isa):
                   f"{err.max() / np.abs(ref).max():.1e} of max |y|")
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("shape", [(576, 576), (1539, 576), (37, 96)])
+def test_a_row_is_the_same_bits_whatever_rows_share_the_call(type_name, shape, isa):
+    """A decode's one row of x (M = 1: on AVX2, Q4_1's four-rows walk for K >= 256) gives the
+    bits that row gets in a call of 2, 3, 5 or 17 rows (the row tiles): a token's logits do not
+    depend on the batch it runs in.  1539 weight rows: passes of four and a remainder."""
+    rng = np.random.default_rng(hash((type_name, shape, "bits")) % 2**32)
+    w = (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType[type_name])
+    pw = jax.device_put(pack(raw, type_name, shape))
+    fn = jax.jit(lambda x, pw: linear_packed(x, pw, int8_activations=True))
+    x = rng.standard_normal((17, shape[1])).astype(np.float32)
+    alone = np.stack([np.asarray(fn(x[i:i + 1], pw))[0] for i in range(5)])
+    for M in (2, 3, 5, 17):
+        got = np.asarray(fn(x[:M], pw))
+        np.testing.assert_array_equal(got[:5], alone[:M], err_msg=f"{type_name} {shape} M={M}: a row's bits depend on M")
+
+
 # The interleaved layout (quant_dot.cc's jaxllm_dot16_*): N a multiple of 16; (48, 96) has an
 # odd number of blocks per row.
 INTERLEAVED_SHAPES = [(576, 576), (960, 576), (576, 1536), (48, 96)]
