@@ -1,12 +1,16 @@
 """The float32-activation Q4_1 kernel (``jaxllm_linear_q4_1``, quant_linear.cc) of this tree
 against the same kernel built from another git revision, alternated, at the built-in
 model's (SmolLM2-135M) projection shapes; and its Q8_0 LM head (``jaxllm_linear_q8_0``).
+``--int8``: the 8-bit-activation kernels instead (``jaxllm_dot_q4_1`` and ``_q8_0``,
+quant_dot.cc: ``--cpu-matmul native-int8``), row-major weights (as on a CPU without VNNI).
 
     python bench/q4_1_linear.py                       # this tree vs main, M = 1 and 8
     python bench/q4_1_linear.py --base HEAD~1 --rows 1 --reps 31
+    python bench/q4_1_linear.py --int8 --rows 1
 
-The base revision's quant_linear.cc and headers (``git show REV:...``) are compiled into a
-temporary library and registered under the targets ``jaxllm_linear_q4_1_base`` and ``_q8_0_base``.  Weights are
+The base revision's kernel source and headers (``git show REV:...``) are compiled into a
+temporary library and registered under the targets ``jaxllm_linear_q4_1_base`` and
+``_q8_0_base`` (``jaxllm_dot_..._base`` with ``--int8``).  Weights are
 random valid Q4_1 blocks (the kernels' speed does not depend on the values), ``--layers``
 distinct copies per shape so that the calls stream their weights rather than rereading
 one copy from L2.  Each shape's row is one jitted function that runs the ``--layers``
@@ -46,20 +50,27 @@ from jaxllm.quant.native_matmul import linear_packed  # noqa: E402
 # jaxllm/runner/weights.py)
 SHAPES = [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536)]
 STEP = ["qkv", "o", "gate_up", "down"]   # one layer's calls, in order
-BASE_TARGET = "jaxllm_linear_q4_1_base"
-BASE_TARGET_Q8_0 = "jaxllm_linear_q8_0_base"
+# kernel family -> (source, its Q4_1 and Q8_0 handler symbols)
+KERNELS = {"linear": ("quant_linear.cc", "JaxllmLinearQ4_1", "JaxllmLinearQ8_0"),
+           "dot": ("quant_dot.cc", "JaxllmDotQ4_1", "JaxllmDotQ8_0")}
 HEAD = ("lm_head", 49152, 576)   # the tied embedding, Q8_0 in the built-in GGUF
-_SOURCES = ["quant_linear.cc", "gguf_simd.h", "parallel.h", "simd.h"]
+_HEADERS = ["gguf_simd.h", "parallel.h", "simd.h"]
 
 
-def build_base(rev: str) -> ctypes.CDLL:
-    """Compiles ``rev``'s quant_linear.cc into a temporary library and registers its Q4_1
-    and Q8_0 handlers as ``BASE_TARGET`` and ``BASE_TARGET_Q8_0``; the library (kept loaded
-    by the caller)."""
+def base_target(kind: str, type_name: str) -> str:
+    """The FFI target of the base revision's ``kind`` ("linear" or "dot") kernel for a type."""
+    return f"jaxllm_{kind}_{type_name.lower()}_base"
+
+
+def build_base(rev: str, kind: str = "linear") -> ctypes.CDLL:
+    """Compiles ``rev``'s kernel source of ``kind`` (KERNELS) into a temporary library and
+    registers its Q4_1 and Q8_0 handlers as ``base_target(kind, ...)``; the library (kept
+    loaded by the caller)."""
+    source, q4_1_symbol, q8_0_symbol = KERNELS[kind]
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     folder = tempfile.mkdtemp(prefix="q4_1_base_")
-    for name in _SOURCES:
+    for name in [source, *_HEADERS]:
         text = subprocess.run(["git", "show", f"{rev}:jaxllm/cpu/{name}"], capture_output=True, text=True,
                               check=True, cwd=root).stdout
         with open(os.path.join(folder, name), "w") as f:
@@ -67,12 +78,13 @@ def build_base(rev: str) -> ctypes.CDLL:
     lib_path = os.path.join(folder, "libbase.so")
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     built = subprocess.run([cxx, *native._QUANT_FLAGS, f"-I{jax.ffi.include_dir()}",
-                            os.path.join(folder, "quant_linear.cc"), "-o", lib_path], capture_output=True, text=True)
+                            os.path.join(folder, source), "-o", lib_path], capture_output=True, text=True)
     if built.returncode != 0:
-        raise RuntimeError(f"compiling {rev}'s quant_linear.cc failed: {built.stderr.strip()[-2000:]}")
+        raise RuntimeError(f"compiling {rev}'s {source} failed: {built.stderr.strip()[-2000:]}")
     lib = ctypes.cdll.LoadLibrary(lib_path)
-    jax.ffi.register_ffi_target(BASE_TARGET, jax.ffi.pycapsule(lib.JaxllmLinearQ4_1), platform="cpu")
-    jax.ffi.register_ffi_target(BASE_TARGET_Q8_0, jax.ffi.pycapsule(lib.JaxllmLinearQ8_0), platform="cpu")
+    for type_name, symbol in (("Q4_1", q4_1_symbol), ("Q8_0", q8_0_symbol)):
+        jax.ffi.register_ffi_target(base_target(kind, type_name), jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
     return lib
 
 
@@ -92,22 +104,22 @@ def random_q8_0(n: int, k: int, rng: np.random.Generator) -> PackedWeight:
     return PackedWeight(d=jnp.asarray(d), qs=jnp.asarray(qs), type_name="Q8_0", shape=(n, k))
 
 
-def _call(target: str, x: jax.Array, pw: PackedWeight) -> jax.Array:
-    if target != BASE_TARGET:
-        return linear_packed(x, pw)
+def _call(kind: str, base: bool, x: jax.Array, pw: PackedWeight) -> jax.Array:
+    if not base:
+        return linear_packed(x, pw, int8_activations=kind == "dot")
     out = jax.ShapeDtypeStruct((x.shape[0], pw.shape[0]), jnp.float32)
-    if pw.type_name == "Q8_0":
-        return jax.ffi.ffi_call(BASE_TARGET_Q8_0, out)(x, pw.d, pw.qs)
-    return jax.ffi.ffi_call(target, out)(x, pw.d, pw.m, pw.qs)
+    fields = (pw.d, pw.qs) if pw.type_name == "Q8_0" else (pw.d, pw.m, pw.qs)
+    return jax.ffi.ffi_call(base_target(kind, pw.type_name), out)(x, *fields)
 
 
-def chain(target: str):
-    """A jitted fn(x0 [M, max K], weights) calling the kernel on each weight in turn; call
-    i's x is x0's first K columns plus a term of call i - 1's output (a true dependency)."""
+def chain(kind: str, base: bool):
+    """A jitted fn(x0 [M, max K], weights) calling the ``kind`` kernel (the base revision's
+    or this tree's) on each weight in turn; call i's x is x0's first K columns plus a term
+    of call i - 1's output (a true dependency)."""
     def run(x0, weights):
         prev = jnp.zeros((x0.shape[0], 1), jnp.float32)
         for pw in weights:
-            y = _call(target, x0[:, :pw.shape[1]] + 1e-3 * prev, pw)   # [M, N]
+            y = _call(kind, base, x0[:, :pw.shape[1]] + 1e-3 * prev, pw)   # [M, N]
             prev = y[:, :1]
         return prev
     return jax.jit(run)
@@ -138,23 +150,26 @@ def main(argv=None) -> int:
     p.add_argument("--inner", type=int, default=3)
     p.add_argument("--no-bandwidth", action="store_true", help="skip the read_stream.c measurement")
     p.add_argument("--no-head", action="store_true", help="skip the Q8_0 LM head's row")
+    p.add_argument("--int8", action="store_true",
+                   help="the 8-bit-activation kernels (quant_dot.cc, --cpu-matmul native-int8)")
     args = p.parse_args(argv)
     if not native.quant_available():
         print("native packed-block matmul unavailable here (see the jaxllm.cpu warning)")
         return 1
-    lib = build_base(args.base)   # noqa: F841  (kept loaded: XLA holds a pointer into it)
+    kind = "dot" if args.int8 else "linear"
+    lib = build_base(args.base, kind)   # noqa: F841  (kept loaded: XLA holds a pointer into it)
     rng = np.random.default_rng(0)
     weights = {name: [random_q4_1(n, k, rng) for _ in range(args.layers)] for name, n, k in SHAPES}
     cases = [(name, weights[name]) for name, _, _ in SHAPES]
     cases.append(("step", [weights[name][layer] for layer in range(args.layers) for name in STEP]))
     if not args.no_head:
         cases.append((HEAD[0], [random_q8_0(HEAD[1], HEAD[2], rng) for _ in range(2)]))
-    fns = {"base": chain(BASE_TARGET), "new": chain("jaxllm_linear_q4_1")}
+    fns = {"base": chain(kind, base=True), "new": chain(kind, base=False)}
     if not args.no_bandwidth:
         bw, why = read_bandwidth()
         print(f"read stream (bench/read_stream.c, both cores): "
               + (f"{bw / 1e9:.1f} GB/s" if bw else f"unmeasured ({why})"))
-    print(f"base = {args.base}, new = this tree; median of {args.reps} alternated samples; "
+    print(f"{KERNELS[kind][0]}: base = {args.base}, new = this tree; median of {args.reps} alternated samples; "
           f"us per call, GB/s of weight bytes")
     print("| shape | N x K | M | base us | new us | base GB/s | new GB/s | speed-up |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")

@@ -82,10 +82,10 @@ struct Q8_0 {
   }
 };
 
+// Low nibbles in bytes 0..15, high ones in 16..31 (jaxllm_gguf::nibbles' halves), one mask for both.
 inline __m256i nibble_bytes(const uint8_t* qs) {
-  __m128i lo, hi;
-  jaxllm_gguf::nibbles(qs, &lo, &hi);
-  return _mm256_set_m128i(hi, lo);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
 }
 
 inline __m256i five_bit_bytes(const uint8_t* qs, const uint8_t* qh) {
@@ -181,13 +181,16 @@ inline void tile(int rows, const Activations& a, int64_t r0, int64_t K, const ui
 
 // ---- Q4_1 at one row of x, AVX2: four weight rows per pass ----
 //
-// A batch-1 decode step's calls (M = 1) with the built-in model's Q4_1 weights.  row_tile
-// takes one weight row at a time and converts each block's d and m by a scalar f16 -> f32
-// and d * dx by a scalar product: 1.7-1.9 ns a block on a Zen 3 core.  Here four weight rows
-// share each block of x (its int8 lanes loaded once), and a chunk of 8 blocks' d * dx and m
-// is converted by one vcvtph2ps and one multiply per weight row.  For each weight row the
-// operations and their order are row_tile<1>'s (the same products d * dx, the same FMA
-// chain over blocks, the same min sum), so its bits are row_tile's.
+// A batch-1 decode step's calls (M = 1) with the built-in model's Q4_1 weights, where the CPU
+// lacks VNNI.  row_tile takes one weight row at a time and converts each block's d and m by
+// a scalar f16 -> f32 and d * dx by a scalar product: 1.7-1.9 ns a block on a Zen 3 core.
+// Here four weight rows share each block of x (its int8 lanes loaded once), and a chunk of 8
+// blocks' d * dx and m is converted by one vcvtph2ps and one multiply per weight row:
+// 1.2-1.4 ns (docs/BENCHMARKS.md, "int8 activations at batch 1 on AVX2").  For each weight
+// row the operations and their order are row_tile<1>'s (the same products d * dx, the same
+// FMA chain over blocks, the same min sum and final add), so its bits are row_tile's at any
+// M: a token's logits do not depend on its batch.  Q4_1 only: the same walk over the Q8_0 LM
+// head (49152 rows, read at the memory's rate by row_tile) took 1.7-2.0 against 1.3 ns a block.
 constexpr int64_t kChunk = 8;   // blocks whose d * dx and m are converted at once
 
 template <int NR>
@@ -200,7 +203,6 @@ void q4_1_pass(const Activations& a, int64_t K, const uint16_t* d, const uint16_
     acc[j] = _mm256_setzero_ps();
     macc[j] = 0.0f;
   }
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
   alignas(32) float sc[NR][kChunk], mf[NR][kChunk];   // this chunk's d * dx and m, per weight row
   for (int64_t c0 = 0; c0 < nb; c0 += kChunk) {
     const int64_t cn = std::min<int64_t>(kChunk, nb - c0);
@@ -224,9 +226,7 @@ void q4_1_pass(const Activations& a, int64_t K, const uint16_t* d, const uint16_
       const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * kBlock));
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
-        // nibble_bytes' bytes, with one 256-bit mask instead of two 128-bit ones
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (j * nb + b) * Q4_1::kQsBytes));
-        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+        const __m256i w = nibble_bytes(qs + (j * nb + b) * Q4_1::kQsBytes);
         acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(sc[j][i]), dot32<false>(w, qa), acc[j]);
       }
 #pragma GCC unroll 4
@@ -243,12 +243,11 @@ void q4_1_rows(const Activations& a, int64_t K, const uint16_t* d, const uint16_
                int64_t n0, int64_t n1, const PrefetchRow& prefetch_row) {
   constexpr int NR = 4;
   const int64_t nb = K / kBlock;
-  for (int64_t n = n0; n < std::min(n1, n0 + jaxllm_gguf::kPrefetchRows); ++n) prefetch_row(n);
+  constexpr int64_t ahead = jaxllm_gguf::kPrefetchRows;
+  for (int64_t n = n0; n < std::min(n1, n0 + ahead); ++n) prefetch_row(n);
   int64_t n = n0;
-  for (; n < n1; n += NR) {
-    for (int64_t p = n + jaxllm_gguf::kPrefetchRows; p < std::min(n1, n + jaxllm_gguf::kPrefetchRows + NR); ++p)
-      prefetch_row(p);
-    if (n + NR > n1) break;
+  for (; n + NR <= n1; n += NR) {
+    for (int64_t p = n + ahead; p < std::min(n1, n + ahead + NR); ++p) prefetch_row(p);
     q4_1_pass<NR>(a, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, y + n);
   }
   for (; n < n1; ++n) q4_1_pass<1>(a, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, y + n);
