@@ -197,12 +197,9 @@ template <int NR>
 void q4_1_pass(const Activations& a, int64_t K, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
                float* y) {
   const int64_t nb = K / kBlock;
-  __m256 acc[NR];
-  float macc[NR];
-  for (int j = 0; j < NR; ++j) {
-    acc[j] = _mm256_setzero_ps();
-    macc[j] = 0.0f;
-  }
+  __m256 acc[NR];   // per weight row, as row_tile's
+  for (__m256& v : acc) v = _mm256_setzero_ps();
+  float macc[NR] = {};
   alignas(32) float sc[NR][kChunk], mf[NR][kChunk];   // this chunk's d * dx and m, per weight row
   for (int64_t c0 = 0; c0 < nb; c0 += kChunk) {
     const int64_t cn = std::min<int64_t>(kChunk, nb - c0);

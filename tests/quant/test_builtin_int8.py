@@ -1,7 +1,8 @@
 """The built-in model on ``--cpu-matmul native-int8`` on a CPU with AVX-512 VNNI (the default
 until int8's perplexity cost was measured: docs/BENCHMARKS.md, "Perplexity"): its Q4_1 and Q8_0
 blocks, in groups of 16 interleaved rows, meet activations rounded to int8 per 32 values
-(``cpu/quant_dot.cc``'s ``jaxllm_dot16_*``), which is llama.cpp's arithmetic
+(``cpu/quant_dot.cc``'s ``jaxllm_dot16_*``; the step-shape test also runs without VNNI, on the
+row-major AVX2 tiles), which is llama.cpp's arithmetic
 (``vec_dot_q4_1_q8_1``) and vLLM's GGUF kernels' (``ggml_mul_mat_vec_a8``).
 
 The kernel is exact against an emulation of that arithmetic (tests/kernels/test_cpu_quant_dot.py);
@@ -32,8 +33,9 @@ from support.engines import BUILTIN_ENGINE
 from support.builtin_prompts import PROMPTS
 from support.tiny_models import paged_logits
 
-pytestmark = pytest.mark.skipif(not native.quant_dot_vnni(),
-                                reason="the CPU lacks AVX512F/BW/VNNI: native-int8 runs the row-major AVX2 tiles")
+pytestmark = pytest.mark.skipif(not native.quant_available(), reason="the native packed-block matmul did not build")
+vnni = pytest.mark.skipif(not native.quant_dot_vnni(),
+                          reason="the CPU lacks AVX512F/BW/VNNI: native-int8 runs the row-major AVX2 tiles")
 
 
 # One engine on --cpu-matmul native-int8 and one load of the model for the module's tests:
@@ -78,6 +80,7 @@ def step_logits(builtin_model):
 
 
 @pytest.mark.slow
+@vnni
 def test_int8_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
     llm = int8_llm
     runner = llm.llm_engine.core.runner
@@ -110,6 +113,7 @@ def test_int8_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
 
 
 @pytest.mark.slow
+@vnni
 def test_int8_logits_error_against_the_dequantized_model(step_logits):
     """int8 activations' logits (the EIGHT step shapes of the test below: no program of its own)
     against the dequantized float32 model's: the reference is tests/quant/test_builtin_packed.py's
@@ -130,7 +134,9 @@ def test_int8_logits_error_against_the_dequantized_model(step_logits):
 @pytest.mark.parametrize("matmul", ["native-int8", "native"])
 def test_a_tokens_logits_do_not_depend_on_the_step_shape(step_logits, matmul):
     """The same positions computed one token per step and eight per step give bit-identical
-    logits on the native CPU path (and so do the later positions, on those caches).  XLA's
+    logits on the native CPU path (and so do the later positions, on those caches), on every
+    CPU the kernels run on: without VNNI, native-int8's one-token steps take Q4_1's one-row
+    walk and its eight-token steps the row tiles (cpu/quant_dot.cc).  XLA's
     own norms did not: it sums a row's squares in an order that depends on the step's shape
     (cpu/norm.cc), which with int8 activations moved the logits by up to 1.7 after 30 layers."""
     one, eight = step_logits(matmul, ONE), step_logits(matmul, EIGHT)
@@ -148,6 +154,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, 
 
 
 @pytest.mark.slow
+@vnni
 def test_speculation_on_int8_activations_returns_plain_decodings_tokens(int8_llm):
     # Three short repetitive prompts (n-gram drafts to propose), prefilled in one step of the
     # 32-token bucket and decoded three rows at a time: the plain engine runs only the two
