@@ -2,7 +2,8 @@
 against the same kernel built from another git revision, alternated, at the built-in
 model's (SmolLM2-135M) projection shapes; and its Q8_0 LM head (``jaxllm_linear_q8_0``).
 ``--int8``: the 8-bit-activation kernels instead (``jaxllm_dot_q4_1`` and ``_q8_0``,
-quant_dot.cc: ``--cpu-matmul native-int8``), row-major weights (as on a CPU without VNNI).
+quant_dot.cc: ``--cpu-matmul native-int8``) on row-major weights, as the engine lays them out
+on a CPU without VNNI (with it, the engine interleaves them for ``jaxllm_dot16_*``).
 
     python bench/q4_1_linear.py                       # this tree vs main, M = 1 and 8
     python bench/q4_1_linear.py --base HEAD~1 --rows 1 --reps 31
