@@ -4,6 +4,8 @@ concurrency 1 and 8, the encoder cache on and off, and the vision encoder's shar
     python bench/images.py [--family gemma3|qwen3_5] [--shape real|toy] [--requests 16] [--images 4]
                            [--output-len 8] [--repeats 3] [--output-json F]
     python bench/images.py --pack-cost 2560    # host cost of sending [T, D] image rows every step
+    python bench/images.py --family qwen3_5 --text-prefill 500 --max-num-seqs 64 --max-num-batched-tokens 512
+                                               # one text prompt's prefill through the text model
 
 No model hub is reachable here, so the model is a random-weight ``Gemma3ForConditionalGeneration``
 built with transformers and saved with the test suite's tokenizer and image-processor config
@@ -265,6 +267,32 @@ def pack_cost(D: int, repeats: int) -> None:
     print(f"load {_load()}")
 
 
+def text_prefill(folder: str, tokens: int, max_num_seqs: int, budget: int, repeats: int) -> list[float]:
+    """Seconds of ``generate`` of one text prompt of ``tokens`` ids, one output token, after a
+    warm-up call: the prefill through the text model (in chunks of ``budget`` tokens, in the
+    step buckets ``max_num_seqs`` sets: a hybrid model's GDN prefill work grows with both)."""
+    from jaxllm import LLM, SamplingParams
+    llm = LLM(folder, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=tokens + 8,
+              dtype="float32", enable_prefix_caching=False, show_progress=False)
+    sp = SamplingParams(max_tokens=1, temperature=0)
+    out = []
+    for r in range(repeats + 1):
+        ids = [10 + (r * 7 + j) % 200 for j in range(tokens)]   # distinct per call, in the tests' 320 ids
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": ids}], sp)
+        out.append(time.perf_counter() - t)
+    return out[1:]
+
+
+def _checkpoint(a) -> str:
+    """The folder of the arguments' checkpoint, built there first if missing."""
+    tag = a.shape if a.family == "gemma3" else f"{a.family}-{a.shape}"
+    folder = a.folder or os.path.join(tempfile.gettempdir(), f"jaxllm-bench-images-{tag}")
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        build_checkpoint(folder, a.shape, a.family)
+    return folder
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--family", choices=("gemma3", "qwen3_5"), default="gemma3")
@@ -277,17 +305,23 @@ def main(argv=None) -> int:
     ap.add_argument("--folder", default=None, help="where the checkpoint is built (default: under the temp dir)")
     ap.add_argument("--pack-cost", type=int, default=None, metavar="D",
                     help="instead: the host cost of packing [T, D] image rows into a step's inputs")
+    ap.add_argument("--text-prefill", type=int, default=None, metavar="N",
+                    help="instead: the seconds of one N-token text prompt's prefill (one output token)")
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="with --text-prefill (default 8)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="with --text-prefill (default 256)")
     a = ap.parse_args(argv)
+    if a.text_prefill:
+        secs = text_prefill(_checkpoint(a), a.text_prefill, a.max_num_seqs, a.max_num_batched_tokens, a.repeats)
+        print(f"{a.family} {a.shape}: one {a.text_prefill}-token text prompt, max_num_seqs {a.max_num_seqs}, "
+              f"max_num_batched_tokens {a.max_num_batched_tokens}: median {statistics.median(secs) * 1e3:.0f} ms "
+              f"({', '.join(f'{x * 1e3:.0f}' for x in secs)}); load {_load()}")
+        return 0
     if a.pack_cost:
         pack_cost(a.pack_cost, max(a.repeats, 3))
         return 0
     if a.requests < 8 + a.images * -(-8 // a.images):
         raise SystemExit("--requests too few: the c=8 TTFT needs 8 requests after a batch that covers every image")
-    tag = a.shape if a.family == "gemma3" else f"{a.family}-{a.shape}"
-    folder = a.folder or os.path.join(tempfile.gettempdir(), f"jaxllm-bench-images-{tag}")
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        build_checkpoint(folder, a.shape, a.family)
-    arms = Arms(folder, a.requests, a.images, a.output_len)
+    arms = Arms(_checkpoint(a), a.requests, a.images, a.output_len)
     names = [(on, c) for c in (1, 8) for on in (True, False)]
     for on, c in names:               # warm: every program of every arm, outside the timing
         arms.rate(on, c)

@@ -11,13 +11,16 @@ with ``q`` and ``k`` L2-normalised per head (``use_qk_l2norm``) and ``q`` scaled
 ``Dk ** -0.5``.  q / k heads may be fewer than value heads (each serves ``Hv / Hk``
 consecutive value heads, as transformers and FLA group them).
 
-Three implementations of the same function, all taking and returning the per-sequence
+Implementations of the same function, all taking and returning the per-sequence
 state ``[B, Hv, Dk, Dv]`` (float32):
 
 * :func:`chunk_gated_delta_rule` (prefill): the sequence cut into chunks of ``chunk_size``;
   within a chunk the sequential delta updates are condensed into matmuls by the WY / UT
   transform (one unit-lower-triangular solve per chunk), and a ``lax.scan`` carries the state
   from chunk to chunk.  Work is O(T C (Dk + Dv)) + O(T Dk Dv), all of it in matmuls.
+* :func:`segmented_gated_delta_rule` (the engine's ragged prefill): the same chunks, each a
+  segment of one sequence's tokens (:func:`segments`), scanned in order with each sequence's
+  state taken at its first segment and left at its last.
 * :func:`recurrent_gated_delta_rule` (decode, or any short run): a ``lax.scan`` over tokens.
 * :func:`reference_gated_delta_rule`: the token loop in numpy float64, the tests' oracle.
 
@@ -36,6 +39,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.formats.gdn_inputs import L2_EPS, prepare
+
+
+def _chunk_terms(q, k, v, g, beta):
+    """A chunk's state-independent terms: q, k [..., C, Dk], v [..., C, Dv], g, beta [..., C]
+    -> u [..., C, Dv], w [..., C, Dk], q_dec [..., C, Dk], k_dec [..., C, Dk], attn [..., C, C],
+    chunk_decay [...] (the leading axes batch independent chunks)."""
+    C, Dv = k.shape[-2], v.shape[-1]
+    gc = jnp.cumsum(g, axis=-1)                                        # [..., C] log decay since chunk start
+    causal = jnp.tril(jnp.ones((C, C), bool))                          # i >= j
+    # decay[i, j] = exp(gc_i - gc_j) for j <= i (<= 1: no overflow), else 0
+    diff = gc[..., :, None] - gc[..., None, :]                         # [..., C, C]
+    decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+    k_beta = k * beta[..., None]                                       # [..., C, Dk]
+    v_beta = v * beta[..., None]                                       # [..., C, Dv]
+    # The UT transform: (I + L) u = v_beta, (I + L) w = k_beta * exp(gc), L the strictly
+    # lower part of (k_beta k^T) * decay; u are the chunk's new values before the old state
+    # is subtracted, w the decayed keys reading the old state.
+    lower = jnp.einsum("...cd,...sd->...cs", k_beta, k) * decay
+    lower = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), lower, 0.0) + jnp.eye(C, dtype=jnp.float32)
+    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(gc)[..., None]], axis=-1)   # [..., C, Dv + Dk]
+    uw = jax.lax.linalg.triangular_solve(lower, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u, w = uw[..., :Dv], uw[..., Dv:]
+    attn = jnp.einsum("...cd,...sd->...cs", q, k) * decay              # [..., C, C] intra-chunk
+    q_dec = q * jnp.exp(gc)[..., None]                                 # reads the state at chunk start
+    k_dec = k * jnp.exp(gc[..., -1:] - gc)[..., None]                  # writes decayed to chunk end
+    chunk_decay = jnp.exp(gc[..., -1])                                 # [...]
+    return u, w, q_dec, k_dec, attn, chunk_decay
+
+
+def _chunk_step(s, u, w, q_dec, k_dec, attn, chunk_decay):
+    """One chunk from the state at its start: s [..., Dk, Dv] and :func:`_chunk_terms`' terms
+    of the chunk -> (the state at its end, o [..., C, Dv])."""
+    v_new = u - jnp.einsum("...cd,...de->...ce", w, s)                 # [..., C, Dv]
+    o = jnp.einsum("...cd,...de->...ce", q_dec, s) + jnp.einsum("...cs,...se->...ce", attn, v_new)
+    s = s * chunk_decay[..., None, None] + jnp.einsum("...cd,...ce->...de", k_dec, v_new)
+    return s, o
 
 
 @partial(jax.jit, static_argnames=("chunk_size", "use_qk_l2norm", "scale"))
@@ -58,41 +97,69 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, length=None, *, chunk_size: 
         return x.reshape(B, H, N, C, *x.shape[3:])
 
     q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))       # [B, H, N, C, D] / [B, H, N, C]
-    gc = jnp.cumsum(g, axis=-1)                                        # [B, H, N, C] log decay since chunk start
-    causal = jnp.tril(jnp.ones((C, C), bool))                          # i >= j
-    # decay[i, j] = exp(gc_i - gc_j) for j <= i (<= 1: no overflow), else 0
-    diff = gc[..., :, None] - gc[..., None, :]                         # [B, H, N, C, C]
-    decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
-    k_beta = k * beta[..., None]                                       # [B, H, N, C, Dk]
-    v_beta = v * beta[..., None]                                       # [B, H, N, C, Dv]
-    # The UT transform: (I + L) u = v_beta, (I + L) w = k_beta * exp(gc), L the strictly
-    # lower part of (k_beta k^T) * decay; u are the chunk's new values before the old state
-    # is subtracted, w the decayed keys reading the old state.
-    lower = jnp.einsum("bhncd,bhnsd->bhncs", k_beta, k) * decay
-    lower = jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), lower, 0.0) + jnp.eye(C, dtype=jnp.float32)
-    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(gc)[..., None]], axis=-1)   # [B, H, N, C, Dv + Dk]
-    uw = jax.lax.linalg.triangular_solve(lower, rhs, left_side=True, lower=True, unit_diagonal=True)
-    u, w = uw[..., :Dv], uw[..., Dv:]
-    attn = jnp.einsum("bhncd,bhnsd->bhncs", q, k) * decay              # [B, H, N, C, C] intra-chunk
-    q_dec = q * jnp.exp(gc)[..., None]                                 # reads the state at chunk start
-    k_dec = k * jnp.exp(gc[..., -1:] - gc)[..., None]                  # writes decayed to chunk end
-    chunk_decay = jnp.exp(gc[..., -1])                                 # [B, H, N]
-
-    def step(s, xs):
-        # s [B, H, Dk, Dv]; one chunk's [B, H, C, ...] slices
-        u_i, w_i, q_i, k_i, a_i, d_i = xs
-        v_new = u_i - jnp.einsum("bhcd,bhde->bhce", w_i, s)            # [B, H, C, Dv]
-        o = jnp.einsum("bhcd,bhde->bhce", q_i, s) + jnp.einsum("bhcs,bhse->bhce", a_i, v_new)
-        s = s * d_i[..., None, None] + jnp.einsum("bhcd,bhce->bhde", k_i, v_new)
-        return s, o
+    u, w, q_dec, k_dec, attn, chunk_decay = _chunk_terms(q, k, v, g, beta)
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q_dec, k_dec, attn, chunk_decay))   # N leading
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)      # o [N, B, H, C, Dv]
+    state, o = jax.lax.scan(lambda s, x: _chunk_step(s, *x), state.astype(jnp.float32), xs)   # o [N, B, H, C, Dv]
     o = jnp.moveaxis(o, 0, 2).reshape(B, H, N * C, Dv)[:, :, :T]      # [B, H, T, Dv]
     o = jnp.moveaxis(o, 1, 2)                                          # [B, T, H, Dv]
     if length is not None:
         o = jnp.where((jnp.arange(T)[None, :] < length[:, None])[..., None, None], o, 0.0)
     return o, state
+
+
+def segments(query_start_loc: jax.Array, num_tokens: int, chunk_size: int):
+    """Cuts a ragged step's flat tokens into segments of at most ``chunk_size`` consecutive
+    tokens of one sequence, each sequence's from its first token, in order: query_start_loc
+    [S + 1] -> (seq, start, length, first, last), each [N] with N = ceil(T / C) + S, the
+    most segments T tokens in S sequences can need.  Segment n holds tokens start[n] ..
+    start[n] + length[n] - 1 of sequence seq[n]; first / last: it is the sequence's first /
+    last; unused segments have length 0 and are neither."""
+    C = chunk_size
+    S = query_start_loc.shape[0] - 1
+    start, length = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]   # [S]
+    count = (length + C - 1) // C                                       # [S] segments per sequence
+    end = jnp.cumsum(count)                                             # [S] segments up to and with s
+    n = jnp.arange(-(-num_tokens // C) + S, dtype=jnp.int32)            # [N]
+    seq = jnp.searchsorted(end, n, side="right").astype(jnp.int32)      # [N] (S: past the last)
+    used = seq < S
+    seq = jnp.minimum(seq, S - 1)
+    i = n - (end[seq] - count[seq])                                     # [N] its index in the sequence
+    seg_len = jnp.where(used, jnp.clip(length[seq] - i * C, 0, C), 0)
+    return seq, start[seq] + i * C, seg_len, used & (i == 0), used & (i == count[seq] - 1)
+
+
+@partial(jax.jit, static_argnames=("use_qk_l2norm", "scale"))
+def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, first, last, length, *, use_qk_l2norm: bool = True,
+                               scale: float | None = None):
+    """The chunked form over :func:`segments`' segments instead of ``[B, T]`` rows: q, k
+    [N, C, Hk, Dk], v [N, C, H, Dv], g, beta [N, C, H] (segment n's tokens, ``length[n]``
+    of them real), states [S, H, Dk, Dv] each sequence's state before its first segment
+    -> (o [N, C, H, Dv] float32, states [S, H, Dk, Dv] float32: each sequence's after its
+    last segment, the others' as given).
+
+    A step of S rows of T tokens costs the rows' form S * T token slots of work; segments
+    cost at most T + S * C, whatever the mix of prompts and one-token decodes.  Each
+    segment is a chunk of :func:`chunk_gated_delta_rule` (the same terms and step); the
+    scan runs the segments in order, taking a sequence's state at its first segment and
+    leaving it at its last."""
+    q, k, v, g, beta = prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
+    tr = lambda x: jnp.moveaxis(x, 2, 1)                                # noqa: E731  [N, C, H, ...] -> [N, H, C, ...]
+    terms = _chunk_terms(tr(q), tr(k), tr(v), jnp.moveaxis(g, 2, 1), jnp.moveaxis(beta, 2, 1))   # [N, H, ...]
+    states = states.astype(jnp.float32)
+
+    def step(carry, xs):
+        s, states = carry
+        sq, fst, lst, *t = xs
+        s = jnp.where(fst, states[sq], s)                               # [H, Dk, Dv]
+        s, o = _chunk_step(s, *t)
+        states = jax.lax.dynamic_update_index_in_dim(states, jnp.where(lst, s, states[sq]), sq, 0)
+        return (s, states), o
+
+    (_, states), o = jax.lax.scan(step, (jnp.zeros_like(states[0]), states), (seq, first, last, *terms))
+    o = jnp.moveaxis(o, 1, 2)                                           # [N, C, H, Dv]
+    valid = jnp.arange(q.shape[1])[None, :] < length[:, None]           # [N, C]
+    return jnp.where(valid[..., None, None], o, 0.0), states
 
 
 @partial(jax.jit, static_argnames=("use_qk_l2norm", "scale"))

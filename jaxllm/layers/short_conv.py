@@ -44,3 +44,32 @@ def conv_step(x: jax.Array, weight: jax.Array, state: jax.Array,
     if activation:
         y = jax.nn.silu(y)
     return y, window[:, 1:].astype(state.dtype)
+
+
+def conv_prefill_ragged(x: jax.Array, weight: jax.Array, state: jax.Array, start: jax.Array, length: jax.Array,
+                        token_seq: jax.Array, activation: bool = True) -> tuple[jax.Array, jax.Array]:
+    """:func:`conv_prefill` of a ragged step's flat tokens, the same arithmetic: x [T, C] (sequence
+    s's ``length[s]`` tokens from ``start[s]``, token t in sequence ``token_seq[t]``), weight
+    [C, K], state [S, K - 1, C] -> (y [T, C] float32, state [S, K - 1, C]).  A tap that reaches
+    back before its sequence's first token reads the sequence's state, as the rows' form reads
+    ``concat(state, x)``; tokens in no sequence (padding) get values that are not used."""
+    T = x.shape[0]
+    S, K = state.shape[0], weight.shape[1]
+    xf, st, w = x.astype(jnp.float32), state.astype(jnp.float32), weight.astype(jnp.float32)
+    t = jnp.arange(T)
+    seq = jnp.clip(token_seq, 0, S - 1)                                          # [T]
+    off = t - start[seq]                                                         # [T] index in its sequence
+    y = 0
+    for j in range(K):
+        back = off - (K - 1) + j                                                 # [T] the input's index in the sequence
+        from_x = xf[jnp.clip(t - (K - 1) + j, 0, T - 1)]                         # [T, C]
+        from_state = st[seq, jnp.clip(off + j, 0, K - 2)]                        # [T, C] state row K - 1 + back
+        y = y + jnp.where((back >= 0)[:, None], from_x, from_state) * w[:, j]
+    if activation:
+        y = jax.nn.silu(y)
+    # each sequence's K - 1 inputs before its token length: rows length .. length + K - 2 of concat(state, x)
+    p = length[:, None] + jnp.arange(K - 1)[None, :]                             # [S, K - 1]
+    from_x = xf[jnp.clip(start[:, None] + p - (K - 1), 0, T - 1)]                # [S, K - 1, C]
+    from_state = jnp.take_along_axis(st, jnp.clip(p, 0, K - 2)[..., None], axis=1)
+    new_state = jnp.where((p >= K - 1)[..., None], from_x, from_state)
+    return y, new_state.astype(state.dtype)

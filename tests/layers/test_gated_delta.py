@@ -21,8 +21,10 @@ from jaxllm.layers.gated_delta import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
     reference_gated_delta_rule,
+    segmented_gated_delta_rule,
+    segments,
 )
-from jaxllm.layers.short_conv import conv_prefill, conv_step
+from jaxllm.layers.short_conv import conv_prefill, conv_prefill_ragged, conv_step
 from jaxllm.runner.compile import enable_persistent_cache
 from support.gated_delta_inputs import TOL
 from support.gated_delta_inputs import random_inputs as _inputs
@@ -119,6 +121,56 @@ def test_value_heads_must_group_key_heads():
         recurrent_gated_delta_rule(q, k, v, g, beta, s0)
 
 
+# A ragged step's sequences: a prompt over three chunks, one-token decodes, one of exactly
+# a chunk, an empty row, a short one last; T has 3 tokens of padding after them.
+RAGGED_LENGTHS, RAGGED_T = [37, 1, 16, 0, 1, 5], 63
+
+
+def _ragged(lengths, T):
+    qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)          # [S + 1]
+    token_seq = np.full(T, len(lengths) - 1, np.int32)
+    for s, n in enumerate(lengths):
+        token_seq[qsl[s]:qsl[s + 1]] = s
+    return qsl, token_seq
+
+
+def test_segments_cover_each_sequence_in_chunks():
+    qsl, _ = _ragged(RAGGED_LENGTHS, RAGGED_T)
+    seq, start, length, first, last = (np.asarray(x) for x in segments(jnp.asarray(qsl), RAGGED_T, 16))
+    assert len(seq) == -(-RAGGED_T // 16) + len(RAGGED_LENGTHS)
+    used = length > 0
+    # 37 -> 16 + 16 + 5, then 1, 16, (none for the empty row), 1, 5: in order, nothing else
+    assert list(zip(seq[used], start[used], length[used])) == [
+        (0, 0, 16), (0, 16, 16), (0, 32, 5), (1, 37, 1), (2, 38, 16), (4, 54, 1), (5, 55, 5)]
+    assert list(first[used]) == [True, False, False, True, True, True, True]
+    assert list(last[used]) == [False, False, True, True, True, True, True]
+    assert not first[~used].any() and not last[~used].any()
+
+
+def test_segmented_form_equals_each_sequence_alone():
+    # Every sequence of a ragged step, from its own nonzero state, against the float64 token
+    # loop on that sequence alone: outputs and final states; the empty row's state unchanged.
+    lengths, T, C = RAGGED_LENGTHS, RAGGED_T, 16
+    q, k, v, g, beta, _ = _inputs(41, B=1, T=T)
+    q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))                       # [T, ...]
+    S = len(lengths)
+    s0 = np.random.default_rng(42).standard_normal((S, 4, 8, 6)).astype(np.float32) * 0.5
+    qsl, _ = _ragged(lengths, T)
+    seq, start, length, first, last = segments(jnp.asarray(qsl), T, C)
+    idx = np.clip(np.asarray(start)[:, None] + np.arange(C)[None, :], 0, T - 1)  # [N, C]
+    o, states = segmented_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], s0, seq, first, last, length)
+    o = np.asarray(o)
+    for s, n in enumerate(lengths):
+        if n == 0:
+            np.testing.assert_array_equal(states[s], s0[s])
+            continue
+        a = qsl[s]
+        o_ref, s_ref = reference_gated_delta_rule(*(x[None, a:a + n] for x in (q, k, v, g, beta)), s0[s:s + 1])
+        got = np.concatenate([o[i, :int(length[i])] for i in range(len(seq)) if int(seq[i]) == s and length[i] > 0])
+        _close(got, o_ref[0])
+        _close(states[s], s_ref[0])
+
+
 # ----------------------------------------------------------------------------- short conv
 
 def test_conv_prefill_and_step_match_transformers():
@@ -153,3 +205,22 @@ def test_conv_state_with_padding():
     _, s = conv_prefill(x, w, s0, jnp.asarray([9, 2], np.int32))
     np.testing.assert_array_equal(s[0], x[0, -3:])
     np.testing.assert_array_equal(s[1], np.concatenate([s0[1, 2:], x[1, :2]]))   # 1 old + 2 new
+
+
+def test_ragged_conv_is_the_rows_conv_bit_for_bit():
+    # The flat ragged conv against conv_prefill on each sequence alone (its own state): the
+    # same products summed in the same order, so equal bits; tokens shorter than the window
+    # read the state, and the new state mixes old rows and new tokens.
+    lengths, T = RAGGED_LENGTHS, RAGGED_T
+    r = np.random.default_rng(7)
+    C, K, S = 6, 4, len(lengths)
+    x = r.standard_normal((T, C)).astype(np.float32)
+    w = r.standard_normal((C, K)).astype(np.float32)
+    s0 = r.standard_normal((S, K - 1, C)).astype(np.float32)
+    qsl, token_seq = _ragged(lengths, T)
+    y, state = conv_prefill_ragged(x, w, s0, jnp.asarray(qsl[:-1]), jnp.asarray(np.diff(qsl)), jnp.asarray(token_seq))
+    for s, n in enumerate(lengths):
+        a = qsl[s]
+        y_s, st_s = conv_prefill(x[None, a:a + n], w, s0[s:s + 1])
+        np.testing.assert_array_equal(np.asarray(y)[a:a + n], np.asarray(y_s)[0])
+        np.testing.assert_array_equal(state[s], st_s[0])

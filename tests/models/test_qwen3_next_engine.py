@@ -69,7 +69,8 @@ def test_prompt_logits_match_transformers(arch, kernels, ckpts, hf_models, monke
     from jaxllm.cpu import native
     if kernels == "native" and not native.available():
         pytest.skip("the native CPU kernels are unavailable")
-    monkeypatch.setattr(qn, "CHUNK_SIZE", 16)
+    # The model module's constant, which the forward reads (the package's re-export is a copy).
+    monkeypatch.setattr(qn.model, "CHUNK_SIZE", 16)
     ids = _ids(150, seed=3)
     # Three equal chunks of 50 (3 GDN chunks of 16 and a ragged tail each, every later one
     # starting mid-chunk): one program per cell instead of one per chunk length.

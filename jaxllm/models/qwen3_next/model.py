@@ -30,10 +30,11 @@ layers cache K/V pages (``layers/attention.attend``, every backend), each GDN la
 conv and delta-rule states in slots, one per sequence the KV budget seats (a per-sequence
 cache kind of :meth:`HybridConfig.state_bytes`, ``max_num_seqs`` clamped to the slots),
 owned by request id (``runner/state_slots.py``).  A step gathers each scheduled sequence's
-slot before a GDN layer and scatters it back after; the flat ragged tokens are regrouped
-into ``[S, T]`` rows by ``query_start_loc`` (``length`` masking the padding) for the conv and
-:func:`chunk_gated_delta_rule`, or, when every sequence has one token, the recurrent form
-(the Pallas kernel on the pallas backend).  A sequence whose first token is at position 0
+slot before a GDN layer and scatters it back after; the conv runs on the flat ragged tokens
+(:func:`conv_prefill_ragged`) and the delta rule on chunk-sized segments of each sequence
+(:func:`segmented_gated_delta_rule`: T + S * C token slots of work, not the S * T of rows
+of ``[S, T]``), or, when every sequence has one token, the recurrent form (the Pallas
+kernel on the pallas backend).  A sequence whose first token is at position 0
 starts from zeros: a new request, or one recomputed after preemption.  Prefix caching is off
 for these models and speculative decoding refused (``engine/core.py``).  Tensor parallelism
 splits the GDN layers by key-head group: the conv channels are kept grouped by key head
@@ -57,12 +58,13 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.core.kv_budget import CacheKind
 from jaxllm.layers import kv_quant
 from jaxllm.layers.attention import attend
-from jaxllm.layers.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from jaxllm.layers.gated_delta import (chunk_gated_delta_rule, recurrent_gated_delta_rule, segmented_gated_delta_rule,
+                                       segments)
 from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin, mrope_axes, mrope_cos_sin
-from jaxllm.layers.short_conv import conv_prefill, conv_step
+from jaxllm.layers.short_conv import conv_prefill, conv_prefill_ragged, conv_step
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.qwen3_next.config import HybridArch, HybridConfig, num_full_layers, num_gdn_layers
 from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas
@@ -94,6 +96,20 @@ def _gdn_projections(cfg: HybridConfig, h, lp, mm: str = "xla"):
             linear(h, lp["in_a"], backend=mm))
 
 
+def _rule_inputs(cfg: HybridConfig, lp, mixed, b, a):
+    """The delta rule's inputs from the conv's output: mixed [..., C], b, a [..., Hv] -> q, k
+    [..., Hk, Dk], v [..., Hv, Dv], g (log decay), beta [..., Hv]."""
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
+        cfg.linear_value_head_dim
+    lead = mixed.shape[:-1]
+    q, k, v = jnp.split(mixed.reshape(*lead, Hk, -1), [Dk, 2 * Dk], axis=-1)   # per key head: q, k, its v heads
+    v = v.reshape(*lead, Hv, Dv)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = (-jnp.exp(lp["A_log"].astype(jnp.float32))
+         * jax.nn.softplus(a.astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32)))
+    return q, k, v, g, beta
+
+
 def _gdn_mix(cfg: HybridConfig, lp, mixed, b, a, state, length, *, chunk_size: int, decode: str):
     """The conv and the gated delta rule of rows of tokens: mixed [B, T, C], b, a [B, T, Hv],
     state (conv, delta), length [B] or None -> (o [B, T, Hv, Dv] float32, state)."""
@@ -105,13 +121,7 @@ def _gdn_mix(cfg: HybridConfig, lp, mixed, b, a, state, length, *, chunk_size: i
         mixed = y[:, None]
     else:
         mixed, conv_state = conv_prefill(mixed, w, conv_state, length)
-    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
-        cfg.linear_value_head_dim
-    q, k, v = jnp.split(mixed.reshape(B, T, Hk, -1), [Dk, 2 * Dk], axis=-1)   # per key head: q, k, its v heads
-    v = v.reshape(B, T, Hv, Dv)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    g = (-jnp.exp(lp["A_log"].astype(jnp.float32))
-         * jax.nn.softplus(a.astype(jnp.float32) + lp["dt_bias"].astype(jnp.float32)))
+    q, k, v, g, beta = _rule_inputs(cfg, lp, mixed, b, a)
     if T == 1:
         rule = _pallas_decode if decode == "pallas" else recurrent_gated_delta_rule
         o, delta_state = rule(q, k, v, g, beta, delta_state)
@@ -225,10 +235,9 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
     the layer's states of every slot; slots [S] each sequence's slot (out of range: a padding
     sequence, which reads zeros and writes nothing) -> ([T, D], conv_all, delta_all).
 
-    The projections run on the flat tokens; the conv and the delta rule on the tokens
-    regrouped into rows ``[S, T]`` by ``query_start_loc`` (``length`` masking the padding),
-    or, when no sequence has more than one token (a decode step), in the recurrent form on
-    ``[S, 1]``.  A sequence whose first token this step is at position 0 starts from a zeroed
+    The projections and the conv run on the flat tokens, the delta rule on chunk-sized
+    segments of each sequence (``layers/gated_delta.segments``), or, when no sequence has
+    more than one token (a decode step), in the recurrent form on ``[S, 1]``.  A sequence whose first token this step is at position 0 starts from a zeroed
     state (a new request, or one recomputed after preemption: prefix caching is off)."""
     T = h.shape[0]
     Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
@@ -243,12 +252,30 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
     delta0 = jnp.where(fresh[:, None, None, None], 0.0, delta0)
     decode = "pallas" if kernels.attention == "pallas" else "xla"
 
-    def prefill(mixed, b, a, conv0, delta0):
+    def prefill_rows(mixed, b, a, conv0, delta0):
+        # Tensor parallelism: the tokens regrouped into rows [S, T] (S * T token slots of work).
+        # The segmented form below hung the tp=2 engine on simulated CPU devices (cause not
+        # found yet), so sharded steps keep this form.
         rows = jnp.clip(start[:, None] + jnp.arange(T)[None, :], 0, T - 1)   # [S, T] flat index of (s, j)
         o, st = _gdn_mix(cfg, lp, mixed[rows], b[rows], a[rows], (conv0, delta0), length,
                          chunk_size=CHUNK_SIZE, decode=decode)           # [S, T, Hv, Dv]
         j = jnp.clip(jnp.arange(T) - start[md.token_seq], 0, T - 1)     # [T] each token's index in its row
         return o[md.token_seq, j], st
+
+    def prefill(mixed, b, a, conv0, delta0):
+        # On the flat tokens: the conv, then the delta rule over chunk-sized segments of each
+        # sequence (layers/gated_delta.segments), T + S * C token slots of work where rows of
+        # [S, T] took S * T (64x a 512-token step's at 64 sequences).
+        y, conv1 = conv_prefill_ragged(mixed, lp["conv"][:, 0, :], conv0, start, length, md.token_seq)   # [T, C]
+        q, k, v, g, beta = _rule_inputs(cfg, lp, y, b, a)                # [T, H, D] / [T, Hv]
+        seq, seg_start, seg_len, first, last = segments(qsl, T, CHUNK_SIZE)   # [N]
+        idx = jnp.clip(seg_start[:, None] + jnp.arange(CHUNK_SIZE)[None, :], 0, T - 1)   # [N, C] flat token
+        o, delta1 = segmented_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], delta0, seq, first,
+                                               last, seg_len)            # [N, C, Hv, Dv]
+        s = jnp.clip(md.token_seq, 0, start.shape[0] - 1)               # [T] each token's sequence, segment, slot
+        off = jnp.maximum(jnp.arange(T) - start[s], 0)
+        n = jnp.cumsum((length + CHUNK_SIZE - 1) // CHUNK_SIZE)[s] - (length[s] + CHUNK_SIZE - 1) // CHUNK_SIZE
+        return o[jnp.clip(n + off // CHUNK_SIZE, 0, o.shape[0] - 1), off % CHUNK_SIZE], (conv1, delta1)
 
     def one_token(mixed, b, a, conv0, delta0):
         first = jnp.clip(start, 0, T - 1)                              # [S] each sequence's token
@@ -256,7 +283,8 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
                          None, chunk_size=CHUNK_SIZE, decode=decode)     # [S, 1, Hv, Dv]
         return o[md.token_seq, 0], st
 
-    o, (conv1, delta1) = jax.lax.cond(jnp.max(length) <= 1, one_token, prefill, mixed, b, a, conv0, delta0)
+    o, (conv1, delta1) = jax.lax.cond(jnp.max(length) <= 1, one_token, prefill if tp_size() == 1 else prefill_rows,
+                                      mixed, b, a, conv0, delta0)
     conv_all = conv_all.at[slots].set(conv1.astype(conv_all.dtype), mode="drop")
     delta_all = delta_all.at[slots].set(delta1.astype(delta_all.dtype), mode="drop")
     return _gdn_out(cfg, lp, o.reshape(T, Hv, Dv), z, h.dtype, kernels.linear), conv_all, delta_all
