@@ -33,7 +33,7 @@ owned by request id (``runner/state_slots.py``).  A step gathers each scheduled 
 slot before a GDN layer and scatters it back after; the conv runs on the flat ragged tokens
 (:func:`conv_prefill_ragged`) and the delta rule on chunk-sized segments of each sequence
 (:func:`segmented_gated_delta_rule`: T + S * C token slots of work, not the S * T of rows
-of ``[S, T]``), or, when every sequence has one token, the recurrent form (the Pallas
+of ``[S, T]``, which tensor-parallel steps still use), or, when every sequence has one token, the recurrent form (the Pallas
 kernel on the pallas backend).  A sequence whose first token is at position 0
 starts from zeros: a new request, or one recomputed after preemption.  Prefix caching is off
 for these models and speculative decoding refused (``engine/core.py``).  Tensor parallelism
@@ -236,9 +236,10 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
     sequence, which reads zeros and writes nothing) -> ([T, D], conv_all, delta_all).
 
     The projections and the conv run on the flat tokens, the delta rule on chunk-sized
-    segments of each sequence (``layers/gated_delta.segments``), or, when no sequence has
-    more than one token (a decode step), in the recurrent form on ``[S, 1]``.  A sequence whose first token this step is at position 0 starts from a zeroed
-    state (a new request, or one recomputed after preemption: prefix caching is off)."""
+    segments of each sequence (``layers/gated_delta.segments``; at tensor parallelism both
+    on rows ``[S, T]``), or, when no sequence has more than one token (a decode step), in the
+    recurrent form on ``[S, 1]``.  A sequence whose first token this step is at position 0
+    starts from a zeroed state (a new request, or one recomputed after preemption: prefix caching is off)."""
     T = h.shape[0]
     Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     mixed, z, b, a = _gdn_projections(cfg, h, lp, kernels.linear)      # [T, C], [T, Hv, Dv], [T, Hv]
@@ -272,9 +273,11 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
         idx = jnp.clip(seg_start[:, None] + jnp.arange(CHUNK_SIZE)[None, :], 0, T - 1)   # [N, C] flat token
         o, delta1 = segmented_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], delta0, seq, first,
                                                last, seg_len)            # [N, C, Hv, Dv]
-        s = jnp.clip(md.token_seq, 0, start.shape[0] - 1)               # [T] each token's sequence, segment, slot
-        off = jnp.maximum(jnp.arange(T) - start[s], 0)
-        n = jnp.cumsum((length + CHUNK_SIZE - 1) // CHUNK_SIZE)[s] - (length[s] + CHUNK_SIZE - 1) // CHUNK_SIZE
+        # each token's place in o: its sequence's first segment n, then its offset in chunks
+        s = jnp.clip(md.token_seq, 0, start.shape[0] - 1)               # [T] its sequence
+        off = jnp.maximum(jnp.arange(T) - start[s], 0)                  # [T] its index in the sequence
+        count = (length + CHUNK_SIZE - 1) // CHUNK_SIZE                 # [S] segments per sequence
+        n = jnp.cumsum(count)[s] - count[s]                             # [T]
         return o[jnp.clip(n + off // CHUNK_SIZE, 0, o.shape[0] - 1), off % CHUNK_SIZE], (conv1, delta1)
 
     def one_token(mixed, b, a, conv0, delta0):
