@@ -33,9 +33,9 @@ owned by request id (``runner/state_slots.py``).  A step gathers each scheduled 
 slot before a GDN layer and scatters it back after; the conv runs on the flat ragged tokens
 (:func:`conv_prefill_ragged`) and the delta rule on chunk-sized segments of each sequence
 (:func:`segmented_gated_delta_rule`: T + S * C token slots of work, not the S * T of rows
-of ``[S, T]``, which tensor-parallel steps still use), or, when every sequence has one token, the recurrent form (the Pallas
-kernel on the pallas backend).  A sequence whose first token is at position 0
-starts from zeros: a new request, or one recomputed after preemption.  Prefix caching is off
+of ``[S, T]``, which tensor-parallel steps still use), or, when every sequence has one
+token, the recurrent form (the Pallas kernel on the pallas backend).  A sequence whose first
+token is at position 0 starts from zeros: a new request, or one recomputed after preemption.  Prefix caching is off
 for these models and speculative decoding refused (``engine/core.py``).  Tensor parallelism
 splits the GDN layers by key-head group: the conv channels are kept grouped by key head
 (:func:`grouped_channels`, applied to the checkpoint's rows at load), so a device's slice of
