@@ -1,8 +1,8 @@
 """The built-in model on ``--cpu-matmul native-int8`` on a CPU with AVX-512 VNNI (the default
 until int8's perplexity cost was measured: docs/BENCHMARKS.md, "Perplexity"): its Q4_1 and Q8_0
 blocks, in groups of 16 interleaved rows, meet activations rounded to int8 per 32 values
-(``cpu/quant_dot.cc``'s ``jaxllm_dot16_*``; the step-shape test also runs without VNNI, on the
-row-major AVX2 tiles), which is llama.cpp's arithmetic
+(``cpu/quant_dot.cc``'s ``jaxllm_dot16_*``; without VNNI, the row-major AVX2 tiles and Q4_1's
+one-row walk: every test but the interleaved kernel's runs on both), which is llama.cpp's arithmetic
 (``vec_dot_q4_1_q8_1``) and vLLM's GGUF kernels' (``ggml_mul_mat_vec_a8``).
 
 The kernel is exact against an emulation of that arithmetic (tests/kernels/test_cpu_quant_dot.py);
@@ -35,7 +35,8 @@ from support.tiny_models import paged_logits
 
 pytestmark = pytest.mark.skipif(not native.quant_available(), reason="the native packed-block matmul did not build")
 vnni = pytest.mark.skipif(not native.quant_dot_vnni(),
-                          reason="the CPU lacks AVX512F/BW/VNNI: native-int8 runs the row-major AVX2 tiles")
+                          reason="the CPU lacks AVX512F/BW/VNNI: native-int8 runs the row-major AVX2 tiles, "
+                                 "not the interleaved kernel this test checks for")
 
 
 # One engine on --cpu-matmul native-int8 and one load of the model for the module's tests:
@@ -113,7 +114,6 @@ def test_int8_engine_runs_the_interleaved_int8_kernel(builtin_llm, int8_llm):
 
 
 @pytest.mark.slow
-@vnni
 def test_int8_logits_error_against_the_dequantized_model(step_logits):
     """int8 activations' logits (the EIGHT step shapes of the test below: no program of its own)
     against the dequantized float32 model's: the reference is tests/quant/test_builtin_packed.py's
@@ -154,7 +154,6 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_min": 1, 
 
 
 @pytest.mark.slow
-@vnni
 def test_speculation_on_int8_activations_returns_plain_decodings_tokens(int8_llm):
     # Three short repetitive prompts (n-gram drafts to propose), prefilled in one step of the
     # 32-token bucket and decoded three rows at a time: the plain engine runs only the two
