@@ -6,6 +6,8 @@ concurrency 1 and 8, the encoder cache on and off, and the vision encoder's shar
     python bench/images.py --pack-cost 2560    # host cost of sending [T, D] image rows every step
     python bench/images.py --family qwen3_5 --text-prefill 500 --max-num-seqs 64 --max-num-batched-tokens 512
                                                # one text prompt's prefill through the text model
+    python bench/images.py --family qwen3_5 --text-prefill 960 --beside 16 --max-num-seqs 64 \
+                           --max-num-batched-tokens 256   # ... while 16 requests decode beside it
 
 No model hub is reachable here, so the model is a random-weight ``Gemma3ForConditionalGeneration``
 built with transformers and saved with the test suite's tokenizer and image-processor config
@@ -267,19 +269,25 @@ def pack_cost(D: int, repeats: int) -> None:
     print(f"load {_load()}")
 
 
-def text_prefill(folder: str, tokens: int, max_num_seqs: int, budget: int, repeats: int) -> list[float]:
+def text_prefill(folder: str, tokens: int, max_num_seqs: int, budget: int, repeats: int,
+                 beside: int = 0) -> list[float]:
     """Seconds of ``generate`` of one text prompt of ``tokens`` ids, one output token, after a
     warm-up call: the prefill through the text model (in chunks of ``budget`` tokens, in the
-    step buckets ``max_num_seqs`` sets: a hybrid model's GDN prefill work grows with both)."""
+    step buckets ``max_num_seqs`` sets: a hybrid model's GDN prefill work grows with both).
+    ``beside``: that many requests of 8 prompt ids and 32 output tokens in the same call,
+    decoding while the prompt's later chunks prefill (steps that mix both); the seconds are
+    the whole call's."""
     from jaxllm import LLM, SamplingParams
-    llm = LLM(folder, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=tokens + 8,
+    llm = LLM(folder, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=tokens + 40,
               dtype="float32", enable_prefix_caching=False, show_progress=False)
-    sp = SamplingParams(max_tokens=1, temperature=0)
+    one, streams = SamplingParams(max_tokens=1, temperature=0), SamplingParams(max_tokens=32, temperature=0,
+                                                                               ignore_eos=True)
     out = []
     for r in range(repeats + 1):
         ids = [10 + (r * 7 + j) % 200 for j in range(tokens)]   # distinct per call, in the tests' 320 ids
+        short = [{"prompt_token_ids": [10 + (r + i * 11 + j) % 200 for j in range(8)]} for i in range(beside)]
         t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": ids}], sp)
+        llm.generate(short + [{"prompt_token_ids": ids}], [streams] * beside + [one])
         out.append(time.perf_counter() - t)
     return out[1:]
 
@@ -309,10 +317,14 @@ def main(argv=None) -> int:
                     help="instead: the seconds of one N-token text prompt's prefill (one output token)")
     ap.add_argument("--max-num-seqs", type=int, default=8, help="with --text-prefill (default 8)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=256, help="with --text-prefill (default 256)")
+    ap.add_argument("--beside", type=int, default=0, metavar="K",
+                    help="with --text-prefill: K requests decoding 32 tokens in the same call (default 0)")
     a = ap.parse_args(argv)
     if a.text_prefill:
-        secs = text_prefill(_checkpoint(a), a.text_prefill, a.max_num_seqs, a.max_num_batched_tokens, a.repeats)
-        print(f"{a.family} {a.shape}: one {a.text_prefill}-token text prompt, max_num_seqs {a.max_num_seqs}, "
+        secs = text_prefill(_checkpoint(a), a.text_prefill, a.max_num_seqs, a.max_num_batched_tokens, a.repeats,
+                            a.beside)
+        beside = f" and {a.beside} requests of 32 output tokens" if a.beside else ""
+        print(f"{a.family} {a.shape}: one {a.text_prefill}-token text prompt{beside}, max_num_seqs {a.max_num_seqs}, "
               f"max_num_batched_tokens {a.max_num_batched_tokens}: median {statistics.median(secs) * 1e3:.0f} ms "
               f"({', '.join(f'{x * 1e3:.0f}' for x in secs)}); load {_load()}")
         return 0

@@ -18,9 +18,10 @@ state ``[B, Hv, Dk, Dv]`` (float32):
   within a chunk the sequential delta updates are condensed into matmuls by the WY / UT
   transform (one unit-lower-triangular solve per chunk), and a ``lax.scan`` carries the state
   from chunk to chunk.  Work is O(T C (Dk + Dv)) + O(T Dk Dv), all of it in matmuls.
-* :func:`segmented_gated_delta_rule` (the engine's ragged prefill): the same chunks, each a
-  segment of one sequence's tokens (:func:`segments`), scanned in order with each sequence's
-  state taken at its first segment and left at its last.
+* :func:`segmented_gated_delta_rule` (the engine's ragged steps, decodes too): the same
+  chunks, each a segment of one sequence's tokens (:func:`segments`; one token: the
+  recurrent update), run in order by a loop over the step's segments only, with each
+  sequence's state taken at its first segment and left at its last.
 * :func:`recurrent_gated_delta_rule` (decode, or any short run): a ``lax.scan`` over tokens.
 * :func:`reference_gated_delta_rule`: the token loop in numpy float64, the tests' oracle.
 
@@ -77,6 +78,19 @@ def _chunk_step(s, u, w, q_dec, k_dec, attn, chunk_decay):
     return s, o
 
 
+def _token_step(s, q_t, k_t, v_t, g_t, b_t):
+    """One token's update: s [..., Dk, Dv], q_t, k_t [..., Dk], v_t [..., Dv], g_t, b_t [...]
+    -> (the state after it, o [..., Dv]).  Written so that the state is read twice (k and q
+    against it in one contraction, then the update) and written once: with a = exp(g),
+    s' = a s + k d^T where d = beta (v - a s^T k), and o = s'^T q = a s^T q + (k . q) d."""
+    a = jnp.exp(g_t)                                                    # [...]
+    kq = jnp.einsum("...cd,...de->...ce", jnp.stack([k_t, q_t], axis=-2), s)   # [..., 2, Dv]: s^T k, s^T q
+    d = (v_t - a[..., None] * kq[..., 0, :]) * b_t[..., None]           # [..., Dv]
+    s = a[..., None, None] * s + k_t[..., :, None] * d[..., None, :]
+    o = a[..., None] * kq[..., 1, :] + jnp.sum(k_t * q_t, axis=-1, keepdims=True) * d
+    return s, o
+
+
 @partial(jax.jit, static_argnames=("chunk_size", "use_qk_l2norm", "scale"))
 def chunk_gated_delta_rule(q, k, v, g, beta, state, length=None, *, chunk_size: int = 64,
                            use_qk_l2norm: bool = True, scale: float | None = None):
@@ -112,7 +126,8 @@ def segments(query_start_loc: jax.Array, num_tokens: int, chunk_size: int):
     """Cuts a ragged step's flat tokens into segments of at most ``chunk_size`` consecutive
     tokens of one sequence, each sequence's from its first token, in order: query_start_loc
     [S + 1] -> (seq, start, length, first, last), each [N] with N = ceil(T / C) + S, the
-    most segments T tokens in S sequences can need.  Segment n holds tokens start[n] ..
+    most segments T tokens in S sequences can need, and ``used`` (a scalar): the segments
+    this step has, the first ``used`` of the N.  Segment n holds tokens start[n] ..
     start[n] + length[n] - 1 of sequence seq[n]; first / last: it is the sequence's first /
     last; unused segments have length 0 and are neither."""
     C = chunk_size
@@ -126,40 +141,67 @@ def segments(query_start_loc: jax.Array, num_tokens: int, chunk_size: int):
     seq = jnp.minimum(seq, S - 1)
     i = n - (end[seq] - count[seq])                                     # [N] its index in the sequence
     seg_len = jnp.where(used, jnp.clip(length[seq] - i * C, 0, C), 0)
-    return seq, start[seq] + i * C, seg_len, used & (i == 0), used & (i == count[seq] - 1)
+    return seq, start[seq] + i * C, seg_len, used & (i == 0), used & (i == count[seq] - 1), end[-1]
 
 
-@partial(jax.jit, static_argnames=("use_qk_l2norm", "scale"))
-def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, first, last, length, *, use_qk_l2norm: bool = True,
-                               scale: float | None = None):
-    """The chunked form over :func:`segments`' segments instead of ``[B, T]`` rows: q, k
-    [N, C, Hk, Dk], v [N, C, H, Dv], g, beta [N, C, H] (segment n's tokens, ``length[n]``
-    of them real), states [S, H, Dk, Dv] each sequence's state before its first segment
-    -> (o [N, C, H, Dv] float32, states [S, H, Dk, Dv] float32: each sequence's after its
-    last segment, the others' as given).
+@partial(jax.jit, static_argnames=("chunk_size", "use_qk_l2norm", "scale"))
+def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, first, last, used, fresh=None, *,
+                               chunk_size: int, use_qk_l2norm: bool = True, scale: float | None = None):
+    """The chunked form over :func:`segments`' segments of a ragged step's flat tokens
+    instead of ``[B, T]`` rows: q, k [T, Hk, Dk], v [T, H, Dv], g, beta [T, H]; states
+    [R, H, Dk, Dv]; ``seq [N]`` the row of ``states`` each segment's sequence starts from and
+    ends in (:func:`segments`' sequence index, or the engine's state slot of it); start,
+    length, first, last [N] and ``used`` from :func:`segments`; fresh [N] (optional): the
+    segment's sequence starts from zeros, not from its row -> (o [T, H, Dv] float32, zero
+    where no segment covers a token; states, each used row left as its sequence's last
+    segment leaves it, the others as given, in the given dtype).
 
-    A step of S rows of T tokens costs the rows' form S * T token slots of work; segments
-    cost at most T + S * C, whatever the mix of prompts and one-token decodes.  Each
-    segment is a chunk of :func:`chunk_gated_delta_rule` (the same terms and step); the
-    scan runs the segments in order, taking a sequence's state at its first segment and
-    leaving it at its last."""
-    q, k, v, g, beta = prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
-    tr = lambda x: jnp.moveaxis(x, 2, 1)                                # noqa: E731  [N, C, H, ...] -> [N, H, C, ...]
-    terms = _chunk_terms(tr(q), tr(k), tr(v), jnp.moveaxis(g, 2, 1), jnp.moveaxis(beta, 2, 1))   # [N, H, ...]
-    states = states.astype(jnp.float32)
+    A loop over the ``used`` segments, in order, each a chunk of
+    :func:`chunk_gated_delta_rule` (the same terms and step) on the ``chunk_size`` tokens
+    from its start, those past its length masked: a sequence's state is read at its first
+    segment and written at its last (only those rows are touched: the engine passes all its
+    slots, updated in place), and each segment writes its ``chunk_size`` outputs at its
+    start (the masked ones zero; the next segment, run later, overwrites them).  A segment of
+    one token (a decode) takes the recurrent update instead.  The work is the step's
+    segments' (at most T / C + one per sequence), not the N of the bound (one per row of the
+    step's bucket)."""
+    T = k.shape[0]
+    C = chunk_size
+    q, k, v, g, beta = (x[0] for x in prepare(q[None], k[None], v[None], g[None], beta[None], None,
+                                              use_qk_l2norm, scale))    # [T, H, D] / [T, H]
+    # C zero rows after the tokens: every segment's window [start, start + C) is in range
+    pad = lambda x: jnp.pad(x, [(0, C)] + [(0, 0)] * (x.ndim - 1))     # noqa: E731
+    q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))            # [T + C, H, ...]
+    H, Dv = v.shape[1], v.shape[2]
+    if fresh is None:
+        fresh = jnp.zeros_like(first)
 
-    def step(carry, xs):
-        s, states = carry
-        sq, fst, lst, *t = xs
-        s = jnp.where(fst, states[sq], s)                               # [H, Dk, Dv]
-        s, o = _chunk_step(s, *t)
-        states = jax.lax.dynamic_update_index_in_dim(states, jnp.where(lst, s, states[sq]), sq, 0)
-        return (s, states), o
+    def chunk(s, n):
+        # the segment as a chunk: [C, H, ...] windows, those past its length masked
+        valid = jnp.arange(C) < length[n]                               # [C]
+        window = lambda x: jnp.moveaxis(jnp.where(                      # noqa: E731  [C, H, ...] -> [H, C, ...]
+            valid.reshape((C,) + (1,) * (x.ndim - 1)), jax.lax.dynamic_slice_in_dim(x, start[n], C, 0), 0.0), 0, 1)
+        s, o_n = _chunk_step(s, *_chunk_terms(window(q), window(k), window(v), window(g), window(beta)))
+        return s, jnp.moveaxis(o_n, 0, 1) * valid[:, None, None]         # [C, H, Dv]
 
-    (_, states), o = jax.lax.scan(step, (jnp.zeros_like(states[0]), states), (seq, first, last, *terms))
-    o = jnp.moveaxis(o, 1, 2)                                           # [N, C, H, Dv]
-    valid = jnp.arange(q.shape[1])[None, :] < length[:, None]           # [N, C]
-    return jnp.where(valid[..., None, None], o, 0.0), states
+    def one_token(s, n):
+        # a segment of one token (a decode): the recurrent update, ~C times less work than a
+        # chunk of one real token
+        s, o_t = _token_step(s, *(x[start[n]] for x in (q, k, v, g, beta)))   # o_t [H, Dv]
+        return s, jnp.zeros((C, H, Dv), jnp.float32).at[0].set(o_t)
+
+    def segment(n, carry):
+        s, states, o = carry
+        row = states[seq[n]]                                            # [H, Dk, Dv]
+        s = jnp.where(first[n], jnp.where(fresh[n], 0.0, row.astype(jnp.float32)), s)
+        s, o_n = jax.lax.cond(length[n] == 1, one_token, chunk, s, n)   # o_n [C, H, Dv]
+        o = jax.lax.dynamic_update_slice_in_dim(o, o_n, start[n], 0)
+        states = jax.lax.dynamic_update_index_in_dim(states, jnp.where(last[n], s.astype(states.dtype), row), seq[n], 0)
+        return s, states, o
+
+    init = (jnp.zeros(states.shape[1:], jnp.float32), states, jnp.zeros((T + C, H, Dv), jnp.float32))
+    _, states, o = jax.lax.fori_loop(0, used, segment, init)
+    return o[:T], states
 
 
 @partial(jax.jit, static_argnames=("use_qk_l2norm", "scale"))
@@ -168,17 +210,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, length=None, *, use_qk_l
     """Same arguments and results as :func:`chunk_gated_delta_rule`, token by token."""
     T = k.shape[1]
     q, k, v, g, beta = prepare(q, k, v, g, beta, length, use_qk_l2norm, scale)
-
-    def step(s, xs):
-        # s [B, H, Dk, Dv]; q_t, k_t [B, H, Dk], v_t [B, H, Dv], g_t, b_t [B, H]
-        q_t, k_t, v_t, g_t, b_t = xs
-        s = s * jnp.exp(g_t)[..., None, None]
-        delta = (v_t - jnp.einsum("bhd,bhde->bhe", k_t, s)) * b_t[..., None]   # [B, H, Dv]
-        s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, jnp.einsum("bhd,bhde->bhe", q_t, s)
-
+    # s [B, H, Dk, Dv]; each token's q_t, k_t [B, H, Dk], v_t [B, H, Dv], g_t, b_t [B, H]
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))       # T leading
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)       # o [T, B, H, Dv]
+    state, o = jax.lax.scan(lambda s, x: _token_step(s, *x), state.astype(jnp.float32), xs)   # o [T, B, H, Dv]
     o = jnp.moveaxis(o, 0, 1)
     if length is not None:
         o = jnp.where((jnp.arange(T)[None, :] < length[:, None])[..., None, None], o, 0.0)

@@ -136,9 +136,10 @@ def _ragged(lengths, T):
 
 def test_segments_cover_each_sequence_in_chunks():
     qsl, _ = _ragged(RAGGED_LENGTHS, RAGGED_T)
-    seq, start, length, first, last = (np.asarray(x) for x in segments(jnp.asarray(qsl), RAGGED_T, 16))
+    seq, start, length, first, last, count = (np.asarray(x) for x in segments(jnp.asarray(qsl), RAGGED_T, 16))
     assert len(seq) == -(-RAGGED_T // 16) + len(RAGGED_LENGTHS)
     used = length > 0
+    assert count == 7 and used[:7].all()                                         # the used ones lead
     # 37 -> 16 + 16 + 5, then 1, 16, (none for the empty row), 1, 5: in order, nothing else
     assert list(zip(seq[used], start[used], length[used])) == [
         (0, 0, 16), (0, 16, 16), (0, 32, 5), (1, 37, 1), (2, 38, 16), (4, 54, 1), (5, 55, 5)]
@@ -148,27 +149,50 @@ def test_segments_cover_each_sequence_in_chunks():
 
 
 def test_segmented_form_equals_each_sequence_alone():
-    # Every sequence of a ragged step, from its own nonzero state, against the float64 token
-    # loop on that sequence alone: outputs and final states; the empty row's state unchanged.
+    # Every sequence of a ragged step, from its own state, against the float64 token loop on
+    # that sequence alone: outputs and final states.  The states are the engine's slots (more
+    # rows than sequences, in another order): only the step's sequences' rows change, the
+    # empty row's stays, and a fresh sequence starts from zeros whatever its row holds.
     lengths, T, C = RAGGED_LENGTHS, RAGGED_T, 16
     q, k, v, g, beta, _ = _inputs(41, B=1, T=T)
     q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))                       # [T, ...]
-    S = len(lengths)
-    s0 = np.random.default_rng(42).standard_normal((S, 4, 8, 6)).astype(np.float32) * 0.5
+    slots = np.array([7, 2, 0, 5, 8, 3])                                         # sequence -> its row
+    fresh = np.array([False, False, True, False, False, False])
+    s0 = np.random.default_rng(42).standard_normal((9, 4, 8, 6)).astype(np.float32) * 0.5
     qsl, _ = _ragged(lengths, T)
-    seq, start, length, first, last = segments(jnp.asarray(qsl), T, C)
-    idx = np.clip(np.asarray(start)[:, None] + np.arange(C)[None, :], 0, T - 1)  # [N, C]
-    o, states = segmented_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], s0, seq, first, last, length)
-    o = np.asarray(o)
+    seq, *seg, used = segments(jnp.asarray(qsl), T, C)
+    o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, slots[np.asarray(seq)], *seg, used,
+                                           fresh[np.asarray(seq)], chunk_size=C)
+    o, states = np.asarray(o), np.asarray(states)                                # [T, H, Dv], [9, ...]
     for s, n in enumerate(lengths):
+        row = slots[s]
         if n == 0:
-            np.testing.assert_array_equal(states[s], s0[s])
+            np.testing.assert_array_equal(states[row], s0[row])
             continue
         a = qsl[s]
-        o_ref, s_ref = reference_gated_delta_rule(*(x[None, a:a + n] for x in (q, k, v, g, beta)), s0[s:s + 1])
-        got = np.concatenate([o[i, :int(length[i])] for i in range(len(seq)) if int(seq[i]) == s and length[i] > 0])
-        _close(got, o_ref[0])
-        _close(states[s], s_ref[0])
+        start = np.zeros_like(s0[row:row + 1]) if fresh[s] else s0[row:row + 1]
+        o_ref, s_ref = reference_gated_delta_rule(*(x[None, a:a + n] for x in (q, k, v, g, beta)), start)
+        _close(o[a:a + n], o_ref[0])
+        _close(states[row], s_ref[0])
+    for row in (1, 4, 6):                                                        # no sequence's
+        np.testing.assert_array_equal(states[row], s0[row])
+    assert np.all(o[qsl[-1]:] == 0)                                              # the padding's outputs
+
+
+def test_segmented_form_runs_only_the_used_segments():
+    # The loop's bound is the step's segment count, not the N of the bound (a padded step's
+    # unused segments cost nothing): told that only the first 2 segments exist, it leaves the
+    # tokens after them zero and the states their later segments would write as given.
+    lengths, T, C = RAGGED_LENGTHS, RAGGED_T, 16
+    q, k, v, g, beta, _ = _inputs(41, B=1, T=T)
+    q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))
+    s0 = np.random.default_rng(42).standard_normal((len(lengths), 4, 8, 6)).astype(np.float32) * 0.5
+    qsl, _ = _ragged(lengths, T)
+    *seg, count = segments(jnp.asarray(qsl), T, C)
+    o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, *seg, jnp.int32(2), chunk_size=C)
+    assert int(count) == 7
+    assert np.abs(np.asarray(o[:32])).max(axis=(1, 2)).min() > 0 and np.all(np.asarray(o[32:]) == 0)
+    np.testing.assert_array_equal(states, s0)          # sequence 0's last segment (the third) did not run
 
 
 # ----------------------------------------------------------------------------- short conv

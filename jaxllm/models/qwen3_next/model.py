@@ -29,12 +29,14 @@ The engine serves them (the registry's entry; :func:`forward`, :func:`compute_lo
 layers cache K/V pages (``layers/attention.attend``, every backend), each GDN layer keeps its
 conv and delta-rule states in slots, one per sequence the KV budget seats (a per-sequence
 cache kind of :meth:`HybridConfig.state_bytes`, ``max_num_seqs`` clamped to the slots),
-owned by request id (``runner/state_slots.py``).  A step gathers each scheduled sequence's
-slot before a GDN layer and scatters it back after; the conv runs on the flat ragged tokens
-(:func:`conv_prefill_ragged`) and the delta rule on chunk-sized segments of each sequence
-(:func:`segmented_gated_delta_rule`: T + S * C token slots of work, not the S * T of rows
-of ``[S, T]``, which tensor-parallel steps still use), or, when every sequence has one
-token, the recurrent form (the Pallas kernel on the pallas backend).  A sequence whose first
+owned by request id (``runner/state_slots.py``).  The conv runs on the flat ragged tokens
+(:func:`conv_prefill_ragged`, on each sequence's gathered conv state) and the delta rule, in
+every step, decodes too, as one loop over chunk-sized segments of each sequence
+(:func:`segmented_gated_delta_rule`: C token slots a segment, a one-token segment the
+recurrent update; not the S * T of rows of ``[S, T]``) that reads and writes the sequences'
+slots in place.  With the Pallas decode kernel, and at tensor parallelism (rows ``[S, T]``),
+a step gathers each sequence's slot before the layer, runs a decode step in the recurrent
+form and a prefill step chunked, and scatters the rows back after.  A sequence whose first
 token is at position 0 starts from zeros: a new request, or one recomputed after preemption.  Prefix caching is off
 for these models and speculative decoding refused (``engine/core.py``).  Tensor parallelism
 splits the GDN layers by key-head group: the conv channels are kept grouped by key head
@@ -236,10 +238,11 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
     sequence, which reads zeros and writes nothing) -> ([T, D], conv_all, delta_all).
 
     The projections and the conv run on the flat tokens, the delta rule on chunk-sized
-    segments of each sequence (``layers/gated_delta.segments``; at tensor parallelism both
-    on rows ``[S, T]``), or, when no sequence has more than one token (a decode step), in the
-    recurrent form on ``[S, 1]``.  A sequence whose first token this step is at position 0
-    starts from a zeroed state (a new request, or one recomputed after preemption: prefix caching is off)."""
+    segments of each sequence (``layers/gated_delta.segments``) on the slots in place; with
+    the Pallas decode kernel on gathered rows, and at tensor parallelism on rows ``[S, T]``,
+    a decode step (no sequence of more than one token) in the recurrent form on ``[S, 1]``.
+    A sequence whose first token this step is at position 0 starts from a zeroed state (a new
+    request, or one recomputed after preemption: prefix caching is off)."""
     T = h.shape[0]
     Hv, Dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     mixed, z, b, a = _gdn_projections(cfg, h, lp, kernels.linear)      # [T, C], [T, Hv, Dv], [T, Hv]
@@ -247,47 +250,58 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
     qsl = md.query_start_loc                                          # [S + 1]
     start, length = qsl[:-1], qsl[1:] - qsl[:-1]                      # [S]
     fresh = md.positions[jnp.clip(start, 0, T - 1)] == 0               # [S]
-    conv0 = jnp.take(conv_all, slots, axis=0, mode="fill", fill_value=0)     # [S, K - 1, C]
-    delta0 = jnp.take(delta_all, slots, axis=0, mode="fill", fill_value=0)   # [S, Hv, Dk, Dv]
-    conv0 = jnp.where(fresh[:, None, None], 0.0, conv0)
-    delta0 = jnp.where(fresh[:, None, None, None], 0.0, delta0)
     decode = "pallas" if kernels.attention == "pallas" else "xla"
 
-    def prefill_rows(mixed, b, a, conv0, delta0):
+    def gathered(all_states):
+        # [slots, ...] -> each sequence's rows [S, ...], zeros for a fresh or a padding one
+        rows = jnp.take(all_states, slots, axis=0, mode="fill", fill_value=0)
+        return jnp.where(fresh.reshape((-1,) + (1,) * (rows.ndim - 1)), 0.0, rows)
+
+    if tp_size() == 1 and decode == "xla":
+        # Every step, decode or prefill, one loop over its segments that reads and writes the
+        # sequences' slots in place (a one-token segment the recurrent update): no gathered copy
+        # of the states, no cond (whose branches cannot update the slot arrays in place).
+        y, conv1 = conv_prefill_ragged(mixed, lp["conv"][:, 0, :], gathered(conv_all), start, length,
+                                       md.token_seq)                     # [T, C]
+        q, k, v, g, beta = _rule_inputs(cfg, lp, y, b, a)                # [T, H, D] / [T, Hv]
+        seq, *seg, used = segments(qsl, T, CHUNK_SIZE)                   # [N]
+        # (a padding sequence has no segment: its out-of-range slot is never read)
+        o, delta_all = segmented_gated_delta_rule(q, k, v, g, beta, delta_all, slots[seq], *seg, used, fresh[seq],
+                                                  chunk_size=CHUNK_SIZE)   # [T, Hv, Dv]
+        conv_all = conv_all.at[slots].set(conv1.astype(conv_all.dtype), mode="drop")
+        return _gdn_out(cfg, lp, o.reshape(T, Hv, Dv), z, h.dtype, kernels.linear), conv_all, delta_all
+
+    def prefill_rows(mixed, b, a, conv_all, delta_all):
         # Tensor parallelism: the tokens regrouped into rows [S, T] (S * T token slots of work).
         # The segmented form below hung the tp=2 engine on simulated CPU devices (cause not
         # found yet), so sharded steps keep this form.
         rows = jnp.clip(start[:, None] + jnp.arange(T)[None, :], 0, T - 1)   # [S, T] flat index of (s, j)
-        o, st = _gdn_mix(cfg, lp, mixed[rows], b[rows], a[rows], (conv0, delta0), length,
-                         chunk_size=CHUNK_SIZE, decode=decode)           # [S, T, Hv, Dv]
+        o, st = _gdn_mix(cfg, lp, mixed[rows], b[rows], a[rows], (gathered(conv_all), gathered(delta_all)),
+                         length, chunk_size=CHUNK_SIZE, decode=decode)   # [S, T, Hv, Dv]
         j = jnp.clip(jnp.arange(T) - start[md.token_seq], 0, T - 1)     # [T] each token's index in its row
         return o[md.token_seq, j], st
 
-    def prefill(mixed, b, a, conv0, delta0):
-        # On the flat tokens: the conv, then the delta rule over chunk-sized segments of each
-        # sequence (layers/gated_delta.segments), T + S * C token slots of work where rows of
-        # [S, T] took S * T (64x a 512-token step's at 64 sequences).
-        y, conv1 = conv_prefill_ragged(mixed, lp["conv"][:, 0, :], conv0, start, length, md.token_seq)   # [T, C]
+    def prefill(mixed, b, a, conv_all, delta_all):
+        # With the Pallas decode kernel: as above, on the sequences' gathered rows.
+        y, conv1 = conv_prefill_ragged(mixed, lp["conv"][:, 0, :], gathered(conv_all), start, length,
+                                       md.token_seq)                     # [T, C]
         q, k, v, g, beta = _rule_inputs(cfg, lp, y, b, a)                # [T, H, D] / [T, Hv]
-        seq, seg_start, seg_len, first, last = segments(qsl, T, CHUNK_SIZE)   # [N]
-        idx = jnp.clip(seg_start[:, None] + jnp.arange(CHUNK_SIZE)[None, :], 0, T - 1)   # [N, C] flat token
-        o, delta1 = segmented_gated_delta_rule(q[idx], k[idx], v[idx], g[idx], beta[idx], delta0, seq, first,
-                                               last, seg_len)            # [N, C, Hv, Dv]
-        # each token's place in o: its sequence's first segment n, then its offset in chunks
-        s = jnp.clip(md.token_seq, 0, start.shape[0] - 1)               # [T] its sequence
-        off = jnp.maximum(jnp.arange(T) - start[s], 0)                  # [T] its index in the sequence
-        count = (length + CHUNK_SIZE - 1) // CHUNK_SIZE                 # [S] segments per sequence
-        n = jnp.cumsum(count)[s] - count[s]                             # [T]
-        return o[jnp.clip(n + off // CHUNK_SIZE, 0, o.shape[0] - 1), off % CHUNK_SIZE], (conv1, delta1)
+        o, delta1 = segmented_gated_delta_rule(q, k, v, g, beta, gathered(delta_all), *segments(qsl, T, CHUNK_SIZE),
+                                               chunk_size=CHUNK_SIZE)    # [T, Hv, Dv]
+        return o, (conv1, delta1)
 
-    def one_token(mixed, b, a, conv0, delta0):
+    def one_token(mixed, b, a, conv_all, delta_all):
         first = jnp.clip(start, 0, T - 1)                              # [S] each sequence's token
-        o, st = _gdn_mix(cfg, lp, mixed[first][:, None], b[first][:, None], a[first][:, None], (conv0, delta0),
-                         None, chunk_size=CHUNK_SIZE, decode=decode)     # [S, 1, Hv, Dv]
+        o, st = _gdn_mix(cfg, lp, mixed[first][:, None], b[first][:, None], a[first][:, None],
+                         (gathered(conv_all), gathered(delta_all)), None, chunk_size=CHUNK_SIZE,
+                         decode=decode)                                  # [S, 1, Hv, Dv]
         return o[md.token_seq, 0], st
 
+    # The branches read the slot arrays and give each sequence's new rows [S, ...], written
+    # back after the cond: a cond that returned the slot arrays copied them whole (every slot,
+    # twice a step), and rows gathered before it were copied again by a loop that updated them.
     o, (conv1, delta1) = jax.lax.cond(jnp.max(length) <= 1, one_token, prefill if tp_size() == 1 else prefill_rows,
-                                      mixed, b, a, conv0, delta0)
+                                      mixed, b, a, conv_all, delta_all)
     conv_all = conv_all.at[slots].set(conv1.astype(conv_all.dtype), mode="drop")
     delta_all = delta_all.at[slots].set(delta1.astype(delta_all.dtype), mode="drop")
     return _gdn_out(cfg, lp, o.reshape(T, Hv, Dv), z, h.dtype, kernels.linear), conv_all, delta_all
