@@ -145,14 +145,14 @@ def segments(query_start_loc: jax.Array, num_tokens: int, chunk_size: int):
 
 
 @partial(jax.jit, static_argnames=("chunk_size", "use_qk_l2norm", "scale"))
-def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, first, last, used, fresh=None, *,
+def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, first, last, used, fresh, *,
                                chunk_size: int, use_qk_l2norm: bool = True, scale: float | None = None):
     """The chunked form over :func:`segments`' segments of a ragged step's flat tokens
     instead of ``[B, T]`` rows: q, k [T, Hk, Dk], v [T, H, Dv], g, beta [T, H]; states
     [R, H, Dk, Dv]; ``seq [N]`` the row of ``states`` each segment's sequence starts from and
     ends in (:func:`segments`' sequence index, or the engine's state slot of it); start,
-    length, first, last [N] and ``used`` from :func:`segments`; fresh [N] (optional): the
-    segment's sequence starts from zeros, not from its row -> (o [T, H, Dv] float32, zero
+    length, first, last [N] and ``used`` from :func:`segments`; fresh [N]: the segment's
+    sequence starts from zeros, not from its row -> (o [T, H, Dv] float32, zero
     where no segment covers a token; states, each used row left as its sequence's last
     segment leaves it, the others as given, in the given dtype).
 
@@ -173,8 +173,6 @@ def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, fir
     pad = lambda x: jnp.pad(x, [(0, C)] + [(0, 0)] * (x.ndim - 1))     # noqa: E731
     q, k, v, g, beta = (pad(x) for x in (q, k, v, g, beta))            # [T + C, H, ...]
     H, Dv = v.shape[1], v.shape[2]
-    if fresh is None:
-        fresh = jnp.zeros_like(first)
 
     def chunk(s, n):
         # the segment as a chunk: [C, H, ...] windows, those past its length masked

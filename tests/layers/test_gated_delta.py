@@ -134,6 +134,12 @@ def _ragged(lengths, T):
     return qsl, token_seq
 
 
+def _ragged_step():
+    """The ragged step's flat inputs: q, k, v, g, beta [T, ...] and query_start_loc."""
+    q, k, v, g, beta, _ = _inputs(41, B=1, T=RAGGED_T)
+    return (*(x[0] for x in (q, k, v, g, beta)), _ragged(RAGGED_LENGTHS, RAGGED_T)[0])
+
+
 def test_segments_cover_each_sequence_in_chunks():
     qsl, _ = _ragged(RAGGED_LENGTHS, RAGGED_T)
     seq, start, length, first, last, count = (np.asarray(x) for x in segments(jnp.asarray(qsl), RAGGED_T, 16))
@@ -154,12 +160,10 @@ def test_segmented_form_equals_each_sequence_alone():
     # rows than sequences, in another order): only the step's sequences' rows change, the
     # empty row's stays, and a fresh sequence starts from zeros whatever its row holds.
     lengths, T, C = RAGGED_LENGTHS, RAGGED_T, 16
-    q, k, v, g, beta, _ = _inputs(41, B=1, T=T)
-    q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))                       # [T, ...]
+    q, k, v, g, beta, qsl = _ragged_step()                                       # [T, ...]
     slots = np.array([7, 2, 0, 5, 8, 3])                                         # sequence -> its row
     fresh = np.array([False, False, True, False, False, False])
     s0 = np.random.default_rng(42).standard_normal((9, 4, 8, 6)).astype(np.float32) * 0.5
-    qsl, _ = _ragged(lengths, T)
     seq, *seg, used = segments(jnp.asarray(qsl), T, C)
     o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, slots[np.asarray(seq)], *seg, used,
                                            fresh[np.asarray(seq)], chunk_size=C)
@@ -183,13 +187,12 @@ def test_segmented_form_runs_only_the_used_segments():
     # The loop's bound is the step's segment count, not the N of the bound (a padded step's
     # unused segments cost nothing): told that only the first 2 segments exist, it leaves the
     # tokens after them zero and the states their later segments would write as given.
-    lengths, T, C = RAGGED_LENGTHS, RAGGED_T, 16
-    q, k, v, g, beta, _ = _inputs(41, B=1, T=T)
-    q, k, v, g, beta = (x[0] for x in (q, k, v, g, beta))
-    s0 = np.random.default_rng(42).standard_normal((len(lengths), 4, 8, 6)).astype(np.float32) * 0.5
-    qsl, _ = _ragged(lengths, T)
+    q, k, v, g, beta, qsl = _ragged_step()
+    T, C = RAGGED_T, 16
+    s0 = np.random.default_rng(42).standard_normal((len(RAGGED_LENGTHS), 4, 8, 6)).astype(np.float32) * 0.5
     *seg, count = segments(jnp.asarray(qsl), T, C)
-    o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, *seg, jnp.int32(2), chunk_size=C)
+    o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, *seg, jnp.int32(2), np.zeros(len(seg[0]), bool),
+                                           chunk_size=C)
     assert int(count) == 7
     assert np.abs(np.asarray(o[:32])).max(axis=(1, 2)).min() > 0 and np.all(np.asarray(o[32:]) == 0)
     np.testing.assert_array_equal(states, s0)          # sequence 0's last segment (the third) did not run

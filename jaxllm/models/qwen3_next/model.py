@@ -257,17 +257,23 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
         rows = jnp.take(all_states, slots, axis=0, mode="fill", fill_value=0)
         return jnp.where(fresh.reshape((-1,) + (1,) * (rows.ndim - 1)), 0.0, rows)
 
-    if tp_size() == 1 and decode == "xla":
-        # Every step, decode or prefill, one loop over its segments that reads and writes the
-        # sequences' slots in place (a one-token segment the recurrent update): no gathered copy
-        # of the states, no cond (whose branches cannot update the slot arrays in place).
+    def segmented(mixed, b, a, conv_all, states, rows):
+        # The conv on the flat tokens, then the delta rule over the step's segments on
+        # ``states``, sequence s's in row rows[s] -> (o [T, Hv, Dv], conv rows [S, ...], states).
         y, conv1 = conv_prefill_ragged(mixed, lp["conv"][:, 0, :], gathered(conv_all), start, length,
                                        md.token_seq)                     # [T, C]
         q, k, v, g, beta = _rule_inputs(cfg, lp, y, b, a)                # [T, H, D] / [T, Hv]
         seq, *seg, used = segments(qsl, T, CHUNK_SIZE)                   # [N]
-        # (a padding sequence has no segment: its out-of-range slot is never read)
-        o, delta_all = segmented_gated_delta_rule(q, k, v, g, beta, delta_all, slots[seq], *seg, used, fresh[seq],
-                                                  chunk_size=CHUNK_SIZE)   # [T, Hv, Dv]
+        o, states = segmented_gated_delta_rule(q, k, v, g, beta, states, rows[seq], *seg, used, fresh[seq],
+                                               chunk_size=CHUNK_SIZE)    # [T, Hv, Dv]
+        return o, conv1, states
+
+    if tp_size() == 1 and decode == "xla":
+        # Every step, decode or prefill, one loop over its segments that reads and writes the
+        # sequences' slots in place (a one-token segment the recurrent update): no gathered copy
+        # of the states, no cond (whose branches cannot update the slot arrays in place).  A
+        # padding sequence has no segment: its out-of-range slot is never read.
+        o, conv1, delta_all = segmented(mixed, b, a, conv_all, delta_all, slots)
         conv_all = conv_all.at[slots].set(conv1.astype(conv_all.dtype), mode="drop")
         return _gdn_out(cfg, lp, o.reshape(T, Hv, Dv), z, h.dtype, kernels.linear), conv_all, delta_all
 
@@ -283,11 +289,7 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
 
     def prefill(mixed, b, a, conv_all, delta_all):
         # With the Pallas decode kernel: as above, on the sequences' gathered rows.
-        y, conv1 = conv_prefill_ragged(mixed, lp["conv"][:, 0, :], gathered(conv_all), start, length,
-                                       md.token_seq)                     # [T, C]
-        q, k, v, g, beta = _rule_inputs(cfg, lp, y, b, a)                # [T, H, D] / [T, Hv]
-        o, delta1 = segmented_gated_delta_rule(q, k, v, g, beta, gathered(delta_all), *segments(qsl, T, CHUNK_SIZE),
-                                               chunk_size=CHUNK_SIZE)    # [T, Hv, Dv]
+        o, conv1, delta1 = segmented(mixed, b, a, conv_all, gathered(delta_all), jnp.arange(start.shape[0]))
         return o, (conv1, delta1)
 
     def one_token(mixed, b, a, conv_all, delta_all):
