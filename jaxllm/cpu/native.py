@@ -58,6 +58,8 @@ _KERNELS = {
                      "jaxllm_paged_attention_vis_fp8_e5m2": "JaxllmPagedAttentionVisFp8E5M2"},
     "norm.cc": {"jaxllm_rms_norm_f32": "JaxllmRmsNormF32"},
     "lora.cc": {"jaxllm_lora_add_f32": "JaxllmLoraAddF32"},
+    "gated_delta.cc": {"jaxllm_gdn_token_f32": "JaxllmGdnTokenF32"},
+    "short_conv.cc": {"jaxllm_conv_ragged_f32": "JaxllmConvRaggedF32"},
 }
 # The packed-block matmuls, float32 activations (quant_linear.cc) and 8-bit activations
 # (quant_dot.cc): separate from _KERNELS so they never decide ``available()``.
@@ -321,6 +323,42 @@ def lora_add(ys: list, x: jax.Array, a: jax.Array, bs: list, slots: jax.Array, l
                                  input_output_aliases={first_y + i: i for i in range(len(ys))})(
         *args, cols=np.asarray(cols, np.int64), outs=np.asarray(outs, np.int64), part=np.int64(R),
         r0s=np.asarray(r0s, np.int64)))
+
+
+def gdn_token(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, rows: jax.Array,
+              fresh: jax.Array, states: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One token of each of S sequences through the gated delta rule (gated_delta.cc), on
+    their state rows in place: q, k [S, H, Dk] (normalised, q scaled, one per value head),
+    v [S, H, Dv], g (log decay), beta [S, H]; rows [S] int32 each sequence's row of ``states``
+    (out of range: a padding sequence, zero output, nothing written); fresh [S] it starts from
+    zeros, not from its row; states [R, H, Dk, Dv] float32 -> (o [S, H, Dv], states).  The
+    function of layers/gated_delta.py's ``_token_step`` on each sequence's row."""
+    S, H, Dv = v.shape
+    f32 = lambda x: x.astype(jnp.float32)   # noqa: E731
+    o, states = jax.ffi.ffi_call("jaxllm_gdn_token_f32",
+                                 (jax.ShapeDtypeStruct((S, H, Dv), jnp.float32),
+                                  jax.ShapeDtypeStruct(states.shape, jnp.float32)),
+                                 input_output_aliases={7: 1})(
+        f32(q), f32(k), f32(v), f32(g), f32(beta), rows.astype(jnp.int32), fresh.astype(jnp.int32), states)
+    return o, states
+
+
+def conv_ragged(x: jax.Array, weight: jax.Array, states: jax.Array, rows: jax.Array, start: jax.Array,
+                length: jax.Array, fresh: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The causal depthwise conv of a ragged step's flat tokens on the sequences' state rows in
+    place (short_conv.cc), before the activation: x [T, C], weight [C, K], states
+    [R, K - 1, C] float32; rows, start, length, fresh [S]: sequence s's row of ``states`` (out
+    of range: none, read as zeros, not written), its tokens ``x[start:start + length]``, and
+    whether it starts from zeros -> (y [T, C] float32, zero on tokens of no sequence; states).
+    The function of layers/short_conv.py's ``conv_prefill_ragged`` (activation off) on each
+    sequence's row."""
+    i32 = lambda a: a.astype(jnp.int32)   # noqa: E731
+    y, states = jax.ffi.ffi_call("jaxllm_conv_ragged_f32",
+                                 (jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                                  jax.ShapeDtypeStruct(states.shape, jnp.float32)),
+                                 input_output_aliases={6: 1})(
+        x.astype(jnp.float32), weight.astype(jnp.float32).T, i32(rows), i32(start), i32(length), i32(fresh), states)
+    return y, states
 
 
 if __name__ == "__main__":

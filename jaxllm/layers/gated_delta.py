@@ -21,7 +21,8 @@ state ``[B, Hv, Dk, Dv]`` (float32):
 * :func:`segmented_gated_delta_rule` (the engine's ragged steps, decodes too): the same
   chunks, each a segment of one sequence's tokens (:func:`segments`; one token: the
   recurrent update), run in order by a loop over the step's segments only, with each
-  sequence's state taken at its first segment and left at its last.
+  sequence's state taken at its first segment and left at its last; on the CPU's native
+  kernels the one-token sequences all at once by ``cpu/gated_delta.cc``, on their rows in place.
 * :func:`recurrent_gated_delta_rule` (decode, or any short run): a ``lax.scan`` over tokens.
 * :func:`reference_gated_delta_rule`: the token loop in numpy float64, the tests' oracle.
 
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.cpu import native
 from jaxllm.formats.gdn_inputs import L2_EPS, prepare
 
 
@@ -144,9 +146,10 @@ def segments(query_start_loc: jax.Array, num_tokens: int, chunk_size: int):
     return seq, start[seq] + i * C, seg_len, used & (i == 0), used & (i == count[seq] - 1), end[-1]
 
 
-@partial(jax.jit, static_argnames=("chunk_size", "use_qk_l2norm", "scale"))
+@partial(jax.jit, static_argnames=("chunk_size", "use_qk_l2norm", "scale", "decode"))
 def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, first, last, used, fresh, *,
-                               chunk_size: int, use_qk_l2norm: bool = True, scale: float | None = None):
+                               chunk_size: int, use_qk_l2norm: bool = True, scale: float | None = None,
+                               decode: str = "xla"):
     """The chunked form over :func:`segments`' segments of a ragged step's flat tokens
     instead of ``[B, T]`` rows: q, k [T, Hk, Dk], v [T, H, Dv], g, beta [T, H]; states
     [R, H, Dk, Dv]; ``seq [N]`` the row of ``states`` each segment's sequence starts from and
@@ -164,7 +167,12 @@ def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, fir
     start (the masked ones zero; the next segment, run later, overwrites them).  A segment of
     one token (a decode) takes the recurrent update instead.  The work is the step's
     segments' (at most T / C + one per sequence), not the N of the bound (one per row of the
-    step's bucket)."""
+    step's bucket).
+
+    ``decode="native"`` (the CPU's kernels, cpu/gated_delta.cc): the sequences of one token
+    this step (decodes), each a segment alone that touches only its own row, are updated
+    first, all in one call on their rows in place (each state read once and written once),
+    and the loop runs over the other segments only."""
     T = k.shape[0]
     C = chunk_size
     q, k, v, g, beta = (x[0] for x in prepare(q[None], k[None], v[None], g[None], beta[None], None,
@@ -197,8 +205,19 @@ def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, fir
         states = jax.lax.dynamic_update_index_in_dim(states, jnp.where(last[n], s.astype(states.dtype), row), seq[n], 0)
         return s, states, o
 
+    order, count = jnp.arange(seq.shape[0]), used                      # [N]: the loop's segments, in order
+    if decode == "native":
+        live = jnp.arange(seq.shape[0]) < used                          # [N]
+        alone = live & first & last & (length == 1)                     # [N] a sequence of one token
+        rows = jnp.where(alone, seq, states.shape[0])                   # out of range: not one of them
+        o_1, states = native.gdn_token(*(x[start] for x in (q, k, v, g, beta)), rows, fresh, states)   # [N, H, Dv]
+        rest = live & ~alone
+        order, count = jnp.argsort(~rest, stable=True), jnp.sum(rest)   # the others first, in order
     init = (jnp.zeros(states.shape[1:], jnp.float32), states, jnp.zeros((T + C, H, Dv), jnp.float32))
-    _, states, o = jax.lax.fori_loop(0, used, segment, init)
+    _, states, o = jax.lax.fori_loop(0, count, lambda i, carry: segment(order[i], carry), init)
+    if decode == "native":
+        # after the loop: its segments write C rows of outputs from their start, zeros past their length
+        o = o.at[jnp.where(alone, start, T + C)].set(o_1, mode="drop")
     return o[:T], states
 
 

@@ -6,13 +6,16 @@ SiLU: ``y_t[c] = silu(sum_j w[c, j] * x_{t - K + 1 + j}[c])`` (transformers' ``c
 the tokens before the first are read from the conv state ``[B, K - 1, C]``: the last
 ``K - 1`` inputs of the sequence so far (zeros at its start).  Prefill and the one-token
 decode update are the same function of (state, new tokens); :func:`conv_step` is the
-one-token case written without the window gather.
+one-token case written without the window gather.  :func:`conv_ragged_on_slots` is the
+engine's step: a ragged batch's flat tokens on the sequences' rows of every slot's state.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from jaxllm.cpu import native
 
 
 def conv_prefill(x: jax.Array, weight: jax.Array, state: jax.Array, length: jax.Array | None = None,
@@ -73,3 +76,21 @@ def conv_prefill_ragged(x: jax.Array, weight: jax.Array, state: jax.Array, start
     from_state = jnp.take_along_axis(st, jnp.clip(p, 0, K - 2)[..., None], axis=1)
     new_state = jnp.where((p >= K - 1)[..., None], from_x, from_state)
     return y, new_state.astype(state.dtype)
+
+
+def conv_ragged_on_slots(x: jax.Array, weight: jax.Array, states: jax.Array, rows: jax.Array, start: jax.Array,
+                         length: jax.Array, fresh: jax.Array, token_seq: jax.Array, *,
+                         backend: str = "xla") -> tuple[jax.Array, jax.Array]:
+    """:func:`conv_prefill_ragged` on every slot's state: states [R, K - 1, C]; rows [S] each
+    sequence's row of it (out of range: a padding sequence, read as zeros, not written);
+    fresh [S]: it starts from zeros, not from its row -> (y [T, C] float32, states with each
+    sequence's row left after its tokens, the others as given).  ``backend="native"``: the
+    CPU kernel (cpu/short_conv.cc), on the rows in place; "xla": the rows gathered, convolved
+    and scattered back."""
+    if backend == "native":
+        y, states = native.conv_ragged(x, weight, states, rows, start, length, fresh)   # [T, C]
+        return jax.nn.silu(y), states
+    own = jnp.take(states, rows, axis=0, mode="fill", fill_value=0)                      # [S, K - 1, C]
+    own = jnp.where(fresh[:, None, None], 0.0, own)
+    y, new = conv_prefill_ragged(x, weight, own, start, length, token_seq)
+    return y, states.at[rows].set(new.astype(states.dtype), mode="drop")

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
+from jaxllm.cpu import native
 from jaxllm.layers.gated_delta import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
@@ -24,7 +25,7 @@ from jaxllm.layers.gated_delta import (
     segmented_gated_delta_rule,
     segments,
 )
-from jaxllm.layers.short_conv import conv_prefill, conv_prefill_ragged, conv_step
+from jaxllm.layers.short_conv import conv_prefill, conv_prefill_ragged, conv_ragged_on_slots, conv_step
 from jaxllm.runner.compile import enable_persistent_cache
 from support.gated_delta_inputs import TOL
 from support.gated_delta_inputs import random_inputs as _inputs
@@ -134,6 +135,12 @@ def _ragged(lengths, T):
     return qsl, token_seq
 
 
+def _need_native(decode):
+    if decode == "native" and not native.available():
+        pytest.skip("the native CPU kernels are unavailable here (no AVX2/FMA or no compiler): "
+                    "the decode='native' form is not run")
+
+
 def _ragged_step():
     """The ragged step's flat inputs: q, k, v, g, beta [T, ...] and query_start_loc."""
     q, k, v, g, beta, _ = _inputs(41, B=1, T=RAGGED_T)
@@ -154,19 +161,22 @@ def test_segments_cover_each_sequence_in_chunks():
     assert not first[~used].any() and not last[~used].any()
 
 
-def test_segmented_form_equals_each_sequence_alone():
+@pytest.mark.parametrize("decode", ["xla", "native"])
+def test_segmented_form_equals_each_sequence_alone(decode):
     # Every sequence of a ragged step, from its own state, against the float64 token loop on
     # that sequence alone: outputs and final states.  The states are the engine's slots (more
     # rows than sequences, in another order): only the step's sequences' rows change, the
     # empty row's stays, and a fresh sequence starts from zeros whatever its row holds.
+    # "native": the one-token sequences (1 and 4, one of them fresh) through the CPU kernel.
+    _need_native(decode)
     lengths, T, C = RAGGED_LENGTHS, RAGGED_T, 16
     q, k, v, g, beta, qsl = _ragged_step()                                       # [T, ...]
     slots = np.array([7, 2, 0, 5, 8, 3])                                         # sequence -> its row
-    fresh = np.array([False, False, True, False, False, False])
+    fresh = np.array([False, False, True, False, True, False])
     s0 = np.random.default_rng(42).standard_normal((9, 4, 8, 6)).astype(np.float32) * 0.5
     seq, *seg, used = segments(jnp.asarray(qsl), T, C)
     o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, slots[np.asarray(seq)], *seg, used,
-                                           fresh[np.asarray(seq)], chunk_size=C)
+                                           fresh[np.asarray(seq)], chunk_size=C, decode=decode)
     o, states = np.asarray(o), np.asarray(states)                                # [T, H, Dv], [9, ...]
     for s, n in enumerate(lengths):
         row = slots[s]
@@ -183,16 +193,18 @@ def test_segmented_form_equals_each_sequence_alone():
     assert np.all(o[qsl[-1]:] == 0)                                              # the padding's outputs
 
 
-def test_segmented_form_runs_only_the_used_segments():
+@pytest.mark.parametrize("decode", ["xla", "native"])
+def test_segmented_form_runs_only_the_used_segments(decode):
     # The loop's bound is the step's segment count, not the N of the bound (a padded step's
     # unused segments cost nothing): told that only the first 2 segments exist, it leaves the
     # tokens after them zero and the states their later segments would write as given.
+    _need_native(decode)
     q, k, v, g, beta, qsl = _ragged_step()
     T, C = RAGGED_T, 16
     s0 = np.random.default_rng(42).standard_normal((len(RAGGED_LENGTHS), 4, 8, 6)).astype(np.float32) * 0.5
     *seg, count = segments(jnp.asarray(qsl), T, C)
     o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, *seg, jnp.int32(2), np.zeros(len(seg[0]), bool),
-                                           chunk_size=C)
+                                           chunk_size=C, decode=decode)
     assert int(count) == 7
     assert np.abs(np.asarray(o[:32])).max(axis=(1, 2)).min() > 0 and np.all(np.asarray(o[32:]) == 0)
     np.testing.assert_array_equal(states, s0)          # sequence 0's last segment (the third) did not run
@@ -251,3 +263,33 @@ def test_ragged_conv_is_the_rows_conv_bit_for_bit():
         y_s, st_s = conv_prefill(x[None, a:a + n], w, s0[s:s + 1])
         np.testing.assert_array_equal(np.asarray(y)[a:a + n], np.asarray(y_s)[0])
         np.testing.assert_array_equal(state[s], st_s[0])
+
+
+@pytest.mark.parametrize("backend", ["xla", "native"])
+def test_conv_on_slots_writes_each_sequences_row_only(backend):
+    # The engine's conv step on every slot's state: each sequence's outputs and new row as
+    # conv_prefill gives them on that sequence alone, from its row (zeros when fresh, whatever
+    # the row holds); a padding sequence (out-of-range row) and rows no sequence owns untouched.
+    _need_native(backend)
+    lengths, T = RAGGED_LENGTHS, RAGGED_T        # sequence 3 has no token this step
+    r = np.random.default_rng(8)
+    C, K, R = 40, 4, 9                           # C: the kernel's 8-lane loops and a tail
+    x = r.standard_normal((T, C)).astype(np.float32)
+    w = r.standard_normal((C, K)).astype(np.float32)
+    s0 = r.standard_normal((R, K - 1, C)).astype(np.float32)
+    rows = np.array([7, 2, 0, 5, 9, 3], np.int32)   # sequence 4 is padding: row 9 is out of range
+    fresh = np.array([False, False, True, False, False, False])
+    s0[0] = np.nan                                   # the fresh sequence's row is never read
+    qsl, token_seq = _ragged(lengths, T)
+    y, states = conv_ragged_on_slots(x, w, jnp.asarray(s0), rows, jnp.asarray(qsl[:-1]), jnp.asarray(np.diff(qsl)),
+                                     fresh, jnp.asarray(token_seq), backend=backend)
+    y, states = np.asarray(y), np.asarray(states)
+    for s, n in enumerate(lengths):
+        if rows[s] >= R:
+            continue
+        a, own = qsl[s], np.zeros_like(s0[:1]) if fresh[s] else s0[rows[s]][None]
+        y_s, st_s = conv_prefill(x[None, a:a + n], w, own)
+        np.testing.assert_allclose(y[a:a + n], np.asarray(y_s)[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(states[rows[s]], np.asarray(st_s)[0])
+    for row in (1, 4, 6, 8):
+        np.testing.assert_array_equal(states[row], s0[row])

@@ -66,7 +66,7 @@ from jaxllm.layers.linear import embed, linear, matmul
 from jaxllm.layers.moe import moe_mlp
 from jaxllm.layers.norm import rms_norm
 from jaxllm.layers.rotary import apply_rope, cos_sin, mrope_axes, mrope_cos_sin
-from jaxllm.layers.short_conv import conv_prefill, conv_prefill_ragged, conv_step
+from jaxllm.layers.short_conv import conv_prefill, conv_prefill_ragged, conv_ragged_on_slots, conv_step
 from jaxllm.models.kernels import Kernels
 from jaxllm.models.qwen3_next.config import HybridArch, HybridConfig, num_full_layers, num_gdn_layers
 from jaxllm.pallas.gated_delta import recurrent_gated_delta_rule_pallas
@@ -251,30 +251,32 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
     start, length = qsl[:-1], qsl[1:] - qsl[:-1]                      # [S]
     fresh = md.positions[jnp.clip(start, 0, T - 1)] == 0               # [S]
     decode = "pallas" if kernels.attention == "pallas" else "xla"
+    # The CPU's native kernels (picked with its attention) also take the conv and the decodes'
+    # delta updates.
+    token = "native" if kernels.attention == "native" else "xla"
 
     def gathered(all_states):
         # [slots, ...] -> each sequence's rows [S, ...], zeros for a fresh or a padding one
         rows = jnp.take(all_states, slots, axis=0, mode="fill", fill_value=0)
         return jnp.where(fresh.reshape((-1,) + (1,) * (rows.ndim - 1)), 0.0, rows)
 
-    def segmented(mixed, b, a, conv_all, states, rows):
-        # The conv on the flat tokens, then the delta rule over the step's segments on
-        # ``states``, sequence s's in row rows[s] -> (o [T, Hv, Dv], conv rows [S, ...], states).
-        y, conv1 = conv_prefill_ragged(mixed, lp["conv"][:, 0, :], gathered(conv_all), start, length,
-                                       md.token_seq)                     # [T, C]
+    def rule(y, b, a, states, rows):
+        # The delta rule over the step's segments on ``states``, sequence s's in row rows[s]
+        # -> (o [T, Hv, Dv], states).
         q, k, v, g, beta = _rule_inputs(cfg, lp, y, b, a)                # [T, H, D] / [T, Hv]
         seq, *seg, used = segments(qsl, T, CHUNK_SIZE)                   # [N]
-        o, states = segmented_gated_delta_rule(q, k, v, g, beta, states, rows[seq], *seg, used, fresh[seq],
-                                               chunk_size=CHUNK_SIZE)    # [T, Hv, Dv]
-        return o, conv1, states
+        return segmented_gated_delta_rule(q, k, v, g, beta, states, rows[seq], *seg, used, fresh[seq],
+                                          chunk_size=CHUNK_SIZE, decode=token)   # [T, Hv, Dv]
 
     if tp_size() == 1 and decode == "xla":
         # Every step, decode or prefill, one loop over its segments that reads and writes the
-        # sequences' slots in place (a one-token segment the recurrent update): no gathered copy
-        # of the states, no cond (whose branches cannot update the slot arrays in place).  A
-        # padding sequence has no segment: its out-of-range slot is never read.
-        o, conv1, delta_all = segmented(mixed, b, a, conv_all, delta_all, slots)
-        conv_all = conv_all.at[slots].set(conv1.astype(conv_all.dtype), mode="drop")
+        # sequences' slots in place (a one-token segment the recurrent update; with the CPU's
+        # kernels all of them in one call first): no gathered copy of the states, no cond
+        # (whose branches cannot update the slot arrays in place).  A padding sequence has no
+        # segment: its out-of-range slot is never read.  The conv the same, on its slots.
+        y, conv_all = conv_ragged_on_slots(mixed, lp["conv"][:, 0, :], conv_all, slots, start, length, fresh,
+                                           md.token_seq, backend=token)  # [T, C]
+        o, delta_all = rule(y, b, a, delta_all, slots)
         return _gdn_out(cfg, lp, o.reshape(T, Hv, Dv), z, h.dtype, kernels.linear), conv_all, delta_all
 
     def prefill_rows(mixed, b, a, conv_all, delta_all):
@@ -289,7 +291,9 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
 
     def prefill(mixed, b, a, conv_all, delta_all):
         # With the Pallas decode kernel: as above, on the sequences' gathered rows.
-        o, conv1, delta1 = segmented(mixed, b, a, conv_all, gathered(delta_all), jnp.arange(start.shape[0]))
+        y, conv1 = conv_prefill_ragged(mixed, lp["conv"][:, 0, :], gathered(conv_all), start, length,
+                                       md.token_seq)                     # [T, C]
+        o, delta1 = rule(y, b, a, gathered(delta_all), jnp.arange(start.shape[0]))
         return o, (conv1, delta1)
 
     def one_token(mixed, b, a, conv_all, delta_all):
