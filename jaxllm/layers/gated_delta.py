@@ -146,10 +146,10 @@ def segments(query_start_loc: jax.Array, num_tokens: int, chunk_size: int):
     return seq, start[seq] + i * C, seg_len, used & (i == 0), used & (i == count[seq] - 1), end[-1]
 
 
-@partial(jax.jit, static_argnames=("chunk_size", "use_qk_l2norm", "scale", "decode"))
+@partial(jax.jit, static_argnames=("chunk_size", "use_qk_l2norm", "scale", "backend"))
 def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, first, last, used, fresh, *,
                                chunk_size: int, use_qk_l2norm: bool = True, scale: float | None = None,
-                               decode: str = "xla"):
+                               backend: str = "xla"):
     """The chunked form over :func:`segments`' segments of a ragged step's flat tokens
     instead of ``[B, T]`` rows: q, k [T, Hk, Dk], v [T, H, Dv], g, beta [T, H]; states
     [R, H, Dk, Dv]; ``seq [N]`` the row of ``states`` each segment's sequence starts from and
@@ -169,7 +169,7 @@ def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, fir
     segments' (at most T / C + one per sequence), not the N of the bound (one per row of the
     step's bucket).
 
-    ``decode="native"`` (the CPU's kernels, cpu/gated_delta.cc): the sequences of one token
+    ``backend="native"`` (the CPU's kernels, cpu/gated_delta.cc): the sequences of one token
     this step (decodes), each a segment alone that touches only its own row, are updated
     first, all in one call on their rows in place (each state read once and written once),
     and the loop runs over the other segments only."""
@@ -206,7 +206,7 @@ def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, fir
         return s, states, o
 
     order, count = jnp.arange(seq.shape[0]), used                      # [N]: the loop's segments, in order
-    if decode == "native":
+    if backend == "native":
         live = jnp.arange(seq.shape[0]) < used                          # [N]
         alone = live & first & last & (length == 1)                     # [N] a sequence of one token
         rows = jnp.where(alone, seq, states.shape[0])                   # out of range: not one of them
@@ -215,7 +215,7 @@ def segmented_gated_delta_rule(q, k, v, g, beta, states, seq, start, length, fir
         order, count = jnp.argsort(~rest, stable=True), jnp.sum(rest)   # the others first, in order
     init = (jnp.zeros(states.shape[1:], jnp.float32), states, jnp.zeros((T + C, H, Dv), jnp.float32))
     _, states, o = jax.lax.fori_loop(0, count, lambda i, carry: segment(order[i], carry), init)
-    if decode == "native":
+    if backend == "native":
         # after the loop: its segments write C rows of outputs from their start, zeros past their length
         o = o.at[jnp.where(alone, start, T + C)].set(o_1, mode="drop")
     return o[:T], states

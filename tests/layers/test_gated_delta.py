@@ -176,7 +176,7 @@ def test_segmented_form_equals_each_sequence_alone(decode):
     s0 = np.random.default_rng(42).standard_normal((9, 4, 8, 6)).astype(np.float32) * 0.5
     seq, *seg, used = segments(jnp.asarray(qsl), T, C)
     o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, slots[np.asarray(seq)], *seg, used,
-                                           fresh[np.asarray(seq)], chunk_size=C, decode=decode)
+                                           fresh[np.asarray(seq)], chunk_size=C, backend=decode)
     o, states = np.asarray(o), np.asarray(states)                                # [T, H, Dv], [9, ...]
     for s, n in enumerate(lengths):
         row = slots[s]
@@ -204,7 +204,7 @@ def test_segmented_form_runs_only_the_used_segments(decode):
     s0 = np.random.default_rng(42).standard_normal((len(RAGGED_LENGTHS), 4, 8, 6)).astype(np.float32) * 0.5
     *seg, count = segments(jnp.asarray(qsl), T, C)
     o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, *seg, jnp.int32(2), np.zeros(len(seg[0]), bool),
-                                           chunk_size=C, decode=decode)
+                                           chunk_size=C, backend=decode)
     assert int(count) == 7
     assert np.abs(np.asarray(o[:32])).max(axis=(1, 2)).min() > 0 and np.all(np.asarray(o[32:]) == 0)
     np.testing.assert_array_equal(states, s0)          # sequence 0's last segment (the third) did not run

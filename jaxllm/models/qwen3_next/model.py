@@ -30,7 +30,8 @@ layers cache K/V pages (``layers/attention.attend``, every backend), each GDN la
 conv and delta-rule states in slots, one per sequence the KV budget seats (a per-sequence
 cache kind of :meth:`HybridConfig.state_bytes`, ``max_num_seqs`` clamped to the slots),
 owned by request id (``runner/state_slots.py``).  The conv runs on the flat ragged tokens
-(:func:`conv_prefill_ragged`, on each sequence's gathered conv state) and the delta rule, in
+(:func:`conv_ragged_on_slots`: each sequence's conv state gathered and scattered back, or on
+the CPU's native kernels updated in place) and the delta rule, in
 every step, decodes too, as one loop over chunk-sized segments of each sequence
 (:func:`segmented_gated_delta_rule`: C token slots a segment, a one-token segment the
 recurrent update; not the S * T of rows of ``[S, T]``) that reads and writes the sequences'
@@ -252,8 +253,8 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
     fresh = md.positions[jnp.clip(start, 0, T - 1)] == 0               # [S]
     decode = "pallas" if kernels.attention == "pallas" else "xla"
     # The CPU's native kernels (picked with its attention) also take the conv and the decodes'
-    # delta updates.
-    token = "native" if kernels.attention == "native" else "xla"
+    # delta updates, on the slots in place.
+    on_slots = "native" if kernels.attention == "native" else "xla"
 
     def gathered(all_states):
         # [slots, ...] -> each sequence's rows [S, ...], zeros for a fresh or a padding one
@@ -266,7 +267,7 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
         q, k, v, g, beta = _rule_inputs(cfg, lp, y, b, a)                # [T, H, D] / [T, Hv]
         seq, *seg, used = segments(qsl, T, CHUNK_SIZE)                   # [N]
         return segmented_gated_delta_rule(q, k, v, g, beta, states, rows[seq], *seg, used, fresh[seq],
-                                          chunk_size=CHUNK_SIZE, decode=token)   # [T, Hv, Dv]
+                                          chunk_size=CHUNK_SIZE, backend=on_slots)   # [T, Hv, Dv]
 
     if tp_size() == 1 and decode == "xla":
         # Every step, decode or prefill, one loop over its segments that reads and writes the
@@ -275,7 +276,7 @@ def _ragged_gdn(cfg: HybridConfig, h, lp, conv_all, delta_all, slots, md, kernel
         # (whose branches cannot update the slot arrays in place).  A padding sequence has no
         # segment: its out-of-range slot is never read.  The conv the same, on its slots.
         y, conv_all = conv_ragged_on_slots(mixed, lp["conv"][:, 0, :], conv_all, slots, start, length, fresh,
-                                           md.token_seq, backend=token)  # [T, C]
+                                           md.token_seq, backend=on_slots)   # [T, C]
         o, delta_all = rule(y, b, a, delta_all, slots)
         return _gdn_out(cfg, lp, o.reshape(T, Hv, Dv), z, h.dtype, kernels.linear), conv_all, delta_all
 
