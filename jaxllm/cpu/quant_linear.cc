@@ -19,7 +19,8 @@
 // weights widened once per call into float32 panels with the same bits ("Q4_1, AVX-512, a
 // prefill's many rows"); Q8_0 (its tied LM head), Q4_0 and Q5_0 have a several-rows walk
 // too (see "Q8_0, Q4_0, Q5_0, AVX-512").  Without AVX-512, Q4_1 runs the same kind of walk
-// 8 lanes wide at every M ("Q4_1, AVX2"), the other types the one-row tiles.
+// 8 lanes wide below 32 rows ("Q4_1, AVX2") and 8-lane panels from 32 ("Q4_1, AVX2, a
+// prefill's many rows"), the other types the one-row tiles.
 // Called from jaxllm/cpu/native.py via XLA's FFI.
 #include <immintrin.h>
 
@@ -602,29 +603,159 @@ JAXLLM_AVX512 void q4_1_widen_panel_512(const uint16_t* d, const uint16_t* m, co
   }
 }
 
-// y = x . W^T for Q4_1 weights, M >= kPanelMinRows, on the AVX-512 path: the weight rows
-// split over the pool as in linear(); each part widens kPanelRows weight rows at a time and
-// walks every tile of x (kPanelMR rows; the last tile 1-3) over them.
-JAXLLM_AVX512 void linear_q4_1_panel_512(ffi::ThreadPool& pool, const float* x, const uint16_t* d,
-                                         const uint16_t* m, const uint8_t* qs, const float* sx, float* y, int64_t M,
-                                         int64_t K, int64_t N) {
+// The AVX-512 panels' entry for linear_q4_1_panels below.
+struct Q4_1Panels512 {
+  static constexpr int64_t kChunkBlocks = kChunk;
+  static constexpr int kMR = kPanelMR;
+  JAXLLM_AVX512 static void widen(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb, int64_t nbp,
+                                  int64_t n0, int64_t pn, float* q, float* dp, float* mp) {
+    q4_1_widen_panel_512(d, m, qs, nb, nbp, n0, pn, q, dp, mp);
+  }
+  template <int MR>
+  JAXLLM_AVX512 static void rows(const float* x, int64_t K, const float* q, const float* dp, const float* mp,
+                                 int64_t nbp, const float* sx, float* y, int64_t N, int64_t pn) {
+    q4_1_panel_rows_512<MR>(x, K, q, dp, mp, nbp, sx, y, N, pn);
+  }
+};
+
+// ---- Q4_1, AVX2, a prefill's many rows: the weights widened once per call ----
+//
+// The AVX2 walk above takes one weight row per pass for a tile of 3-4 rows of x, so a
+// prefill chunk widens each block (load, two table shuffles, two masks, two shifts, four
+// converts) once per 4 rows of x: 128 times at 512 rows, as many vector operations as the
+// tile's 5 FMAs per block and pair.  From kPanelMinRows rows on, each part's weight rows
+// are widened once into float32 panels (q: [rows, nb, 32] weights in order, d and m:
+// [rows, nbp] floats, nbp = nb rounded up to kChunk8, +0 past nb) and 4 x 2 tiles of (rows
+// of x, weight rows) run on plain loads.  Each pair's operations and their order are
+// q4_1_tile_256's: per chunk fma(m, sx, acc) (+0 * +0 past nb: the panel's zeros, the masked
+// load's), then per block s = q0 * x0, fma q16, fma q8, fma q24, acc = fma(d, s, acc); the
+// panel holds the same float values (the nibbles are small exact integers, d and m the same
+// f16 -> f32 converts), so a row's result is the same bits as in a decode step's 1-row call
+// (tests/kernels/test_cpu_quant_linear.py).
+constexpr int kPanelMR8 = 4, kPanelNR8 = 2;   // 8 accumulators + a row's 4 weight vectors, d, s in 16 ymm
+
+template <int MR, int NR>
+void q4_1_panel_tile_256(const float* x, int64_t K, const float* q, const float* dp, const float* mp, int64_t nbp,
+                         const float* sx, float* y, int64_t N) {
   const int64_t nb = K / kBlock;
-  const int64_t nbp = (nb + kChunk - 1) / kChunk * kChunk;
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < nb; c0 += kChunk8) {
+    const int64_t cn = std::min<int64_t>(kChunk8, nb - c0);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cn)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      const __m256 mv = _mm256_loadu_ps(mp + j * nbp + c0);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        acc[r][j] = _mm256_fmadd_ps(mv, _mm256_maskload_ps(sx + r * nb + c0, lanes), acc[r][j]);
+    }
+    for (int64_t i = 0; i < cn; ++i) {
+      const int64_t b = c0 + i;
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        const float* qb = q + (j * nb + b) * kBlock;
+        const __m256 q0 = _mm256_loadu_ps(qb), q8 = _mm256_loadu_ps(qb + 8);
+        const __m256 q16 = _mm256_loadu_ps(qb + 16), q24 = _mm256_loadu_ps(qb + 24);
+        const __m256 dj = _mm256_broadcast_ss(dp + j * nbp + b);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const float* xr = x + r * K + b * kBlock;
+          __m256 t = _mm256_mul_ps(q0, _mm256_loadu_ps(xr));
+          t = _mm256_fmadd_ps(q16, _mm256_loadu_ps(xr + 16), t);
+          t = _mm256_fmadd_ps(q8, _mm256_loadu_ps(xr + 8), t);
+          t = _mm256_fmadd_ps(q24, _mm256_loadu_ps(xr + 24), t);
+          acc[r][j] = _mm256_fmadd_ps(dj, t, acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) y[r * N + j] = jaxllm_simd::hsum(acc[r][j]);
+}
+
+// The panel's rows [0, pn) against a tile of MR rows of x, kPanelNR8 at a time (the last one alone).
+template <int MR>
+void q4_1_panel_rows_256(const float* x, int64_t K, const float* q, const float* dp, const float* mp, int64_t nbp,
+                         const float* sx, float* y, int64_t N, int64_t pn) {
+  const int64_t nb = K / kBlock;
+  int64_t j = 0;
+  for (; j + kPanelNR8 <= pn; j += kPanelNR8)
+    q4_1_panel_tile_256<MR, kPanelNR8>(x, K, q + j * nb * kBlock, dp + j * nbp, mp + j * nbp, nbp, sx, y + j, N);
+  for (; j < pn; ++j)
+    q4_1_panel_tile_256<MR, 1>(x, K, q + j * nb * kBlock, dp + j * nbp, mp + j * nbp, nbp, sx, y + j, N);
+}
+
+// Weight rows [n0, n0 + pn) widened into the panels (layout above).
+void q4_1_widen_panel_256(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb, int64_t nbp,
+                          int64_t n0, int64_t pn, float* q, float* dp, float* mp) {
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (int64_t j = 0; j < pn; ++j) {
+    const int64_t n = n0 + j;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = qs + (n * nb + b) * Q4_1::kQsBytes;
+      const __m256i v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb)));
+      const __m256i v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8)));
+      float* out = q + (j * nb + b) * kBlock;
+      _mm256_storeu_ps(out, _mm256_cvtepi32_ps(_mm256_and_si256(v0, low4)));        // weights 0..7
+      _mm256_storeu_ps(out + 8, _mm256_cvtepi32_ps(_mm256_and_si256(v1, low4)));    // 8..15
+      _mm256_storeu_ps(out + 16, _mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)));     // 16..23
+      _mm256_storeu_ps(out + 24, _mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)));     // 24..31
+    }
+    for (int64_t c0 = 0; c0 < nbp; c0 += kChunk8) {
+      const int64_t cn = std::min<int64_t>(kChunk8, nb - c0);   // >= 1: nbp < nb + kChunk8
+      const __m256 lanes = cn == kChunk8 ? all
+          : _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cn)),
+                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      _mm256_storeu_ps(dp + j * nbp + c0, f16x8(d + n * nb, nb, c0, cn, lanes));
+      _mm256_storeu_ps(mp + j * nbp + c0, f16x8(m + n * nb, nb, c0, cn, lanes));
+    }
+  }
+}
+
+// The AVX2 panels' entry for linear_q4_1_panels below.
+struct Q4_1Panels256 {
+  static constexpr int64_t kChunkBlocks = kChunk8;
+  static constexpr int kMR = kPanelMR8;
+  static void widen(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb, int64_t nbp, int64_t n0,
+                    int64_t pn, float* q, float* dp, float* mp) {
+    q4_1_widen_panel_256(d, m, qs, nb, nbp, n0, pn, q, dp, mp);
+  }
+  template <int MR>
+  static void rows(const float* x, int64_t K, const float* q, const float* dp, const float* mp, int64_t nbp,
+                   const float* sx, float* y, int64_t N, int64_t pn) {
+    q4_1_panel_rows_256<MR>(x, K, q, dp, mp, nbp, sx, y, N, pn);
+  }
+};
+
+// y = x . W^T for Q4_1 weights, M >= kPanelMinRows (Panels: Q4_1Panels512 on the AVX-512
+// path, Q4_1Panels256 on the AVX2 one): the weight rows split over the pool as in linear();
+// each part widens kPanelRows weight rows at a time and walks every tile of x (kMR rows;
+// the last tile 1-3) over them.
+template <typename Panels>
+void linear_q4_1_panels(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
+                        const uint8_t* qs, const float* sx, float* y, int64_t M, int64_t K, int64_t N) {
+  constexpr int MR = Panels::kMR;
+  const int64_t nb = K / kBlock;
+  const int64_t nbp = (nb + Panels::kChunkBlocks - 1) / Panels::kChunkBlocks * Panels::kChunkBlocks;
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
     std::vector<float> q(std::min<int64_t>(kPanelRows, n1 - n0) * nb * kBlock);
     std::vector<float> dp(std::min<int64_t>(kPanelRows, n1 - n0) * nbp), mp(dp.size());
     for (int64_t p0 = n0; p0 < n1; p0 += kPanelRows) {
       const int64_t pn = std::min<int64_t>(kPanelRows, n1 - p0);
-      q4_1_widen_panel_512(d, m, qs, nb, nbp, p0, pn, q.data(), dp.data(), mp.data());
-      for (int64_t r0 = 0; r0 < M; r0 += kPanelMR) {
+      Panels::widen(d, m, qs, nb, nbp, p0, pn, q.data(), dp.data(), mp.data());
+      for (int64_t r0 = 0; r0 < M; r0 += MR) {
         const float* xt = x + r0 * K;
         const float* st = sx + r0 * nb;
         float* yt = y + r0 * N + p0;
-        switch (std::min<int64_t>(kPanelMR, M - r0)) {
-          case 1: q4_1_panel_rows_512<1>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
-          case 2: q4_1_panel_rows_512<2>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
-          case 3: q4_1_panel_rows_512<3>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
-          default: q4_1_panel_rows_512<kPanelMR>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
+        switch (std::min<int64_t>(MR, M - r0)) {
+          case 1: Panels::template rows<1>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
+          case 2: Panels::template rows<2>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
+          case 3: Panels::template rows<3>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
+          default: Panels::template rows<MR>(xt, K, q.data(), dp.data(), mp.data(), nbp, st, yt, N, pn); break;
         }
       }
     }
@@ -785,7 +916,10 @@ void linear(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint
   if (m != nullptr) sums = block_sums(x, M, K);
   const float* sx = m != nullptr ? sums.data() : nullptr;
   if constexpr (std::is_same_v<T, Q4_1>) {   // its walks at every M, on either path
-    if (g_avx512 && M >= kPanelMinRows) return linear_q4_1_panel_512(pool, x, d, m, qs, sx, y, M, K, N);
+    if (M >= kPanelMinRows) {   // a prefill: the weights widened once per call
+      if (g_avx512) return linear_q4_1_panels<Q4_1Panels512>(pool, x, d, m, qs, sx, y, M, K, N);
+      return linear_q4_1_panels<Q4_1Panels256>(pool, x, d, m, qs, sx, y, M, K, N);
+    }
     if (g_avx512) return linear_q4_1_walk<Q4_1Rows512>(pool, x, d, m, qs, sx, y, M, K, N);
     return linear_q4_1_walk<Q4_1Rows256>(pool, x, d, m, qs, sx, y, M, K, N);
   } else {

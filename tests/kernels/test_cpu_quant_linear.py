@@ -128,14 +128,15 @@ def test_a_row_is_the_same_bits_whatever_rows_share_the_call(isa, type_name):
     np.testing.assert_array_equal(three, full[4:7], err_msg="rows 4..6: M=3 vs M=32")
 
 
-def test_q4_1_prefill_panels_give_the_decode_paths_bits(kernel):
-    """From 32 rows of x, Q4_1 on AVX-512 widens each thread part's weights once into float32
-    panels (quant_linear.cc, linear_q4_1_panel_512): a row's result must stay the 1-row call's
-    bits.  The down projection's K = 1536 (48 blocks: three chunks of d and m), 37 rows (tiles
-    of 4 and a 1-row tail) and 582 weight rows (parts whose last pass of 4 is short)."""
-    if not native.set_quant_avx512(True):
-        pytest.skip("the CPU lacks AVX512F/BW: the panel path is AVX-512 only")
-    shape = (582, 1536)
+@pytest.mark.parametrize("K", [1536, 608])
+def test_q4_1_prefill_panels_give_the_decode_paths_bits(isa, K):
+    """From 32 rows of x, Q4_1 widens each thread part's weights once into float32 panels
+    (quant_linear.cc, linear_q4_1_panels): a row's result must stay the 1-row
+    call's bits.  The down projection's K = 1536 (48 blocks: three chunks of d and m on
+    AVX-512, six on AVX2) and K = 608 (19 blocks: a short last chunk on both), 37 rows
+    (tiles of 4 and a 1-row tail) and 1163 weight rows (on two threads, parts of 73 rows:
+    a panel of 64 and one of 9, whose last pass is short)."""
+    shape = (1163, K)
     raw = _quantized("Q4_1", shape, 41)
     pw = pack(raw, "Q4_1", shape)
     x = np.random.default_rng(42).standard_normal((37, shape[1]), dtype=np.float32)
