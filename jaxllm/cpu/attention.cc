@@ -229,8 +229,8 @@ inline float hsum1(__m256 a) {
 
 // hsum2 of four rows' accumulator pairs at once (a[i]: row i's key j, b[i]: its key j + 1),
 // by hsum2's own adds in the same tree, ((l0 + l1) + (l4 + l5)) + ((l2 + l3) + (l6 + l7)),
-// so each score is hsum2's bits; 11 vector ops for the 8 scores where four hsum2 calls and
-// their lane extractions took ~30 (a prefill's scores<4> spent a third of its time there).
+// so each score is hsum2's bits; 11 vector ops and four 2-float stores for the 8 scores where
+// four hsum2 calls and eight scalar stores took ~30, beside the pass's 16 FMAs over a 64-dim head.
 // Returns [row 0: j, j + 1; row 2: j, j + 1 | row 1: j, j + 1; row 3: j, j + 1].
 inline __m256 hsum2x4(const __m256 a[4], const __m256 b[4]) {
   const __m256 h0 = _mm256_hadd_ps(a[0], b[0]), h1 = _mm256_hadd_ps(a[1], b[1]);
