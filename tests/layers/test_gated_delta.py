@@ -135,10 +135,10 @@ def _ragged(lengths, T):
     return qsl, token_seq
 
 
-def _need_native(decode):
-    if decode == "native" and not native.available():
+def _need_native(backend):
+    if backend == "native" and not native.available():
         pytest.skip("the native CPU kernels are unavailable here (no AVX2/FMA or no compiler): "
-                    "the decode='native' form is not run")
+                    "the backend='native' form is not run")
 
 
 def _ragged_step():
@@ -161,14 +161,14 @@ def test_segments_cover_each_sequence_in_chunks():
     assert not first[~used].any() and not last[~used].any()
 
 
-@pytest.mark.parametrize("decode", ["xla", "native"])
-def test_segmented_form_equals_each_sequence_alone(decode):
+@pytest.mark.parametrize("backend", ["xla", "native"])
+def test_segmented_form_equals_each_sequence_alone(backend):
     # Every sequence of a ragged step, from its own state, against the float64 token loop on
     # that sequence alone: outputs and final states.  The states are the engine's slots (more
     # rows than sequences, in another order): only the step's sequences' rows change, the
     # empty row's stays, and a fresh sequence starts from zeros whatever its row holds.
     # "native": the one-token sequences (1 and 4, one of them fresh) through the CPU kernel.
-    _need_native(decode)
+    _need_native(backend)
     lengths, T, C = RAGGED_LENGTHS, RAGGED_T, 16
     q, k, v, g, beta, qsl = _ragged_step()                                       # [T, ...]
     slots = np.array([7, 2, 0, 5, 8, 3])                                         # sequence -> its row
@@ -176,7 +176,7 @@ def test_segmented_form_equals_each_sequence_alone(decode):
     s0 = np.random.default_rng(42).standard_normal((9, 4, 8, 6)).astype(np.float32) * 0.5
     seq, *seg, used = segments(jnp.asarray(qsl), T, C)
     o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, slots[np.asarray(seq)], *seg, used,
-                                           fresh[np.asarray(seq)], chunk_size=C, backend=decode)
+                                           fresh[np.asarray(seq)], chunk_size=C, backend=backend)
     o, states = np.asarray(o), np.asarray(states)                                # [T, H, Dv], [9, ...]
     for s, n in enumerate(lengths):
         row = slots[s]
@@ -193,18 +193,18 @@ def test_segmented_form_equals_each_sequence_alone(decode):
     assert np.all(o[qsl[-1]:] == 0)                                              # the padding's outputs
 
 
-@pytest.mark.parametrize("decode", ["xla", "native"])
-def test_segmented_form_runs_only_the_used_segments(decode):
+@pytest.mark.parametrize("backend", ["xla", "native"])
+def test_segmented_form_runs_only_the_used_segments(backend):
     # The loop's bound is the step's segment count, not the N of the bound (a padded step's
     # unused segments cost nothing): told that only the first 2 segments exist, it leaves the
     # tokens after them zero and the states their later segments would write as given.
-    _need_native(decode)
+    _need_native(backend)
     q, k, v, g, beta, qsl = _ragged_step()
     T, C = RAGGED_T, 16
     s0 = np.random.default_rng(42).standard_normal((len(RAGGED_LENGTHS), 4, 8, 6)).astype(np.float32) * 0.5
     *seg, count = segments(jnp.asarray(qsl), T, C)
     o, states = segmented_gated_delta_rule(q, k, v, g, beta, s0, *seg, jnp.int32(2), np.zeros(len(seg[0]), bool),
-                                           chunk_size=C, backend=decode)
+                                           chunk_size=C, backend=backend)
     assert int(count) == 7
     assert np.abs(np.asarray(o[:32])).max(axis=(1, 2)).min() > 0 and np.all(np.asarray(o[32:]) == 0)
     np.testing.assert_array_equal(states, s0)          # sequence 0's last segment (the third) did not run
