@@ -26,6 +26,7 @@ from jaxllm.host_memory import return_freed_memory
 from jaxllm.runner import compile as cc
 from jaxllm.runner import inputs as rin
 from jaxllm.runner import packing
+from jaxllm.runner.flat_call import FlatProgram
 from jaxllm.runner.program_cache import ProgramCache, describe_args
 from jaxllm.runner.step import make_sample_step, make_step
 from jaxllm.runner.step_config import StepConfig
@@ -58,8 +59,9 @@ class CompilationManager:
         self._sample_desc = (f"sample|max_logprobs={cfg.max_logprobs}|sampler={cfg.sampler_backend}|"
                              f"logprobs_mode={cfg.logprobs_mode}|fp64={cfg.use_fp64_gumbel}|vocab={cfg.arch.vocab_size}|"
                              f"drafts={cfg.num_speculative_tokens}")
-        self.steps: dict[tuple[int, int], object] = {}      # bucket (T, S) -> compiled step
-        self.samplers: dict[int, object] = {}               # S -> compiled sampler
+        # Called on flat arrays (runner/flat_call.py); ``.compiled`` is the program itself.
+        self.steps: dict[tuple[int, int], FlatProgram] = {}      # bucket (T, S) -> compiled step
+        self.samplers: dict[int, FlatProgram] = {}               # S -> compiled sampler
         self.seconds = 0.0
         self.compiled = 0    # programs compiled here
         self.loaded = 0      # ... and loaded from the program cache instead
@@ -190,7 +192,7 @@ class CompilationManager:
         if bar is not None:
             bar.close()
         for (kind, key), program in built.items():
-            (self.steps if kind == "step" else self.samplers)[key] = program
+            (self.steps if kind == "step" else self.samplers)[key] = FlatProgram(program)
         profiling.register_programs(built.values())   # so a profile's table names the native kernels
         seconds = time.perf_counter() - t0
         self.seconds += seconds

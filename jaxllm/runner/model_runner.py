@@ -52,6 +52,7 @@ from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
 from jaxllm.runner import packing, weights
 from jaxllm.runner.compilation import CompilationManager
+from jaxllm.runner.flat_call import Leaves
 from jaxllm.runner.inputs import PreparedStep, num_rows, prepare_sequences
 from jaxllm.runner.program_cache import ProgramCache
 from jaxllm.runner.qwen_vision import QwenVisionEncoder
@@ -128,6 +129,9 @@ class ModelRunner:
                  qops.summary(leaves), ", in the native matmul's layout" if native else "",
                  f" ({grouped} with rows interleaved by 16 for the VNNI kernel)" if grouped else "",
                  time.perf_counter() - t0)
+        # The step's weights flattened once (runner/flat_call.py); None: to flatten again
+        # (the params changed: ``_set_lora_weights``).
+        self._flat_params: Leaves | None = None
         # LoRA: the adapters' device slots, a part of the step's params (lora/slots.py).
         self.lora_store = lora_store
         self.lora_slots = None
@@ -139,7 +143,7 @@ class ModelRunner:
                                              cfg.max_lora_rank, self._rep, psh.named(self.mesh, lora_specs),
                                              dtype=cfg.lora_dtype,
                                              transposed=transposes_a(kernel_for(cfg.kernels), cfg.lora_dtype))
-            self.params["lora"] = self.lora_slots.weights
+            self._set_lora_weights()
         self.num_blocks = num_blocks
         self.kv = None if num_blocks is None else self._kv_arrays(num_blocks)
         self.sampler_rows = SamplerRows(cfg.max_num_seqs, model.arch.vocab_size, self._put)
@@ -259,7 +263,7 @@ class ModelRunner:
             self.vision.compile()
         if self.lora_slots is not None:
             self.lora_slots.compile()
-            self.params["lora"] = self.lora_slots.weights
+            self._set_lora_weights()
         self.warm = True
         if every_bucket:
             self.compile_buckets(self.buckets)
@@ -317,9 +321,6 @@ class ModelRunner:
         for i, rid in enumerate(step.req_ids):
             if step.samples[i]:
                 states[rid].inflight += 1
-        for x in jax.tree.leaves(outputs):
-            if isinstance(x, jax.Array):   # (a pooling step's placeholder tokens are on the host)
-                x.copy_to_host_async()   # the host reads them at collect() without waiting for a copy
         return InFlightStep(step, outputs, states)
 
     def collect(self, h: InFlightStep) -> RunnerOutput:
@@ -352,7 +353,7 @@ class ModelRunner:
         before = cc.counts()
         for slot, lora in loads.items():
             self.lora_slots.write(slot, None if lora is None else self.lora_store.get(lora))
-        self.params["lora"] = self.lora_slots.weights
+        self._set_lora_weights()
         after = cc.counts()
         if self.warm and (after["traces"] > before["traces"] or after["compiles"] > before["compiles"]):
             msg = (f"loading LoRA adapters traced {after['traces'] - before['traces']} and compiled "
@@ -360,6 +361,11 @@ class ModelRunner:
             if self.strict:
                 raise CompileGuardError(msg)
             log.warning(msg)
+
+    def _set_lora_weights(self) -> None:
+        """Puts the adapter slots' arrays (new ones after each write) in the step's params."""
+        self.params["lora"] = self.lora_slots.weights
+        self._flat_params = None
 
     def _accept_grammar(self, result: RunnerOutput) -> None:
         if len(self.grammars):
@@ -397,7 +403,8 @@ class ModelRunner:
                 rows: int) -> tuple[PreparedStep, tuple, bool]:
         """Prepares the step of ``seqs`` and launches it on the device (compiling its bucket
         first if it was not ready): the step, its outputs (still on the device) and whether
-        its bucket was ready before (a step worth timing)."""
+        its bucket was ready before (a step worth timing).  The outputs' copies to the host
+        are started here, for ``_wait``."""
         if not self.warm:
             raise RuntimeError("ModelRunner: a step before warmup()")
         S = len(seqs)
@@ -421,6 +428,9 @@ class ModelRunner:
             if self.strict:
                 raise CompileGuardError(msg)
             log.warning(msg)
+        for x in jax.tree.leaves(out):
+            if isinstance(x, jax.Array):   # (a pooling step's placeholder tokens are on the host)
+                x.copy_to_host_async()   # read by _wait (pmesh.to_host) without waiting for a copy
         return step, out, timed
 
     def measured_step_seconds(self, num_tokens: int, num_rows: int) -> float | None:
@@ -453,9 +463,11 @@ class ModelRunner:
         if step.feed is not None:
             words = self.token_feed.apply(step.bucket, words, step.feed)
         image_rows = () if not self.cfg.images else (self._image_rows(step),)
+        if self._flat_params is None:
+            self._flat_params = Leaves.of(self.params)
         # ``pooled``: a pooling engine's step's one more output (runner/step.py), else empty.
         self.kv, rows.state, logits, plp, *pooled, sampling_words = self.compiler.steps[step.bucket](
-            self.params, self.kv, rows.state, words, *image_rows)
+            self._flat_params, self.kv, rows.state, words, *image_rows)
         S = step.bucket[1]
         if self.cfg.pooling_type:
             # A pooling step samples nothing (the scheduler ends its requests with the pooled

@@ -534,7 +534,7 @@ def test_engine_uses_the_native_attention_on_cpu(tiny_llm):
     # The default (--attention-backend auto) must pick the kernel on CPU; a silent fallback
     # to the XLA path would only show up as a slow benchmark.
     assert tiny_llm.llm_engine.core.resolved.step.kernels.attention == "native"
-    text = tiny_llm.llm_engine.core.runner.compiler.steps[(1, 1)].as_text()
+    text = tiny_llm.llm_engine.core.runner.compiler.steps[(1, 1)].compiled.as_text()
     arch = tiny_llm.llm_engine.core.runner.arch
     assert text.count("jaxllm_paged_attention") >= arch.num_layers
 

@@ -68,4 +68,4 @@ def test_engine_uses_the_native_kernel_on_cpu(tiny_llm):
     # The default (--cpu-matmul auto) must pick the kernel where it is available; silently
     # falling back to XLA would only show up as a slow benchmark.
     assert tiny_llm.llm_engine.core.resolved.step.kernels.matmul == "native"
-    assert "jaxllm_linear" in tiny_llm.llm_engine.core.runner.compiler.steps[(1, 1)].as_text()
+    assert "jaxllm_linear" in tiny_llm.llm_engine.core.runner.compiler.steps[(1, 1)].compiled.as_text()

@@ -66,20 +66,20 @@ def test_compiled_step_takes_one_input_vector(tiny_llama, monkeypatch):
     llm = LLM(model=tiny_llama, **SMALL_ENGINE)
     runner = llm.llm_engine.core.runner
     fixed = len(jax.tree.leaves(runner.params)) + len(jax.tree.leaves(runner.kv)) + len(jax.tree.leaves(runner.sampler_rows.state))
-    for bucket, compiled in runner.compiler.steps.items():
-        args = compiled.in_tree.num_leaves
+    for bucket, program in runner.compiler.steps.items():
+        args = program.compiled.in_tree.num_leaves
         assert args == fixed + 1, f"bucket {bucket}: {args - fixed} input arrays per step, expected 1"
     # The sampler of each sequence bucket: the state, the step's logits, one vector and the
     # grammar bitmask (structured outputs).
     assert sorted(runner.compiler.samplers) == sorted({S for _, S in runner.buckets})
     state = len(jax.tree.leaves(runner.sampler_rows.state))
-    for S, compiled in runner.compiler.samplers.items():
-        args = compiled.in_tree.num_leaves
+    for S, program in runner.compiler.samplers.items():
+        args = program.compiled.in_tree.num_leaves
         assert args == state + 3, f"sampler {S}: {args - state - 2} input arrays besides the logits and the " \
                                   f"bitmask, expected 1"
-    for (T, S), compiled in runner.compiler.steps.items():
-        handed = jax.tree.leaves(compiled.out_info)[-1]
-        assert handed.shape == jax.tree.leaves(runner.compiler.samplers[S].in_avals)[-2].shape, (T, S)
+    for (T, S), program in runner.compiler.steps.items():
+        handed = jax.tree.leaves(program.compiled.out_info)[-1]
+        assert handed.shape == jax.tree.leaves(runner.compiler.samplers[S].compiled.in_avals)[-2].shape, (T, S)
     packs, runs = [], []
     pack, run = packing.pack, runner._run
     monkeypatch.setattr(packing, "pack", lambda tree: packs.append(1) or pack(tree))

@@ -20,8 +20,8 @@ from support.sampler_harness import one_row as _one_row
 def test_step_updates_the_state_in_place(tiny_llm):
     runner = tiny_llm.llm_engine.core.runner
     R, V = runner.sampler_rows.state.counts.shape
-    for bucket, compiled in runner.compiler.steps.items():
-        hlo = compiled.as_text()
+    for bucket, program in runner.compiler.steps.items():
+        hlo = program.compiled.as_text()
         for dt in ("s32", "pred", "f32"):
             copies = [ln for ln in hlo.splitlines() if re.search(rf"= {dt}\[{R},{V}\]\{{[0-9,]*\}} copy\(", ln)]
             assert not copies, f"bucket {bucket} copies a sampler state buffer:\n" + "\n".join(copies[:2])
@@ -31,8 +31,8 @@ def test_step_updates_the_state_in_place(tiny_llm):
         assert n_alias == len(jax.tree.leaves(runner.kv)) + 3, header[:300]
     # The sampler (its own program per sequence bucket) reads the state without copying it.
     assert runner.compiler.samplers
-    for S, compiled in runner.compiler.samplers.items():
-        hlo = compiled.as_text()
+    for S, program in runner.compiler.samplers.items():
+        hlo = program.compiled.as_text()
         for dt in ("s32", "pred", "f32"):
             copies = [ln for ln in hlo.splitlines() if re.search(rf"= {dt}\[{R},{V}\]\{{[0-9,]*\}} copy\(", ln)]
             assert not copies, f"sampler {S} copies a sampler state buffer:\n" + "\n".join(copies[:2])
