@@ -53,11 +53,11 @@ class FlatProgram:
         try:
             call = compiled._executable.unsafe_call
             exe, handlers, kept = call.xla_executable, call.out_handler.handlers, call.kept_var_idx
-            # (None where jit dropped an unused argument)
-            shardings = jax.tree.leaves(compiled.input_shardings[0], is_leaf=lambda s: s is None)
+            # Per argument, in the avals' order (None where jit dropped an unused argument).
+            shardings = jax.tree.structure(compiled.in_avals[0]).flatten_up_to(compiled.input_shardings[0])
             plain = not (call.ordered_effects or call.has_unordered_effects or call.has_host_callbacks
                          or call.mut is not None)
-        except AttributeError:
+        except (AttributeError, ValueError):   # (ValueError: the shardings' tree is not the avals')
             return
         avals = jax.tree.leaves(compiled.in_avals[0])
         # Across processes each host's arrays are placed by the runner itself (mesh.place).

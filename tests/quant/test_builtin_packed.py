@@ -57,3 +57,12 @@ def test_packed_logits_error():
           f"(logits up to {np.abs(ref).max():.1f})")
     assert err < 1e-3 * np.abs(ref).max()
     assert (packed.argmax(-1) == ref.argmax(-1)).mean() > 0.95
+
+
+def test_packed_steps_are_called_on_flat_arrays(builtin_llm):
+    """The packed weights' pytree has None fields (no sharding of their own): each program
+    still takes the flat call (runner/flat_call.py), and its tokens are the compiled call's."""
+    from bench.host_dispatch import measure
+    measure(builtin_llm, rounds=1, tokens=4, prompt="The capital of France is")   # raises if the arms differ
+    compiler = builtin_llm.llm_engine.core.runner.compiler
+    assert compiler.steps and all(p.fast for p in [*compiler.steps.values(), *compiler.samplers.values()])
