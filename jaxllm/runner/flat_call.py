@@ -10,8 +10,8 @@ for, so :class:`FlatProgram` gives them to the executable as JAX itself does onc
 have passed (``ExecuteReplicated``: ``execute_sharded``, then the output handlers), and the
 weights are flattened once (:class:`Leaves`).  A host array (numpy) is placed first, as the
 compiled object's call would.  Where JAX's internals are not as expected (another version,
-effects, ``jax_debug_nans``, several processes) the compiled object's own call runs: the same results at the
-old cost.
+effects, ``jax_debug_nans``, several processes) the compiled object's own call runs: the
+same results at the old cost.
 """
 
 from __future__ import annotations
