@@ -28,7 +28,7 @@ except ImportError:   # pragma: no cover
 
 
 class Leaves(NamedTuple):
-    """A pytree flattened once (the weights): its structure and leaves."""
+    """A pytree of device arrays flattened once (the weights): its structure and leaves."""
 
     treedef: object
     leaves: list
@@ -80,14 +80,15 @@ class FlatProgram:
             return self.compiled(*(a.tree() if isinstance(a, Leaves) else a for a in args))
         flat = []
         for a in args:
-            flat += a.leaves if isinstance(a, Leaves) else jax.tree.leaves(a)
+            if isinstance(a, Leaves):   # device arrays (the weights): nothing to look at per step
+                flat += a.leaves
+                continue
+            for x in jax.tree.leaves(a):
+                flat.append(self._place(len(flat), x) if isinstance(x, np.ndarray) else x)
         if len(flat) != len(self._avals):
             raise ValueError(f"{len(flat)} arrays where the program takes {len(self._avals)}")
         if self._kept is not None:
             flat = [flat[i] for i in self._kept]
-        for j, x in enumerate(flat):
-            if isinstance(x, np.ndarray):
-                flat[j] = self._place(j if self._kept is None else self._kept[j], x)
         outs = self._exe.execute_sharded(flat).consume_with_handlers(self._handlers)
         return jax.tree.unflatten(self._out_tree, outs)
 
@@ -95,6 +96,8 @@ class FlatProgram:
         """Host array ``x`` as argument ``i``: a copy on each of its sharding's devices (the
         runner's host arguments are replicated; any other sharding takes ``jax.device_put``)."""
         aval, sharding = self._avals[i], self._shardings[i]
+        if sharding is None:   # an argument jit dropped: not handed over
+            return x
         if x.shape != aval.shape or x.dtype != aval.dtype:
             raise ValueError(f"argument {i}: {x.dtype}{list(x.shape)} where the program takes "
                              f"{aval.dtype}{list(aval.shape)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from bench.host_dispatch import measure
 from jaxllm import SamplingParams
 from jaxllm.quant import PackedWeight
 
@@ -62,7 +63,6 @@ def test_packed_logits_error():
 def test_packed_steps_are_called_on_flat_arrays(builtin_llm):
     """The packed weights' pytree has None fields (no sharding of their own): each program
     still takes the flat call (runner/flat_call.py), and its tokens are the compiled call's."""
-    from bench.host_dispatch import measure
     measure(builtin_llm, rounds=1, tokens=4, prompt="The capital of France is")   # raises if the arms differ
     compiler = builtin_llm.llm_engine.core.runner.compiler
     assert compiler.steps and all(p.fast for p in [*compiler.steps.values(), *compiler.samplers.values()])

@@ -95,5 +95,5 @@ def test_arguments_xla_dropped_are_not_handed_over():
     program = FlatProgram(jax.jit(f).lower(spec, spec, spec).compile())
     assert program.fast
     a, unused, b = (np.arange(4, dtype=np.float32) + k for k in (0, 10, 20))
-    out = program(jax.device_put(a), unused, Leaves.of(b))
+    out = program(Leaves.of(jax.device_put(a)), unused, b)   # a host array placed, the dropped one not
     np.testing.assert_array_equal(out["y"], a * 2 + b)
