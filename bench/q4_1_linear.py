@@ -4,10 +4,14 @@ model's (SmolLM2-135M) projection shapes; and its Q8_0 LM head (``jaxllm_linear_
 ``--int8``: the 8-bit-activation kernels instead (``jaxllm_dot_q4_1`` and ``_q8_0``,
 quant_dot.cc: ``--cpu-matmul native-int8``) on row-major weights, as the engine lays them out
 on a CPU without VNNI (with it, the engine interleaves them for ``jaxllm_dot16_*``).
+``--int16``: this tree's int16-activation Q4_1 kernel (``jaxllm_dot_i16_q4_1``,
+``--cpu-matmul native-int16``) against the base revision's float32 one (the LM head's row: the
+float32 Q8_0 kernel on both sides, as in the engine).
 
     python bench/q4_1_linear.py                       # this tree vs main, M = 1 and 8
     python bench/q4_1_linear.py --base HEAD~1 --rows 1 --reps 31
     python bench/q4_1_linear.py --int8 --rows 1
+    python bench/q4_1_linear.py --int16 --rows 1 8 32 256
 
 The base revision's kernel source and headers (``git show REV:...``) are compiled into a
 temporary library and registered under the targets ``jaxllm_linear_q4_1_base`` and
@@ -105,22 +109,23 @@ def random_q8_0(n: int, k: int, rng: np.random.Generator) -> PackedWeight:
     return PackedWeight(d=jnp.asarray(d), qs=jnp.asarray(qs), type_name="Q8_0", shape=(n, k))
 
 
-def _call(kind: str, base: bool, x: jax.Array, pw: PackedWeight) -> jax.Array:
+def _call(kind: str, base: bool, x: jax.Array, pw: PackedWeight, int16: bool = False) -> jax.Array:
     if not base:
-        return linear_packed(x, pw, int8_activations=kind == "dot")
+        return linear_packed(x, pw, int8_activations=kind == "dot", int16_activations=int16 and pw.type_name == "Q4_1")
     out = jax.ShapeDtypeStruct((x.shape[0], pw.shape[0]), jnp.float32)
     fields = (pw.d, pw.qs) if pw.type_name == "Q8_0" else (pw.d, pw.m, pw.qs)
     return jax.ffi.ffi_call(base_target(kind, pw.type_name), out)(x, *fields)
 
 
-def chain(kind: str, base: bool):
+def chain(kind: str, base: bool, int16: bool = False):
     """A jitted fn(x0 [M, max K], weights) calling the ``kind`` kernel (the base revision's
-    or this tree's) on each weight in turn; call i's x is x0's first K columns plus a term
-    of call i - 1's output (a true dependency)."""
+    or this tree's; ``int16``: this tree's int16-activation one for Q4_1) on each weight in
+    turn; call i's x is x0's first K columns plus a term of call i - 1's output (a true
+    dependency)."""
     def run(x0, weights):
         prev = jnp.zeros((x0.shape[0], 1), jnp.float32)
         for pw in weights:
-            y = _call(kind, base, x0[:, :pw.shape[1]] + 1e-3 * prev, pw)   # [M, N]
+            y = _call(kind, base, x0[:, :pw.shape[1]] + 1e-3 * prev, pw, int16)   # [M, N]
             prev = y[:, :1]
         return prev
     return jax.jit(run)
@@ -153,7 +158,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-head", action="store_true", help="skip the Q8_0 LM head's row")
     p.add_argument("--int8", action="store_true",
                    help="the 8-bit-activation kernels (quant_dot.cc, --cpu-matmul native-int8)")
+    p.add_argument("--int16", action="store_true",
+                   help="this tree's int16-activation Q4_1 kernel (--cpu-matmul native-int16) against the "
+                        "base revision's float32 one")
     args = p.parse_args(argv)
+    if args.int8 and args.int16:
+        p.error("--int8 and --int16 compare different kernels: give one")
     if not native.quant_available():
         print("native packed-block matmul unavailable here (see the jaxllm.cpu warning)")
         return 1
@@ -165,12 +175,13 @@ def main(argv=None) -> int:
     cases.append(("step", [weights[name][layer] for layer in range(args.layers) for name in STEP]))
     if not args.no_head:
         cases.append((HEAD[0], [random_q8_0(HEAD[1], HEAD[2], rng) for _ in range(2)]))
-    fns = {"base": chain(kind, base=True), "new": chain(kind, base=False)}
+    fns = {"base": chain(kind, base=True), "new": chain(kind, base=False, int16=args.int16)}
     if not args.no_bandwidth:
         bw, why = read_bandwidth()
         print(f"read stream (bench/read_stream.c, both cores): "
               + (f"{bw / 1e9:.1f} GB/s" if bw else f"unmeasured ({why})"))
-    print(f"{KERNELS[kind][0]}: base = {args.base}, new = this tree; median of {args.reps} alternated samples; "
+    new = "this tree's jaxllm_dot_i16_q4_1 (int16 activations)" if args.int16 else "this tree"
+    print(f"{KERNELS[kind][0]}: base = {args.base}, new = {new}; median of {args.reps} alternated samples; "
           f"us per call, GB/s of weight bytes")
     print("| shape | N x K | M | base us | new us | base GB/s | new GB/s | speed-up |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")

@@ -95,13 +95,16 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="unroll the layers (default on CPU: faster decode, slower compile)")
     out.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
     kern.add_argument("--cpu-matmul", default="auto",
-                   help="auto | native | native-int8 | native-int8-split | xla: the native AVX2 matmul kernels or XLA's dot on CPU; "
+                   help="auto | native | native-int8 | native-int8-split | native-int16 | xla: the native AVX2 matmul kernels or XLA's dot on CPU; "
                         "native-int8 multiplies a GGUF's Q8_0/Q4_*/Q5_* blocks by activations rounded to int8 "
                         "per 32 values (llama.cpp's and vLLM's GGUF arithmetic: faster; on the built-in model its logits "
                         "move by up to ~3 of 31 and greedy text parts from float32's after 3-30 tokens); "
                         "native-int8-split: the int8 kernel twice, on the rounded activations and on the remainder "
                         "(close to float32's products at twice int8's cost); "
-                        "auto: native (float32 activations; int8's perplexity is over 1%% worse: docs/BENCHMARKS.md)")
+                        "native-int16: Q4_1 blocks by activations rounded to int16 per 32 values (the other "
+                        "types as native; float32's perplexity, faster where the CPU lacks AVX-512); "
+                        "auto: native-int16 where the CPU lacks AVX-512, else native (float32 activations; "
+                        "int8's perplexity is over 1%% worse: docs/BENCHMARKS.md)")
     comp.add_argument("--compile-cache-dir", default=None,
                    help="persistent XLA cache and saved programs (default $JAXLLM_CACHE_DIR/xla, "
                         "~/.cache/jaxllm/xla)")

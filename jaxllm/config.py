@@ -21,12 +21,16 @@ from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.structured.config import StructuredOutputsConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-CPU_MATMULS = ("auto", "native", "native-int8", "native-int8-split", "xla")
+CPU_MATMULS = ("auto", "native", "native-int8", "native-int8-split", "native-int16", "xla")
 """``--cpu-matmul``: native-int8 is native with a GGUF's blocks multiplied by int8-quantized
 activations (``cpu/quant_dot.cc``, llama.cpp's arithmetic): faster where the CPU has AVX-512
-VNNI, but more than 1% worse in perplexity on the built-in model, so auto picks native
-(float32 activations) everywhere (docs/BENCHMARKS.md, "Perplexity").  native-int8-split runs the
-int8 kernel twice, on the rounded activations and on the remainder (``quant/activations.py``)."""
+VNNI, but more than 1% worse in perplexity on the built-in model, so auto never picks it
+(docs/BENCHMARKS.md, "Perplexity").  native-int8-split runs the int8 kernel twice, on the rounded
+activations and on the remainder (``quant/activations.py``).  native-int16 multiplies Q4_1 blocks
+by activations rounded to int16 per 32 values (the other types as native): 1/258 of int8's
+rounding, float32's perplexity, and where the CPU lacks AVX-512 faster than float32 activations,
+so auto picks it there and native (float32 activations) elsewhere (``engine/resolve.py``)."""
+NATIVE_MATMULS = tuple(m for m in CPU_MATMULS if m.startswith("native"))   # the values that ask for the native kernel
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "native")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 """``--kv-cache-dtype``: vLLM's choices (fp8 = fp8_e4m3) plus int8 (``layers/kv_quant.py``)."""

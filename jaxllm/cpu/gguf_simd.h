@@ -42,6 +42,61 @@ inline void fifth_bits(const uint8_t* qh, __m128i* lo, __m128i* hi) {
   *hi = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(v, pick_hi), bit), bit), sixteen);
 }
 
+constexpr int64_t kChunk8 = 8;   // f16 scales converted at once: one vcvtph2ps
+
+// Values [c0, c0 + cn) of a row of nb f16 values (row: its first) as 8 float32 lanes, lanes
+// past cn +0.  A row's last chunk (cn < 8) is read as the row's last 8 values, moved down
+// into place: no read past the row, and no copy through memory (a 16-byte load of values
+// just stored 2 bytes at a time waits for the stores: ~2x the kernel's time at K = 576).
+inline __m256 f16x8(const uint16_t* row, int64_t nb, int64_t c0, int64_t cn, __m256 lanes) {
+  if (cn == kChunk8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c0)));
+  if (nb >= kChunk8) {
+    const __m256 last = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + nb - kChunk8)));
+    const __m256i from = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(static_cast<int>(kChunk8 - cn)));
+    return _mm256_and_ps(_mm256_permutevar8x32_ps(last, from), lanes);
+  }
+  alignas(16) uint16_t tail[kChunk8] = {};   // a row shorter than a chunk (K < 256)
+  std::copy(row + c0, row + c0 + cn, tail);
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
+}
+
+// Lanes 0 .. cn - 1 of 8 all ones, the others zero: a chunk's blocks (cn <= 8) for maskload.
+inline __m256i chunk_lanes(int64_t cn) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cn)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Q4_1's several-rows walks (quant_linear.cc's float32 one, quant_dot.cc's int16 one): as a
+// pass over NR weight rows reaches chunk c0, the same chunk of d and m `ahead` rows on is
+// requested, and as it reaches block b, every 4 blocks, that cache line of their qs (16 bytes
+// a block).
+template <int NR>
+inline void prefetch_q4_1_scales(const uint16_t* d, const uint16_t* m, int64_t nb, int64_t c0, int64_t ahead) {
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(d + (j + ahead) * nb + c0), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m + (j + ahead) * nb + c0), _MM_HINT_T0);
+  }
+}
+
+template <int NR>
+inline void prefetch_q4_1_quants(const uint8_t* qs, int64_t nb, int64_t b, int64_t ahead) {
+  if (b % 4 != 0) return;
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(qs + ((j + ahead) * nb + b) * 16), _MM_HINT_T0);
+}
+
+inline void prefetch(const void* p, int64_t bytes);
+
+// The first `rows` weight rows of a part starting at n0, all three Q4_1 fields: a part's walk
+// would otherwise begin on a cold stream (see rows_range_prefetched).
+inline void prefetch_q4_1_rows(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb, int64_t n0,
+                               int64_t rows) {
+  prefetch(qs + n0 * nb * 16, rows * nb * 16);
+  prefetch(d + n0 * nb, rows * nb * 2);
+  prefetch(m + n0 * nb, rows * nb * 2);
+}
+
 // Asks for the cache lines of [p, p + bytes) to be brought in: a matmul streams weight rows
 // that are in L3 at best, and asking for a later row while this one is computed hides the
 // latency the hardware prefetcher leaves (it follows one row's short field streams late).

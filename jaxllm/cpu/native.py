@@ -73,7 +73,8 @@ _QUANT_KERNELS = {
     "quant_dot.cc": {"jaxllm_dot_q8_0": "JaxllmDotQ8_0", "jaxllm_dot_q4_0": "JaxllmDotQ4_0",
                      "jaxllm_dot_q4_1": "JaxllmDotQ4_1", "jaxllm_dot_q5_0": "JaxllmDotQ5_0",
                      "jaxllm_dot_q5_1": "JaxllmDotQ5_1", "jaxllm_dot16_q8_0": "JaxllmDot16Q8_0",
-                     "jaxllm_dot16_q4_0": "JaxllmDot16Q4_0", "jaxllm_dot16_q4_1": "JaxllmDot16Q4_1"},
+                     "jaxllm_dot16_q4_0": "JaxllmDot16Q4_0", "jaxllm_dot16_q4_1": "JaxllmDot16Q4_1",
+                     "jaxllm_dot_i16_q4_1": "JaxllmDotI16Q4_1"},
 }
 _HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h", "gguf_simd.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
@@ -92,6 +93,12 @@ def _cpu_flags() -> set[str]:
             return set(next((ln for ln in f if ln.startswith("flags")), "").split())
     except OSError:
         return set()
+
+
+def cpu_avx512() -> bool:
+    """Whether the CPU has AVX512F and AVX512BW: where quant_linear.cc's 16-lane float32 paths
+    run (``--cpu-matmul auto`` keeps float32 activations there; engine/resolve.py)."""
+    return {"avx512f", "avx512bw"} <= _cpu_flags()
 
 
 def _build(source: str, flags: list[str] = _FLAGS) -> str:

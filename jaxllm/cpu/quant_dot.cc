@@ -16,7 +16,9 @@
 // integer sums: AVX2 (maddubs), AVX-512 VNNI (two blocks per register), and, for weights laid
 // out in interleaved groups of 16 rows at load, the jaxllm_dot16_* targets (see "AVX-512 VNNI
 // over 16 interleaved weight rows" below), which run on AMX for calls of 32 rows or more where
-// the CPU has it (same bits).  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
+// the CPU has it (same bits).  jaxllm_dot_i16_q4_1 is Q4_1 by activations rounded to int16
+// instead (float32's accuracy, fewer vector operations than float32 FMAs; see "Q4_1 by int16
+// activations" below).  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
 #include <cpuid.h>
 #include <immintrin.h>
 #if defined(__linux__)
@@ -45,30 +47,35 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
+// One 32-value block of x rounded to integers at the scale *d = max|x| / levels (to nearest,
+// ties to even) as four vectors of 8 int32 (values 0..7, ..., 24..31), and *s, the float sum
+// of the block (the min term's, exact: not of the rounded values).
+inline void round_block(const float* xb, float levels, __m256i q[4], float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm256_loadu_ps(xb + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+  }
+  *d = jaxllm_simd::hmax(amax) / levels;
+  const __m256 inv = _mm256_set1_ps(*d > 0.0f ? 1.0f / *d : 0.0f);
+  for (int j = 0; j < 4; ++j)
+    q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT |
+                                                                          _MM_FROUND_NO_EXC));
+  *s = jaxllm_simd::hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+}
+
 // x [M, K] -> qx [M, K] int8 and, per block, dx [M, nb] (the scale) and sx [M, nb] (sum of x).
 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx, float* sx) {
   const int64_t nb = K / kBlock;
-  const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t i = 0; i < M * nb; ++i) {
-    const float* xb = x + i * kBlock;
-    __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-    }
-    const float d = jaxllm_simd::hmax(amax) / 127.0f;
-    const __m256 inv = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
     __m256i q[4];
-    for (int j = 0; j < 4; ++j)
-      q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv), _MM_FROUND_TO_NEAREST_INT |
-                                                                            _MM_FROUND_NO_EXC));
+    round_block(x + i * kBlock, 127.0f, q, dx + i, sx + i);
     // int32 x 32 -> int8 x 32; the packs interleave 128-bit lanes, the permute restores order
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qx + i * kBlock), _mm256_permutevar8x32_epi32(p, order));
-    dx[i] = d;
-    sx[i] = jaxllm_simd::hsum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
   }
 }
 
@@ -248,6 +255,257 @@ void q4_1_rows(const Activations& a, int64_t K, const uint16_t* d, const uint16_
     q4_1_pass<NR>(a, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, y + n);
   }
   for (; n < n1; ++n) q4_1_pass<1>(a, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, y + n);
+}
+
+// ---- Q4_1 by int16 activations (--cpu-matmul native-int16), AVX2 ----
+//
+// quant_linear.cc's float32 walk widens each block's 32 nibbles to four float32 vectors
+// (4 converts, 4 FMAs): on a Zen 3 core it is bound by those vector operations, 2.0-2.5 ns
+// a block, and a batch-1 decode step spends most of its time there.  Here x's 32-value
+// blocks are rounded to int16 once per call (scale dx = max|x| / 32767, round to nearest
+// even: at most dx / 2 per value, 1/258 of int8's rounding), and a block meets them in
+// integer arithmetic: one vpshufb spreads the 16 quant bytes over 16-bit lanes, an and and
+// a shift split the nibbles (weights 0..15, 16..31), and two vpmaddwd sum the products into
+// 8 int32 lanes, each at most 4 * 15 * 32767 < 2^24, so exact in int32 and in the one
+// float32 convert.  Per block and (row of x, weight row):
+//   per chunk c of 8 blocks:  acc = fma(m[c], sx[c], acc) lane by lane (lanes past nb: +0 * +0)
+//                             sc  = d[c] * dx[c] lane by lane
+//   then per block b of it:   acc = fma(sc_b, float(int32 lanes of sum(q * qx)), acc)
+//   y = hsum(acc)
+// sx is the float sum of the block of x, so the min term is exact.  The operations and their
+// order per (row of x, weight row) do not depend on M or on the rows sharing a pass, so a
+// token's logits are the same bits in every step shape.  Below 32 rows of x every call takes
+// this walk (tiles of up to 4 rows of x), from 32 the panels below.
+struct Activations16 {
+  const int16_t* q;   // [M, K]
+  const float* d;     // [M, nb] the blocks' scales dx
+  const float* s;     // [M, nb] the blocks' float sums of x
+};
+
+// x [M, K] -> qx [M, K] int16 and, per block, dx [M, nb] (the scale) and sx [M, nb] (sum of x).
+void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* qx, float* dx, float* sx) {
+  const int64_t nb = K / kBlock;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    __m256i q[4];
+    round_block(x + i * kBlock, 32767.0f, q, dx + i, sx + i);
+    // int32 x 16 -> int16 x 16 twice; the pack interleaves 128-bit lanes, the permute restores order
+    int16_t* out = qx + i * kBlock;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+  }
+}
+
+constexpr int64_t kAhead16 = 8;   // weight rows ahead whose fields are prefetched
+
+// The tile below reads its NR weight rows through one of two readers: a chunk's d and m as
+// 8 float32 lanes (+0 past nb) and a block's weights as 16-bit lanes, lo = weights 0..15 and
+// hi = 16..31.  PackedRows widens the GGUF fields in registers (a decode); PanelRows reads
+// them widened once per call (a prefill, below).  Both give the same values.
+struct PackedRows {
+  const uint16_t* d;   // [rows, nb] at the tile's first row
+  const uint16_t* m;
+  const uint8_t* qs;   // [rows, nb, 16]
+  int64_t nb;
+  template <int NR>
+  void prefetch_chunk(int64_t c0) const { jaxllm_gguf::prefetch_q4_1_scales<NR>(d, m, nb, c0, kAhead16); }
+  template <int NR>
+  void prefetch_block(int64_t b) const { jaxllm_gguf::prefetch_q4_1_quants<NR>(qs, nb, b, kAhead16); }
+  void scales(int j, int64_t c0, int64_t cn, __m256 lanes, __m256* dv, __m256* mv) const {
+    *dv = jaxllm_gguf::f16x8(d + j * nb, nb, c0, cn, lanes);
+    *mv = jaxllm_gguf::f16x8(m + j * nb, nb, c0, cn, lanes);
+  }
+  void block(int j, int64_t b, __m256i* lo, __m256i* hi) const {
+    // byte k of the block to 16-bit lane k (the same 16 bytes in both 128-bit halves)
+    const __m256i spread = _mm256_setr_epi8(0, -1, 1, -1, 2, -1, 3, -1, 4, -1, 5, -1, 6, -1, 7, -1,
+                                            8, -1, 9, -1, 10, -1, 11, -1, 12, -1, 13, -1, 14, -1, 15, -1);
+    const __m256i w = _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (j * nb + b) * 16))), spread);
+    *lo = _mm256_and_si256(w, _mm256_set1_epi16(15));
+    *hi = _mm256_srli_epi16(w, 4);
+  }
+};
+
+struct PanelRows {
+  const int16_t* qp;   // [rows, nb, 32]: per block lo, then hi
+  const float* dp;     // [rows, nbp]
+  const float* mp;
+  int64_t nb, nbp;
+  template <int NR>
+  void prefetch_chunk(int64_t) const {}   // the panel is in L2
+  template <int NR>
+  void prefetch_block(int64_t) const {}
+  void scales(int j, int64_t c0, int64_t, __m256, __m256* dv, __m256* mv) const {
+    *dv = _mm256_loadu_ps(dp + j * nbp + c0);
+    *mv = _mm256_loadu_ps(mp + j * nbp + c0);
+  }
+  void block(int j, int64_t b, __m256i* lo, __m256i* hi) const {
+    const int16_t* qb = qp + (j * nb + b) * kBlock;
+    *lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
+    *hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + 16));
+  }
+};
+
+// MR rows of x (a.q etc. at their first) against NR weight rows (w at their first); y at
+// [row 0, weight row 0], rows of x N apart.
+template <int MR, int NR, typename Rows>
+void q4_1_tile16(const Activations16& a, int64_t K, const Rows& w, float* y, int64_t N) {
+  using jaxllm_gguf::kChunk8;
+  const int64_t nb = K / kBlock;
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
+  alignas(32) float sc[MR][NR][kChunk8];   // this chunk's d * dx
+  for (int64_t c0 = 0; c0 < nb; c0 += kChunk8) {
+    const int64_t cn = std::min<int64_t>(kChunk8, nb - c0);
+    const __m256i lanes = jaxllm_gguf::chunk_lanes(cn);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      __m256 dv, mv;
+      w.scales(j, c0, cn, _mm256_castsi256_ps(lanes), &dv, &mv);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        _mm256_store_ps(sc[r][j], _mm256_mul_ps(dv, _mm256_maskload_ps(a.d + r * nb + c0, lanes)));
+        acc[r][j] = _mm256_fmadd_ps(mv, _mm256_maskload_ps(a.s + r * nb + c0, lanes), acc[r][j]);
+      }
+    }
+    w.template prefetch_chunk<NR>(c0);
+    for (int64_t i = 0; i < cn; ++i) {
+      const int64_t b = c0 + i;
+      w.template prefetch_block<NR>(b);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) {
+        __m256i lo, hi;
+        w.block(j, b, &lo, &hi);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const int16_t* xb = a.q + r * K + b * kBlock;
+          const __m256i p = _mm256_add_epi32(
+              _mm256_madd_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb))),
+              _mm256_madd_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16))));
+          acc[r][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(&sc[r][j][i]), _mm256_cvtepi32_ps(p), acc[r][j]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NR; ++j) y[r * N + j] = jaxllm_simd::hsum(acc[r][j]);
+}
+
+// Weight rows [n0, n1) against MR rows of x, NR at a time (the last < NR one by one): 2 * MR
+// * NR accumulators and partials within the 16 ymm registers, as the float walk's.
+template <int MR>
+void q4_1_rows16(const Activations16& a, int64_t K, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
+                 float* y, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int NR = MR == 1 ? 4 : MR == 2 ? 2 : 1;
+  const int64_t nb = K / kBlock;
+  jaxllm_gguf::prefetch_q4_1_rows(d, m, qs, nb, n0, std::min(n1, n0 + kAhead16) - n0);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    q4_1_tile16<MR, NR>(a, K, PackedRows{d + n * nb, m + n * nb, qs + n * nb * 16, nb}, y + n, N);
+  for (; n < n1; ++n) q4_1_tile16<MR, 1>(a, K, PackedRows{d + n * nb, m + n * nb, qs + n * nb * 16, nb}, y + n, N);
+}
+
+// ---- the same from 32 rows of x (a prefill): weight rows widened once per call ----
+//
+// The walk widens each block (load, vpshufb, and, shift) once per tile of up to 4 rows of x.
+// From kPanelMinRows16 rows on, each part's weight rows are widened kPanelRows16 at a time into
+// panels (PanelRows: qp [rows, nb, 32] int16, each block's lo and hi in turn; dp, mp [rows,
+// nbp] float32, nbp = nb rounded up to 8, +0 past nb) and 4 x 2 tiles of (rows of x, weight
+// rows) run on plain loads: 1.3 against the float32 panels' 1.9 ns per block and pair on a
+// Zen 3 core.  The panels hold the walk's values and the tile is the walk's, so a row's bits
+// are the same as in a decode step's call.
+constexpr int64_t kPanelMinRows16 = 32;
+constexpr int64_t kPanelRows16 = 64;   // weight rows widened at once (64 x K x 2 bytes: L2)
+constexpr int kPanelMR16 = 4, kPanelNR16 = 2;   // 8 accumulators + 2 x 2 weight vectors in 16 ymm
+
+// The panel's rows [0, pn) against MR rows of x, kPanelNR16 at a time (the last one alone).
+template <int MR>
+void q4_1_panel_rows16(const Activations16& a, int64_t K, const int16_t* qp, const float* dp, const float* mp,
+                       int64_t nbp, float* y, int64_t N, int64_t pn) {
+  const int64_t nb = K / kBlock;
+  const auto rows = [&](int64_t k) { return PanelRows{qp + k * nb * kBlock, dp + k * nbp, mp + k * nbp, nb, nbp}; };
+  int64_t j = 0;
+  for (; j + kPanelNR16 <= pn; j += kPanelNR16) q4_1_tile16<MR, kPanelNR16>(a, K, rows(j), y + j, N);
+  for (; j < pn; ++j) q4_1_tile16<MR, 1>(a, K, rows(j), y + j, N);
+}
+
+// Weight rows [n0, n0 + pn) widened into the panels (layout above), by PackedRows' reads.
+void q4_1_widen_panel16(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb, int64_t nbp, int64_t n0,
+                        int64_t pn, int16_t* qp, float* dp, float* mp) {
+  using jaxllm_gguf::kChunk8;
+  const PackedRows w{d + n0 * nb, m + n0 * nb, qs + n0 * nb * 16, nb};
+  for (int j = 0; j < pn; ++j) {
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i lo, hi;
+      w.block(j, b, &lo, &hi);
+      int16_t* out = qp + (j * nb + b) * kBlock;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), lo);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), hi);
+    }
+    for (int64_t c0 = 0; c0 < nbp; c0 += kChunk8) {
+      const int64_t cn = std::min<int64_t>(kChunk8, nb - c0);   // >= 1: nbp < nb + kChunk8
+      __m256 dv, mv;
+      w.scales(j, c0, cn, _mm256_castsi256_ps(jaxllm_gguf::chunk_lanes(cn)), &dv, &mv);
+      _mm256_storeu_ps(dp + j * nbp + c0, dv);
+      _mm256_storeu_ps(mp + j * nbp + c0, mv);
+    }
+  }
+}
+
+// y = x . W^T for Q4_1 weights by int16 activations: x rounded once, then the weight rows
+// split over the pool as in linear(), each part walking them (M < 32) or widening them into
+// panels (M >= 32) for every tile of x.
+void linear_q4_1_i16(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
+                     const uint8_t* qs, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / kBlock;
+  std::vector<int16_t> qx(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  quantize_rows16(x, M, K, qx.data(), dx.data(), sx.data());
+  const auto rows_of_x = [&](int64_t r0) {
+    return Activations16{qx.data() + r0 * K, dx.data() + r0 * nb, sx.data() + r0 * nb};
+  };
+  if (M >= kPanelMinRows16) {
+    const int64_t nbp = (nb + jaxllm_gguf::kChunk8 - 1) / jaxllm_gguf::kChunk8 * jaxllm_gguf::kChunk8;
+    split_rows(pool, M, N, [&](int64_t n0, int64_t n1) {
+      const int64_t rows = std::min<int64_t>(kPanelRows16, n1 - n0);
+      std::vector<int16_t> qp(rows * nb * kBlock);
+      std::vector<float> dp(rows * nbp), mp(rows * nbp);
+      for (int64_t p0 = n0; p0 < n1; p0 += kPanelRows16) {
+        const int64_t pn = std::min<int64_t>(kPanelRows16, n1 - p0);
+        q4_1_widen_panel16(d, m, qs, nb, nbp, p0, pn, qp.data(), dp.data(), mp.data());
+        for (int64_t r0 = 0; r0 < M; r0 += kPanelMR16) {
+          const Activations16 a = rows_of_x(r0);
+          float* yt = y + r0 * N + p0;
+          switch (std::min<int64_t>(kPanelMR16, M - r0)) {
+            case 1: q4_1_panel_rows16<1>(a, K, qp.data(), dp.data(), mp.data(), nbp, yt, N, pn); break;
+            case 2: q4_1_panel_rows16<2>(a, K, qp.data(), dp.data(), mp.data(), nbp, yt, N, pn); break;
+            case 3: q4_1_panel_rows16<3>(a, K, qp.data(), dp.data(), mp.data(), nbp, yt, N, pn); break;
+            default: q4_1_panel_rows16<kPanelMR16>(a, K, qp.data(), dp.data(), mp.data(), nbp, yt, N, pn); break;
+          }
+        }
+      }
+    });
+    return;
+  }
+  split_rows(pool, M, N, [&](int64_t n0, int64_t n1) {
+    // tiles of x as even as possible (7 rows: 4 + 3), as jaxllm_gguf::rows_range
+    const int64_t tiles = (M + jaxllm_gguf::kMaxRows - 1) / jaxllm_gguf::kMaxRows;
+    int64_t r0 = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int rows = static_cast<int>(M / tiles + (t < M % tiles));
+      const Activations16 a = rows_of_x(r0);
+      float* yt = y + r0 * N;
+      switch (rows) {
+        case 1: q4_1_rows16<1>(a, K, d, m, qs, yt, N, n0, n1); break;
+        case 2: q4_1_rows16<2>(a, K, d, m, qs, yt, N, n0, n1); break;
+        case 3: q4_1_rows16<3>(a, K, d, m, qs, yt, N, n0, n1); break;
+        default: q4_1_rows16<4>(a, K, d, m, qs, yt, N, n0, n1); break;
+      }
+      r0 += rows;
+    }
+  });
 }
 
 // ---- AVX-512 VNNI: two blocks per 512-bit register, chosen at run time ----
@@ -815,6 +1073,19 @@ ffi::Error DotQ4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return Run<Q4_1>("jaxllm_dot_q4_1", pool, x, d, m.typed_data(), m.dimensions(), nullptr, {}, qs, y);
 }
 
+// x, d, m, qs as jaxllm_dot_q4_1's; int16 activations (linear_q4_1_i16).
+ffi::Error DotI16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U16> m,
+                      ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
+  const char* name = "jaxllm_dot_i16_q4_1";
+  auto xd = x.dimensions();
+  auto dd = d.dimensions();
+  if (auto e = check(name, xd, dd, qs.dimensions(), Q4_1::kQsBytes); e.failure()) return e;
+  if (auto e = check_like_d(name, "m", dd, m.dimensions(), 0); e.failure()) return e;
+  linear_q4_1_i16(pool, x.typed_data(), d.typed_data(), m.typed_data(), qs.typed_data(), y->typed_data(), xd[0],
+                  xd[1], dd[0]);
+  return ffi::Error::Success();
+}
+
 ffi::Error DotQ5_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U8> qh,
                    ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
   return Run<Q5_0>("jaxllm_dot_q5_0", pool, x, d, nullptr, {}, qh.typed_data(), qh.dimensions(), qs, y);
@@ -889,6 +1160,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDotQ5_1, DotQ5_1,
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDotI16Q4_1, DotI16Q4_1,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

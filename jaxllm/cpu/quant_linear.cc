@@ -37,6 +37,7 @@
 
 namespace ffi = xla::ffi;
 using jaxllm_gguf::f16;
+using jaxllm_gguf::f16x8;
 using jaxllm_gguf::fifth_bits;
 using jaxllm_gguf::nibbles;
 using jaxllm_gguf::rows_range_prefetched;
@@ -211,25 +212,8 @@ inline void tile(int rows, const float* x, int64_t K, const uint16_t* d, const u
 //                             s   = fma(q[8..15], x[8..15], s);  s = fma(q[24..31], x[24..31], s)
 //                             acc = fma(d_b, s, acc)
 //   y = hsum(acc)
-constexpr int64_t kChunk8 = 8;    // blocks whose d and m are converted at once
+using jaxllm_gguf::kChunk8;        // blocks whose d and m are converted at once
 constexpr int64_t kAhead8 = 8;    // weight rows ahead whose fields are prefetched (as kAhead below)
-
-// Values [c0, c0 + cn) of a row of nb f16 values (row: its first) as 8 float32 lanes, lanes
-// past cn +0.  A row's last chunk (cn < 8) is read as the row's last 8 values, moved down
-// into place: no read past the row, and no copy through memory (a 16-byte load of values
-// just stored 2 bytes at a time waits for the stores: ~2x the kernel's time at K = 576).
-inline __m256 f16x8(const uint16_t* row, int64_t nb, int64_t c0, int64_t cn, __m256 lanes) {
-  if (cn == kChunk8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c0)));
-  if (nb >= kChunk8) {
-    const __m256 last = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + nb - kChunk8)));
-    const __m256i from = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                          _mm256_set1_epi32(static_cast<int>(kChunk8 - cn)));
-    return _mm256_and_ps(_mm256_permutevar8x32_ps(last, from), lanes);
-  }
-  alignas(16) uint16_t tail[kChunk8] = {};   // a row shorter than a chunk (K < 256)
-  std::copy(row + c0, row + c0 + cn, tail);
-  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tail)));
-}
 
 template <int MR, int NR>
 void q4_1_tile_256(const float* x, int64_t K, const uint16_t* d, const uint16_t* m, const uint8_t* qs,
@@ -248,8 +232,7 @@ void q4_1_tile_256(const float* x, int64_t K, const uint16_t* d, const uint16_t*
   alignas(32) float db[NR][kChunk8];   // this chunk's d as float32, per weight row
   for (int64_t c0 = 0; c0 < nb; c0 += kChunk8) {
     const int64_t cn = std::min<int64_t>(kChunk8, nb - c0);
-    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cn)),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i lanes = jaxllm_gguf::chunk_lanes(cn);
     const __m256 lanes_ps = _mm256_castsi256_ps(lanes);
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
@@ -259,18 +242,10 @@ void q4_1_tile_256(const float* x, int64_t K, const uint16_t* d, const uint16_t*
       for (int r = 0; r < MR; ++r)
         acc[r][j] = _mm256_fmadd_ps(mv, _mm256_maskload_ps(sx + r * nb + c0, lanes), acc[r][j]);
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) {   // the same chunk of the row kAhead8 rows on
-      _mm_prefetch(reinterpret_cast<const char*>(d + (j + kAhead8) * nb + c0), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(m + (j + kAhead8) * nb + c0), _MM_HINT_T0);
-    }
+    jaxllm_gguf::prefetch_q4_1_scales<NR>(d, m, nb, c0, kAhead8);
     for (int64_t i = 0; i < cn; ++i) {
       const int64_t b = c0 + i;
-      if (b % 4 == 0) {   // a cache line of qs is 4 blocks
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(qs + ((j + kAhead8) * nb + b) * Q4_1::kQsBytes), _MM_HINT_T0);
-      }
+      jaxllm_gguf::prefetch_q4_1_quants<NR>(qs, nb, b, kAhead8);
       const float* xb = x + b * kBlock;
       __m256 s[MR][NR];
 #pragma GCC unroll 4
@@ -315,10 +290,7 @@ void q4_1_rows_256(const float* x, int64_t K, const uint16_t* d, const uint16_t*
                    const float* sx, float* y, int64_t N, int64_t n0, int64_t n1) {
   constexpr int NR = kRowsPerPass8<MR>;
   const int64_t nb = K / kBlock;
-  const int64_t first = std::min(n1, n0 + kAhead8) - n0;
-  jaxllm_gguf::prefetch(qs + n0 * nb * Q4_1::kQsBytes, first * nb * Q4_1::kQsBytes);
-  jaxllm_gguf::prefetch(d + n0 * nb, first * nb * 2);
-  jaxllm_gguf::prefetch(m + n0 * nb, first * nb * 2);
+  jaxllm_gguf::prefetch_q4_1_rows(d, m, qs, nb, n0, std::min(n1, n0 + kAhead8) - n0);
   int64_t n = n0;
   for (; n + NR <= n1; n += NR)
     q4_1_tile_256<MR, NR>(x, K, d + n * nb, m + n * nb, qs + n * nb * Q4_1::kQsBytes, sx, y + n, N);
@@ -643,8 +615,7 @@ void q4_1_panel_tile_256(const float* x, int64_t K, const float* q, const float*
     for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_setzero_ps();
   for (int64_t c0 = 0; c0 < nb; c0 += kChunk8) {
     const int64_t cn = std::min<int64_t>(kChunk8, nb - c0);
-    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cn)),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i lanes = jaxllm_gguf::chunk_lanes(cn);
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
       const __m256 mv = _mm256_loadu_ps(mp + j * nbp + c0);
@@ -708,8 +679,7 @@ void q4_1_widen_panel_256(const uint16_t* d, const uint16_t* m, const uint8_t* q
     for (int64_t c0 = 0; c0 < nbp; c0 += kChunk8) {
       const int64_t cn = std::min<int64_t>(kChunk8, nb - c0);   // >= 1: nbp < nb + kChunk8
       const __m256 lanes = cn == kChunk8 ? all
-          : _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cn)),
-                                                   _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+          : _mm256_castsi256_ps(jaxllm_gguf::chunk_lanes(cn));
       _mm256_storeu_ps(dp + j * nbp + c0, f16x8(d + n * nb, nb, c0, cn, lanes));
       _mm256_storeu_ps(mp + j * nbp + c0, f16x8(m + n * nb, nb, c0, cn, lanes));
     }

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxllm.config import EngineConfig, platform_defaults
+from jaxllm.config import NATIVE_MATMULS, EngineConfig, platform_defaults
 from jaxllm.cpu import native
 from jaxllm.core.kv_budget import (
     CacheKind,
@@ -184,7 +184,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
     # On a GPU, int8 / int4 / fp8 weights (HF quantized checkpoints) take the Pallas quantized
     # matmul (the group sizes it has; quant/ops.py falls back to XLA for the others).
     matmul = "pallas" if on_gpu and quantized else "xla"
-    if tp > 1 and rc.cpu_matmul in ("native", "native-int8", "native-int8-split"):
+    if tp > 1 and rc.cpu_matmul in NATIVE_MATMULS:
         # The native kernel is an opaque custom call: XLA's partitioner would gather every
         # weight onto each device to run it.
         raise ValueError("--cpu-matmul native does not shard; with --tensor-parallel-size > 1 use "
@@ -192,7 +192,7 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
     if platform == "cpu" and rc.cpu_matmul != "xla" and tp == 1:
         if native.available() and (not quantized or native.quant_available()):
             matmul = "native"
-        elif rc.cpu_matmul in ("native", "native-int8", "native-int8-split"):
+        elif rc.cpu_matmul in NATIVE_MATMULS:
             raise ValueError("--cpu-matmul native: the native CPU kernel is unavailable on this machine "
                              "(see the warning above); use --cpu-matmul xla")
     model_len = model.arch.max_position_embeddings
@@ -236,7 +236,8 @@ def resolve_config(config: EngineConfig, model: LoadedModel, draft: LoadedModel 
     # with one backend); every other mode clears it, the model object being reusable
     for tensors in (model.globals, *model.layers):
         activations.mark(tensors, int8 and rc.cpu_matmul == "native-int8-split")
-    kernels = Kernels(matmul=matmul, attention=backend, int8_activations=int8,
+    int16 = matmul == "native" and quantized and _int16_activations(rc.cpu_matmul)
+    kernels = Kernels(matmul=matmul, attention=backend, int8_activations=int8, int16_activations=int16,
                       moe="expert_parallel" if config.parallel.enable_expert_parallel else "grouped")
     step = StepConfig(arch=a, platform=platform, dtype=dtype, scan_layers=scan, kernels=kernels,
                       sampler_backend=sampler, block_size=cache.block_size,
@@ -274,6 +275,20 @@ def _int8_activations(cpu_matmul: str) -> bool:
     bit for bit alike in every step shape (its norms included, cpu/norm.cc), so a
     verification and a decode round the same activations."""
     return cpu_matmul in ("native-int8", "native-int8-split")
+
+
+def _int16_activations(cpu_matmul: str) -> bool:
+    """Whether a GGUF's Q4_1 blocks meet int16-rounded activations (``cpu/quant_dot.cc``'s
+    ``jaxllm_dot_i16_q4_1``): with ``--cpu-matmul native-int16``, and with ``auto`` on a CPU
+    without AVX-512.  There the float32 kernel widens each nibble to a float (its 8-lane walk
+    and panels are bound by those vector operations), while int16 products take about half of
+    them: on a Zen 3 VM batch-1 decode 1.10-1.23x and a 512-token prefill 1.01-1.14x faster
+    (two engines in one process, alternated), the built-in model's perplexity equal to float32
+    activations' (11.0098 against 11.0099 on the KJV Genesis) and its logits within 0.01
+    (docs/BENCHMARKS.md, "int16 activations for Q4_1").  Where
+    the CPU has AVX-512 the float32 kernel's 16-lane paths stay the default (not measured
+    against int16 there)."""
+    return cpu_matmul == "native-int16" or (cpu_matmul == "auto" and not native.cpu_avx512())
 
 
 def _num_speculative_tokens(config: EngineConfig) -> int:

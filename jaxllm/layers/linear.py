@@ -20,10 +20,11 @@ from jaxllm.quant import ops as qops
 
 def matmul(x: jax.Array, w, backend: str = "xla") -> jax.Array:
     """x [T, in] @ w[out, in]^T -> float32 [T, out]; ``backend="native"`` uses jaxllm/cpu
-    (``"native-int8"``: the same, a GGUF weight's blocks by int8-rounded activations)."""
+    (``"native-int8"``, ``"native-int16"``: the same, a GGUF weight's blocks by activations
+    rounded to int8 or int16: ``quant/ops.py``)."""
     if qops.is_quantized(w):
         return qops.matmul(x, w, backend)
-    if backend in ("native", "native-int8"):
+    if backend in qops.NATIVE_BACKENDS:
         return native.linear(x, w)
     if w.dtype == PACKED_BF16:
         w = jax.lax.bitcast_convert_type(w, jnp.bfloat16)

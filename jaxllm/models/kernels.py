@@ -22,8 +22,15 @@ class Kernels:
     int8_activations: bool = False
     """With the native matmul: GGUF blocks are multiplied by activations rounded to int8 per
     32 values (``cpu/quant_dot.cc``) instead of float32 ones (``--cpu-matmul native-int8``)."""
+    int16_activations: bool = False
+    """With the native matmul: Q4_1 blocks are multiplied by activations rounded to int16 per
+    32 values (``cpu/quant_dot.cc``), the other types by float32 ones (``--cpu-matmul native-int16``)."""
 
     @property
     def linear(self) -> str:
         """The ``backend`` of ``layers/linear.py`` the model's linear maps take."""
-        return "native-int8" if self.matmul == "native" and self.int8_activations else self.matmul
+        if self.matmul == "native" and self.int8_activations:
+            return "native-int8"
+        if self.matmul == "native" and self.int16_activations:
+            return "native-int16"
+        return self.matmul

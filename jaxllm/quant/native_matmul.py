@@ -20,6 +20,7 @@ from jaxllm.quant.gguf_blocks import PackedWeight
 
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")   # quant_dot.cc
+INT16_ACTIVATION_TYPES = ("Q4_1",)   # quant_dot.cc's jaxllm_dot_i16_* (--cpu-matmul native-int16)
 INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1")   # quant_dot.cc's jaxllm_dot16_* (AVX-512 VNNI)
 GROUP = 16   # rows per interleaved group: one int32 lane each in a 512-bit register
 
@@ -76,17 +77,22 @@ def deinterleave_rows(w: PackedWeight) -> PackedWeight:
                         type_name=w.type_name, shape=w.shape, activations=w.activations)
 
 
-def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False) -> jax.Array:
+def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False,
+                  int16_activations: bool = False) -> jax.Array:
     """x [M, K] (any float dtype) @ W[N, K]^T -> float32 [M, N], W read from ``pw``'s blocks;
     ``int8_activations``: x's 32-value blocks quantized to int8 in the call and multiplied in
-    integer arithmetic (``quant_dot.cc``, as llama.cpp computes), else float32 FMAs
-    (``quant_linear.cc``)."""
+    integer arithmetic (``quant_dot.cc``, as llama.cpp computes); ``int16_activations`` (Q4_1):
+    the same with x rounded to int16 (``quant_dot.cc``'s ``jaxllm_dot_i16_q4_1``); else float32
+    FMAs (``quant_linear.cc``)."""
     if pw.type_name not in NATIVE_TYPES:
         raise ValueError(f"no native CPU kernel for {pw.type_name or 'untyped'} weights "
                          f"(native: {', '.join(NATIVE_TYPES)}); use jaxllm.quant.matmul")
     if int8_activations and pw.type_name not in INT8_ACTIVATION_TYPES:
         raise ValueError(f"no 8-bit-activation kernel for {pw.type_name} weights "
                          f"(those: {', '.join(INT8_ACTIVATION_TYPES)})")
+    if int16_activations and (int8_activations or pw.type_name not in INT16_ACTIVATION_TYPES):
+        raise ValueError(f"no 16-bit-activation kernel for {pw.type_name} weights "
+                         f"(those: {', '.join(INT16_ACTIVATION_TYPES)})")
     if x.ndim != 2 or x.shape[-1] != pw.shape[1]:
         raise ValueError(f"x of shape {tuple(x.shape)} is not [M, {pw.shape[1]}] for the "
                          f"{pw.type_name} weight of shape {pw.shape}")
@@ -102,7 +108,7 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
               "Q6_K": (pw.ql, pw.qh, pw.scales, pw.d), "F16": (pw.bits,), "BF16": (pw.bits,)}[pw.type_name]
     # (jaxllm_linear_bf16 is the dense panel-layout kernel of linear.cc: these are row-major bits)
     name = f"gguf_{pw.type_name.lower()}" if pw.type_name in ("F16", "BF16") else pw.type_name.lower()
-    target = f"jaxllm_{'dot' if int8_activations else 'linear'}_{name}"
+    target = f"jaxllm_{'dot_i16' if int16_activations else 'dot' if int8_activations else 'linear'}_{name}"
     if pw.interleaved:
         if not int8_activations:
             raise ValueError("an interleaved weight is read by the 8-bit-activation kernel only; "

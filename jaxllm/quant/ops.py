@@ -26,6 +26,7 @@ from jaxllm.quant.gguf_blocks import PackedWeight, dequantize
 from jaxllm.quant.matmul import matmul as dequantize_matmul
 
 QUANTIZED_TYPES = (PackedWeight, QuantizedLinear)
+NATIVE_BACKENDS = ("native", "native-int8", "native-int16")   # the CPU kernels' backends (Kernels.linear)
 
 
 def is_quantized(w) -> bool:
@@ -121,7 +122,8 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     GGUF blocks: ``backend="native"`` (decided by ``engine/resolve.py``): the CPU kernel that
     reads the blocks (``quant/native_matmul.py``) for the types it has; ``"native-int8"``: the
     same with int8-rounded activations, or as the weight's ``activations`` says
-    (``quant/activations.py``); others, and every other backend, dequantize inside the step
+    (``quant/activations.py``); ``"native-int16"``: Q4_1 blocks by int16-rounded activations,
+    the other types as ``"native"``; others, and every other backend, dequantize inside the step
     (``quant/matmul.py``).  int8 / int4 / fp8
     (``QuantizedLinear``): the Pallas kernel (``pallas/quant_matmul.py``) with
     ``backend="pallas"`` (resolve's choice on a GPU), for the group sizes it takes; else, CPU
@@ -129,9 +131,11 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     if isinstance(w, PackedWeight):
         if w.interleaved and backend != "native-int8":
             w = native_matmul.deinterleave_rows(w)
-        if backend in ("native", "native-int8"):
+        if backend in NATIVE_BACKENDS:
             if w.type_name in native_matmul.NATIVE_TYPES:
                 int8 = backend == "native-int8" and w.type_name in native_matmul.INT8_ACTIVATION_TYPES
+                if backend == "native-int16" and w.type_name in native_matmul.INT16_ACTIVATION_TYPES:
+                    return native_matmul.linear_packed(x, w, int16_activations=True)
                 if int8 and w.activations == "split":    # quant/activations.py's choice per projection
                     return native_matmul.linear_packed_split(x, w)
                 return native_matmul.linear_packed(x, w, int8_activations=int8)

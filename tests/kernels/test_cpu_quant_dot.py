@@ -1,7 +1,8 @@
-"""The 8-bit-activation packed-block matmul (``jaxllm/cpu/quant_dot.cc``) against two oracles.
+"""The 8-bit-activation packed-block matmul (``jaxllm/cpu/quant_dot.cc``) and its 16-bit one
+for Q4_1 (``jaxllm_dot_i16_q4_1``, ``--cpu-matmul native-int16``) against two oracles.
 
 1. A numpy emulation of what it computes: each 32-value block of x quantized to int8 with
-   scale max|x| / 127 (round half to even), the integer dot with the weight's quants, the
+   scale max|x| / 127 (int16: / 32767; round half to even), the integer dot with the weight's quants, the
    two scales, plus ``m * sum(x)`` for the types with a min.  The kernel must equal it to
    float32 rounding of its block sums (it adds ~K/32 scaled partial sums).
 2. The float64 ``x @ W^T`` on the dequantized weight (``matmul_reference``): the error the
@@ -44,12 +45,12 @@ def _quants(raw, type_name, shape):
     return q, d, m
 
 
-def emulate(x, raw, type_name, shape):
+def emulate(x, raw, type_name, shape, levels=127):
     n, k = shape
     nb = k // 32
     q, d, m = _quants(raw, type_name, shape)
     xb = x.astype(np.float32).reshape(len(x), nb, 32)
-    dx = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)        # [M, nb]
+    dx = (np.abs(xb).max(-1) / np.float32(levels)).astype(np.float32)     # [M, nb]
     inv = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
     qx = np.rint(xb * inv[..., None])                                    # [M, nb, 32]
     isum = np.einsum("mbj,nbj->mnb", qx, q.reshape(n, nb, 32))            # exact integers
@@ -196,3 +197,63 @@ def test_interleaved_rows_are_read_back_exactly(type_name):
     np.testing.assert_array_equal(np.asarray(ops.matmul(x, iw, "xla")), np.asarray(ops.matmul(x, pw, "xla")))
     with pytest.raises(ValueError, match="interleaved"):
         ops.concat_rows([iw, iw])
+
+
+# ---- int16 activations, Q4_1 (jaxllm_dot_i16_q4_1): (41, 288) has a chunk of 8 blocks and a
+# last chunk of one, (37, 96) a row shorter than a chunk ----
+I16_SHAPES = [(576, 576), (960, 576), (576, 1536), (41, 288), (37, 96)]
+
+
+def _q4_1(shape, seed):
+    rng = np.random.default_rng(seed)
+    raw = gguf.quants.quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+    return rng, raw, jax.device_put(pack(raw, "Q4_1", shape))
+
+
+@pytest.mark.parametrize("shape", I16_SHAPES)
+def test_int16_activation_matmul(shape):
+    """Equal to the int16 emulation to float32 rounding, and within the rounding's bound of the
+    float64 product: 1/258 of int8's step, so far inside int8's error."""
+    rng, raw, pw = _q4_1(shape, hash(("i16", shape)) % 2**32)
+    fn = jax.jit(lambda x, pw: linear_packed(x, pw, int16_activations=True))
+    fn8 = jax.jit(lambda x, pw: linear_packed(x, pw, int8_activations=True))
+    wd = np.abs(dequantize_reference(raw, "Q4_1", shape).astype(np.float64))
+    q, d, _ = _quants(raw, "Q4_1", shape)
+    dq = np.abs(q * np.repeat(d, 32, axis=1)).reshape(shape[0], -1, 32).sum(-1)   # sum |d * q| per block [N, nb]
+    for M in ROWS:
+        x = rng.standard_normal((M, shape[1])).astype(np.float32)
+        x[:, :32] *= 40.0   # one block with outliers
+        y = np.asarray(fn(x, pw), np.float64)
+        emu, dx = emulate(x, raw, "Q4_1", shape, levels=32767)
+        mag = np.abs(x).astype(np.float64) @ wd.T
+        np.testing.assert_allclose(y, emu, rtol=0, atol=float(2e-6 * mag.max()),
+                                   err_msg=f"{shape} M={M}: not the int16 computation")
+        ref = matmul_reference(x, raw, "Q4_1", shape)
+        err = np.abs(y - ref)
+        assert (err <= np.einsum("mb,nb->mn", dx / 2, dq) + 2e-6 * mag).all(), \
+            f"{shape} M={M}: error {err.max():.3g} over the rounding bound"
+        err8 = np.abs(np.asarray(fn8(x, pw), np.float64) - ref).max()
+        assert err.max() * 20 < err8, (err.max(), err8)
+        if M == 1 and shape == (576, 1536):
+            print(f"Q4_1 by int16: max |error| {err.max():.2e} ({err.max() / np.abs(ref).max():.1e} of max |y|); "
+                  f"int8: {err8:.2e}")
+
+
+@pytest.mark.parametrize("shape", [(576, 576), (1539, 576), (41, 288), (37, 96)])
+def test_int16_row_is_the_same_bits_whatever_rows_share_the_call(shape):
+    """A row of x gives the same bits alone (a decode: four weight rows a pass) as in calls of
+    2, 3, 5 or 17 rows (tiles of 2 to 4 rows of x, fewer weight rows a pass) and of 33 or 40
+    (a prefill's panels: the weights widened once, tiles of 4 x 2, a last tile of 1)."""
+    rng, raw, pw = _q4_1(shape, hash(("i16 bits", shape)) % 2**32)
+    fn = jax.jit(lambda x, pw: linear_packed(x, pw, int16_activations=True))
+    x = rng.standard_normal((40, shape[1])).astype(np.float32)
+    alone = np.stack([np.asarray(fn(x[i:i + 1], pw))[0] for i in range(40)])
+    for M in (2, 3, 5, 17, 33, 40):
+        np.testing.assert_array_equal(np.asarray(fn(x[:M], pw)), alone[:M], err_msg=f"{shape} M={M}")
+
+
+def test_int16_activations_are_refused_for_other_types():
+    raw = gguf.quants.quantize(np.ones((32, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
+    pw = pack(raw, "Q8_0", (32, 64))
+    with pytest.raises(ValueError, match="no 16-bit-activation kernel for Q8_0 weights"):
+        linear_packed(jnp.ones((1, 64), jnp.float32), pw, int16_activations=True)

@@ -11,7 +11,8 @@ activation moves by up to 1/254 of its block's largest value, and SmolLM2's acti
 large outliers, so across 30 layers the logits move by a few units (measured: 3.5 of logits
 up to 31 on random token ids, where the distributions are flat) and greedy decoding parts
 from the float engines after some tokens (measured 3-30 of 32, as llama.cpp parts from them:
-docs/BENCHMARKS.md).  ``--cpu-matmul native`` (the default, auto) keeps float32 activations.
+docs/BENCHMARKS.md).  ``--cpu-matmul native`` keeps float32 activations (auto: those, or int16
+ones for Q4_1 where the CPU lacks AVX-512: tests/quant/test_int16_activations.py).
 
 Rounding also turns a last-bit difference into a whole step of the int8 grid, so speculative
 decoding's promise (plain decoding's exact tokens) needs a token's logits to be the same

@@ -93,7 +93,7 @@ def test_engine_serves_the_file_as_shipped(preset):
     out = {}
     for deq in (False, True):
         # The buckets this generate runs, compiled when first needed, under the strict guard.
-        # float32 activations (auto rounds them to int8 on a CPU with AVX-512 VNNI)
+        # float32 activations (auto rounds Q4_1's to int16 on a CPU without AVX-512)
         llm = LLM(_path(preset), **{**SMALL_ENGINE, "precompile": "auto", "max_model_len": 128}, skip_tokenizer_init=True,
                   dequantize=deq,
                   cpu_matmul="native")

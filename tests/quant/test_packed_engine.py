@@ -82,7 +82,7 @@ def _run(path, **kw):
         # the strict compile guard: a packed type's programs are its own, and the unused buckets'
         # compiles would prove nothing the used ones do not.  The longest prompt and its tokens
         # (41 + 11) fit max_model_len 64: a smaller cache and block table than SMALL_ENGINE's.
-        # float32 activations unless asked: auto rounds them to int8 on a CPU with AVX-512 VNNI
+        # float32 activations unless asked: auto rounds Q4_1's to int16 on a CPU without AVX-512
         llm = LLM(path, **{**SMALL_ENGINE, "precompile": "auto", "max_model_len": 64, "cpu_matmul": "native", **kw},
                   skip_tokenizer_init=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
@@ -135,18 +135,23 @@ def test_packed_logits_every_backend(ggufs, q4_1_dequantized_logits, matmul, sca
     assert err < 1e-3 * max(1.0, np.abs(ref).max())
 
 
-def test_auto_keeps_float32_activations(ggufs):
-    """``--cpu-matmul auto`` (the default) multiplies the blocks by float32 activations on every
-    CPU, VNNI or not (int8 rounding cost the built-in model over 1% of perplexity:
-    docs/BENCHMARKS.md, "Perplexity"); and what it runs is exactly what ``native`` runs."""
+def test_auto_never_rounds_activations_to_int8(ggufs):
+    """``--cpu-matmul auto`` (the default) never rounds activations to int8, VNNI or not (it cost
+    the built-in model over 1% of perplexity: docs/BENCHMARKS.md, "Perplexity"): float32
+    activations, or where the CPU lacks AVX-512 int16 ones for Q4_1 blocks (the perplexity of
+    float32's); and what it runs is exactly what the named mode runs."""
     llm, tokens, lps = _run(ggufs[INT8_MIX], cpu_matmul="auto")
     runner = llm.llm_engine.core.runner
-    print(f"AVX-512 VNNI: {native.quant_dot_vnni()}; auto -> int8 activations: {runner.cfg.kernels.int8_activations}")
-    assert not runner.cfg.kernels.int8_activations
+    kernels = runner.cfg.kernels
+    print(f"AVX-512: {native.cpu_avx512()}, VNNI: {native.quant_dot_vnni()}; auto -> linear maps {kernels.linear}")
+    assert not kernels.int8_activations and kernels.int16_activations == (not native.cpu_avx512())
     packed = [w for w in jax.tree.leaves(runner.params, is_leaf=lambda w: isinstance(w, PackedWeight))
               if isinstance(w, PackedWeight)]
     assert packed and {w.interleaved for w in packed} == {0}
-    _, named_tokens, named_lps = _run(ggufs[INT8_MIX])   # _run's default: cpu_matmul="native"
+    programs = " ".join(p.compiled.as_text() for p in runner.compiler.steps.values())
+    assert ("jaxllm_dot_i16_q4_1" in programs) == kernels.int16_activations   # the Q4_1 layers' kernel
+    named = "native-int16" if kernels.int16_activations else "native"
+    _, named_tokens, named_lps = _run(ggufs[INT8_MIX], cpu_matmul=named)
     assert tokens == named_tokens and lps == named_lps
 
 

@@ -28,8 +28,8 @@ def main():
     res = {}
     for path in paths:
         for tp in (1, 2):
-            # float32 activations on one device too (auto rounds them to int8 on a CPU with
-            # AVX-512 VNNI; the sharded run's XLA dot does not).  Only the buckets the two
+            # float32 activations on one device too (auto rounds Q4_1's to int16 on a CPU
+            # without AVX-512; the sharded run's XLA dot does not).  Only the buckets the two
             # prompts run are compiled (the sharded every-bucket warm-up: tests/parallel/).
             llm = LLM(path, **ENGINE, skip_tokenizer_init=True, tensor_parallel_size=tp,
                       cpu_matmul="native" if tp == 1 else "auto")
