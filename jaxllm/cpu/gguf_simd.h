@@ -83,7 +83,8 @@ template <int NR>
 inline void prefetch_q4_1_quants(const uint8_t* qs, int64_t nb, int64_t b, int64_t ahead) {
   if (b % 4 != 0) return;
 #pragma GCC unroll 4
-  for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(qs + ((j + ahead) * nb + b) * 16), _MM_HINT_T0);
+  for (int j = 0; j < NR; ++j)
+    _mm_prefetch(reinterpret_cast<const char*>(qs + ((j + ahead) * nb + b) * 16), _MM_HINT_T0);
 }
 
 inline void prefetch(const void* p, int64_t bytes);
