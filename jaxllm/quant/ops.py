@@ -164,6 +164,22 @@ def take_rows(w, ids: jax.Array) -> jax.Array:
     raise TypeError(f"not a quantized weight: {type(w).__name__}")
 
 
+def rounded_activations(kernels, tensors: Iterable) -> str:
+    """What the native matmul rounds activations to for these weights, for the start-up log
+    (a user comparing outputs with another engine's should see it): ``""`` where it keeps
+    float32 (``kernels``: the step's ``models.kernels.Kernels``)."""
+    if kernels.matmul != "native":
+        return ""
+    if kernels.int8_activations:
+        return "activations rounded to int8 per 32 values (--cpu-matmul native-int8)"
+    types = sorted({w.type_name for w in tensors if isinstance(w, PackedWeight)}
+                   & set(native_matmul.INT16_ACTIVATION_TYPES))
+    if kernels.int16_activations and types:
+        return (f"{'/'.join(types)} by activations rounded to int16 per 32 values (float32's perplexity; "
+                "--cpu-matmul native keeps float32)")
+    return ""
+
+
 def summary(tensors: Iterable) -> str:
     """``"210 Q4_1, 1 Q8_0 (97.6 MiB), 61 F32 (0.3 MiB)"``: how many weights of each format."""
     counts, nbytes = Counter(), Counter()

@@ -125,10 +125,11 @@ class ModelRunner:
                                                self.mesh, self.rules, native, interleave)
         leaves = jax.tree.leaves(self.params, is_leaf=qops.is_quantized)
         grouped = sum(1 for w in leaves if getattr(w, "interleaved", 0))
-        log.info("weights on the device: %.1f MiB, %s%s%s in %.1f s", self.weight_bytes() / 2**20,
+        rounded = qops.rounded_activations(cfg.kernels, leaves)
+        log.info("weights on the device: %.1f MiB, %s%s%s%s in %.1f s", self.weight_bytes() / 2**20,
                  qops.summary(leaves), ", in the native matmul's layout" if native else "",
                  f" ({grouped} with rows interleaved by 16 for the VNNI kernel)" if grouped else "",
-                 time.perf_counter() - t0)
+                 f"; {rounded}," if rounded else "", time.perf_counter() - t0)
         # The step's weights flattened once (runner/flat_call.py); None: to flatten again
         # (the params changed: ``_set_lora_weights``).
         self._flat_params: Leaves | None = None

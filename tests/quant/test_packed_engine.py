@@ -27,6 +27,7 @@ from jaxllm.quant.native_matmul import NATIVE_TYPES
 
 from support.engines import SMALL_ENGINE
 from support.gguf_mix import requantize_gguf
+from support.log_lines import log_lines
 from support.tiny_models import paged_logits, write_gguf
 
 # The gguf package quantizes these; the K types come as llama.cpp-made fixtures
@@ -75,6 +76,14 @@ def ggufs(tiny_llama, tmp_path_factory):
 _RUNS: dict = {}
 
 
+_WEIGHTS_LINE: dict = {}   # _run's key -> its engine's "weights on the device" log line
+
+
+def _weights_line(path, **kw) -> str:
+    _run(path, **kw)
+    return _WEIGHTS_LINE[(path, tuple(sorted(kw.items())))]
+
+
 def _run(path, **kw):
     key = (path, tuple(sorted(kw.items())))
     if key not in _RUNS:
@@ -83,8 +92,10 @@ def _run(path, **kw):
         # compiles would prove nothing the used ones do not.  The longest prompt and its tokens
         # (41 + 11) fit max_model_len 64: a smaller cache and block table than SMALL_ENGINE's.
         # float32 activations unless asked: auto rounds Q4_1's to int16 on a CPU without AVX-512
-        llm = LLM(path, **{**SMALL_ENGINE, "precompile": "auto", "max_model_len": 64, "cpu_matmul": "native", **kw},
-                  skip_tokenizer_init=True)
+        with log_lines("jaxllm.runner") as lines:
+            llm = LLM(path, **{**SMALL_ENGINE, "precompile": "auto", "max_model_len": 64, "cpu_matmul": "native", **kw},
+                      skip_tokenizer_init=True)
+        _WEIGHTS_LINE[key] = next(ln for ln in lines if ln.startswith("weights on the device"))
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
         tokens = [o.outputs[0].token_ids for o in outs]
         lps = [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
@@ -153,6 +164,11 @@ def test_auto_never_rounds_activations_to_int8(ggufs):
     named = "native-int16" if kernels.int16_activations else "native"
     _, named_tokens, named_lps = _run(ggufs[INT8_MIX], cpu_matmul=named)
     assert tokens == named_tokens and lps == named_lps
+    # the start-up log says so, where a user comparing outputs with another engine looks first
+    line = _weights_line(ggufs[INT8_MIX], cpu_matmul="auto")
+    print(line)
+    assert ("Q4_1 by activations rounded to int16" in line) == kernels.int16_activations, line
+    assert "int8" not in line and "rounded" not in _weights_line(ggufs[INT8_MIX]), line
 
 
 def test_int8_activations_engine(ggufs):
@@ -164,6 +180,7 @@ def test_int8_activations_engine(ggufs):
     llm, tokens, lps = _run(ggufs[INT8_MIX], cpu_matmul="native-int8")
     runner = llm.llm_engine.core.runner
     assert runner.cfg.kernels.int8_activations
+    assert "activations rounded to int8 per 32 values" in _weights_line(ggufs[INT8_MIX], cpu_matmul="native-int8")
     # where the CPU has AVX-512 VNNI, the int8 kernel reads its weights in 16-row groups, the
     # tied embedding (gathered by rows) included
     packed = [w for w in jax.tree.leaves(runner.params, is_leaf=lambda w: isinstance(w, PackedWeight))
