@@ -108,11 +108,10 @@ void tokens(const float* const* xr, const float* w, int64_t K, int64_t ldw, int6
     }
 }
 
-// For each token i of the block: out_i[0:ncols] += x_i[0:K] @ w [K, ldw] (its first ncols
-// columns), x_i = x + order[i] * ldx, out_i = o + order[i] * ldo; tokens three at a time
-// (one alone: 64 columns a tile, eight accumulator chains side by side).
-void expand_block(const Block& b, const int64_t* order, const float* x, int64_t ldx, const float* w, int64_t K,
-                  int64_t ldw, int64_t ncols, float* o, int64_t ldo) {
+// Calls body(n, xr, out) for the block's tokens n <= 3 at a time, in order: xr[j] = x + order[i +
+// j] * ldx and out[j] = o + order[i + j] * ldo, the rows of token j of the n.
+template <typename Body>
+void by_threes(const Block& b, const int64_t* order, const float* x, int64_t ldx, float* o, int64_t ldo, Body body) {
   for (int64_t i = b.begin; i < b.end;) {
     const float* xr[3];
     float* out[3];
@@ -121,11 +120,21 @@ void expand_block(const Block& b, const int64_t* order, const float* x, int64_t 
       xr[j] = x + order[i + j] * ldx;
       out[j] = o + order[i + j] * ldo;
     }
+    body(n, xr, out);
+    i += n;
+  }
+}
+
+// For each token i of the block: out_i[0:ncols] += x_i[0:K] @ w [K, ldw] (its first ncols
+// columns), x_i = x + order[i] * ldx, out_i = o + order[i] * ldo; tokens three at a time
+// (one alone: 64 columns a tile, eight accumulator chains side by side).
+void expand_block(const Block& b, const int64_t* order, const float* x, int64_t ldx, const float* w, int64_t K,
+                  int64_t ldw, int64_t ncols, float* o, int64_t ldo) {
+  by_threes(b, order, x, ldx, o, ldo, [&](int64_t n, const float* const* xr, float* const* out) {
     if (n == 3) tokens<3, 4, true>(xr, w, K, ldw, ncols, out);
     else if (n == 2) tokens<2, 4, true>(xr, w, K, ldw, ncols, out);
     else tokens<1, 8, true>(xr, w, K, ldw, ncols, out);
-    i += n;
-  }
+  });
 }
 
 // The shrink reads A transposed, A_T [C, in]: each of xa's columns is a dot product of a token's x
@@ -186,14 +195,7 @@ void shrink_block(const Block& b, const int64_t* order, const float* x, int64_t 
   const int64_t n_rows = static_cast<int64_t>(rows.size());
   const int64_t rem = K % 8;
   const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rem)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  for (int64_t i = b.begin; i < b.end;) {
-    const float* xr[3];
-    float* out[3];
-    const int64_t n = std::min<int64_t>(3, b.end - i);
-    for (int64_t j = 0; j < n; ++j) {
-      xr[j] = x + order[i + j] * K;
-      out[j] = xa + order[i + j] * C;
-    }
+  by_threes(b, order, x, K, xa, C, [&](int64_t n, const float* const* xr, float* const* out) {
     int64_t r = 0;
     if (n == 1) {
       for (; r + 4 <= n_rows; r += 4) dot_tile<1, 4>(xr, a, K, rows.data() + r, tail, out);
@@ -205,8 +207,7 @@ void shrink_block(const Block& b, const int64_t* order, const float* x, int64_t 
       for (; r + 2 <= n_rows; r += 2) dot_tile<3, 2>(xr, a, K, rows.data() + r, tail, out);
       for (; r < n_rows; ++r) dot_tile<3, 1>(xr, a, K, rows.data() + r, tail, out);
     }
-    i += n;
-  }
+  });
 }
 
 int64_t layer_of(const ffi::Buffer<ffi::S32>& layer) { return static_cast<int64_t>(layer.typed_data()[0]); }
