@@ -3,8 +3,8 @@
     LLAMA_CPP_BIN=$(../shared/tools/build-llama-cpp.sh | tail -1) \\
         python bench/llama_cpp.py [--batch-sizes 1,8,32] [--input-len 32] [--output-len 64]
                                   [--concurrency 1,4,16] [--repeats 3] [--skip-offline]
-                                  [--skip-serving] [--agreement] [--prefill 512,4096] [--json FILE]
-                                  [--cpu-matmul MODE]
+                                  [--skip-serving] [--agreement] [--prefill 512,4096] [--depth 512,2048]
+                                  [--json FILE] [--cpu-matmul MODE]
 
 The built-in SmolLM2-135M-Instruct GGUF (Q4_1 layers, Q8_0 embedding), served by jaxllm as
 shipped (its blocks kept packed, the default) and by llama.cpp (llama-cpp-bin's build,
@@ -23,6 +23,10 @@ batch-1 decode's share of that roofline (weight bytes x tokens/s / bandwidth); `
 picks jaxllm's matmul for the offline arm (default ``auto``).
 ``--prefill N,..``: prompt tokens/s of one N-token prompt: jaxllm's ``generate`` of one token
 (prefill and the first token's sampling) against ``llama-bench -p N -n 0``, alternated.
+``--depth N,..``: batch-1 decode tokens/s after an N-token prompt (a long chat, a RAG context:
+each step's attention reads N positions of every layer's cache): jaxllm's decode steps of one
+N-token prompt's ``--output-len`` tokens, each engine step timed, against
+``llama-bench -p 0 -n OUT -d N`` (its context of N tokens filled first, not timed), alternated.
 Serving: ``jaxllm bench serve`` (random dataset, 2 x concurrency prompts, one warm-up)
 against ``jaxllm serve`` and ``llama-server --parallel 16`` (continuous batching on), each
 concurrency in turn, the two servers alternated.
@@ -235,6 +239,15 @@ def render(res: dict) -> str:
                       f"{res['weight_bytes'] / 2**20:.1f} MiB a token: batch-1 decode at "
                       f"{res['weight_bytes'] * dec / bw:.0%} of the read roofline "
                       f"({bw / res['weight_bytes']:.0f} tok/s).", ""]
+    if "depth" in res:
+        lines += [f"Batch-1 decode after a long context, tokens/s (output {res['args']['output_len']}, median of "
+                  f"{res['args']['repeats']}, arms alternated; prefill left out):", "",
+                  "| context | jaxllm, decode only | llama-bench tg @ d | jaxllm / llama.cpp | jaxllm ms a step "
+                  "| llama.cpp ms a step |", "|---:|---:|---:|---:|---:|---:|"]
+        for n, row in res["depth"].items():
+            x, y = row["jaxllm"], row["llama-bench"]
+            lines.append(f"| {n} | {x:.1f} | {y:.1f} | {x / y:.2f}x | {1e3 / x:.2f} | {1e3 / y:.2f} |")
+        lines.append("")
     if "serving" in res:
         srv = res["serving"]
         lines += ["Serving, `jaxllm bench serve` (random dataset, input "
@@ -291,6 +304,51 @@ def prefill(args, res: dict) -> None:
     res["prefill"] = rows
 
 
+def llama_bench_depth(args, n: int) -> float:
+    """llama-bench's batch-1 decode tokens/s after an n-token context (its mean of -r 3)."""
+    out = subprocess.run([_bin(args, "llama-bench"), "-m", _gguf(), "-t", THREADS, "-p", "0",
+                          "-n", str(args.output_len), "-d", str(n), "-r", "3", "--repack", "0", "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def depth(args, res: dict) -> None:
+    """Batch-1 decode tokens/s after an N-token prompt, jaxllm against llama-bench ``-d N``,
+    arms alternated; jaxllm's prefill is left out as llama-bench leaves out its context's."""
+    from jaxllm import SamplingParams
+
+    from bench.harness import StepLog, run_batch
+    from bench.throughput import Jaxllm
+    rng = np.random.default_rng(args.seed)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    engine = Jaxllm(args, 1, "float32", args.cpu_matmul, max_model_len=max(args.depth) + args.output_len + 16,
+                    precompile="on-demand")
+    rows = {}
+    for n in args.depth:
+        prompts = rng.integers(100, 40000, size=(1, n)).tolist()
+        engine.warm(prompts)
+        ours, theirs = [], []
+
+        def jaxllm_run():
+            # Each engine step timed (a long prompt's prefill would drown the decode's time
+            # in the difference of two calls' times); tokens/s over the decode steps, as
+            # llama-bench's tokens over their time.
+            log = StepLog()
+            run_batch(engine.llm.llm_engine, prompts, params, f"depth{n}-{len(ours)}", log)
+            ours.append(len(log.decode_times()) / sum(log.decode_times()))
+
+        arms = [("jaxllm", jaxllm_run), ("llama-bench", lambda: theirs.append(llama_bench_depth(args, n)))]
+        for r in range(args.repeats):
+            for name, run in (arms if r % 2 == 0 else arms[::-1]):
+                print(f"decode at depth {n}, repeat {r + 1}: {name} ...", file=sys.stderr)
+                run()
+        rows[str(n)] = {"jaxllm": statistics.median(ours), "llama-bench": statistics.median(theirs),
+                        "samples": {"jaxllm": ours, "llama-bench": theirs}}
+        print(f"depth {n}: jaxllm {rows[str(n)]['jaxllm']:.1f} tok/s, llama-bench tg{args.output_len} @ d{n} "
+              f"{rows[str(n)]['llama-bench']:.1f} tok/s, samples {rows[str(n)]['samples']}", file=sys.stderr)
+    res["depth"] = rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-cpp-bin", default=os.environ.get("LLAMA_CPP_BIN"),
@@ -307,6 +365,7 @@ def main(argv=None) -> int:
     p.add_argument("--skip-serving", action="store_true")
     p.add_argument("--agreement", action="store_true")
     p.add_argument("--prefill", default="", help="prompt lengths for the prefill comparison, e.g. 512,4096")
+    p.add_argument("--depth", default="", help="context lengths for the decode-at-depth comparison, e.g. 512,2048")
     p.add_argument("--json", default=None)
     p.add_argument("--cpu-matmul", default="auto", help="jaxllm's --cpu-matmul for the offline arm")
     args = p.parse_args(argv)
@@ -316,14 +375,19 @@ def main(argv=None) -> int:
         args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
         args.prefill = [int(n) for n in args.prefill.split(",") if n]
+        args.depth = [int(n) for n in args.depth.split(",") if n]
     except ValueError:
-        p.error("--batch-sizes and --concurrency take comma-separated integers, e.g. 1,8,32")
+        p.error("--batch-sizes, --concurrency, --prefill and --depth take comma-separated integers, e.g. 1,8,32")
+    if args.depth and args.output_len < 2:
+        p.error("--depth needs --output-len of at least 2 (decode steps after the first token)")
     res = {"args": vars(args).copy(), "threads": THREADS, "date": time.strftime("%Y-%m-%d %H:%M")}
     with tempfile.TemporaryDirectory() as tmp:
         if args.agreement:
             agreement(args, res, tmp)
         if args.prefill:
             prefill(args, res)
+        if args.depth:
+            depth(args, res)
         if not args.skip_offline:
             res["read_bandwidth"], why = read_bandwidth()
             if why:

@@ -200,6 +200,7 @@ constexpr int64_t kRows = 48;
 template <typename KV>
 struct Scratch {
   std::vector<float> qs, acc, s, m, l, corr;   // [R, Dh], [R, Dh], [R, kTile], [R], [R], [R]
+  std::vector<float> M, L, ACC;                // [R], [R], [R, Dh]: the spans' state merged so far
   std::vector<float> qp;                       // [ceil(R / 2), Dh / 8, 16]: the AVX-512 path's pack_pairs
   std::vector<int32_t> jlo, jhi;               // [R] each row's visible part of the key tile
   std::vector<const KV*> krow, vrow;           // [kTile] row pointers into the cache
@@ -212,6 +213,9 @@ struct Scratch {
     m.resize(R);
     l.resize(R);
     corr.resize(R);
+    M.resize(R);
+    L.resize(R);
+    ACC.resize(R * Dh);
     jlo.resize(R);
     jhi.resize(R);
     krow.resize(kTile);
@@ -586,6 +590,78 @@ JAXLLM_AVX512 void values_all512(const float* p, const KV* const* vrow, float* a
   }
 }
 
+// Keys are walked in spans of kSpan positions at absolute offsets [s * kSpan, (s + 1) * kSpan):
+// each span's softmax state (running max m, sum l, accumulators acc per row) starts afresh
+// and is merged into the row's totals span by span, in order (merge_span).  A decode of one
+// sequence is 3 items on the built-in model (one per KV head), which two cores split 2 + 1;
+// as (KV head, span) items its spans' states are computed side by side and merged after, in
+// the same order by the same function, so the bits are those of the walk in one item (a
+// prefill's).  A row whose keys lie in one span has the bits it had before spans: the first
+// merge copies the state exactly (M = -inf: a = 0; b = exp(0) = 1).
+constexpr int64_t kSpan = 8 * kTile;
+
+// Folds one span's state (m, l [R], acc [R, Dh]) into the totals (M, L, ACC): both sides
+// rescaled to the larger maximum.  Explicit fused multiply-adds, vector and scalar alike, so
+// that every caller computes the same bits.
+inline void merge_span(int64_t R, int64_t Dh, const float* m, const float* l, const float* acc, float* M, float* L,
+                       float* ACC) {
+  for (int64_t r = 0; r < R; ++r) {
+    if (m[r] == -INFINITY) continue;   // no key of this span is visible to the row
+    const float top = std::max(M[r], m[r]);
+    const float a = std::exp(M[r] - top), b = std::exp(m[r] - top);
+    L[r] = std::fma(L[r], a, l[r] * b);
+    M[r] = top;
+    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+    float* T = ACC + r * Dh;
+    const float* x = acc + r * Dh;
+    int64_t d = 0;
+    for (; d + 8 <= Dh; d += 8)
+      _mm256_storeu_ps(T + d, _mm256_fmadd_ps(_mm256_loadu_ps(T + d), av, _mm256_mul_ps(_mm256_loadu_ps(x + d), bv)));
+    for (; d < Dh; ++d) T[d] = std::fma(T[d], a, x[d] * b);
+  }
+}
+
+// The first and last span holding a key visible to some token of the tile (first > last: none).
+template <typename KV, bool kVis>
+void tile_spans(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t* first, int64_t* last) {
+  int64_t lo_all = INT64_MAX, hi_all = 0;
+  for (int64_t i = 0; i < nt; ++i) {
+    int64_t lo, hi;
+    P.template range<kVis>(t0 + i, &lo, &hi);
+    if (lo < hi) lo_all = std::min(lo_all, lo), hi_all = std::max(hi_all, hi);
+  }
+  *first = lo_all < hi_all ? lo_all / kSpan : 1;
+  *last = lo_all < hi_all ? (hi_all - 1) / kSpan : 0;
+}
+
+// out[t, h*G : (h+1)*G, :] of the tile's tokens from their rows' totals: ACC / L (the sinks'
+// exp joins L); zeros for a token that sees no key.
+template <typename KV, bool kVis>
+void write_out(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, const float* M, const float* L,
+               const float* ACC) {
+  const int64_t G = P.G, Dh = P.Dh;
+  for (int64_t i = 0; i < nt; ++i) {
+    float* out = P.out + ((t0 + i) * P.Hq + h * G) * Dh;   // [G, Dh], the group's heads are adjacent
+    int64_t lo, hi;
+    P.template range<kVis>(t0 + i, &lo, &hi);
+    if (lo >= hi) {
+      std::fill(out, out + G * Dh, 0.f);
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      float inv = 1.f / L[r];   // L >= 1: the maximum's own term is exp(0)
+      if (P.sinks) {
+        // The sink's exp joins the denominator: acc / (l + exp(sink - m)), both exponentials
+        // taken against the larger of m and the sink.
+        const float sink = P.sinks[h * G + g], top = std::max(M[r], sink), c = std::exp(M[r] - top);
+        inv = c / (L[r] * c + std::exp(sink - top));
+      }
+      for (int64_t d = 0; d < Dh; ++d) out[g * Dh + d] = ACC[r * Dh + d] * inv;
+    }
+  }
+}
+
 // Work item (tokens t0 .. t0 + nt of one sequence, KV head h): out[t, h*G : (h+1)*G, :] for
 // each of the tokens.  Row r = i * G + g is token t0 + i's query head h * G + g.
 //
@@ -595,8 +671,14 @@ JAXLLM_AVX512 void values_all512(const float* p, const KV* const* vrow, float* a
 // a position it may see, and within a tile its scores, maxima, exponentials, sums and value
 // accumulation are computed lane for lane as they would be alone, with the positions it
 // may not see as -inf scores / zero weights.
+//
+// only_span >= 0: that span alone, its state written to partial ([m [R], l [R], acc [R, Dh]])
+// for finish_spans to merge, and no output.  Not inlined: the split and the whole walks
+// (decode and prefill) then run one compiled body, whose floating-point contractions are
+// the compiler's choice once, not once per call site.
 template <typename KV, bool kVis>
-void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratch<KV>& w) {
+__attribute__((noinline)) void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratch<KV>& w, int64_t only_span = -1,
+                 float* partial = nullptr) {
   const int64_t G = P.G, Dh = P.Dh, R = nt * G;
   // Each token's visible range, and the union over the tile.
   int64_t lo_all = INT64_MAX, hi_all = 0;
@@ -615,9 +697,9 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
     for (int64_t e = 0; e < G * Dh; ++e) qs[e] = q[e] * P.scale;
   }
   if (g_avx512 && Dh % 8 == 0) pack_pairs(w.qs.data(), w.qp.data(), R, Dh);
-  std::fill(w.acc.begin(), w.acc.begin() + R * Dh, 0.f);
-  std::fill(w.m.begin(), w.m.begin() + R, -INFINITY);
-  std::fill(w.l.begin(), w.l.begin() + R, 0.f);
+  std::fill(w.ACC.begin(), w.ACC.begin() + R * Dh, 0.f);
+  std::fill(w.M.begin(), w.M.begin() + R, -INFINITY);
+  std::fill(w.L.begin(), w.L.begin() + R, 0.f);
   // Clamped so that a padding token (or a bad index) reads some row of the cache instead
   // of outside it; its output is not used.
   const int64_t seq = std::clamp<int64_t>(P.seq[t0], 0, P.S - 1);
@@ -625,100 +707,115 @@ void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratc
   const KV** krow = w.krow.data();
   const KV** vrow = w.vrow.data();
   float* corr = w.corr.data();
-  for (int64_t c0 = lo_all / kTile * kTile; c0 < hi_all; c0 += kTile) {
-    // Each row's visible keys [jlo, jhi) of this tile, and their union [j0, j1).
-    int64_t j0 = kTile, j1 = 0;
-    for (int64_t i = 0; i < nt; ++i) {
-      const int64_t a = std::clamp<int64_t>(lo_t[i] - c0, 0, kTile), b = std::clamp<int64_t>(hi_t[i] - c0, 0, kTile);
-      for (int64_t g = 0; g < G; ++g) w.jlo[i * G + g] = static_cast<int32_t>(a), w.jhi[i * G + g] = static_cast<int32_t>(b);
-      if (a < b) j0 = std::min(j0, a), j1 = std::max(j1, b);
+  const int64_t s_first = only_span >= 0 ? only_span : (lo_all < hi_all ? lo_all / kSpan : 1);
+  const int64_t s_last = only_span >= 0 ? only_span : (lo_all < hi_all ? (hi_all - 1) / kSpan : 0);
+  for (int64_t span = s_first; span <= s_last; ++span) {
+    std::fill(w.acc.begin(), w.acc.begin() + R * Dh, 0.f);
+    std::fill(w.m.begin(), w.m.begin() + R, -INFINITY);
+    std::fill(w.l.begin(), w.l.begin() + R, 0.f);
+    const int64_t c_end = std::min(hi_all, (span + 1) * kSpan);
+    for (int64_t c0 = std::max(span * kSpan, lo_all / kTile * kTile); c0 < c_end; c0 += kTile) {
+      // Each row's visible keys [jlo, jhi) of this tile, and their union [j0, j1).
+      int64_t j0 = kTile, j1 = 0;
+      for (int64_t i = 0; i < nt; ++i) {
+        const int64_t a = std::clamp<int64_t>(lo_t[i] - c0, 0, kTile);
+        const int64_t b = std::clamp<int64_t>(hi_t[i] - c0, 0, kTile);
+        for (int64_t g = 0; g < G; ++g) w.jlo[i * G + g] = static_cast<int32_t>(a), w.jhi[i * G + g] = static_cast<int32_t>(b);
+        if (a < b) j0 = std::min(j0, a), j1 = std::max(j1, b);
+      }
+      if (j0 >= j1) continue;
+      // Block column and offset stepped along: one integer division per tile, not per position.
+      int64_t col = (c0 + j0) / P.BS, off = (c0 + j0) % P.BS;
+      int64_t blk = std::clamp<int64_t>(table[col], 0, P.NB - 1);
+      for (int64_t j = j0; j < j1; ++j, ++off) {
+        if (off == P.BS) {
+          off = 0;
+          blk = std::clamp<int64_t>(table[++col], 0, P.NB - 1);
+        }
+        const int64_t row = (blk * P.BS + off) * P.Hkv + h;
+        krow[j] = P.k + row * Dh;
+        vrow[j] = P.v + row * Dh;
+        if (P.ks) {
+          w.ksc[j] = half_to_f32(P.ks[row]);
+          w.vsc[j] = half_to_f32(P.vs[row]);
+        }
+      }
+      // The rows are scattered over blocks and cold (a layer's cache was last read a whole
+      // step ago): ask for all of the tile's lines at once rather than one miss at a time
+      // (15-20% off a cold-cache batch-32 decode; prefetching a tile ahead gained nothing).
+      for (int64_t j = j0; j < j1; ++j)
+        for (int64_t b = 0; b < Dh * static_cast<int64_t>(sizeof(KV)); b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(krow[j]) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T0);
+        }
+      if (g_avx512)
+        scores_all512<KV>(w.qs.data(), w.qp.data(), krow, w.s.data(), j0, j1, Dh, R);   // s [R, kTile]
+      else
+        scores_all<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);
+      for (int64_t r = 0; r < R; ++r) {
+        float* s = w.s.data() + r * kTile;
+        const int64_t a = w.jlo[r], b = w.jhi[r];
+        if (a >= b) {   // no visible key here: zero weights, accumulators untouched
+          std::fill(s, s + kTile, 0.f);
+          corr[r] = -1.f;
+          continue;
+        }
+        if (P.ks)   // int8: q . (scale_j k_j) = scale_j (q . k_j)
+          for (int64_t j = a; j < b; ++j) s[j] *= w.ksc[j];
+        if (P.soft_cap > 0.f) {   // Gemma 2: cap * tanh(s / cap) on the scaled scores
+          const float cap = P.soft_cap, inv_cap = 1.f / P.soft_cap;
+          for (int64_t j = a; j < b; ++j) s[j] = cap * std::tanh(s[j] * inv_cap);
+        }
+        // Online softmax: new running max per row, scores -> exp(s - max) in place (keys the
+        // row may not see set to -inf give 0), accumulators rescaled by exp(old max - new max).
+        std::fill(s, s + a, -INFINITY);
+        std::fill(s + b, s + kTile, -INFINITY);
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < kTile; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+        const float m_new = std::max(w.m[r], hmax(mx));
+        const __m256 mv = _mm256_set1_ps(m_new);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < kTile; j += 8) {
+          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+          _mm256_storeu_ps(s + j, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        corr[r] = std::exp(w.m[r] - m_new);   // 0 on the row's first tile (m = -inf)
+        w.l[r] = w.l[r] * corr[r] + hsum(sum);
+        w.m[r] = m_new;
+        if (P.vs)   // int8: p_j (scale_j v_j) = (p_j scale_j) v_j; the sum l keeps p_j
+          for (int64_t j = a; j < b; ++j) s[j] *= w.vsc[j];
+      }
+      if (g_avx512)
+        values_all512<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
+      else
+        values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
     }
-    if (j0 >= j1) continue;
-    // Block column and offset stepped along: one integer division per tile, not per position.
-    int64_t col = (c0 + j0) / P.BS, off = (c0 + j0) % P.BS;
-    int64_t blk = std::clamp<int64_t>(table[col], 0, P.NB - 1);
-    for (int64_t j = j0; j < j1; ++j, ++off) {
-      if (off == P.BS) {
-        off = 0;
-        blk = std::clamp<int64_t>(table[++col], 0, P.NB - 1);
-      }
-      const int64_t row = (blk * P.BS + off) * P.Hkv + h;
-      krow[j] = P.k + row * Dh;
-      vrow[j] = P.v + row * Dh;
-      if (P.ks) {
-        w.ksc[j] = half_to_f32(P.ks[row]);
-        w.vsc[j] = half_to_f32(P.vs[row]);
-      }
+    if (partial) {
+      std::copy(w.m.begin(), w.m.begin() + R, partial);
+      std::copy(w.l.begin(), w.l.begin() + R, partial + R);
+      std::copy(w.acc.begin(), w.acc.begin() + R * Dh, partial + 2 * R);
+      return;
     }
-    // The rows are scattered over blocks and cold (a layer's cache was last read a whole
-    // step ago): ask for all of the tile's lines at once rather than one miss at a time
-    // (15-20% off a cold-cache batch-32 decode; prefetching a tile ahead gained nothing).
-    for (int64_t j = j0; j < j1; ++j)
-      for (int64_t b = 0; b < Dh * static_cast<int64_t>(sizeof(KV)); b += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(krow[j]) + b, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(vrow[j]) + b, _MM_HINT_T0);
-      }
-    if (g_avx512)
-      scores_all512<KV>(w.qs.data(), w.qp.data(), krow, w.s.data(), j0, j1, Dh, R);   // s [R, kTile]
-    else
-      scores_all<KV>(w.qs.data(), krow, w.s.data(), j0, j1, Dh, R);
-    for (int64_t r = 0; r < R; ++r) {
-      float* s = w.s.data() + r * kTile;
-      const int64_t a = w.jlo[r], b = w.jhi[r];
-      if (a >= b) {   // no visible key here: zero weights, accumulators untouched
-        std::fill(s, s + kTile, 0.f);
-        corr[r] = -1.f;
-        continue;
-      }
-      if (P.ks)   // int8: q . (scale_j k_j) = scale_j (q . k_j)
-        for (int64_t j = a; j < b; ++j) s[j] *= w.ksc[j];
-      if (P.soft_cap > 0.f) {   // Gemma 2: cap * tanh(s / cap) on the scaled scores
-        const float cap = P.soft_cap, inv_cap = 1.f / P.soft_cap;
-        for (int64_t j = a; j < b; ++j) s[j] = cap * std::tanh(s[j] * inv_cap);
-      }
-      // Online softmax: new running max per row, scores -> exp(s - max) in place (keys the
-      // row may not see set to -inf give 0), accumulators rescaled by exp(old max - new max).
-      std::fill(s, s + a, -INFINITY);
-      std::fill(s + b, s + kTile, -INFINITY);
-      __m256 mx = _mm256_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < kTile; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
-      const float m_new = std::max(w.m[r], hmax(mx));
-      const __m256 mv = _mm256_set1_ps(m_new);
-      __m256 sum = _mm256_setzero_ps();
-      for (int64_t j = 0; j < kTile; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
-        _mm256_storeu_ps(s + j, e);
-        sum = _mm256_add_ps(sum, e);
-      }
-      corr[r] = std::exp(w.m[r] - m_new);   // 0 on the row's first tile (m = -inf)
-      w.l[r] = w.l[r] * corr[r] + hsum(sum);
-      w.m[r] = m_new;
-      if (P.vs)   // int8: p_j (scale_j v_j) = (p_j scale_j) v_j; the sum l keeps p_j
-        for (int64_t j = a; j < b; ++j) s[j] *= w.vsc[j];
-    }
-    if (g_avx512)
-      values_all512<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
-    else
-      values_all<KV>(w.s.data(), vrow, w.acc.data(), corr, j0, j1, Dh, R);
+    merge_span(R, Dh, w.m.data(), w.l.data(), w.acc.data(), w.M.data(), w.L.data(), w.ACC.data());
   }
-  for (int64_t i = 0; i < nt; ++i) {
-    float* out = P.out + ((t0 + i) * P.Hq + h * G) * Dh;   // [G, Dh], the group's heads are adjacent
-    if (lo_t[i] >= hi_t[i]) {
-      std::fill(out, out + G * Dh, 0.f);
-      continue;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      float inv = 1.f / w.l[r];   // l >= 1: the maximum's own term is exp(0)
-      if (P.sinks) {
-        // The sink's exp joins the denominator: acc / (l + exp(sink - m)), both exponentials
-        // taken against the larger of m and the sink.
-        const float sink = P.sinks[h * G + g], top = std::max(w.m[r], sink), c = std::exp(w.m[r] - top);
-        inv = c / (w.l[r] * c + std::exp(sink - top));
-      }
-      for (int64_t d = 0; d < Dh; ++d) out[g * Dh + d] = w.acc[r * Dh + d] * inv;
-    }
+  write_out<KV, kVis>(P, t0, nt, h, w.M.data(), w.L.data(), w.ACC.data());
+}
+
+// The tile's spans' states (partials: one [R * (Dh + 2)] block per span, in order) merged
+// as attend_tile merges them, and its output written.
+template <typename KV, bool kVis>
+void finish_spans(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, const float* partials, int64_t spans,
+                  Scratch<KV>& w) {
+  const int64_t R = nt * P.G, Dh = P.Dh;
+  std::fill(w.ACC.begin(), w.ACC.begin() + R * Dh, 0.f);
+  std::fill(w.M.begin(), w.M.begin() + R, -INFINITY);
+  std::fill(w.L.begin(), w.L.begin() + R, 0.f);
+  for (int64_t s = 0; s < spans; ++s) {
+    const float* p = partials + s * R * (Dh + 2);
+    merge_span(R, Dh, p, p + R, p + 2 * R, w.M.data(), w.L.data(), w.ACC.data());
   }
+  write_out<KV, kVis>(P, t0, nt, h, w.M.data(), w.L.data(), w.ACC.data());
 }
 
 template <typename KV, bool kVis>
@@ -742,23 +839,75 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
     tiles->emplace_back(static_cast<int32_t>(t), static_cast<int32_t>(n));
     t += n;
   }
-  const int64_t items = static_cast<int64_t>(tiles->size()) * P.Hkv;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t helpers = std::min({threads, items - 1, cost / 32768});
-  // Items are (tile, KV head), tile-major: a tile's heads, and a sequence's tiles, are
-  // claimed close together and share cache rows.  P and the tiles are held by the task: a
-  // helper task may start after this call has returned (and then finds no item).
+  const auto make_scratch = [R = Tq * P.G, Dh = P.Dh] {
+    Scratch<KV> w;
+    w.resize(R, Dh);
+    return w;
+  };
+  if (static_cast<int64_t>(tiles->size()) * P.Hkv >= 4 * threads) {
+    // Items are (tile, KV head), tile-major: a tile's heads, and a sequence's tiles, are
+    // claimed close together and share cache rows.  P and the tiles are held by the task: a
+    // helper task may start after this call has returned (and then finds no item).
+    const int64_t items = static_cast<int64_t>(tiles->size()) * P.Hkv;
+    jaxllm_parallel::for_each_item(
+        pool, items, std::min({threads, items - 1, cost / 32768}), make_scratch,
+        [P, tiles](int64_t i, Scratch<KV>& w) {
+          const auto [t0, nt] = (*tiles)[i / P.Hkv];
+          attend_tile<KV, kVis>(P, t0, nt, i % P.Hkv, w);
+        });
+    return;
+  }
+  // Too few (tile, KV head) items to keep the cores busy (a decode of a few sequences): one
+  // item per (tile, KV head, span), each span's state into `partials`, merged after.
+  struct Item {
+    int32_t tile, h, span;   // span -1: the whole walk, output written (a tile of one span)
+    int64_t offset;          // its state's place in partials
+  };
+  struct Split {
+    std::vector<Item> items;
+    std::vector<float> partials;
+  };
+  auto split = std::make_shared<Split>();
+  int64_t size = 0;
+  for (int32_t ti = 0; ti < static_cast<int32_t>(tiles->size()); ++ti) {
+    const auto [t0, nt] = (*tiles)[ti];
+    int64_t first, last;
+    tile_spans<KV, kVis>(P, t0, nt, &first, &last);
+    for (int32_t h = 0; h < P.Hkv; ++h) {
+      if (last <= first) {
+        split->items.push_back({ti, h, -1, 0});
+        continue;
+      }
+      for (int64_t s = first; s <= last; ++s) {
+        split->items.push_back({ti, h, static_cast<int32_t>(s), size});
+        size += nt * P.G * (P.Dh + 2);
+      }
+    }
+  }
+  split->partials.resize(size);
+  const int64_t items = static_cast<int64_t>(split->items.size());
   jaxllm_parallel::for_each_item(
-      pool, items, helpers,
-      [R = Tq * P.G, Dh = P.Dh] {
-        Scratch<KV> w;
-        w.resize(R, Dh);
-        return w;
-      },
-      [P, tiles](int64_t i, Scratch<KV>& w) {
-        const auto [t0, nt] = (*tiles)[i / P.Hkv];
-        attend_tile<KV, kVis>(P, t0, nt, i % P.Hkv, w);
+      pool, items, std::min({threads, items - 1, cost / 32768}), make_scratch,
+      [P, tiles, split](int64_t i, Scratch<KV>& w) {
+        const Item& it = split->items[i];
+        const auto [t0, nt] = (*tiles)[it.tile];
+        if (it.span < 0)
+          attend_tile<KV, kVis>(P, t0, nt, it.h, w);
+        else
+          attend_tile<KV, kVis>(P, t0, nt, it.h, w, it.span, split->partials.data() + it.offset);
       });
+  Scratch<KV> w = make_scratch();
+  for (int64_t i = 0; i < items;) {   // each split (tile, head): its spans are consecutive items
+    const Item& it = split->items[i];
+    int64_t n = 1;
+    while (it.span >= 0 && i + n < items && split->items[i + n].tile == it.tile && split->items[i + n].h == it.h) ++n;
+    if (it.span >= 0) {
+      const auto [t0, nt] = (*tiles)[it.tile];
+      finish_spans<KV, kVis>(P, t0, nt, it.h, split->partials.data() + it.offset, n, w);
+    }
+    i += n;
+  }
 }
 
 ffi::Error invalid(const std::string& what) {

@@ -412,6 +412,47 @@ def test_prompt_token_is_the_same_bits_in_any_chunk_and_batch(Hq, Hkv, D, case, 
     assert err < TOL, f"max relative error {err:.3g}"
 
 
+# Contexts over several of the kernel's key spans (attention.cc's kSpan, 256 positions): a
+# decode of one or two sequences splits each KV head's walk into one item per span and merges
+# their states after; a prefill (and a decode of many sequences) walks the spans in one item.
+SPAN_CASES = [(9, 3, 64, "f32"), (9, 3, 64, "f32-softcap-sinks"), (4, 1, 40, "int8-window")]
+SPAN_WINDOW = 300   # "int8-window" here: a window that crosses span boundaries
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,case", SPAN_CASES, ids=[c[3] for c in SPAN_CASES])
+def test_decode_over_several_spans_is_the_same_bits_as_the_prefill(Hq, Hkv, D, case):
+    """A token at a long context decoded alone (its spans as separate items, merged after),
+    beside one other sequence (still split), or among eight (not split) gives the bits the
+    same token gets inside its prompt's prefill (one walk over the spans), and stays within
+    float32 rounding of the XLA path: the guarantee that a token's logits do not depend on
+    the step it runs in, where the kernel parallelizes over the context."""
+    N = 700   # positions 0 .. 699: spans [0, 256), [256, 512), [512, 700)
+    cache, feats = BITS_CASES[case]
+    q, _, _, kv, md = make_batch(31 + D, [N], [0], Hq=Hq, Hkv=Hkv, D=D, pad_tokens=0, pad_rows=0)
+    if cache in QUANT:
+        _, _, _, kv, _ = quantized((q, None, None, kv, md), cache)
+    rng = np.random.default_rng(5)
+    t0 = np.asarray(md.block_tables)[0]
+    tables = jnp.asarray(np.stack([t0] + [rng.permutation(t0) for _ in range(7)]))   # 8 rows, the same pages
+    kw = dict(scale=D ** -0.5, sliding_window=SPAN_WINDOW if feats.get("sliding_window") else None,
+              soft_cap=feats.get("soft_cap"))
+    sinks = jnp.linspace(-2.0, 4.0, Hq, dtype=jnp.float32) if feats.get("sinks") else None
+    run = functools.partial(_native_run(**kw), sinks=sinks)
+    whole = np.asarray(run(q, kv, _prompt_md(tables, [0] * N, range(N))))
+    for p in [255, 256, 511, 600, 699]:
+        alone = np.asarray(run(q[p:p + 1], kv, _prompt_md(tables, [0], [p])))
+        np.testing.assert_array_equal(alone[0], whole[p], err_msg=f"position {p} decoded alone")
+        beside = np.asarray(run(jnp.concatenate([q[p:p + 1], q[:1]]), kv, _prompt_md(tables, [0, 1], [p, 400])))
+        np.testing.assert_array_equal(beside[0], whole[p], err_msg=f"position {p} beside another sequence")
+        among = np.asarray(run(jnp.concatenate([q[p:p + 1]] + [q[i:i + 1] for i in range(1, 8)]), kv,
+                               _prompt_md(tables, list(range(8)), [p] + [300 + 50 * i for i in range(1, 8)])))
+        np.testing.assert_array_equal(among[0], whole[p], err_msg=f"position {p} among eight sequences")
+    want = np.asarray(paged_attention_xla(q, kv, None, _prompt_md(tables[:1], [0] * N, range(N)),
+                                          sinks=sinks, **kw))
+    err = np.abs(whole - want).max() / np.abs(want).max()
+    assert err < TOL, f"max relative error {err:.3g}"
+
+
 @pytest.fixture
 def avx2_path():
     """The kernel's 8-lane AVX2 path for the test, the CPU's default restored after."""
