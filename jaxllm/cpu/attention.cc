@@ -253,6 +253,36 @@ inline void scores(const float* qs, const KV* const* krow, float* s, int64_t j0,
   const float* qh = qs + r0 * Dh;
   const int64_t d8 = Dh / 8 * 8;
   int64_t j = j0;
+  if constexpr (NH <= 3) {
+    // A decode's 1-3 rows: four keys a pass (4 * NH accumulators) where two keys left 2 * NH
+    // chains of FMAs waiting on their latency (1.3x a batch-1 decode's attention at 512-2048
+    // positions, bench/decode_attention.py).  Each score's sum and tree are the two-key pass's.
+    for (; j + 4 <= j1; j += 4) {
+      __m256 a[4][NH];
+      for (int t = 0; t < 4; ++t)
+        for (int i = 0; i < NH; ++i) a[t][i] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < d8; d += 8) {
+        const __m256 k0 = load8(krow[j] + d), k1 = load8(krow[j + 1] + d);
+        const __m256 k2 = load8(krow[j + 2] + d), k3 = load8(krow[j + 3] + d);
+        for (int i = 0; i < NH; ++i) {
+          const __m256 qv = _mm256_loadu_ps(qh + i * Dh + d);
+          a[0][i] = _mm256_fmadd_ps(qv, k0, a[0][i]);
+          a[1][i] = _mm256_fmadd_ps(qv, k1, a[1][i]);
+          a[2][i] = _mm256_fmadd_ps(qv, k2, a[2][i]);
+          a[3][i] = _mm256_fmadd_ps(qv, k3, a[3][i]);
+        }
+      }
+      for (int i = 0; i < NH; ++i) {
+        float x[4];
+        hsum2(a[0][i], a[1][i], &x[0], &x[1]);
+        hsum2(a[2][i], a[3][i], &x[2], &x[3]);
+        for (int t = 0; t < 4; ++t) {
+          for (int64_t d = d8; d < Dh; ++d) x[t] += qh[i * Dh + d] * to_f32(krow[j + t][d]);
+          s[(r0 + i) * kTile + j + t] = x[t];
+        }
+      }
+    }
+  }
   for (; j + 2 <= j1; j += 2) {
     __m256 a0[NH], a1[NH];
     for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
@@ -315,6 +345,32 @@ inline void values(const float* p, const KV* const* vrow, float* acc, const floa
   const float* ph = p + r0 * kTile;
   float* ah = acc + r0 * Dh;
   int64_t d = d0;
+  if constexpr (NH <= 3) {
+    // A decode's 1-3 rows: 32 columns a pass, twice the chains of the 16-column pass (as
+    // scores' four keys); a column's sum over the keys, in order, is the same.
+    for (; d + 32 <= Dh; d += 32) {
+      __m256 a[4][NH];
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < NH; ++i) a[c][i] = _mm256_setzero_ps();
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m256 v0 = load8(vrow[j] + d), v1 = load8(vrow[j] + d + 8);
+        const __m256 v2 = load8(vrow[j] + d + 16), v3 = load8(vrow[j] + d + 24);
+        for (int i = 0; i < NH; ++i) {
+          const __m256 pj = _mm256_broadcast_ss(ph + i * kTile + j);
+          a[0][i] = _mm256_fmadd_ps(pj, v0, a[0][i]);
+          a[1][i] = _mm256_fmadd_ps(pj, v1, a[1][i]);
+          a[2][i] = _mm256_fmadd_ps(pj, v2, a[2][i]);
+          a[3][i] = _mm256_fmadd_ps(pj, v3, a[3][i]);
+        }
+      }
+      for (int i = 0; i < NH; ++i) {
+        if (corr[r0 + i] < 0.f) continue;
+        const __m256 c = _mm256_set1_ps(corr[r0 + i]);
+        float* o = ah + i * Dh + d;
+        for (int q = 0; q < 4; ++q) _mm256_storeu_ps(o + 8 * q, _mm256_fmadd_ps(_mm256_loadu_ps(o + 8 * q), c, a[q][i]));
+      }
+    }
+  }
   for (; d + 16 <= Dh; d += 16) {
     __m256 a0[NH], a1[NH];
     for (int i = 0; i < NH; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
