@@ -896,12 +896,27 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
     t += n;
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const auto make_scratch = [R = Tq * P.G, Dh = P.Dh] {
+  int64_t max_nt = 1;
+  for (const auto& tile : *tiles) max_nt = std::max<int64_t>(max_nt, tile.second);
+  // Scratch for the call's largest tile (a decode's rows are G, not kRows: less to clear).
+  const auto make_scratch = [R = max_nt * P.G, Dh = P.Dh] {
     Scratch<KV> w;
     w.resize(R, Dh);
     return w;
   };
-  if (static_cast<int64_t>(tiles->size()) * P.Hkv >= 4 * threads) {
+  // Where the (tile, KV head) items are too few to keep the cores busy (a decode of one or
+  // two sequences), a tile whose keys cross spans is split into one item per span.
+  std::vector<std::pair<int64_t, int64_t>> spans;   // each tile's first and last span
+  bool split_any = false;
+  if (static_cast<int64_t>(tiles->size()) * P.Hkv < 4 * threads) {
+    for (const auto& [t0, nt] : *tiles) {
+      int64_t first, last;
+      tile_spans<KV, kVis>(P, t0, nt, &first, &last);
+      spans.emplace_back(first, last);
+      split_any |= last > first;
+    }
+  }
+  if (!split_any) {
     // Items are (tile, KV head), tile-major: a tile's heads, and a sequence's tiles, are
     // claimed close together and share cache rows.  P and the tiles are held by the task: a
     // helper task may start after this call has returned (and then finds no item).
@@ -914,8 +929,7 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
         });
     return;
   }
-  // Too few (tile, KV head) items to keep the cores busy (a decode of a few sequences): one
-  // item per (tile, KV head, span), each span's state into `partials`, merged after.
+  // One item per (tile, KV head, span), each span's state into `partials`, merged after.
   struct Item {
     int32_t tile, h, span;   // span -1: the whole walk, output written (a tile of one span)
     int64_t offset;          // its state's place in partials
@@ -927,9 +941,8 @@ void paged_attention(ffi::ThreadPool& pool, const Problem<KV>& P) {
   auto split = std::make_shared<Split>();
   int64_t size = 0;
   for (int32_t ti = 0; ti < static_cast<int32_t>(tiles->size()); ++ti) {
-    const auto [t0, nt] = (*tiles)[ti];
-    int64_t first, last;
-    tile_spans<KV, kVis>(P, t0, nt, &first, &last);
+    const auto [first, last] = spans[ti];
+    const int64_t nt = (*tiles)[ti].second;
     for (int32_t h = 0; h < P.Hkv; ++h) {
       if (last <= first) {
         split->items.push_back({ti, h, -1, 0});
