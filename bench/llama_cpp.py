@@ -274,6 +274,20 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
+def alternate(arms, repeats: int, label: str) -> None:
+    """Runs every (name, fn) of ``arms`` once per repeat, in reverse order every other repeat."""
+    for r in range(repeats):
+        for name, run in (arms if r % 2 == 0 else arms[::-1]):
+            print(f"{label}, repeat {r + 1}: {name} ...", file=sys.stderr)
+            run()
+
+
+def medians(ours: list, theirs: list) -> dict:
+    """A row of jaxllm's and llama-bench's samples: their medians, and the samples."""
+    return {"jaxllm": statistics.median(ours), "llama-bench": statistics.median(theirs),
+            "samples": {"jaxllm": ours, "llama-bench": theirs}}
+
+
 def llama_bench_prompt(args, n: int) -> float:
     """llama-bench's prompt tokens/s for an n-token prompt (its mean of -r 3)."""
     out = subprocess.run([_bin(args, "llama-bench"), "-m", _gguf(), "-t", THREADS, "-p", str(n), "-n", "0",
@@ -291,14 +305,9 @@ def prefill(args, res: dict) -> None:
         prompts = rng.integers(100, 40000, size=(1, n)).tolist()
         engine.warm(prompts)
         ours, theirs = [], []
-        arms = [("jaxllm", lambda: ours.append(n / engine.time(prompts, 1))),
-                ("llama-bench", lambda: theirs.append(llama_bench_prompt(args, n)))]
-        for r in range(args.repeats):
-            for name, run in (arms if r % 2 == 0 else arms[::-1]):
-                print(f"prefill {n}, repeat {r + 1}: {name} ...", file=sys.stderr)
-                run()
-        rows[str(n)] = {"jaxllm": statistics.median(ours), "llama-bench": statistics.median(theirs),
-                        "samples": {"jaxllm": ours, "llama-bench": theirs}}
+        alternate([("jaxllm", lambda: ours.append(n / engine.time(prompts, 1))),
+                   ("llama-bench", lambda: theirs.append(llama_bench_prompt(args, n)))], args.repeats, f"prefill {n}")
+        rows[str(n)] = medians(ours, theirs)
         print(f"prefill {n}: jaxllm {rows[str(n)]['jaxllm']:.1f} tok/s, llama-bench pp{n} "
               f"{rows[str(n)]['llama-bench']:.1f} tok/s, samples {rows[str(n)]['samples']}", file=sys.stderr)
     res["prefill"] = rows
@@ -337,13 +346,9 @@ def depth(args, res: dict) -> None:
             run_batch(engine.llm.llm_engine, prompts, params, f"depth{n}-{len(ours)}", log)
             ours.append(len(log.decode_times()) / sum(log.decode_times()))
 
-        arms = [("jaxllm", jaxllm_run), ("llama-bench", lambda: theirs.append(llama_bench_depth(args, n)))]
-        for r in range(args.repeats):
-            for name, run in (arms if r % 2 == 0 else arms[::-1]):
-                print(f"decode at depth {n}, repeat {r + 1}: {name} ...", file=sys.stderr)
-                run()
-        rows[str(n)] = {"jaxllm": statistics.median(ours), "llama-bench": statistics.median(theirs),
-                        "samples": {"jaxllm": ours, "llama-bench": theirs}}
+        alternate([("jaxllm", jaxllm_run), ("llama-bench", lambda: theirs.append(llama_bench_depth(args, n)))],
+                  args.repeats, f"decode at depth {n}")
+        rows[str(n)] = medians(ours, theirs)
         print(f"depth {n}: jaxllm {rows[str(n)]['jaxllm']:.1f} tok/s, llama-bench tg{args.output_len} @ d{n} "
               f"{rows[str(n)]['llama-bench']:.1f} tok/s, samples {rows[str(n)]['samples']}", file=sys.stderr)
     res["depth"] = rows

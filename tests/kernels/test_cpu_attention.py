@@ -382,6 +382,19 @@ BITS_SHAPES = [(9, 3, 64), (4, 1, 40)]
 BITS_CELLS = [(*BITS_SHAPES[i % 2], case, chunk) for i, case in enumerate(BITS_CASES) for chunk in [1, 7, 32, 61]]
 
 
+def _one_prompt(N, seed, Hq, Hkv, D, cache, *, rows, table_seed):
+    """One sequence's N prompt tokens (q [N, Hq, D]) with the cache holding every position in
+    the case's format, and ``rows`` block-table rows over the same pages (row 0 the prompt's,
+    the others shuffled): other sequences reading them."""
+    q, _, _, kv, md = make_batch(seed, [N], [0], Hq=Hq, Hkv=Hkv, D=D, cache="bfloat16" if cache == "bfloat16" else
+                                 "float32", pad_tokens=0, pad_rows=0)
+    if cache in QUANT:
+        _, _, _, kv, _ = quantized((q, None, None, kv, md), cache)
+    rng = np.random.default_rng(table_seed)
+    t0 = np.asarray(md.block_tables)[0]
+    return q, kv, jnp.asarray(np.stack([t0] + [rng.permutation(t0) for _ in range(rows - 1)]))
+
+
 @pytest.mark.parametrize("Hq,Hkv,D,case,chunk", BITS_CELLS,
                          ids=[f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}-{c[4]}" for c in BITS_CELLS])
 def test_prompt_token_is_the_same_bits_in_any_chunk_and_batch(Hq, Hkv, D, case, chunk):
@@ -393,14 +406,8 @@ def test_prompt_token_is_the_same_bits_in_any_chunk_and_batch(Hq, Hkv, D, case, 
     # only the chunks of 61 add a tail program (39).
     N = 161
     cache, feats = BITS_CASES[case]
-    q, _, _, kv, md = make_batch(11 + D, [N], [0], Hq=Hq, Hkv=Hkv, D=D, cache="bfloat16" if cache == "bfloat16" else
-                                 "float32", pad_tokens=0, pad_rows=0)
-    if cache in QUANT:
-        _, _, _, kv, _ = quantized((q, None, None, kv, md), cache)
     # Sequences 1 and 2 read the same pages through other tables (their own rows of a batch).
-    rng = np.random.default_rng(3)
-    t0 = np.asarray(md.block_tables)[0]
-    tables = jnp.asarray(np.stack([t0, rng.permutation(t0), rng.permutation(t0)]))
+    q, kv, tables = _one_prompt(N, 11 + D, Hq, Hkv, D, cache, rows=3, table_seed=3)
     kw = dict(scale=D ** -0.5, sliding_window=feats.get("sliding_window"), soft_cap=feats.get("soft_cap"))
     if feats.get("sinks"):
         kw["sinks"] = jnp.linspace(-2.0, 4.0, Hq, dtype=jnp.float32)
@@ -428,12 +435,7 @@ def test_decode_over_several_spans_is_the_same_bits_as_the_prefill(Hq, Hkv, D, c
     the step it runs in, where the kernel parallelizes over the context."""
     N = 700   # positions 0 .. 699: spans [0, 256), [256, 512), [512, 700)
     cache, feats = BITS_CASES[case]
-    q, _, _, kv, md = make_batch(31 + D, [N], [0], Hq=Hq, Hkv=Hkv, D=D, pad_tokens=0, pad_rows=0)
-    if cache in QUANT:
-        _, _, _, kv, _ = quantized((q, None, None, kv, md), cache)
-    rng = np.random.default_rng(5)
-    t0 = np.asarray(md.block_tables)[0]
-    tables = jnp.asarray(np.stack([t0] + [rng.permutation(t0) for _ in range(7)]))   # 8 rows, the same pages
+    q, kv, tables = _one_prompt(N, 31 + D, Hq, Hkv, D, cache, rows=8, table_seed=5)
     kw = dict(scale=D ** -0.5, sliding_window=SPAN_WINDOW if feats.get("sliding_window") else None,
               soft_cap=feats.get("soft_cap"))
     sinks = jnp.linspace(-2.0, 4.0, Hq, dtype=jnp.float32) if feats.get("sinks") else None
@@ -470,12 +472,7 @@ def test_avx2_path_keeps_the_guarantees(avx2_path, Hq, Hkv, D, case, chunk):
     arithmetic lane for lane: which CPU runs a model must not change what it says)."""
     N = 161
     cache, feats = BITS_CASES[case]
-    q, _, _, kv, md = make_batch(11 + D, [N], [0], Hq=Hq, Hkv=Hkv, D=D, pad_tokens=0, pad_rows=0)
-    if cache in QUANT:
-        _, _, _, kv, _ = quantized((q, None, None, kv, md), cache)
-    rng = np.random.default_rng(3)
-    t0 = np.asarray(md.block_tables)[0]
-    tables = jnp.asarray(np.stack([t0, rng.permutation(t0), rng.permutation(t0)]))
+    q, kv, tables = _one_prompt(N, 11 + D, Hq, Hkv, D, cache, rows=3, table_seed=3)
     kw = dict(scale=D ** -0.5, sliding_window=feats.get("sliding_window"), soft_cap=feats.get("soft_cap"))
     if feats.get("sinks"):
         kw["sinks"] = jnp.linspace(-2.0, 4.0, Hq, dtype=jnp.float32)
