@@ -255,8 +255,8 @@ inline void scores(const float* qs, const KV* const* krow, float* s, int64_t j0,
   int64_t j = j0;
   if constexpr (NH <= 3) {
     // A decode's 1-3 rows: four keys a pass (4 * NH accumulators) where two keys left 2 * NH
-    // chains of FMAs waiting on their latency (1.3x a batch-1 decode's attention at 512-2048
-    // positions, bench/decode_attention.py).  Each score's sum and tree are the two-key pass's.
+    // chains of FMAs waiting on their latency (1.1-1.4x a batch-1 decode's attention at
+    // 512-4096 positions, bench/decode_attention.py).  Each score's sum and tree are the two-key pass's.
     for (; j + 4 <= j1; j += 4) {
       __m256 a[4][NH];
       for (int t = 0; t < 4; ++t)
@@ -367,7 +367,8 @@ inline void values(const float* p, const KV* const* vrow, float* acc, const floa
         if (corr[r0 + i] < 0.f) continue;
         const __m256 c = _mm256_set1_ps(corr[r0 + i]);
         float* o = ah + i * Dh + d;
-        for (int q = 0; q < 4; ++q) _mm256_storeu_ps(o + 8 * q, _mm256_fmadd_ps(_mm256_loadu_ps(o + 8 * q), c, a[q][i]));
+        for (int q = 0; q < 4; ++q)
+          _mm256_storeu_ps(o + 8 * q, _mm256_fmadd_ps(_mm256_loadu_ps(o + 8 * q), c, a[q][i]));
       }
     }
   }
@@ -733,8 +734,8 @@ void write_out(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, const fl
 // (decode and prefill) then run one compiled body, whose floating-point contractions are
 // the compiler's choice once, not once per call site.
 template <typename KV, bool kVis>
-__attribute__((noinline)) void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratch<KV>& w, int64_t only_span = -1,
-                 float* partial = nullptr) {
+__attribute__((noinline)) void attend_tile(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t h, Scratch<KV>& w,
+                                           int64_t only_span = -1, float* partial = nullptr) {
   const int64_t G = P.G, Dh = P.Dh, R = nt * G;
   // Each token's visible range, and the union over the tile.
   int64_t lo_all = INT64_MAX, hi_all = 0;
@@ -776,7 +777,8 @@ __attribute__((noinline)) void attend_tile(const Problem<KV>& P, int64_t t0, int
       for (int64_t i = 0; i < nt; ++i) {
         const int64_t a = std::clamp<int64_t>(lo_t[i] - c0, 0, kTile);
         const int64_t b = std::clamp<int64_t>(hi_t[i] - c0, 0, kTile);
-        for (int64_t g = 0; g < G; ++g) w.jlo[i * G + g] = static_cast<int32_t>(a), w.jhi[i * G + g] = static_cast<int32_t>(b);
+        for (int64_t g = 0; g < G; ++g)
+          w.jlo[i * G + g] = static_cast<int32_t>(a), w.jhi[i * G + g] = static_cast<int32_t>(b);
         if (a < b) j0 = std::min(j0, a), j1 = std::max(j1, b);
       }
       if (j0 >= j1) continue;
