@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import jax
@@ -32,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import revision_kernel  # noqa: E402
 from jaxllm.cpu import native  # noqa: E402
 from jaxllm.cpu.attention import paged_attention_native  # noqa: E402
 from jaxllm.layers.attention import AttentionMetadata  # noqa: E402
@@ -44,21 +42,7 @@ _HEADERS = ["parallel.h", "simd.h"]
 def build_base(rev: str) -> ctypes.CDLL:
     """Compiles ``rev``'s attention.cc into a temporary library and registers its float32
     handler as BASE_TARGET; the library (kept loaded by the caller)."""
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
-                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    folder = tempfile.mkdtemp(prefix="attention_base_")
-    for name in ["attention.cc", *_HEADERS]:
-        shown = subprocess.run(["git", "show", f"{rev}:jaxllm/cpu/{name}"], capture_output=True, text=True, cwd=root)
-        if shown.returncode == 0:   # a header the revision did not have is not needed by it
-            with open(os.path.join(folder, name), "w") as f:
-                f.write(shown.stdout)
-    lib_path = os.path.join(folder, "libbase.so")
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    built = subprocess.run([cxx, *native._FLAGS, f"-I{jax.ffi.include_dir()}", os.path.join(folder, "attention.cc"),
-                            "-o", lib_path], capture_output=True, text=True)
-    if built.returncode != 0:
-        raise RuntimeError(f"compiling {rev}'s attention.cc failed: {built.stderr.strip()[-2000:]}")
-    lib = ctypes.cdll.LoadLibrary(lib_path)
+    lib = revision_kernel.build(rev, "attention.cc", _HEADERS, native._FLAGS)
     jax.ffi.register_ffi_target(BASE_TARGET, jax.ffi.pycapsule(lib.JaxllmPagedAttentionF32), platform="cpu")
     return lib
 

@@ -33,11 +33,8 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import jax
@@ -45,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import revision_kernel  # noqa: E402
 from bench.throughput import read_bandwidth  # noqa: E402
 from jaxllm.cpu import native  # noqa: E402
 from jaxllm.quant import PackedWeight  # noqa: E402
@@ -72,21 +70,7 @@ def build_base(rev: str, kind: str = "linear") -> ctypes.CDLL:
     registers its Q4_1 and Q8_0 handlers as ``base_target(kind, ...)``; the library (kept
     loaded by the caller)."""
     source, q4_1_symbol, q8_0_symbol = KERNELS[kind]
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                          check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    folder = tempfile.mkdtemp(prefix="q4_1_base_")
-    for name in [source, *_HEADERS]:
-        text = subprocess.run(["git", "show", f"{rev}:jaxllm/cpu/{name}"], capture_output=True, text=True,
-                              check=True, cwd=root).stdout
-        with open(os.path.join(folder, name), "w") as f:
-            f.write(text)
-    lib_path = os.path.join(folder, "libbase.so")
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    built = subprocess.run([cxx, *native._QUANT_FLAGS, f"-I{jax.ffi.include_dir()}",
-                            os.path.join(folder, source), "-o", lib_path], capture_output=True, text=True)
-    if built.returncode != 0:
-        raise RuntimeError(f"compiling {rev}'s {source} failed: {built.stderr.strip()[-2000:]}")
-    lib = ctypes.cdll.LoadLibrary(lib_path)
+    lib = revision_kernel.build(rev, source, _HEADERS, native._QUANT_FLAGS)
     for type_name, symbol in (("Q4_1", q4_1_symbol), ("Q8_0", q8_0_symbol)):
         jax.ffi.register_ffi_target(base_target(kind, type_name), jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")

@@ -678,7 +678,13 @@ inline void merge_span(int64_t R, int64_t Dh, const float* m, const float* l, co
   }
 }
 
-// The first and last span holding a key visible to some token of the tile (first > last: none).
+// The first and last span holding a position of [lo_all, hi_all) (first > last: empty).
+inline void span_range(int64_t lo_all, int64_t hi_all, int64_t* first, int64_t* last) {
+  *first = lo_all < hi_all ? lo_all / kSpan : 1;
+  *last = lo_all < hi_all ? (hi_all - 1) / kSpan : 0;
+}
+
+// The first and last span holding a key visible to some token of the tile.
 template <typename KV, bool kVis>
 void tile_spans(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t* first, int64_t* last) {
   int64_t lo_all = INT64_MAX, hi_all = 0;
@@ -687,8 +693,7 @@ void tile_spans(const Problem<KV>& P, int64_t t0, int64_t nt, int64_t* first, in
     P.template range<kVis>(t0 + i, &lo, &hi);
     if (lo < hi) lo_all = std::min(lo_all, lo), hi_all = std::max(hi_all, hi);
   }
-  *first = lo_all < hi_all ? lo_all / kSpan : 1;
-  *last = lo_all < hi_all ? (hi_all - 1) / kSpan : 0;
+  span_range(lo_all, hi_all, first, last);
 }
 
 // out[t, h*G : (h+1)*G, :] of the tile's tokens from their rows' totals: ACC / L (the sinks'
@@ -764,8 +769,8 @@ __attribute__((noinline)) void attend_tile(const Problem<KV>& P, int64_t t0, int
   const KV** krow = w.krow.data();
   const KV** vrow = w.vrow.data();
   float* corr = w.corr.data();
-  const int64_t s_first = only_span >= 0 ? only_span : (lo_all < hi_all ? lo_all / kSpan : 1);
-  const int64_t s_last = only_span >= 0 ? only_span : (lo_all < hi_all ? (hi_all - 1) / kSpan : 0);
+  int64_t s_first = only_span, s_last = only_span;
+  if (only_span < 0) span_range(lo_all, hi_all, &s_first, &s_last);
   for (int64_t span = s_first; span <= s_last; ++span) {
     std::fill(w.acc.begin(), w.acc.begin() + R * Dh, 0.f);
     std::fill(w.m.begin(), w.m.begin() + R, -INFINITY);
