@@ -239,6 +239,15 @@ def render(res: dict) -> str:
                       f"{res['weight_bytes'] / 2**20:.1f} MiB a token: batch-1 decode at "
                       f"{res['weight_bytes'] * dec / bw:.0%} of the read roofline "
                       f"({bw / res['weight_bytes']:.0f} tok/s).", ""]
+    if "prefill" in res:
+        lines += [f"Prefill, prompt tokens/s (one prompt, median of {res['args']['repeats']}, arms alternated):", "",
+                  "| prompt tokens | jaxllm | llama-bench pp | jaxllm / llama.cpp | samples, jaxllm | samples, llama-bench |",
+                  "|---:|---:|---:|---:|---|---|"]
+        for n, row in res["prefill"].items():
+            x, y = row["jaxllm"], row["llama-bench"]
+            samples = [", ".join(f"{v:.1f}" for v in row["samples"][k]) for k in ("jaxllm", "llama-bench")]
+            lines.append(f"| {n} | {x:.1f} | {y:.1f} | {x / y:.2f}x | {samples[0]} | {samples[1]} |")
+        lines.append("")
     if "depth" in res:
         lines += [f"Batch-1 decode after a long context, tokens/s (output {res['args']['output_len']}, median of "
                   f"{res['args']['repeats']}, arms alternated; prefill left out):", "",
