@@ -20,7 +20,7 @@ ignored, after a ``--input-len`` prompt), the arms alternated repeat by repeat:
   llama.cpp quotes.
 Beside the offline table, the read bandwidth of every core (``bench/read_stream.c``) and the
 batch-1 decode's share of that roofline (weight bytes x tokens/s / bandwidth); ``--cpu-matmul``
-picks jaxllm's matmul for the offline arm (default ``auto``).
+picks jaxllm's matmul for every jaxllm arm but ``--agreement``'s (default ``auto``).
 ``--prefill N,..``: prompt tokens/s of one N-token prompt: jaxllm's ``generate`` of one token
 (prefill and the first token's sampling) against ``llama-bench -p N -n 0``, alternated.
 ``--depth N,..``: batch-1 decode tokens/s after an N-token prompt (a long chat, a RAG context:
@@ -149,7 +149,7 @@ def server(args, kind: str, log_path: str):
     port = _free_port()
     if kind == "jaxllm":
         cmd = [sys.executable, "-m", "jaxllm.cli", "serve", "--port", str(port), "--max-num-seqs", "16",
-               "--max-model-len", "2048"]
+               "--max-model-len", "2048", "--cpu-matmul", args.cpu_matmul]
     else:
         cmd = [_bin(args, "llama-server"), "-m", _gguf(), "-t", THREADS, "--port", str(port), "--parallel", "16",
                "-c", str(16 * 2048), "-nr", "--cont-batching"]
@@ -308,7 +308,7 @@ def prefill(args, res: dict) -> None:
     """Prompt tokens/s of one long prompt, jaxllm against llama-bench, arms alternated."""
     from bench.throughput import Jaxllm
     rng = np.random.default_rng(args.seed)
-    engine = Jaxllm(args, 1, "float32", "auto", max_model_len=max(args.prefill) + 16, precompile="on-demand")
+    engine = Jaxllm(args, 1, "float32", args.cpu_matmul, max_model_len=max(args.prefill) + 16, precompile="on-demand")
     rows = {}
     for n in args.prefill:
         prompts = rng.integers(100, 40000, size=(1, n)).tolist()
@@ -381,7 +381,7 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", default="", help="prompt lengths for the prefill comparison, e.g. 512,4096")
     p.add_argument("--depth", default="", help="context lengths for the decode-at-depth comparison, e.g. 512,2048")
     p.add_argument("--json", default=None)
-    p.add_argument("--cpu-matmul", default="auto", help="jaxllm's --cpu-matmul for the offline arm")
+    p.add_argument("--cpu-matmul", default="auto", help="jaxllm's --cpu-matmul (every arm but --agreement's, which runs its own)")
     args = p.parse_args(argv)
     if not args.llama_cpp_bin:
         p.error("--llama-cpp-bin (or $LLAMA_CPP_BIN) is required: ../shared/tools/build-llama-cpp.sh prints it")
