@@ -241,7 +241,8 @@ def render(res: dict) -> str:
                       f"({bw / res['weight_bytes']:.0f} tok/s).", ""]
     if "prefill" in res:
         lines += [f"Prefill, prompt tokens/s (one prompt, median of {res['args']['repeats']}, arms alternated):", "",
-                  "| prompt tokens | jaxllm | llama-bench pp | jaxllm / llama.cpp | samples, jaxllm | samples, llama-bench |",
+                  "| prompt tokens | jaxllm | llama-bench pp | jaxllm / llama.cpp "
+                  "| samples, jaxllm | samples, llama-bench |",
                   "|---:|---:|---:|---:|---|---|"]
         for n, row in res["prefill"].items():
             x, y = row["jaxllm"], row["llama-bench"]
@@ -381,7 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", default="", help="prompt lengths for the prefill comparison, e.g. 512,4096")
     p.add_argument("--depth", default="", help="context lengths for the decode-at-depth comparison, e.g. 512,2048")
     p.add_argument("--json", default=None)
-    p.add_argument("--cpu-matmul", default="auto", help="jaxllm's --cpu-matmul (every arm but --agreement's, which runs its own)")
+    p.add_argument("--cpu-matmul", default="auto",
+                   help="jaxllm's --cpu-matmul (every arm but --agreement's, which runs its own)")
     args = p.parse_args(argv)
     if not args.llama_cpp_bin:
         p.error("--llama-cpp-bin (or $LLAMA_CPP_BIN) is required: ../shared/tools/build-llama-cpp.sh prints it")
