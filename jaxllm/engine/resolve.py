@@ -287,8 +287,9 @@ def _int16_activations(cpu_matmul: str) -> bool:
     activations' (11.0098 against 11.0099 on the KJV Genesis) and its logits within 0.01
     (docs/BENCHMARKS.md, "int16 activations for Q4_1").  Where
     the CPU has AVX-512 the float32 kernel's 16-lane paths stay the default: on a Xeon with
-    AVX-512 int16 decoded 0.75x and prefilled 0.89x as fast (a 16-lane int16 kernel, tried,
-    0.80-0.92x; BENCHMARKS, "The same questions on an AVX-512 + AMX Xeon")."""
+    AVX-512 int16 decoded 0.75x and prefilled 0.89x as fast (16-lane int16 kernels, tried:
+    0.92-1.02x at one row, 0.79-0.80x at 256; BENCHMARKS, "The same questions on an AVX-512 +
+    AMX Xeon")."""
     return cpu_matmul == "native-int16" or (cpu_matmul == "auto" and not native.cpu_avx512())
 
 
