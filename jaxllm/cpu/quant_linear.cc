@@ -378,17 +378,22 @@ JAXLLM_AVX512 void tile_512(int rows, const float* x, int64_t K, const uint16_t*
 // takes NR weight rows at a time for a tile of MR rows of x, so the MR x NR accumulator
 // chains are independent and each x block, loaded once, serves NR rows; d and m are
 // converted 16 blocks at a time (one vcvtph2ps each); a block's 16 bytes widen once to 16
-// int32 lanes (byte j -> lane j), whose low 4 bits pick weight j from a 16-entry float table
-// (vpermps uses only an index's low 4 bits) and whose bits 4..7, shifted down, are weight
-// j + 16.  On the 2-core EPYC here (Zen 4, family 25 model 17: 512-bit ops in two halves)
-// the loop is bound by its vector ops, the three FMAs a block above all: 1.5x the old
-// tile's weight bytes per second on one core (docs/BENCHMARKS.md, "The Q4_1 kernel").
+// int32 lanes (byte j -> lane j), whose low 4 bits pick weight j's d * q from a 16-entry
+// table d_b * (0..15) (vpermps uses only an index's low 4 bits) and whose bits 4..7, shifted
+// down, pick weight j + 16's.  d * q is exact in float32 (11 significant bits times 4), so
+// the table holds the dequantized weights without rounding, and a pair takes two FMAs a
+// block, not a multiply and two FMAs (and the prefill panels below, which hold d * q, two
+// vector ops per 32 multiply-adds instead of three: 1.12-1.19x a 512-row call on an
+// AVX-512 Xeon, with the 1-row walk unchanged in speed; docs/BENCHMARKS.md, "The Q4_1
+// kernel").  On the 2-core EPYC here (Zen 4, family 25 model 17: 512-bit ops in two halves)
+// the loop is bound by its vector ops: 1.5x the old tile's weight bytes per second on one
+// core (docs/BENCHMARKS.md, "The Q4_1 kernel").
 //
 // For each (row of x, weight row) pair the operations and their order are the same whatever
 // MR and NR are (acc holds that pair's lanes alone), so a row's result does not depend on
 // M or on which rows share the call:
-//   acc  = sum over blocks b, in order:  fma(d_b, q_lo(b) * x_lo(b) + q_hi(b) * x_hi(b), acc)
-//   acc += m[c] * sx[c] lane by lane once per 16 blocks c (the min term: m_b * sum(x_b))
+//   acc  = over blocks b, in order:  acc = fma(dq_hi(b), x_hi(b), fma(dq_lo(b), x_lo(b), acc))
+//   acc += m[c] * sx[c] lane by lane before each 16 blocks c (the min term: m_b * sum(x_b))
 //   y    = reduce_add(acc)
 constexpr int64_t kChunk = 16;   // blocks whose d and m are converted at once
 // Weight rows ahead whose fields are prefetched, a cache line of each row every 4 blocks
@@ -441,14 +446,12 @@ JAXLLM_AVX512 void q4_1_tile_512(const float* x, int64_t K, const uint16_t* d, c
       for (int j = 0; j < NR; ++j) {
         const __m512i v = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (j * nb + b) * Q4_1::kQsBytes)));
-        // weights 0..15 by table lookup, 16..31 converted: a shuffle and a convert, which
-        // run on different pipes (both by lookup or both converted measured ~5% slower)
-        const __m512 qlo = _mm512_permutexvar_ps(v, table);
-        const __m512 qhi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-        const __m512 dj = _mm512_set1_ps(db[j][i]);
+        const __m512 dtable = _mm512_mul_ps(_mm512_set1_ps(db[j][i]), table);
+        const __m512 qlo = _mm512_permutexvar_ps(v, dtable);
+        const __m512 qhi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), dtable);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
-          acc[r][j] = _mm512_fmadd_ps(dj, _mm512_fmadd_ps(qhi, xhi[r], _mm512_mul_ps(qlo, xlo[r])), acc[r][j]);
+          acc[r][j] = _mm512_fmadd_ps(qhi, xhi[r], _mm512_fmadd_ps(qlo, xlo[r], acc[r][j]));
       }
     }
   }
@@ -485,23 +488,24 @@ JAXLLM_AVX512 void q4_1_rows_512(const float* x, int64_t K, const uint16_t* d, c
 // ---- Q4_1, AVX-512, a prefill's many rows: the weights widened once per call ----
 //
 // q4_1_tile_512 widens each block's nibbles to floats in registers (a load, a zero-extend, a
-// table shuffle, a shift and a convert per weight row and block) for a tile of at most 4 rows
-// of x: at a prefill chunk's 512 rows that widening is redone 128 times per weight and, with
-// the 3 FMAs per block and pair, keeps the vector ports ~30% busier than the arithmetic.
-// From kPanelMinRows rows on, a call widens each part's weight rows once into float32 panels
-// (q: [rows, nb, 32] weights 0..15 then 16..31 of each block, d and m: [rows, nbp] floats,
-// nbp = nb rounded up to kChunk, zeros past nb) and runs 4 x 4 tiles whose weights are
-// plain loads.  The arithmetic of each (row of x, weight row) pair is q4_1_tile_512's,
-// operation for operation and in its order (the same float values: the nibbles are exact
-// small integers, d and m the same f16 -> f32 converts; the min term's lanes past nb add
-// fma(+0, +0, acc) as the masked loads there do), so a row's result is the same bits as in a
-// decode step's 1-row call (tests/kernels/test_cpu_quant_linear.py).
+// multiply of the table by d, two table shuffles and a shift per weight row and block) for a
+// tile of at most 4 rows of x: at a prefill chunk's 512 rows that widening is redone 128
+// times per weight and keeps the vector ports busier than the arithmetic.  From
+// kPanelMinRows rows on, a call widens each part's weight rows once into float32 panels
+// (q: [rows, nb, 32] d * q of weights 0..15 then 16..31 of each block, m: [rows, nbp]
+// floats, nbp = nb rounded up to kChunk, zeros past nb; the driver's d panel is not used)
+// and runs 4 x 4 tiles whose weights are plain loads.  The arithmetic of each (row of x,
+// weight row) pair is q4_1_tile_512's, operation for operation and in its order (the same
+// float values: d * q exact either way, m the same f16 -> f32 converts; the min term's lanes
+// past nb add fma(+0, +0, acc) as the masked loads there do), so a row's result is the same
+// bits as in a decode step's 1-row call (tests/kernels/test_cpu_quant_linear.py).
 constexpr int64_t kPanelMinRows = 32;
 constexpr int64_t kPanelRows = 64;   // weight rows widened at once (L2: 64 x K x 4 bytes)
-constexpr int kPanelMR = 4, kPanelNR = 4;   // 16 accumulators + 8 x vectors + q, d in 32 zmm
+constexpr int kPanelMR = 4, kPanelNR = 4;   // 16 accumulators + 8 x vectors + q in 32 zmm
+                                            // (6 x 2, 5 x 3, 8 x 2 measured 0.93-1.05x of it)
 
 template <int MR, int NR>
-JAXLLM_AVX512 void q4_1_panel_tile_512(const float* x, int64_t K, const float* q, const float* dp, const float* mp,
+JAXLLM_AVX512 void q4_1_panel_tile_512(const float* x, int64_t K, const float* q, const float* mp,
                                        int64_t nbp, const float* sx, float* y, int64_t N) {
   const int64_t nb = K / kBlock;
   __m512 acc[MR][NR];
@@ -529,10 +533,9 @@ JAXLLM_AVX512 void q4_1_panel_tile_512(const float* x, int64_t K, const float* q
       for (int j = 0; j < NR; ++j) {
         const float* qb = q + (j * nb + b) * kBlock;
         const __m512 qlo = _mm512_loadu_ps(qb), qhi = _mm512_loadu_ps(qb + 16);
-        const __m512 dj = _mm512_set1_ps(dp[j * nbp + b]);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r)
-          acc[r][j] = _mm512_fmadd_ps(dj, _mm512_fmadd_ps(qhi, xhi[r], _mm512_mul_ps(qlo, xlo[r])), acc[r][j]);
+          acc[r][j] = _mm512_fmadd_ps(qhi, xhi[r], _mm512_fmadd_ps(qlo, xlo[r], acc[r][j]));
       }
     }
   }
@@ -543,19 +546,19 @@ JAXLLM_AVX512 void q4_1_panel_tile_512(const float* x, int64_t K, const float* q
 // The panel's rows [0, pn) against a tile of MR rows of x, kPanelNR at a time (the last
 // < kPanelNR one by one).
 template <int MR>
-JAXLLM_AVX512 void q4_1_panel_rows_512(const float* x, int64_t K, const float* q, const float* dp, const float* mp,
+JAXLLM_AVX512 void q4_1_panel_rows_512(const float* x, int64_t K, const float* q, const float* mp,
                                        int64_t nbp, const float* sx, float* y, int64_t N, int64_t pn) {
   const int64_t nb = K / kBlock;
   int64_t j = 0;
   for (; j + kPanelNR <= pn; j += kPanelNR)
-    q4_1_panel_tile_512<MR, kPanelNR>(x, K, q + j * nb * kBlock, dp + j * nbp, mp + j * nbp, nbp, sx, y + j, N);
+    q4_1_panel_tile_512<MR, kPanelNR>(x, K, q + j * nb * kBlock, mp + j * nbp, nbp, sx, y + j, N);
   for (; j < pn; ++j)
-    q4_1_panel_tile_512<MR, 1>(x, K, q + j * nb * kBlock, dp + j * nbp, mp + j * nbp, nbp, sx, y + j, N);
+    q4_1_panel_tile_512<MR, 1>(x, K, q + j * nb * kBlock, mp + j * nbp, nbp, sx, y + j, N);
 }
 
-// Weight rows [n0, n0 + pn) widened into the panels (layout above).
+// Weight rows [n0, n0 + pn) widened into the panels (layout above; dp left as it is).
 JAXLLM_AVX512 void q4_1_widen_panel_512(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb,
-                                        int64_t nbp, int64_t n0, int64_t pn, float* q, float* dp, float* mp) {
+                                        int64_t nbp, int64_t n0, int64_t pn, float* q, float* mp) {
   const __m512i low4 = _mm512_set1_epi32(15);
   for (int64_t j = 0; j < pn; ++j) {
     const int64_t n = n0 + j;
@@ -563,13 +566,13 @@ JAXLLM_AVX512 void q4_1_widen_panel_512(const uint16_t* d, const uint16_t* m, co
       const __m512i v = _mm512_cvtepu8_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + (n * nb + b) * Q4_1::kQsBytes)));
       float* qb = q + (j * nb + b) * kBlock;
-      _mm512_storeu_ps(qb, _mm512_cvtepi32_ps(_mm512_and_si512(v, low4)));
-      _mm512_storeu_ps(qb + 16, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+      const __m512 db = _mm512_set1_ps(_cvtsh_ss(d[n * nb + b]));   // the walk's d_b, the same convert
+      _mm512_storeu_ps(qb, _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_and_si512(v, low4))));
+      _mm512_storeu_ps(qb + 16, _mm512_mul_ps(db, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))));
     }
     for (int64_t c0 = 0; c0 < nbp; c0 += kChunk) {
       const int64_t cn = std::max<int64_t>(0, std::min<int64_t>(kChunk, nb - c0));
       const __mmask16 lanes = static_cast<__mmask16>((1u << cn) - 1);
-      _mm512_storeu_ps(dp + j * nbp + c0, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, d + n * nb + c0)));
       _mm512_storeu_ps(mp + j * nbp + c0, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes, m + n * nb + c0)));
     }
   }
@@ -581,12 +584,12 @@ struct Q4_1Panels512 {
   static constexpr int kMR = kPanelMR;
   JAXLLM_AVX512 static void widen(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb, int64_t nbp,
                                   int64_t n0, int64_t pn, float* q, float* dp, float* mp) {
-    q4_1_widen_panel_512(d, m, qs, nb, nbp, n0, pn, q, dp, mp);
+    q4_1_widen_panel_512(d, m, qs, nb, nbp, n0, pn, q, mp);
   }
   template <int MR>
   JAXLLM_AVX512 static void rows(const float* x, int64_t K, const float* q, const float* dp, const float* mp,
                                  int64_t nbp, const float* sx, float* y, int64_t N, int64_t pn) {
-    q4_1_panel_rows_512<MR>(x, K, q, dp, mp, nbp, sx, y, N, pn);
+    q4_1_panel_rows_512<MR>(x, K, q, mp, nbp, sx, y, N, pn);
   }
 };
 
