@@ -382,10 +382,11 @@ JAXLLM_AVX512 void tile_512(int rows, const float* x, int64_t K, const uint16_t*
 // table d_b * (0..15) (vpermps uses only an index's low 4 bits) and whose bits 4..7, shifted
 // down, pick weight j + 16's.  d * q is exact in float32 (11 significant bits times 4), so
 // the table holds the dequantized weights without rounding, and a pair takes two FMAs a
-// block, not a multiply and two FMAs (and the prefill panels below, which hold d * q, two
-// vector ops per 32 multiply-adds instead of three: 1.12-1.19x a 512-row call on an
-// AVX-512 Xeon, with the 1-row walk unchanged in speed; docs/BENCHMARKS.md, "The Q4_1
-// kernel").  On the 2-core EPYC here (Zen 4, family 25 model 17: 512-bit ops in two halves)
+// block, not a multiply and two FMAs: the prefill panels below, which hold d * q, do two
+// vector ops per 32 multiply-adds instead of three (1.16-1.24x a 512-row call on an AVX-512
+// Xeon; the batch-1 step's calls 0.93-1.00x, both FMAs now on the accumulator's chain, and
+// decode end to end 0.98-1.01x: docs/BENCHMARKS.md, "d * q: two FMAs a block").  On the
+// 2-core EPYC here (Zen 4, family 25 model 17: 512-bit ops in two halves)
 // the loop is bound by its vector ops: 1.5x the old tile's weight bytes per second on one
 // core (docs/BENCHMARKS.md, "The Q4_1 kernel").
 //
@@ -506,8 +507,8 @@ constexpr int kPanelMR = 4, kPanelNR = 4;   // 16 accumulators + 8 x vectors + q
 
 // 16 horizontal sums at once: lane k of the result is a[k]'s 16 lanes added in
 // _mm512_reduce_add_ps's tree (lanes i + i + 8, then + 4, + 2, + 1; a + b is b + a bit for
-// bit), so each sum is the same bits as that call's, in 49 vector ops where 16 calls take
-// ~130 (a 4 x 4 panel tile spent ~20% of its ops on them at K = 576).
+// bit), so each sum is the same bits as that call's, in 46 vector ops where 16 calls take
+// ~130 (a 4 x 4 panel tile spent about a sixth of its ops on them at K = 576).
 JAXLLM_AVX512 inline __m512 reduce_add_16(const __m512 a[16]) {
   __m512 h[8], q[4], e[2];
   for (int k = 0; k < 8; ++k)   // [a[2k] lanes i + i+8 | a[2k+1]'s], 8 lanes each
