@@ -460,7 +460,7 @@ void q4_1_widen_panel16(const uint16_t* d, const uint16_t* m, const uint8_t* qs,
 void linear_q4_1_i16(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
                      const uint8_t* qs, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t nb = K / kBlock;
-  std::vector<int16_t> qx(M * K);
+  jaxllm_simd::LineVector<int16_t> qx(M * K);
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_rows16(x, M, K, qx.data(), dx.data(), sx.data());
   const auto rows_of_x = [&](int64_t r0) {
@@ -470,8 +470,8 @@ void linear_q4_1_i16(ffi::ThreadPool& pool, const float* x, const uint16_t* d, c
     const int64_t nbp = (nb + jaxllm_gguf::kChunk8 - 1) / jaxllm_gguf::kChunk8 * jaxllm_gguf::kChunk8;
     split_rows(pool, M, N, [&](int64_t n0, int64_t n1) {
       const int64_t rows = std::min<int64_t>(kPanelRows16, n1 - n0);
-      std::vector<int16_t> qp(rows * nb * kBlock);
-      std::vector<float> dp(rows * nbp), mp(rows * nbp);
+      jaxllm_simd::LineVector<int16_t> qp(rows * nb * kBlock);
+      jaxllm_simd::LineVector<float> dp(rows * nbp), mp(rows * nbp);
       for (int64_t p0 = n0; p0 < n1; p0 += kPanelRows16) {
         const int64_t pn = std::min<int64_t>(kPanelRows16, n1 - p0);
         q4_1_widen_panel16(d, m, qs, nb, nbp, p0, pn, qp.data(), dp.data(), mp.data());

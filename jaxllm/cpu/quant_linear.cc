@@ -744,8 +744,8 @@ void linear_q4_1_panels(ffi::ThreadPool& pool, const float* x, const uint16_t* d
   const int64_t nb = K / kBlock;
   const int64_t nbp = (nb + Panels::kChunkBlocks - 1) / Panels::kChunkBlocks * Panels::kChunkBlocks;
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
-    std::vector<float> q(std::min<int64_t>(kPanelRows, n1 - n0) * nb * kBlock);
-    std::vector<float> dp(std::min<int64_t>(kPanelRows, n1 - n0) * nbp), mp(dp.size());
+    jaxllm_simd::LineVector<float> q(std::min<int64_t>(kPanelRows, n1 - n0) * nb * kBlock);
+    jaxllm_simd::LineVector<float> dp(std::min<int64_t>(kPanelRows, n1 - n0) * nbp), mp(dp.size());
     for (int64_t p0 = n0; p0 < n1; p0 += kPanelRows) {
       const int64_t pn = std::min<int64_t>(kPanelRows, n1 - p0);
       Panels::widen(d, m, qs, nb, nbp, p0, pn, q.data(), dp.data(), mp.data());
