@@ -479,48 +479,6 @@ bool g_avx512 = kHasAvx512;
 constexpr int kPairs512 = 4;
 constexpr int kHeads512 = 8;
 
-// exp8's operations on 16 lanes, lane for lane (the same bits for the same input).
-JAXLLM_AVX512 inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
-  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
-  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
-  __m512i n = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
-}
-
-// Lanes 8..15 of v.
-JAXLLM_AVX512 inline __m256 high8(__m512 v) {
-  return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-}
-
-// exp_row on 16 lanes: the same maximum (max is exact in any order), the same exps, and the
-// same sum: exp_row's 8-lane lane i is ((e_i + e_i+8) + e_i+16) + e_i+24 (its 0 + e_i is
-// e_i: e >= +0), here the halves of the two 16-key vectors added in that order, then hsum.
-JAXLLM_AVX512 __attribute__((noinline)) float exp_row512(float* s, float m_old, float* sum) {
-  const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-  const float m_new = std::max(m_old, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-  const __m512 mv = _mm512_set1_ps(m_new);
-  const __m512 e0 = exp16(_mm512_sub_ps(s0, mv)), e1 = exp16(_mm512_sub_ps(s1, mv));
-  _mm512_storeu_ps(s, e0);
-  _mm512_storeu_ps(s + 16, e1);
-  __m256 acc = _mm256_add_ps(_mm512_castps512_ps256(e0), high8(e0));
-  acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e1));
-  acc = _mm256_add_ps(acc, high8(e1));
-  *sum = hsum(acc);
-  return m_new;
-}
-
 // 16 values at p as float32, one load per format.
 JAXLLM_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 JAXLLM_AVX512 inline __m512 load16(const uint16_t* p) {
@@ -544,6 +502,43 @@ JAXLLM_AVX512 inline __m512 bcast8(const KV* p) {
 JAXLLM_AVX512 inline __m256 lo8(__m512 a) { return _mm512_castps512_ps256(a); }
 JAXLLM_AVX512 inline __m256 hi8(__m512 a) {
   return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+}
+
+// exp8's operations on 16 lanes, lane for lane (the same bits for the same input).
+JAXLLM_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x);
+  y = _mm512_add_ps(y, _mm512_set1_ps(1.0f));
+  __m512i n = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
+}
+
+// exp_row on 16 lanes: the same maximum (max is exact in any order), the same exps, and the
+// same sum: exp_row's 8-lane lane i is ((e_i + e_i+8) + e_i+16) + e_i+24 (its 0 + e_i is
+// e_i: e >= +0), here the halves of the two 16-key vectors added in that order, then hsum.
+JAXLLM_AVX512 __attribute__((noinline)) float exp_row512(float* s, float m_old, float* sum) {
+  const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+  const float m_new = std::max(m_old, _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+  const __m512 mv = _mm512_set1_ps(m_new);
+  const __m512 e0 = exp16(_mm512_sub_ps(s0, mv)), e1 = exp16(_mm512_sub_ps(s1, mv));
+  _mm512_storeu_ps(s, e0);
+  _mm512_storeu_ps(s + 16, e1);
+  __m256 acc = _mm256_add_ps(lo8(e0), hi8(e0));
+  acc = _mm256_add_ps(acc, lo8(e1));
+  acc = _mm256_add_ps(acc, hi8(e1));
+  *sum = hsum(acc);
+  return m_new;
 }
 
 // The scaled queries two rows to a register: qp [ceil(R / 2), Dh / 8, 16], pair p's chunk c
