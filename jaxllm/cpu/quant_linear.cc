@@ -494,7 +494,7 @@ JAXLLM_AVX512 void q4_1_rows_512(const float* x, int64_t K, const uint16_t* d, c
 // times per weight and keeps the vector ports busier than the arithmetic.  From
 // kPanelMinRows rows on, a call widens each part's weight rows once into float32 panels
 // (q: [rows, nb, 32] d * q of weights 0..15 then 16..31 of each block, m: [rows, nbp]
-// floats, nbp = nb rounded up to kChunk, zeros past nb; the driver's d panel is not used)
+// floats, nbp = nb rounded up to kChunk, zeros past nb; no d panel: kScalePanel false)
 // and runs 4 x 4 tiles whose weights are plain loads.  The arithmetic of each (row of x,
 // weight row) pair is q4_1_tile_512's, operation for operation and in its order (the same
 // float values: d * q exact either way, m the same f16 -> f32 converts; the min term's lanes
@@ -585,7 +585,7 @@ JAXLLM_AVX512 void q4_1_panel_rows_512(const float* x, int64_t K, const float* q
     q4_1_panel_tile_512<MR, 1>(x, K, q + j * nb * kBlock, mp + j * nbp, nbp, sx, y + j, N);
 }
 
-// Weight rows [n0, n0 + pn) widened into the panels (layout above; dp left as it is).
+// Weight rows [n0, n0 + pn) widened into the panels (layout above).
 JAXLLM_AVX512 void q4_1_widen_panel_512(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb,
                                         int64_t nbp, int64_t n0, int64_t pn, float* q, float* mp) {
   const __m512i low4 = _mm512_set1_epi32(15);
@@ -610,6 +610,7 @@ JAXLLM_AVX512 void q4_1_widen_panel_512(const uint16_t* d, const uint16_t* m, co
 // The AVX-512 panels' entry for linear_q4_1_panels below.
 struct Q4_1Panels512 {
   static constexpr int64_t kChunkBlocks = kChunk;
+  static constexpr bool kScalePanel = false;   // d is in the q panel (d * q)
   static constexpr int kMR = kPanelMR;
   JAXLLM_AVX512 static void widen(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb, int64_t nbp,
                                   int64_t n0, int64_t pn, float* q, float* dp, float* mp) {
@@ -721,6 +722,7 @@ void q4_1_widen_panel_256(const uint16_t* d, const uint16_t* m, const uint8_t* q
 // The AVX2 panels' entry for linear_q4_1_panels below.
 struct Q4_1Panels256 {
   static constexpr int64_t kChunkBlocks = kChunk8;
+  static constexpr bool kScalePanel = true;
   static constexpr int kMR = kPanelMR8;
   static void widen(const uint16_t* d, const uint16_t* m, const uint8_t* qs, int64_t nb, int64_t nbp, int64_t n0,
                     int64_t pn, float* q, float* dp, float* mp) {
@@ -744,8 +746,9 @@ void linear_q4_1_panels(ffi::ThreadPool& pool, const float* x, const uint16_t* d
   const int64_t nb = K / kBlock;
   const int64_t nbp = (nb + Panels::kChunkBlocks - 1) / Panels::kChunkBlocks * Panels::kChunkBlocks;
   split_rows(pool, M, N, [=](int64_t n0, int64_t n1) {
-    jaxllm_simd::LineVector<float> q(std::min<int64_t>(kPanelRows, n1 - n0) * nb * kBlock);
-    jaxllm_simd::LineVector<float> dp(std::min<int64_t>(kPanelRows, n1 - n0) * nbp), mp(dp.size());
+    const int64_t rows = std::min<int64_t>(kPanelRows, n1 - n0);
+    jaxllm_simd::LineVector<float> q(rows * nb * kBlock), mp(rows * nbp);
+    jaxllm_simd::LineVector<float> dp(Panels::kScalePanel ? rows * nbp : 0);   // d panel: only where q is not d * q
     for (int64_t p0 = n0; p0 < n1; p0 += kPanelRows) {
       const int64_t pn = std::min<int64_t>(kPanelRows, n1 - p0);
       Panels::widen(d, m, qs, nb, nbp, p0, pn, q.data(), dp.data(), mp.data());
