@@ -102,8 +102,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "native-int8-split: the int8 kernel twice, on the rounded activations and on the remainder "
                         "(close to float32's products at twice int8's cost); "
                         "native-int16: Q4_1 blocks by activations rounded to int16 per 32 values (the other "
-                        "types as native; float32's perplexity, faster where the CPU lacks AVX-512); "
-                        "auto: native-int16 where the CPU lacks AVX-512, else native (float32 activations; "
+                        "types as native; float32's perplexity, faster where the CPU lacks AVX-512 or lacks AMX); "
+                        "auto: native-int16 where the CPU lacks AVX-512 or has AVX-512 VNNI without AMX, "
+                        "else native (float32 activations; "
                         "int8's perplexity is over 1%% worse: docs/BENCHMARKS.md)")
     comp.add_argument("--compile-cache-dir", default=None,
                    help="persistent XLA cache and saved programs (default $JAXLLM_CACHE_DIR/xla, "

@@ -28,8 +28,9 @@ VNNI, but more than 1% worse in perplexity on the built-in model, so auto never 
 (docs/BENCHMARKS.md, "Perplexity").  native-int8-split runs the int8 kernel twice, on the rounded
 activations and on the remainder (``quant/activations.py``).  native-int16 multiplies Q4_1 blocks
 by activations rounded to int16 per 32 values (the other types as native): 1/258 of int8's
-rounding, float32's perplexity, and where the CPU lacks AVX-512 faster than float32 activations,
-so auto picks it there and native (float32 activations) elsewhere (``engine/resolve.py``)."""
+rounding, float32's perplexity, and where the CPU lacks AVX-512, or has AVX-512 VNNI without
+AMX, faster than float32 activations, so auto picks it there and native (float32 activations)
+elsewhere (``engine/resolve.py``)."""
 NATIVE_MATMULS = tuple(m for m in CPU_MATMULS if m.startswith("native"))   # the values that ask for the native kernel
 ATTENTION_BACKENDS = ("auto", "xla", "pallas", "native")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")

@@ -74,7 +74,7 @@ _QUANT_KERNELS = {
                      "jaxllm_dot_q4_1": "JaxllmDotQ4_1", "jaxllm_dot_q5_0": "JaxllmDotQ5_0",
                      "jaxllm_dot_q5_1": "JaxllmDotQ5_1", "jaxllm_dot16_q8_0": "JaxllmDot16Q8_0",
                      "jaxllm_dot16_q4_0": "JaxllmDot16Q4_0", "jaxllm_dot16_q4_1": "JaxllmDot16Q4_1",
-                     "jaxllm_dot_i16_q4_1": "JaxllmDotI16Q4_1"},
+                     "jaxllm_dot_i16_q4_1": "JaxllmDotI16Q4_1", "jaxllm_dot16_i16_q4_1": "JaxllmDot16I16Q4_1"},
 }
 _HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h", "gguf_simd.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]
@@ -97,8 +97,16 @@ def _cpu_flags() -> set[str]:
 
 def cpu_avx512() -> bool:
     """Whether the CPU has AVX512F and AVX512BW: where quant_linear.cc's 16-lane float32 paths
-    run (``--cpu-matmul auto`` keeps float32 activations there; engine/resolve.py)."""
+    run (engine/resolve.py picks ``--cpu-matmul auto``'s activations from these flags)."""
     return {"avx512f", "avx512bw"} <= _cpu_flags()
+
+
+def cpu_vnni_without_amx() -> bool:
+    """Whether the CPU has AVX-512 VNNI (the interleaved-row kernels of quant_dot.cc) but not
+    AMX-INT8 (AMD Zen 4 and 5, Intel before Sapphire Rapids): where ``--cpu-matmul auto``
+    rounds Q4_1's activations to int16 (engine/resolve.py)."""
+    flags = _cpu_flags()
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= flags and "amx_int8" not in flags
 
 
 def _build(source: str, flags: list[str] = _FLAGS) -> str:

@@ -960,6 +960,36 @@ JAXLLM_AMX void amx_groups(const Interleaved& a, int64_t M, int64_t K, const uin
 }
 #endif
 
+// The groups [0, groups) split over the pool; within a part, group by group, tile(rows, r0,
+// g) for each tile of at most max_rows rows of x (rows r0 .. r0 + rows), the fields of the
+// groups two ahead requested.  A group is 16 weight rows: 2 groups ahead is about the rows
+// ahead of the row-major tiles.  The group is the outer loop: its bytes (16 rows, 6-10 KiB at
+// K = 576) stay in L1 for every tile of x, so the weights stream from memory once whatever M
+// is (tiles outside would stream them once per tile: 3x the time of the 30 MB tied head at M = 8).
+template <typename Tile>
+void walk_groups(ffi::ThreadPool& pool, int64_t M, int64_t groups, int max_rows, const uint8_t* qs, int64_t group_qs,
+                 const uint16_t* d, const uint16_t* m, int64_t group_d, const Tile& tile) {
+  const auto prefetch_group = [=](int64_t g) {
+    jaxllm_gguf::prefetch(qs + g * group_qs, group_qs);
+    jaxllm_gguf::prefetch(d + g * group_d, group_d * 2);
+    if (m) jaxllm_gguf::prefetch(m + g * group_d, group_d * 2);
+  };
+  split_rows(pool, M, groups, [&](int64_t g0, int64_t g1) {
+    const int64_t tiles = (M + max_rows - 1) / max_rows;
+    for (int64_t g = g0; g < std::min(g1, g0 + 2); ++g) prefetch_group(g);
+    for (int64_t g = g0; g < g1; ++g) {
+      if (g + 2 < g1) prefetch_group(g + 2);
+      int64_t r0 = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        // tiles as even as possible (9 rows: 5 + 4, not 8 + 1)
+        const int rows = static_cast<int>(M / tiles + (t < M % tiles));
+        tile(rows, r0, g);
+        r0 += rows;
+      }
+    }
+  });
+}
+
 template <typename T>
 void linear_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
                         const uint8_t* qs, float* y, int64_t M, int64_t K, int64_t N) {
@@ -977,35 +1007,15 @@ void linear_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d
   }
   const Interleaved a{qx.data(), dx.data(), sx.data(), isx.data()};
   const int64_t group_qs = nb * kGroup * T::kQsBytes, group_d = nb * kGroup;
-  const auto prefetch_group = [=](int64_t g) {
-    jaxllm_gguf::prefetch(qs + g * group_qs, group_qs);
-    jaxllm_gguf::prefetch(d + g * group_d, group_d * 2);
-    if (m) jaxllm_gguf::prefetch(m + g * group_d, group_d * 2);
-  };
 #if JAXLLM_AMX_BUILD
   if (amx) {
     split_rows(pool, M, groups, [&](int64_t g0, int64_t g1) { amx_groups<T>(a, M, K, d, m, qs, y, N, g0, g1); });
     return;
   }
 #endif
-  split_rows(pool, M, groups, [&](int64_t g0, int64_t g1) {
-    // A group is 16 weight rows: 2 groups ahead is about the rows ahead of the row-major tiles.
-    // The group is the outer loop: its bytes (16 rows, 6-10 KiB at K = 576) stay in L1 for
-    // every tile of x, so the weights stream from memory once whatever M is (tiles outside
-    // would stream them once per tile: 3x the time of the 30 MB tied head at M = 8).
-    const int64_t tiles = (M + kGroupRows - 1) / kGroupRows;
-    for (int64_t g = g0; g < std::min(g1, g0 + 2); ++g) prefetch_group(g);
-    for (int64_t g = g0; g < g1; ++g) {
-      if (g + 2 < g1) prefetch_group(g + 2);
-      int64_t r0 = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        // tiles as even as possible (9 rows: 5 + 4, not 8 + 1)
-        const int rows = static_cast<int>(M / tiles + (t < M % tiles));
-        group_tiles<T>(rows, a, r0, K, d + g * group_d, m ? m + g * group_d : nullptr, qs + g * group_qs,
-                       y + r0 * N + g * kGroup, N);
-        r0 += rows;
-      }
-    }
+  walk_groups(pool, M, groups, kGroupRows, qs, group_qs, d, m, group_d, [&](int rows, int64_t r0, int64_t g) {
+    group_tiles<T>(rows, a, r0, K, d + g * group_d, m ? m + g * group_d : nullptr, qs + g * group_qs,
+                   y + r0 * N + g * kGroup, N);
   });
 }
 
@@ -1040,6 +1050,145 @@ ffi::Error Dot16Q4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 ffi::Error Dot16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U16> m,
                      ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
   return RunInterleaved<Q4_1>("jaxllm_dot16_q4_1", pool, x, d, m.typed_data(), m.dimensions(), qs, y);
+}
+
+// ---- Q4_1 by int16 activations over 16 interleaved weight rows (AVX-512 VNNI) ----
+//
+// jaxllm_dot_i16_q4_1's arithmetic (x rounded to int16 per 32 values, exact integer block
+// sums, one float scaling per block) in the interleaved layout of the jaxllm_dot16_* targets:
+// one vpdpwssd multiplies a pair of 16-bit weights of each of the group's 16 rows by the same
+// pair of activations (broadcast) and adds both products into that row's int32 lane, so a
+// block is 16 of them per row of x and a row's result is one lane: no horizontal sums, and no
+// widening panels (the nibbles are split in registers once per block for every tile of x).
+// From a group's 64 bytes of k-th quant words ([row][4 bytes]: byte j holds weight 4k + j in
+// its low nibble and 16 + 4k + j in its high one) four ands and shifts give the 16-bit lanes
+//   A: weights (4k, 4k + 2)   B: (4k + 1, 4k + 3)   C: (16 + 4k, 16 + 4k + 2)   D: (16 + 4k + 1, 16 + 4k + 3)
+// so x's int16 blocks are stored with each 4 values in the order (0, 2, 1, 3), which puts
+// every pair side by side (one 32-bit broadcast).  A block's integer sum is at most
+// 32 * 15 * 32767 < 2^24: exact in int32 and in the float conversion, so it equals
+// jaxllm_dot_i16_q4_1's, and per (row of x, weight row) the float operations are, block by
+// block in order,
+//   acc = fma(float(isum_b), d_b * dx_b, acc);  acc = fma(m_b, sx_b, acc)
+// whatever the number of rows of x or the rows sharing a tile: a token's logits are the same
+// bits in every step shape (tests/kernels/test_cpu_quant_dot.py).  On an AMD EPYC Zen 5 core
+// the tile ran 2.2-2.5x the float32 panels' multiply-adds per second (docs/BENCHMARKS.md,
+// "int16 activations over interleaved rows").
+constexpr int kGroupRows16 = 8;   // rows of x per tile: 8 accumulators + 16 weight registers
+
+// x [M, K] -> as quantize_rows16 (qx int16, dx, sx), each 4 values of qx stored (0, 2, 1, 3).
+JAXLLM_VNNI void quantize_rows16_paired(const float* x, int64_t M, int64_t K, int16_t* qx, float* dx, float* sx) {
+  quantize_rows16(x, M, K, qx, dx, sx);
+  constexpr int kSwap[4] = {0, 2, 1, 3};
+  alignas(64) int16_t order[kBlock];
+  for (int j = 0; j < kBlock; ++j) order[j] = static_cast<int16_t>((j & ~3) + kSwap[j & 3]);
+  const __m512i idx = _mm512_load_si512(order);
+  for (int64_t i = 0; i < M * (K / kBlock); ++i) {
+    int16_t* b = qx + i * kBlock;
+    _mm512_storeu_si512(b, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(b)));
+  }
+}
+
+inline int32_t load_i32(const int16_t* p) {
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return v;
+}
+
+// y[r, 16g .. 16g + 15] for r < MR rows of x (a.q etc. from row r0) and one group of 16 rows.
+template <int MR>
+JAXLLM_VNNI void group_tile16(const Activations16& a, int64_t r0, int64_t K, const uint16_t* d, const uint16_t* m,
+                              const uint8_t* qs, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  constexpr int64_t kGroupBytes = kGroup * Q4_1::kQsBytes;
+  const __m512i low = _mm512_set1_epi32(0x000F000F);
+  constexpr int kChains = MR <= 2 ? 8 : 2;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[16];   // 4k + 0..3: the k-th word's A, B, C, D lanes (above)
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m512i v = _mm512_loadu_si512(qs + b * kGroupBytes + 64 * k);
+      w[4 * k] = _mm512_and_si512(v, low);
+      w[4 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low);
+      w[4 * k + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      w[4 * k + 3] = _mm512_srli_epi16(v, 12);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kGroup)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * kGroup)));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      const int16_t* qa = a.q + i * kBlock;   // paired order: A's pair at 4k, B's at 4k + 2
+      // kChains independent sums (a few rows of x have too few other chains to hide the
+      // instruction's latency behind); integer adds: their order does not change the sum
+      __m512i c[kChains];
+      for (int j = 0; j < kChains; ++j) c[j] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        c[(4 * k) % kChains] = _mm512_dpwssd_epi32(c[(4 * k) % kChains], w[4 * k], _mm512_set1_epi32(load_i32(qa + 4 * k)));
+        c[(4 * k + 1) % kChains] = _mm512_dpwssd_epi32(c[(4 * k + 1) % kChains], w[4 * k + 1],
+                                                       _mm512_set1_epi32(load_i32(qa + 4 * k + 2)));
+        c[(4 * k + 2) % kChains] = _mm512_dpwssd_epi32(c[(4 * k + 2) % kChains], w[4 * k + 2],
+                                                       _mm512_set1_epi32(load_i32(qa + 16 + 4 * k)));
+        c[(4 * k + 3) % kChains] = _mm512_dpwssd_epi32(c[(4 * k + 3) % kChains], w[4 * k + 3],
+                                                       _mm512_set1_epi32(load_i32(qa + 16 + 4 * k + 2)));
+      }
+      for (int j = 2; j < kChains; j += 2) {
+        c[0] = _mm512_add_epi32(c[0], c[j]);
+        c[1] = _mm512_add_epi32(c[1], c[j + 1]);
+      }
+      const __m512i s = _mm512_add_epi32(c[0], c[1]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.d[i])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+
+JAXLLM_VNNI void group_tiles16(int rows, const Activations16& a, int64_t r0, int64_t K, const uint16_t* d,
+                               const uint16_t* m, const uint8_t* qs, float* y, int64_t N) {
+  switch (rows) {
+    case 1: group_tile16<1>(a, r0, K, d, m, qs, y, N); break;
+    case 2: group_tile16<2>(a, r0, K, d, m, qs, y, N); break;
+    case 3: group_tile16<3>(a, r0, K, d, m, qs, y, N); break;
+    case 4: group_tile16<4>(a, r0, K, d, m, qs, y, N); break;
+    case 5: group_tile16<5>(a, r0, K, d, m, qs, y, N); break;
+    case 6: group_tile16<6>(a, r0, K, d, m, qs, y, N); break;
+    case 7: group_tile16<7>(a, r0, K, d, m, qs, y, N); break;
+    default: group_tile16<8>(a, r0, K, d, m, qs, y, N); break;
+  }
+}
+
+// y = x . W^T: x rounded once, then the groups walked as linear_interleaved's.
+void linear_q4_1_i16_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
+                                 const uint8_t* qs, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / kBlock, groups = N / kGroup;
+  std::vector<int16_t> qx(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  quantize_rows16_paired(x, M, K, qx.data(), dx.data(), sx.data());
+  const Activations16 a{qx.data(), dx.data(), sx.data()};
+  const int64_t group_qs = nb * kGroup * Q4_1::kQsBytes, group_d = nb * kGroup;
+  walk_groups(pool, M, groups, kGroupRows16, qs, group_qs, d, m, group_d, [&](int rows, int64_t r0, int64_t g) {
+    group_tiles16(rows, a, r0, K, d + g * group_d, m + g * group_d, qs + g * group_qs, y + r0 * N + g * kGroup, N);
+  });
+}
+
+// x, d, m, qs as jaxllm_dot16_q4_1's (the fields interleaved); int16 activations.
+ffi::Error Dot16I16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
+                        ffi::Buffer<ffi::U16> m, ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
+  const char* name = "jaxllm_dot16_i16_q4_1";
+  auto xd = x.dimensions();
+  auto dd = d.dimensions();
+  if (auto e = check(name, xd, dd, qs.dimensions(), Q4_1::kQsBytes); e.failure()) return e;
+  if (auto e = check_like_d(name, "m", dd, m.dimensions(), 0); e.failure()) return e;
+  if (dd[0] % kGroup != 0)
+    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs N % 16 == 0");
+  if (!kHasVnni)
+    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs AVX512F/BW/VNNI");
+  linear_q4_1_i16_interleaved(pool, x.typed_data(), d.typed_data(), m.typed_data(), qs.typed_data(),
+                              y->typed_data(), xd[0], xd[1], dd[0]);
+  return ffi::Error::Success();
 }
 
 // One handler per type; m and qh are empty buffers (unused) for the types without them.
@@ -1190,6 +1339,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDot16Q4_0, Dot16Q4_0,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDot16Q4_1, Dot16Q4_1,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDot16I16Q4_1, Dot16I16Q4_1,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

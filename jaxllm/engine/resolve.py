@@ -285,12 +285,17 @@ def _int16_activations(cpu_matmul: str) -> bool:
     them: on a Zen 3 VM batch-1 decode 1.10-1.23x and a 512-token prefill 1.01-1.14x faster
     (two engines in one process, alternated), the built-in model's perplexity equal to float32
     activations' (11.0098 against 11.0099 on the KJV Genesis) and its logits within 0.01
-    (docs/BENCHMARKS.md, "int16 activations for Q4_1").  Where
-    the CPU has AVX-512 the float32 kernel's 16-lane paths stay the default: on a Xeon with
-    AVX-512 int16 decoded 0.75x and prefilled 0.89x as fast (16-lane int16 kernels, tried:
-    0.92-1.02x at one row, 0.79-0.80x at 256; BENCHMARKS, "The same questions on an AVX-512 +
-    AMX Xeon")."""
-    return cpu_matmul == "native-int16" or (cpu_matmul == "auto" and not native.cpu_avx512())
+    (docs/BENCHMARKS.md, "int16 activations for Q4_1").  With ``auto`` also where the CPU has
+    AVX-512 VNNI but not AMX (AMD Zen 4 / 5): there the Q4_1 weights are laid out in
+    interleaved groups of 16 rows (runner/model_runner.py) for ``jaxllm_dot16_i16_q4_1``,
+    whose vpdpwssd tiles multiply 1.4-2.3x faster than the float32 panels from 32 rows on
+    (prefill) and about as fast at one row (BENCHMARKS, "int16 activations over interleaved
+    rows").  Elsewhere with AVX-512 the float32 kernel's 16-lane paths stay the default: on a
+    Xeon with AVX-512 and AMX the row-major int16 kernels decoded 0.75x and prefilled 0.89x as
+    fast (BENCHMARKS, "The same questions on an AVX-512 + AMX Xeon"; the interleaved kernel
+    has not been measured there)."""
+    return cpu_matmul == "native-int16" or (cpu_matmul == "auto" and (not native.cpu_avx512()
+                                                                      or native.cpu_vnni_without_amx()))
 
 
 def _num_speculative_tokens(config: EngineConfig) -> int:

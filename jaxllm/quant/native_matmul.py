@@ -82,7 +82,8 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
     """x [M, K] (any float dtype) @ W[N, K]^T -> float32 [M, N], W read from ``pw``'s blocks;
     ``int8_activations``: x's 32-value blocks quantized to int8 in the call and multiplied in
     integer arithmetic (``quant_dot.cc``, as llama.cpp computes); ``int16_activations`` (Q4_1):
-    the same with x rounded to int16 (``quant_dot.cc``'s ``jaxllm_dot_i16_q4_1``); else float32
+    the same with x rounded to int16 (``quant_dot.cc``'s ``jaxllm_dot_i16_q4_1``, or
+    ``jaxllm_dot16_i16_q4_1`` for interleaved rows: the same integer sums); else float32
     FMAs (``quant_linear.cc``)."""
     if pw.type_name not in NATIVE_TYPES:
         raise ValueError(f"no native CPU kernel for {pw.type_name or 'untyped'} weights "
@@ -110,10 +111,10 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
     name = f"gguf_{pw.type_name.lower()}" if pw.type_name in ("F16", "BF16") else pw.type_name.lower()
     target = f"jaxllm_{'dot_i16' if int16_activations else 'dot' if int8_activations else 'linear'}_{name}"
     if pw.interleaved:
-        if not int8_activations:
-            raise ValueError("an interleaved weight is read by the 8-bit-activation kernel only; "
+        if not (int8_activations or int16_activations):
+            raise ValueError("an interleaved weight is read by the 8- and 16-bit-activation kernels only; "
                              "deinterleave_rows it for the float32 one")
-        target = f"jaxllm_dot16_{name}"
+        target = f"jaxllm_dot16_{'i16_' if int16_activations else ''}{name}"
     return jax.ffi.ffi_call(target, out)(x, *fields)                               # [M, N]
 
 

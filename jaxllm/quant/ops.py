@@ -129,12 +129,13 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     ``backend="pallas"`` (resolve's choice on a GPU), for the group sizes it takes; else, CPU
     included, the XLA path (dequantize in the step, float32 dot)."""
     if isinstance(w, PackedWeight):
-        if w.interleaved and backend != "native-int8":
+        int16 = backend == "native-int16" and w.type_name in native_matmul.INT16_ACTIVATION_TYPES
+        if w.interleaved and not (backend == "native-int8" or int16):
             w = native_matmul.deinterleave_rows(w)
         if backend in NATIVE_BACKENDS:
             if w.type_name in native_matmul.NATIVE_TYPES:
                 int8 = backend == "native-int8" and w.type_name in native_matmul.INT8_ACTIVATION_TYPES
-                if backend == "native-int16" and w.type_name in native_matmul.INT16_ACTIVATION_TYPES:
+                if int16:
                     return native_matmul.linear_packed(x, w, int16_activations=True)
                 if int8 and w.activations == "split":    # quant/activations.py's choice per projection
                     return native_matmul.linear_packed_split(x, w)

@@ -5,6 +5,8 @@ on the replica's mesh by the sharding rules; and the KV cache's arrays."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,14 +49,15 @@ def param_table(model: LoadedModel) -> ParamTable:
 
 
 def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, native: bool = False,
-                interleave: bool = False) -> dict:
+                interleave: Collection[str] = ()) -> dict:
     """Host weights in the device dtype and layout.  ``packed_bf16``: matrices as bf16 bit
     patterns in uint16 and vectors (norms, biases) as float32 (see formats/storage.py);
     ``native``: laid out for the native CPU matmul: unrolled layers get fused projections
     (:func:`fused_parts`) and its matrices the panel layout (cpu/layout.py), the tied
     embedding included since it is the LM head.  Quantized weights stay as loaded, except
-    that ``interleave`` (the 8-bit-activation kernel on a CPU with AVX-512 VNNI) lays out the
-    ones it can in interleaved groups of 16 rows (quant/native_matmul.interleave_rows)."""
+    that those of the GGUF types in ``interleave`` (the 8- and 16-bit-activation kernels on a
+    CPU with AVX-512 VNNI) are laid out, where they can be, in interleaved groups of 16 rows
+    (quant/native_matmul.interleave_rows)."""
     np_dtype = jnp.dtype(dtype)
     table = param_table(model)
     matrices = table.matrices()
@@ -64,7 +67,8 @@ def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool,
         if qops.is_quantized(parts[0]):
             # kept as stored: the native kernel reads the blocks row by row, no panels
             w = parts[0] if len(parts) == 1 else qops.concat_rows(list(parts))
-            return native_matmul.interleave_rows(w) if interleave and native_matmul.can_interleave(w) else w
+            grouped = w.type_name in interleave and native_matmul.can_interleave(w)
+            return native_matmul.interleave_rows(w) if grouped else w
 
         def cast(a):
             a = np.asarray(a)
@@ -94,7 +98,8 @@ def _stack(arrays: list, name: str):
 
 
 def to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool = False,
-                      mesh=None, rules: dict | None = None, native: bool = False, interleave: bool = False) -> dict:
+                      mesh=None, rules: dict | None = None, native: bool = False,
+                      interleave: Collection[str] = ()) -> dict:
     """Host weights -> device arrays, on ``mesh`` laid out by the sharding ``rules``
     (parallel/sharding.py); without a mesh, on the default device."""
     host = host_params(model, dtype, scan_layers, packed_bf16, native, interleave)

@@ -252,6 +252,48 @@ def test_int16_row_is_the_same_bits_whatever_rows_share_the_call(shape):
         np.testing.assert_array_equal(np.asarray(fn(x[:M], pw)), alone[:M], err_msg=f"{shape} M={M}")
 
 
+@pytest.mark.parametrize("shape", INTERLEAVED_SHAPES)
+def test_interleaved_rows_compute_the_int16_matmul(shape):
+    """jaxllm_dot16_i16_q4_1 (Q4_1 in 16-row groups by int16 activations, vpdpwssd) computes
+    the row-major int16 kernel's integer block sums: equal to the emulation to float32
+    rounding, within the rounding's bound of the float64 product, at every row count (tiles of
+    1 to 8 rows of x, the few-row ones with more independent sums)."""
+    if not native.quant_dot_vnni():
+        pytest.skip("the CPU lacks AVX512F/BW/VNNI: the interleaved kernel cannot run here")
+    rng, raw, pw = _q4_1(shape, hash(("i16 interleaved", shape)) % 2**32)
+    iw = jax.device_put(interleave_rows(pw))
+    fn = jax.jit(lambda x, w: linear_packed(x, w, int16_activations=True))
+    wd = np.abs(dequantize_reference(raw, "Q4_1", shape).astype(np.float64))
+    q, d, _ = _quants(raw, "Q4_1", shape)
+    dq = np.abs(q * np.repeat(d, 32, axis=1)).reshape(shape[0], -1, 32).sum(-1)   # [N, nb]
+    for M in ROWS:
+        x = rng.standard_normal((M, shape[1])).astype(np.float32)
+        x[:, :32] *= 40.0
+        y = np.asarray(fn(x, iw), np.float64)
+        emu, dx = emulate(x, raw, "Q4_1", shape, levels=32767)
+        mag = np.abs(x).astype(np.float64) @ wd.T
+        np.testing.assert_allclose(y, emu, rtol=0, atol=float(2e-6 * mag.max()),
+                                   err_msg=f"{shape} M={M}: not the int16 computation")
+        err = np.abs(y - matmul_reference(x, raw, "Q4_1", shape))
+        assert (err <= np.einsum("mb,nb->mn", dx / 2, dq) + 2e-6 * mag).all(), \
+            f"{shape} M={M}: error {err.max():.3g} over the rounding bound"
+
+
+@pytest.mark.parametrize("shape", [(576, 576), (576, 1536), (48, 96)])
+def test_interleaved_int16_row_is_the_same_bits_whatever_rows_share_the_call(shape):
+    """A row of x gives the same bits alone (a decode) as in calls of 2 to 40 rows: tiles of 1
+    to 8 rows of x, whose integer sums run in 8 or 2 chains (the order of exact integer adds)."""
+    if not native.quant_dot_vnni():
+        pytest.skip("the CPU lacks AVX512F/BW/VNNI: the interleaved kernel cannot run here")
+    rng, raw, pw = _q4_1(shape, hash(("i16 interleaved bits", shape)) % 2**32)
+    iw = jax.device_put(interleave_rows(pw))
+    fn = jax.jit(lambda x, w: linear_packed(x, w, int16_activations=True))
+    x = rng.standard_normal((40, shape[1])).astype(np.float32)
+    alone = np.stack([np.asarray(fn(x[i:i + 1], iw))[0] for i in range(40)])
+    for M in (2, 3, 5, 9, 17, 33, 40):
+        np.testing.assert_array_equal(np.asarray(fn(x[:M], iw)), alone[:M], err_msg=f"{shape} M={M}")
+
+
 def test_int16_activations_are_refused_for_other_types():
     raw = gguf.quants.quantize(np.ones((32, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
     pw = pack(raw, "Q8_0", (32, 64))

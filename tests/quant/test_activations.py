@@ -24,7 +24,7 @@ from jaxllm.cpu import native
 from jaxllm.engine.resolve import resolve_config
 from jaxllm.quant import PackedWeight, activations, dequantize_reference, matmul_reference, pack
 from jaxllm.quant import ops as qops
-from jaxllm.quant.native_matmul import int8_split, interleave_rows, linear_packed, linear_packed_split
+from jaxllm.quant.native_matmul import INTERLEAVED_TYPES, int8_split, interleave_rows, linear_packed, linear_packed_split
 from jaxllm.runner.weights import host_params
 
 from support.tiny_models import paged_logits
@@ -51,7 +51,7 @@ def test_split_mode_marks_every_weight_and_auto_none(builtin_model):
     # laid out as the runner lays them (model_runner.py): in the VNNI kernel's interleaved
     # groups where the CPU has it, the mark kept through fusing and interleaving
     params = host_params(model, jnp.float32, scan_layers=False, packed_bf16=False, native=True,
-                         interleave=native.quant_dot_vnni())
+                         interleave=INTERLEAVED_TYPES if native.quant_dot_vnni() else ())
     assert {(w.activations, w.interleaved) for w in _packed(params)} == \
         {("split", 16 if native.quant_dot_vnni() else 0)}
 

@@ -149,18 +149,25 @@ def test_packed_logits_every_backend(ggufs, q4_1_dequantized_logits, matmul, sca
 def test_auto_never_rounds_activations_to_int8(ggufs):
     """``--cpu-matmul auto`` (the default) never rounds activations to int8, VNNI or not (it cost
     the built-in model over 1% of perplexity: docs/BENCHMARKS.md, "Perplexity"): float32
-    activations, or where the CPU lacks AVX-512 int16 ones for Q4_1 blocks (the perplexity of
-    float32's); and what it runs is exactly what the named mode runs."""
+    activations, or int16 ones for Q4_1 blocks (the perplexity of float32's) where the CPU lacks
+    AVX-512 or has VNNI without AMX (there in 16-row groups, jaxllm_dot16_i16_q4_1); and what
+    it runs is exactly what the named mode runs."""
     llm, tokens, lps = _run(ggufs[INT8_MIX], cpu_matmul="auto")
     runner = llm.llm_engine.core.runner
     kernels = runner.cfg.kernels
-    print(f"AVX-512: {native.cpu_avx512()}, VNNI: {native.quant_dot_vnni()}; auto -> linear maps {kernels.linear}")
-    assert not kernels.int8_activations and kernels.int16_activations == (not native.cpu_avx512())
+    print(f"AVX-512: {native.cpu_avx512()}, VNNI: {native.quant_dot_vnni()}, AMX: {native.quant_dot_amx()}; "
+          f"auto -> linear maps {kernels.linear}")
+    grouped = kernels.int16_activations and native.quant_dot_vnni()   # Q4_1 in 16-row groups
+    assert not kernels.int8_activations
+    assert kernels.int16_activations == (not native.cpu_avx512() or native.cpu_vnni_without_amx())
     packed = [w for w in jax.tree.leaves(runner.params, is_leaf=lambda w: isinstance(w, PackedWeight))
               if isinstance(w, PackedWeight)]
-    assert packed and {w.interleaved for w in packed} == {0}
+    assert packed and all(bool(w.interleaved) == (grouped and w.type_name == "Q4_1" and w.shape[0] % 16 == 0)
+                          for w in packed), [(w.type_name, w.shape, w.interleaved) for w in packed]
+    assert any(w.interleaved for w in packed) == grouped
     programs = " ".join(p.compiled.as_text() for p in runner.compiler.steps.values())
-    assert ("jaxllm_dot_i16_q4_1" in programs) == kernels.int16_activations   # the Q4_1 layers' kernel
+    kernel = "jaxllm_dot16_i16_q4_1" if grouped else "jaxllm_dot_i16_q4_1"   # the Q4_1 layers' kernel
+    assert (kernel in programs) == kernels.int16_activations
     named = "native-int16" if kernels.int16_activations else "native"
     _, named_tokens, named_lps = _run(ggufs[INT8_MIX], cpu_matmul=named)
     assert tokens == named_tokens and lps == named_lps

@@ -168,12 +168,15 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
     arch = model.arch
     # Laid out as the engine lays them out for the native matmul (fused projections, panels;
     # "native-int8": the int8-activation kernel, its weights interleaved where the CPU has VNNI;
-    # "native-int16": Q4_1 weights by int16 activations).
+    # "native-int16": Q4_1 weights by int16 activations, interleaved where the CPU has VNNI).
     from jaxllm.cpu import native as cpu_native
+    from jaxllm.quant import native_matmul
     int8, int16 = matmul == "native-int8", matmul == "native-int16"
+    vnni = cpu_native.quant_dot_vnni()
+    interleave = (native_matmul.INTERLEAVED_TYPES if int8 and vnni
+                  else native_matmul.INT16_ACTIVATION_TYPES if int16 and vnni else ())
     params = to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,
-                              native=matmul in ("native", "native-int8", "native-int16"),
-                              interleave=int8 and cpu_native.quant_dot_vnni())
+                              native=matmul in ("native", "native-int8", "native-int16"), interleave=interleave)
     T = len(ids)
     n_blocks = -(-T // block)
     num_blocks = n_blocks + 5
