@@ -1061,8 +1061,10 @@ ffi::Error Dot16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // block is 16 of them per row of x and a row's result is one lane: no horizontal sums, and no
 // widening panels (the nibbles are split in registers once per block for every tile of x).
 // From a group's 64 bytes of k-th quant words ([row][4 bytes]: byte j holds weight 4k + j in
-// its low nibble and 16 + 4k + j in its high one) four ands and shifts give the 16-bit lanes
-//   A: weights (4k, 4k + 2)   B: (4k + 1, 4k + 3)   C: (16 + 4k, 16 + 4k + 2)   D: (16 + 4k + 1, 16 + 4k + 3)
+// its low nibble and 16 + 4k + j in its high one) three ands and three shifts give the
+// 16-bit lanes
+//   A: weights (4k, 4k + 2)         B: (4k + 1, 4k + 3)
+//   C: (16 + 4k, 16 + 4k + 2)       D: (16 + 4k + 1, 16 + 4k + 3)
 // so x's int16 blocks are stored with each 4 values in the order (0, 2, 1, 3), which puts
 // every pair side by side (one 32-bit broadcast).  A block's integer sum is at most
 // 32 * 15 * 32767 < 2^24: exact in int32 and in the float conversion, so it equals
