@@ -283,6 +283,8 @@ struct Activations16 {
 };
 
 // x [M, K] -> qx [M, K] int16 and, per block, dx [M, nb] (the scale) and sx [M, nb] (sum of x).
+// kPaired: each 4 values of qx stored in the order (0, 2, 1, 3) (jaxllm_dot16_i16_q4_1's pairs).
+template <bool kPaired = false>
 void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* qx, float* dx, float* sx) {
   const int64_t nb = K / kBlock;
   for (int64_t i = 0; i < M * nb; ++i) {
@@ -290,10 +292,12 @@ void quantize_rows16(const float* x, int64_t M, int64_t K, int16_t* qx, float* d
     round_block(x + i * kBlock, 32767.0f, q, dx + i, sx + i);
     // int32 x 16 -> int16 x 16 twice; the pack interleaves 128-bit lanes, the permute restores order
     int16_t* out = qx + i * kBlock;
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16),
-                        _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8));
+    for (int h = 0; h < 2; ++h) {
+      __m256i v = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2 * h], q[2 * h + 1]), 0xD8);
+      if (kPaired)   // words (0, 2, 1, 3) within each 64 bits: two in-lane shuffles
+        v = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(v, _MM_SHUFFLE(3, 1, 2, 0)), _MM_SHUFFLE(3, 1, 2, 0));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), v);
+    }
   }
 }
 
@@ -1077,19 +1081,6 @@ ffi::Error Dot16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
 // "int16 activations over interleaved rows").
 constexpr int kGroupRows16 = 8;   // rows of x per tile: 8 accumulators + 16 weight registers
 
-// x [M, K] -> as quantize_rows16 (qx int16, dx, sx), each 4 values of qx stored (0, 2, 1, 3).
-JAXLLM_VNNI void quantize_rows16_paired(const float* x, int64_t M, int64_t K, int16_t* qx, float* dx, float* sx) {
-  quantize_rows16(x, M, K, qx, dx, sx);
-  constexpr int kSwap[4] = {0, 2, 1, 3};
-  alignas(64) int16_t order[kBlock];
-  for (int j = 0; j < kBlock; ++j) order[j] = static_cast<int16_t>((j & ~3) + kSwap[j & 3]);
-  const __m512i idx = _mm512_load_si512(order);
-  for (int64_t i = 0; i < M * (K / kBlock); ++i) {
-    int16_t* b = qx + i * kBlock;
-    _mm512_storeu_si512(b, _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(b)));
-  }
-}
-
 inline int32_t load_i32(const int16_t* p) {
   int32_t v;
   __builtin_memcpy(&v, p, 4);
@@ -1168,7 +1159,7 @@ void linear_q4_1_i16_interleaved(ffi::ThreadPool& pool, const float* x, const ui
   const int64_t nb = K / kBlock, groups = N / kGroup;
   std::vector<int16_t> qx(M * K);
   std::vector<float> dx(M * nb), sx(M * nb);
-  quantize_rows16_paired(x, M, K, qx.data(), dx.data(), sx.data());
+  quantize_rows16<true>(x, M, K, qx.data(), dx.data(), sx.data());
   const Activations16 a{qx.data(), dx.data(), sx.data()};
   const int64_t group_qs = nb * kGroup * Q4_1::kQsBytes, group_d = nb * kGroup;
   walk_groups(pool, M, groups, kGroupRows16, qs, group_qs, d, m, group_d, [&](int rows, int64_t r0, int64_t g) {

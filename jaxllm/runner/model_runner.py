@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxllm.cpu import native as cpu_native
 from jaxllm.errors import CompileGuardError
 from jaxllm.lora.apply import kernel_for, transposes_a
 from jaxllm.lora.slots import LoRASlotArrays
@@ -47,7 +46,6 @@ from jaxllm.models.registry import get_family, get_model_module, keeps_sequence_
 from jaxllm.outputs import EMPTY_RUNNER_OUTPUT, RunnerOutput, SchedulerOutput
 from jaxllm.parallel import mesh as pmesh
 from jaxllm.parallel import sharding as psh
-from jaxllm.quant import native_matmul
 from jaxllm.quant import ops as qops
 from jaxllm.runner import buckets as bk
 from jaxllm.runner import compile as cc
@@ -118,17 +116,10 @@ class ModelRunner:
         self.rules = psh.rules_for(model.arch, self.mesh.devices.size, cfg.expert_parallel)
         self._rep = pmesh.replicated(self.mesh)
         native = cfg.kernels.matmul == "native"
-        # The 8-bit-activation kernel reads its types, the 16-bit one Q4_1, in groups of 16
-        # interleaved rows where the CPU has AVX-512 VNNI (quant/native_matmul.interleave_rows).
-        interleave = ()
-        if native and cpu_native.quant_dot_vnni():
-            if cfg.kernels.int8_activations:
-                interleave = native_matmul.INTERLEAVED_TYPES
-            elif cfg.kernels.int16_activations:
-                interleave = native_matmul.INT16_ACTIVATION_TYPES
         t0 = time.perf_counter()
         self.params = weights.to_device_params(model, jnp.dtype(cfg.dtype), cfg.scan_layers, cfg.packed_bf16,
-                                               self.mesh, self.rules, native, interleave)
+                                               self.mesh, self.rules, native,
+                                               weights.interleaved_types(cfg.kernels))
         leaves = jax.tree.leaves(self.params, is_leaf=qops.is_quantized)
         grouped = sum(1 for w in leaves if getattr(w, "interleaved", 0))
         rounded = qops.rounded_activations(cfg.kernels, leaves)

@@ -162,21 +162,19 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
     from jaxllm.models.kernels import Kernels
     from jaxllm.models.loader import load_model
     from jaxllm.models.registry import get_model_module
-    from jaxllm.runner.weights import allocate_kv_cache, to_device_params
+    from jaxllm.runner.weights import allocate_kv_cache, interleaved_types, to_device_params
 
     model = load_model(path, quantization=quantization) if isinstance(path, str) else path
     arch = model.arch
     # Laid out as the engine lays them out for the native matmul (fused projections, panels;
     # "native-int8": the int8-activation kernel, its weights interleaved where the CPU has VNNI;
     # "native-int16": Q4_1 weights by int16 activations, interleaved where the CPU has VNNI).
-    from jaxllm.cpu import native as cpu_native
-    from jaxllm.quant import native_matmul
     int8, int16 = matmul == "native-int8", matmul == "native-int16"
-    vnni = cpu_native.quant_dot_vnni()
-    interleave = (native_matmul.INTERLEAVED_TYPES if int8 and vnni
-                  else native_matmul.INT16_ACTIVATION_TYPES if int16 and vnni else ())
+    kernels = Kernels(matmul="native" if int8 or int16 else matmul, attention=attention, int8_activations=int8,
+                      int16_activations=int16)
     params = to_device_params(model, jnp.bfloat16 if bf16 else jnp.float32, scan_layers, packed_bf16=bf16,
-                              native=matmul in ("native", "native-int8", "native-int16"), interleave=interleave)
+                              native=matmul in ("native", "native-int8", "native-int16"),
+                              interleave=interleaved_types(kernels))
     T = len(ids)
     n_blocks = -(-T // block)
     num_blocks = n_blocks + 5
@@ -189,8 +187,6 @@ def paged_logits(path, ids: list[int], scan_layers: bool, split: int, matmul: st
     else:
         kv = allocate_kv_cache(arch.num_layers, num_blocks, block, arch.num_kv_heads, arch.head_dim,
                                kv_dtype, stacked=scan_layers)
-    kernels = Kernels(matmul="native" if int8 or int16 else matmul, attention=attention, int8_activations=int8,
-                      int16_activations=int16)
     fwd = jax.jit(lambda p, kv, ids, md: module.forward(arch, p, kv, ids, md, kernels))
     out = []
     bounds = [0, *((split,) if isinstance(split, int) else split), T]   # several chunks: a tuple of splits
