@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm import host_memory
 from jaxllm.cpu import layout
 from jaxllm.cpu import native as cpu_native
 from jaxllm.formats import kv_pages
@@ -114,8 +115,13 @@ def to_device_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: 
                       mesh=None, rules: dict | None = None, native: bool = False,
                       interleave: Collection[str] = ()) -> dict:
     """Host weights -> device arrays, on ``mesh`` laid out by the sharding ``rules``
-    (parallel/sharding.py); without a mesh, on the default device."""
+    (parallel/sharding.py); without a mesh, on the default device.  On one CPU device the
+    arrays alias host memory in 2 MiB pages (host_memory.in_huge_pages)."""
     host = host_params(model, dtype, scan_layers, packed_bf16, native, interleave)
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    if len(devices) == 1 and devices[0].platform == "cpu" and jax.process_count() == 1:
+        # The CPU backend aliases these host arrays: the weights stay in 2 MiB pages.
+        host = host_memory.in_huge_pages(host)
     if mesh is None:
         return jax.tree.map(jax.device_put, host)
     specs = psh.param_specs(host, rules or {}, param_table(model).axes(), mesh.shape.get(pmesh.TP, 1))
