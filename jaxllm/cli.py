@@ -101,8 +101,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "move by up to ~3 of 31 and greedy text parts from float32's after 3-30 tokens); "
                         "native-int8-split: the int8 kernel twice, on the rounded activations and on the remainder "
                         "(close to float32's products at twice int8's cost); "
-                        "native-int16: Q4_1 blocks by activations rounded to int16 per 32 values (the other "
-                        "types as native; float32's perplexity, faster where the CPU lacks AVX-512 or lacks AMX); "
+                        "native-int16: Q4_1 blocks, and on AVX-512 VNNI Q8_0 ones too, by activations rounded to "
+                        "int16 per 32 values (the other types as native; float32's perplexity, faster where the "
+                        "CPU lacks AVX-512 or lacks AMX); "
                         "auto: native-int16 where the CPU lacks AVX-512 or has AVX-512 VNNI without AMX, "
                         "else native (float32 activations; "
                         "int8's perplexity is over 1%% worse: docs/BENCHMARKS.md)")

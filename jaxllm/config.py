@@ -27,7 +27,8 @@ activations (``cpu/quant_dot.cc``, llama.cpp's arithmetic): faster where the CPU
 VNNI, but more than 1% worse in perplexity on the built-in model, so auto never picks it
 (docs/BENCHMARKS.md, "Perplexity").  native-int8-split runs the int8 kernel twice, on the rounded
 activations and on the remainder (``quant/activations.py``).  native-int16 multiplies Q4_1 blocks
-by activations rounded to int16 per 32 values (the other types as native): 1/258 of int8's
+(and Q8_0 ones where the CPU has AVX-512 VNNI: the built-in model's tied LM head) by
+activations rounded to int16 per 32 values (the other types as native): 1/258 of int8's
 rounding, float32's perplexity, and where the CPU lacks AVX-512, or has AVX-512 VNNI without
 AMX, faster than float32 activations, so auto picks it there and native (float32 activations)
 elsewhere (``engine/resolve.py``)."""

@@ -74,7 +74,8 @@ _QUANT_KERNELS = {
                      "jaxllm_dot_q4_1": "JaxllmDotQ4_1", "jaxllm_dot_q5_0": "JaxllmDotQ5_0",
                      "jaxllm_dot_q5_1": "JaxllmDotQ5_1", "jaxllm_dot16_q8_0": "JaxllmDot16Q8_0",
                      "jaxllm_dot16_q4_0": "JaxllmDot16Q4_0", "jaxllm_dot16_q4_1": "JaxllmDot16Q4_1",
-                     "jaxllm_dot_i16_q4_1": "JaxllmDotI16Q4_1", "jaxllm_dot16_i16_q4_1": "JaxllmDot16I16Q4_1"},
+                     "jaxllm_dot_i16_q4_1": "JaxllmDotI16Q4_1", "jaxllm_dot16_i16_q4_1": "JaxllmDot16I16Q4_1",
+                     "jaxllm_dot16_i16_q8_0": "JaxllmDot16I16Q8_0"},
 }
 _HEADERS = [os.path.join(_DIR, h) for h in ("simd.h", "parallel.h", "gguf_simd.h")]
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-std=c++17"]

@@ -18,7 +18,8 @@
 // over 16 interleaved weight rows" below), which run on AMX for calls of 32 rows or more where
 // the CPU has it (same bits).  jaxllm_dot_i16_q4_1 is Q4_1 by activations rounded to int16
 // instead (float32's accuracy, fewer vector operations than float32 FMAs; see "Q4_1 by int16
-// activations" below).  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
+// activations" below), jaxllm_dot16_i16_q4_1 and jaxllm_dot16_i16_q8_0 the same in
+// interleaved groups of 16 rows.  Called from jaxllm/quant/native_matmul.py via XLA's FFI.
 #include <cpuid.h>
 #include <immintrin.h>
 #if defined(__linux__)
@@ -1167,6 +1168,102 @@ void linear_q4_1_i16_interleaved(ffi::ThreadPool& pool, const float* x, const ui
   });
 }
 
+// ---- Q8_0 by int16 activations over 16 interleaved weight rows (AVX-512 VNNI) ----
+//
+// The tied LM head of the built-in model (49152 x 576, 28.7 MiB read every decode step) by
+// group_tile16's method: a group's 64 bytes of k-th quant words ([row][4 bytes], weights
+// 4k .. 4k + 3) give, sign-extended into 16-bit lanes by a shift pair and a shift,
+//   A: weights (4k, 4k + 2)         B: (4k + 1, 4k + 3)
+// against x's int16 blocks in the paired order (0, 2, 1, 3), 16 vpdpwssd a block for 16 rows,
+// where the float32 walk (quant_linear.cc) widens every weight to a float and takes an FMA
+// per 16.  A block's integer sum is at most 32 * 128 * 32767 < 2^31 (exact in int32; its
+// float conversion rounds past 2^24), and per (row of x, weight row) the float operations
+// are, block by block in order,
+//   acc = fma(float(isum_b), d_b * dx_b, acc)
+// whatever the rows of x sharing a tile: a token's logits are the same bits in every step shape.
+template <int MR>
+JAXLLM_VNNI void group_tile16_q8_0(const Activations16& a, int64_t r0, int64_t K, const uint16_t* d,
+                                   const uint8_t* qs, float* y, int64_t N) {
+  const int64_t nb = K / kBlock;
+  constexpr int64_t kGroupBytes = kGroup * Q8_0::kQsBytes;
+  constexpr int kChains = MR <= 2 ? 8 : 2;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i w[16];   // 2k, 2k + 1: the k-th word's A, B lanes (above)
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const __m512i v = _mm512_loadu_si512(qs + b * kGroupBytes + 64 * k);
+      w[2 * k] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+      w[2 * k + 1] = _mm512_srai_epi16(v, 8);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kGroup)));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (r0 + r) * nb + b;
+      const int16_t* qa = a.q + i * kBlock;   // paired order: A's pair at 4k, B's at 4k + 2
+      __m512i c[kChains];
+      for (int j = 0; j < kChains; ++j) c[j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        c[(2 * k) % kChains] = _mm512_dpwssd_epi32(c[(2 * k) % kChains], w[2 * k], _mm512_set1_epi32(load_i32(qa + 4 * k)));
+        c[(2 * k + 1) % kChains] = _mm512_dpwssd_epi32(c[(2 * k + 1) % kChains], w[2 * k + 1],
+                                                       _mm512_set1_epi32(load_i32(qa + 4 * k + 2)));
+      }
+      for (int j = 2; j < kChains; j += 2) {
+        c[0] = _mm512_add_epi32(c[0], c[j]);
+        c[1] = _mm512_add_epi32(c[1], c[j + 1]);
+      }
+      const __m512i s = _mm512_add_epi32(c[0], c[1]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.d[i])), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
+}
+
+JAXLLM_VNNI void group_tiles16_q8_0(int rows, const Activations16& a, int64_t r0, int64_t K, const uint16_t* d,
+                                    const uint8_t* qs, float* y, int64_t N) {
+  switch (rows) {
+    case 1: group_tile16_q8_0<1>(a, r0, K, d, qs, y, N); break;
+    case 2: group_tile16_q8_0<2>(a, r0, K, d, qs, y, N); break;
+    case 3: group_tile16_q8_0<3>(a, r0, K, d, qs, y, N); break;
+    case 4: group_tile16_q8_0<4>(a, r0, K, d, qs, y, N); break;
+    case 5: group_tile16_q8_0<5>(a, r0, K, d, qs, y, N); break;
+    case 6: group_tile16_q8_0<6>(a, r0, K, d, qs, y, N); break;
+    case 7: group_tile16_q8_0<7>(a, r0, K, d, qs, y, N); break;
+    default: group_tile16_q8_0<8>(a, r0, K, d, qs, y, N); break;
+  }
+}
+
+void linear_q8_0_i16_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint8_t* qs,
+                                 float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t nb = K / kBlock, groups = N / kGroup;
+  std::vector<int16_t> qx(M * K);
+  std::vector<float> dx(M * nb), sx(M * nb);
+  quantize_rows16<true>(x, M, K, qx.data(), dx.data(), sx.data());
+  const Activations16 a{qx.data(), dx.data(), sx.data()};
+  const int64_t group_qs = nb * kGroup * Q8_0::kQsBytes, group_d = nb * kGroup;
+  walk_groups(pool, M, groups, kGroupRows16, qs, group_qs, d, nullptr, group_d, [&](int rows, int64_t r0, int64_t g) {
+    group_tiles16_q8_0(rows, a, r0, K, d + g * group_d, qs + g * group_qs, y + r0 * N + g * kGroup, N);
+  });
+}
+
+// x, d, qs as jaxllm_dot16_q8_0's (the fields interleaved); int16 activations.
+ffi::Error Dot16I16Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
+                        ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
+  const char* name = "jaxllm_dot16_i16_q8_0";
+  auto xd = x.dimensions();
+  auto dd = d.dimensions();
+  if (auto e = check(name, xd, dd, qs.dimensions(), Q8_0::kQsBytes); e.failure()) return e;
+  if (dd[0] % kGroup != 0)
+    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs N % 16 == 0");
+  if (!kHasVnni)
+    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs AVX512F/BW/VNNI");
+  linear_q8_0_i16_interleaved(pool, x.typed_data(), d.typed_data(), qs.typed_data(), y->typed_data(), xd[0], xd[1],
+                              dd[0]);
+  return ffi::Error::Success();
+}
+
 // x, d, m, qs as jaxllm_dot16_q4_1's (the fields interleaved); int16 activations.
 ffi::Error Dot16I16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
                         ffi::Buffer<ffi::U16> m, ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
@@ -1345,6 +1442,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDot16I16Q4_1, Dot16I16Q4_1,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxllmDot16I16Q8_0, Dot16I16Q8_0,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -290,7 +290,9 @@ def _int16_activations(cpu_matmul: str) -> bool:
     interleaved groups of 16 rows (runner/model_runner.py) for ``jaxllm_dot16_i16_q4_1``,
     whose vpdpwssd tiles multiply 1.4-2.3x faster than the float32 panels from 32 rows on
     (prefill) and about as fast at one row (BENCHMARKS, "int16 activations over interleaved
-    rows").  Elsewhere with AVX-512 the float32 kernel's 16-lane paths stay the default: on a
+    rows"), and so are Q8_0 weights (the built-in model's tied LM head) for
+    ``jaxllm_dot16_i16_q8_0``: on a Zen 4 the head 2.0x and batch-1 decode 1.1-1.3x faster
+    (BENCHMARKS, "The LM head by int16 activations").  Elsewhere with AVX-512 the float32 kernel's 16-lane paths stay the default: on a
     Xeon with AVX-512 and AMX the row-major int16 kernels decoded 0.75x and prefilled 0.89x as
     fast (BENCHMARKS, "The same questions on an AVX-512 + AMX Xeon"; the interleaved kernel
     has not been measured there)."""

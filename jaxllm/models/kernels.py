@@ -23,8 +23,9 @@ class Kernels:
     """With the native matmul: GGUF blocks are multiplied by activations rounded to int8 per
     32 values (``cpu/quant_dot.cc``) instead of float32 ones (``--cpu-matmul native-int8``)."""
     int16_activations: bool = False
-    """With the native matmul: Q4_1 blocks are multiplied by activations rounded to int16 per
-    32 values (``cpu/quant_dot.cc``), the other types by float32 ones (``--cpu-matmul native-int16``)."""
+    """With the native matmul: Q4_1 blocks (and Q8_0 ones where the CPU has AVX-512 VNNI) are
+    multiplied by activations rounded to int16 per 32 values (``cpu/quant_dot.cc``), the other
+    types by float32 ones (``--cpu-matmul native-int16``)."""
 
     @property
     def linear(self) -> str:

@@ -21,6 +21,7 @@ from jaxllm.quant.gguf_blocks import PackedWeight
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
 INT8_ACTIVATION_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")   # quant_dot.cc
 INT16_ACTIVATION_TYPES = ("Q4_1",)   # quant_dot.cc's jaxllm_dot_i16_* (--cpu-matmul native-int16)
+INT16_INTERLEAVED_TYPES = ("Q4_1", "Q8_0")   # its jaxllm_dot16_i16_*: in interleaved rows only (AVX-512 VNNI)
 INTERLEAVED_TYPES = ("Q8_0", "Q4_0", "Q4_1")   # quant_dot.cc's jaxllm_dot16_* (AVX-512 VNNI)
 GROUP = 16   # rows per interleaved group: one int32 lane each in a 512-bit register
 
@@ -91,9 +92,10 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
     if int8_activations and pw.type_name not in INT8_ACTIVATION_TYPES:
         raise ValueError(f"no 8-bit-activation kernel for {pw.type_name} weights "
                          f"(those: {', '.join(INT8_ACTIVATION_TYPES)})")
-    if int16_activations and (int8_activations or pw.type_name not in INT16_ACTIVATION_TYPES):
+    int16_types = INT16_INTERLEAVED_TYPES if pw.interleaved else INT16_ACTIVATION_TYPES
+    if int16_activations and (int8_activations or pw.type_name not in int16_types):
         raise ValueError(f"no 16-bit-activation kernel for {pw.type_name} weights "
-                         f"(those: {', '.join(INT16_ACTIVATION_TYPES)})")
+                         f"{'in interleaved rows ' if pw.interleaved else ''}(those: {', '.join(int16_types)})")
     if x.ndim != 2 or x.shape[-1] != pw.shape[1]:
         raise ValueError(f"x of shape {tuple(x.shape)} is not [M, {pw.shape[1]}] for the "
                          f"{pw.type_name} weight of shape {pw.shape}")

@@ -54,12 +54,12 @@ def param_table(model: LoadedModel) -> ParamTable:
 def interleaved_types(kernels: Kernels) -> tuple[str, ...]:
     """The GGUF types the step's native kernels read in interleaved groups of 16 rows where the
     CPU has AVX-512 VNNI (quant/native_matmul.interleave_rows): the 8-bit-activation kernel's
-    types, the 16-bit one's Q4_1; none for float32 activations or elsewhere."""
+    types, the 16-bit one's Q4_1 and Q8_0; none for float32 activations or elsewhere."""
     if kernels.matmul != "native" or not cpu_native.quant_dot_vnni():
         return ()
     if kernels.int8_activations:
         return native_matmul.INTERLEAVED_TYPES
-    return native_matmul.INT16_ACTIVATION_TYPES if kernels.int16_activations else ()
+    return native_matmul.INT16_INTERLEAVED_TYPES if kernels.int16_activations else ()
 
 
 def host_params(model: LoadedModel, dtype, scan_layers: bool, packed_bf16: bool, native: bool = False,

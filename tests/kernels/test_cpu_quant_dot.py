@@ -1,5 +1,6 @@
 """The 8-bit-activation packed-block matmul (``jaxllm/cpu/quant_dot.cc``) and its 16-bit one
-for Q4_1 (``jaxllm_dot_i16_q4_1``, ``--cpu-matmul native-int16``) against two oracles.
+for Q4_1 (``jaxllm_dot_i16_q4_1``, ``--cpu-matmul native-int16``; in interleaved rows also
+Q8_0) against two oracles.
 
 1. A numpy emulation of what it computes: each 32-value block of x quantized to int8 with
    scale max|x| / 127 (int16: / 32767; round half to even), the integer dot with the weight's quants, the
@@ -204,17 +205,18 @@ def test_interleaved_rows_are_read_back_exactly(type_name):
 I16_SHAPES = [(576, 576), (960, 576), (576, 1536), (41, 288), (37, 96)]
 
 
-def _q4_1(shape, seed):
+def _random_packed(shape, seed, type_name="Q4_1"):
     rng = np.random.default_rng(seed)
-    raw = gguf.quants.quantize((rng.standard_normal(shape) * 0.05).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
-    return rng, raw, jax.device_put(pack(raw, "Q4_1", shape))
+    raw = gguf.quants.quantize((rng.standard_normal(shape) * 0.05).astype(np.float32),
+                               gguf.GGMLQuantizationType[type_name])
+    return rng, raw, jax.device_put(pack(raw, type_name, shape))
 
 
 @pytest.mark.parametrize("shape", I16_SHAPES)
 def test_int16_activation_matmul(shape):
     """Equal to the int16 emulation to float32 rounding, and within the rounding's bound of the
     float64 product: 1/258 of int8's step, so far inside int8's error."""
-    rng, raw, pw = _q4_1(shape, hash(("i16", shape)) % 2**32)
+    rng, raw, pw = _random_packed(shape, hash(("i16", shape)) % 2**32)
     fn = jax.jit(lambda x, pw: linear_packed(x, pw, int16_activations=True))
     fn8 = jax.jit(lambda x, pw: linear_packed(x, pw, int8_activations=True))
     wd = np.abs(dequantize_reference(raw, "Q4_1", shape).astype(np.float64))
@@ -244,7 +246,7 @@ def test_int16_row_is_the_same_bits_whatever_rows_share_the_call(shape):
     """A row of x gives the same bits alone (a decode: four weight rows a pass) as in calls of
     2, 3, 5 or 17 rows (tiles of 2 to 4 rows of x, fewer weight rows a pass) and of 33 or 40
     (a prefill's panels: the weights widened once, tiles of 4 x 2, a last tile of 1)."""
-    rng, raw, pw = _q4_1(shape, hash(("i16 bits", shape)) % 2**32)
+    rng, raw, pw = _random_packed(shape, hash(("i16 bits", shape)) % 2**32)
     fn = jax.jit(lambda x, pw: linear_packed(x, pw, int16_activations=True))
     x = rng.standard_normal((40, shape[1])).astype(np.float32)
     alone = np.stack([np.asarray(fn(x[i:i + 1], pw))[0] for i in range(40)])
@@ -252,40 +254,43 @@ def test_int16_row_is_the_same_bits_whatever_rows_share_the_call(shape):
         np.testing.assert_array_equal(np.asarray(fn(x[:M], pw)), alone[:M], err_msg=f"{shape} M={M}")
 
 
+@pytest.mark.parametrize("type_name", ("Q4_1", "Q8_0"))
 @pytest.mark.parametrize("shape", INTERLEAVED_SHAPES)
-def test_interleaved_rows_compute_the_int16_matmul(shape):
+def test_interleaved_rows_compute_the_int16_matmul(shape, type_name):
     """jaxllm_dot16_i16_q4_1 (Q4_1 in 16-row groups by int16 activations, vpdpwssd) computes
-    the row-major int16 kernel's integer block sums: equal to the emulation to float32
+    the row-major int16 kernel's integer block sums, and jaxllm_dot16_i16_q8_0 (the tied LM
+    head's type) the same sums of its int8 quants: equal to the emulation to float32
     rounding, within the rounding's bound of the float64 product, at every row count (tiles of
     1 to 8 rows of x, the few-row ones with more independent sums)."""
     if not native.quant_dot_vnni():
         pytest.skip("the CPU lacks AVX512F/BW/VNNI: the interleaved kernel cannot run here")
-    rng, raw, pw = _q4_1(shape, hash(("i16 interleaved", shape)) % 2**32)
+    rng, raw, pw = _random_packed(shape, hash(("i16 interleaved", shape, type_name)) % 2**32, type_name)
     iw = jax.device_put(interleave_rows(pw))
     fn = jax.jit(lambda x, w: linear_packed(x, w, int16_activations=True))
-    wd = np.abs(dequantize_reference(raw, "Q4_1", shape).astype(np.float64))
-    q, d, _ = _quants(raw, "Q4_1", shape)
+    wd = np.abs(dequantize_reference(raw, type_name, shape).astype(np.float64))
+    q, d, _ = _quants(raw, type_name, shape)
     dq = np.abs(q * np.repeat(d, 32, axis=1)).reshape(shape[0], -1, 32).sum(-1)   # [N, nb]
     for M in ROWS:
         x = rng.standard_normal((M, shape[1])).astype(np.float32)
         x[:, :32] *= 40.0
         y = np.asarray(fn(x, iw), np.float64)
-        emu, dx = emulate(x, raw, "Q4_1", shape, levels=32767)
+        emu, dx = emulate(x, raw, type_name, shape, levels=32767)
         mag = np.abs(x).astype(np.float64) @ wd.T
         np.testing.assert_allclose(y, emu, rtol=0, atol=float(2e-6 * mag.max()),
-                                   err_msg=f"{shape} M={M}: not the int16 computation")
-        err = np.abs(y - matmul_reference(x, raw, "Q4_1", shape))
+                                   err_msg=f"{type_name} {shape} M={M}: not the int16 computation")
+        err = np.abs(y - matmul_reference(x, raw, type_name, shape))
         assert (err <= np.einsum("mb,nb->mn", dx / 2, dq) + 2e-6 * mag).all(), \
-            f"{shape} M={M}: error {err.max():.3g} over the rounding bound"
+            f"{type_name} {shape} M={M}: error {err.max():.3g} over the rounding bound"
 
 
+@pytest.mark.parametrize("type_name", ("Q4_1", "Q8_0"))
 @pytest.mark.parametrize("shape", [(576, 576), (576, 1536), (48, 96)])
-def test_interleaved_int16_row_is_the_same_bits_whatever_rows_share_the_call(shape):
+def test_interleaved_int16_row_is_the_same_bits_whatever_rows_share_the_call(shape, type_name):
     """A row of x gives the same bits alone (a decode) as in calls of 2 to 40 rows: tiles of 1
     to 8 rows of x, whose integer sums run in 8 or 2 chains (the order of exact integer adds)."""
     if not native.quant_dot_vnni():
         pytest.skip("the CPU lacks AVX512F/BW/VNNI: the interleaved kernel cannot run here")
-    rng, raw, pw = _q4_1(shape, hash(("i16 interleaved bits", shape)) % 2**32)
+    rng, raw, pw = _random_packed(shape, hash(("i16 interleaved bits", shape, type_name)) % 2**32, type_name)
     iw = jax.device_put(interleave_rows(pw))
     fn = jax.jit(lambda x, w: linear_packed(x, w, int16_activations=True))
     x = rng.standard_normal((40, shape[1])).astype(np.float32)
@@ -295,7 +300,13 @@ def test_interleaved_int16_row_is_the_same_bits_whatever_rows_share_the_call(sha
 
 
 def test_int16_activations_are_refused_for_other_types():
+    """Row-major: Q4_1 only (Q8_0 has its int16 kernel in interleaved rows alone); interleaved:
+    Q4_1 and Q8_0."""
     raw = gguf.quants.quantize(np.ones((32, 64), np.float32), gguf.GGMLQuantizationType.Q8_0)
     pw = pack(raw, "Q8_0", (32, 64))
-    with pytest.raises(ValueError, match="no 16-bit-activation kernel for Q8_0 weights"):
+    with pytest.raises(ValueError, match=r"no 16-bit-activation kernel for Q8_0 weights \(those: Q4_1\)"):
         linear_packed(jnp.ones((1, 64), jnp.float32), pw, int16_activations=True)
+    raw = gguf.quants.quantize(np.ones((32, 64), np.float32), gguf.GGMLQuantizationType.Q4_0)
+    with pytest.raises(ValueError, match=r"for Q4_0 weights in interleaved rows \(those: Q4_1, Q8_0\)"):
+        linear_packed(jnp.ones((1, 64), jnp.float32), interleave_rows(pack(raw, "Q4_0", (32, 64))),
+                      int16_activations=True)

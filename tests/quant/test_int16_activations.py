@@ -1,6 +1,7 @@
 """``--cpu-matmul native-int16`` (and ``auto`` where the CPU lacks AVX-512): Q4_1 blocks by
-activations rounded to int16 per 32 values (``cpu/quant_dot.cc``'s ``jaxllm_dot_i16_q4_1``),
-the other types as ``native``.
+activations rounded to int16 per 32 values (``cpu/quant_dot.cc``'s ``jaxllm_dot_i16_q4_1``; on
+AVX-512 VNNI the Q4_1 and Q8_0 weights in 16-row groups, ``jaxllm_dot16_i16_*``), the other
+types as ``native``.
 
 The kernel against its emulation and the float64 product: tests/kernels/test_cpu_quant_dot.py.
 Here: that the flag reaches the model's linear maps, that the built-in model's

@@ -150,31 +150,36 @@ def test_auto_never_rounds_activations_to_int8(ggufs):
     """``--cpu-matmul auto`` (the default) never rounds activations to int8, VNNI or not (it cost
     the built-in model over 1% of perplexity: docs/BENCHMARKS.md, "Perplexity"): float32
     activations, or int16 ones for Q4_1 blocks (the perplexity of float32's) where the CPU lacks
-    AVX-512 or has VNNI without AMX (there in 16-row groups, jaxllm_dot16_i16_q4_1); and what
-    it runs is exactly what the named mode runs."""
+    AVX-512 or has VNNI without AMX (there in 16-row groups, jaxllm_dot16_i16_q4_1, and Q8_0
+    too, jaxllm_dot16_i16_q8_0); and what it runs is exactly what the named mode runs."""
     llm, tokens, lps = _run(ggufs[INT8_MIX], cpu_matmul="auto")
     runner = llm.llm_engine.core.runner
     kernels = runner.cfg.kernels
     print(f"AVX-512: {native.cpu_avx512()}, VNNI: {native.quant_dot_vnni()}, AMX: {native.quant_dot_amx()}; "
           f"auto -> linear maps {kernels.linear}")
-    grouped = kernels.int16_activations and native.quant_dot_vnni()   # Q4_1 in 16-row groups
+    grouped = kernels.int16_activations and native.quant_dot_vnni()   # Q4_1, Q8_0 in 16-row groups
     assert not kernels.int8_activations
     assert kernels.int16_activations == (not native.cpu_avx512() or native.cpu_vnni_without_amx())
     packed = [w for w in jax.tree.leaves(runner.params, is_leaf=lambda w: isinstance(w, PackedWeight))
               if isinstance(w, PackedWeight)]
-    assert packed and all(bool(w.interleaved) == (grouped and w.type_name == "Q4_1" and w.shape[0] % 16 == 0)
+    assert packed and all(bool(w.interleaved) == (grouped and w.type_name in ("Q4_1", "Q8_0")
+                                                  and w.shape[0] % 16 == 0)
                           for w in packed), [(w.type_name, w.shape, w.interleaved) for w in packed]
-    assert any(w.interleaved for w in packed) == grouped
+    assert {w.type_name for w in packed if w.interleaved} == ({"Q4_1", "Q8_0"} if grouped else set())
     programs = " ".join(p.compiled.as_text() for p in runner.compiler.steps.values())
     kernel = "jaxllm_dot16_i16_q4_1" if grouped else "jaxllm_dot_i16_q4_1"   # the Q4_1 layers' kernel
     assert (kernel in programs) == kernels.int16_activations
+    # Q8_0 by int16 in 16-row groups only (no row-major int16 kernel for it): float32 elsewhere
+    assert ("jaxllm_dot16_i16_q8_0" in programs) == grouped
+    assert ("jaxllm_linear_q8_0" in programs) == (not grouped)
     named = "native-int16" if kernels.int16_activations else "native"
     _, named_tokens, named_lps = _run(ggufs[INT8_MIX], cpu_matmul=named)
     assert tokens == named_tokens and lps == named_lps
     # the start-up log says so, where a user comparing outputs with another engine looks first
     line = _weights_line(ggufs[INT8_MIX], cpu_matmul="auto")
     print(line)
-    assert ("Q4_1 by activations rounded to int16" in line) == kernels.int16_activations, line
+    rounded = "Q4_1/Q8_0" if grouped else "Q4_1"
+    assert (f"{rounded} by activations rounded to int16" in line) == kernels.int16_activations, line
     assert "int8" not in line and "rounded" not in _weights_line(ggufs[INT8_MIX]), line
 
 
