@@ -292,10 +292,10 @@ def _int16_activations(cpu_matmul: str) -> bool:
     (prefill) and about as fast at one row (BENCHMARKS, "int16 activations over interleaved
     rows"), and so are Q8_0 weights (the built-in model's tied LM head) for
     ``jaxllm_dot16_i16_q8_0``: on a Zen 4 the head 2.0x and batch-1 decode 1.1-1.3x faster
-    (BENCHMARKS, "The LM head by int16 activations").  Elsewhere with AVX-512 the float32 kernel's 16-lane paths stay the default: on a
-    Xeon with AVX-512 and AMX the row-major int16 kernels decoded 0.75x and prefilled 0.89x as
-    fast (BENCHMARKS, "The same questions on an AVX-512 + AMX Xeon"; the interleaved kernel
-    has not been measured there)."""
+    (BENCHMARKS, "The LM head by int16 activations").  Elsewhere with AVX-512 the float32
+    kernel's 16-lane paths stay the default: on a Xeon with AVX-512 and AMX the row-major int16
+    kernels decoded 0.75x and prefilled 0.89x as fast (BENCHMARKS, "The same questions on an
+    AVX-512 + AMX Xeon"; the interleaved kernel has not been measured there)."""
     return cpu_matmul == "native-int16" or (cpu_matmul == "auto" and (not native.cpu_avx512()
                                                                       or native.cpu_vnni_without_amx()))
 

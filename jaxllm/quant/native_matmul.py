@@ -33,6 +33,12 @@ def can_interleave(w) -> bool:
             and w.shape[0] % GROUP == 0 and np.ndim(w.d) == 2)
 
 
+def has_int16_kernel(w: PackedWeight) -> bool:
+    """Whether ``w``, as laid out, has an int16-activation kernel: Q4_1 row-major or
+    interleaved, Q8_0 interleaved only."""
+    return w.type_name in (INT16_INTERLEAVED_TYPES if w.interleaved else INT16_ACTIVATION_TYPES)
+
+
 def interleave_rows(w: PackedWeight) -> PackedWeight:
     """``w`` (host arrays) with each group of 16 rows interleaved for ``jaxllm_dot16_*``:
     the fields keep their shapes, but within a group's rows, qs [16, nb, S] is stored as
@@ -92,8 +98,8 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
     if int8_activations and pw.type_name not in INT8_ACTIVATION_TYPES:
         raise ValueError(f"no 8-bit-activation kernel for {pw.type_name} weights "
                          f"(those: {', '.join(INT8_ACTIVATION_TYPES)})")
-    int16_types = INT16_INTERLEAVED_TYPES if pw.interleaved else INT16_ACTIVATION_TYPES
-    if int16_activations and (int8_activations or pw.type_name not in int16_types):
+    if int16_activations and (int8_activations or not has_int16_kernel(pw)):
+        int16_types = INT16_INTERLEAVED_TYPES if pw.interleaved else INT16_ACTIVATION_TYPES
         raise ValueError(f"no 16-bit-activation kernel for {pw.type_name} weights "
                          f"{'in interleaved rows ' if pw.interleaved else ''}(those: {', '.join(int16_types)})")
     if x.ndim != 2 or x.shape[-1] != pw.shape[1]:

@@ -123,14 +123,14 @@ def matmul(x: jax.Array, w, backend: str) -> jax.Array:
     reads the blocks (``quant/native_matmul.py``) for the types it has; ``"native-int8"``: the
     same with int8-rounded activations, or as the weight's ``activations`` says
     (``quant/activations.py``); ``"native-int16"``: Q4_1 blocks, and Q8_0 ones in interleaved
-    rows (AVX-512 VNNI), by int16-rounded activations, the other types as ``"native"``; others, and every other backend, dequantize inside the step
+    rows (AVX-512 VNNI), by int16-rounded activations, the other types as ``"native"``;
+    others, and every other backend, dequantize inside the step
     (``quant/matmul.py``).  int8 / int4 / fp8
     (``QuantizedLinear``): the Pallas kernel (``pallas/quant_matmul.py``) with
     ``backend="pallas"`` (resolve's choice on a GPU), for the group sizes it takes; else, CPU
     included, the XLA path (dequantize in the step, float32 dot)."""
     if isinstance(w, PackedWeight):
-        int16 = backend == "native-int16" and w.type_name in (native_matmul.INT16_INTERLEAVED_TYPES if w.interleaved
-                                                              else native_matmul.INT16_ACTIVATION_TYPES)
+        int16 = backend == "native-int16" and native_matmul.has_int16_kernel(w)
         if w.interleaved and not (backend == "native-int8" or int16):
             w = native_matmul.deinterleave_rows(w)
         if backend in NATIVE_BACKENDS:
@@ -174,9 +174,7 @@ def rounded_activations(kernels, tensors: Iterable) -> str:
         return ""
     if kernels.int8_activations:
         return "activations rounded to int8 per 32 values (--cpu-matmul native-int8)"
-    types = sorted({w.type_name for w in tensors if isinstance(w, PackedWeight)
-                    and w.type_name in (native_matmul.INT16_INTERLEAVED_TYPES if w.interleaved
-                                        else native_matmul.INT16_ACTIVATION_TYPES)})
+    types = sorted({w.type_name for w in tensors if isinstance(w, PackedWeight) and native_matmul.has_int16_kernel(w)})
     if kernels.int16_activations and types:
         return (f"{'/'.join(types)} by activations rounded to int16 per 32 values (float32's perplexity; "
                 "--cpu-matmul native keeps float32)")
