@@ -1057,29 +1057,25 @@ ffi::Error Dot16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return RunInterleaved<Q4_1>("jaxllm_dot16_q4_1", pool, x, d, m.typed_data(), m.dimensions(), qs, y);
 }
 
-// ---- Q4_1 by int16 activations over 16 interleaved weight rows (AVX-512 VNNI) ----
+// ---- int16 activations over 16 interleaved weight rows (AVX-512 VNNI): Q4_1 and Q8_0 ----
 //
 // jaxllm_dot_i16_q4_1's arithmetic (x rounded to int16 per 32 values, exact integer block
 // sums, one float scaling per block) in the interleaved layout of the jaxllm_dot16_* targets:
 // one vpdpwssd multiplies a pair of 16-bit weights of each of the group's 16 rows by the same
 // pair of activations (broadcast) and adds both products into that row's int32 lane, so a
 // block is 16 of them per row of x and a row's result is one lane: no horizontal sums, and no
-// widening panels (the nibbles are split in registers once per block for every tile of x).
-// From a group's 64 bytes of k-th quant words ([row][4 bytes]: byte j holds weight 4k + j in
-// its low nibble and 16 + 4k + j in its high one) three ands and three shifts give the
-// 16-bit lanes
-//   A: weights (4k, 4k + 2)         B: (4k + 1, 4k + 3)
-//   C: (16 + 4k, 16 + 4k + 2)       D: (16 + 4k + 1, 16 + 4k + 3)
-// so x's int16 blocks are stored with each 4 values in the order (0, 2, 1, 3), which puts
-// every pair side by side (one 32-bit broadcast).  A block's integer sum is at most
-// 32 * 15 * 32767 < 2^24: exact in int32 and in the float conversion, so it equals
-// jaxllm_dot_i16_q4_1's, and per (row of x, weight row) the float operations are, block by
-// block in order,
-//   acc = fma(float(isum_b), d_b * dx_b, acc);  acc = fma(m_b, sx_b, acc)
+// widening panels (the quants are split in registers once per block for every tile of x).
+// A block's group bytes are 64-byte words [row][4 bytes]; I16Q4_1 and I16Q8_0 below turn
+// them into the 16 registers of 16-bit weight pairs and name the pair of x each one meets.
+// x's int16 blocks are stored with each 4 values in the order (0, 2, 1, 3), which puts every
+// pair side by side (one 32-bit broadcast).  Per (row of x, weight row) the float operations
+// are, block by block in order,
+//   acc = fma(float(isum_b), d_b * dx_b, acc);  [Q4_1: acc = fma(m_b, sx_b, acc)]
 // whatever the number of rows of x or the rows sharing a tile: a token's logits are the same
 // bits in every step shape (tests/kernels/test_cpu_quant_dot.py).  On an AMD EPYC Zen 5 core
-// the tile ran 2.2-2.5x the float32 panels' multiply-adds per second (docs/BENCHMARKS.md,
-// "int16 activations over interleaved rows").
+// the Q4_1 tile ran 2.2-2.5x the float32 panels' multiply-adds per second (docs/BENCHMARKS.md,
+// "int16 activations over interleaved rows"); on a Zen 4 the Q8_0 one (the built-in model's
+// tied LM head) 2.0x the float32 walk at one row ("The LM head by int16 activations").
 constexpr int kGroupRows16 = 8;   // rows of x per tile: 8 accumulators + 16 weight registers
 
 inline int32_t load_i32(const int16_t* p) {
@@ -1088,197 +1084,146 @@ inline int32_t load_i32(const int16_t* p) {
   return v;
 }
 
-// y[r, 16g .. 16g + 15] for r < MR rows of x (a.q etc. from row r0) and one group of 16 rows.
-template <int MR>
-JAXLLM_VNNI void group_tile16(const Activations16& a, int64_t r0, int64_t K, const uint16_t* d, const uint16_t* m,
-                              const uint8_t* qs, float* y, int64_t N) {
-  const int64_t nb = K / kBlock;
-  constexpr int64_t kGroupBytes = kGroup * Q4_1::kQsBytes;
-  const __m512i low = _mm512_set1_epi32(0x000F000F);
-  constexpr int kChains = MR <= 2 ? 8 : 2;
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i w[16];   // 4k + 0..3: the k-th word's A, B, C, D lanes (above)
+// Q4_1: the k-th word's bytes j hold weight 4k + j in their low nibble and 16 + 4k + j in
+// their high one; three ands and three shifts give the 16-bit lanes
+//   w[4k]: weights (4k, 4k + 2)        w[4k + 1]: (4k + 1, 4k + 3)
+//   w[4k + 2]: (16 + 4k, 16 + 4k + 2)  w[4k + 3]: (16 + 4k + 1, 16 + 4k + 3)
+// A block's integer sum is at most 32 * 15 * 32767 < 2^24: exact in int32 and in the float
+// conversion, so it equals jaxllm_dot_i16_q4_1's.
+struct I16Q4_1 {
+  static constexpr int64_t kQsBytes = Q4_1::kQsBytes;
+  static constexpr bool kMin = true;
+  static JAXLLM_VNNI inline void unpack(const uint8_t* qs, __m512i w[16]) {
+    const __m512i low = _mm512_set1_epi32(0x000F000F);
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      const __m512i v = _mm512_loadu_si512(qs + b * kGroupBytes + 64 * k);
+      const __m512i v = _mm512_loadu_si512(qs + 64 * k);
       w[4 * k] = _mm512_and_si512(v, low);
       w[4 * k + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 8), low);
       w[4 * k + 2] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       w[4 * k + 3] = _mm512_srli_epi16(v, 12);
     }
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kGroup)));
-    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * kGroup)));
+  }
+  // where register j's pair of x starts in the paired block
+  static constexpr int x_at(int j) { return (j % 4 >= 2 ? 16 : 0) + 4 * (j / 4) + (j % 2 ? 2 : 0); }
+};
+
+// Q8_0: the k-th word holds weights 4k .. 4k + 3 of each row as int8; sign-extended into
+// 16-bit lanes by a shift pair and a shift,
+//   w[2k]: weights (4k, 4k + 2)        w[2k + 1]: (4k + 1, 4k + 3)
+// A block's integer sum is at most 32 * 128 * 32767 < 2^31: exact in int32 (its float
+// conversion rounds past 2^24, the same way in every tile).
+struct I16Q8_0 {
+  static constexpr int64_t kQsBytes = Q8_0::kQsBytes;
+  static constexpr bool kMin = false;
+  static JAXLLM_VNNI inline void unpack(const uint8_t* qs, __m512i w[16]) {
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      const int64_t i = (r0 + r) * nb + b;
-      const int16_t* qa = a.q + i * kBlock;   // paired order: A's pair at 4k, B's at 4k + 2
-      // kChains independent sums (a few rows of x have too few other chains to hide the
-      // instruction's latency behind); integer adds: their order does not change the sum
-      __m512i c[kChains];
-      for (int j = 0; j < kChains; ++j) c[j] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        c[(4 * k) % kChains] = _mm512_dpwssd_epi32(c[(4 * k) % kChains], w[4 * k], _mm512_set1_epi32(load_i32(qa + 4 * k)));
-        c[(4 * k + 1) % kChains] = _mm512_dpwssd_epi32(c[(4 * k + 1) % kChains], w[4 * k + 1],
-                                                       _mm512_set1_epi32(load_i32(qa + 4 * k + 2)));
-        c[(4 * k + 2) % kChains] = _mm512_dpwssd_epi32(c[(4 * k + 2) % kChains], w[4 * k + 2],
-                                                       _mm512_set1_epi32(load_i32(qa + 16 + 4 * k)));
-        c[(4 * k + 3) % kChains] = _mm512_dpwssd_epi32(c[(4 * k + 3) % kChains], w[4 * k + 3],
-                                                       _mm512_set1_epi32(load_i32(qa + 16 + 4 * k + 2)));
-      }
-      for (int j = 2; j < kChains; j += 2) {
-        c[0] = _mm512_add_epi32(c[0], c[j]);
-        c[1] = _mm512_add_epi32(c[1], c[j + 1]);
-      }
-      const __m512i s = _mm512_add_epi32(c[0], c[1]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.d[i])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[i]), acc[r]);
+    for (int k = 0; k < 8; ++k) {
+      const __m512i v = _mm512_loadu_si512(qs + 64 * k);
+      w[2 * k] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+      w[2 * k + 1] = _mm512_srai_epi16(v, 8);
     }
   }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
-}
+  static constexpr int x_at(int j) { return 4 * (j / 2) + (j % 2 ? 2 : 0); }
+};
 
-JAXLLM_VNNI void group_tiles16(int rows, const Activations16& a, int64_t r0, int64_t K, const uint16_t* d,
-                               const uint16_t* m, const uint8_t* qs, float* y, int64_t N) {
-  switch (rows) {
-    case 1: group_tile16<1>(a, r0, K, d, m, qs, y, N); break;
-    case 2: group_tile16<2>(a, r0, K, d, m, qs, y, N); break;
-    case 3: group_tile16<3>(a, r0, K, d, m, qs, y, N); break;
-    case 4: group_tile16<4>(a, r0, K, d, m, qs, y, N); break;
-    case 5: group_tile16<5>(a, r0, K, d, m, qs, y, N); break;
-    case 6: group_tile16<6>(a, r0, K, d, m, qs, y, N); break;
-    case 7: group_tile16<7>(a, r0, K, d, m, qs, y, N); break;
-    default: group_tile16<8>(a, r0, K, d, m, qs, y, N); break;
-  }
-}
-
-// y = x . W^T: x rounded once, then the groups walked as linear_interleaved's.
-void linear_q4_1_i16_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
-                                 const uint8_t* qs, float* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t nb = K / kBlock, groups = N / kGroup;
-  std::vector<int16_t> qx(M * K);
-  std::vector<float> dx(M * nb), sx(M * nb);
-  quantize_rows16<true>(x, M, K, qx.data(), dx.data(), sx.data());
-  const Activations16 a{qx.data(), dx.data(), sx.data()};
-  const int64_t group_qs = nb * kGroup * Q4_1::kQsBytes, group_d = nb * kGroup;
-  walk_groups(pool, M, groups, kGroupRows16, qs, group_qs, d, m, group_d, [&](int rows, int64_t r0, int64_t g) {
-    group_tiles16(rows, a, r0, K, d + g * group_d, m + g * group_d, qs + g * group_qs, y + r0 * N + g * kGroup, N);
-  });
-}
-
-// ---- Q8_0 by int16 activations over 16 interleaved weight rows (AVX-512 VNNI) ----
-//
-// The tied LM head of the built-in model (49152 x 576, 28.7 MiB read every decode step) by
-// group_tile16's method: a group's 64 bytes of k-th quant words ([row][4 bytes], weights
-// 4k .. 4k + 3) give, sign-extended into 16-bit lanes by a shift pair and a shift,
-//   A: weights (4k, 4k + 2)         B: (4k + 1, 4k + 3)
-// against x's int16 blocks in the paired order (0, 2, 1, 3), 16 vpdpwssd a block for 16 rows,
-// where the float32 walk (quant_linear.cc) widens every weight to a float and takes an FMA
-// per 16.  A block's integer sum is at most 32 * 128 * 32767 < 2^31 (exact in int32; its
-// float conversion rounds past 2^24), and per (row of x, weight row) the float operations
-// are, block by block in order,
-//   acc = fma(float(isum_b), d_b * dx_b, acc)
-// whatever the rows of x sharing a tile: a token's logits are the same bits in every step shape.
-template <int MR>
-JAXLLM_VNNI void group_tile16_q8_0(const Activations16& a, int64_t r0, int64_t K, const uint16_t* d,
-                                   const uint8_t* qs, float* y, int64_t N) {
+// y[r, 16g .. 16g + 15] for r < MR rows of x (a.q etc. from row r0) and one group of 16 rows
+// (m: null for the types without a min).
+template <typename W, int MR>
+JAXLLM_VNNI void group_tile16(const Activations16& a, int64_t r0, int64_t K, const uint16_t* d, const uint16_t* m,
+                              const uint8_t* qs, float* y, int64_t N) {
   const int64_t nb = K / kBlock;
-  constexpr int64_t kGroupBytes = kGroup * Q8_0::kQsBytes;
+  constexpr int64_t kGroupBytes = kGroup * W::kQsBytes;
   constexpr int kChains = MR <= 2 ? 8 : 2;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i w[16];   // 2k, 2k + 1: the k-th word's A, B lanes (above)
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) {
-      const __m512i v = _mm512_loadu_si512(qs + b * kGroupBytes + 64 * k);
-      w[2 * k] = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
-      w[2 * k + 1] = _mm512_srai_epi16(v, 8);
-    }
+    __m512i w[16];
+    W::unpack(qs + b * kGroupBytes, w);
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kGroup)));
+    __m512 mv = _mm512_setzero_ps();
+    if constexpr (W::kMin) mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * kGroup)));
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const int64_t i = (r0 + r) * nb + b;
-      const int16_t* qa = a.q + i * kBlock;   // paired order: A's pair at 4k, B's at 4k + 2
+      const int16_t* qa = a.q + i * kBlock;
+      // kChains independent sums (a few rows of x have too few other chains to hide the
+      // instruction's latency behind); integer adds: their order does not change the sum
       __m512i c[kChains];
       for (int j = 0; j < kChains; ++j) c[j] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int k = 0; k < 8; ++k) {
-        c[(2 * k) % kChains] = _mm512_dpwssd_epi32(c[(2 * k) % kChains], w[2 * k], _mm512_set1_epi32(load_i32(qa + 4 * k)));
-        c[(2 * k + 1) % kChains] = _mm512_dpwssd_epi32(c[(2 * k + 1) % kChains], w[2 * k + 1],
-                                                       _mm512_set1_epi32(load_i32(qa + 4 * k + 2)));
-      }
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j)
+        c[j % kChains] = _mm512_dpwssd_epi32(c[j % kChains], w[j], _mm512_set1_epi32(load_i32(qa + W::x_at(j))));
       for (int j = 2; j < kChains; j += 2) {
         c[0] = _mm512_add_epi32(c[0], c[j]);
         c[1] = _mm512_add_epi32(c[1], c[j + 1]);
       }
       const __m512i s = _mm512_add_epi32(c[0], c[1]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dv, _mm512_set1_ps(a.d[i])), acc[r]);
+      if constexpr (W::kMin) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[i]), acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
 
-JAXLLM_VNNI void group_tiles16_q8_0(int rows, const Activations16& a, int64_t r0, int64_t K, const uint16_t* d,
-                                    const uint8_t* qs, float* y, int64_t N) {
+template <typename W>
+JAXLLM_VNNI void group_tiles16(int rows, const Activations16& a, int64_t r0, int64_t K, const uint16_t* d,
+                               const uint16_t* m, const uint8_t* qs, float* y, int64_t N) {
   switch (rows) {
-    case 1: group_tile16_q8_0<1>(a, r0, K, d, qs, y, N); break;
-    case 2: group_tile16_q8_0<2>(a, r0, K, d, qs, y, N); break;
-    case 3: group_tile16_q8_0<3>(a, r0, K, d, qs, y, N); break;
-    case 4: group_tile16_q8_0<4>(a, r0, K, d, qs, y, N); break;
-    case 5: group_tile16_q8_0<5>(a, r0, K, d, qs, y, N); break;
-    case 6: group_tile16_q8_0<6>(a, r0, K, d, qs, y, N); break;
-    case 7: group_tile16_q8_0<7>(a, r0, K, d, qs, y, N); break;
-    default: group_tile16_q8_0<8>(a, r0, K, d, qs, y, N); break;
+    case 1: group_tile16<W, 1>(a, r0, K, d, m, qs, y, N); break;
+    case 2: group_tile16<W, 2>(a, r0, K, d, m, qs, y, N); break;
+    case 3: group_tile16<W, 3>(a, r0, K, d, m, qs, y, N); break;
+    case 4: group_tile16<W, 4>(a, r0, K, d, m, qs, y, N); break;
+    case 5: group_tile16<W, 5>(a, r0, K, d, m, qs, y, N); break;
+    case 6: group_tile16<W, 6>(a, r0, K, d, m, qs, y, N); break;
+    case 7: group_tile16<W, 7>(a, r0, K, d, m, qs, y, N); break;
+    default: group_tile16<W, 8>(a, r0, K, d, m, qs, y, N); break;
   }
 }
 
-void linear_q8_0_i16_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint8_t* qs,
-                                 float* y, int64_t M, int64_t K, int64_t N) {
+// y = x . W^T: x rounded once, then the groups walked as linear_interleaved's.
+template <typename W>
+void linear_i16_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
+                            const uint8_t* qs, float* y, int64_t M, int64_t K, int64_t N) {
   const int64_t nb = K / kBlock, groups = N / kGroup;
   std::vector<int16_t> qx(M * K);
   std::vector<float> dx(M * nb), sx(M * nb);
   quantize_rows16<true>(x, M, K, qx.data(), dx.data(), sx.data());
   const Activations16 a{qx.data(), dx.data(), sx.data()};
-  const int64_t group_qs = nb * kGroup * Q8_0::kQsBytes, group_d = nb * kGroup;
-  walk_groups(pool, M, groups, kGroupRows16, qs, group_qs, d, nullptr, group_d, [&](int rows, int64_t r0, int64_t g) {
-    group_tiles16_q8_0(rows, a, r0, K, d + g * group_d, qs + g * group_qs, y + r0 * N + g * kGroup, N);
+  const int64_t group_qs = nb * kGroup * W::kQsBytes, group_d = nb * kGroup;
+  walk_groups(pool, M, groups, kGroupRows16, qs, group_qs, d, m, group_d, [&](int rows, int64_t r0, int64_t g) {
+    group_tiles16<W>(rows, a, r0, K, d + g * group_d, m ? m + g * group_d : nullptr, qs + g * group_qs,
+                     y + r0 * N + g * kGroup, N);
   });
 }
 
-// x, d, qs as jaxllm_dot16_q8_0's (the fields interleaved); int16 activations.
-ffi::Error Dot16I16Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
-                        ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
-  const char* name = "jaxllm_dot16_i16_q8_0";
+// x, d, [m], qs as jaxllm_dot16_q4_1's / _q8_0's (the fields interleaved); int16 activations.
+template <typename W>
+ffi::Error RunI16Interleaved(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x,
+                             ffi::Buffer<ffi::U16>& d, const uint16_t* m, ffi::Span<const int64_t> md,
+                             ffi::Buffer<ffi::U8>& qs, ffi::ResultBuffer<ffi::F32>& y) {
   auto xd = x.dimensions();
   auto dd = d.dimensions();
-  if (auto e = check(name, xd, dd, qs.dimensions(), Q8_0::kQsBytes); e.failure()) return e;
+  if (auto e = check(name, xd, dd, qs.dimensions(), W::kQsBytes); e.failure()) return e;
+  if constexpr (W::kMin)
+    if (auto e = check_like_d(name, "m", dd, md, 0); e.failure()) return e;
   if (dd[0] % kGroup != 0)
     return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs N % 16 == 0");
   if (!kHasVnni)
     return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs AVX512F/BW/VNNI");
-  linear_q8_0_i16_interleaved(pool, x.typed_data(), d.typed_data(), qs.typed_data(), y->typed_data(), xd[0], xd[1],
-                              dd[0]);
+  linear_i16_interleaved<W>(pool, x.typed_data(), d.typed_data(), m, qs.typed_data(), y->typed_data(), xd[0], xd[1],
+                            dd[0]);
   return ffi::Error::Success();
 }
 
-// x, d, m, qs as jaxllm_dot16_q4_1's (the fields interleaved); int16 activations.
 ffi::Error Dot16I16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
                         ffi::Buffer<ffi::U16> m, ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
-  const char* name = "jaxllm_dot16_i16_q4_1";
-  auto xd = x.dimensions();
-  auto dd = d.dimensions();
-  if (auto e = check(name, xd, dd, qs.dimensions(), Q4_1::kQsBytes); e.failure()) return e;
-  if (auto e = check_like_d(name, "m", dd, m.dimensions(), 0); e.failure()) return e;
-  if (dd[0] % kGroup != 0)
-    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs N % 16 == 0");
-  if (!kHasVnni)
-    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs AVX512F/BW/VNNI");
-  linear_q4_1_i16_interleaved(pool, x.typed_data(), d.typed_data(), m.typed_data(), qs.typed_data(),
-                              y->typed_data(), xd[0], xd[1], dd[0]);
-  return ffi::Error::Success();
+  return RunI16Interleaved<I16Q4_1>("jaxllm_dot16_i16_q4_1", pool, x, d, m.typed_data(), m.dimensions(), qs, y);
+}
+
+ffi::Error Dot16I16Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
+                        ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
+  return RunI16Interleaved<I16Q8_0>("jaxllm_dot16_i16_q8_0", pool, x, d, nullptr, {}, qs, y);
 }
 
 // One handler per type; m and qh are empty buffers (unused) for the types without them.
