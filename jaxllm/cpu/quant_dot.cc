@@ -807,19 +807,26 @@ JAXLLM_VNNI void group_tile(const Interleaved& a, int64_t r0, int64_t K, const u
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
 
+// f(std::integral_constant<int, rows>) for rows 1 .. 7, and 8 for more: a tile's row count
+// as the template argument its kernel is unrolled for.
+template <typename F>
+inline void with_rows(int rows, F f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
 template <typename T>
 JAXLLM_VNNI void group_tiles(int rows, const Interleaved& a, int64_t r0, int64_t K, const uint16_t* d,
                              const uint16_t* m, const uint8_t* qs, float* y, int64_t N) {
-  switch (rows) {
-    case 1: group_tile<1, T>(a, r0, K, d, m, qs, y, N); break;
-    case 2: group_tile<2, T>(a, r0, K, d, m, qs, y, N); break;
-    case 3: group_tile<3, T>(a, r0, K, d, m, qs, y, N); break;
-    case 4: group_tile<4, T>(a, r0, K, d, m, qs, y, N); break;
-    case 5: group_tile<5, T>(a, r0, K, d, m, qs, y, N); break;
-    case 6: group_tile<6, T>(a, r0, K, d, m, qs, y, N); break;
-    case 7: group_tile<7, T>(a, r0, K, d, m, qs, y, N); break;
-    default: group_tile<8, T>(a, r0, K, d, m, qs, y, N); break;
-  }
+  with_rows(rows, [&](auto mr) { group_tile<decltype(mr)::value, T>(a, r0, K, d, m, qs, y, N); });
 }
 
 // Rows of x per group tile: 8 accumulators + a block's 8 weight registers + 2 partial sums,
@@ -1024,10 +1031,12 @@ void linear_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d
   });
 }
 
-template <typename T>
+// The interleaved targets' handler: operands checked, then linear (linear_interleaved<T>, or
+// linear_i16_interleaved<T> for int16 activations) on them.
+template <typename T, typename Linear>
 ffi::Error RunInterleaved(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x,
                           ffi::Buffer<ffi::U16>& d, const uint16_t* m, ffi::Span<const int64_t> md,
-                          ffi::Buffer<ffi::U8>& qs, ffi::ResultBuffer<ffi::F32>& y) {
+                          ffi::Buffer<ffi::U8>& qs, ffi::ResultBuffer<ffi::F32>& y, Linear linear) {
   auto xd = x.dimensions();
   auto dd = d.dimensions();
   if (auto e = check(name, xd, dd, qs.dimensions(), T::kQsBytes); e.failure()) return e;
@@ -1037,24 +1046,24 @@ ffi::Error RunInterleaved(const char* name, ffi::ThreadPool& pool, ffi::Buffer<f
     return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs N % 16 == 0");
   if (!kHasVnni)
     return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs AVX512F/BW/VNNI");
-  linear_interleaved<T>(pool, x.typed_data(), d.typed_data(), m, qs.typed_data(), y->typed_data(), xd[0], xd[1],
-                        dd[0]);
+  linear(pool, x.typed_data(), d.typed_data(), m, qs.typed_data(), y->typed_data(), xd[0], xd[1], dd[0]);
   return ffi::Error::Success();
 }
 
 ffi::Error Dot16Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U8> qs,
                      ffi::ResultBuffer<ffi::F32> y) {
-  return RunInterleaved<Q8_0>("jaxllm_dot16_q8_0", pool, x, d, nullptr, {}, qs, y);
+  return RunInterleaved<Q8_0>("jaxllm_dot16_q8_0", pool, x, d, nullptr, {}, qs, y, linear_interleaved<Q8_0>);
 }
 
 ffi::Error Dot16Q4_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U8> qs,
                      ffi::ResultBuffer<ffi::F32> y) {
-  return RunInterleaved<Q4_0>("jaxllm_dot16_q4_0", pool, x, d, nullptr, {}, qs, y);
+  return RunInterleaved<Q4_0>("jaxllm_dot16_q4_0", pool, x, d, nullptr, {}, qs, y, linear_interleaved<Q4_0>);
 }
 
 ffi::Error Dot16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d, ffi::Buffer<ffi::U16> m,
                      ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
-  return RunInterleaved<Q4_1>("jaxllm_dot16_q4_1", pool, x, d, m.typed_data(), m.dimensions(), qs, y);
+  return RunInterleaved<Q4_1>("jaxllm_dot16_q4_1", pool, x, d, m.typed_data(), m.dimensions(), qs, y,
+                              linear_interleaved<Q4_1>);
 }
 
 // ---- int16 activations over 16 interleaved weight rows (AVX-512 VNNI): Q4_1 and Q8_0 ----
@@ -1166,21 +1175,6 @@ JAXLLM_VNNI void group_tile16(const Activations16& a, int64_t r0, int64_t K, con
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(y + r * N, acc[r]);
 }
 
-template <typename W>
-JAXLLM_VNNI void group_tiles16(int rows, const Activations16& a, int64_t r0, int64_t K, const uint16_t* d,
-                               const uint16_t* m, const uint8_t* qs, float* y, int64_t N) {
-  switch (rows) {
-    case 1: group_tile16<W, 1>(a, r0, K, d, m, qs, y, N); break;
-    case 2: group_tile16<W, 2>(a, r0, K, d, m, qs, y, N); break;
-    case 3: group_tile16<W, 3>(a, r0, K, d, m, qs, y, N); break;
-    case 4: group_tile16<W, 4>(a, r0, K, d, m, qs, y, N); break;
-    case 5: group_tile16<W, 5>(a, r0, K, d, m, qs, y, N); break;
-    case 6: group_tile16<W, 6>(a, r0, K, d, m, qs, y, N); break;
-    case 7: group_tile16<W, 7>(a, r0, K, d, m, qs, y, N); break;
-    default: group_tile16<W, 8>(a, r0, K, d, m, qs, y, N); break;
-  }
-}
-
 // y = x . W^T: x rounded once, then the groups walked as linear_interleaved's.
 template <typename W>
 void linear_i16_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_t* d, const uint16_t* m,
@@ -1192,38 +1186,24 @@ void linear_i16_interleaved(ffi::ThreadPool& pool, const float* x, const uint16_
   const Activations16 a{qx.data(), dx.data(), sx.data()};
   const int64_t group_qs = nb * kGroup * W::kQsBytes, group_d = nb * kGroup;
   walk_groups(pool, M, groups, kGroupRows16, qs, group_qs, d, m, group_d, [&](int rows, int64_t r0, int64_t g) {
-    group_tiles16<W>(rows, a, r0, K, d + g * group_d, m ? m + g * group_d : nullptr, qs + g * group_qs,
-                     y + r0 * N + g * kGroup, N);
+    with_rows(rows, [&](auto mr) {
+      group_tile16<W, decltype(mr)::value>(a, r0, K, d + g * group_d, m ? m + g * group_d : nullptr,
+                                           qs + g * group_qs, y + r0 * N + g * kGroup, N);
+    });
   });
 }
 
 // x, d, [m], qs as jaxllm_dot16_q4_1's / _q8_0's (the fields interleaved); int16 activations.
-template <typename W>
-ffi::Error RunI16Interleaved(const char* name, ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x,
-                             ffi::Buffer<ffi::U16>& d, const uint16_t* m, ffi::Span<const int64_t> md,
-                             ffi::Buffer<ffi::U8>& qs, ffi::ResultBuffer<ffi::F32>& y) {
-  auto xd = x.dimensions();
-  auto dd = d.dimensions();
-  if (auto e = check(name, xd, dd, qs.dimensions(), W::kQsBytes); e.failure()) return e;
-  if constexpr (W::kMin)
-    if (auto e = check_like_d(name, "m", dd, md, 0); e.failure()) return e;
-  if (dd[0] % kGroup != 0)
-    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs N % 16 == 0");
-  if (!kHasVnni)
-    return ffi::Error::InvalidArgument(std::string(name) + ": the interleaved layout needs AVX512F/BW/VNNI");
-  linear_i16_interleaved<W>(pool, x.typed_data(), d.typed_data(), m, qs.typed_data(), y->typed_data(), xd[0], xd[1],
-                            dd[0]);
-  return ffi::Error::Success();
-}
-
 ffi::Error Dot16I16Q4_1(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
                         ffi::Buffer<ffi::U16> m, ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
-  return RunI16Interleaved<I16Q4_1>("jaxllm_dot16_i16_q4_1", pool, x, d, m.typed_data(), m.dimensions(), qs, y);
+  return RunInterleaved<I16Q4_1>("jaxllm_dot16_i16_q4_1", pool, x, d, m.typed_data(), m.dimensions(), qs, y,
+                                 linear_i16_interleaved<I16Q4_1>);
 }
 
 ffi::Error Dot16I16Q8_0(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> d,
                         ffi::Buffer<ffi::U8> qs, ffi::ResultBuffer<ffi::F32> y) {
-  return RunI16Interleaved<I16Q8_0>("jaxllm_dot16_i16_q8_0", pool, x, d, nullptr, {}, qs, y);
+  return RunInterleaved<I16Q8_0>("jaxllm_dot16_i16_q8_0", pool, x, d, nullptr, {}, qs, y,
+                                 linear_i16_interleaved<I16Q8_0>);
 }
 
 // One handler per type; m and qh are empty buffers (unused) for the types without them.
