@@ -33,10 +33,15 @@ def can_interleave(w) -> bool:
             and w.shape[0] % GROUP == 0 and np.ndim(w.d) == 2)
 
 
+def _int16_types(w: PackedWeight) -> tuple[str, ...]:
+    """The types with an int16-activation kernel in ``w``'s layout."""
+    return INT16_INTERLEAVED_TYPES if w.interleaved else INT16_ACTIVATION_TYPES
+
+
 def has_int16_kernel(w: PackedWeight) -> bool:
     """Whether ``w``, as laid out, has an int16-activation kernel: Q4_1 row-major or
     interleaved, Q8_0 interleaved only."""
-    return w.type_name in (INT16_INTERLEAVED_TYPES if w.interleaved else INT16_ACTIVATION_TYPES)
+    return w.type_name in _int16_types(w)
 
 
 def interleave_rows(w: PackedWeight) -> PackedWeight:
@@ -99,9 +104,8 @@ def linear_packed(x: jax.Array, pw: PackedWeight, int8_activations: bool = False
         raise ValueError(f"no 8-bit-activation kernel for {pw.type_name} weights "
                          f"(those: {', '.join(INT8_ACTIVATION_TYPES)})")
     if int16_activations and (int8_activations or not has_int16_kernel(pw)):
-        int16_types = INT16_INTERLEAVED_TYPES if pw.interleaved else INT16_ACTIVATION_TYPES
         raise ValueError(f"no 16-bit-activation kernel for {pw.type_name} weights "
-                         f"{'in interleaved rows ' if pw.interleaved else ''}(those: {', '.join(int16_types)})")
+                         f"{'in interleaved rows ' if pw.interleaved else ''}(those: {', '.join(_int16_types(pw))})")
     if x.ndim != 2 or x.shape[-1] != pw.shape[1]:
         raise ValueError(f"x of shape {tuple(x.shape)} is not [M, {pw.shape[1]}] for the "
                          f"{pw.type_name} weight of shape {pw.shape}")
